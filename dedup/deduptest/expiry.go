@@ -1,0 +1,109 @@
+package deduptest
+
+import (
+	"errors"
+	"testing"
+
+	"github.com/idemkit/idem/dedup"
+)
+
+func shortConfig(h LeaseHarness, inst func(Config) LeaseInstance) (LeaseInstance, Config) {
+	cfg := Config{Lease: 2 * h.RealClockUnit, TTL: 2 * h.RealClockUnit}
+	return inst(cfg), cfg
+}
+
+// testLeaseExpiry: when a lease runs out, a second owner gets in and the
+// first owner's Extend, Complete and Release all fail with ErrLeaseLost
+// without touching the new owner's claim.
+func testLeaseExpiry(t *testing.T, h LeaseHarness) {
+	inst, cfg := shortConfig(h, func(c Config) LeaseInstance { return h.New(t, c) })
+	ctx := Ctx(t)
+	key := dedup.NewKey(UniqueID("scope"), UniqueID("pay"), []byte("p"))
+
+	first, err := inst.Store.Claim(ctx, key)
+	if err != nil {
+		t.Fatalf("first claim: %v", err)
+	}
+	if first.TTL != cfg.Lease {
+		t.Fatalf("lease TTL = %v, want the configured %v", first.TTL, cfg.Lease)
+	}
+	advance(inst, cfg.Lease+h.RealClockUnit)
+
+	second, err := inst.Store.Claim(ctx, key)
+	if err != nil {
+		t.Fatalf("claim after lease expiry = %v, want a lease", err)
+	}
+	if err := inst.Store.Extend(ctx, first); !errors.Is(err, dedup.ErrLeaseLost) {
+		t.Fatalf("stale Extend = %v, want ErrLeaseLost", err)
+	}
+	if err := inst.Store.Complete(ctx, first, []byte("stale")); !errors.Is(err, dedup.ErrLeaseLost) {
+		t.Fatalf("stale Complete = %v, want ErrLeaseLost", err)
+	}
+	if err := inst.Store.Release(ctx, first); !errors.Is(err, dedup.ErrLeaseLost) {
+		t.Fatalf("stale Release = %v, want ErrLeaseLost", err)
+	}
+	// The new owner is untouched.
+	if _, err := inst.Store.Claim(ctx, key); !errors.Is(err, dedup.ErrInFlight) {
+		t.Fatalf("claim while the second owner holds = %v, want ErrInFlight", err)
+	}
+	if err := inst.Store.Complete(ctx, second, []byte("fresh")); err != nil {
+		t.Fatalf("second owner's Complete: %v", err)
+	}
+	_, err = inst.Store.Claim(ctx, key)
+	if res, ok := dedup.StoredResult(err); !ok || string(res) != "fresh" {
+		t.Fatalf("claim after complete = %v (result %q), want ErrDuplicate with %q", err, res, "fresh")
+	}
+}
+
+// testLeaseExtend: an extended lease outlives its first term.
+func testLeaseExtend(t *testing.T, h LeaseHarness) {
+	inst, cfg := shortConfig(h, func(c Config) LeaseInstance { return h.New(t, c) })
+	ctx := Ctx(t)
+	key := dedup.NewKey(UniqueID("scope"), UniqueID("pay"), []byte("p"))
+
+	l, err := inst.Store.Claim(ctx, key)
+	if err != nil {
+		t.Fatalf("claim: %v", err)
+	}
+	// Two extensions, each at 3/4 of the lease: 1.5 leases pass in all,
+	// yet the last extension left a full lease from its own time.
+	step := cfg.Lease * 3 / 4
+	for i := range 2 {
+		advance(inst, step)
+		if err := inst.Store.Extend(ctx, l); err != nil {
+			t.Fatalf("Extend #%d: %v", i+1, err)
+		}
+	}
+	if _, err := inst.Store.Claim(ctx, key); !errors.Is(err, dedup.ErrInFlight) {
+		t.Fatalf("claim after %v on an extended lease of %v = %v, want ErrInFlight", 2*step, cfg.Lease, err)
+	}
+	if err := inst.Store.Complete(ctx, l, nil); err != nil {
+		t.Fatalf("Complete after extensions: %v", err)
+	}
+}
+
+// testLeaseTTL: a completed key is forgotten after its TTL.
+func testLeaseTTL(t *testing.T, h LeaseHarness) {
+	inst, cfg := shortConfig(h, func(c Config) LeaseInstance { return h.New(t, c) })
+	ctx := Ctx(t)
+	key := dedup.NewKey(UniqueID("scope"), UniqueID("pay"), []byte("p"))
+
+	l, err := inst.Store.Claim(ctx, key)
+	if err != nil {
+		t.Fatalf("claim: %v", err)
+	}
+	if err := inst.Store.Complete(ctx, l, nil); err != nil {
+		t.Fatalf("Complete: %v", err)
+	}
+	if _, err := inst.Store.Claim(ctx, key); !errors.Is(err, dedup.ErrDuplicate) {
+		t.Fatalf("claim within TTL = %v, want ErrDuplicate", err)
+	}
+	advance(inst, cfg.TTL+h.RealClockUnit)
+	l2, err := inst.Store.Claim(ctx, key)
+	if err != nil {
+		t.Fatalf("claim after TTL = %v, want a lease", err)
+	}
+	if err := inst.Store.Release(ctx, l2); err != nil {
+		t.Fatalf("Release: %v", err)
+	}
+}

@@ -1,0 +1,75 @@
+package dedup
+
+import (
+	"errors"
+	"fmt"
+	"time"
+)
+
+// Sentinel errors. Stores wrap them; check with errors.Is.
+var (
+	// ErrDuplicate: the key was already processed to completion. The
+	// message must be acknowledged without running the handler.
+	ErrDuplicate = errors.New("dedup: duplicate: already processed")
+	// ErrInFlight: another owner holds the key's lease right now. Do not
+	// acknowledge; retry later.
+	ErrInFlight = errors.New("dedup: in flight: another owner holds the key")
+	// ErrLeaseLost: the caller's lease expired or was taken over. The caller
+	// must not treat its work as completed.
+	ErrLeaseLost = errors.New("dedup: lease lost")
+	// ErrFingerprintMismatch: the key was seen with different content.
+	// The message is never processed and goes to the dead-letter path.
+	ErrFingerprintMismatch = errors.New("dedup: fingerprint mismatch: same key, different content")
+	// ErrInvalidKey: the key is empty, too long, or has control bytes.
+	ErrInvalidKey = errors.New("dedup: invalid key")
+	// ErrClosed: the store was closed.
+	ErrClosed = errors.New("dedup: store closed")
+)
+
+// ClaimError is returned by a claim that did not grant ownership because of
+// the key's state. Err is ErrDuplicate, ErrInFlight or ErrFingerprintMismatch;
+// errors.Is sees through to it.
+type ClaimError struct {
+	Err error
+	Key Key
+	// Result is what the first owner stored when it completed (ErrDuplicate
+	// only; nil when nothing was stored).
+	Result []byte
+	// RetryAfter is how long the current lease has left (ErrInFlight only;
+	// zero when the store cannot tell).
+	RetryAfter time.Duration
+}
+
+func (e *ClaimError) Error() string {
+	return fmt.Sprintf("%v (key %s)", e.Err, e.Key)
+}
+
+func (e *ClaimError) Unwrap() error { return e.Err }
+
+// Duplicate returns a *ClaimError for ErrDuplicate.
+func Duplicate(k Key, result []byte) error {
+	return &ClaimError{Err: ErrDuplicate, Key: k, Result: result}
+}
+
+// InFlight returns a *ClaimError for ErrInFlight.
+func InFlight(k Key, retryAfter time.Duration) error {
+	if retryAfter < 0 {
+		retryAfter = 0
+	}
+	return &ClaimError{Err: ErrInFlight, Key: k, RetryAfter: retryAfter}
+}
+
+// Mismatch returns a *ClaimError for ErrFingerprintMismatch.
+func Mismatch(k Key) error {
+	return &ClaimError{Err: ErrFingerprintMismatch, Key: k}
+}
+
+// StoredResult returns the result carried by a duplicate error, and whether
+// err is a duplicate at all.
+func StoredResult(err error) ([]byte, bool) {
+	var ce *ClaimError
+	if errors.As(err, &ce) && errors.Is(ce.Err, ErrDuplicate) {
+		return ce.Result, true
+	}
+	return nil, errors.Is(err, ErrDuplicate)
+}

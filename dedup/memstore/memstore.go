@@ -1,0 +1,274 @@
+// Package memstore is an in-memory dedup.LeaseStore for examples, tests and
+// the embedded demo. It has the same semantics as dedup/redisnx, including
+// ErrLeaseLost for a stale owner, and takes an injectable clock so lease and
+// retention expiry can be tested without sleeping.
+//
+// Marks live in the process: a restart forgets them. Use dedup/pgtable for
+// anything that must survive one.
+package memstore
+
+import (
+	"context"
+	"crypto/rand"
+	"encoding/hex"
+	"fmt"
+	"sync"
+	"time"
+
+	"github.com/idemkit/idem/dedup"
+)
+
+// Options configure a Store. The zero value is usable.
+type Options struct {
+	// Lease is how long a claim is held without Extend. Defaults to 30s.
+	Lease time.Duration
+	// TTL is how long a completed key is remembered. Defaults to 24h.
+	TTL time.Duration
+	// MaxKeyLen limits scope and id, in bytes. Defaults to
+	// dedup.DefaultMaxKeyLen.
+	MaxKeyLen int
+	// Clock tells the time. Defaults to dedup.SystemClock.
+	Clock dedup.Clock
+	// SweepInterval is how often expired entries are removed in the
+	// background. Defaults to one minute; negative disables the sweeper
+	// (expired entries are then removed only when their key is touched).
+	SweepInterval time.Duration
+}
+
+type state uint8
+
+const (
+	inFlight state = iota + 1
+	done
+)
+
+type entry struct {
+	state   state
+	token   string
+	fp      dedup.Fingerprint
+	result  []byte
+	expires time.Time // lease expiry while in flight, retention end when done
+}
+
+// Store is an in-memory LeaseStore. It is safe for concurrent use. Close stops
+// its sweeper.
+type Store struct {
+	opts Options
+
+	mu      sync.Mutex
+	entries map[dedup.Key]*entry
+	closed  bool
+
+	stop chan struct{}
+	wg   sync.WaitGroup
+}
+
+var (
+	_ dedup.LeaseStore      = (*Store)(nil)
+	_ dedup.BatchLeaseStore = (*Store)(nil)
+)
+
+// New returns a Store. It returns an error for negative durations.
+func New(opts Options) (*Store, error) {
+	if opts.Lease < 0 {
+		return nil, fmt.Errorf("memstore: Options.Lease is %v; it must be positive (or zero for the 30s default)", opts.Lease)
+	}
+	if opts.TTL < 0 {
+		return nil, fmt.Errorf("memstore: Options.TTL is %v; it must be positive (or zero for the 24h default)", opts.TTL)
+	}
+	if opts.Lease == 0 {
+		opts.Lease = 30 * time.Second
+	}
+	if opts.TTL == 0 {
+		opts.TTL = 24 * time.Hour
+	}
+	if opts.MaxKeyLen <= 0 {
+		opts.MaxKeyLen = dedup.DefaultMaxKeyLen
+	}
+	if opts.Clock == nil {
+		opts.Clock = dedup.SystemClock{}
+	}
+	if opts.SweepInterval == 0 {
+		opts.SweepInterval = time.Minute
+	}
+	s := &Store{opts: opts, entries: make(map[dedup.Key]*entry), stop: make(chan struct{})}
+	if opts.SweepInterval > 0 {
+		s.wg.Add(1)
+		go s.sweep()
+	}
+	return s, nil
+}
+
+// Close stops the sweeper and makes every later call return dedup.ErrClosed.
+// It is safe to call more than once.
+func (s *Store) Close() error {
+	s.mu.Lock()
+	if s.closed {
+		s.mu.Unlock()
+		return nil
+	}
+	s.closed = true
+	s.entries = nil
+	s.mu.Unlock()
+	close(s.stop)
+	s.wg.Wait()
+	return nil
+}
+
+// Len returns the number of entries held in memory, including expired ones
+// the sweeper has not removed yet.
+func (s *Store) Len() int {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return len(s.entries)
+}
+
+func (s *Store) sweep() {
+	defer s.wg.Done()
+	t := time.NewTicker(s.opts.SweepInterval)
+	defer t.Stop()
+	for {
+		select {
+		case <-s.stop:
+			return
+		case <-t.C:
+			s.mu.Lock()
+			now := s.opts.Clock.Now()
+			for k, e := range s.entries {
+				if !now.Before(e.expires) {
+					delete(s.entries, k)
+				}
+			}
+			s.mu.Unlock()
+		}
+	}
+}
+
+func newToken() string {
+	var b [16]byte
+	_, _ = rand.Read(b[:])
+	return hex.EncodeToString(b[:])
+}
+
+// Claim implements dedup.LeaseStore.
+func (s *Store) Claim(ctx context.Context, key dedup.Key) (*dedup.Lease, error) {
+	if err := ctx.Err(); err != nil {
+		return nil, err
+	}
+	if err := dedup.ValidateKey(key, s.opts.MaxKeyLen); err != nil {
+		return nil, err
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.closed {
+		return nil, dedup.ErrClosed
+	}
+	return s.claimLocked(key)
+}
+
+func (s *Store) claimLocked(key dedup.Key) (*dedup.Lease, error) {
+	now := s.opts.Clock.Now()
+	id := dedup.Key{Scope: key.Scope, ID: key.ID}
+	if e, ok := s.entries[id]; ok && now.Before(e.expires) {
+		if !key.Fingerprint.Matches(e.fp) {
+			return nil, dedup.Mismatch(key)
+		}
+		if e.state == done {
+			return nil, dedup.Duplicate(key, clone(e.result))
+		}
+		return nil, dedup.InFlight(key, e.expires.Sub(now))
+	}
+	l := &dedup.Lease{Key: key, Token: newToken(), TTL: s.opts.Lease}
+	s.entries[id] = &entry{state: inFlight, token: l.Token, fp: key.Fingerprint, expires: now.Add(s.opts.Lease)}
+	return l, nil
+}
+
+// ClaimBatch implements dedup.BatchLeaseStore.
+func (s *Store) ClaimBatch(ctx context.Context, keys []dedup.Key) ([]dedup.BatchResult, error) {
+	if err := ctx.Err(); err != nil {
+		return nil, err
+	}
+	out := make([]dedup.BatchResult, len(keys))
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.closed {
+		return nil, dedup.ErrClosed
+	}
+	for i, k := range keys {
+		if err := dedup.ValidateKey(k, s.opts.MaxKeyLen); err != nil {
+			out[i].Err = err
+			continue
+		}
+		out[i].Lease, out[i].Err = s.claimLocked(k)
+	}
+	return out, nil
+}
+
+// owned returns the entry l owns, or an error.
+func (s *Store) owned(l *dedup.Lease) (*entry, error) {
+	if s.closed {
+		return nil, dedup.ErrClosed
+	}
+	if l == nil {
+		return nil, fmt.Errorf("memstore: nil lease: %w", dedup.ErrLeaseLost)
+	}
+	e, ok := s.entries[dedup.Key{Scope: l.Key.Scope, ID: l.Key.ID}]
+	if !ok || e.state != inFlight || e.token != l.Token || !s.opts.Clock.Now().Before(e.expires) {
+		return nil, fmt.Errorf("memstore: key %s: %w", l.Key, dedup.ErrLeaseLost)
+	}
+	return e, nil
+}
+
+// Extend implements dedup.LeaseStore.
+func (s *Store) Extend(ctx context.Context, l *dedup.Lease) error {
+	if err := ctx.Err(); err != nil {
+		return err
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	e, err := s.owned(l)
+	if err != nil {
+		return err
+	}
+	e.expires = s.opts.Clock.Now().Add(s.opts.Lease)
+	return nil
+}
+
+// Complete implements dedup.LeaseStore.
+func (s *Store) Complete(ctx context.Context, l *dedup.Lease, result []byte) error {
+	if err := ctx.Err(); err != nil {
+		return err
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	e, err := s.owned(l)
+	if err != nil {
+		return err
+	}
+	e.state = done
+	e.token = ""
+	e.result = clone(result)
+	e.expires = s.opts.Clock.Now().Add(s.opts.TTL)
+	return nil
+}
+
+// Release implements dedup.LeaseStore.
+func (s *Store) Release(ctx context.Context, l *dedup.Lease) error {
+	if err := ctx.Err(); err != nil {
+		return err
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if _, err := s.owned(l); err != nil {
+		return err
+	}
+	delete(s.entries, dedup.Key{Scope: l.Key.Scope, ID: l.Key.ID})
+	return nil
+}
+
+func clone(b []byte) []byte {
+	if b == nil {
+		return nil
+	}
+	return append([]byte(nil), b...)
+}

@@ -1,0 +1,151 @@
+// Package testenv finds the services idem's integration tests talk to.
+//
+// A test that needs a service calls one of the functions here. When the
+// service is unreachable the test is skipped with a message that says how to
+// start it — except under CI=true or IDEM_REQUIRE_SERVICES=1, where it fails:
+// in CI a missing service is a broken run, never a pass.
+//
+// Addresses come from IDEM_TEST_POSTGRES_URL, IDEM_TEST_REDIS_ADDR and
+// IDEM_TEST_AMQP_URL, defaulting to the local services on their standard
+// ports.
+package testenv
+
+import (
+	"context"
+	"crypto/rand"
+	"encoding/hex"
+	"fmt"
+	"net"
+	"os"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/redis/go-redis/v9"
+)
+
+// Required reports whether missing services fail tests instead of skipping
+// them.
+func Required() bool {
+	return os.Getenv("CI") == "true" || os.Getenv("IDEM_REQUIRE_SERVICES") == "1"
+}
+
+func unavailable(t testing.TB, service string, err error) {
+	t.Helper()
+	msg := fmt.Sprintf("%s is unreachable: %v (start it with `make up`, or see README.md)", service, err)
+	if Required() {
+		t.Fatal(msg + "; CI=true or IDEM_REQUIRE_SERVICES=1 makes this a failure")
+	}
+	t.Skip(msg)
+}
+
+func env(name, def string) string {
+	if v := os.Getenv(name); v != "" {
+		return v
+	}
+	return def
+}
+
+// PostgresURL is the connection string of the test database.
+func PostgresURL() string {
+	return env("IDEM_TEST_POSTGRES_URL", "postgres://postgres@127.0.0.1:5432/test?sslmode=disable")
+}
+
+// RedisAddr is the address of the test Redis.
+func RedisAddr() string { return env("IDEM_TEST_REDIS_ADDR", "127.0.0.1:6379") }
+
+// AMQPURL is the URL of the test RabbitMQ.
+func AMQPURL() string { return env("IDEM_TEST_AMQP_URL", "amqp://guest:guest@127.0.0.1:5672/") }
+
+// Pool returns a pgxpool.Pool on the test database, closed when the test
+// ends. maxConns of zero keeps pgxpool's default.
+func Pool(t testing.TB, maxConns int32) *pgxpool.Pool {
+	t.Helper()
+	cfg, err := pgxpool.ParseConfig(PostgresURL())
+	if err != nil {
+		t.Fatalf("IDEM_TEST_POSTGRES_URL: %v", err)
+	}
+	if maxConns > 0 {
+		cfg.MaxConns = maxConns
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	pool, err := pgxpool.NewWithConfig(ctx, cfg)
+	if err == nil {
+		err = pool.Ping(ctx)
+	}
+	if err != nil {
+		if pool != nil {
+			pool.Close()
+		}
+		unavailable(t, "PostgreSQL at "+PostgresURL(), err)
+	}
+	t.Cleanup(pool.Close)
+	return pool
+}
+
+// Redis returns a client on the test Redis, closed when the test ends.
+func Redis(t testing.TB) *redis.Client {
+	t.Helper()
+	c := redis.NewClient(&redis.Options{Addr: RedisAddr()})
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	if err := c.Ping(ctx).Err(); err != nil {
+		_ = c.Close()
+		unavailable(t, "Redis at "+RedisAddr(), err)
+	}
+	t.Cleanup(func() { _ = c.Close() })
+	return c
+}
+
+// RequireTCP checks that addr accepts connections, for services reached
+// through other clients (RabbitMQ).
+func RequireTCP(t testing.TB, service, addr string) {
+	t.Helper()
+	c, err := net.DialTimeout("tcp", addr, 3*time.Second)
+	if err != nil {
+		unavailable(t, service+" at "+addr, err)
+		return
+	}
+	_ = c.Close()
+}
+
+// Name returns a fresh lowercase identifier that starts with prefix, usable
+// as a table, schema, key prefix, topic or queue name.
+func Name(prefix string) string {
+	var b [6]byte
+	_, _ = rand.Read(b[:])
+	return strings.ToLower(prefix) + "_" + hex.EncodeToString(b[:])
+}
+
+// Schema creates a fresh schema and drops it (with everything in it) when the
+// test ends.
+func Schema(t testing.TB, pool *pgxpool.Pool) string {
+	t.Helper()
+	name := Name("idemtest")
+	ctx := context.Background()
+	if _, err := pool.Exec(ctx, "CREATE SCHEMA "+pgx.Identifier{name}.Sanitize()); err != nil {
+		t.Fatalf("create schema %s: %v", name, err)
+	}
+	t.Cleanup(func() {
+		ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+		defer cancel()
+		_, _ = pool.Exec(ctx, "DROP SCHEMA "+pgx.Identifier{name}.Sanitize()+" CASCADE")
+	})
+	return name
+}
+
+// DeadAddr returns a loopback address nothing listens on, for "store down"
+// tests.
+func DeadAddr(t testing.TB) string {
+	t.Helper()
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	addr := l.Addr().String()
+	_ = l.Close()
+	return addr
+}
