@@ -1,0 +1,260 @@
+package pgtable
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+
+	"github.com/idemkit/idem/dedup"
+)
+
+const (
+	stateInFlight = 1
+	stateDone     = 2
+)
+
+// existing describes the row a claim found instead of winning.
+type existing struct {
+	state   int16
+	fp      []byte
+	result  []byte
+	leaseMs int64
+}
+
+// verdict turns a found row into the claim error.
+func verdict(key dedup.Key, e existing) error {
+	stored, err := dedup.FingerprintFromBytes(e.fp)
+	if err != nil {
+		return err
+	}
+	if !key.Fingerprint.Matches(stored) {
+		return dedup.Mismatch(key)
+	}
+	if e.state == stateDone {
+		return dedup.Duplicate(key, e.result)
+	}
+	return dedup.InFlight(key, time.Duration(e.leaseMs)*time.Millisecond)
+}
+
+type querier interface {
+	QueryRow(ctx context.Context, sql string, args ...any) pgx.Row
+}
+
+// claimOnce runs a claim statement (claimTx or leaseClaim). It returns nil when
+// the claim won, or the verdict on the row found.
+func (s *Store) claimOnce(ctx context.Context, q querier, stmt string, key dedup.Key, args ...any) error {
+	const maxTries = 5
+	for range maxTries {
+		var (
+			won bool
+			e   existing
+			st  *int16
+			ms  *int64
+		)
+		err := q.QueryRow(ctx, stmt, args...).Scan(&won, &st, &e.fp, &e.result, &ms)
+		switch {
+		case err == nil && won:
+			return nil
+		case err == nil:
+			e.state = deref(st)
+			e.leaseMs = deref(ms)
+			return verdict(key, e)
+		case !errors.Is(err, pgx.ErrNoRows):
+			return fmt.Errorf("pgtable: claim %s: %w", key, err)
+		}
+		// The insert waited on a concurrent claim that committed after
+		// this statement's snapshot: read the row with a new snapshot.
+		var expired bool
+		err = q.QueryRow(ctx, s.sql.lookup, key.Scope, key.ID).Scan(&st, &e.fp, &e.result, &ms, &expired)
+		if errors.Is(err, pgx.ErrNoRows) {
+			continue // deleted in between (released, cleaned up): claim again
+		}
+		if err != nil {
+			return fmt.Errorf("pgtable: claim %s: %w", key, err)
+		}
+		if expired {
+			continue
+		}
+		e.state = deref(st)
+		e.leaseMs = deref(ms)
+		return verdict(key, e)
+	}
+	return fmt.Errorf("pgtable: claim %s: the row changed under %d claims in a row; retry", key, maxTries)
+}
+
+func deref[T any](p *T) T {
+	var zero T
+	if p == nil {
+		return zero
+	}
+	return *p
+}
+
+func (s *Store) validate(key dedup.Key) error {
+	return dedup.ValidateKey(key, s.opts.MaxKeyLen)
+}
+
+// ClaimTx claims key inside tx. It returns nil when this transaction is the
+// first to process key: the row commits or rolls back with tx. Otherwise it
+// returns an error wrapping dedup.ErrDuplicate (see dedup.StoredResult),
+// dedup.ErrFingerprintMismatch, dedup.ErrInFlight (a lease-mode claim holds
+// the key), dedup.ErrInvalidKey, or a database error.
+//
+// A concurrent claim of the same key waits until the other transaction ends.
+// After an error other than the sentinels, tx is aborted: roll it back.
+func (s *Store) ClaimTx(ctx context.Context, tx pgx.Tx, key dedup.Key) error {
+	if tx == nil {
+		return errors.New("pgtable: ClaimTx: tx is nil")
+	}
+	if err := s.validate(key); err != nil {
+		return err
+	}
+	return s.claimOnce(ctx, tx, s.sql.claimTx, key, key.Scope, key.ID, key.Fingerprint.Bytes(), millis(s.opts.Retention))
+}
+
+// SetResultTx stores result with key's claim in tx, for later duplicates to
+// read (dedup.StoredResult). Call it after ClaimTx succeeded, before commit.
+func (s *Store) SetResultTx(ctx context.Context, tx pgx.Tx, key dedup.Key, result []byte) error {
+	tag, err := tx.Exec(ctx, s.sql.setResult, key.Scope, key.ID, result)
+	if err != nil {
+		return fmt.Errorf("pgtable: store result of %s: %w", key, err)
+	}
+	if tag.RowsAffected() != 1 {
+		return fmt.Errorf("pgtable: store result of %s: the key is not claimed in this transaction", key)
+	}
+	return nil
+}
+
+// Process implements dedup.TxStore: it begins a transaction on the store's
+// DB, claims key in it, runs fn, stores fn's result (when not nil) and
+// commits. When fn returns an error or panics, the transaction rolls back and
+// the claim with it, so a redelivery runs fn again.
+func (s *Store) Process(ctx context.Context, key dedup.Key, fn dedup.TxFunc[pgx.Tx]) (result []byte, err error) {
+	if fn == nil {
+		return nil, errors.New("pgtable: Process: fn is nil")
+	}
+	if err := s.validate(key); err != nil {
+		return nil, err
+	}
+	tx, err := s.db.Begin(ctx)
+	if err != nil {
+		return nil, fmt.Errorf("pgtable: begin: %w", err)
+	}
+	committed := false
+	defer func() {
+		if !committed {
+			// Rollback uses a context that outlives ctx, so a cancelled
+			// handler does not leave the connection in a transaction.
+			rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 5*time.Second)
+			_ = tx.Rollback(rctx)
+			cancel()
+		}
+	}()
+	if err := s.ClaimTx(ctx, tx, key); err != nil {
+		return nil, err
+	}
+	result, err = fn(ctx, tx)
+	if err != nil {
+		return nil, err
+	}
+	if result != nil {
+		if err := s.SetResultTx(ctx, tx, key, result); err != nil {
+			return nil, err
+		}
+	}
+	if err := tx.Commit(ctx); err != nil {
+		return nil, fmt.Errorf("pgtable: commit %s: %w", key, err)
+	}
+	committed = true
+	return result, nil
+}
+
+// ClaimBatchTx claims keys inside tx in one statement (two when some keys were
+// already there). It returns one error per key, in order: nil for a key this
+// transaction claimed first, else what ClaimTx would return. A key repeated in
+// the batch is claimed by its first occurrence; the later ones get
+// dedup.ErrDuplicate (or a fingerprint mismatch). The second return value is
+// for the batch as a whole: then tx is aborted and no key was claimed.
+func (s *Store) ClaimBatchTx(ctx context.Context, tx pgx.Tx, keys []dedup.Key) ([]error, error) {
+	if tx == nil {
+		return nil, errors.New("pgtable: ClaimBatchTx: tx is nil")
+	}
+	out := make([]error, len(keys))
+	scopes := make([]string, 0, len(keys))
+	ids := make([]string, 0, len(keys))
+	fps := make([][]byte, 0, len(keys))
+	pos := make([]int, 0, len(keys)) // input ordinal (1-based) -> index in keys
+	for i, k := range keys {
+		if err := s.validate(k); err != nil {
+			out[i] = err
+			continue
+		}
+		scopes = append(scopes, k.Scope)
+		ids = append(ids, k.ID)
+		fps = append(fps, k.Fingerprint.Bytes())
+		pos = append(pos, i)
+	}
+	if len(pos) == 0 {
+		return out, nil
+	}
+	rows, err := tx.Query(ctx, s.sql.claimBatchInsert, scopes, ids, fps, millis(s.opts.Retention))
+	if err != nil {
+		return nil, fmt.Errorf("pgtable: batch claim: %w", err)
+	}
+	won := make([]bool, len(pos))
+	var ord int64
+	_, err = pgx.ForEachRow(rows, []any{&ord}, func() error {
+		won[ord-1] = true
+		return nil
+	})
+	if err != nil {
+		return nil, fmt.Errorf("pgtable: batch claim: %w", err)
+	}
+	// Keys that did not win: read their rows with a fresh snapshot.
+	var lostScopes, lostIDs []string
+	for j, w := range won {
+		if !w {
+			lostScopes = append(lostScopes, scopes[j])
+			lostIDs = append(lostIDs, ids[j])
+		}
+	}
+	if len(lostScopes) == 0 {
+		return out, nil
+	}
+	found := make(map[[2]string]existing, len(lostScopes))
+	rows, err = tx.Query(ctx, s.sql.claimBatchLookup, lostScopes, lostIDs)
+	if err != nil {
+		return nil, fmt.Errorf("pgtable: batch claim lookup: %w", err)
+	}
+	var (
+		sc, id string
+		e      existing
+		st     *int16
+		ms     *int64
+	)
+	_, err = pgx.ForEachRow(rows, []any{&sc, &id, &st, &e.fp, &e.result, &ms}, func() error {
+		found[[2]string{sc, id}] = existing{state: deref(st), fp: e.fp, result: e.result, leaseMs: deref(ms)}
+		return nil
+	})
+	if err != nil {
+		return nil, fmt.Errorf("pgtable: batch claim lookup: %w", err)
+	}
+	for j, w := range won {
+		if w {
+			continue
+		}
+		k := keys[pos[j]]
+		row, ok := found[[2]string{scopes[j], ids[j]}]
+		if !ok {
+			// Inserted by a concurrent batch that rolled back after we
+			// waited on it: not ours, not done. The caller retries.
+			out[pos[j]] = dedup.InFlight(k, 0)
+			continue
+		}
+		out[pos[j]] = verdict(k, row)
+	}
+	return out, nil
+}

@@ -1,0 +1,56 @@
+package pgtable
+
+import (
+	"context"
+	"fmt"
+	"time"
+)
+
+// Cleanup deletes expired rows (completed keys past their retention, leases
+// that ran out) in batches of Options.CleanupBatch, one statement per batch,
+// until a batch comes back short. It returns the number of rows deleted.
+// Rows a running claim holds locked are skipped.
+func (s *Store) Cleanup(ctx context.Context) (int64, error) {
+	var total int64
+	for {
+		tag, err := s.db.Exec(ctx, s.sql.cleanup, s.opts.CleanupBatch)
+		if err != nil {
+			return total, fmt.Errorf("pgtable: cleanup %s: %w", s.table, err)
+		}
+		total += tag.RowsAffected()
+		if tag.RowsAffected() < int64(s.opts.CleanupBatch) {
+			return total, nil
+		}
+		if err := ctx.Err(); err != nil {
+			return total, err
+		}
+	}
+}
+
+// CleanupLoop runs Cleanup every interval until ctx ends, and returns
+// ctx.Err(). Errors of single runs are logged and retried at the next tick.
+// The caller owns the goroutine it runs in:
+//
+//	ctx, cancel := context.WithCancel(ctx)
+//	go store.CleanupLoop(ctx, time.Minute)
+//	defer cancel()
+func (s *Store) CleanupLoop(ctx context.Context, interval time.Duration) error {
+	if interval <= 0 {
+		return fmt.Errorf("pgtable: CleanupLoop interval is %v; it must be positive", interval)
+	}
+	t := time.NewTicker(interval)
+	defer t.Stop()
+	for {
+		n, err := s.Cleanup(ctx)
+		if err != nil && ctx.Err() == nil {
+			s.opts.Logger.Warn("pgtable: cleanup failed", "table", s.table, "err", err)
+		} else if n > 0 {
+			s.opts.Logger.Debug("pgtable: cleanup", "table", s.table, "deleted", n)
+		}
+		select {
+		case <-ctx.Done():
+			return ctx.Err()
+		case <-t.C:
+		}
+	}
+}

@@ -1,0 +1,138 @@
+package pgtable
+
+import (
+	"context"
+	"crypto/rand"
+	"encoding/hex"
+	"errors"
+	"fmt"
+
+	"github.com/jackc/pgx/v5"
+
+	"github.com/idemkit/idem/dedup"
+)
+
+// LeaseStore is the lease mode of a Store: a dedup.LeaseStore on the same
+// table, for effects outside the database. Every statement runs on its own
+// (autocommit on a pool or conn) and takes its times from the database clock.
+type LeaseStore struct{ s *Store }
+
+var (
+	_ dedup.LeaseStore      = (*LeaseStore)(nil)
+	_ dedup.BatchLeaseStore = (*LeaseStore)(nil)
+)
+
+// Lease returns the lease mode of s. Leases last Options.Lease; completed keys
+// are kept for Options.Retention.
+func (s *Store) Lease() *LeaseStore { return &LeaseStore{s: s} }
+
+func newToken() string {
+	var b [16]byte
+	_, _ = rand.Read(b[:])
+	return hex.EncodeToString(b[:])
+}
+
+// Claim implements dedup.LeaseStore.
+func (l *LeaseStore) Claim(ctx context.Context, key dedup.Key) (*dedup.Lease, error) {
+	s := l.s
+	if err := s.validate(key); err != nil {
+		return nil, err
+	}
+	token := newToken()
+	err := s.claimOnce(ctx, s.db, s.sql.leaseClaim, key, key.Scope, key.ID, key.Fingerprint.Bytes(), token, millis(s.opts.Lease))
+	if err != nil {
+		return nil, err
+	}
+	return &dedup.Lease{Key: key, Token: token, TTL: s.opts.Lease}, nil
+}
+
+// ClaimBatch implements dedup.BatchLeaseStore. The claims travel in one
+// pipelined pgx batch (one round trip); a key whose claim raced with a
+// concurrent one is settled afterwards with its own statement.
+func (l *LeaseStore) ClaimBatch(ctx context.Context, keys []dedup.Key) ([]dedup.BatchResult, error) {
+	s := l.s
+	out := make([]dedup.BatchResult, len(keys))
+	tokens := make([]string, len(keys))
+	var b pgx.Batch
+	var queued []int
+	for i, k := range keys {
+		if err := s.validate(k); err != nil {
+			out[i].Err = err
+			continue
+		}
+		tokens[i] = newToken()
+		b.Queue(s.sql.leaseClaim, k.Scope, k.ID, k.Fingerprint.Bytes(), tokens[i], millis(s.opts.Lease))
+		queued = append(queued, i)
+	}
+	if len(queued) == 0 {
+		return out, nil
+	}
+	var retry []int
+	br := s.db.SendBatch(ctx, &b)
+	for _, i := range queued {
+		var (
+			won bool
+			e   existing
+			st  *int16
+			ms  *int64
+		)
+		err := br.QueryRow().Scan(&won, &st, &e.fp, &e.result, &ms)
+		switch {
+		case err == nil && won:
+			out[i].Lease = &dedup.Lease{Key: keys[i], Token: tokens[i], TTL: s.opts.Lease}
+		case err == nil:
+			e.state, e.leaseMs = deref(st), deref(ms)
+			out[i].Err = verdict(keys[i], e)
+		case errors.Is(err, pgx.ErrNoRows):
+			retry = append(retry, i)
+		default:
+			_ = br.Close()
+			return nil, fmt.Errorf("pgtable: batch claim: %w", err)
+		}
+	}
+	if err := br.Close(); err != nil {
+		return nil, fmt.Errorf("pgtable: batch claim: %w", err)
+	}
+	for _, i := range retry {
+		lease, err := l.Claim(ctx, keys[i])
+		if err != nil && !isClaimVerdict(err) {
+			return nil, err
+		}
+		out[i] = dedup.BatchResult{Lease: lease, Err: err}
+	}
+	return out, nil
+}
+
+func isClaimVerdict(err error) bool {
+	return errors.Is(err, dedup.ErrDuplicate) || errors.Is(err, dedup.ErrInFlight) ||
+		errors.Is(err, dedup.ErrFingerprintMismatch) || errors.Is(err, dedup.ErrInvalidKey)
+}
+
+func (l *LeaseStore) change(ctx context.Context, op, stmt string, lease *dedup.Lease, args ...any) error {
+	if lease == nil {
+		return fmt.Errorf("pgtable: %s: nil lease: %w", op, dedup.ErrLeaseLost)
+	}
+	tag, err := l.s.db.Exec(ctx, stmt, append([]any{lease.Key.Scope, lease.Key.ID, lease.Token}, args...)...)
+	if err != nil {
+		return fmt.Errorf("pgtable: %s %s: %w", op, lease.Key, err)
+	}
+	if tag.RowsAffected() == 0 {
+		return fmt.Errorf("pgtable: %s %s: %w", op, lease.Key, dedup.ErrLeaseLost)
+	}
+	return nil
+}
+
+// Extend implements dedup.LeaseStore.
+func (l *LeaseStore) Extend(ctx context.Context, lease *dedup.Lease) error {
+	return l.change(ctx, "extend", l.s.sql.leaseExtend, lease, millis(l.s.opts.Lease))
+}
+
+// Complete implements dedup.LeaseStore.
+func (l *LeaseStore) Complete(ctx context.Context, lease *dedup.Lease, result []byte) error {
+	return l.change(ctx, "complete", l.s.sql.leaseComplete, lease, millis(l.s.opts.Retention), result)
+}
+
+// Release implements dedup.LeaseStore.
+func (l *LeaseStore) Release(ctx context.Context, lease *dedup.Lease) error {
+	return l.change(ctx, "release", l.s.sql.leaseRelease, lease)
+}

@@ -1,0 +1,141 @@
+package pgtable
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/idemkit/idem/dedup"
+	"github.com/idemkit/idem/internal/sqlname"
+)
+
+// DB is what the store runs statements on: a *pgxpool.Pool, a *pgx.Conn or a
+// pgx.Tx.
+type DB interface {
+	Begin(ctx context.Context) (pgx.Tx, error)
+	Exec(ctx context.Context, sql string, args ...any) (pgconn.CommandTag, error)
+	Query(ctx context.Context, sql string, args ...any) (pgx.Rows, error)
+	QueryRow(ctx context.Context, sql string, args ...any) pgx.Row
+	SendBatch(ctx context.Context, b *pgx.Batch) pgx.BatchResults
+}
+
+// Options configure a Store. The zero value is usable.
+type Options struct {
+	// Schema holds the table. Defaults to "public".
+	Schema string
+	// Table is the table name. Defaults to "processed_events".
+	Table string
+	// Retention is how long a completed key is kept after completion. It
+	// must outlive every redelivery of a message: the broker's retention
+	// and the relay's retry horizon. Defaults to 7 days.
+	Retention time.Duration
+	// RedeliveryHorizon is the longest time after which a message can still
+	// be redelivered, if known. New logs a warning when Retention is
+	// shorter. Defaults to 0 (unknown, no warning).
+	RedeliveryHorizon time.Duration
+	// Lease is the lease duration of the lease mode. Defaults to 30s.
+	Lease time.Duration
+	// MaxKeyLen limits scope and id, in bytes. Defaults to
+	// dedup.DefaultMaxKeyLen.
+	MaxKeyLen int
+	// CleanupBatch is the number of rows one cleanup statement deletes.
+	// Defaults to 1000.
+	CleanupBatch int
+	// Logger receives warnings. Defaults to slog.Default().
+	Logger *slog.Logger
+}
+
+// Store is the PostgreSQL store. It is safe for concurrent use when its DB is.
+type Store struct {
+	db    DB
+	opts  Options
+	table string // quoted, schema-qualified
+	sql   statements
+}
+
+var _ dedup.TxStore[pgx.Tx] = (*Store)(nil)
+
+// New returns a Store on db. It does not touch the database; call Migrate (or
+// apply SQL) once before use.
+func New(db DB, opts Options) (*Store, error) {
+	if isNil(db) {
+		return nil, errors.New("pgtable: db is nil: pass a *pgxpool.Pool, *pgx.Conn or pgx.Tx")
+	}
+	if opts.Schema == "" {
+		opts.Schema = "public"
+	}
+	if opts.Table == "" {
+		opts.Table = "processed_events"
+	}
+	if err := sqlname.Check("pgtable: Options.Schema", opts.Schema); err != nil {
+		return nil, err
+	}
+	if err := sqlname.Check("pgtable: Options.Table", opts.Table); err != nil {
+		return nil, err
+	}
+	if len(opts.Table) > 50 {
+		return nil, fmt.Errorf("pgtable: Options.Table %q is longer than 50 bytes; index names are derived from it", opts.Table)
+	}
+	for _, d := range []struct {
+		name string
+		v    time.Duration
+	}{{"Retention", opts.Retention}, {"Lease", opts.Lease}, {"RedeliveryHorizon", opts.RedeliveryHorizon}} {
+		if d.v < 0 {
+			return nil, fmt.Errorf("pgtable: Options.%s is %v; it must not be negative (zero means the default)", d.name, d.v)
+		}
+		if d.v > 0 && d.v < time.Millisecond {
+			return nil, fmt.Errorf("pgtable: Options.%s is %v; the store works in milliseconds, use at least 1ms", d.name, d.v)
+		}
+	}
+	if opts.CleanupBatch < 0 {
+		return nil, fmt.Errorf("pgtable: Options.CleanupBatch is %d; it must not be negative", opts.CleanupBatch)
+	}
+	if opts.Retention == 0 {
+		opts.Retention = 7 * 24 * time.Hour
+	}
+	if opts.Lease == 0 {
+		opts.Lease = 30 * time.Second
+	}
+	if opts.MaxKeyLen <= 0 {
+		opts.MaxKeyLen = dedup.DefaultMaxKeyLen
+	}
+	if opts.CleanupBatch == 0 {
+		opts.CleanupBatch = 1000
+	}
+	if opts.Logger == nil {
+		opts.Logger = slog.Default()
+	}
+	if opts.RedeliveryHorizon > 0 && opts.Retention < opts.RedeliveryHorizon {
+		opts.Logger.Warn("pgtable: retention is shorter than the redelivery horizon; a message redelivered after its row is deleted runs again",
+			"table", opts.Schema+"."+opts.Table, "retention", opts.Retention, "redelivery_horizon", opts.RedeliveryHorizon)
+	}
+	s := &Store{db: db, opts: opts, table: sqlname.Qualified(opts.Schema, opts.Table)}
+	s.sql = buildStatements(s.table)
+	return s, nil
+}
+
+func isNil(db DB) bool {
+	switch v := db.(type) {
+	case nil:
+		return true
+	case *pgxpool.Pool:
+		return v == nil
+	case *pgx.Conn:
+		return v == nil
+	}
+	return false
+}
+
+// Options returns the store's options with defaults filled in.
+func (s *Store) Options() Options { return s.opts }
+
+// Table returns the quoted, schema-qualified table name.
+func (s *Store) Table() string { return s.table }
+
+func millis(d time.Duration) int64 { return d.Milliseconds() }

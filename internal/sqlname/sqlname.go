@@ -1,0 +1,30 @@
+// Package sqlname validates and quotes the SQL identifiers idem takes from
+// options (schema and table names). Names are checked against an allow-list
+// before they are quoted; nothing a user passes is interpolated raw.
+package sqlname
+
+import (
+	"fmt"
+	"regexp"
+	"strings"
+)
+
+var valid = regexp.MustCompile(`^[a-z_][a-z0-9_]{0,62}$`)
+
+// Check returns an error naming option when name is not a lowercase SQL
+// identifier of at most 63 bytes (letters, digits, underscore; not starting
+// with a digit).
+func Check(option, name string) error {
+	if !valid.MatchString(name) {
+		return fmt.Errorf("%s %q is not allowed: use 1 to 63 lowercase letters, digits and underscores, not starting with a digit", option, name)
+	}
+	return nil
+}
+
+// Quote returns name as a quoted identifier. Call Check first.
+func Quote(name string) string {
+	return `"` + strings.ReplaceAll(name, `"`, `""`) + `"`
+}
+
+// Qualified returns "schema"."name".
+func Qualified(schema, name string) string { return Quote(schema) + "." + Quote(name) }
