@@ -63,12 +63,22 @@ func AMQPURL() string { return env("IDEM_TEST_AMQP_URL", "amqp://guest:guest@127
 // ends. maxConns of zero keeps pgxpool's default.
 func Pool(t testing.TB, maxConns int32) *pgxpool.Pool {
 	t.Helper()
+	return PoolWith(t, maxConns, nil)
+}
+
+// PoolWith is Pool with extra session settings (RuntimeParams), such as
+// synchronous_commit.
+func PoolWith(t testing.TB, maxConns int32, params map[string]string) *pgxpool.Pool {
+	t.Helper()
 	cfg, err := pgxpool.ParseConfig(PostgresURL())
 	if err != nil {
 		t.Fatalf("IDEM_TEST_POSTGRES_URL: %v", err)
 	}
 	if maxConns > 0 {
 		cfg.MaxConns = maxConns
+	}
+	for k, v := range params {
+		cfg.ConnConfig.RuntimeParams[k] = v
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()

@@ -1,0 +1,260 @@
+package twolevel_test
+
+import (
+	"context"
+	"errors"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/redis/go-redis/v9"
+	"go.uber.org/goleak"
+
+	"github.com/idemkit/idem/dedup"
+	"github.com/idemkit/idem/dedup/deduptest"
+	"github.com/idemkit/idem/dedup/pgtable"
+	"github.com/idemkit/idem/dedup/redisnx"
+	"github.com/idemkit/idem/dedup/twolevel"
+	"github.com/idemkit/idem/internal/testenv"
+)
+
+func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
+
+type fixture struct {
+	store  *twolevel.Store
+	db     *pgtable.Store
+	rdb    *redis.Client
+	prefix string
+	mu     sync.Mutex
+	stats  map[twolevel.Source]int
+}
+
+func (f *fixture) count(src twolevel.Source) int {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	return f.stats[src]
+}
+
+func newFixture(t testing.TB, pool *pgxpool.Pool, rdb *redis.Client) *fixture {
+	t.Helper()
+	f := &fixture{rdb: rdb, prefix: testenv.Name("idem2l"), stats: map[twolevel.Source]int{}}
+	db, err := pgtable.New(pool, pgtable.Options{Schema: testenv.Schema(t, pool)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := db.Migrate(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	cache, err := redisnx.New(rdb, redisnx.Options{Prefix: f.prefix})
+	if err != nil {
+		t.Fatal(err)
+	}
+	f.db = db
+	f.store, err = twolevel.New(cache, db, twolevel.Options{Stats: func(s twolevel.Source) {
+		f.mu.Lock()
+		f.stats[s]++
+		f.mu.Unlock()
+	}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { flushPrefix(t, rdb, f.prefix) })
+	return f
+}
+
+// flushPrefix deletes every cache key of the fixture: what a Redis restart
+// without persistence does.
+func flushPrefix(t testing.TB, rdb *redis.Client, prefix string) {
+	ctx := context.Background()
+	iter := rdb.Scan(ctx, 0, prefix+":*", 1000).Iterator()
+	for iter.Next(ctx) {
+		if err := rdb.Del(ctx, iter.Val()).Err(); err != nil {
+			t.Errorf("flush: %v", err)
+		}
+	}
+	if err := iter.Err(); err != nil {
+		t.Errorf("flush: %v", err)
+	}
+}
+
+var registry sync.Map // *twolevel.Store -> *fixture
+
+func TestConformance(t *testing.T) {
+	pool := testenv.Pool(t, 40)
+	rdb := testenv.Redis(t)
+	deduptest.RunTx(t, deduptest.TxHarness[pgx.Tx]{
+		New: func(t testing.TB) dedup.TxStore[pgx.Tx] {
+			f := newFixture(t, pool, rdb)
+			registry.Store(f.store, f)
+			return f.store
+		},
+		Down: func(t testing.TB) dedup.TxStore[pgx.Tx] {
+			// Both levels down: the cache fails, the database fails,
+			// and the answer is an error.
+			deadRedis := redis.NewClient(&redis.Options{Addr: testenv.DeadAddr(t), MaxRetries: -1, DialTimeout: 200 * time.Millisecond})
+			t.Cleanup(func() { _ = deadRedis.Close() })
+			cache, err := redisnx.New(deadRedis, redisnx.Options{})
+			if err != nil {
+				t.Fatal(err)
+			}
+			cfg, _ := pgxpool.ParseConfig("postgres://postgres@" + testenv.DeadAddr(t) + "/test?connect_timeout=2")
+			deadPool, err := pgxpool.NewWithConfig(context.Background(), cfg)
+			if err != nil {
+				t.Fatal(err)
+			}
+			t.Cleanup(deadPool.Close)
+			db, err := pgtable.New(deadPool, pgtable.Options{})
+			if err != nil {
+				t.Fatal(err)
+			}
+			s, err := twolevel.New(cache, db, twolevel.Options{})
+			if err != nil {
+				t.Fatal(err)
+			}
+			return s
+		},
+		Expire: func(t testing.TB, s dedup.TxStore[pgx.Tx]) {
+			v, _ := registry.Load(s)
+			f := v.(*fixture)
+			flushPrefix(t, rdb, f.prefix)
+			if _, err := pool.Exec(context.Background(), "UPDATE "+f.db.Table()+" SET expires_at = clock_timestamp() - interval '1 second'"); err != nil {
+				t.Fatal(err)
+			}
+			if _, err := f.db.Cleanup(context.Background()); err != nil {
+				t.Fatal(err)
+			}
+		},
+	})
+}
+
+// TestHotDuplicatesSkipTheDatabase: once a key is done, duplicates are
+// answered by the cache.
+func TestHotDuplicatesSkipTheDatabase(t *testing.T) {
+	f := newFixture(t, testenv.Pool(t, 8), testenv.Redis(t))
+	ctx := deduptest.Ctx(t)
+	key := dedup.NewKey("pay", deduptest.UniqueID("p"), []byte("100"))
+	noop := func(context.Context, pgx.Tx) ([]byte, error) { return []byte("ok"), nil }
+	if _, err := f.store.Process(ctx, key, noop); err != nil {
+		t.Fatal(err)
+	}
+	for range 50 {
+		_, err := f.store.Process(ctx, key, noop)
+		if res, ok := dedup.StoredResult(err); !ok || string(res) != "ok" {
+			t.Fatalf("duplicate = %v (%q)", err, res)
+		}
+	}
+	if f.count(twolevel.CacheDuplicate) != 50 || f.count(twolevel.DatabaseDuplicate) != 0 {
+		t.Fatalf("stats %v: want 50 cache duplicates and no database duplicate", f.stats)
+	}
+}
+
+// TestLostCacheCostsOnlyARoundTrip: the cache forgets everything (a Redis
+// restart without persistence) between deliveries; the database still
+// catches every duplicate, and the mark is written back.
+func TestLostCacheCostsOnlyARoundTrip(t *testing.T) {
+	pool := testenv.Pool(t, 8)
+	f := newFixture(t, pool, testenv.Redis(t))
+	ctx := deduptest.Ctx(t)
+	var effects atomic.Int64
+	fn := func(context.Context, pgx.Tx) ([]byte, error) { effects.Add(1); return []byte("r"), nil }
+	const n = 100
+	keys := make([]dedup.Key, n)
+	for i := range keys {
+		keys[i] = dedup.NewKey("pay", deduptest.UniqueID("p"), []byte("x"))
+		if _, err := f.store.Process(ctx, keys[i], fn); err != nil {
+			t.Fatal(err)
+		}
+	}
+	flushPrefix(t, f.rdb, f.prefix)
+	for _, k := range keys {
+		if _, err := f.store.Process(ctx, k, fn); !errors.Is(err, dedup.ErrDuplicate) {
+			t.Fatalf("redelivery after the cache was lost = %v, want ErrDuplicate", err)
+		}
+	}
+	if got := effects.Load(); got != n {
+		t.Fatalf("%d effects for %d keys", got, n)
+	}
+	if f.count(twolevel.DatabaseDuplicate) != n {
+		t.Fatalf("stats %v: want %d duplicates answered by the database", f.stats, n)
+	}
+	// The marks were written back: the next round is answered by the cache.
+	for _, k := range keys {
+		if _, err := f.store.Process(ctx, k, fn); !errors.Is(err, dedup.ErrDuplicate) {
+			t.Fatal(err)
+		}
+	}
+	if f.count(twolevel.CacheDuplicate) != n {
+		t.Fatalf("stats %v: want %d cache duplicates after write-back", f.stats, n)
+	}
+}
+
+// TestCacheDownDatabaseDecides: with the cache unreachable, Process still
+// dedups through the database, under concurrency.
+func TestCacheDownDatabaseDecides(t *testing.T) {
+	pool := testenv.Pool(t, 20)
+	dead := redis.NewClient(&redis.Options{Addr: testenv.DeadAddr(t), MaxRetries: -1, DialTimeout: 100 * time.Millisecond})
+	defer dead.Close()
+	cache, err := redisnx.New(dead, redisnx.Options{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	db, err := pgtable.New(pool, pgtable.Options{Schema: testenv.Schema(t, pool)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := db.Migrate(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	var unavailable atomic.Int64
+	s, err := twolevel.New(cache, db, twolevel.Options{Stats: func(src twolevel.Source) {
+		if src == twolevel.CacheUnavailable {
+			unavailable.Add(1)
+		}
+	}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx := deduptest.Ctx(t)
+	key := dedup.NewKey("pay", deduptest.UniqueID("p"), []byte("x"))
+	var effects atomic.Int64
+	var wg sync.WaitGroup
+	for range 30 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			_, err := s.Process(ctx, key, func(context.Context, pgx.Tx) ([]byte, error) {
+				effects.Add(1)
+				return nil, nil
+			})
+			if err != nil && !errors.Is(err, dedup.ErrDuplicate) {
+				t.Error(err)
+			}
+		}()
+	}
+	wg.Wait()
+	if effects.Load() != 1 {
+		t.Fatalf("%d effects with the cache down, want 1", effects.Load())
+	}
+	if unavailable.Load() != 30 {
+		t.Fatalf("cache unavailable reported %d times, want 30", unavailable.Load())
+	}
+}
+
+func TestNewErrors(t *testing.T) {
+	pool := testenv.Pool(t, 2)
+	db, _ := pgtable.New(pool, pgtable.Options{})
+	if _, err := twolevel.New(nil, db, twolevel.Options{}); err == nil {
+		t.Error("nil cache accepted")
+	}
+	rdb := testenv.Redis(t)
+	cache, _ := redisnx.New(rdb, redisnx.Options{})
+	if _, err := twolevel.New(cache, nil, twolevel.Options{}); err == nil {
+		t.Error("nil db accepted")
+	}
+	if _, err := twolevel.New(cache, db, twolevel.Options{CacheTimeout: -1}); err == nil {
+		t.Error("negative CacheTimeout accepted")
+	}
+}
