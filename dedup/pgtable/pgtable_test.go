@@ -50,7 +50,7 @@ func downPool(t testing.TB) *pgxpool.Pool {
 }
 
 func TestConformanceTx(t *testing.T) {
-	pool := testenv.Pool(t, 40)
+	pool := testenv.Pool(t, 20)
 	deduptest.RunTx(t, deduptest.TxHarness[pgx.Tx]{
 		New: func(t testing.TB) dedup.TxStore[pgx.Tx] { return newStore(t, pool, pgtable.Options{}) },
 		Down: func(t testing.TB) dedup.TxStore[pgx.Tx] {
@@ -83,7 +83,7 @@ func expireAll(t testing.TB, pool *pgxpool.Pool, s *pgtable.Store) {
 }
 
 func TestConformanceLease(t *testing.T) {
-	pool := testenv.Pool(t, 40)
+	pool := testenv.Pool(t, 20)
 	deduptest.RunLease(t, deduptest.LeaseHarness{
 		New: func(t testing.TB, cfg deduptest.Config) deduptest.LeaseInstance {
 			s := newStore(t, pool, pgtable.Options{Lease: cfg.Lease, Retention: cfg.TTL})

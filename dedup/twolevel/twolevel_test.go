@@ -83,7 +83,7 @@ func flushPrefix(t testing.TB, rdb *redis.Client, prefix string) {
 var registry sync.Map // *twolevel.Store -> *fixture
 
 func TestConformance(t *testing.T) {
-	pool := testenv.Pool(t, 40)
+	pool := testenv.Pool(t, 20)
 	rdb := testenv.Redis(t)
 	deduptest.RunTx(t, deduptest.TxHarness[pgx.Tx]{
 		New: func(t testing.TB) dedup.TxStore[pgx.Tx] {

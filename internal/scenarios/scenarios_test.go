@@ -1,0 +1,527 @@
+package scenarios_test
+
+import (
+	"context"
+	"crypto/rand"
+	"encoding/hex"
+	"errors"
+	"fmt"
+	"math/big"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/redis/go-redis/v9"
+	"go.uber.org/goleak"
+
+	"github.com/idemkit/idem/consumer"
+	"github.com/idemkit/idem/dedup"
+	"github.com/idemkit/idem/dedup/pgtable"
+	"github.com/idemkit/idem/dedup/redisnx"
+	"github.com/idemkit/idem/dedup/twolevel"
+	"github.com/idemkit/idem/internal/testenv"
+)
+
+func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
+
+// payments is a payment service instance: what one server behind a load
+// balancer runs. charge applies the payment at most once per id and returns
+// its receipt; a caller that gets a receipt always gets the first one.
+type payments interface {
+	charge(ctx context.Context, id string, amount int64, gateway time.Duration) (string, error)
+}
+
+// oracle is the charges table: no unique constraint, so a duplicate effect
+// shows up as a second row.
+type oracle struct {
+	pool  *pgxpool.Pool
+	table string
+}
+
+func newOracle(t testing.TB, pool *pgxpool.Pool, schema string) *oracle {
+	o := &oracle{pool: pool, table: pgx.Identifier{schema, "charges"}.Sanitize()}
+	if _, err := pool.Exec(context.Background(), "CREATE TABLE "+o.table+
+		" (payment_id text NOT NULL, receipt text NOT NULL, amount bigint NOT NULL, at timestamptz DEFAULT clock_timestamp())"); err != nil {
+		t.Fatal(err)
+	}
+	return o
+}
+
+const insertCharge = "INSERT INTO %s (payment_id, receipt, amount) VALUES ($1, $2, $3)"
+
+// tally counts, for the payments in want, the extra charges, the payments
+// never charged, the charges of payments not in want, and the callers that got
+// a receipt other than the charge's.
+func (o *oracle) tally(t testing.TB, want []string, seen map[string][]string) (extra, lost, unexpected, wrongReceipt int) {
+	t.Helper()
+	rows, err := o.pool.Query(context.Background(), "SELECT payment_id, count(*), min(receipt) FROM "+o.table+" GROUP BY payment_id")
+	if err != nil {
+		t.Fatal(err)
+	}
+	type agg struct {
+		n       int64
+		receipt string
+	}
+	got := map[string]agg{}
+	var id, rc string
+	var n int64
+	if _, err := pgx.ForEachRow(rows, []any{&id, &n, &rc}, func() error { got[id] = agg{n, rc}; return nil }); err != nil {
+		t.Fatal(err)
+	}
+	for _, p := range want {
+		a, ok := got[p]
+		switch {
+		case !ok:
+			lost++
+		case a.n > 1:
+			extra += int(a.n - 1)
+		}
+		for _, r := range seen[p] {
+			if ok && r != a.receipt {
+				wrongReceipt++
+			}
+		}
+		delete(got, p)
+	}
+	return extra, lost, len(got), wrongReceipt
+}
+
+// check asserts exactly one charge per payment in want, no other charge, and
+// that every receipt a caller saw is that charge's receipt.
+func (o *oracle) check(t testing.TB, want []string, seen map[string][]string) {
+	t.Helper()
+	extra, lost, unexpected, wrong := o.tally(t, want, seen)
+	if extra != 0 || lost != 0 || unexpected != 0 || wrong != 0 {
+		t.Fatalf("oracle: %d payments, %d extra charges, %d lost, %d unexpected, %d callers with another receipt",
+			len(want), extra, lost, unexpected, wrong)
+	}
+	t.Logf("oracle: %d payments, 0 extra charges, 0 lost", len(want))
+}
+
+func receipt() string {
+	var b [6]byte
+	_, _ = rand.Read(b[:])
+	return "rcpt_" + hex.EncodeToString(b[:])
+}
+
+func sleepCtx(ctx context.Context, d time.Duration) error {
+	select {
+	case <-ctx.Done():
+		return ctx.Err()
+	case <-time.After(d):
+		return nil
+	}
+}
+
+// txPayments charges inside the transaction that holds the claim
+// (pgtable, or twolevel in front of it).
+type txPayments struct {
+	store dedup.TxStore[pgx.Tx]
+	o     *oracle
+}
+
+func (p *txPayments) charge(ctx context.Context, id string, amount int64, gateway time.Duration) (string, error) {
+	key := dedup.NewKey("payments/charge", id, []byte(fmt.Sprint(amount)))
+	for {
+		res, err := p.store.Process(ctx, key, func(ctx context.Context, tx pgx.Tx) ([]byte, error) {
+			r := receipt()
+			if _, err := tx.Exec(ctx, fmt.Sprintf(insertCharge, p.o.table), id, r, amount); err != nil {
+				return nil, err
+			}
+			if err := sleepCtx(ctx, gateway); err != nil { // a slow gateway
+				return nil, err
+			}
+			return []byte(r), nil
+		})
+		if stored, dup := dedup.StoredResult(err); dup {
+			return string(stored), nil
+		}
+		if errors.Is(err, dedup.ErrInFlight) { // two-level: the cache saw it in flight
+			if err := sleepCtx(ctx, 5*time.Millisecond); err != nil {
+				return "", err
+			}
+			continue
+		}
+		return string(res), err
+	}
+}
+
+// leasePayments charges an external gateway (the oracle insert stands for
+// it) under a lease: redisnx or pgtable's lease mode.
+type leasePayments struct {
+	store dedup.LeaseStore
+	o     *oracle
+}
+
+func (p *leasePayments) charge(ctx context.Context, id string, amount int64, gateway time.Duration) (string, error) {
+	key := dedup.NewKey("payments/charge", id, []byte(fmt.Sprint(amount)))
+	for {
+		l, err := p.store.Claim(ctx, key)
+		if stored, dup := dedup.StoredResult(err); dup {
+			return string(stored), nil
+		}
+		if errors.Is(err, dedup.ErrInFlight) {
+			if err := sleepCtx(ctx, 5*time.Millisecond); err != nil {
+				return "", err
+			}
+			continue
+		}
+		if err != nil {
+			return "", err
+		}
+		r := receipt()
+		if err := sleepCtx(ctx, gateway); err != nil {
+			_ = p.store.Release(context.WithoutCancel(ctx), l)
+			return "", err
+		}
+		if _, err := p.o.pool.Exec(ctx, fmt.Sprintf(insertCharge, p.o.table), id, r, amount); err != nil {
+			_ = p.store.Release(context.WithoutCancel(ctx), l)
+			return "", err
+		}
+		if err := p.store.Complete(ctx, l, []byte(r)); err != nil {
+			return "", err
+		}
+		return r, nil
+	}
+}
+
+// backend makes two service instances (each with its own pool and Redis
+// client, as two servers behind a load balancer have) over the same stores.
+type backend struct {
+	name string
+	make func(t *testing.T, schema, prefix string, o *oracle) (payments, payments)
+}
+
+func newPool(t *testing.T) *pgxpool.Pool { return testenv.Pool(t, 12) }
+
+func newRedis(t *testing.T) *redis.Client { return testenv.Redis(t) }
+
+func pgStore(t *testing.T, schema string) *pgtable.Store {
+	s, err := pgtable.New(newPool(t), pgtable.Options{Schema: schema, Lease: 5 * time.Second})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := s.Migrate(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	return s
+}
+
+func redisStore(t *testing.T, prefix string) *redisnx.Store {
+	s, err := redisnx.New(newRedis(t), redisnx.Options{Prefix: prefix, Lease: 5 * time.Second})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return s
+}
+
+var backends = []backend{
+	{"pgtable", func(t *testing.T, schema, _ string, o *oracle) (payments, payments) {
+		return &txPayments{pgStore(t, schema), o}, &txPayments{pgStore(t, schema), o}
+	}},
+	{"pgtable_lease", func(t *testing.T, schema, _ string, o *oracle) (payments, payments) {
+		return &leasePayments{pgStore(t, schema).Lease(), o}, &leasePayments{pgStore(t, schema).Lease(), o}
+	}},
+	{"redisnx", func(t *testing.T, _, prefix string, o *oracle) (payments, payments) {
+		return &leasePayments{redisStore(t, prefix), o}, &leasePayments{redisStore(t, prefix), o}
+	}},
+	{"twolevel", func(t *testing.T, schema, prefix string, o *oracle) (payments, payments) {
+		mk := func() payments {
+			s, err := twolevel.New(redisStore(t, prefix), pgStore(t, schema), twolevel.Options{})
+			if err != nil {
+				t.Fatal(err)
+			}
+			return &txPayments{s, o}
+		}
+		return mk(), mk()
+	}},
+}
+
+type env struct {
+	a, b payments
+	o    *oracle
+}
+
+func forEachBackend(t *testing.T, fn func(t *testing.T, e env)) {
+	for _, b := range backends {
+		t.Run(b.name, func(t *testing.T) {
+			admin := testenv.Pool(t, 3)
+			schema := testenv.Schema(t, admin)
+			o := newOracle(t, admin, schema)
+			prefix := testenv.Name("idemseed")
+			a, bb := b.make(t, schema, prefix, o)
+			fn(t, env{a: a, b: bb, o: o})
+		})
+	}
+}
+
+// collector records which receipt each caller got.
+type collector struct {
+	mu   sync.Mutex
+	seen map[string][]string
+}
+
+func (c *collector) add(id, r string) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.seen == nil {
+		c.seen = map[string][]string{}
+	}
+	c.seen[id] = append(c.seen[id], r)
+}
+
+// Scenario 1: the client times out while the first attempt still runs at a
+// slow gateway, and retries. The retry must not charge again, and gets the
+// first attempt's receipt.
+func TestRetryAfterClientTimeout(t *testing.T) {
+	forEachBackend(t, func(t *testing.T, e env) {
+		const payments = 20
+		var c collector
+		var ids []string
+		var wg sync.WaitGroup
+		var timeouts atomic.Int64
+		for i := range payments {
+			id := fmt.Sprintf("pay-timeout-%d", i)
+			ids = append(ids, id)
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				server := context.Background() // the server keeps working after the client gives up
+				first := make(chan string, 1)
+				go func() {
+					r, err := e.a.charge(server, id, 4200, 300*time.Millisecond)
+					if err != nil {
+						t.Errorf("first attempt: %v", err)
+					}
+					first <- r
+				}()
+				select {
+				case r := <-first: // the client got its answer in time
+					c.add(id, r)
+					return
+				case <-time.After(50 * time.Millisecond):
+					timeouts.Add(1) // client timeout: retry with the same key
+				}
+				r, err := e.a.charge(server, id, 4200, 300*time.Millisecond)
+				if err != nil {
+					t.Errorf("retry: %v", err)
+					return
+				}
+				c.add(id, r)
+				<-first // the first attempt's answer never reached the client
+			}()
+		}
+		wg.Wait()
+		if timeouts.Load() == 0 {
+			t.Fatal("no client timed out: the scenario did not happen")
+		}
+		e.o.check(t, ids, c.seen)
+	})
+}
+
+// Scenario 2: a double click, 10 and 100 identical requests at once.
+func TestDoubleClick(t *testing.T) {
+	forEachBackend(t, func(t *testing.T, e env) {
+		var c collector
+		var ids []string
+		for _, clicks := range []int{10, 100} {
+			id := fmt.Sprintf("pay-click-%d", clicks)
+			ids = append(ids, id)
+			doubleClick(t, e.a, id, clicks, &c)
+			if len(c.seen[id]) != clicks {
+				t.Fatalf("%d of %d clicks got a receipt", len(c.seen[id]), clicks)
+			}
+		}
+		e.o.check(t, ids, c.seen)
+	})
+}
+
+func doubleClick(t *testing.T, p payments, id string, clicks int, c *collector) {
+	start := make(chan struct{})
+	var wg sync.WaitGroup
+	for i := range clicks {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			<-start
+			r, err := p.charge(context.Background(), id, 999, 20*time.Millisecond)
+			if err != nil {
+				t.Errorf("click %d: %v", i, err)
+				return
+			}
+			c.add(id, r)
+		}()
+	}
+	close(start)
+	wg.Wait()
+}
+
+// naivePayments charges with no idem at all: the control that shows the
+// oracle catches duplicates.
+type naivePayments struct{ o *oracle }
+
+func (p *naivePayments) charge(ctx context.Context, id string, amount int64, gateway time.Duration) (string, error) {
+	r := receipt()
+	if err := sleepCtx(ctx, gateway); err != nil {
+		return "", err
+	}
+	_, err := p.o.pool.Exec(ctx, fmt.Sprintf(insertCharge, p.o.table), id, r, amount)
+	return r, err
+}
+
+// TestOracleCatchesNaive: without idem the double click charges ten times,
+// and the oracle says so. A scenario test whose oracle could not fail would
+// prove nothing.
+func TestOracleCatchesNaive(t *testing.T) {
+	admin := testenv.Pool(t, 10)
+	o := newOracle(t, admin, testenv.Schema(t, admin))
+	var c collector
+	doubleClick(t, &naivePayments{o}, "pay-naive", 10, &c)
+	extra, lost, _, wrong := o.tally(t, []string{"pay-naive"}, c.seen)
+	if extra != 9 || lost != 0 || wrong != 9 {
+		t.Fatalf("naive double click: oracle counted %d extra charges and %d wrong receipts, want 9 and 9", extra, wrong)
+	}
+}
+
+// Scenario 4: the load balancer retries on another instance (own pool, own
+// Redis client) while the first still works.
+func TestLoadBalancerRetry(t *testing.T) {
+	forEachBackend(t, func(t *testing.T, e env) {
+		const payments = 30
+		var c collector
+		var ids []string
+		var wg sync.WaitGroup
+		for i := range payments {
+			id := fmt.Sprintf("pay-lb-%d", i)
+			ids = append(ids, id)
+			wg.Add(2)
+			go func() {
+				defer wg.Done()
+				r, err := e.a.charge(context.Background(), id, 100, 100*time.Millisecond)
+				if err != nil {
+					t.Errorf("instance A: %v", err)
+					return
+				}
+				c.add(id, r)
+			}()
+			go func() {
+				defer wg.Done()
+				time.Sleep(time.Duration(i%5) * 10 * time.Millisecond)
+				r, err := e.b.charge(context.Background(), id, 100, 100*time.Millisecond)
+				if err != nil {
+					t.Errorf("instance B: %v", err)
+					return
+				}
+				c.add(id, r)
+			}()
+		}
+		wg.Wait()
+		for _, id := range ids {
+			if len(c.seen[id]) != 2 {
+				t.Fatalf("payment %s: %d answers, want 2", id, len(c.seen[id]))
+			}
+		}
+		e.o.check(t, ids, c.seen)
+	})
+}
+
+// Scenario 3: a queue redelivers messages whose worker "crashed" before the
+// ACK (after the effect committed), and, for the transactional store, also
+// those that crashed inside the transaction before commit. Messages go
+// through the consumer pipeline; the queue acts on consumer.Result.
+func TestQueueRedeliveryAfterCrash(t *testing.T) {
+	forEachBackend(t, func(t *testing.T, e env) {
+		const payments = 300
+		crashBeforeAck := 0.3
+		ids := make([]string, payments)
+		for i := range ids {
+			ids[i] = fmt.Sprintf("pay-q-%d", i)
+		}
+		var h consumer.Handler
+		var midTxCrashes atomic.Int64
+		switch p := e.a.(type) {
+		case *txPayments:
+			var err error
+			h, err = consumer.Transactional(p.store, consumer.TxOptions{Scope: "payments/charge"},
+				func(ctx context.Context, tx pgx.Tx, msg *consumer.Message) error {
+					r := receipt()
+					if _, err := tx.Exec(ctx, fmt.Sprintf(insertCharge, p.o.table), msg.ID, r, 100); err != nil {
+						return err
+					}
+					if chance(0.2) { // crash after the effect, before commit
+						midTxCrashes.Add(1)
+						return errors.New("worker crashed before commit")
+					}
+					consumer.SetResult(ctx, []byte(r))
+					return nil
+				})
+			if err != nil {
+				t.Fatal(err)
+			}
+		case *leasePayments:
+			mw, err := consumer.Dedup(p.store, consumer.DedupOptions{Scope: "payments/charge"})
+			if err != nil {
+				t.Fatal(err)
+			}
+			h = consumer.Chain(consumer.HandlerFunc(func(ctx context.Context, msg *consumer.Message) error {
+				r := receipt()
+				_, err := p.o.pool.Exec(ctx, fmt.Sprintf(insertCharge, p.o.table), msg.ID, r, 100)
+				consumer.SetResult(ctx, []byte(r))
+				return err
+			}), consumer.Recover(), mw)
+		}
+		h = consumer.Chain(h, consumer.Recover())
+
+		queue := make(chan *consumer.Message, 4*payments)
+		for _, id := range ids {
+			queue <- &consumer.Message{ID: id, Payload: []byte("100"), Attempt: 1}
+		}
+		var acked, redelivered, duplicates atomic.Int64
+		var pending sync.WaitGroup
+		pending.Add(payments)
+		ctx := context.Background()
+		var workers sync.WaitGroup
+		for range 4 {
+			workers.Add(1)
+			go func() {
+				defer workers.Done()
+				for msg := range queue {
+					res := consumer.Process(ctx, h, msg)
+					if res.Action == consumer.ActionAck && !chance(crashBeforeAck) {
+						acked.Add(1)
+						if res.Duplicate {
+							duplicates.Add(1)
+						}
+						pending.Done()
+						continue
+					}
+					if res.Action == consumer.ActionDeadLetter {
+						t.Errorf("message %s dead-lettered: %v", msg.ID, res.Err)
+						pending.Done()
+						continue
+					}
+					// Crash before ACK, or a retry: the broker redelivers.
+					redelivered.Add(1)
+					queue <- &consumer.Message{ID: msg.ID, Payload: msg.Payload, Attempt: msg.Attempt + 1, Redelivered: true}
+				}
+			}()
+		}
+		pending.Wait()
+		close(queue)
+		workers.Wait()
+		if redelivered.Load() == 0 || duplicates.Load() == 0 {
+			t.Fatalf("redelivered=%d duplicates=%d: the scenario did not happen", redelivered.Load(), duplicates.Load())
+		}
+		t.Logf("%d acked, %d redeliveries, %d acked as duplicates, %d crashes inside the transaction",
+			acked.Load(), redelivered.Load(), duplicates.Load(), midTxCrashes.Load())
+		e.o.check(t, ids, nil)
+	})
+}
+
+func chance(p float64) bool {
+	n, _ := rand.Int(rand.Reader, big.NewInt(1_000_000))
+	return float64(n.Int64()) < p*1_000_000
+}
