@@ -35,9 +35,9 @@ func testLeaseInvalidKeys(t *testing.T, h LeaseHarness) {
 			t.Errorf("%s: Claim = (%v, %v), want ErrInvalidKey and no lease", name, l, err)
 		}
 	}
-	max := dedup.Key{Scope: UniqueID("s"), ID: UniqueID("x")}
-	max.ID += strings.Repeat("a", dedup.DefaultMaxKeyLen-len(max.ID))
-	l, err := inst.Store.Claim(ctx, max)
+	full := dedup.Key{Scope: UniqueID("s"), ID: UniqueID("x")}
+	full.ID += strings.Repeat("a", dedup.DefaultMaxKeyLen-len(full.ID))
+	l, err := inst.Store.Claim(ctx, full)
 	if err != nil {
 		t.Fatalf("key of exactly %d bytes: %v", dedup.DefaultMaxKeyLen, err)
 	}

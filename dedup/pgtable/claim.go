@@ -139,10 +139,11 @@ func (s *Store) Process(ctx context.Context, key dedup.Key, fn dedup.TxFunc[pgx.
 	if err := s.validate(key); err != nil {
 		return nil, err
 	}
-	tx, err := s.db.Begin(ctx)
+	tx, release, err := s.begin(ctx, key)
 	if err != nil {
-		return nil, fmt.Errorf("pgtable: begin: %w", err)
+		return nil, err
 	}
+	defer release()
 	committed := false
 	defer func() {
 		if !committed {
@@ -153,9 +154,6 @@ func (s *Store) Process(ctx context.Context, key dedup.Key, fn dedup.TxFunc[pgx.
 			cancel()
 		}
 	}()
-	if err := s.ClaimTx(ctx, tx, key); err != nil {
-		return nil, err
-	}
 	result, err = fn(ctx, tx)
 	if err != nil {
 		return nil, err

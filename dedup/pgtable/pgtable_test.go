@@ -18,7 +18,7 @@ import (
 	"github.com/idemkit/idem/internal/testenv"
 )
 
-func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
+func TestMain(m *testing.M) { goleak.VerifyTestMain(m, testenv.LeakOptions()...) }
 
 // newStore makes a store in a fresh schema and migrates it.
 func newStore(t testing.TB, pool *pgxpool.Pool, opts pgtable.Options) *pgtable.Store {

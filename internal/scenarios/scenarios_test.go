@@ -25,7 +25,7 @@ import (
 	"github.com/idemkit/idem/internal/testenv"
 )
 
-func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
+func TestMain(m *testing.M) { goleak.VerifyTestMain(m, testenv.LeakOptions()...) }
 
 // payments is a payment service instance: what one server behind a load
 // balancer runs. charge applies the payment at most once per id and returns

@@ -24,6 +24,7 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/redis/go-redis/v9"
+	"go.uber.org/goleak"
 )
 
 // Required reports whether missing services fail tests instead of skipping
@@ -158,4 +159,15 @@ func DeadAddr(t testing.TB) string {
 	addr := l.Addr().String()
 	_ = l.Close()
 	return addr
+}
+
+// LeakOptions are the goleak options every package's TestMain uses: they
+// ignore go-redis's background redial loop, which a client pointed at a dead
+// address starts once all its dials failed and which ends only at its next
+// wake-up after Close.
+func LeakOptions() []goleak.Option {
+	return []goleak.Option{
+		goleak.IgnoreTopFunction("github.com/redis/go-redis/v9/internal/pool.(*ConnPool).tryDial"),
+		goleak.IgnoreAnyFunction("github.com/redis/go-redis/v9/internal/pool.(*ConnPool).tryDial"),
+	}
 }

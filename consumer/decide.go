@@ -1,0 +1,178 @@
+package consumer
+
+import (
+	"context"
+	"errors"
+	"strconv"
+	"time"
+
+	"github.com/idemkit/idem/dedup"
+)
+
+// Action is what an adapter does with a delivery once the handler chain has
+// returned. The zero Action is not valid; an adapter treats anything other
+// than ActionAck and ActionDeadLetter as "do not acknowledge".
+type Action int
+
+const (
+	// ActionAck acknowledges the message (commits the offset): its effect
+	// committed, it was a completed duplicate, or it was dead-lettered.
+	ActionAck Action = iota + 1
+	// ActionRetry leaves the message unacknowledged so it comes back: nack
+	// with requeue, or do not commit the offset and retry after a backoff.
+	// Result.RetryAfter is a hint for the delay.
+	ActionRetry
+	// ActionDeadLetter parks the message in the broker's dead-letter path
+	// (or the adapter's) and then acknowledges it. It is returned when no
+	// DeadLetter middleware is installed, or when one is and the chain
+	// bypassed it.
+	ActionDeadLetter
+)
+
+// String returns "ack", "retry" or "dead_letter".
+func (a Action) String() string {
+	switch a {
+	case ActionAck:
+		return "ack"
+	case ActionRetry:
+		return "retry"
+	case ActionDeadLetter:
+		return "dead_letter"
+	}
+	return "Action(" + strconv.Itoa(int(a)) + ")"
+}
+
+// Reason says why Decide chose its Action. It is a short snake_case word,
+// usable as a metric label.
+type Reason string
+
+// Reasons.
+const (
+	ReasonNone                Reason = ""                     // success
+	ReasonDuplicate           Reason = "duplicate"            // Ack: the key was already processed
+	ReasonInFlight            Reason = "in_flight"            // Retry: another owner holds the key
+	ReasonLeaseLost           Reason = "lease_lost"           // Retry: our lease expired or was taken over
+	ReasonTimeout             Reason = "timeout"              // Retry: the Timeout middleware's deadline fired
+	ReasonTransient           Reason = "transient"            // Retry: any other error
+	ReasonPanic               Reason = "panic"                // DeadLetter: the handler panicked
+	ReasonFingerprintMismatch Reason = "fingerprint_mismatch" // DeadLetter: same key, different content
+	ReasonInvalidKey          Reason = "invalid_key"          // DeadLetter: the key is empty, too long or has control bytes
+	ReasonRetriesExhausted    Reason = "retries_exhausted"    // DeadLetter: Retry gave up
+	ReasonPermanent           Reason = "permanent"            // DeadLetter: marked with Permanent
+)
+
+// Result is the ACK rule applied to one delivery. Adapters act on Action;
+// the other fields are for logs, metrics and delays.
+type Result struct {
+	Action Action
+	// Duplicate is set when the message is acknowledged because its key
+	// was already processed. The first owner's stored result is
+	// dedup.StoredResult(Err).
+	Duplicate bool
+	// DeadLettered is set when the message is acknowledged because a
+	// DeadLetter middleware already parked it; Reason is why.
+	DeadLettered bool
+	// Reason says why.
+	Reason Reason
+	// Err is the handler chain's error, nil on success.
+	Err error
+	// RetryAfter is a hint for the delay before the retry: for
+	// ReasonInFlight, how long the other owner's lease has left when the
+	// store can tell; zero otherwise.
+	RetryAfter time.Duration
+}
+
+// Decide applies the ACK rule to the error a handler chain returned. The
+// first matching line wins:
+//
+//  1. nil: Ack.
+//  2. the DeadLetter middleware parked the message (*DeadLetteredError): Ack,
+//     DeadLettered, with the dead-letter reason.
+//  3. the DeadLetter middleware could not park it (its hook failed, or the
+//     consumer was stopping): Retry, transient. A message is never
+//     acknowledged before it is parked.
+//  4. dedup.ErrDuplicate: Ack, Duplicate.
+//  5. dedup.ErrLeaseLost: Retry, lease_lost; the redelivery finds the new
+//     owner's state.
+//  6. dedup.ErrInFlight: Retry, in_flight, RetryAfter from the
+//     *dedup.ClaimError.
+//  7. *PanicError: DeadLetter, panic.
+//  8. dedup.ErrFingerprintMismatch: DeadLetter, fingerprint_mismatch.
+//  9. dedup.ErrInvalidKey: DeadLetter, invalid_key.
+//  10. ErrRetriesExhausted: DeadLetter, retries_exhausted.
+//  11. *TimeoutError: Retry, timeout.
+//  12. marked with Permanent: DeadLetter, permanent.
+//  13. anything else, including context.Canceled and
+//     context.DeadlineExceeded: Retry, transient.
+//
+// The order encodes the precedence: facts that the work is done (2, 4) beat
+// everything; facts about who owns the key (5, 6) beat every
+// classification, because dead-lettering a message that another consumer is
+// processing right now would be wrong, while retrying it is always safe — so
+// Permanent(dedup.ErrInFlight) is retried, and exhausted retries whose last
+// attempt found the key in flight are retried too. Specific poison reasons
+// (7–10) beat the generic Permanent mark so that metrics say which poison it
+// was. A timeout (11) beats Permanent because whatever the handler returned
+// after its deadline fired is a consequence of the deadline.
+//
+// Decide looks at the error only. Process also looks at the consumer's
+// context: while it is done, nothing is dead-lettered.
+func Decide(err error) Result {
+	r := Result{Err: err}
+	var (
+		dl  *DeadLetteredError
+		dlf *deadLetterFailedError
+		pe  *PanicError
+		te  *TimeoutError
+		pm  *permanentError
+	)
+	switch {
+	case err == nil:
+		r.Action = ActionAck
+	case errors.As(err, &dl):
+		r.Action, r.DeadLettered, r.Reason = ActionAck, true, dl.Reason
+	case errors.As(err, &dlf):
+		r.Action, r.Reason = ActionRetry, ReasonTransient
+	case errors.Is(err, dedup.ErrDuplicate):
+		r.Action, r.Duplicate, r.Reason = ActionAck, true, ReasonDuplicate
+	case errors.Is(err, dedup.ErrLeaseLost):
+		r.Action, r.Reason = ActionRetry, ReasonLeaseLost
+	case errors.Is(err, dedup.ErrInFlight):
+		r.Action, r.Reason = ActionRetry, ReasonInFlight
+		var ce *dedup.ClaimError
+		if errors.As(err, &ce) && ce.RetryAfter > 0 {
+			r.RetryAfter = ce.RetryAfter
+		}
+	case errors.As(err, &pe):
+		r.Action, r.Reason = ActionDeadLetter, ReasonPanic
+	case errors.Is(err, dedup.ErrFingerprintMismatch):
+		r.Action, r.Reason = ActionDeadLetter, ReasonFingerprintMismatch
+	case errors.Is(err, dedup.ErrInvalidKey):
+		r.Action, r.Reason = ActionDeadLetter, ReasonInvalidKey
+	case errors.Is(err, ErrRetriesExhausted):
+		r.Action, r.Reason = ActionDeadLetter, ReasonRetriesExhausted
+	case errors.As(err, &te):
+		r.Action, r.Reason = ActionRetry, ReasonTimeout
+	case errors.As(err, &pm):
+		r.Action, r.Reason = ActionDeadLetter, ReasonPermanent
+	default:
+		r.Action, r.Reason = ActionRetry, ReasonTransient
+	}
+	return r
+}
+
+// Process runs h on msg and applies the ACK rule to the outcome. It is what
+// adapters call for each delivery.
+//
+// On top of Decide, Process never dead-letters while ctx is done: an error
+// that arrives while the consumer is stopping may be a consequence of the
+// stop, so the message is left for the redelivery to classify again
+// (ActionRetry, ReasonTransient).
+func Process(ctx context.Context, h Handler, msg *Message) Result {
+	err := h.Handle(ctx, msg)
+	r := Decide(err)
+	if r.Action == ActionDeadLetter && ctx.Err() != nil {
+		r = Result{Action: ActionRetry, Reason: ReasonTransient, Err: err}
+	}
+	return r
+}

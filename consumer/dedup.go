@@ -1,0 +1,263 @@
+package consumer
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"sync"
+	"time"
+
+	"github.com/idemkit/idem/dedup"
+)
+
+// DedupOptions configure the Dedup middleware. Only Scope is required.
+type DedupOptions struct {
+	// Scope names who processes the messages: the consumer group plus the
+	// handler name, for example "billing/charge-card". Two handlers of the
+	// same message need two scopes, or the second never runs. Required;
+	// validated like a key part (at most MaxKeyLen bytes, no control bytes).
+	Scope string
+	// KeyFunc returns a message's id. Defaults to Message.ID. An empty or
+	// malformed id is dead-lettered (ReasonInvalidKey). An error returned by
+	// KeyFunc is classified as usual: wrap it with Permanent (or
+	// dedup.ErrInvalidKey) when the message can never have a key.
+	//
+	// A key derived from topic, partition and offset only catches broker
+	// redeliveries, never a producer that publishes twice: prefer a
+	// producer-assigned id.
+	KeyFunc func(*Message) (string, error)
+	// Fingerprint returns the digest of a message's content; the same id
+	// with another fingerprint is dead-lettered
+	// (ReasonFingerprintMismatch). Defaults to
+	// dedup.FingerprintOf(msg.Payload). Return the zero Fingerprint to
+	// disable the check.
+	Fingerprint func(*Message) dedup.Fingerprint
+	// MaxKeyLen limits scope and id, in bytes. Defaults to
+	// dedup.DefaultMaxKeyLen. Match the store's own limit.
+	MaxKeyLen int
+	// ExtendEvery is how often the lease is extended while the handler
+	// runs. Defaults to a third of the lease's TTL (no heartbeat when the
+	// store reports no TTL). Negative disables the heartbeat.
+	ExtendEvery time.Duration
+	// FinishTimeout bounds Complete and Release. Both run with
+	// context.WithoutCancel, so a handler that succeeded just as the
+	// consumer stopped is still recorded. Defaults to 10s.
+	FinishTimeout time.Duration
+	// Logger receives warnings: failed heartbeats and releases, lost
+	// leases. Defaults to discarding them.
+	Logger *slog.Logger
+	// OnOutcome, if set, is called once per message with one of the
+	// Outcome constants, for metrics. It must be fast and safe for
+	// concurrent use.
+	OnOutcome func(ctx context.Context, msg *Message, outcome string)
+}
+
+// Dedup returns middleware that runs the handler at most once per key at a
+// time and never again once it succeeded, using a lease from store. It is
+// for effects outside the database (an email, a call to a payment
+// provider); for effects in the database use Transactional, which is exact.
+//
+// For each message Dedup builds the key (Scope, KeyFunc, Fingerprint) and
+// claims it:
+//
+//   - duplicate, in flight, fingerprint mismatch, invalid key, or any store
+//     error: the handler does not run and the claim's error is returned
+//     (wrapped; errors.Is/As and dedup.StoredResult see through). A store
+//     error is transient: when the store is down nothing runs (fail closed).
+//   - lease granted: a heartbeat extends it every ExtendEvery while the
+//     handler runs. If the store answers dedup.ErrLeaseLost, the handler's
+//     context is cancelled with that cause (context.Cause) and Dedup
+//     returns an error wrapping dedup.ErrLeaseLost (retried).
+//   - the handler fails: the lease is released so the redelivery runs the
+//     handler again, and the handler's error is returned unchanged. If the
+//     release fails it is logged; the lease then expires on its own.
+//   - the handler panics: the lease is released and the panic goes on (put
+//     Recover outside Dedup).
+//   - the handler succeeds: the key is completed with the result the
+//     handler passed to SetResult. If that fails, an error wrapping the
+//     store's is returned and the message is not acknowledged; the
+//     redelivery waits for the lease to expire and runs the handler again.
+//     That window, like a crash between the effect and Complete, is why a
+//     lease gives at-least-once effects with duplicates made rare, not
+//     exactly-once ones: an effect outside the database cannot commit
+//     together with the mark.
+//
+// The heartbeat goroutine is stopped and joined before Dedup returns, on
+// every path.
+func Dedup(store dedup.LeaseStore, opts DedupOptions) (Middleware, error) {
+	if store == nil {
+		return nil, errors.New("consumer: Dedup: store is nil; pass a dedup.LeaseStore such as memstore.New or redisnx.New")
+	}
+	kb, err := newKeyBuilder("Dedup", opts.Scope, opts.KeyFunc, opts.Fingerprint, opts.MaxKeyLen)
+	if err != nil {
+		return nil, err
+	}
+	if opts.FinishTimeout < 0 {
+		return nil, fmt.Errorf("consumer: Dedup: FinishTimeout is %v; it must be positive (or zero for 10s)", opts.FinishTimeout)
+	}
+	if opts.FinishTimeout == 0 {
+		opts.FinishTimeout = 10 * time.Second
+	}
+	if opts.Logger == nil {
+		opts.Logger = slog.New(slog.DiscardHandler)
+	}
+	d := &dedupMiddleware{store: store, keys: kb, opts: opts}
+	return func(next Handler) Handler {
+		return HandlerFunc(func(ctx context.Context, msg *Message) error {
+			return d.handle(ctx, msg, next)
+		})
+	}, nil
+}
+
+type dedupMiddleware struct {
+	store dedup.LeaseStore
+	keys  *keyBuilder
+	opts  DedupOptions
+}
+
+func (d *dedupMiddleware) outcome(ctx context.Context, msg *Message, outcome string) {
+	if d.opts.OnOutcome != nil {
+		d.opts.OnOutcome(ctx, msg, outcome)
+	}
+}
+
+func (d *dedupMiddleware) handle(ctx context.Context, msg *Message, next Handler) error {
+	key, err := d.keys.build(msg)
+	if err != nil {
+		d.outcome(ctx, msg, OutcomeInvalidKey)
+		return err
+	}
+	lease, err := d.store.Claim(ctx, key)
+	if err == nil && lease == nil {
+		err = errors.New("the store returned neither a lease nor an error")
+	}
+	if err != nil {
+		d.outcome(ctx, msg, claimOutcome(err))
+		return fmt.Errorf("consumer: claim %s: %w", key, err)
+	}
+
+	hctx, cancel := context.WithCancelCause(ctx)
+	defer cancel(nil)
+	hctx, slot := withResultSlot(hctx)
+	hb := d.startHeartbeat(ctx, lease, cancel)
+
+	returned := false
+	defer func() {
+		if returned {
+			return
+		}
+		// The handler panicked (or called runtime.Goexit). Give the key
+		// back so a redelivery can run; the panic goes on to Recover.
+		hb.stop()
+		if hb.lostErr != nil {
+			d.outcome(ctx, msg, OutcomeLeaseLost)
+			return
+		}
+		d.release(ctx, lease, "the handler panicked")
+		d.outcome(ctx, msg, OutcomeReleased)
+	}()
+	herr := next.Handle(hctx, msg)
+	returned = true
+	hb.stop()
+
+	if lost := hb.lostErr; lost != nil {
+		d.outcome(ctx, msg, OutcomeLeaseLost)
+		if herr != nil {
+			return fmt.Errorf("consumer: handler for %s failed after its lease was lost: %w; handler error: %w", key, lost, herr)
+		}
+		return fmt.Errorf("consumer: handler for %s finished after its lease was lost; it cannot be completed: %w", key, lost)
+	}
+	if herr != nil {
+		d.release(ctx, lease, "the handler failed")
+		d.outcome(ctx, msg, OutcomeReleased)
+		return herr
+	}
+	fctx, fcancel := context.WithTimeout(context.WithoutCancel(ctx), d.opts.FinishTimeout)
+	defer fcancel()
+	if err := d.store.Complete(fctx, lease, slot.get()); err != nil {
+		d.outcome(ctx, msg, OutcomeCompleteFailed)
+		d.opts.Logger.WarnContext(ctx, "idem: completing the key failed after the handler succeeded; the message will be retried once the lease expires",
+			slog.String("key", key.String()), slog.Any("error", err))
+		return fmt.Errorf("consumer: complete %s: %w", key, err)
+	}
+	d.outcome(ctx, msg, OutcomeCompleted)
+	return nil
+}
+
+func (d *dedupMiddleware) release(ctx context.Context, lease *dedup.Lease, why string) {
+	rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), d.opts.FinishTimeout)
+	defer cancel()
+	if err := d.store.Release(rctx, lease); err != nil {
+		d.opts.Logger.WarnContext(ctx, "idem: releasing the key failed; it stays claimed until its lease expires",
+			slog.String("key", lease.Key.String()), slog.String("why", why), slog.Any("error", err))
+	}
+}
+
+// heartbeat extends a lease until stopped. lostErr is set when the store
+// answered ErrLeaseLost; it may be read once stop has returned.
+type heartbeat struct {
+	cancel  context.CancelFunc
+	done    chan struct{}
+	once    sync.Once
+	lostErr error
+}
+
+func (h *heartbeat) stop() {
+	h.once.Do(func() {
+		h.cancel()
+		<-h.done
+	})
+}
+
+func (d *dedupMiddleware) startHeartbeat(ctx context.Context, lease *dedup.Lease, lost context.CancelCauseFunc) *heartbeat {
+	every := d.opts.ExtendEvery
+	if every == 0 {
+		every = lease.TTL / 3
+	}
+	// The heartbeat lives as long as the handler runs, not as long as ctx:
+	// a handler that finishes its work during a graceful stop keeps its
+	// lease.
+	hctx, cancel := context.WithCancel(context.WithoutCancel(ctx))
+	hb := &heartbeat{cancel: cancel, done: make(chan struct{})}
+	if every <= 0 {
+		close(hb.done)
+		return hb
+	}
+	// Each Extend may take up to the lease's TTL: past that the lease is
+	// gone anyway.
+	timeout := lease.TTL
+	if timeout <= 0 {
+		timeout = every
+	}
+	go func() {
+		defer close(hb.done)
+		t := time.NewTicker(every)
+		defer t.Stop()
+		for {
+			select {
+			case <-hctx.Done():
+				return
+			case <-t.C:
+			}
+			ectx, ecancel := context.WithTimeout(hctx, timeout)
+			err := d.store.Extend(ectx, lease)
+			ecancel()
+			switch {
+			case err == nil:
+			case errors.Is(err, dedup.ErrLeaseLost):
+				hb.lostErr = fmt.Errorf("consumer: heartbeat: %w", err)
+				d.opts.Logger.WarnContext(ctx, "idem: lease lost while the handler ran; cancelling it",
+					slog.String("key", lease.Key.String()), slog.Any("error", err))
+				lost(hb.lostErr)
+				return
+			case hctx.Err() != nil:
+				return
+			default:
+				d.opts.Logger.WarnContext(ctx, "idem: extending the lease failed; trying again at the next beat",
+					slog.String("key", lease.Key.String()), slog.Any("error", err))
+			}
+		}
+	}()
+	return hb
+}

@@ -1,0 +1,162 @@
+package consumer
+
+import (
+	"context"
+	"fmt"
+	"math/rand/v2"
+	"time"
+)
+
+// RetryOptions configure the Retry middleware. The zero value is usable.
+type RetryOptions struct {
+	// MaxAttempts is the number of attempts, the first included. Defaults
+	// to 5; 1 means no retry.
+	MaxAttempts int
+	// Initial is the backoff cap before the first retry; it doubles for
+	// each retry after that. Defaults to 100ms.
+	Initial time.Duration
+	// Max caps the backoff, including a RetryAfter hint. Defaults to 10s.
+	Max time.Duration
+	// ShouldRetry reports whether an error is worth another attempt.
+	// Defaults to Decide(err).Action == ActionRetry: transient errors,
+	// timeouts, dedup.ErrInFlight and dedup.ErrLeaseLost are retried;
+	// Permanent errors, panics, duplicates, fingerprint mismatches and
+	// invalid keys are not.
+	ShouldRetry func(error) bool
+	// Jitter returns a random duration in [0, n) for n > 0. Defaults to a
+	// uniform draw (math/rand/v2). Tests inject their own.
+	Jitter func(n time.Duration) time.Duration
+	// Sleep waits for d or until ctx is done, returning ctx's error then.
+	// Defaults to a timer. Tests inject their own.
+	Sleep func(ctx context.Context, d time.Duration) error
+}
+
+// Retry returns middleware that retries the handler in process, with
+// exponential backoff and full jitter: before retry n (n = 1, 2, ...) it
+// sleeps a uniform random duration in [0, min(Max, Initial·2^(n-1))). When the
+// error carries a RetryAfter hint (dedup.ErrInFlight: the other owner's
+// lease has that long left), the sleep is at least the hint, still capped by
+// Max.
+//
+// It stops and returns when:
+//
+//   - the handler succeeds (nil);
+//   - the error is not retryable (returned unchanged, to be acknowledged as
+//     a duplicate or dead-lettered);
+//   - ctx is done (an error wrapping ctx.Err(): transient, no ACK — the
+//     consumer is stopping);
+//   - MaxAttempts attempts failed: a *RetriesExhaustedError wrapping
+//     ErrRetriesExhausted and the last error, which Decide dead-letters
+//     (ReasonRetriesExhausted) — unless the last error was
+//     dedup.ErrInFlight or dedup.ErrLeaseLost, which stay retries: another
+//     consumer owns the message, it is not poison.
+//
+// Each attempt runs the whole inner chain again, so put Dedup inside Retry:
+// a failed attempt releases the key and the next attempt claims it afresh.
+// Message.Attempt is left alone (it counts broker deliveries); the
+// in-process attempt is RetryAttempt(ctx).
+func Retry(opts RetryOptions) (Middleware, error) {
+	switch {
+	case opts.MaxAttempts < 0:
+		return nil, fmt.Errorf("consumer: Retry: MaxAttempts is %d; it must be positive (or zero for 5)", opts.MaxAttempts)
+	case opts.Initial < 0:
+		return nil, fmt.Errorf("consumer: Retry: Initial is %v; it must be positive (or zero for 100ms)", opts.Initial)
+	case opts.Max < 0:
+		return nil, fmt.Errorf("consumer: Retry: Max is %v; it must be positive (or zero for 10s)", opts.Max)
+	}
+	if opts.MaxAttempts == 0 {
+		opts.MaxAttempts = 5
+	}
+	if opts.Initial == 0 {
+		opts.Initial = 100 * time.Millisecond
+	}
+	if opts.Max == 0 {
+		opts.Max = 10 * time.Second
+	}
+	if opts.Initial > opts.Max {
+		return nil, fmt.Errorf("consumer: Retry: Initial (%v) is greater than Max (%v)", opts.Initial, opts.Max)
+	}
+	if opts.ShouldRetry == nil {
+		opts.ShouldRetry = func(err error) bool { return Decide(err).Action == ActionRetry }
+	}
+	if opts.Jitter == nil {
+		opts.Jitter = rand.N[time.Duration]
+	}
+	if opts.Sleep == nil {
+		opts.Sleep = sleep
+	}
+	return func(next Handler) Handler {
+		return HandlerFunc(func(ctx context.Context, msg *Message) error {
+			return retry(ctx, msg, next, &opts)
+		})
+	}, nil
+}
+
+func retry(ctx context.Context, msg *Message, next Handler, o *RetryOptions) error {
+	for attempt := 1; ; attempt++ {
+		err := next.Handle(context.WithValue(ctx, attemptKey{}, attempt), msg)
+		if err == nil || !o.ShouldRetry(err) {
+			return err
+		}
+		if cerr := ctx.Err(); cerr != nil {
+			return stopped(cerr, attempt, err)
+		}
+		if attempt >= o.MaxAttempts {
+			return &RetriesExhaustedError{Attempts: attempt, Err: err}
+		}
+		d := o.backoff(attempt)
+		if hint := Decide(err).RetryAfter; hint > d {
+			d = min(hint, o.Max)
+		}
+		if serr := o.Sleep(ctx, d); serr != nil {
+			return stopped(serr, attempt, err)
+		}
+	}
+}
+
+// backoff returns the full-jitter delay before retry n (n >= 1).
+func (o *RetryOptions) backoff(n int) time.Duration {
+	ceil := o.Initial
+	for i := 1; i < n && ceil < o.Max; i++ {
+		if ceil > o.Max/2 {
+			ceil = o.Max
+			break
+		}
+		ceil *= 2
+	}
+	ceil = min(ceil, o.Max)
+	if ceil <= 0 {
+		return 0
+	}
+	return o.Jitter(ceil)
+}
+
+// stopped is the error of a Retry that stopped early because of cause
+// (ctx's error). It wraps cause only: the last attempt's error is kept as
+// text, so that the stop is transient whatever that error was.
+func stopped(cause error, attempt int, last error) error {
+	return fmt.Errorf("consumer: retry stopped after attempt %d: %w (last error: %s)", attempt, cause, last.Error())
+}
+
+func sleep(ctx context.Context, d time.Duration) error {
+	if d <= 0 {
+		return ctx.Err()
+	}
+	t := time.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-ctx.Done():
+		return ctx.Err()
+	case <-t.C:
+		return nil
+	}
+}
+
+type attemptKey struct{}
+
+// RetryAttempt returns the in-process attempt of the innermost Retry
+// middleware around the caller, 1-based, or 0 outside Retry.
+func RetryAttempt(ctx context.Context) int {
+	n, _ := ctx.Value(attemptKey{}).(int)
+	return n
+}

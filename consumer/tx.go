@@ -1,0 +1,97 @@
+package consumer
+
+import (
+	"context"
+	"errors"
+
+	"github.com/idemkit/idem/dedup"
+)
+
+// TxHandler processes a message inside the transaction that holds its
+// claim. With dedup/pgtable, Tx is a pgx.Tx: write the business rows (and the
+// outbox rows) with it and they commit together with the claim, or not at
+// all.
+type TxHandler[Tx any] func(ctx context.Context, tx Tx, msg *Message) error
+
+// TxOptions configure Transactional. Only Scope is required.
+type TxOptions struct {
+	// Scope names who processes the messages; see DedupOptions.Scope.
+	// Required.
+	Scope string
+	// KeyFunc returns a message's id. Defaults to Message.ID. See
+	// DedupOptions.KeyFunc.
+	KeyFunc func(*Message) (string, error)
+	// Fingerprint returns the digest of a message's content. Defaults to
+	// dedup.FingerprintOf(msg.Payload); return the zero Fingerprint to
+	// disable the check.
+	Fingerprint func(*Message) dedup.Fingerprint
+	// MaxKeyLen limits scope and id, in bytes. Defaults to
+	// dedup.DefaultMaxKeyLen.
+	MaxKeyLen int
+	// OnOutcome, if set, is called once per message with one of the
+	// Outcome constants, for metrics. It must be fast and safe for
+	// concurrent use.
+	OnOutcome func(ctx context.Context, msg *Message, outcome string)
+}
+
+// Transactional returns a Handler that runs h inside store.Process: the
+// claim, h's writes and the result h passed to SetResult commit in one
+// transaction. This is the exact guarantee: no lease, no clock.
+//
+// The handler's error is returned unchanged after the transaction rolled
+// back (the claim with it, so the redelivery runs h again). A duplicate
+// returns an error wrapping dedup.ErrDuplicate (acknowledged by Decide, with
+// the stored result in dedup.StoredResult); a fingerprint mismatch or an
+// invalid key is dead-lettered; a store error is retried and h does not run.
+// A panic in h goes through store.Process, which rolls back, to Recover.
+//
+// Transactional is a Handler, not a Middleware, because h takes the
+// transaction; wrap it with Chain like any other handler.
+func Transactional[Tx any](store dedup.TxStore[Tx], opts TxOptions, h TxHandler[Tx]) (Handler, error) {
+	if store == nil {
+		return nil, errors.New("consumer: Transactional: store is nil; pass a dedup.TxStore such as pgtable's")
+	}
+	if h == nil {
+		return nil, errors.New("consumer: Transactional: handler h is nil")
+	}
+	kb, err := newKeyBuilder("Transactional", opts.Scope, opts.KeyFunc, opts.Fingerprint, opts.MaxKeyLen)
+	if err != nil {
+		return nil, err
+	}
+	outcome := func(ctx context.Context, msg *Message, o string) {
+		if opts.OnOutcome != nil {
+			opts.OnOutcome(ctx, msg, o)
+		}
+	}
+	return HandlerFunc(func(ctx context.Context, msg *Message) error {
+		key, err := kb.build(msg)
+		if err != nil {
+			outcome(ctx, msg, OutcomeInvalidKey)
+			return err
+		}
+		var (
+			ran  bool
+			hErr error
+		)
+		_, err = store.Process(ctx, key, func(ctx context.Context, tx Tx) ([]byte, error) {
+			ran = true
+			ctx, slot := withResultSlot(ctx)
+			if hErr = h(ctx, tx, msg); hErr != nil {
+				return nil, hErr
+			}
+			return slot.get(), nil
+		})
+		switch {
+		case err == nil:
+			outcome(ctx, msg, OutcomeCompleted)
+		case ran && hErr != nil:
+			outcome(ctx, msg, OutcomeReleased)
+		case ran:
+			// h succeeded but the commit failed.
+			outcome(ctx, msg, OutcomeCompleteFailed)
+		default:
+			outcome(ctx, msg, claimOutcome(err))
+		}
+		return err
+	}), nil
+}
