@@ -65,8 +65,14 @@ func TestClaimBatchTx(t *testing.T) {
 // different orders, run concurrently: every key is claimed by exactly one
 // committed batch, and no batch deadlocks.
 func TestClaimBatchTxConcurrentOverlap(t *testing.T) {
+	for _, partitioned := range []bool{false, true} {
+		t.Run(fmt.Sprintf("partitioned=%v", partitioned), func(t *testing.T) { testClaimBatchOverlap(t, partitioned) })
+	}
+}
+
+func testClaimBatchOverlap(t *testing.T, partitioned bool) {
 	pool := testenv.Pool(t, 16)
-	s := newStore(t, pool, pgtable.Options{})
+	s := newStore(t, pool, pgtable.Options{Partitioned: partitioned})
 	ctx := deduptest.Ctx(t)
 	const workers, keysPer, universe = 8, 200, 500
 	var mu sync.Mutex

@@ -112,6 +112,9 @@ func (s *Store) ClaimTx(ctx context.Context, tx pgx.Tx, key dedup.Key) error {
 	if err := s.validate(key); err != nil {
 		return err
 	}
+	if s.opts.Partitioned {
+		return s.claimPartitioned(ctx, tx, s.psql.claimTx, key, key.Scope, key.ID, key.Fingerprint.Bytes(), millis(s.opts.Retention))
+	}
 	return s.claimOnce(ctx, tx, s.sql.claimTx, key, key.Scope, key.ID, key.Fingerprint.Bytes(), millis(s.opts.Retention))
 }
 
@@ -198,18 +201,9 @@ func (s *Store) ClaimBatchTx(ctx context.Context, tx pgx.Tx, keys []dedup.Key) (
 	if len(pos) == 0 {
 		return out, nil
 	}
-	rows, err := tx.Query(ctx, s.sql.claimBatchInsert, scopes, ids, fps, millis(s.opts.Retention))
+	won, err := s.claimBatchInsert(ctx, tx, scopes, ids, fps)
 	if err != nil {
-		return nil, fmt.Errorf("pgtable: batch claim: %w", err)
-	}
-	won := make([]bool, len(pos))
-	var ord int64
-	_, err = pgx.ForEachRow(rows, []any{&ord}, func() error {
-		won[ord-1] = true
-		return nil
-	})
-	if err != nil {
-		return nil, fmt.Errorf("pgtable: batch claim: %w", err)
+		return nil, err
 	}
 	// Keys that did not win: read their rows with a fresh snapshot.
 	var lostScopes, lostIDs []string
@@ -223,7 +217,7 @@ func (s *Store) ClaimBatchTx(ctx context.Context, tx pgx.Tx, keys []dedup.Key) (
 		return out, nil
 	}
 	found := make(map[[2]string]existing, len(lostScopes))
-	rows, err = tx.Query(ctx, s.sql.claimBatchLookup, lostScopes, lostIDs)
+	rows, err := tx.Query(ctx, s.sql.claimBatchLookup, lostScopes, lostIDs)
 	if err != nil {
 		return nil, fmt.Errorf("pgtable: batch claim lookup: %w", err)
 	}
@@ -255,4 +249,24 @@ func (s *Store) ClaimBatchTx(ctx context.Context, tx pgx.Tx, keys []dedup.Key) (
 		out[pos[j]] = verdict(k, row)
 	}
 	return out, nil
+}
+
+func (s *Store) claimBatchInsert(ctx context.Context, tx pgx.Tx, scopes, ids []string, fps [][]byte) ([]bool, error) {
+	if s.opts.Partitioned {
+		return s.claimBatchPartitioned(ctx, tx, scopes, ids, fps)
+	}
+	rows, err := tx.Query(ctx, s.sql.claimBatchInsert, scopes, ids, fps, millis(s.opts.Retention))
+	if err != nil {
+		return nil, fmt.Errorf("pgtable: batch claim: %w", err)
+	}
+	won := make([]bool, len(scopes))
+	var ord int64
+	_, err = pgx.ForEachRow(rows, []any{&ord}, func() error {
+		won[ord-1] = true
+		return nil
+	})
+	if err != nil {
+		return nil, fmt.Errorf("pgtable: batch claim: %w", err)
+	}
+	return won, nil
 }

@@ -10,7 +10,13 @@ import (
 // that ran out) in batches of Options.CleanupBatch, one statement per batch,
 // until a batch comes back short. It returns the number of rows deleted.
 // Rows a running claim holds locked are skipped.
+//
+// With Options.Partitioned, Cleanup drops the partitions of past days
+// instead, and deletes in batches only from the default partition.
 func (s *Store) Cleanup(ctx context.Context) (int64, error) {
+	if s.opts.Partitioned {
+		return s.cleanupPartitioned(ctx)
+	}
 	var total int64
 	for {
 		tag, err := s.db.Exec(ctx, s.sql.cleanup, s.opts.CleanupBatch)
@@ -41,6 +47,9 @@ func (s *Store) CleanupLoop(ctx context.Context, interval time.Duration) error {
 	t := time.NewTicker(interval)
 	defer t.Stop()
 	for {
+		if err := s.EnsurePartitions(ctx); err != nil && ctx.Err() == nil {
+			s.opts.Logger.Warn("pgtable: creating partitions failed", "table", s.table, "err", err)
+		}
 		n, err := s.Cleanup(ctx)
 		if err != nil && ctx.Err() == nil {
 			s.opts.Logger.Warn("pgtable: cleanup failed", "table", s.table, "err", err)

@@ -55,6 +55,10 @@ func (s *Store) begin(ctx context.Context, key dedup.Key) (pgx.Tx, func(), error
 		conn    *pgx.Conn
 		release = func() {}
 	)
+	if s.opts.Partitioned {
+		tx, err := s.slowBegin(ctx, s.db, key)
+		return tx, release, err
+	}
 	switch db := s.db.(type) {
 	case *pgxpool.Pool:
 		pc, err := db.Acquire(ctx)

@@ -39,6 +39,12 @@ func (l *LeaseStore) Claim(ctx context.Context, key dedup.Key) (*dedup.Lease, er
 		return nil, err
 	}
 	token := newToken()
+	if s.opts.Partitioned {
+		if err := s.leaseClaimPartitioned(ctx, key, token); err != nil {
+			return nil, err
+		}
+		return &dedup.Lease{Key: key, Token: token, TTL: s.opts.Lease}, nil
+	}
 	err := s.claimOnce(ctx, s.db, s.sql.leaseClaim, key, key.Scope, key.ID, key.Fingerprint.Bytes(), token, millis(s.opts.Lease))
 	if err != nil {
 		return nil, err
@@ -51,6 +57,9 @@ func (l *LeaseStore) Claim(ctx context.Context, key dedup.Key) (*dedup.Lease, er
 // concurrent one is settled afterwards with its own statement.
 func (l *LeaseStore) ClaimBatch(ctx context.Context, keys []dedup.Key) ([]dedup.BatchResult, error) {
 	s := l.s
+	if s.opts.Partitioned {
+		return l.claimEach(ctx, keys)
+	}
 	out := make([]dedup.BatchResult, len(keys))
 	tokens := make([]string, len(keys))
 	var b pgx.Batch
@@ -103,6 +112,20 @@ func (l *LeaseStore) ClaimBatch(ctx context.Context, keys []dedup.Key) ([]dedup.
 	return out, nil
 }
 
+// claimEach claims keys one at a time (the partitioned layout, whose claim
+// is a locked transaction of its own).
+func (l *LeaseStore) claimEach(ctx context.Context, keys []dedup.Key) ([]dedup.BatchResult, error) {
+	out := make([]dedup.BatchResult, len(keys))
+	for i := range keys {
+		lease, err := l.Claim(ctx, keys[i])
+		if err != nil && !isClaimVerdict(err) {
+			return nil, err
+		}
+		out[i] = dedup.BatchResult{Lease: lease, Err: err}
+	}
+	return out, nil
+}
+
 func isClaimVerdict(err error) bool {
 	return errors.Is(err, dedup.ErrDuplicate) || errors.Is(err, dedup.ErrInFlight) ||
 		errors.Is(err, dedup.ErrFingerprintMismatch) || errors.Is(err, dedup.ErrInvalidKey)
@@ -124,12 +147,20 @@ func (l *LeaseStore) change(ctx context.Context, op, stmt string, lease *dedup.L
 
 // Extend implements dedup.LeaseStore.
 func (l *LeaseStore) Extend(ctx context.Context, lease *dedup.Lease) error {
-	return l.change(ctx, "extend", l.s.sql.leaseExtend, lease, millis(l.s.opts.Lease))
+	stmt := l.s.sql.leaseExtend
+	if l.s.opts.Partitioned {
+		stmt = l.s.psql.leaseExtend
+	}
+	return l.change(ctx, "extend", stmt, lease, millis(l.s.opts.Lease))
 }
 
 // Complete implements dedup.LeaseStore.
 func (l *LeaseStore) Complete(ctx context.Context, lease *dedup.Lease, result []byte) error {
-	return l.change(ctx, "complete", l.s.sql.leaseComplete, lease, millis(l.s.opts.Retention), result)
+	stmt := l.s.sql.leaseComplete
+	if l.s.opts.Partitioned {
+		stmt = l.s.psql.leaseComplete
+	}
+	return l.change(ctx, "complete", stmt, lease, millis(l.s.opts.Retention), result)
 }
 
 // Release implements dedup.LeaseStore.

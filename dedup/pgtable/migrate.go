@@ -15,7 +15,7 @@ import (
 	"github.com/idemkit/idem/internal/sqlname"
 )
 
-//go:embed migrations/*.sql
+//go:embed migrations/*.sql migrations_partitioned/*.sql
 var migrationFS embed.FS
 
 // Migration is one embedded schema change, rendered for a store's schema and
@@ -33,9 +33,17 @@ func (d tmplData) Table() string { return sqlname.Qualified(d.schema, d.table) }
 
 func (d tmplData) Index(suffix string) string { return sqlname.Quote(d.table + "_" + suffix + "_idx") }
 
+func (d tmplData) Partition(suffix string) string {
+	return sqlname.Qualified(d.schema, d.table+"_p"+suffix)
+}
+
 // Migrations returns the store's migrations in order.
 func (s *Store) Migrations() ([]Migration, error) {
-	names, err := fs.Glob(migrationFS, "migrations/*.sql")
+	dir := "migrations"
+	if s.opts.Partitioned {
+		dir = "migrations_partitioned"
+	}
+	names, err := fs.Glob(migrationFS, dir+"/*.sql")
 	if err != nil {
 		return nil, err
 	}
@@ -55,7 +63,7 @@ func (s *Store) Migrations() ([]Migration, error) {
 		if err := t.Execute(&b, data); err != nil {
 			return nil, fmt.Errorf("pgtable: migration %s: %w", n, err)
 		}
-		v := n[len("migrations/") : len(n)-len(".sql")]
+		v := n[len(dir)+1 : len(n)-len(".sql")]
 		out = append(out, Migration{Version: v, SQL: b.String()})
 	}
 	return out, nil
@@ -117,6 +125,9 @@ func (s *Store) Migrate(ctx context.Context) error {
 			if _, err := tx.Exec(ctx, m.SQL); err != nil {
 				return fmt.Errorf("pgtable: migrate %s: %w", m.Version, err)
 			}
+		}
+		if s.opts.Partitioned {
+			return s.ensurePartitions(ctx, tx)
 		}
 		return nil
 	})

@@ -49,6 +49,14 @@ type Options struct {
 	CleanupBatch int
 	// Logger receives warnings. Defaults to slog.Default().
 	Logger *slog.Logger
+	// Partitioned lays the table out partitioned by day of expires_at
+	// (UTC), so Cleanup drops whole partitions instead of deleting rows.
+	// A unique index cannot span partitions, so every claim first takes a
+	// transaction-scoped advisory lock on its key (sent in the same round
+	// trip); the single-INSERT fast path of Process is not used. Migrate
+	// creates the partitions ahead; CleanupLoop keeps creating them.
+	// Defaults to false.
+	Partitioned bool
 }
 
 // Store is the PostgreSQL store. It is safe for concurrent use when its DB is.
@@ -57,6 +65,7 @@ type Store struct {
 	opts  Options
 	table string // quoted, schema-qualified
 	sql   statements
+	psql  partitionedStatements
 }
 
 var _ dedup.TxStore[pgx.Tx] = (*Store)(nil)
@@ -117,6 +126,9 @@ func New(db DB, opts Options) (*Store, error) {
 	}
 	s := &Store{db: db, opts: opts, table: sqlname.Qualified(opts.Schema, opts.Table)}
 	s.sql = buildStatements(s.table)
+	if opts.Partitioned {
+		s.psql = buildPartitionedStatements(s.table, sqlname.Quote(opts.Table), lockSeed(opts.Schema+"."+opts.Table))
+	}
 	return s, nil
 }
 
