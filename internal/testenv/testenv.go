@@ -100,13 +100,17 @@ func PoolWith(t testing.TB, maxConns int32, params map[string]string) *pgxpool.P
 // Redis returns a client on the test Redis, closed when the test ends.
 func Redis(t testing.TB) *redis.Client {
 	t.Helper()
-	c := redis.NewClient(&redis.Options{Addr: RedisAddr()})
+	// Probe once, without go-redis's dial and command retries, so a
+	// missing Redis is reported at once rather than after seconds.
+	probe := redis.NewClient(&redis.Options{Addr: RedisAddr(), MaxRetries: -1, DialerRetries: 1, DialTimeout: 2 * time.Second})
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 	defer cancel()
-	if err := c.Ping(ctx).Err(); err != nil {
-		_ = c.Close()
+	err := probe.Ping(ctx).Err()
+	_ = probe.Close()
+	if err != nil {
 		unavailable(t, "Redis at "+RedisAddr(), err)
 	}
+	c := redis.NewClient(&redis.Options{Addr: RedisAddr()})
 	t.Cleanup(func() { _ = c.Close() })
 	return c
 }

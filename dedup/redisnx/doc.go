@@ -1,0 +1,68 @@
+// Package redisnx is a dedup.LeaseStore and dedup.BatchLeaseStore on Redis,
+// through a go-redis/v9 redis.UniversalClient: a single node, Sentinel or
+// Redis Cluster.
+//
+// # Semantics
+//
+// Each (scope, id) is one Redis string key that holds the whole state of the
+// message, so every transition is one atomic command or Lua script on one
+// key:
+//
+//	absent --Claim--> in flight (token, fingerprint; expires after Lease)
+//	in flight --Complete(token)--> done (fingerprint, result; expires after TTL)
+//	in flight --Release(token)--> absent
+//	in flight --lease runs out--> absent (the next delivery runs again)
+//
+// Claim is one round trip: SET key record NX GET PX lease, which sets the
+// key if it is absent and otherwise returns what is stored, atomically and
+// without a script. From the stored record Claim answers
+// dedup.ErrFingerprintMismatch when both fingerprints are present and
+// differ, dedup.ErrDuplicate with the stored result when the key is done,
+// and dedup.ErrInFlight when another owner holds it (then one more round
+// trip reads the lease's PTTL for RetryAfter). SET NX GET needs Redis 7.0
+// (or Valkey); on an older server, which refuses it as a syntax error, the
+// Store switches to a Lua script with the same effect (EVALSHA).
+//
+// A granted lease carries a random 128-bit token. Extend, Complete and
+// Release compare that token inside a Lua script (EVALSHA) and return an
+// error wrapping dedup.ErrLeaseLost when the key is absent, held by another
+// token, or already done: a stale owner never overwrites the new owner, and
+// a completed key is never released. ClaimBatch sends the claims of a whole
+// batch in one pipeline.
+//
+// Every Redis error (unreachable server, timeout, a refused write) is
+// returned wrapped and never as a duplicate or in-flight answer, so callers
+// fail closed: the message is not acknowledged and is delivered again.
+//
+// # Key layout
+//
+//	<Prefix>:v1:{<tag>}:<len(scope)>:<scope>:<id>
+//
+// "v1" versions the layout and the record format. The tag is the first 8
+// bytes of SHA-256(scope, 0x00, id) in hex: a Redis Cluster hash tag, so
+// the key's slot depends on the tag alone and keys spread evenly over the
+// cluster; Prefix may not contain braces, so the tag is always the first
+// {...} of the key whatever the scope and id contain. The scope follows with
+// its length in bytes, which makes the key unambiguous: two different
+// (scope, id) pairs never share a key, even when they contain ':' or braces.
+// Store.RedisKey returns the key of a dedup.Key, for operators.
+//
+// The value is a binary record: one state byte ('L' in flight, 'D' done),
+// the 32-byte fingerprint (all zeros when absent), then the owner's token
+// while in flight or the stored result once done. The key's expiry is the
+// lease while in flight and the retention (TTL) once done.
+//
+// # Durability
+//
+// Redis marks are best effort. A restart without AOF persistence, a failover
+// to a replica that had not received the latest writes, or eviction under
+// maxmemory loses marks, and a lost mark lets a duplicate through. Run the
+// dedup Redis with "maxmemory-policy noeviction" (then a full Redis refuses
+// claims, and callers fail closed, instead of forgetting marks). Where a
+// duplicate costs money, keep dedup/pgtable (or the two-level store in
+// dedup/twolevel, Redis in front of PostgreSQL) as the source of truth and
+// use redisnx alone only where a rare duplicate is acceptable.
+//
+// The Store does not own the client: closing the client is the caller's job,
+// and the Store starts no goroutine.
+package redisnx

@@ -1,0 +1,262 @@
+package redisnx
+
+import (
+	"context"
+	"errors"
+	"regexp"
+	"testing"
+	"time"
+
+	"github.com/redis/go-redis/v9"
+
+	"github.com/idemkit/idem/dedup"
+	"github.com/idemkit/idem/dedup/deduptest"
+	"github.com/idemkit/idem/internal/testenv"
+)
+
+// TestScriptsTouchOneKey: every script names KEYS[1] only, so each call
+// touches one key and one Cluster slot.
+func TestScriptsTouchOneKey(t *testing.T) {
+	keysRef := regexp.MustCompile(`KEYS\[[^\]]*\]`)
+	for name, src := range map[string]string{
+		"claim": claimSrc, "extend": extendSrc, "complete": completeSrc, "release": releaseSrc,
+	} {
+		refs := keysRef.FindAllString(src, -1)
+		if len(refs) == 0 {
+			t.Errorf("%s script names no key", name)
+		}
+		for _, r := range refs {
+			if r != "KEYS[1]" {
+				t.Errorf("%s script names %s; each script must touch KEYS[1] only", name, r)
+			}
+		}
+	}
+}
+
+// legacyStore returns a store that claims through the claim script, as on
+// Redis before 7.0, with a script body unique to it: the server does not
+// know the script, so the first claims meet NOSCRIPT (as after a restart or
+// SCRIPT FLUSH) without a global SCRIPT FLUSH that would disturb other tests.
+func legacyStore(t testing.TB, opts Options) (*Store, *redis.Client) {
+	c := testenv.Redis(t)
+	opts.Prefix = testenv.Name("redisnx")
+	s, err := New(c, opts)
+	if err != nil {
+		t.Fatal(err)
+	}
+	s.legacy.Store(true)
+	s.claim = redis.NewScript(claimSrc + "\n-- " + opts.Prefix + "\n")
+	t.Cleanup(func() { deleteKeys(t, c, opts.Prefix) })
+	return s, c
+}
+
+func deleteKeys(t testing.TB, c *redis.Client, prefix string) {
+	ctx := context.Background()
+	it := c.Scan(ctx, 0, prefix+":*", 1000).Iterator()
+	for it.Next(ctx) {
+		c.Unlink(ctx, it.Val())
+	}
+	if err := it.Err(); err != nil {
+		t.Logf("cleanup of %s:*: %v", prefix, err)
+	}
+}
+
+// TestConformanceLegacy runs the suite on the claim script path.
+func TestConformanceLegacy(t *testing.T) {
+	deduptest.RunLease(t, deduptest.LeaseHarness{
+		New: func(t testing.TB, cfg deduptest.Config) deduptest.LeaseInstance {
+			s, _ := legacyStore(t, Options{Lease: cfg.Lease, TTL: cfg.TTL})
+			return deduptest.LeaseInstance{Store: s}
+		},
+		Down: func(t testing.TB) dedup.LeaseStore {
+			c := redis.NewClient(&redis.Options{Addr: testenv.DeadAddr(t), MaxRetries: -1, DialerRetries: 1})
+			t.Cleanup(func() { _ = c.Close() })
+			s, err := New(c, Options{})
+			if err != nil {
+				t.Fatal(err)
+			}
+			s.legacy.Store(true)
+			return s
+		},
+	})
+}
+
+// TestClaimBatchLoadsMissingScript: a pipeline that meets NOSCRIPT loads the
+// script and claims again.
+func TestClaimBatchLoadsMissingScript(t *testing.T) {
+	s, c := legacyStore(t, Options{})
+	ctx := deduptest.Ctx(t)
+	if ok := s.claim.Exists(ctx, c).Val(); len(ok) != 1 || ok[0] {
+		t.Fatalf("SCRIPT EXISTS = %v, want the fresh script unknown", ok)
+	}
+	scope := deduptest.UniqueID("s")
+	k1 := dedup.NewKey(scope, "a", []byte("1"))
+	k2 := dedup.NewKey(scope, "b", []byte("2"))
+	res, err := s.ClaimBatch(ctx, []dedup.Key{k1, k2, k1})
+	if err != nil {
+		t.Fatalf("ClaimBatch without the script loaded: %v", err)
+	}
+	if res[0].Err != nil || res[1].Err != nil || !errors.Is(res[2].Err, dedup.ErrInFlight) {
+		t.Fatalf("results %+v, want lease, lease, in flight", res)
+	}
+	if ok := s.claim.Exists(ctx, c).Val(); len(ok) != 1 || !ok[0] {
+		t.Fatalf("SCRIPT EXISTS after the batch = %v, want the script loaded", ok)
+	}
+}
+
+// replyError is an error reply as a Redis server would send it.
+type replyError string
+
+func (e replyError) Error() string { return string(e) }
+func (replyError) RedisError()     {}
+
+// oldRedis makes the client answer SET ... GET the way Redis 6 does.
+type oldRedis struct{}
+
+func (oldRedis) DialHook(next redis.DialHook) redis.DialHook { return next }
+
+func (oldRedis) ProcessHook(next redis.ProcessHook) redis.ProcessHook {
+	return func(ctx context.Context, cmd redis.Cmder) error {
+		if isSetGet(cmd) {
+			cmd.SetErr(replyError("ERR syntax error"))
+			return cmd.Err()
+		}
+		return next(ctx, cmd)
+	}
+}
+
+func (oldRedis) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.ProcessPipelineHook {
+	return func(ctx context.Context, cmds []redis.Cmder) error {
+		rest := cmds[:0:0]
+		for _, cmd := range cmds {
+			if isSetGet(cmd) {
+				cmd.SetErr(replyError("ERR syntax error"))
+				continue
+			}
+			rest = append(rest, cmd)
+		}
+		if len(rest) == 0 {
+			return nil
+		}
+		return next(ctx, rest)
+	}
+}
+
+func isSetGet(cmd redis.Cmder) bool {
+	args := cmd.Args()
+	return cmd.Name() == "set" && len(args) > 0 && args[len(args)-1] == "get"
+}
+
+// TestOldRedisFallsBack: when Redis refuses SET NX GET, the store switches to
+// the claim script and the claim still succeeds, without a double claim.
+func TestOldRedisFallsBack(t *testing.T) {
+	c := redis.NewClient(&redis.Options{Addr: testenv.RedisAddr()})
+	t.Cleanup(func() { _ = c.Close() })
+	testenv.Redis(t) // skips when Redis is missing
+	c.AddHook(oldRedis{})
+	prefix := testenv.Name("redisnx")
+	s, err := New(c, Options{Prefix: prefix})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { deleteKeys(t, c, prefix) })
+	ctx := deduptest.Ctx(t)
+	key := dedup.NewKey(deduptest.UniqueID("s"), "a", []byte("1"))
+	l, err := s.Claim(ctx, key)
+	if err != nil {
+		t.Fatalf("Claim on an old Redis: %v", err)
+	}
+	if !s.legacy.Load() {
+		t.Fatal("the store did not switch to the claim script")
+	}
+	if _, err := s.Claim(ctx, key); !errors.Is(err, dedup.ErrInFlight) {
+		t.Fatalf("second claim = %v, want ErrInFlight", err)
+	}
+	if err := s.Complete(ctx, l, []byte("r")); err != nil {
+		t.Fatal(err)
+	}
+	s2, _ := New(c, Options{Prefix: prefix})
+	res, err := s2.ClaimBatch(ctx, []dedup.Key{key, dedup.NewKey(key.Scope, "b", nil)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if r, ok := dedup.StoredResult(res[0].Err); !ok || string(r) != "r" || res[1].Err != nil {
+		t.Fatalf("batch on an old Redis = %+v", res)
+	}
+}
+
+// TestClaimResult covers the answers to a claim that found a stored record,
+// without Redis.
+func TestClaimResult(t *testing.T) {
+	c := redis.NewClient(&redis.Options{Addr: "127.0.0.1:1"}) // never dialled
+	defer c.Close()
+	s, err := New(c, Options{Lease: 7 * time.Second})
+	if err != nil {
+		t.Fatal(err)
+	}
+	fpA := dedup.FingerprintOf([]byte("a"))
+	fpB := dedup.FingerprintOf([]byte("b"))
+	key := dedup.Key{Scope: "s", ID: "1", Fingerprint: fpA}
+	done := func(fp dedup.Fingerprint, result string) string {
+		return string(append(append([]byte{stateDone}, fp[:]...), result...))
+	}
+	for _, tc := range []struct {
+		name    string
+		key     dedup.Key
+		stored  any // nil: SET NX GET set the key
+		want    error
+		result  string
+		granted bool
+	}{
+		{name: "absent", key: key, granted: true},
+		{name: "our own record (a resent command)", key: key, stored: string(inFlightRecord(fpA, "tok")), granted: true},
+		{name: "another owner", key: key, stored: string(inFlightRecord(fpA, "other")), want: dedup.ErrInFlight},
+		{name: "another owner, no fingerprint stored", key: key, stored: string(inFlightRecord(dedup.Fingerprint{}, "other")), want: dedup.ErrInFlight},
+		{name: "another owner, other content", key: key, stored: string(inFlightRecord(fpB, "other")), want: dedup.ErrFingerprintMismatch},
+		{name: "done", key: key, stored: done(fpA, "r"), want: dedup.ErrDuplicate, result: "r"},
+		{name: "done, claim without fingerprint", key: dedup.Key{Scope: "s", ID: "1"}, stored: done(fpB, "r"), want: dedup.ErrDuplicate, result: "r"},
+		{name: "done, other content", key: key, stored: done(fpB, "r"), want: dedup.ErrFingerprintMismatch},
+		{name: "foreign short value", key: key, stored: "hello"},
+		{name: "foreign state byte", key: key, stored: "X" + string(make([]byte, 40))},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			op := claimOp{key: tc.key, rkey: s.RedisKey(tc.key), token: "tok", cmd: redis.NewCmd(context.Background()), retryAfter: 3 * time.Second}
+			if tc.stored == nil {
+				op.cmd.SetErr(redis.Nil)
+			} else {
+				op.cmd.SetVal(tc.stored)
+			}
+			l, err := s.result(&op)
+			if tc.granted {
+				if err != nil || l == nil || l.Token != "tok" || l.TTL != 7*time.Second || l.Key != tc.key {
+					t.Fatalf("result = (%+v, %v), want a lease", l, err)
+				}
+				return
+			}
+			if l != nil || err == nil {
+				t.Fatalf("result = (%+v, %v), want an error", l, err)
+			}
+			if tc.want == nil {
+				for _, sentinel := range []error{dedup.ErrDuplicate, dedup.ErrInFlight, dedup.ErrFingerprintMismatch} {
+					if errors.Is(err, sentinel) {
+						t.Fatalf("result = %v; a foreign value must not look like %v", err, sentinel)
+					}
+				}
+				return
+			}
+			if !errors.Is(err, tc.want) {
+				t.Fatalf("result = %v, want %v", err, tc.want)
+			}
+			var ce *dedup.ClaimError
+			if !errors.As(err, &ce) {
+				t.Fatalf("%T is not a *dedup.ClaimError", err)
+			}
+			if string(ce.Result) != tc.result {
+				t.Fatalf("result %q, want %q", ce.Result, tc.result)
+			}
+			if tc.want == dedup.ErrInFlight && ce.RetryAfter != 3*time.Second {
+				t.Fatalf("RetryAfter = %v, want the PTTL", ce.RetryAfter)
+			}
+		})
+	}
+}

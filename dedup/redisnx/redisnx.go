@@ -1,0 +1,497 @@
+package redisnx
+
+import (
+	"context"
+	"crypto/rand"
+	"crypto/sha256"
+	"encoding/hex"
+	"errors"
+	"fmt"
+	"reflect"
+	"strconv"
+	"strings"
+	"sync/atomic"
+	"time"
+
+	"github.com/redis/go-redis/v9"
+
+	"github.com/idemkit/idem/dedup"
+)
+
+// Defaults for the zero Options.
+const (
+	DefaultLease  = 30 * time.Second
+	DefaultTTL    = 24 * time.Hour
+	DefaultPrefix = "idem"
+)
+
+// maxPrefixLen limits Options.Prefix.
+const maxPrefixLen = 64
+
+// Options configure a Store. The zero value is usable.
+type Options struct {
+	// Lease is how long a claim is held without Extend. A worker that
+	// crashes mid-message blocks the key's redelivery for at most this
+	// long. Rounded up to whole milliseconds. Defaults to 30s.
+	Lease time.Duration
+	// TTL is how long a completed key is remembered (its retention); it
+	// must outlive the longest redelivery horizon of the broker. Rounded
+	// up to whole milliseconds. Defaults to 24h.
+	TTL time.Duration
+	// Prefix starts every Redis key, so several applications or
+	// environments can share one Redis. 1 to 64 characters from
+	// [A-Za-z0-9_.:-]. Defaults to "idem".
+	Prefix string
+	// MaxKeyLen limits scope and id, in bytes. Defaults to
+	// dedup.DefaultMaxKeyLen.
+	MaxKeyLen int
+}
+
+// Store is a lease store on Redis. It is safe for concurrent use. It holds no
+// resources of its own: close the client when done.
+type Store struct {
+	client    redis.UniversalClient
+	lease     time.Duration
+	ttl       time.Duration
+	prefix    string // Prefix + ":v1:{"
+	maxKeyLen int
+	leaseArg  any // lease in milliseconds, as a script argument
+	ttlArg    any // TTL in milliseconds, as a script argument
+
+	// legacy is set once Redis has refused SET NX GET (Redis before 7.0):
+	// claims then go through the claim script.
+	legacy atomic.Bool
+
+	// The scripts are package variables in production; tests swap in
+	// scripts unknown to the server to exercise the NOSCRIPT path.
+	claim, extend, complete, release *redis.Script
+}
+
+var (
+	_ dedup.LeaseStore      = (*Store)(nil)
+	_ dedup.BatchLeaseStore = (*Store)(nil)
+)
+
+// New returns a Store on client. It does no I/O. It returns an error when
+// client is nil or an option is out of range.
+func New(client redis.UniversalClient, opts Options) (*Store, error) {
+	if isNil(client) {
+		return nil, errors.New("redisnx: New: client is nil; pass a redis.UniversalClient, for example redis.NewClient(&redis.Options{Addr: \"127.0.0.1:6379\"})")
+	}
+	lease, err := duration("Lease", opts.Lease, DefaultLease, "30s")
+	if err != nil {
+		return nil, err
+	}
+	ttl, err := duration("TTL", opts.TTL, DefaultTTL, "24h")
+	if err != nil {
+		return nil, err
+	}
+	prefix := opts.Prefix
+	if prefix == "" {
+		prefix = DefaultPrefix
+	}
+	if err := validPrefix(prefix); err != nil {
+		return nil, err
+	}
+	maxKeyLen := opts.MaxKeyLen
+	switch {
+	case maxKeyLen < 0:
+		return nil, fmt.Errorf("redisnx: Options.MaxKeyLen is %d; it must be positive (or zero for the default of %d bytes)", maxKeyLen, dedup.DefaultMaxKeyLen)
+	case maxKeyLen == 0:
+		maxKeyLen = dedup.DefaultMaxKeyLen
+	}
+	return &Store{
+		client:    client,
+		lease:     lease,
+		ttl:       ttl,
+		prefix:    prefix + ":v1:{",
+		maxKeyLen: maxKeyLen,
+		leaseArg:  strconv.FormatInt(lease.Milliseconds(), 10),
+		ttlArg:    strconv.FormatInt(ttl.Milliseconds(), 10),
+		claim:     claimScript,
+		extend:    extendScript,
+		complete:  completeScript,
+		release:   releaseScript,
+	}, nil
+}
+
+// isNil reports whether client is nil, including a typed nil pointer such as
+// (*redis.Client)(nil), which would panic on first use.
+func isNil(client redis.UniversalClient) bool {
+	if client == nil {
+		return true
+	}
+	v := reflect.ValueOf(client)
+	return v.Kind() == reflect.Pointer && v.IsNil()
+}
+
+// duration applies the default to a zero duration, refuses a negative one
+// and rounds the rest up to whole milliseconds, the unit of Redis expiries.
+func duration(name string, d, def time.Duration, defText string) (time.Duration, error) {
+	switch {
+	case d == 0:
+		return def, nil
+	case d < 0:
+		return 0, fmt.Errorf("redisnx: Options.%s is %v; it must be positive (or zero for the %s default)", name, d, defText)
+	}
+	if r := d % time.Millisecond; r != 0 {
+		d += time.Millisecond - r
+	}
+	return d, nil
+}
+
+func validPrefix(p string) error {
+	if len(p) > maxPrefixLen {
+		return fmt.Errorf("redisnx: Options.Prefix is %d bytes; the limit is %d (or leave it empty for %q)", len(p), maxPrefixLen, DefaultPrefix)
+	}
+	for i := 0; i < len(p); i++ {
+		c := p[i]
+		ok := c >= 'a' && c <= 'z' || c >= 'A' && c <= 'Z' || c >= '0' && c <= '9' ||
+			c == '_' || c == '.' || c == ':' || c == '-'
+		if !ok {
+			return fmt.Errorf("redisnx: Options.Prefix %q has %q at offset %d; use only letters, digits and _ . : - (or leave it empty for %q)", p, c, i, DefaultPrefix)
+		}
+	}
+	return nil
+}
+
+// RedisKey returns the Redis key that holds k, for operators and tests. The
+// fingerprint is not part of the key. See the package doc for the layout.
+func (s *Store) RedisKey(k dedup.Key) string {
+	var stack [2*dedup.DefaultMaxKeyLen + 1]byte
+	in := append(stack[:0], k.Scope...)
+	in = append(in, 0)
+	in = append(in, k.ID...)
+	sum := sha256.Sum256(in)
+	var tag [16]byte
+	hex.Encode(tag[:], sum[:8])
+
+	n := strconv.Itoa(len(k.Scope))
+	var b strings.Builder
+	b.Grow(len(s.prefix) + len(tag) + 2 + len(n) + 1 + len(k.Scope) + 1 + len(k.ID))
+	b.WriteString(s.prefix)
+	b.Write(tag[:])
+	b.WriteString("}:")
+	b.WriteString(n)
+	b.WriteByte(':')
+	b.WriteString(k.Scope)
+	b.WriteByte(':')
+	b.WriteString(k.ID)
+	return b.String()
+}
+
+func newToken() string {
+	var b [16]byte
+	_, _ = rand.Read(b[:]) // never fails (crypto/rand, Go 1.24+)
+	return hex.EncodeToString(b[:])
+}
+
+// inFlightRecord is the value a claim sets.
+func inFlightRecord(fp dedup.Fingerprint, token string) []byte {
+	rec := make([]byte, 0, headerLen+len(token))
+	rec = append(rec, stateInFlight)
+	rec = append(rec, fp[:]...)
+	return append(rec, token...)
+}
+
+// parseRecord splits a stored record. ok is false when the value is not a
+// record (idem does not share its prefix, but someone may write there).
+func parseRecord(v string) (state byte, fp dedup.Fingerprint, rest string, ok bool) {
+	if len(v) < headerLen || (v[0] != stateInFlight && v[0] != stateDone) {
+		return 0, fp, "", false
+	}
+	copy(fp[:], v[1:headerLen])
+	return v[0], fp, v[headerLen:], true
+}
+
+// claimOp is one key's claim on its way to Redis and back.
+type claimOp struct {
+	key   dedup.Key
+	rkey  string
+	token string
+	rec   []byte
+	// cmd is SET NX GET (reply: nil when granted, else the stored record),
+	// or, when script is set, the claim script (reply: 0 when granted,
+	// else {stored record, PTTL}).
+	cmd    *redis.Cmd
+	script bool
+	// retryAfter is the PTTL of a key found in flight.
+	retryAfter time.Duration
+}
+
+func (s *Store) newClaimOp(op *claimOp, key dedup.Key) {
+	op.key = key
+	op.rkey = s.RedisKey(key)
+	op.token = newToken()
+	op.rec = inFlightRecord(key.Fingerprint, op.token)
+}
+
+// cmdable is what claims are sent through: the client or a pipeline.
+type cmdable interface {
+	redis.Scripter
+	Do(ctx context.Context, args ...any) *redis.Cmd
+}
+
+// send issues op's command on c.
+func (s *Store) send(ctx context.Context, c cmdable, op *claimOp, legacy bool) {
+	op.script = legacy
+	if legacy {
+		op.cmd = s.claim.EvalSha(ctx, c, []string{op.rkey}, op.rec, s.leaseArg)
+		return
+	}
+	// SET NX GET: one atomic command that claims, or tells what is stored.
+	// It needs Redis 7.0.
+	op.cmd = c.Do(ctx, "set", op.rkey, op.rec, "px", s.leaseArg, "nx", "get")
+}
+
+// claimAll claims the keys of ops: one command per key, all of them in one
+// pipeline (one round trip). It returns an error only when Redis could not
+// be reached; an error that Redis returns for one key stays in that op.
+//
+// Two answers make it send some claims again, each of which had no effect:
+// a Redis older than 7.0 refuses SET NX GET as a syntax error (the store
+// then uses the claim script from now on), and a server that lacks the
+// script (a restart, SCRIPT FLUSH, a new cluster node) answers NOSCRIPT to
+// EVALSHA (the script is then loaded).
+//
+// Keys found in flight get their PTTL, as the RetryAfter hint, in one more
+// round trip; it is only a hint, so a failure there leaves it at zero.
+func (s *Store) claimAll(ctx context.Context, ops []claimOp) error {
+	todo := make([]*claimOp, len(ops))
+	for i := range ops {
+		todo[i] = &ops[i]
+	}
+	for attempt := 0; attempt < 3 && len(todo) > 0; attempt++ {
+		legacy := s.legacy.Load()
+		if len(todo) == 1 {
+			s.send(ctx, s.client, todo[0], legacy)
+		} else {
+			_, _ = s.client.Pipelined(ctx, func(p redis.Pipeliner) error {
+				for _, op := range todo {
+					s.send(ctx, p, op, legacy)
+				}
+				return nil
+			})
+		}
+		var again []*claimOp
+		load := false
+		for _, op := range todo {
+			err := op.cmd.Err()
+			switch {
+			case err == nil || errors.Is(err, redis.Nil):
+			case !isReplyError(err):
+				return err
+			case !legacy && redis.HasErrorPrefix(err, "syntax error"):
+				// Redis 6 answers "ERR syntax error" (HasErrorPrefix
+				// trims the "ERR ").
+				s.legacy.Store(true)
+				again = append(again, op)
+			case legacy && isNoScript(err):
+				load = true
+				again = append(again, op)
+			}
+		}
+		if load {
+			if err := s.claim.Load(ctx, s.client).Err(); err != nil {
+				return fmt.Errorf("loading the claim script: %w", err)
+			}
+		}
+		todo = again
+	}
+
+	var waiting []*claimOp
+	for i := range ops {
+		op := &ops[i]
+		if op.script {
+			continue // the script answered the PTTL
+		}
+		if v, err := op.cmd.Text(); err == nil {
+			if state, fp, token, ok := parseRecord(v); ok && state == stateInFlight && token != op.token && op.key.Fingerprint.Matches(fp) {
+				waiting = append(waiting, op)
+			}
+		}
+	}
+	if len(waiting) == 0 {
+		return nil
+	}
+	ttls := make([]*redis.DurationCmd, len(waiting))
+	_, _ = s.client.Pipelined(ctx, func(p redis.Pipeliner) error {
+		for i, op := range waiting {
+			ttls[i] = p.PTTL(ctx, op.rkey)
+		}
+		return nil
+	})
+	for i, op := range waiting {
+		if d, err := ttls[i].Result(); err == nil && d > 0 {
+			op.retryAfter = d
+		}
+	}
+	return nil
+}
+
+// result turns op's reply into a lease or the claim error.
+func (s *Store) result(op *claimOp) (*dedup.Lease, error) {
+	var stored string
+	if !op.script { // SET NX GET
+		v, err := op.cmd.Text()
+		switch {
+		case errors.Is(err, redis.Nil):
+			return &dedup.Lease{Key: op.key, Token: op.token, TTL: s.lease}, nil
+		case err != nil:
+			return nil, fmt.Errorf("redisnx: claim %s: %w", op.key, err)
+		}
+		stored = v
+	} else {
+		reply, err := op.cmd.Result()
+		if err != nil {
+			return nil, fmt.Errorf("redisnx: claim %s: %w", op.key, err)
+		}
+		if n, ok := reply.(int64); ok && n == 0 {
+			return &dedup.Lease{Key: op.key, Token: op.token, TTL: s.lease}, nil
+		}
+		arr, _ := reply.([]any)
+		var ok1, ok2 bool
+		var ms int64
+		if len(arr) == 2 {
+			stored, ok1 = arr[0].(string)
+			ms, ok2 = arr[1].(int64)
+		}
+		if !ok1 || !ok2 {
+			return nil, fmt.Errorf("redisnx: claim %s: unexpected reply %v from the claim script", op.key, reply)
+		}
+		op.retryAfter = time.Duration(ms) * time.Millisecond
+	}
+
+	state, fp, rest, ok := parseRecord(stored)
+	switch {
+	case ok && state == stateInFlight && rest == op.token:
+		// Our own record: the client resent the command after losing
+		// the first reply (go-redis retries on network errors).
+		return &dedup.Lease{Key: op.key, Token: op.token, TTL: s.lease}, nil
+	case !ok:
+		return nil, fmt.Errorf("redisnx: claim %s: Redis key %q holds a value that is not an idem record; refusing to process (delete the key if it is stale, and give idem its own Options.Prefix)", op.key, op.rkey)
+	case !op.key.Fingerprint.Matches(fp):
+		return nil, dedup.Mismatch(op.key)
+	case state == stateDone:
+		var result []byte
+		if rest != "" {
+			result = []byte(rest)
+		}
+		return nil, dedup.Duplicate(op.key, result)
+	}
+	return nil, dedup.InFlight(op.key, op.retryAfter) // PTTL's -1 and -2 become 0
+}
+
+// Claim implements dedup.LeaseStore in one round trip (SET NX GET PX), plus
+// one PTTL when the key is in flight, for the answer's RetryAfter.
+func (s *Store) Claim(ctx context.Context, key dedup.Key) (*dedup.Lease, error) {
+	if err := dedup.ValidateKey(key, s.maxKeyLen); err != nil {
+		return nil, err
+	}
+	if err := ctx.Err(); err != nil {
+		return nil, fmt.Errorf("redisnx: claim %s: %w", key, err)
+	}
+	var ops [1]claimOp
+	s.newClaimOp(&ops[0], key)
+	if err := s.claimAll(ctx, ops[:]); err != nil {
+		return nil, fmt.Errorf("redisnx: claim %s: %w", key, err)
+	}
+	return s.result(&ops[0])
+}
+
+// ClaimBatch implements dedup.BatchLeaseStore: the claims of all valid keys
+// go to Redis in one pipeline (one round trip, plus one for the RetryAfter
+// of keys found in flight). Invalid keys get dedup.ErrInvalidKey without
+// I/O. A key repeated in the batch is claimed once; its later copies see
+// dedup.ErrInFlight.
+//
+// When Redis cannot be reached (or ctx ends) ClaimBatch returns a nil slice
+// and the error: no lease is handed out. Claims of that batch that reached
+// Redis before the failure stay in flight until their lease runs out, as
+// after a crashed worker. An error that Redis returns for one key only (such
+// as a refused write under maxmemory) is that key's BatchResult.Err.
+func (s *Store) ClaimBatch(ctx context.Context, keys []dedup.Key) ([]dedup.BatchResult, error) {
+	out := make([]dedup.BatchResult, len(keys))
+	idx := make([]int, 0, len(keys))
+	for i, k := range keys {
+		if err := dedup.ValidateKey(k, s.maxKeyLen); err != nil {
+			out[i].Err = err
+			continue
+		}
+		idx = append(idx, i)
+	}
+	if len(idx) == 0 {
+		return out, nil
+	}
+	if err := ctx.Err(); err != nil {
+		return nil, fmt.Errorf("redisnx: claim batch: %w", err)
+	}
+	ops := make([]claimOp, len(idx))
+	for j, i := range idx {
+		s.newClaimOp(&ops[j], keys[i])
+	}
+	if err := s.claimAll(ctx, ops); err != nil {
+		return nil, fmt.Errorf("redisnx: claim batch of %d keys: %w", len(keys), err)
+	}
+	for j, i := range idx {
+		out[i].Lease, out[i].Err = s.result(&ops[j])
+	}
+	return out, nil
+}
+
+// isReplyError reports whether err is an error reply from Redis about one
+// command, as opposed to a failure to reach Redis at all.
+func isReplyError(err error) bool {
+	var re redis.Error
+	return errors.As(err, &re)
+}
+
+func isNoScript(err error) bool { return redis.HasErrorPrefix(err, "NOSCRIPT") }
+
+// owned runs one of the token scripts and maps its reply.
+func (s *Store) owned(ctx context.Context, op string, sc *redis.Script, l *dedup.Lease, args ...any) error {
+	if l == nil {
+		return fmt.Errorf("redisnx: %s: nil lease: %w", op, dedup.ErrLeaseLost)
+	}
+	if err := ctx.Err(); err != nil {
+		return fmt.Errorf("redisnx: %s %s: %w", op, l.Key, err)
+	}
+	n, err := sc.Run(ctx, s.client, []string{s.RedisKey(l.Key)}, args...).Int64()
+	if err != nil {
+		return fmt.Errorf("redisnx: %s %s: %w", op, l.Key, err)
+	}
+	if n != 1 {
+		return fmt.Errorf("redisnx: %s %s: %w", op, l.Key, dedup.ErrLeaseLost)
+	}
+	return nil
+}
+
+// Extend implements dedup.LeaseStore: the lease runs for Options.Lease from
+// now.
+func (s *Store) Extend(ctx context.Context, l *dedup.Lease) error {
+	if l == nil {
+		return s.owned(ctx, "extend", s.extend, l)
+	}
+	return s.owned(ctx, "extend", s.extend, l, l.Token, s.leaseArg)
+}
+
+// Complete implements dedup.LeaseStore: the key is done, holds result, and
+// is remembered for Options.TTL.
+func (s *Store) Complete(ctx context.Context, l *dedup.Lease, result []byte) error {
+	if l == nil {
+		return s.owned(ctx, "complete", s.complete, l)
+	}
+	if result == nil {
+		result = []byte{}
+	}
+	return s.owned(ctx, "complete", s.complete, l, l.Token, result, s.ttlArg)
+}
+
+// Release implements dedup.LeaseStore: the key is deleted so a redelivery
+// runs again. A completed key is never released.
+func (s *Store) Release(ctx context.Context, l *dedup.Lease) error {
+	if l == nil {
+		return s.owned(ctx, "release", s.release, l)
+	}
+	return s.owned(ctx, "release", s.release, l, l.Token)
+}

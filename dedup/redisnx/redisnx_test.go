@@ -1,0 +1,528 @@
+package redisnx_test
+
+import (
+	"context"
+	"crypto/sha256"
+	"encoding/hex"
+	"errors"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/redis/go-redis/v9"
+	"go.uber.org/goleak"
+
+	"github.com/idemkit/idem/dedup"
+	"github.com/idemkit/idem/dedup/deduptest"
+	"github.com/idemkit/idem/dedup/redisnx"
+	"github.com/idemkit/idem/internal/testenv"
+)
+
+func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
+
+// newStore returns a Store with its own prefix on the test Redis, and deletes
+// the prefix's keys when the test ends.
+func newStore(t testing.TB, opts redisnx.Options) (*redisnx.Store, *redis.Client) {
+	t.Helper()
+	c := testenv.Redis(t)
+	if opts.Prefix == "" {
+		opts.Prefix = testenv.Name("redisnx")
+	}
+	s, err := redisnx.New(c, opts)
+	if err != nil {
+		t.Fatalf("New: %v", err)
+	}
+	t.Cleanup(func() { deletePrefix(t, c, opts.Prefix) })
+	return s, c
+}
+
+// scanPrefix returns every key under prefix.
+func scanPrefix(t testing.TB, c *redis.Client, prefix string) []string {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	var keys []string
+	it := c.Scan(ctx, 0, prefix+":*", 1000).Iterator()
+	for it.Next(ctx) {
+		keys = append(keys, it.Val())
+	}
+	if err := it.Err(); err != nil {
+		t.Fatalf("SCAN %s:*: %v", prefix, err)
+	}
+	return keys
+}
+
+func deletePrefix(t testing.TB, c *redis.Client, prefix string) {
+	keys := scanPrefix(t, c, prefix)
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	for len(keys) > 0 {
+		n := min(len(keys), 500)
+		if err := c.Unlink(ctx, keys[:n]...).Err(); err != nil {
+			t.Logf("cleanup of %s:*: %v", prefix, err)
+			return
+		}
+		keys = keys[n:]
+	}
+}
+
+// downClient is a client on a port nothing listens on, that gives up at once.
+func downClient(t testing.TB) *redis.Client {
+	c := redis.NewClient(&redis.Options{
+		Addr:          testenv.DeadAddr(t),
+		DialTimeout:   200 * time.Millisecond,
+		MaxRetries:    -1,
+		DialerRetries: 1,
+	})
+	t.Cleanup(func() { _ = c.Close() })
+	return c
+}
+
+func TestConformance(t *testing.T) {
+	deduptest.RunLease(t, deduptest.LeaseHarness{
+		New: func(t testing.TB, cfg deduptest.Config) deduptest.LeaseInstance {
+			s, _ := newStore(t, redisnx.Options{Lease: cfg.Lease, TTL: cfg.TTL})
+			return deduptest.LeaseInstance{Store: s} // Redis's clock: the suite sleeps
+		},
+		Down: func(t testing.TB) dedup.LeaseStore {
+			s, err := redisnx.New(downClient(t), redisnx.Options{Prefix: testenv.Name("redisnx")})
+			if err != nil {
+				t.Fatal(err)
+			}
+			return s
+		},
+	})
+}
+
+func TestNewErrors(t *testing.T) {
+	c := redis.NewClient(&redis.Options{Addr: "127.0.0.1:1"}) // New does no I/O
+	defer c.Close()
+	for _, tc := range []struct {
+		name   string
+		client redis.UniversalClient
+		opts   redisnx.Options
+		want   string
+	}{
+		{"nil client", nil, redisnx.Options{}, "client"},
+		{"typed nil client", (*redis.Client)(nil), redisnx.Options{}, "client"},
+		{"typed nil cluster client", (*redis.ClusterClient)(nil), redisnx.Options{}, "client"},
+		{"negative lease", c, redisnx.Options{Lease: -time.Second}, "Options.Lease"},
+		{"negative TTL", c, redisnx.Options{TTL: -time.Second}, "Options.TTL"},
+		{"negative MaxKeyLen", c, redisnx.Options{MaxKeyLen: -1}, "Options.MaxKeyLen"},
+		{"prefix with a space", c, redisnx.Options{Prefix: "a b"}, "Options.Prefix"},
+		{"prefix with a semicolon", c, redisnx.Options{Prefix: "x;y"}, "Options.Prefix"},
+		{"prefix with a brace", c, redisnx.Options{Prefix: "app{1}"}, "Options.Prefix"},
+		{"prefix with a glob", c, redisnx.Options{Prefix: "app*"}, "Options.Prefix"},
+		{"prefix with non-ASCII", c, redisnx.Options{Prefix: "заказ"}, "Options.Prefix"},
+		{"prefix with a newline", c, redisnx.Options{Prefix: "a\nb"}, "Options.Prefix"},
+		{"prefix too long", c, redisnx.Options{Prefix: strings.Repeat("p", 65)}, "Options.Prefix"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			s, err := redisnx.New(tc.client, tc.opts)
+			if err == nil || s != nil {
+				t.Fatalf("New = (%v, %v), want an error", s, err)
+			}
+			if !strings.Contains(err.Error(), tc.want) {
+				t.Fatalf("error %q does not name %s", err, tc.want)
+			}
+		})
+	}
+	for _, p := range []string{"idem", "a", "app-1_prod.eu:dedup", strings.Repeat("p", 64)} {
+		if _, err := redisnx.New(c, redisnx.Options{Prefix: p}); err != nil {
+			t.Errorf("Prefix %q: %v", p, err)
+		}
+	}
+}
+
+func TestDefaults(t *testing.T) {
+	s, c := newStore(t, redisnx.Options{})
+	ctx := deduptest.Ctx(t)
+	l, err := s.Claim(ctx, dedup.NewKey(deduptest.UniqueID("s"), deduptest.UniqueID("id"), []byte("p")))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if l.TTL != 30*time.Second {
+		t.Fatalf("lease TTL = %v, want 30s", l.TTL)
+	}
+	if len(l.Token) != 32 {
+		t.Fatalf("token %q, want 32 hex digits", l.Token)
+	}
+	if _, err := hex.DecodeString(l.Token); err != nil {
+		t.Fatalf("token %q is not hex: %v", l.Token, err)
+	}
+	if err := s.Complete(ctx, l, nil); err != nil {
+		t.Fatal(err)
+	}
+	pttl := c.PTTL(ctx, s.RedisKey(l.Key)).Val()
+	if pttl > 24*time.Hour || pttl < 24*time.Hour-time.Minute {
+		t.Fatalf("PTTL of a completed key with default options = %v, want about 24h", pttl)
+	}
+	def, err := redisnx.New(c, redisnx.Options{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if k := def.RedisKey(l.Key); !strings.HasPrefix(k, "idem:v1:{") {
+		t.Fatalf("default key %q does not start with idem:v1:{", k)
+	}
+}
+
+// TestExpiries: Redis really expires what the store writes: an in-flight key
+// after the lease, a completed key after the TTL.
+func TestExpiries(t *testing.T) {
+	const lease, ttl = 20 * time.Second, 3 * time.Hour
+	s, c := newStore(t, redisnx.Options{Lease: lease, TTL: ttl})
+	ctx := deduptest.Ctx(t)
+	key := dedup.NewKey(deduptest.UniqueID("s"), deduptest.UniqueID("id"), []byte("p"))
+	rk := s.RedisKey(key)
+	near := func(what string, got, want time.Duration) {
+		t.Helper()
+		if got > want || got < want-5*time.Second {
+			t.Fatalf("PTTL %s = %v, want about %v", what, got, want)
+		}
+	}
+
+	l, err := s.Claim(ctx, key)
+	if err != nil {
+		t.Fatal(err)
+	}
+	near("after Claim", c.PTTL(ctx, rk).Val(), lease)
+	if err := c.PExpire(ctx, rk, time.Second).Err(); err != nil { // age the lease
+		t.Fatal(err)
+	}
+	if err := s.Extend(ctx, l); err != nil {
+		t.Fatal(err)
+	}
+	near("after Extend", c.PTTL(ctx, rk).Val(), lease)
+	_, err = s.Claim(ctx, key)
+	var ce *dedup.ClaimError
+	if !errors.As(err, &ce) || !errors.Is(err, dedup.ErrInFlight) {
+		t.Fatalf("second claim = %v, want ErrInFlight", err)
+	}
+	if ce.RetryAfter > lease || ce.RetryAfter < lease-5*time.Second {
+		t.Fatalf("RetryAfter = %v, want about %v", ce.RetryAfter, lease)
+	}
+	if err := s.Complete(ctx, l, []byte("ok")); err != nil {
+		t.Fatal(err)
+	}
+	near("after Complete", c.PTTL(ctx, rk).Val(), ttl)
+
+	// A short TTL really runs out in Redis.
+	short, c2 := newStore(t, redisnx.Options{Lease: time.Second, TTL: 300 * time.Millisecond})
+	l, err = short.Claim(ctx, key)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := short.Complete(ctx, l, nil); err != nil {
+		t.Fatal(err)
+	}
+	time.Sleep(500 * time.Millisecond)
+	if n := c2.Exists(ctx, short.RedisKey(key)).Val(); n != 0 {
+		t.Fatalf("completed key still exists after its TTL")
+	}
+}
+
+// collisionKeys are pairs that a naive "scope:id" or brace-unaware layout
+// would confuse.
+var collisionKeys = []dedup.Key{
+	{Scope: "a:b", ID: "c"},
+	{Scope: "a", ID: "b:c"},
+	{Scope: "a:", ID: "b"},
+	{Scope: "a", ID: ":b"},
+	{Scope: "1:a", ID: "b"},
+	{Scope: "1", ID: "a:b"},
+	{Scope: "{x}", ID: "y"},
+	{Scope: "{x", ID: "}y"},
+	{Scope: "{x}y", ID: "z"},
+	{Scope: "x", ID: "{y}z"},
+	{Scope: "}{", ID: "}{"},
+	{Scope: "a b", ID: "c"},
+	{Scope: "a", ID: "b c"},
+	{Scope: "заказ", ID: "订单"},
+	{Scope: "заказ:订单", ID: "x"},
+	{Scope: "10", ID: "x"},
+	{Scope: "1", ID: "0:x"},
+}
+
+func TestKeyEncodingNeverCollides(t *testing.T) {
+	s, _ := newStore(t, redisnx.Options{})
+	seen := map[string]dedup.Key{}
+	for _, k := range collisionKeys {
+		rk := s.RedisKey(k)
+		if prev, ok := seen[rk]; ok {
+			t.Fatalf("%q and %q share the Redis key %q", prev, k, rk)
+		}
+		seen[rk] = k
+	}
+	// And against Redis (the store's prefix is unique to this test): every
+	// pair is claimed independently.
+	ctx := deduptest.Ctx(t)
+	for _, k := range collisionKeys {
+		l, err := s.Claim(ctx, k)
+		if err != nil {
+			t.Fatalf("claim %q: %v", k, err)
+		}
+		if err := s.Complete(ctx, l, []byte(k.Scope+"|"+k.ID)); err != nil {
+			t.Fatal(err)
+		}
+		_, err = s.Claim(ctx, k)
+		if r, ok := dedup.StoredResult(err); !ok || string(r) != k.Scope+"|"+k.ID {
+			t.Fatalf("claim %q again = %v (result %q), want its own result", k, err, r)
+		}
+	}
+}
+
+// hashTag applies Redis Cluster's rule: the hashed part of a key is what lies
+// between the first '{' and the first '}' after it, when that is non-empty.
+func hashTag(key string) string {
+	i := strings.IndexByte(key, '{')
+	if i < 0 {
+		return key
+	}
+	j := strings.IndexByte(key[i+1:], '}')
+	if j <= 0 {
+		return key
+	}
+	return key[i+1 : i+1+j]
+}
+
+// slot is Redis Cluster's key slot: CRC16-XMODEM of the hash tag mod 16384.
+func slot(key string) int {
+	var crc uint16
+	for _, b := range []byte(hashTag(key)) {
+		crc ^= uint16(b) << 8
+		for range 8 {
+			if crc&0x8000 != 0 {
+				crc = crc<<1 ^ 0x1021
+			} else {
+				crc <<= 1
+			}
+		}
+	}
+	return int(crc) % 16384
+}
+
+func TestHashTag(t *testing.T) {
+	if got := slot("123456789"); got != 0x31C3%16384 {
+		t.Fatalf("slot(123456789) = %d; the CRC16 in this test is wrong", got)
+	}
+	if slot("{user1000}.following") != slot("{user1000}.followers") {
+		t.Fatal("hashTag in this test is wrong")
+	}
+	s, _ := newStore(t, redisnx.Options{Prefix: "app.prod:dedup-1"})
+	slots := map[int]bool{}
+	for i, k := range collisionKeys {
+		rk := s.RedisKey(k)
+		if !strings.HasPrefix(rk, "app.prod:dedup-1:v1:{") {
+			t.Fatalf("key %q does not start with the prefix and version", rk)
+		}
+		sum := sha256.Sum256([]byte(k.Scope + "\x00" + k.ID))
+		want := hex.EncodeToString(sum[:8])
+		if tag := hashTag(rk); tag != want {
+			t.Fatalf("%d: key %q hashes on %q, want the tag %q whatever the scope and id hold", i, rk, tag, want)
+		}
+		slots[slot(rk)] = true
+	}
+	if len(slots) < len(collisionKeys)-2 {
+		t.Fatalf("%d keys fall in only %d slots", len(collisionKeys), len(slots))
+	}
+}
+
+// TestOneRedisKeyPerMessage: a message's whole life (claim, extend,
+// complete, duplicate claims) lives in one Redis key, so it has one slot.
+func TestOneRedisKeyPerMessage(t *testing.T) {
+	prefix := testenv.Name("redisnx")
+	s, c := newStore(t, redisnx.Options{Prefix: prefix})
+	ctx := deduptest.Ctx(t)
+	key := dedup.NewKey("billing:{charge}", deduptest.UniqueID("order:{1}"), []byte("p"))
+	l, err := s.Claim(ctx, key)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := s.Extend(ctx, l); err != nil {
+		t.Fatal(err)
+	}
+	if keys := scanPrefix(t, c, prefix); len(keys) != 1 || keys[0] != s.RedisKey(key) {
+		t.Fatalf("keys while in flight = %q, want only %q", keys, s.RedisKey(key))
+	}
+	if err := s.Complete(ctx, l, []byte("r")); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := s.Claim(ctx, key); !errors.Is(err, dedup.ErrDuplicate) {
+		t.Fatalf("claim after complete = %v", err)
+	}
+	if keys := scanPrefix(t, c, prefix); len(keys) != 1 || keys[0] != s.RedisKey(key) {
+		t.Fatalf("keys once done = %q, want only %q", keys, s.RedisKey(key))
+	}
+	if typ := c.Type(ctx, s.RedisKey(key)).Val(); typ != "string" {
+		t.Fatalf("record type %q, want string", typ)
+	}
+}
+
+func TestResults(t *testing.T) {
+	s, _ := newStore(t, redisnx.Options{})
+	ctx := deduptest.Ctx(t)
+	scope := deduptest.UniqueID("s")
+	for name, result := range map[string][]byte{
+		"nil":    nil,
+		"empty":  {},
+		"binary": {0, 1, 0xff, 0xfe, '\n', 0},
+		"json":   []byte(`{"status":"charged","id":"ch_1"}`),
+		"large":  []byte(strings.Repeat("r", 1<<20)),
+	} {
+		key := dedup.NewKey(scope, deduptest.UniqueID(name), []byte(name))
+		l, err := s.Claim(ctx, key)
+		if err != nil {
+			t.Fatalf("%s: %v", name, err)
+		}
+		if err := s.Complete(ctx, l, result); err != nil {
+			t.Fatalf("%s: Complete: %v", name, err)
+		}
+		_, err = s.Claim(ctx, key)
+		got, ok := dedup.StoredResult(err)
+		if !ok || string(got) != string(result) {
+			t.Fatalf("%s: stored result %q (%v), want %q", name, got, err, result)
+		}
+		if len(result) == 0 && got != nil {
+			t.Fatalf("%s: an empty result comes back as %q, want nil", name, got)
+		}
+	}
+}
+
+// TestForeignValue: a key that holds something idem did not write is an
+// error, never a duplicate or in-flight answer.
+func TestForeignValue(t *testing.T) {
+	s, c := newStore(t, redisnx.Options{})
+	ctx := deduptest.Ctx(t)
+	scope := deduptest.UniqueID("s")
+	short := dedup.Key{Scope: scope, ID: "short"}
+	c.Set(ctx, s.RedisKey(short), "hello", time.Minute)
+	badState := dedup.Key{Scope: scope, ID: "bad-state"}
+	c.Set(ctx, s.RedisKey(badState), "X"+strings.Repeat("\x00", 40), time.Minute)
+	list := dedup.Key{Scope: scope, ID: "list"}
+	c.RPush(ctx, s.RedisKey(list), "x")
+	for _, k := range []dedup.Key{short, badState, list} {
+		l, err := s.Claim(ctx, k)
+		if err == nil || l != nil {
+			t.Fatalf("%s: Claim = (%v, %v), want an error", k, l, err)
+		}
+		for _, sentinel := range []error{dedup.ErrDuplicate, dedup.ErrInFlight, dedup.ErrFingerprintMismatch, dedup.ErrInvalidKey} {
+			if errors.Is(err, sentinel) {
+				t.Fatalf("%s: Claim = %v, must not look like %v", k, err, sentinel)
+			}
+		}
+		res, err := s.ClaimBatch(ctx, []dedup.Key{k})
+		if err == nil && (res[0].Err == nil || res[0].Lease != nil) {
+			t.Fatalf("%s: ClaimBatch granted %+v", k, res[0])
+		}
+		forged := &dedup.Lease{Key: k, Token: "t"}
+		if err := s.Release(ctx, forged); err == nil {
+			t.Fatalf("%s: Release of a foreign value succeeded", k)
+		}
+	}
+	if n := c.Exists(ctx, s.RedisKey(short), s.RedisKey(badState), s.RedisKey(list)).Val(); n != 3 {
+		t.Fatalf("foreign values were touched: %d of 3 left", n)
+	}
+}
+
+func TestNilLeaseAndCanceledContext(t *testing.T) {
+	s, _ := newStore(t, redisnx.Options{})
+	ctx := deduptest.Ctx(t)
+	if err := s.Extend(ctx, nil); !errors.Is(err, dedup.ErrLeaseLost) {
+		t.Fatalf("Extend(nil) = %v", err)
+	}
+	if err := s.Complete(ctx, nil, nil); !errors.Is(err, dedup.ErrLeaseLost) {
+		t.Fatalf("Complete(nil) = %v", err)
+	}
+	if err := s.Release(ctx, nil); !errors.Is(err, dedup.ErrLeaseLost) {
+		t.Fatalf("Release(nil) = %v", err)
+	}
+	canceled, cancel := context.WithCancel(ctx)
+	cancel()
+	key := dedup.NewKey(deduptest.UniqueID("s"), deduptest.UniqueID("id"), nil)
+	if l, err := s.Claim(canceled, key); !errors.Is(err, context.Canceled) || l != nil {
+		t.Fatalf("Claim on a canceled context = (%v, %v)", l, err)
+	}
+	if res, err := s.ClaimBatch(canceled, []dedup.Key{key}); !errors.Is(err, context.Canceled) || res != nil {
+		t.Fatalf("ClaimBatch on a canceled context = (%v, %v)", res, err)
+	}
+	// Nothing was written.
+	if _, err := s.Claim(ctx, key); err != nil {
+		t.Fatalf("claim after the canceled ones = %v, want a lease", err)
+	}
+}
+
+func TestStoreDown(t *testing.T) {
+	s, err := redisnx.New(downClient(t), redisnx.Options{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx := deduptest.Ctx(t)
+	key := dedup.NewKey("s", "id", []byte("p"))
+	res, err := s.ClaimBatch(ctx, []dedup.Key{key, key, {Scope: "s", ID: ""}})
+	if err == nil || res != nil {
+		t.Fatalf("ClaimBatch on a down store = (%v, %v), want (nil, error)", res, err)
+	}
+	// Invalid keys alone need no I/O.
+	res, err = s.ClaimBatch(ctx, []dedup.Key{{Scope: "s", ID: ""}})
+	if err != nil || len(res) != 1 || !errors.Is(res[0].Err, dedup.ErrInvalidKey) {
+		t.Fatalf("ClaimBatch of an invalid key on a down store = (%v, %v)", res, err)
+	}
+	l := &dedup.Lease{Key: key, Token: "t"}
+	for name, err := range map[string]error{
+		"Extend":   s.Extend(ctx, l),
+		"Complete": s.Complete(ctx, l, nil),
+		"Release":  s.Release(ctx, l),
+	} {
+		if err == nil || errors.Is(err, dedup.ErrLeaseLost) {
+			t.Fatalf("%s on a down store = %v, want a store error (not ErrLeaseLost)", name, err)
+		}
+	}
+}
+
+func TestPrefixesAreIsolated(t *testing.T) {
+	a, _ := newStore(t, redisnx.Options{})
+	b, _ := newStore(t, redisnx.Options{})
+	ctx := deduptest.Ctx(t)
+	key := dedup.NewKey(deduptest.UniqueID("s"), deduptest.UniqueID("id"), []byte("p"))
+	if _, err := a.Claim(ctx, key); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := b.Claim(ctx, key); err != nil {
+		t.Fatalf("the same key under another prefix = %v, want a lease", err)
+	}
+}
+
+func TestClaimBatchLarge(t *testing.T) {
+	s, _ := newStore(t, redisnx.Options{})
+	ctx := deduptest.Ctx(t)
+	scope := deduptest.UniqueID("s")
+	keys := make([]dedup.Key, 2000)
+	for i := range keys {
+		keys[i] = dedup.NewKey(scope, deduptest.UniqueID("id"), []byte{byte(i)})
+	}
+	res, err := s.ClaimBatch(ctx, keys)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for i, r := range res {
+		if r.Err != nil || r.Lease == nil || r.Lease.Key != keys[i] {
+			t.Fatalf("%d: %+v", i, r)
+		}
+	}
+	if err := s.Complete(ctx, res[7].Lease, []byte("seven")); err != nil {
+		t.Fatal(err)
+	}
+	res, err = s.ClaimBatch(ctx, keys[:10])
+	if err != nil {
+		t.Fatal(err)
+	}
+	for i, r := range res {
+		want := dedup.ErrInFlight
+		if i == 7 {
+			want = dedup.ErrDuplicate
+		}
+		if !errors.Is(r.Err, want) || r.Lease != nil {
+			t.Fatalf("%d: %+v, want %v", i, r, want)
+		}
+	}
+}
