@@ -63,7 +63,7 @@ func run(ctx context.Context, pgURL, schema string) error {
 		if err != nil {
 			return err
 		}
-		defer store.Close()
+		defer func() { _ = store.Close() }()
 		dedup, err := consumer.Dedup(store, consumer.DedupOptions{Scope: "billing/charge"})
 		if err != nil {
 			return err
