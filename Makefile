@@ -2,14 +2,14 @@
 #
 #   make test    services up, then every test with -race (the test command)
 #   make lint    gofmt, go vet, golangci-lint (installed on first use)
-#   make bench   dedup benchmarks
+#   make bench   side-by-side benchmarks in interleaved rounds (ROUNDS, BENCHTIME)
 #   make up      start or check PostgreSQL, Redis, RabbitMQ (scripts/services.sh)
 #   make down    stop what `make up` started with docker compose
 #   make status  probe the services
 #   make fmt     gofmt -s -w every Go file
 #
 # Variables: GOTESTFLAGS (extra go test flags, e.g. GOTESTFLAGS='-run TestX -v'),
-# PKGS (default ./...), BENCHFLAGS, BENCHPKGS (default ./dedup/...).
+# PKGS (default ./...), ROUNDS and BENCHTIME for make bench (default 5 and 3s).
 
 SHELL := bash
 .SHELLFLAGS := -eu -o pipefail -c
@@ -19,8 +19,6 @@ MAKEFLAGS += --no-print-directory
 GO ?= go
 PKGS ?= ./...
 GOTESTFLAGS ?=
-BENCHPKGS ?= ./dedup/...
-BENCHFLAGS ?=
 
 GOLANGCI_LINT_VERSION := 2.15.0
 # go install's target: the first GOPATH entry's bin (GOBIN is set explicitly
@@ -90,5 +88,6 @@ tools:
 fmt:
 	@files='$(GOFILES)'; [ -z "$$files" ] || gofmt -s -w $$files
 
-bench: up
-	$(GO) test -run '^$$' -bench . -benchtime 2s $(BENCHFLAGS) $(BENCHPKGS)
+# Interleaved rounds of the side-by-side benchmarks (docs/BENCHMARKS.md).
+bench:
+	@scripts/bench.sh $(or $(ROUNDS),5) $(or $(BENCHTIME),3s)
