@@ -142,7 +142,7 @@ func (s *Store) Process(ctx context.Context, key dedup.Key, fn dedup.TxFunc[pgx.
 	if err := s.validate(key); err != nil {
 		return nil, err
 	}
-	tx, release, err := s.begin(ctx, key)
+	tx, fastConn, release, err := s.begin(ctx, key)
 	if err != nil {
 		return nil, err
 	}
@@ -160,6 +160,17 @@ func (s *Store) Process(ctx context.Context, key dedup.Key, fn dedup.TxFunc[pgx.
 	result, err = fn(ctx, tx)
 	if err != nil {
 		return nil, err
+	}
+	if result != nil && fastConn != nil {
+		// The result and COMMIT travel in one round trip.
+		if err := s.commitWithResult(ctx, fastConn, key, result); err != nil {
+			if fastConn.PgConn().TxStatus() == 'I' {
+				committed = true // nothing left to roll back
+			}
+			return nil, err
+		}
+		committed = true
+		return result, nil
 	}
 	if result != nil {
 		if err := s.SetResultTx(ctx, tx, key, result); err != nil {

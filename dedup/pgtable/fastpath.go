@@ -49,54 +49,64 @@ func (s *Store) fastBeginSQL(key dedup.Key) string {
 }
 
 // begin returns a transaction that holds key's claim, and a function to call
-// once the transaction has ended.
-func (s *Store) begin(ctx context.Context, key dedup.Key) (pgx.Tx, func(), error) {
+// once the transaction has ended. When the fast path was taken it also
+// returns the connection, on which literals may be sent (see
+// commitWithResult).
+func (s *Store) begin(ctx context.Context, key dedup.Key) (pgx.Tx, *pgx.Conn, func(), error) {
+	tx, conn, release, err := s.beginInner(ctx, key)
+	if err != nil {
+		return nil, nil, nil, err
+	}
+	return tx, conn, release, nil
+}
+
+func (s *Store) beginInner(ctx context.Context, key dedup.Key) (pgx.Tx, *pgx.Conn, func(), error) {
 	var (
 		conn    *pgx.Conn
 		release = func() {}
 	)
 	if s.opts.Partitioned {
 		tx, err := s.slowBegin(ctx, s.db, key)
-		return tx, release, err
+		return tx, nil, release, err
 	}
 	switch db := s.db.(type) {
 	case *pgxpool.Pool:
 		pc, err := db.Acquire(ctx)
 		if err != nil {
-			return nil, nil, fmt.Errorf("pgtable: acquire: %w", err)
+			return nil, nil, nil, fmt.Errorf("pgtable: acquire: %w", err)
 		}
 		conn, release = pc.Conn(), pc.Release
 	case *pgx.Conn:
 		conn = db
 	default:
 		tx, err := s.slowBegin(ctx, s.db, key)
-		return tx, release, err
+		return tx, nil, release, err
 	}
 	if conn.PgConn().ParameterStatus("standard_conforming_strings") != "on" {
 		tx, err := s.slowBegin(ctx, conn, key)
 		if err != nil {
 			release()
-			return nil, nil, err
+			return nil, nil, nil, err
 		}
-		return tx, release, nil
+		return tx, nil, release, nil
 	}
 	tx, err := conn.BeginTx(ctx, pgx.TxOptions{BeginQuery: s.fastBeginSQL(key)})
 	if err == nil {
-		return tx, release, nil
+		return tx, conn, release, nil
 	}
 	var pgErr *pgconn.PgError
 	if !errors.As(err, &pgErr) {
 		release()
-		return nil, nil, fmt.Errorf("pgtable: claim %s: %w", key, err)
+		return nil, nil, nil, fmt.Errorf("pgtable: claim %s: %w", key, err)
 	}
 	// The query failed inside its transaction block: end it.
 	if _, rerr := conn.Exec(context.WithoutCancel(ctx), "ROLLBACK"); rerr != nil {
 		release()
-		return nil, nil, fmt.Errorf("pgtable: claim %s: %w", key, errors.Join(err, rerr))
+		return nil, nil, nil, fmt.Errorf("pgtable: claim %s: %w", key, errors.Join(err, rerr))
 	}
 	if pgErr.Code != uniqueViolation {
 		release()
-		return nil, nil, fmt.Errorf("pgtable: claim %s: %w", key, err)
+		return nil, nil, nil, fmt.Errorf("pgtable: claim %s: %w", key, err)
 	}
 	// The key exists: read it with a fresh snapshot.
 	var (
@@ -109,19 +119,19 @@ func (s *Store) begin(ctx context.Context, key dedup.Key) (pgx.Tx, func(), error
 	if err == nil && !expired {
 		release()
 		e.state, e.leaseMs = deref(st), deref(ms)
-		return nil, nil, verdict(key, e)
+		return nil, nil, nil, verdict(key, e)
 	}
 	if err != nil && !errors.Is(err, pgx.ErrNoRows) {
 		release()
-		return nil, nil, fmt.Errorf("pgtable: claim %s: %w", key, err)
+		return nil, nil, nil, fmt.Errorf("pgtable: claim %s: %w", key, err)
 	}
 	// Gone or expired since: the regular path settles it.
 	tx, err = s.slowBegin(ctx, conn, key)
 	if err != nil {
 		release()
-		return nil, nil, err
+		return nil, nil, nil, err
 	}
-	return tx, release, nil
+	return tx, nil, release, nil
 }
 
 type beginner interface {
@@ -139,4 +149,27 @@ func (s *Store) slowBegin(ctx context.Context, db beginner, key dedup.Key) (pgx.
 		return nil, err
 	}
 	return tx, nil
+}
+
+// commitWithResult stores result with key's claim and commits, in one simple
+// query on conn (the connection of a fast-path transaction, whose
+// standard_conforming_strings was checked): "UPDATE ...; COMMIT". The pgx.Tx
+// of that transaction must not be used afterwards.
+func (s *Store) commitWithResult(ctx context.Context, conn *pgx.Conn, key dedup.Key, result []byte) error {
+	sql := "UPDATE " + s.table + ` SET result = '\x` + hex.EncodeToString(result) + "'::bytea WHERE scope = " +
+		quoteLiteral(key.Scope) + " AND id = " + quoteLiteral(key.ID) + " AND state = 2; COMMIT"
+	results, err := conn.PgConn().Exec(ctx, sql).ReadAll()
+	if err != nil {
+		return fmt.Errorf("pgtable: store result and commit %s: %w", key, err)
+	}
+	if len(results) != 2 {
+		return fmt.Errorf("pgtable: store result and commit %s: %d results, want 2", key, len(results))
+	}
+	if n := results[0].CommandTag.RowsAffected(); n != 1 {
+		return fmt.Errorf("pgtable: store result of %s: %d rows updated, want 1", key, n)
+	}
+	if tag := results[1].CommandTag.String(); tag != "COMMIT" {
+		return fmt.Errorf("pgtable: commit %s: the server answered %s: %w", key, tag, pgx.ErrTxCommitRollback)
+	}
+	return nil
 }
