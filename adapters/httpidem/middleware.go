@@ -1,0 +1,520 @@
+package httpidem
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"net/http"
+	"slices"
+	"sync/atomic"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+
+	"github.com/idemkit/idem/dedup"
+)
+
+// ErrNoKey is returned by Middleware.Check for a request that does not go
+// through deduplication: its method is not in Options.Methods, or it has no
+// key and Options.Optional is set.
+var ErrNoKey = errors.New("httpidem: the request has no idempotency key and needs none")
+
+// Middleware deduplicates requests by their Idempotency-Key. Build it with
+// New (lease stores) or NewTx (transactional stores); it is safe for
+// concurrent use.
+type Middleware struct {
+	opts  Options
+	lease dedup.LeaseStore
+	tx    dedup.TxStore[pgx.Tx]
+	// check builds a request's key: Check for the Idempotency-Key header,
+	// the webhook's verifier for webhooks.
+	check func(r *http.Request) (dedup.Key, error)
+	// claim claims a key on the lease store, batched or not.
+	claim func(ctx context.Context, key dedup.Key) (*dedup.Lease, error)
+}
+
+// New returns a Middleware on a lease store: dedup/memstore,
+// dedup/redisnx, the lease mode of dedup/pgtable (Store.Lease), or any
+// other dedup.LeaseStore.
+//
+// Per request it claims the key before the handler runs, extends the lease
+// while the handler runs, stores the encoded response as the lease's result
+// when the handler returns (Complete), and releases the key when the
+// response is not to be stored or the handler panicked. How long completed
+// keys are kept is the store's retention (memstore and redisnx: 24 hours by
+// default).
+func New(store dedup.LeaseStore, opts Options) (*Middleware, error) {
+	if store == nil {
+		return nil, errors.New("httpidem: New: store is nil; pass a dedup.LeaseStore such as memstore.New, redisnx.New or pgtable.Store.Lease")
+	}
+	if err := opts.fill("New"); err != nil {
+		return nil, err
+	}
+	m := &Middleware{opts: opts, lease: store}
+	m.check = m.Check
+	m.setClaim()
+	return m, nil
+}
+
+// setClaim picks how lease claims are sent: batched (Options.BatchClaims)
+// or one by one.
+func (m *Middleware) setClaim() {
+	m.claim = m.lease.Claim
+	if bs, ok := m.lease.(dedup.BatchLeaseStore); ok && m.opts.BatchClaims > 0 {
+		b := &batcher{store: bs, lanes: m.opts.BatchClaims, timeout: m.opts.FinishTimeout}
+		m.claim = b.claim
+	}
+}
+
+// NewTx returns a Middleware on a transactional store: a *pgtable.Store (or
+// a *twolevel.Store in front of one).
+//
+// Per request it calls store.Process: the key's claim, everything the
+// handler writes through Tx(r.Context()) and the encoded response commit in
+// one transaction, and the response is sent to the client only after the
+// commit. A response that is not to be stored, a handler whose statement
+// failed (the transaction is aborted) and a panic roll everything back, so
+// a retry runs the handler again. Set pgtable.Options.Retention to
+// DefaultRetention (24 hours) for HTTP keys; pgtable defaults to 7 days.
+func NewTx(store dedup.TxStore[pgx.Tx], opts Options) (*Middleware, error) {
+	if store == nil {
+		return nil, errors.New("httpidem: NewTx: store is nil; pass a *pgtable.Store")
+	}
+	if err := opts.fill("NewTx"); err != nil {
+		return nil, err
+	}
+	m := &Middleware{opts: opts, tx: store}
+	m.check = m.Check
+	return m, nil
+}
+
+// Options returns the middleware's options with the defaults filled in.
+func (m *Middleware) Options() Options { return m.opts }
+
+// Handler returns next wrapped in the middleware. Requests whose method is
+// not in Options.Methods go straight to next. It panics if next is nil, as
+// http.Handle does.
+func (m *Middleware) Handler(next http.Handler) http.Handler {
+	if next == nil {
+		panic("httpidem: Handler: next is nil")
+	}
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		m.serve(w, r, next)
+	})
+}
+
+func (m *Middleware) handles(method string) bool {
+	return slices.Contains(m.opts.Methods, method)
+}
+
+// Check is the middleware's check on its own, for frameworks that do not
+// use http.Handler or for code that answers itself. It validates the
+// request's Idempotency-Key, reads the body (bounded by MaxBodyBytes) and
+// puts it back in r.Body (and r.GetBody) for the handler, and returns the
+// request's dedup key: scope from principal, method and route, the id, and
+// the fingerprint.
+//
+// It returns ErrNoKey when the request needs no key, and a *Problem (400
+// or 413) when it is to be rejected; write it with WriteProblem. Nothing is
+// claimed or stored.
+func (m *Middleware) Check(r *http.Request) (dedup.Key, error) {
+	if !m.handles(r.Method) {
+		return dedup.Key{}, ErrNoKey
+	}
+	vals := r.Header.Values(HeaderKey)
+	switch {
+	case len(vals) == 0 && m.opts.Optional:
+		return dedup.Key{}, ErrNoKey
+	case len(vals) == 0:
+		return dedup.Key{}, newProblem(http.StatusBadRequest, ProblemKeyMissing, "Idempotency-Key header missing",
+			fmt.Sprintf("%s requests to this resource need an Idempotency-Key header: a unique value per operation, the same on every retry of it", r.Method))
+	case len(vals) > 1:
+		return dedup.Key{}, newProblem(http.StatusBadRequest, ProblemKeyInvalid, "Invalid Idempotency-Key",
+			"the request has more than one Idempotency-Key field")
+	}
+	id, err := ParseKey(vals[0], m.opts.MaxKeyLen)
+	if err != nil {
+		return dedup.Key{}, newProblem(http.StatusBadRequest, ProblemKeyInvalid, "Invalid Idempotency-Key", err.Error())
+	}
+	body, p := readBody(r, m.opts.MaxBodyBytes)
+	if p != nil {
+		return dedup.Key{}, p
+	}
+	route := m.opts.Route(r)
+	return dedup.Key{
+		Scope:       Scope(m.opts.Principal(r), r.Method, route, dedup.DefaultMaxKeyLen),
+		ID:          id,
+		Fingerprint: m.opts.Fingerprint(r, route, body),
+	}, nil
+}
+
+// readBody reads the whole body, at most max bytes, and puts it back.
+func readBody(r *http.Request, limit int64) ([]byte, *Problem) {
+	if r.Body == nil || r.Body == http.NoBody {
+		return nil, nil
+	}
+	tooLarge := func() *Problem {
+		return newProblem(http.StatusRequestEntityTooLarge, ProblemBodyTooLarge, "Request body too large",
+			fmt.Sprintf("the limit for requests with an Idempotency-Key is %d bytes", limit))
+	}
+	if r.ContentLength > limit {
+		return nil, tooLarge()
+	}
+	hint := int64(bytes.MinRead)
+	if r.ContentLength > 0 {
+		hint += r.ContentLength
+	}
+	buf := bytes.NewBuffer(make([]byte, 0, hint))
+	_, err := buf.ReadFrom(io.LimitReader(r.Body, limit+1))
+	if int64(buf.Len()) > limit {
+		return nil, tooLarge()
+	}
+	if err != nil {
+		var mbe *http.MaxBytesError
+		if errors.As(err, &mbe) {
+			return nil, tooLarge()
+		}
+		return nil, newProblem(http.StatusBadRequest, ProblemBodyUnreadable, "Request body unreadable", err.Error())
+	}
+	_ = r.Body.Close()
+	data := buf.Bytes()
+	r.Body = io.NopCloser(bytes.NewReader(data))
+	r.GetBody = func() (io.ReadCloser, error) { return io.NopCloser(bytes.NewReader(data)), nil }
+	return data, nil
+}
+
+func (m *Middleware) report(r *http.Request, o Outcome, status int, waited time.Duration) {
+	if m.opts.OnOutcome != nil {
+		m.opts.OnOutcome(r, Report{Outcome: o, Status: status, Waited: waited})
+	}
+}
+
+func (m *Middleware) serve(w http.ResponseWriter, r *http.Request, next http.Handler) {
+	key, err := m.check(r)
+	if errors.Is(err, ErrNoKey) {
+		if m.handles(r.Method) {
+			m.report(r, OutcomePassed, 0, 0)
+		}
+		next.ServeHTTP(w, r)
+		return
+	}
+	if err != nil {
+		var p *Problem
+		if !errors.As(err, &p) {
+			p = newProblem(http.StatusBadRequest, ProblemKeyInvalid, "Request rejected", err.Error())
+		}
+		WriteProblem(w, p)
+		m.report(r, OutcomeRejected, p.Status, 0)
+		return
+	}
+	if m.tx != nil {
+		m.serveTx(w, r, next, key)
+		return
+	}
+	m.serveLease(w, r, next, key)
+}
+
+// answer writes the answer to a claim that did not run the handler.
+func (m *Middleware) answer(w http.ResponseWriter, r *http.Request, key dedup.Key, err error, waited time.Duration) {
+	if stored, ok := dedup.StoredResult(err); ok {
+		rec, derr := decodeRecord(stored)
+		if derr != nil {
+			m.opts.Logger.ErrorContext(r.Context(), "httpidem: the stored response of a completed key cannot be decoded; answering 500",
+				slog.String("key", key.String()), slog.Any("error", derr))
+			p := newProblem(http.StatusInternalServerError, ProblemStoredUnreadable, "Stored response unreadable",
+				"the request with this key was processed, but its stored response cannot be replayed")
+			WriteProblem(w, p)
+			m.report(r, OutcomeStoreError, p.Status, waited)
+			return
+		}
+		replay(w, rec)
+		m.report(r, OutcomeReplayed, rec.status, waited)
+		return
+	}
+	var (
+		p       *Problem
+		outcome Outcome
+	)
+	switch {
+	case errors.Is(err, dedup.ErrFingerprintMismatch):
+		p = newProblem(http.StatusUnprocessableEntity, ProblemKeyReused, "Idempotency-Key reused",
+			"this key was used with another request (method, path or body); use a new key for a new request")
+		outcome = OutcomeMismatch
+	case errors.Is(err, dedup.ErrInFlight) || isLockTimeout(err):
+		p = newProblem(http.StatusConflict, ProblemInProgress, "Request in progress",
+			"a request with this key is still being processed; retry after a while with the same key")
+		p.RetryAfter = m.opts.RetryAfter
+		outcome = OutcomeInFlight
+	case errors.Is(err, dedup.ErrInvalidKey):
+		p = newProblem(http.StatusBadRequest, ProblemKeyInvalid, "Invalid Idempotency-Key", err.Error())
+		outcome = OutcomeRejected
+	default:
+		if r.Context().Err() == nil {
+			m.opts.Logger.WarnContext(r.Context(), "httpidem: store failed; answering 503",
+				slog.String("key", key.String()), slog.Any("error", err))
+		}
+		p = newProblem(http.StatusServiceUnavailable, ProblemStoreUnavailable, "Idempotency store unavailable",
+			"the request was not processed; retry with the same key")
+		p.RetryAfter = m.opts.RetryAfter
+		outcome = OutcomeStoreError
+	}
+	WriteProblem(w, p)
+	m.report(r, outcome, p.Status, waited)
+}
+
+// isLockTimeout reports a PostgreSQL lock_timeout (lock_not_available):
+// a transactional claim that waited too long for an in-flight first
+// request.
+func isLockTimeout(err error) bool {
+	var pgErr *pgconn.PgError
+	return errors.As(err, &pgErr) && pgErr.Code == "55P03"
+}
+
+func inFlight(err error) bool {
+	return errors.Is(err, dedup.ErrInFlight) || isLockTimeout(err)
+}
+
+// pause sleeps for d or until ctx ends; it reports whether d passed.
+func pause(ctx context.Context, d time.Duration) bool {
+	t := time.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-ctx.Done():
+		return false
+	case <-t.C:
+		return true
+	}
+}
+
+// waitStep returns how long to sleep before asking the store again, or
+// false when Options.Wait is spent.
+func (m *Middleware) waitStep(start time.Time) (time.Duration, bool) {
+	left := m.opts.Wait - time.Since(start)
+	if left <= 0 {
+		return 0, false
+	}
+	return min(left, m.opts.PollInterval), true
+}
+
+func tooLargeProblem(limit int) *Problem {
+	return newProblem(http.StatusInternalServerError, ProblemResponseTooLarge, "Response too large to store",
+		fmt.Sprintf("the response was larger than %d bytes, the limit for responses that are stored and replayed", limit))
+}
+
+// problemRecord is the stored form of a problem answer.
+func problemRecord(p *Problem) *record {
+	return &record{
+		status: p.Status,
+		header: [][2]string{{"Content-Type", ContentTypeProblem}},
+		body:   p.body(),
+	}
+}
+
+// handlerCtx is the context the handler runs under (see
+// Options.CancelWithClient).
+func (m *Middleware) handlerCtx(ctx context.Context) context.Context {
+	if m.opts.CancelWithClient {
+		return ctx
+	}
+	return context.WithoutCancel(ctx)
+}
+
+func (m *Middleware) finishCtx(ctx context.Context) (context.Context, context.CancelFunc) {
+	return context.WithTimeout(context.WithoutCancel(ctx), m.opts.FinishTimeout)
+}
+
+// serveLease runs a request on a lease store.
+func (m *Middleware) serveLease(w http.ResponseWriter, r *http.Request, next http.Handler, key dedup.Key) {
+	ctx := r.Context()
+	start := time.Now()
+	var waited time.Duration
+	lease, err := m.claim(ctx, key)
+	for err != nil && m.opts.Wait > 0 && inFlight(err) {
+		d, ok := m.waitStep(start)
+		if !ok || !pause(ctx, d) {
+			break
+		}
+		lease, err = m.claim(ctx, key)
+		waited = time.Since(start)
+	}
+	if err == nil && lease == nil {
+		err = errors.New("the store returned neither a lease nor an error")
+	}
+	if err != nil {
+		m.answer(w, r, key, err, waited)
+		return
+	}
+
+	c := &call{key: key}
+	hctx, cancel := context.WithCancelCause(withCall(m.handlerCtx(ctx), c))
+	defer cancel(nil)
+	hb := m.startHeartbeat(ctx, lease, cancel)
+	cw := newCapture(m.opts.MaxResponseBytes)
+	returned := false
+	defer func() {
+		if returned {
+			return
+		}
+		// The handler panicked (or called runtime.Goexit): give the key
+		// back so a retry runs, and let the panic go on to the server.
+		hb.stop()
+		if hb.lost() == nil {
+			m.release(ctx, lease, "the handler panicked")
+		}
+		m.report(r, OutcomePanicked, 0, waited)
+	}()
+	next.ServeHTTP(cw, r.WithContext(hctx))
+	returned = true
+	hb.stop()
+
+	status, header := cw.final()
+	switch {
+	case hb.lost() != nil:
+		// Another request may own the key now: this response cannot be
+		// stored. The client still gets it: the effect happened.
+		m.opts.Logger.WarnContext(ctx, "httpidem: the lease ran out while the handler ran; its response is sent but not stored",
+			slog.String("key", key.String()), slog.Any("error", hb.lost()))
+		cw.send(w)
+		m.report(r, OutcomeLeaseLost, status, waited)
+	case cw.tooLarge:
+		p := tooLargeProblem(m.opts.MaxResponseBytes)
+		m.complete(ctx, lease, problemRecord(p).encode())
+		WriteProblem(w, p)
+		m.report(r, OutcomeTooLarge, p.Status, waited)
+	case c.released.Load() || !m.opts.StoreResponse(status):
+		m.release(ctx, lease, "the response is not stored")
+		cw.send(w)
+		m.report(r, OutcomeNotStored, status, waited)
+	default:
+		rec := newRecord(status, header, m.opts.ReplayHeaders, cw.body)
+		m.complete(ctx, lease, rec.encode())
+		cw.send(w)
+		m.report(r, OutcomeProcessed, status, waited)
+	}
+}
+
+func (m *Middleware) complete(ctx context.Context, lease *dedup.Lease, result []byte) {
+	fctx, cancel := m.finishCtx(ctx)
+	defer cancel()
+	if err := m.lease.Complete(fctx, lease, result); err != nil {
+		// The key stays in flight until its lease runs out; a retry
+		// after that runs the handler again. Nothing better can be done
+		// for an effect outside a transaction.
+		m.opts.Logger.WarnContext(ctx, "httpidem: storing the response failed; the key stays in flight until its lease runs out",
+			slog.String("key", lease.Key.String()), slog.Any("error", err))
+	}
+}
+
+func (m *Middleware) release(ctx context.Context, lease *dedup.Lease, why string) {
+	fctx, cancel := m.finishCtx(ctx)
+	defer cancel()
+	if err := m.lease.Release(fctx, lease); err != nil {
+		m.opts.Logger.WarnContext(ctx, "httpidem: releasing the key failed; it stays claimed until its lease runs out",
+			slog.String("key", lease.Key.String()), slog.String("why", why), slog.Any("error", err))
+	}
+}
+
+var (
+	errNotStored = errors.New("httpidem: response not stored")
+	errTooLarge  = errors.New("httpidem: response too large")
+)
+
+// txFailed reports whether tx is in a failed state: a statement of the
+// handler failed, so nothing it did can commit.
+func txFailed(tx pgx.Tx) bool {
+	conn := tx.Conn()
+	return conn != nil && conn.PgConn().TxStatus() == 'E'
+}
+
+// serveTx runs a request on a transactional store.
+func (m *Middleware) serveTx(w http.ResponseWriter, r *http.Request, next http.Handler, key dedup.Key) {
+	ctx := r.Context()
+	cw := newCapture(m.opts.MaxResponseBytes)
+	c := &call{key: key}
+	var (
+		ran    bool
+		waited time.Duration
+	)
+	returned := false
+	defer func() {
+		if !returned { // the handler panicked: Process rolled back
+			m.report(r, OutcomePanicked, 0, waited)
+		}
+	}()
+	// The claim may wait in PostgreSQL for an in-flight first request. If
+	// the client goes away during that wait, the wait is cancelled; once
+	// the handler started, it is not (Options.CancelWithClient aside).
+	pctx := m.handlerCtx(ctx)
+	var phase atomic.Int32 // 0 claiming, 1 handler started, 2 client gone first
+	if !m.opts.CancelWithClient {
+		var cancel context.CancelFunc
+		pctx, cancel = context.WithCancel(pctx)
+		defer cancel()
+		stop := context.AfterFunc(ctx, func() {
+			if phase.CompareAndSwap(0, 2) {
+				cancel()
+			}
+		})
+		defer stop()
+	}
+	fn := func(ctx context.Context, tx pgx.Tx) ([]byte, error) {
+		if !m.opts.CancelWithClient && !phase.CompareAndSwap(0, 1) {
+			return nil, context.Canceled // the client left before the claim was won
+		}
+		ran = true
+		c.tx = tx
+		next.ServeHTTP(cw, r.WithContext(withCall(ctx, c)))
+		status, header := cw.final()
+		switch {
+		case cw.tooLarge:
+			return nil, errTooLarge
+		case c.released.Load() || !m.opts.StoreResponse(status) || txFailed(tx):
+			return nil, errNotStored
+		}
+		return newRecord(status, header, m.opts.ReplayHeaders, cw.body).encode(), nil
+	}
+	start := time.Now()
+	_, err := m.tx.Process(pctx, key, fn)
+	for !ran && err != nil && m.opts.Wait > 0 && inFlight(err) {
+		d, ok := m.waitStep(start)
+		if !ok || !pause(ctx, d) {
+			break
+		}
+		_, err = m.tx.Process(pctx, key, fn)
+		waited = time.Since(start)
+	}
+	returned = true
+	switch {
+	case !ran:
+		m.answer(w, r, key, err, waited)
+	case err == nil:
+		cw.send(w)
+		status, _ := cw.final()
+		m.report(r, OutcomeProcessed, status, waited)
+	case errors.Is(err, errNotStored):
+		cw.send(w)
+		status, _ := cw.final()
+		m.report(r, OutcomeNotStored, status, waited)
+	case errors.Is(err, errTooLarge):
+		p := tooLargeProblem(m.opts.MaxResponseBytes)
+		WriteProblem(w, p)
+		m.report(r, OutcomeTooLarge, p.Status, waited)
+	default:
+		// Storing the response or the commit failed after the handler
+		// ran: nothing was committed (or, if the connection broke during
+		// COMMIT, a retry finds the key and replays).
+		if ctx.Err() == nil {
+			m.opts.Logger.WarnContext(ctx, "httpidem: the transaction failed after the handler ran; answering 503",
+				slog.String("key", key.String()), slog.Any("error", err))
+		}
+		p := newProblem(http.StatusServiceUnavailable, ProblemStoreUnavailable, "Request not completed",
+			"the request's transaction did not commit; retry with the same key")
+		p.RetryAfter = m.opts.RetryAfter
+		WriteProblem(w, p)
+		m.report(r, OutcomeStoreError, p.Status, waited)
+	}
+}

@@ -1,0 +1,264 @@
+package httpidem
+
+import (
+	"fmt"
+	"log/slog"
+	"net/http"
+	"slices"
+	"time"
+
+	"github.com/idemkit/idem/dedup"
+)
+
+// Defaults of Options.
+const (
+	DefaultMaxBodyBytes     = 1 << 20 // 1 MiB
+	DefaultMaxResponseBytes = 1 << 20 // 1 MiB
+	DefaultPollInterval     = 50 * time.Millisecond
+	DefaultRetryAfter       = time.Second
+	DefaultFinishTimeout    = 10 * time.Second
+	// DefaultRetention is how long a completed key and its response should
+	// be kept, Stripe's 24 hours. Retention is the store's setting:
+	// memstore and redisnx default to it; set pgtable.Options.Retention to
+	// it (pgtable defaults to 7 days, for brokers).
+	DefaultRetention = 24 * time.Hour
+)
+
+// DefaultMethods are the methods that need a key by default: the ones that
+// are not idempotent by definition.
+var DefaultMethods = []string{http.MethodPost, http.MethodPatch}
+
+// DefaultReplayHeaders are the response headers stored and replayed by
+// default: those that describe the representation or the created resource.
+// Anything else (Set-Cookie, Date, tracing ids) is sent with the first
+// response only.
+var DefaultReplayHeaders = []string{
+	"Cache-Control", "Content-Encoding", "Content-Language", "Content-Location",
+	"Content-Type", "ETag", "Last-Modified", "Link", "Location", "Vary",
+}
+
+// DefaultStoreResponse is the default Options.StoreResponse, the rule
+// Stripe follows: every response of a handler that started is stored,
+// 2xx to 5xx, except 401, 403 and 429, which say the request was refused
+// before it did anything (and 1xx, never final). Requests the middleware
+// rejects itself (400, 413, 422, 409) are never stored, nor are responses
+// of a handler that panicked or called Release.
+func DefaultStoreResponse(status int) bool {
+	switch status {
+	case http.StatusUnauthorized, http.StatusForbidden, http.StatusTooManyRequests:
+		return false
+	}
+	return status >= 200 && status <= 599
+}
+
+// Options configure a Middleware. The zero value is usable; each field says
+// its default.
+type Options struct {
+	// Methods are the request methods that go through the middleware and
+	// need a key. Requests of other methods pass through untouched, a key
+	// or not. Defaults to DefaultMethods (POST and PATCH).
+	Methods []string
+	// Optional lets a request without a key through to the handler, with
+	// no deduplication, instead of answering 400. Defaults to false.
+	Optional bool
+	// MaxKeyLen limits the key, in bytes, after unquoting. Longer keys are
+	// answered 400. Defaults to dedup.DefaultMaxKeyLen (255). Keep it at
+	// or below the store's own limit.
+	MaxKeyLen int
+	// MaxBodyBytes limits the request body, which is read once, in full,
+	// before the claim (to fingerprint it) and given to the handler from
+	// memory. A larger body is answered 413 and nothing is stored.
+	// Defaults to DefaultMaxBodyBytes (1 MiB).
+	MaxBodyBytes int64
+	// MaxResponseBytes limits the response the handler writes; the
+	// response is buffered until it is stored. When the handler writes
+	// more, its Write returns ErrResponseTooLarge and the client gets a
+	// 500 problem (ProblemResponseTooLarge) instead of the response. With
+	// a transactional store the transaction rolls back, so nothing
+	// happened and a retry runs again. With a lease store the handler's
+	// effects may have happened outside any transaction, so the key is
+	// not released: the 500 is stored and replayed, and the effect never
+	// runs twice. Defaults to DefaultMaxResponseBytes (1 MiB).
+	MaxResponseBytes int
+	// Principal returns who sends the request (a user, an API key, an
+	// account), the first part of the key's scope, so that one client's
+	// key never replays another's response. Defaults to none: all clients
+	// share one key space, which is unsafe in a multi-tenant API (a key
+	// one client guessed or reused returns another client's response).
+	Principal func(r *http.Request) string
+	// Route returns the route of the request, the last part of the key's
+	// scope. Defaults to DefaultRoute (the ServeMux pattern, or the path).
+	Route func(r *http.Request) string
+	// Fingerprint returns the digest of the request; the same key with
+	// another fingerprint is answered 422. Defaults to Fingerprint
+	// (method, route, request target and body). FingerprintJSON ignores
+	// JSON formatting differences.
+	Fingerprint func(r *http.Request, route string, body []byte) dedup.Fingerprint
+	// StoreResponse decides from the status code whether a response is
+	// stored and replayed. A response that is not stored releases the key
+	// (transactional stores: rolls the transaction back), so a retry runs
+	// the handler again. Defaults to DefaultStoreResponse.
+	StoreResponse func(status int) bool
+	// ReplayHeaders are the response headers stored with the response and
+	// replayed. Defaults to DefaultReplayHeaders.
+	ReplayHeaders []string
+	// Wait is how long a request whose key is in flight waits for the
+	// first request to finish, polling the store every PollInterval, and
+	// then answers with its response (or runs the handler, if the first
+	// released the key). When Wait runs out the answer is 409. Defaults to
+	// 0: answer 409 with Retry-After at once. With pgtable's transactional
+	// store a concurrent duplicate never sees "in flight": it waits in
+	// PostgreSQL until the first transaction ends (bounded by the request's
+	// context and the session's lock_timeout, answered 409 when it fires).
+	Wait time.Duration
+	// PollInterval is how often a waiting request asks the store again.
+	// Defaults to DefaultPollInterval (50ms).
+	PollInterval time.Duration
+	// RetryAfter is the Retry-After sent with 409 and 503, rounded up to
+	// whole seconds. Defaults to DefaultRetryAfter (1s).
+	RetryAfter time.Duration
+	// ExtendEvery is how often a lease is extended while the handler runs.
+	// Defaults to a third of the lease's TTL; negative disables it.
+	// Transactional stores have no lease.
+	ExtendEvery time.Duration
+	// CancelWithClient gives the handler the request's own context, which
+	// net/http cancels when the client goes away. Defaults to false: the
+	// handler's context keeps the request's values but is not cancelled,
+	// so a first request whose client timed out still finishes and stores
+	// its response, and the client's retry gets it instead of a stored
+	// failure (or, with a lease store, an effect that happened but was
+	// recorded as failed). Bound slow handlers with their own timeouts.
+	CancelWithClient bool
+	// BatchClaims applies when the lease store can claim many keys in one
+	// round trip (a dedup.BatchLeaseStore: redisnx, memstore, pgtable's
+	// lease mode): at most BatchClaims claims (single or batched) are out
+	// at a time, and requests that arrive meanwhile wait and are claimed
+	// together, in one ClaimBatch, as soon as one returns; copies of one
+	// key in a batch (a retry storm) cost one claim. Under load this turns
+	// many round trips into one; at low load nothing waits, as no timer is
+	// involved. The answers are those of claims sent one after the other.
+	// Defaults to 1; negative sends every claim on its own.
+	BatchClaims int
+	// FinishTimeout bounds the store calls after the handler returned
+	// (Complete, Release); they run even if the client went away.
+	// Defaults to DefaultFinishTimeout (10s).
+	FinishTimeout time.Duration
+	// Logger receives warnings: store failures, lost leases. Defaults to
+	// discarding them.
+	Logger *slog.Logger
+	// OnOutcome, if set, is called once per request that went through the
+	// middleware, for metrics (hits, misses, waits). It must be fast and
+	// safe for concurrent use.
+	OnOutcome func(r *http.Request, rep Report)
+}
+
+// Outcome says what the middleware did with a request.
+type Outcome string
+
+// Outcomes reported to Options.OnOutcome.
+const (
+	OutcomePassed     Outcome = "passed"      // optional key absent: the handler ran without deduplication
+	OutcomeRejected   Outcome = "rejected"    // 400 or 413 before the claim; nothing stored
+	OutcomeProcessed  Outcome = "processed"   // the handler ran and its response was stored
+	OutcomeNotStored  Outcome = "not_stored"  // the handler ran; the response was not stored and the key released
+	OutcomeReplayed   Outcome = "replayed"    // a stored response was replayed
+	OutcomeInFlight   Outcome = "in_flight"   // 409: the first request is still running
+	OutcomeMismatch   Outcome = "mismatch"    // 422: same key, other request
+	OutcomeStoreError Outcome = "store_error" // 503 (or 500): the store failed; nothing stored
+	OutcomeLeaseLost  Outcome = "lease_lost"  // the lease ran out while the handler ran; not stored
+	OutcomePanicked   Outcome = "panicked"    // the handler panicked; key released, panic re-raised
+	OutcomeTooLarge   Outcome = "too_large"   // the response passed MaxResponseBytes
+)
+
+// Report describes one request for Options.OnOutcome.
+type Report struct {
+	Outcome Outcome
+	// Status is the status code sent (0 after a panic).
+	Status int
+	// Waited is the time spent waiting for an in-flight first request
+	// (Options.Wait), zero when there was no wait.
+	Waited time.Duration
+}
+
+func (o *Options) fill(who string) error {
+	for _, d := range []struct {
+		name string
+		v    time.Duration
+	}{
+		{"Wait", o.Wait}, {"PollInterval", o.PollInterval}, {"RetryAfter", o.RetryAfter},
+		{"FinishTimeout", o.FinishTimeout},
+	} {
+		if d.v < 0 {
+			return fmt.Errorf("httpidem: %s: Options.%s is %v; it must not be negative (zero means the default)", who, d.name, d.v)
+		}
+	}
+	if o.MaxKeyLen < 0 {
+		return fmt.Errorf("httpidem: %s: Options.MaxKeyLen is %d; it must not be negative (zero means %d)", who, o.MaxKeyLen, dedup.DefaultMaxKeyLen)
+	}
+	if o.MaxBodyBytes < 0 {
+		return fmt.Errorf("httpidem: %s: Options.MaxBodyBytes is %d; it must not be negative (zero means %d)", who, o.MaxBodyBytes, DefaultMaxBodyBytes)
+	}
+	if o.MaxResponseBytes < 0 {
+		return fmt.Errorf("httpidem: %s: Options.MaxResponseBytes is %d; it must not be negative (zero means %d)", who, o.MaxResponseBytes, DefaultMaxResponseBytes)
+	}
+	if o.Methods == nil {
+		o.Methods = DefaultMethods
+	}
+	o.Methods = slices.Clone(o.Methods)
+	if len(o.Methods) == 0 {
+		return fmt.Errorf("httpidem: %s: Options.Methods is empty; leave it nil for POST and PATCH", who)
+	}
+	for _, m := range o.Methods {
+		if !isToken(m) {
+			return fmt.Errorf("httpidem: %s: Options.Methods has %q, which is not an HTTP method token", who, m)
+		}
+	}
+	if o.ReplayHeaders == nil {
+		o.ReplayHeaders = DefaultReplayHeaders
+	}
+	names := make([]string, 0, len(o.ReplayHeaders))
+	for _, h := range o.ReplayHeaders {
+		if !isToken(h) {
+			return fmt.Errorf("httpidem: %s: Options.ReplayHeaders has %q, which is not a header name", who, h)
+		}
+		names = append(names, http.CanonicalHeaderKey(h))
+	}
+	o.ReplayHeaders = names
+	if o.MaxKeyLen == 0 {
+		o.MaxKeyLen = dedup.DefaultMaxKeyLen
+	}
+	if o.MaxBodyBytes == 0 {
+		o.MaxBodyBytes = DefaultMaxBodyBytes
+	}
+	if o.MaxResponseBytes == 0 {
+		o.MaxResponseBytes = DefaultMaxResponseBytes
+	}
+	if o.Principal == nil {
+		o.Principal = func(*http.Request) string { return "" }
+	}
+	if o.Route == nil {
+		o.Route = DefaultRoute
+	}
+	if o.Fingerprint == nil {
+		o.Fingerprint = Fingerprint
+	}
+	if o.StoreResponse == nil {
+		o.StoreResponse = DefaultStoreResponse
+	}
+	if o.BatchClaims == 0 {
+		o.BatchClaims = 1
+	}
+	if o.PollInterval == 0 {
+		o.PollInterval = DefaultPollInterval
+	}
+	if o.RetryAfter == 0 {
+		o.RetryAfter = DefaultRetryAfter
+	}
+	if o.FinishTimeout == 0 {
+		o.FinishTimeout = DefaultFinishTimeout
+	}
+	if o.Logger == nil {
+		o.Logger = slog.New(slog.DiscardHandler)
+	}
+	return nil
+}

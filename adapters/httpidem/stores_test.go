@@ -1,0 +1,404 @@
+package httpidem_test
+
+// Behaviour that depends on the store: PostgreSQL (transactional and lease)
+// and Redis.
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"io"
+	"net/http"
+	"net/http/httptest"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/idemkit/idem/adapters/httpidem"
+	"github.com/idemkit/idem/dedup/pgtable"
+	"github.com/idemkit/idem/internal/testenv"
+)
+
+// pgWorld is a transactional middleware on a fresh schema.
+type pgWorld struct {
+	o      *oracle
+	store  *pgtable.Store
+	schema string
+}
+
+func newPGWorld(t *testing.T, maxConns int32, params map[string]string) pgWorld {
+	t.Helper()
+	pool := testenv.PoolWith(t, maxConns, params)
+	schema := testenv.Schema(t, pool)
+	return pgWorld{o: newOracle(t, pool, schema), store: pgStore(t, pool, schema), schema: schema}
+}
+
+func (w pgWorld) keys(t *testing.T) int {
+	t.Helper()
+	var n int
+	if err := w.o.pool.QueryRow(context.Background(), "SELECT count(*) FROM "+w.store.Table()).Scan(&n); err != nil {
+		t.Fatal(err)
+	}
+	return n
+}
+
+func (w pgWorld) server(t *testing.T, p *payments, opts httpidem.Options) *httptest.Server {
+	t.Helper()
+	mw, err := httpidem.NewTx(w.store, opts)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if p.o == nil {
+		p.o = w.o
+	}
+	return quietServer(t, mw.Handler(p))
+}
+
+func TestTxRequestRules(t *testing.T) {
+	w := newPGWorld(t, 5, nil)
+	principal := func(r *http.Request) string { return r.Header.Get("X-User") }
+	srv := w.server(t, &payments{}, httpidem.Options{Principal: principal})
+	as := func(user string, rq req) req { rq.header = map[string]string{"X-User": user}; return rq }
+
+	// No key → 400, nothing stored.
+	if r := do(t, nil, srv.URL, as("alice", req{body: `{"id":"p1","amount":1}`})); r.status != http.StatusBadRequest {
+		t.Fatalf("no key: %d", r.status)
+	}
+	// Two principals, one key → two payments.
+	alice := do(t, nil, srv.URL, as("alice", req{key: "shared", body: `{"id":"pay-alice","amount":100}`}))
+	bob := do(t, nil, srv.URL, as("bob", req{key: "shared", body: `{"id":"pay-bob","amount":100}`}))
+	if alice.status != http.StatusCreated || bob.status != http.StatusCreated || bob.replayed() {
+		t.Fatalf("alice %d, bob %d replayed=%v", alice.status, bob.status, bob.replayed())
+	}
+	// Same key, other body → 422.
+	r := do(t, nil, srv.URL, as("alice", req{key: "shared", body: `{"id":"pay-alice","amount":999}`}))
+	if r.status != http.StatusUnprocessableEntity || r.problem(t).Type != httpidem.ProblemKeyReused {
+		t.Fatalf("other body: %d %s", r.status, r.body)
+	}
+	var c collector
+	c.add(t, "pay-alice", alice)
+	c.add(t, "pay-bob", bob)
+	c.add(t, "pay-alice", do(t, nil, srv.URL, as("alice", req{key: "shared", body: `{"id":"pay-alice","amount":100}`})))
+	w.o.check(t, []string{"pay-alice", "pay-bob"}, c.seen)
+}
+
+func TestBodyTooLargeStoresNothing(t *testing.T) {
+	w := newPGWorld(t, 4, nil)
+	big := `{"id":"big","amount":1,"pad":"` + strings.Repeat("x", 10<<20) + `"}`
+	check := func(name string, url string) {
+		r := do(t, nil, url, req{key: "big-" + name, body: big})
+		if r.status != http.StatusRequestEntityTooLarge {
+			t.Fatalf("%s: 10 MB body: %d", name, r.status)
+		}
+	}
+	p := &payments{}
+	check("tx", w.server(t, p, httpidem.Options{}).URL)
+	lease, err := httpidem.New(w.store.Lease(), httpidem.Options{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	check("lease", quietServer(t, lease.Handler(p)).URL)
+	prefix := testenv.Name("httpidem")
+	rs := redisStore(t, prefix)
+	redisMW, err := httpidem.New(rs, httpidem.Options{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	check("redis", quietServer(t, redisMW.Handler(p)).URL)
+
+	if n := w.keys(t); n != 0 {
+		t.Fatalf("%d keys stored in PostgreSQL", n)
+	}
+	keys, err := testenv.Redis(t).Keys(context.Background(), prefix+"*").Result()
+	if err != nil || len(keys) != 0 {
+		t.Fatalf("Redis keys %v, %v", keys, err)
+	}
+	if p.calls.Load() != 0 || w.o.count(t) != 0 {
+		t.Fatalf("handler ran %d times, %d charges", p.calls.Load(), w.o.count(t))
+	}
+}
+
+// A handler that panics before writing, on every store: the key is given
+// back, the client's retry runs the handler, one charge.
+func TestPanicReleasesKeyOnEveryStore(t *testing.T) {
+	forEachBackend(t, func(t *testing.T, w world) {
+		srv, p := w.start(0, httpidem.Options{})
+		p.panics.Store(1)
+		if _, err := send(context.Background(), nil, srv.URL, payReq("pay-panic")); err == nil {
+			t.Fatal("the panicking request got a response")
+		}
+		r := do(t, nil, srv.URL, payReq("pay-panic"))
+		if r.status != http.StatusCreated || r.replayed() {
+			t.Fatalf("retry after the panic: %d replayed=%v %s", r.status, r.replayed(), r.body)
+		}
+		var c collector
+		c.add(t, "pay-panic", r)
+		c.add(t, "pay-panic", do(t, nil, srv.URL, payReq("pay-panic")))
+		if p.calls.Load() != 2 {
+			t.Fatalf("handler ran %d times, want 2", p.calls.Load())
+		}
+		w.o.check(t, []string{"pay-panic"}, c.seen)
+	})
+}
+
+// A statement of the handler fails: the transaction is aborted, nothing
+// commits, the handler's error answer is sent but not stored, and the retry
+// runs.
+func TestTxFailedStatementIsNotStored(t *testing.T) {
+	w := newPGWorld(t, 3, nil)
+	var calls atomic.Int64
+	h := http.HandlerFunc(func(rw http.ResponseWriter, r *http.Request) {
+		tx := httpidem.Tx(r.Context())
+		if calls.Add(1) == 1 {
+			if _, err := tx.Exec(r.Context(), w.o.insert(), "pay-fail", "rcpt", 1); err != nil {
+				t.Error(err)
+			}
+			_, err := tx.Exec(r.Context(), "INSERT INTO no_such_table VALUES (1)")
+			http.Error(rw, fmt.Sprint("database: ", err), http.StatusInternalServerError)
+			return
+		}
+		if _, err := tx.Exec(r.Context(), w.o.insert(), "pay-fail", "rcpt-2", 1); err != nil {
+			t.Error(err)
+		}
+		rw.WriteHeader(http.StatusCreated)
+	})
+	mw, err := httpidem.NewTx(w.store, httpidem.Options{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	srv := quietServer(t, mw.Handler(h))
+	if r := do(t, nil, srv.URL, req{key: "f", body: "{}"}); r.status != http.StatusInternalServerError {
+		t.Fatalf("first: %d", r.status)
+	}
+	if n := w.keys(t); n != 0 {
+		t.Fatalf("%d keys committed by an aborted transaction", n)
+	}
+	if r := do(t, nil, srv.URL, req{key: "f", body: "{}"}); r.status != http.StatusCreated || r.replayed() {
+		t.Fatalf("retry: %d replayed=%v", r.status, r.replayed())
+	}
+	w.o.check(t, []string{"pay-fail"}, nil)
+}
+
+// An oversized response under a transactional store rolls everything back:
+// no charge, no key; the 500 is not stored.
+func TestTxResponseTooLargeRollsBack(t *testing.T) {
+	w := newPGWorld(t, 3, nil)
+	h := http.HandlerFunc(func(rw http.ResponseWriter, r *http.Request) {
+		if _, err := httpidem.Tx(r.Context()).Exec(r.Context(), w.o.insert(), "pay-big", "rcpt", 1); err != nil {
+			t.Error(err)
+		}
+		_, _ = rw.Write(make([]byte, 4096))
+	})
+	mw, err := httpidem.NewTx(w.store, httpidem.Options{MaxResponseBytes: 1024})
+	if err != nil {
+		t.Fatal(err)
+	}
+	srv := quietServer(t, mw.Handler(h))
+	for range 2 {
+		r := do(t, nil, srv.URL, req{key: "big", body: "{}"})
+		if r.status != http.StatusInternalServerError || r.replayed() || r.problem(t).Type != httpidem.ProblemResponseTooLarge {
+			t.Fatalf("oversized: %d replayed=%v", r.status, r.replayed())
+		}
+	}
+	if w.keys(t) != 0 || w.o.count(t) != 0 {
+		t.Fatalf("%d keys, %d charges after a rolled-back request", w.keys(t), w.o.count(t))
+	}
+}
+
+// With lock_timeout set on the pool, a duplicate that waits too long for the
+// first transaction in PostgreSQL is answered 409, and the handler's writes
+// are the first's only.
+func TestTxLockTimeoutAnswers409(t *testing.T) {
+	w := newPGWorld(t, 4, map[string]string{"lock_timeout": "200ms"})
+	entered, unblock := make(chan struct{}), make(chan struct{})
+	var once sync.Once
+	p := &payments{}
+	blocking := http.HandlerFunc(func(rw http.ResponseWriter, r *http.Request) {
+		once.Do(func() { close(entered); <-unblock })
+		p.ServeHTTP(rw, r)
+	})
+	mw, err := httpidem.NewTx(w.store, httpidem.Options{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	p.o = w.o
+	srv := quietServer(t, mw.Handler(blocking))
+	first := make(chan response)
+	go func() {
+		r, _ := send(context.Background(), nil, srv.URL, payReq("pay-lock"))
+		first <- r
+	}()
+	<-entered
+	r := do(t, nil, srv.URL, payReq("pay-lock"))
+	if r.status != http.StatusConflict || r.header.Get("Retry-After") == "" {
+		t.Fatalf("duplicate during a long first transaction: %d %s", r.status, r.body)
+	}
+	close(unblock)
+	a := <-first
+	var c collector
+	c.add(t, "pay-lock", a)
+	c.add(t, "pay-lock", do(t, nil, srv.URL, payReq("pay-lock")))
+	w.o.check(t, []string{"pay-lock"}, c.seen)
+}
+
+// The client retries through a server that drops the first response after
+// the handler ran (the connection is closed before a byte is sent): one
+// payment, the same key on every attempt, and the client gets the replay.
+func TestClientRetriesThroughDroppedResponse(t *testing.T) {
+	w := newPGWorld(t, 4, nil)
+	p := &payments{o: w.o}
+	mw, err := httpidem.NewTx(w.store, httpidem.Options{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	inner := mw.Handler(p)
+	var (
+		mu      sync.Mutex
+		keys    []string
+		dropped atomic.Int64
+	)
+	srv := quietServer(t, http.HandlerFunc(func(rw http.ResponseWriter, r *http.Request) {
+		mu.Lock()
+		keys = append(keys, r.Header.Get(httpidem.HeaderKey))
+		first := len(keys) == 1
+		mu.Unlock()
+		if !first {
+			inner.ServeHTTP(rw, r)
+			return
+		}
+		inner.ServeHTTP(httptest.NewRecorder(), r) // committed, response lost
+		conn, _, err := http.NewResponseController(rw).Hijack()
+		if err != nil {
+			t.Error(err)
+			return
+		}
+		dropped.Add(1)
+		_ = conn.Close()
+	}))
+	base := &http.Transport{DisableKeepAlives: true}
+	defer base.CloseIdleConnections()
+	tr, err := httpidem.NewTransport(httpidem.TransportOptions{Base: base, BaseDelay: time.Millisecond, MaxDelay: 10 * time.Millisecond})
+	if err != nil {
+		t.Fatal(err)
+	}
+	body := `{"id":"pay-drop","amount":700}`
+	rq, err := http.NewRequest(http.MethodPost, srv.URL+"/payments", strings.NewReader(body))
+	if err != nil {
+		t.Fatal(err)
+	}
+	resp, err := (&http.Client{Transport: tr}).Do(rq)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	b, _ := io.ReadAll(resp.Body)
+	if resp.StatusCode != http.StatusCreated || resp.Header.Get(httpidem.HeaderReplayed) != "true" {
+		t.Fatalf("after the dropped response: %d replayed=%q %s", resp.StatusCode, resp.Header.Get(httpidem.HeaderReplayed), b)
+	}
+	mu.Lock()
+	defer mu.Unlock()
+	if dropped.Load() != 1 || len(keys) < 2 {
+		t.Fatalf("dropped %d responses, %d attempts", dropped.Load(), len(keys))
+	}
+	for _, k := range keys {
+		if k != keys[0] || k == "" {
+			t.Fatalf("keys differ between attempts: %q", keys)
+		}
+	}
+	if _, err := httpidem.ParseKey(keys[0], 0); err != nil {
+		t.Fatalf("the client sent an invalid key %q: %v", keys[0], err)
+	}
+	var got paid
+	if err := json.Unmarshal(b, &got); err != nil {
+		t.Fatal(err)
+	}
+	w.o.check(t, []string{"pay-drop"}, map[string][]string{"pay-drop": {got.Receipt}})
+	t.Logf("%d attempts with key %s", len(keys), keys[0])
+}
+
+// A transactional store's failure after the handler ran (here: the
+// connection is killed mid-transaction) answers 503 and stores nothing.
+func TestTxStoreFailureAnswers503(t *testing.T) {
+	w := newPGWorld(t, 3, nil)
+	h := http.HandlerFunc(func(rw http.ResponseWriter, r *http.Request) {
+		tx := httpidem.Tx(r.Context())
+		var pid int
+		if err := tx.QueryRow(r.Context(), "SELECT pg_backend_pid()").Scan(&pid); err != nil {
+			t.Error(err)
+		}
+		if _, err := w.o.pool.Exec(context.Background(), "SELECT pg_terminate_backend($1)", pid); err != nil {
+			t.Error(err)
+		}
+		rw.WriteHeader(http.StatusCreated)
+	})
+	mw, err := httpidem.NewTx(w.store, httpidem.Options{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	srv := quietServer(t, mw.Handler(h))
+	r := do(t, nil, srv.URL, req{key: "killed", body: "{}"})
+	if r.status != http.StatusServiceUnavailable || r.problem(t).Type != httpidem.ProblemStoreUnavailable {
+		t.Fatalf("connection killed: %d %s", r.status, r.body)
+	}
+	if w.keys(t) != 0 {
+		t.Fatal("a key was stored")
+	}
+}
+
+// A duplicate waiting in PostgreSQL for the first request's transaction gives
+// up when its client goes away, and frees its connection; the first request
+// is not disturbed.
+func TestTxAbandonedWaitFreesConnection(t *testing.T) {
+	w := newPGWorld(t, 2, nil) // two connections: the first request's, and one more
+	entered, unblock := make(chan struct{}), make(chan struct{})
+	var once sync.Once
+	p := &payments{o: w.o}
+	mw, err := httpidem.NewTx(w.store, httpidem.Options{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	srv := quietServer(t, mw.Handler(http.HandlerFunc(func(rw http.ResponseWriter, r *http.Request) {
+		var in payment
+		body, _ := io.ReadAll(r.Body)
+		_ = json.Unmarshal(body, &in)
+		r.Body = io.NopCloser(strings.NewReader(string(body)))
+		if in.ID == "pay-held" {
+			once.Do(func() { close(entered); <-unblock })
+		}
+		p.ServeHTTP(rw, r)
+	})))
+	first := make(chan response)
+	go func() {
+		r, _ := send(context.Background(), nil, srv.URL, payReq("pay-held"))
+		first <- r
+	}()
+	<-entered
+	ctx, cancel := context.WithCancel(context.Background())
+	dup := make(chan error)
+	go func() {
+		_, err := send(ctx, nil, srv.URL, payReq("pay-held"))
+		dup <- err
+	}()
+	admin := testenv.Pool(t, 1)
+	eventually(t, "the duplicate to wait on the first's row lock", func() bool {
+		var n int
+		_ = admin.QueryRow(context.Background(),
+			"SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND query LIKE '%"+w.schema+"%'").Scan(&n)
+		return n == 1
+	})
+	cancel() // the duplicate's client gives up
+	if err := <-dup; err == nil {
+		t.Fatal("the cancelled duplicate got a response")
+	}
+	// Its connection is back in the pool: another payment goes through
+	// while the first still holds the other connection.
+	if r := do(t, nil, srv.URL, payReq("pay-other")); r.status != http.StatusCreated {
+		t.Fatalf("another payment while the first is held: %d %s", r.status, r.body)
+	}
+	close(unblock)
+	var c collector
+	c.add(t, "pay-held", <-first)
+	w.o.check(t, []string{"pay-held", "pay-other"}, c.seen)
+}
