@@ -9,6 +9,16 @@
 // Watermill — so a re-publish after a relay crash is deduplicated by the
 // consumer's idem claim.
 //
+// The PostgreSQL part — Enqueue in the caller's pgx.Tx, the migrations and
+// the Relay — is the subpackage outbox/pgoutbox. The broker adapters
+// implement Publisher: adapters/amqp (publisher confirms), adapters/kafka.
+//
+// Trace context present at Enqueue time travels with the message: put it in
+// the context with WithTraceContext (or plug an OpenTelemetry propagator in
+// as a Propagator) and it is stored in the message's headers and sent as
+// HeaderTraceParent and HeaderTraceState. Metrics is the relay's metrics
+// hook.
+//
 // This package imports no driver.
 package outbox
 

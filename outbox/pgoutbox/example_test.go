@@ -1,0 +1,151 @@
+package pgoutbox_test
+
+import (
+	"cmp"
+	"context"
+	"crypto/rand"
+	"fmt"
+	"os"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/idemkit/idem/outbox"
+	"github.com/idemkit/idem/outbox/pgoutbox"
+)
+
+// postgresURL is the database the examples run on.
+var postgresURL = cmp.Or(os.Getenv("IDEM_TEST_POSTGRES_URL"), "postgres://postgres@127.0.0.1:5432/test?sslmode=disable")
+
+// printPublisher stands in for a broker adapter (adapters/amqp,
+// adapters/kafka): it prints what it is given and confirms it.
+type printPublisher struct {
+	mu   sync.Mutex
+	seen int
+	done chan struct{}
+}
+
+func (p *printPublisher) Publish(_ context.Context, msgs []*outbox.Message) error {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	for _, m := range msgs {
+		fmt.Printf("published to %s, key %s: %s (traceparent %s)\n", m.Topic, m.Key, m.Payload, m.Headers[outbox.HeaderTraceParent])
+		p.seen++
+	}
+	if p.seen == 2 {
+		close(p.done)
+	}
+	return nil
+}
+
+// An order is written with its outgoing events in one transaction. The
+// relay is woken by the commit and publishes them, in order for the key; the
+// events of a rolled-back transaction are never published.
+func Example() {
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	pool, err := pgxpool.New(ctx, postgresURL)
+	if err != nil {
+		fmt.Println(err)
+		return
+	}
+	defer pool.Close()
+
+	// A fresh schema per run, dropped at the end.
+	schema := "idem_example_" + strings.ToLower(rand.Text())
+	defer func() {
+		_, _ = pool.Exec(context.Background(), "DROP SCHEMA "+pgx.Identifier{schema}.Sanitize()+" CASCADE")
+	}()
+	ob, err := pgoutbox.New(pool, pgoutbox.Options{Schema: schema})
+	if err != nil {
+		fmt.Println(err)
+		return
+	}
+	if err := ob.Migrate(ctx); err != nil { // creates the schema and the outbox table
+		fmt.Println(err)
+		return
+	}
+	orders := pgx.Identifier{schema, "orders"}.Sanitize()
+	if _, err := pool.Exec(ctx, "CREATE TABLE "+orders+" (id text PRIMARY KEY, total int NOT NULL)"); err != nil {
+		fmt.Println(err)
+		return
+	}
+
+	pub := &printPublisher{done: make(chan struct{})}
+	relay, err := pgoutbox.NewRelay(ob, pub, pgoutbox.RelayOptions{})
+	if err != nil {
+		fmt.Println(err)
+		return
+	}
+	rctx, stop := context.WithCancel(ctx)
+	relayDone := make(chan error, 1)
+	go func() { relayDone <- relay.Run(rctx) }()
+	shutdown := sync.OnceValue(func() error { stop(); return <-relayDone })
+	defer func() { _ = shutdown() }()
+
+	// The request's trace context travels with the events.
+	reqCtx := outbox.WithTraceContext(ctx, "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01", "")
+	placeOrder := func(id string, total int, commit bool) error {
+		tx, err := pool.Begin(reqCtx)
+		if err != nil {
+			return err
+		}
+		defer func() { _ = tx.Rollback(reqCtx) }()
+		if _, err := tx.Exec(reqCtx, "INSERT INTO "+orders+" VALUES ($1, $2)", id, total); err != nil {
+			return err
+		}
+		if _, err := ob.Enqueue(reqCtx, tx,
+			outbox.Message{Topic: "orders", Key: []byte(id), Payload: []byte("placed " + id)},
+			outbox.Message{Topic: "orders", Key: []byte(id), Payload: []byte(fmt.Sprint("charged ", total))},
+		); err != nil {
+			return err
+		}
+		if !commit {
+			return nil // rolled back by the deferred Rollback: nothing is published
+		}
+		return tx.Commit(reqCtx)
+	}
+	if err := placeOrder("order-1", 42, false); err != nil {
+		fmt.Println(err)
+		return
+	}
+	if err := placeOrder("order-2", 17, true); err != nil {
+		fmt.Println(err)
+		return
+	}
+
+	<-pub.done
+	if err := shutdown(); err != nil { // lets the batch in flight finish
+		fmt.Println(err)
+	}
+	pending, _, err := ob.Backlog(ctx)
+	fmt.Println("pending:", pending, err)
+	// Output:
+	// published to orders, key order-2: placed order-2 (traceparent 00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01)
+	// published to orders, key order-2: charged 17 (traceparent 00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01)
+	// pending: 0 <nil>
+}
+
+// SQL prints the migrations for a migration tool.
+func ExampleOutbox_SQL() {
+	ob, err := pgoutbox.New(nil, pgoutbox.Options{Schema: "billing", Table: "outbox"}) // no pool needed to print
+	if err != nil {
+		fmt.Println(err)
+		return
+	}
+	script, err := ob.SQL()
+	if err != nil {
+		fmt.Println(err)
+		return
+	}
+	fmt.Println(strings.SplitN(script, "\n", 2)[0])
+	fmt.Println(strings.Contains(script, `CREATE TABLE IF NOT EXISTS "billing"."outbox"`))
+	fmt.Println(ob.Channel())
+	// Output:
+	// CREATE SCHEMA IF NOT EXISTS "billing";
+	// true
+	// idem_outbox.billing.outbox
+}

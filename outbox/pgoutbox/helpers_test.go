@@ -1,0 +1,281 @@
+package pgoutbox_test
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"maps"
+	"os"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/idemkit/idem/internal/testenv"
+	"github.com/idemkit/idem/outbox"
+	"github.com/idemkit/idem/outbox/pgoutbox"
+)
+
+// quiet is the logger of the tests' relays: warnings about killed sessions
+// are expected there. IDEM_TEST_VERBOSE=1 shows them.
+func quiet() *slog.Logger {
+	if os.Getenv("IDEM_TEST_VERBOSE") == "1" {
+		return slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelDebug}))
+	}
+	return slog.New(slog.DiscardHandler)
+}
+
+// newOutbox creates an outbox in a fresh schema (dropped after the test) and
+// migrates it.
+func newOutbox(t testing.TB, pool *pgxpool.Pool, opts pgoutbox.Options) *pgoutbox.Outbox {
+	t.Helper()
+	if opts.Schema == "" {
+		opts.Schema = testenv.Schema(t, pool)
+	}
+	if opts.Logger == nil {
+		opts.Logger = quiet()
+	}
+	ob, err := pgoutbox.New(pool, opts)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	if err := ob.Migrate(ctx); err != nil {
+		t.Fatal(err)
+	}
+	return ob
+}
+
+// enqueue commits msgs in one transaction and returns their ids.
+func enqueue(t testing.TB, pool *pgxpool.Pool, ob *pgoutbox.Outbox, msgs ...outbox.Message) []string {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	var ids []string
+	err := pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
+		var err error
+		ids, err = ob.Enqueue(ctx, tx, msgs...)
+		return err
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return ids
+}
+
+// fastRelay are relay options that make tests quick.
+func fastRelay(o pgoutbox.RelayOptions) pgoutbox.RelayOptions {
+	if o.PollInterval == 0 {
+		o.PollInterval = 100 * time.Millisecond
+	}
+	if o.RebalanceInterval == 0 {
+		o.RebalanceInterval = 100 * time.Millisecond
+	}
+	if o.Backoff == 0 {
+		o.Backoff = 20 * time.Millisecond
+	}
+	if o.MaxBackoff == 0 {
+		o.MaxBackoff = 200 * time.Millisecond
+	}
+	if o.ReconnectBackoff == 0 {
+		o.ReconnectBackoff = 20 * time.Millisecond
+	}
+	if o.MaxReconnectBackoff == 0 {
+		o.MaxReconnectBackoff = 200 * time.Millisecond
+	}
+	if o.Logger == nil {
+		o.Logger = quiet()
+	}
+	return o
+}
+
+// running is a relay started by start.
+type running struct {
+	cancel context.CancelFunc
+	done   chan error
+}
+
+// start runs r until stop (or the end of the test).
+func start(t testing.TB, r *pgoutbox.Relay) *running {
+	t.Helper()
+	ctx, cancel := context.WithCancel(context.Background())
+	rr := &running{cancel: cancel, done: make(chan error, 1)}
+	go func() { rr.done <- r.Run(ctx) }()
+	t.Cleanup(func() { rr.stop(t) })
+	return rr
+}
+
+// stop cancels the relay and waits for Run to return; it may be called more
+// than once.
+func (rr *running) stop(t testing.TB) {
+	t.Helper()
+	rr.cancel()
+	err, ok := <-rr.done
+	if ok {
+		close(rr.done)
+		if err != nil {
+			t.Errorf("Relay.Run: %v", err)
+		}
+	}
+}
+
+// eventually polls cond until it holds; the timeout only keeps a broken test
+// from hanging.
+func eventually(t testing.TB, timeout time.Duration, what string, cond func() bool) {
+	t.Helper()
+	deadline := time.Now().Add(timeout)
+	for !cond() {
+		if time.Now().After(deadline) {
+			t.Fatalf("gave up after %v waiting for %s", timeout, what)
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+}
+
+// memPublisher records what it publishes. fail, when set, fails single
+// messages; down, when set, fails whole batches.
+type memPublisher struct {
+	mu    sync.Mutex
+	calls int
+	got   []outbox.Message // confirmed, in order
+	fail  func(m *outbox.Message) error
+	down  func() error
+	delay time.Duration
+}
+
+func (p *memPublisher) Publish(ctx context.Context, msgs []*outbox.Message) error {
+	p.mu.Lock()
+	p.calls++
+	fail, down, delay := p.fail, p.down, p.delay
+	p.mu.Unlock()
+	if delay > 0 {
+		select {
+		case <-time.After(delay):
+		case <-ctx.Done():
+			return ctx.Err()
+		}
+	}
+	if down != nil {
+		if err := down(); err != nil {
+			return err
+		}
+	}
+	var pe outbox.PublishError
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	for i, m := range msgs {
+		if fail != nil {
+			if err := fail(m); err != nil {
+				if pe.Failed == nil {
+					pe.Failed = map[int]error{}
+				}
+				pe.Failed[i] = err
+				continue
+			}
+		}
+		c := *m
+		c.Headers = maps.Clone(m.Headers)
+		p.got = append(p.got, c)
+	}
+	if pe.Failed != nil {
+		return &pe
+	}
+	return nil
+}
+
+func (p *memPublisher) published() []outbox.Message {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return append([]outbox.Message(nil), p.got...)
+}
+
+func (p *memPublisher) callCount() int {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return p.calls
+}
+
+func (p *memPublisher) publishedIDs() map[string]int {
+	out := map[string]int{}
+	for _, m := range p.published() {
+		out[m.ID]++
+	}
+	return out
+}
+
+// counters is an outbox.Metrics for tests.
+type counters struct {
+	mu                       sync.Mutex
+	published, retried, dead int
+	backlogs                 int
+	lastBacklog              int64
+}
+
+func (c *counters) Published(_ string, n int) { c.mu.Lock(); c.published += n; c.mu.Unlock() }
+func (c *counters) Retried(_ string, n int)   { c.mu.Lock(); c.retried += n; c.mu.Unlock() }
+func (c *counters) Dead(_ string, n int)      { c.mu.Lock(); c.dead += n; c.mu.Unlock() }
+func (c *counters) Backlog(n int64, _ time.Duration) {
+	c.mu.Lock()
+	c.backlogs++
+	c.lastBacklog = n
+	c.mu.Unlock()
+}
+
+func (c *counters) snapshot() (published, retried, dead int) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.published, c.retried, c.dead
+}
+
+// rowState reads the state, attempts and seq of a message by id.
+type rowInfo struct {
+	seq      int64
+	state    int
+	attempts int
+	lastErr  *string
+}
+
+func rowsByID(t testing.TB, pool *pgxpool.Pool, ob *pgoutbox.Outbox) map[string]rowInfo {
+	t.Helper()
+	rows, err := pool.Query(context.Background(), "SELECT id::text, seq, state, attempts, last_error FROM "+ob.Table())
+	if err != nil {
+		t.Fatal(err)
+	}
+	out := map[string]rowInfo{}
+	var (
+		id string
+		ri rowInfo
+	)
+	if _, err := pgx.ForEachRow(rows, []any{&id, &ri.seq, &ri.state, &ri.attempts, &ri.lastErr}, func() error {
+		out[id] = ri
+		return nil
+	}); err != nil {
+		t.Fatal(err)
+	}
+	return out
+}
+
+func countState(t testing.TB, pool *pgxpool.Pool, ob *pgoutbox.Outbox, state int) int {
+	t.Helper()
+	var n int
+	if err := pool.QueryRow(context.Background(), "SELECT count(*) FROM "+ob.Table()+" WHERE state = $1", state).Scan(&n); err != nil {
+		t.Fatal(err)
+	}
+	return n
+}
+
+func msg(topic, key, payload string) outbox.Message {
+	var k []byte
+	if key != "" {
+		k = []byte(key)
+	}
+	return outbox.Message{Topic: topic, Key: k, Payload: []byte(payload)}
+}
+
+var errBoom = errors.New("boom")
+
+func keyOf(i, keys int) string { return fmt.Sprintf("k%03d", i%keys) }

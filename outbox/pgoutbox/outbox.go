@@ -1,0 +1,324 @@
+package pgoutbox
+
+import (
+	"context"
+	"encoding/hex"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"hash/fnv"
+	"log/slog"
+	"strings"
+	"time"
+	"unicode/utf8"
+
+	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/idemkit/idem/internal/sqlname"
+	"github.com/idemkit/idem/outbox"
+)
+
+// Options configure an Outbox. The zero value is usable.
+type Options struct {
+	// Schema holds the table. Defaults to "public".
+	Schema string
+	// Table is the table name. Defaults to "outbox".
+	Table string
+	// Propagator adds the trace context of Enqueue's ctx to each message's
+	// headers. Defaults to outbox.TraceContext, which reads
+	// outbox.WithTraceContext.
+	Propagator outbox.Propagator
+	// NoKeyLock disables the per-key advisory lock Enqueue takes (see
+	// Enqueue). Messages of one key are then ordered by the order in which
+	// their rows were inserted, not committed: two transactions enqueueing
+	// the same key concurrently may see their messages published in the
+	// other order. Defaults to false (ordered by commit).
+	NoKeyLock bool
+	// Retention is how long published rows are kept before Cleanup
+	// deletes them. Defaults to 24 hours.
+	Retention time.Duration
+	// DeadRetention is how long dead rows are kept before Cleanup deletes
+	// them. Defaults to 0: dead rows are kept until deleted by hand or
+	// requeued with RequeueDead.
+	DeadRetention time.Duration
+	// CleanupBatch is the number of rows one cleanup statement deletes.
+	// Defaults to 1000.
+	CleanupBatch int
+	// Logger receives warnings. Defaults to slog.Default().
+	Logger *slog.Logger
+}
+
+// Outbox is an outbox table: Enqueue writes to it in the caller's
+// transaction, a Relay publishes from it. It is safe for concurrent use.
+type Outbox struct {
+	pool    *pgxpool.Pool // nil for the package-level Enqueue
+	opts    Options
+	table   string // quoted, schema-qualified
+	channel string // LISTEN/NOTIFY channel
+	lockNS  int64  // advisory lock namespace of the keys
+	relayNS int32  // advisory lock namespace of the relays' shards
+	sql     statements
+}
+
+// New returns the Outbox of the table named by opts, on pool. It does not
+// touch the database; call Migrate (or apply SQL) once before use.
+//
+// pool may be nil for an Outbox that only enqueues (Enqueue runs in the
+// caller's transaction) or prints its SQL; Migrate, MigrationStatus,
+// Cleanup, Backlog, RequeueDead and NewRelay need it.
+func New(pool *pgxpool.Pool, opts Options) (*Outbox, error) {
+	if opts.Schema == "" {
+		opts.Schema = "public"
+	}
+	if opts.Table == "" {
+		opts.Table = "outbox"
+	}
+	if err := sqlname.Check("pgoutbox: Options.Schema", opts.Schema); err != nil {
+		return nil, err
+	}
+	if err := sqlname.Check("pgoutbox: Options.Table", opts.Table); err != nil {
+		return nil, err
+	}
+	if len(opts.Table) > 50 {
+		return nil, fmt.Errorf("pgoutbox: Options.Table %q is longer than 50 bytes; index names are derived from it", opts.Table)
+	}
+	for _, d := range []struct {
+		name string
+		v    time.Duration
+	}{{"Retention", opts.Retention}, {"DeadRetention", opts.DeadRetention}} {
+		if d.v < 0 {
+			return nil, fmt.Errorf("pgoutbox: Options.%s is %v; it must not be negative (zero means the default)", d.name, d.v)
+		}
+		if d.v > 0 && d.v < time.Millisecond {
+			return nil, fmt.Errorf("pgoutbox: Options.%s is %v; use at least 1ms", d.name, d.v)
+		}
+	}
+	if opts.CleanupBatch < 0 {
+		return nil, fmt.Errorf("pgoutbox: Options.CleanupBatch is %d; it must not be negative", opts.CleanupBatch)
+	}
+	if opts.Propagator == nil {
+		opts.Propagator = outbox.TraceContext
+	}
+	if opts.Retention == 0 {
+		opts.Retention = 24 * time.Hour
+	}
+	if opts.CleanupBatch == 0 {
+		opts.CleanupBatch = 1000
+	}
+	if opts.Logger == nil {
+		opts.Logger = slog.Default()
+	}
+	o := &Outbox{
+		pool:  pool,
+		opts:  opts,
+		table: sqlname.Qualified(opts.Schema, opts.Table),
+	}
+	name := opts.Schema + "." + opts.Table
+	o.channel = "idem_outbox." + name
+	if len(o.channel) > 63 { // NAMEDATALEN - 1
+		o.channel = "idem_outbox." + hex.EncodeToString(fnv64("channel", name))
+	}
+	o.lockNS = int64(fnvSum64("idem:outbox:key:" + name))
+	o.relayNS = int32(fnvSum32("idem:outbox:relay:"+name) & 0x7fffffff)
+	o.sql = buildStatements(o.table)
+	return o, nil
+}
+
+func fnv64(parts ...string) []byte {
+	h := fnv.New64a()
+	for _, p := range parts {
+		h.Write([]byte(p))
+		h.Write([]byte{0})
+	}
+	return h.Sum(nil)
+}
+
+func fnvSum64(s string) uint64 {
+	h := fnv.New64a()
+	h.Write([]byte(s))
+	return h.Sum64()
+}
+
+func fnvSum32(s string) uint32 {
+	h := fnv.New32a()
+	h.Write([]byte(s))
+	return h.Sum32()
+}
+
+// Options returns the outbox's options with defaults filled in.
+func (o *Outbox) Options() Options { return o.opts }
+
+// Table returns the quoted, schema-qualified table name.
+func (o *Outbox) Table() string { return o.table }
+
+// Channel returns the LISTEN/NOTIFY channel Enqueue notifies and the relay
+// listens on: "idem_outbox.<schema>.<table>", or a hash of the name when
+// that is longer than 63 bytes.
+func (o *Outbox) Channel() string { return o.channel }
+
+// keyHash spreads keys over shards; it is stored with the row. A keyless
+// message is spread by its id, since it has no order to keep.
+func keyHash(key []byte, id uuid.UUID) int32 {
+	h := fnv.New32a()
+	if len(key) == 0 {
+		h.Write(id[:])
+	} else {
+		h.Write(key)
+	}
+	return int32(h.Sum32() & 0x7fffffff)
+}
+
+func (o *Outbox) keyLockID(key []byte) int64 {
+	h := fnv.New64a()
+	var ns [8]byte
+	for i := range ns {
+		ns[i] = byte(o.lockNS >> (8 * i))
+	}
+	h.Write(ns[:])
+	h.Write(key)
+	return int64(h.Sum64())
+}
+
+// MaxHeaderBytes bounds a header name plus value, in bytes.
+const MaxHeaderBytes = 64 << 10
+
+// defaultOutbox serves the package-level Enqueue; the default Options are
+// valid, so newOutbox cannot fail.
+var defaultOutbox, _ = New(nil, Options{})
+
+// Enqueue writes msgs to the default outbox, public.outbox with the default
+// Options, in the caller's transaction. See Outbox.Enqueue.
+func Enqueue(ctx context.Context, tx pgx.Tx, msgs ...outbox.Message) ([]string, error) {
+	return defaultOutbox.Enqueue(ctx, tx, msgs...)
+}
+
+// Enqueue writes msgs in tx, the caller's transaction: they are published
+// after tx commits and never if it rolls back. It returns the messages' ids,
+// in order.
+//
+// Each message gets a time-ordered id (UUIDv7) unless Message.ID is already
+// set to a UUID, the trace context of ctx in its headers (see
+// Options.Propagator; headers already set win), and its created and
+// available times from the database clock. Message.Attempt and CreatedAt
+// are ignored. Topic is the Kafka topic or the AMQP exchange (empty: AMQP's
+// default exchange, which routes by Key to the queue of that name); Key orders:
+// two messages with the same non-empty key are published in commit order,
+// and an empty key means "no order".
+//
+// Commit order. A sequence column numbers the rows, but two transactions can
+// commit in another order than they took their numbers. So, for each
+// distinct non-empty key, Enqueue takes a transaction-scoped advisory lock
+// (pg_advisory_xact_lock on a hash of the table and the key) before
+// inserting: a second transaction enqueueing the same key waits at Enqueue
+// until the first one commits or rolls back, and then takes a later number.
+// For one key, sequence order is therefore commit order. The cost: business
+// transactions that enqueue the same key serialize from their Enqueue to
+// their commit, so keep them short after Enqueue (or Enqueue last), and
+// enqueue a transaction's keys in one call — the keys of one call are locked
+// in a fixed order, while two transactions that lock the same keys in
+// opposite orders over several calls can deadlock (PostgreSQL aborts one
+// with SQLSTATE 40P01, which is safe to retry). Unrelated keys collide on a
+// 64-bit hash only. Options.NoKeyLock turns the lock off.
+//
+// Enqueue also issues pg_notify on Channel, which PostgreSQL delivers at
+// commit and folds into one notification per transaction: the relay wakes
+// up right after the commit.
+func (o *Outbox) Enqueue(ctx context.Context, tx pgx.Tx, msgs ...outbox.Message) ([]string, error) {
+	if tx == nil {
+		return nil, errors.New("pgoutbox: Enqueue: tx is nil; pass the business transaction")
+	}
+	if len(msgs) == 0 {
+		return nil, nil
+	}
+	n := len(msgs)
+	var (
+		ids      = make([]string, n)
+		topics   = make([]string, n)
+		keys     = make([][]byte, n)
+		hashes   = make([]int32, n)
+		payloads = make([][]byte, n)
+		headers  = make([]string, n)
+		lockIDs  []int64
+	)
+	for i := range msgs {
+		m := &msgs[i]
+		id, err := messageID(m.ID)
+		if err != nil {
+			return nil, fmt.Errorf("pgoutbox: Enqueue: message %d: %w", i, err)
+		}
+		if err := checkMessage(m); err != nil {
+			return nil, fmt.Errorf("pgoutbox: Enqueue: message %d (%s): %w", i, id, err)
+		}
+		h := outbox.InjectHeaders(ctx, o.opts.Propagator, m.Headers)
+		if err := checkHeaders(h); err != nil {
+			return nil, fmt.Errorf("pgoutbox: Enqueue: message %d (%s): %w", i, id, err)
+		}
+		js := []byte("{}")
+		if len(h) > 0 {
+			if js, err = json.Marshal(h); err != nil {
+				return nil, fmt.Errorf("pgoutbox: Enqueue: message %d (%s): headers: %w", i, id, err)
+			}
+		}
+		ids[i] = id.String()
+		topics[i] = m.Topic
+		keys[i] = m.Key
+		if keys[i] == nil {
+			keys[i] = []byte{}
+		}
+		hashes[i] = keyHash(m.Key, id)
+		payloads[i] = m.Payload
+		if payloads[i] == nil {
+			payloads[i] = []byte{}
+		}
+		headers[i] = string(js)
+		if len(m.Key) > 0 && !o.opts.NoKeyLock {
+			lockIDs = append(lockIDs, o.keyLockID(m.Key))
+		}
+	}
+	b := &pgx.Batch{}
+	if len(lockIDs) > 0 {
+		b.Queue(o.sql.lockKeys, lockIDs)
+	}
+	b.Queue(o.sql.insert, ids, topics, keys, hashes, payloads, headers)
+	b.Queue(o.sql.notify, o.channel)
+	if err := tx.SendBatch(ctx, b).Close(); err != nil {
+		return nil, fmt.Errorf("pgoutbox: Enqueue into %s: %w", o.table, err)
+	}
+	return ids, nil
+}
+
+func messageID(s string) (uuid.UUID, error) {
+	if s == "" {
+		return uuid.NewV7()
+	}
+	id, err := uuid.Parse(s)
+	if err != nil {
+		return uuid.UUID{}, fmt.Errorf("Message.ID %q is not a UUID (leave it empty for a generated UUIDv7): %w", s, err)
+	}
+	return id, nil
+}
+
+func checkMessage(m *outbox.Message) error {
+	if !utf8.ValidString(m.Topic) || strings.ContainsRune(m.Topic, 0) {
+		return fmt.Errorf("Message.Topic %q is not valid UTF-8 text", m.Topic)
+	}
+	return nil
+}
+
+func checkHeaders(h map[string]string) error {
+	for k, v := range h {
+		if k == "" {
+			return errors.New("a header name is empty")
+		}
+		if len(k)+len(v) > MaxHeaderBytes {
+			return fmt.Errorf("header %q is longer than %d bytes", k, MaxHeaderBytes)
+		}
+		// jsonb keeps text only: no NUL, valid UTF-8.
+		if !utf8.ValidString(k) || !utf8.ValidString(v) || strings.ContainsRune(k, 0) || strings.ContainsRune(v, 0) {
+			return fmt.Errorf("header %q: names and values must be valid UTF-8 without NUL bytes", k)
+		}
+	}
+	return nil
+}

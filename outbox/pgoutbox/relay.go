@@ -1,0 +1,373 @@
+package pgoutbox
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"math/rand/v2"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+
+	"github.com/idemkit/idem/outbox"
+)
+
+// RelayOptions configure a Relay. The zero value is usable.
+type RelayOptions struct {
+	// Shards is the number of parts the key space is split into; each
+	// shard is owned by one relay session at a time. Every relay of one
+	// outbox table must use the same value: a relay that sees another
+	// relay with a different count owns no shard until that relay is gone
+	// (and logs an error). Between 1 and 1024. Defaults to 16.
+	Shards int
+	// Sessions is the number of dedicated database sessions (claim loops)
+	// this relay runs; each one competes for shards like a separate relay.
+	// More than one lets one process publish several batches at once, but
+	// the relay then calls Publish from several goroutines at once: use it
+	// only with a Publisher that is safe for concurrent use (the
+	// adapters/amqp publisher is). At most Shards. Defaults to 1.
+	Sessions int
+	// BatchSize is the most messages one claim takes. Defaults to 500.
+	BatchSize int
+	// PerKeyBatch is the most messages of one key a batch takes. Defaults
+	// to 1: a key's next message is sent only after the previous one was
+	// confirmed and marked, so a failure of the earlier one can never let
+	// a later one through. A larger value raises the throughput of a hot
+	// key; the key's messages of one batch are sent in order, but when the
+	// broker rejects an earlier one and confirms a later one of the same
+	// batch, the later one is out before the earlier one's retry. Use it
+	// only where that is acceptable.
+	PerKeyBatch int
+	// ScanWindow is how many of the oldest claimable rows a claim looks
+	// at to pick its batch. A key with more pending rows than this ahead
+	// of the others delays them until its backlog drops below it. Defaults
+	// to 4 × BatchSize.
+	ScanWindow int
+	// PollInterval is how often a session looks for work without a
+	// notification: the fallback for lost notifications. Defaults to 1s.
+	PollInterval time.Duration
+	// RebalanceInterval is how often a session recounts the relays and
+	// takes or gives back shards. A dead relay's shards are taken over
+	// within about this long after its session ends (a relay that joins
+	// or stops cleanly is handled at once). Defaults to 1s.
+	RebalanceInterval time.Duration
+	// MaxAttempts is the number of failed publish attempts after which a
+	// message is parked as dead. Only per-message failures count (an
+	// *outbox.PublishError naming the message); an error for the whole
+	// batch (the broker unreachable) counts no attempt. Defaults to 10.
+	MaxAttempts int
+	// Backoff is the delay before the second attempt of a failed message;
+	// it doubles with each further attempt up to MaxBackoff (±20% jitter).
+	// Defaults to 1s and 5m: with the default MaxAttempts a message that
+	// always fails is dead after about 8.5 minutes. The consumer's dedup
+	// retention must outlive that horizon.
+	Backoff, MaxBackoff time.Duration
+	// ReconnectBackoff is the first delay before a session reconnects to
+	// the database or retries a batch whose Publish failed as a whole; it
+	// doubles up to MaxReconnectBackoff. Defaults to 100ms and 10s.
+	ReconnectBackoff, MaxReconnectBackoff time.Duration
+	// DeletePublished deletes a row once its message is confirmed instead
+	// of marking it published. Defaults to false (marked, and deleted by
+	// Cleanup after Options.Retention).
+	DeletePublished bool
+	// CleanupInterval is how often the relay runs Outbox.Cleanup.
+	// Negative disables it. Defaults to 1 minute.
+	CleanupInterval time.Duration
+	// Metrics receives counters and, every MetricsInterval, the backlog.
+	// Defaults to none.
+	Metrics outbox.Metrics
+	// MetricsInterval is how often the backlog is sampled when Metrics is
+	// set. Defaults to 15s.
+	MetricsInterval time.Duration
+	// ShutdownTimeout is how long the batch in flight when Run's context
+	// ends may take to finish (publish and mark). Defaults to 10s.
+	ShutdownTimeout time.Duration
+	// QueryTimeout bounds each database round trip of a session. Defaults
+	// to 30s.
+	QueryTimeout time.Duration
+	// Logger receives warnings. Defaults to the Outbox's logger.
+	Logger *slog.Logger
+}
+
+// Relay publishes the committed rows of an Outbox through a Publisher. Run
+// it in as many processes as needed: they share the work by shards.
+type Relay struct {
+	ob      *Outbox
+	pub     outbox.Publisher
+	opts    RelayOptions
+	connCfg *pgx.ConnConfig
+	running atomic.Bool
+	hooks   hooks
+}
+
+// hooks are test seams (set through export_test.go).
+type hooks struct {
+	// afterPublish runs after Publish returned and before the rows are
+	// marked.
+	afterPublish func(msgs []*outbox.Message, err error)
+	// connected runs when a session connected, with its backend pid.
+	connected func(pid uint32)
+}
+
+// errFatal marks errors that stop Run: misconfiguration, not outages.
+var errFatal = errors.New("pgoutbox: relay cannot run")
+
+// NewRelay returns a relay for ob that publishes through pub. It does not
+// touch the database or the broker.
+func NewRelay(ob *Outbox, pub outbox.Publisher, opts RelayOptions) (*Relay, error) {
+	if ob == nil || ob.pool == nil {
+		return nil, errors.New("pgoutbox: NewRelay: outbox is nil or has no pool; create it with New")
+	}
+	if pub == nil {
+		return nil, errors.New("pgoutbox: NewRelay: publisher is nil; pass an outbox.Publisher such as adapters/amqp's")
+	}
+	if err := opts.fill(ob); err != nil {
+		return nil, err
+	}
+	return &Relay{ob: ob, pub: pub, opts: opts, connCfg: ob.pool.Config().ConnConfig}, nil
+}
+
+func (o *RelayOptions) fill(ob *Outbox) error {
+	ints := []struct {
+		name      string
+		v         *int
+		def, max  int
+		maxReason string
+	}{
+		{"Shards", &o.Shards, 16, 1024, ""},
+		{"BatchSize", &o.BatchSize, 500, 10000, ""},
+		{"PerKeyBatch", &o.PerKeyBatch, 1, 10000, ""},
+		{"MaxAttempts", &o.MaxAttempts, 10, 1 << 20, ""},
+	}
+	for _, f := range ints {
+		if *f.v < 0 {
+			return fmt.Errorf("pgoutbox: RelayOptions.%s is %d; it must not be negative (zero means the default)", f.name, *f.v)
+		}
+		if *f.v == 0 {
+			*f.v = f.def
+		}
+		if *f.v > f.max {
+			return fmt.Errorf("pgoutbox: RelayOptions.%s is %d; the most is %d", f.name, *f.v, f.max)
+		}
+	}
+	if o.Sessions < 0 || o.Sessions > o.Shards {
+		return fmt.Errorf("pgoutbox: RelayOptions.Sessions is %d; use 1 to Shards (%d)", o.Sessions, o.Shards)
+	}
+	if o.Sessions == 0 {
+		o.Sessions = 1
+	}
+	if o.ScanWindow < 0 {
+		return fmt.Errorf("pgoutbox: RelayOptions.ScanWindow is %d; it must not be negative", o.ScanWindow)
+	}
+	if o.ScanWindow == 0 {
+		o.ScanWindow = 4 * o.BatchSize
+	}
+	if o.ScanWindow < o.BatchSize {
+		return fmt.Errorf("pgoutbox: RelayOptions.ScanWindow %d is smaller than BatchSize %d", o.ScanWindow, o.BatchSize)
+	}
+	durs := []struct {
+		name string
+		v    *time.Duration
+		def  time.Duration
+	}{
+		{"PollInterval", &o.PollInterval, time.Second},
+		{"RebalanceInterval", &o.RebalanceInterval, time.Second},
+		{"Backoff", &o.Backoff, time.Second},
+		{"MaxBackoff", &o.MaxBackoff, 5 * time.Minute},
+		{"ReconnectBackoff", &o.ReconnectBackoff, 100 * time.Millisecond},
+		{"MaxReconnectBackoff", &o.MaxReconnectBackoff, 10 * time.Second},
+		{"MetricsInterval", &o.MetricsInterval, 15 * time.Second},
+		{"ShutdownTimeout", &o.ShutdownTimeout, 10 * time.Second},
+		{"QueryTimeout", &o.QueryTimeout, 30 * time.Second},
+	}
+	for _, d := range durs {
+		if *d.v < 0 {
+			return fmt.Errorf("pgoutbox: RelayOptions.%s is %v; it must not be negative (zero means the default)", d.name, *d.v)
+		}
+		if *d.v == 0 {
+			*d.v = d.def
+		}
+		if *d.v < time.Millisecond {
+			return fmt.Errorf("pgoutbox: RelayOptions.%s is %v; use at least 1ms", d.name, *d.v)
+		}
+	}
+	if o.MaxBackoff < o.Backoff {
+		return fmt.Errorf("pgoutbox: RelayOptions.MaxBackoff %v is shorter than Backoff %v", o.MaxBackoff, o.Backoff)
+	}
+	if o.MaxReconnectBackoff < o.ReconnectBackoff {
+		return fmt.Errorf("pgoutbox: RelayOptions.MaxReconnectBackoff %v is shorter than ReconnectBackoff %v", o.MaxReconnectBackoff, o.ReconnectBackoff)
+	}
+	if o.CleanupInterval == 0 {
+		o.CleanupInterval = time.Minute
+	}
+	if o.Logger == nil {
+		o.Logger = ob.opts.Logger
+	}
+	return nil
+}
+
+// Options returns the relay's options with defaults filled in.
+func (r *Relay) Options() RelayOptions { return r.opts }
+
+// Run publishes until ctx ends, then lets the batch in flight finish (see
+// RelayOptions.ShutdownTimeout), stops every goroutine it started, closes its
+// sessions and returns nil. It returns an error without waiting for ctx when
+// the relay cannot work at all (the table does not exist: run Migrate), and
+// when called while already running.
+//
+// Each session opens a dedicated connection with the pool's connection
+// settings (not one of the pool's connections; the pool's AfterConnect hook
+// does not run on it). On it the session LISTENs on the outbox's channel,
+// holds its shards' session-level advisory locks, and runs its claim
+// transactions, so a session whose connection drops loses its shards and its
+// claims at the same moment. The session reconnects with backoff; the
+// relay's cleanup and backlog sampling use the pool.
+//
+// Every outage is retried, never returned: the database unreachable, the
+// connection killed, the broker down.
+//
+// The sessions need real PostgreSQL sessions: LISTEN and session-level
+// advisory locks do not work through a transaction-pooling proxy (PgBouncer
+// in transaction mode); point the pool at PostgreSQL or a session-mode pool.
+func (r *Relay) Run(ctx context.Context) error {
+	if !r.running.CompareAndSwap(false, true) {
+		return errors.New("pgoutbox: Relay.Run called while the relay is running")
+	}
+	defer r.running.Store(false)
+
+	runCtx, stop := context.WithCancelCause(ctx)
+	defer stop(nil)
+	var wg sync.WaitGroup
+	for i := range r.opts.Sessions {
+		wg.Go(func() { r.sessionLoop(runCtx, i, stop) })
+	}
+	if r.opts.CleanupInterval > 0 {
+		wg.Go(func() { _ = r.ob.CleanupLoop(runCtx, r.opts.CleanupInterval) })
+	}
+	if r.opts.Metrics != nil {
+		wg.Go(func() { r.sampleBacklog(runCtx) })
+	}
+	wg.Wait()
+	if cause := context.Cause(runCtx); errors.Is(cause, errFatal) {
+		return cause
+	}
+	return nil
+}
+
+func (r *Relay) sampleBacklog(ctx context.Context) {
+	t := time.NewTicker(r.opts.MetricsInterval)
+	defer t.Stop()
+	for {
+		qctx, cancel := context.WithTimeout(ctx, r.opts.QueryTimeout)
+		n, age, err := r.ob.Backlog(qctx)
+		cancel()
+		if err == nil {
+			r.opts.Metrics.Backlog(n, age)
+		} else if ctx.Err() == nil {
+			r.opts.Logger.Warn("pgoutbox: backlog sample failed", "table", r.ob.table, "err", err)
+		}
+		select {
+		case <-ctx.Done():
+			return
+		case <-t.C:
+		}
+	}
+}
+
+// sessionLoop runs one session, reconnecting with backoff, until ctx ends.
+func (r *Relay) sessionLoop(ctx context.Context, idx int, stop context.CancelCauseFunc) {
+	bo := backoff{min: r.opts.ReconnectBackoff, max: r.opts.MaxReconnectBackoff}
+	for ctx.Err() == nil {
+		s := &session{r: r, idx: idx, pubBackoff: backoff{min: r.opts.ReconnectBackoff, max: r.opts.MaxReconnectBackoff}}
+		err := s.run(ctx)
+		if ctx.Err() != nil {
+			return
+		}
+		if errors.Is(err, errFatal) {
+			r.opts.Logger.Error("pgoutbox: relay stopped", "table", r.ob.table, "err", err)
+			stop(err)
+			return
+		}
+		if s.worked {
+			bo.reset()
+		}
+		d := bo.next()
+		r.opts.Logger.Warn("pgoutbox: relay session lost; reconnecting", "table", r.ob.table, "session", idx, "in", d, "err", err)
+		if !sleep(ctx, d) {
+			return
+		}
+	}
+}
+
+// backoff is an exponential delay with jitter.
+type backoff struct{ min, max, cur time.Duration }
+
+func (b *backoff) next() time.Duration {
+	if b.cur == 0 {
+		b.cur = b.min
+	} else {
+		b.cur = min(2*b.cur, b.max)
+	}
+	return jitter(b.cur)
+}
+
+func (b *backoff) reset() { b.cur = 0 }
+
+// jitter spreads d by ±20%.
+func jitter(d time.Duration) time.Duration {
+	return time.Duration(float64(d) * (0.8 + 0.4*rand.Float64()))
+}
+
+// retryDelay is the delay before the attempt after failed attempt n
+// (1-based): Backoff·2^(n-1), at most MaxBackoff, ±20%.
+func (o *RelayOptions) retryDelay(n int) time.Duration {
+	d := o.Backoff
+	for i := 1; i < n && d < o.MaxBackoff; i++ {
+		d *= 2
+	}
+	return jitter(min(d, o.MaxBackoff))
+}
+
+// sleep waits d or until ctx ends; it reports whether d passed.
+func sleep(ctx context.Context, d time.Duration) bool {
+	t := time.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-ctx.Done():
+		return false
+	case <-t.C:
+		return true
+	}
+}
+
+// graceful returns a context that is not cancelled by parent, only
+// grace after parent ends, so work started before a shutdown may finish.
+// Call the returned function when the work is done.
+func graceful(parent context.Context, grace time.Duration) (context.Context, func()) {
+	ctx, cancel := context.WithCancel(context.WithoutCancel(parent))
+	var (
+		mu    sync.Mutex
+		timer *time.Timer
+		done  bool
+	)
+	stopAfter := context.AfterFunc(parent, func() {
+		mu.Lock()
+		defer mu.Unlock()
+		if !done {
+			timer = time.AfterFunc(grace, cancel)
+		}
+	})
+	return ctx, func() {
+		stopAfter()
+		mu.Lock()
+		done = true
+		if timer != nil {
+			timer.Stop()
+		}
+		mu.Unlock()
+		cancel()
+	}
+}

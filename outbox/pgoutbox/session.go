@@ -1,0 +1,562 @@
+package pgoutbox
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"math/rand/v2"
+	"slices"
+	"strings"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgconn/ctxwatch"
+
+	"github.com/idemkit/idem/outbox"
+)
+
+// session is one claim loop on one dedicated connection. Only its goroutine
+// touches it (pgx calls OnNotification from the goroutine reading the
+// connection).
+type session struct {
+	r    *Relay
+	idx  int
+	conn *pgx.Conn
+
+	notified      bool    // a notification arrived since the last claim
+	rebalanceSoon bool    // another session joined or gave shards back
+	retries       bool    // a row of the owned shards may wait for a retry
+	owned         []int32 // shards held, sorted
+	nextRebalance time.Time
+	mismatch      bool // another shard count is in use
+	worked        bool // connected and set up: the reconnect backoff restarts
+	announce      bool // tell the other sessions to rebalance now
+	pubBackoff    backoff
+}
+
+// publishFailure is a Publish error for the whole batch: no attempt is
+// counted, the session waits and sends the batch again.
+type publishFailure struct{ err error }
+
+func (e *publishFailure) Error() string { return "pgoutbox: publish: " + e.err.Error() }
+func (e *publishFailure) Unwrap() error { return e.err }
+
+const memberShard = 0xFFFF
+
+// rebalancePayload is the notification a session sends when it joins or
+// gives shards back, so that the others rebalance at once rather than at
+// their next RebalanceInterval: a hand-over then leaves a shard without an
+// owner for milliseconds. (A session that dies cannot announce it; its
+// shards wait for the others' next periodic rebalance.)
+const rebalancePayload = "idem:rebalance"
+
+// lockKey2 is the second key of the session-level advisory locks: the shard
+// count in the high bits, so relays configured differently see each other.
+func (s *session) lockKey2(shard int) int32 { return int32(s.r.opts.Shards<<16 | shard) }
+
+func (s *session) run(ctx context.Context) error {
+	if err := s.connect(ctx); err != nil {
+		return err
+	}
+	defer s.close()
+	s.worked = true
+	if h := s.r.hooks.connected; h != nil {
+		h(s.conn.PgConn().PID())
+	}
+	for {
+		if ctx.Err() != nil {
+			return nil
+		}
+		if s.rebalanceSoon || !time.Now().Before(s.nextRebalance) {
+			s.rebalanceSoon = false
+			if err := s.rebalance(ctx); err != nil {
+				return err
+			}
+		}
+		n, err := s.cycle(ctx)
+		var pf *publishFailure
+		switch {
+		case errors.As(err, &pf):
+			if ctx.Err() != nil {
+				return nil
+			}
+			d := s.pubBackoff.next()
+			s.r.opts.Logger.Warn("pgoutbox: publish failed; retrying the batch", "table", s.r.ob.table, "session", s.idx, "in", d, "err", pf.err)
+			if !sleep(ctx, d) {
+				return nil
+			}
+			continue
+		case err != nil:
+			return err
+		}
+		if n > 0 {
+			s.pubBackoff.reset()
+			continue // more may be claimable: the next message of each key just sent
+		}
+		if err := s.wait(ctx); err != nil {
+			return err
+		}
+	}
+}
+
+func (s *session) connect(ctx context.Context) error {
+	cfg := s.r.connCfg.Copy()
+	cfg.OnNotification = func(pc *pgconn.PgConn, n *pgconn.Notification) {
+		s.notified = true
+		if n.Payload == rebalancePayload && n.PID != pc.PID() {
+			s.rebalanceSoon = true
+		}
+	}
+	// A deadline, not a cancel request, ends WaitForNotification's wait:
+	// the connection stays usable and no cancel request can hit the next
+	// statement.
+	cfg.BuildContextWatcherHandler = func(pc *pgconn.PgConn) ctxwatch.Handler {
+		return &pgconn.DeadlineContextWatcherHandler{Conn: pc.Conn()}
+	}
+	if cfg.RuntimeParams == nil {
+		cfg.RuntimeParams = map[string]string{}
+	}
+	if cfg.RuntimeParams["application_name"] == "" {
+		cfg.RuntimeParams["application_name"] = "idem-outbox-relay"
+	}
+	cctx, cancel := context.WithTimeout(ctx, s.r.opts.QueryTimeout)
+	defer cancel()
+	conn, err := pgx.ConnectConfig(cctx, cfg)
+	if err != nil {
+		return fmt.Errorf("connect: %w", err)
+	}
+	s.conn = conn
+	var exists bool
+	if err := conn.QueryRow(cctx, "SELECT to_regclass($1) IS NOT NULL", s.r.ob.table).Scan(&exists); err != nil {
+		s.close()
+		return fmt.Errorf("check table: %w", err)
+	}
+	if !exists {
+		s.close()
+		return fmt.Errorf("%w: table %s does not exist; run Outbox.Migrate or apply Outbox.SQL", errFatal, s.r.ob.table)
+	}
+	// This connection runs only the relay's statements. The claim scans
+	// the pending rows in seq order and stops after ScanWindow of them;
+	// the planner, misjudging the shard filter's selectivity, would rather
+	// read and sort every pending row.
+	if _, err := conn.Exec(cctx, "SET enable_seqscan = off"); err != nil {
+		s.close()
+		return fmt.Errorf("session settings: %w", err)
+	}
+	if _, err := conn.Exec(cctx, "LISTEN "+pgx.Identifier{s.r.ob.channel}.Sanitize()); err != nil {
+		s.close()
+		return fmt.Errorf("listen: %w", err)
+	}
+	if _, err := conn.Exec(cctx, "SELECT pg_advisory_lock_shared($1::integer, $2::integer)", s.r.ob.relayNS, s.lockKey2(memberShard)); err != nil {
+		s.close()
+		return fmt.Errorf("member lock: %w", err)
+	}
+	s.notified = true // catch up on what was committed while away
+	s.retries = true
+	s.announce = true // the others give back shards for this one
+	return nil
+}
+
+func (s *session) close() {
+	if s.conn == nil {
+		return
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	if len(s.owned) > 0 && !s.conn.IsClosed() {
+		// Leaving cleanly: give the shards back and say so, so the others
+		// take them now. Best effort: closing releases the locks anyway.
+		if _, err := s.conn.Exec(ctx, "SELECT pg_advisory_unlock_all()"); err == nil {
+			_ = s.notifyRebalance(ctx)
+		}
+	}
+	_ = s.conn.Close(ctx) // ends the session: its advisory locks are released
+	s.conn = nil
+}
+
+// rebalance counts the relay sessions of this outbox (holders of the shared
+// member lock) and takes or gives back shards so that each holds about
+// Shards/members of them. A session that died released its locks with its
+// connection; the others take its shards over here.
+func (s *session) rebalance(ctx context.Context) error {
+	s.nextRebalance = time.Now().Add(jitter(s.r.opts.RebalanceInterval))
+	qctx, cancel := context.WithTimeout(ctx, s.r.opts.QueryTimeout)
+	defer cancel()
+	ns := s.r.ob.relayNS
+	var (
+		members int64
+		others  []int64
+	)
+	err := s.conn.QueryRow(qctx, `
+SELECT count(*) FILTER (WHERE objid::bigint = $2),
+       coalesce(array_agg(DISTINCT objid::bigint >> 16) FILTER (WHERE objid::bigint <> $2), '{}')
+FROM pg_locks
+WHERE locktype = 'advisory' AND granted AND objsubid = 2
+  AND database = (SELECT oid FROM pg_database WHERE datname = current_database())
+  AND classid::bigint = $1 AND (objid::bigint & 65535) = 65535`, int64(ns), int64(s.lockKey2(memberShard))).Scan(&members, &others)
+	if err != nil {
+		return fmt.Errorf("rebalance: %w", err)
+	}
+	if len(others) > 0 {
+		if !s.mismatch {
+			s.r.opts.Logger.Error("pgoutbox: relays with another Shards count run on this outbox; owning no shard until they are gone",
+				"table", s.r.ob.table, "shards", s.r.opts.Shards, "others", others)
+		}
+		s.mismatch = true
+		return s.release(qctx, s.owned)
+	}
+	s.mismatch = false
+	if s.announce {
+		s.announce = false
+		if err := s.notifyRebalance(qctx); err != nil {
+			return err
+		}
+	}
+	members = max(members, 1)
+	shards := s.r.opts.Shards
+	target := (shards + int(members) - 1) / int(members)
+	switch {
+	case len(s.owned) > target:
+		return s.release(qctx, s.owned[target:])
+	case len(s.owned) < target:
+		free := make([]int32, 0, shards-len(s.owned))
+		start := rand.IntN(shards)
+		for i := range shards {
+			sh := int32((start + i) % shards)
+			if !slices.Contains(s.owned, sh) {
+				free = append(free, sh)
+			}
+		}
+		rows, err := s.conn.Query(qctx, `
+SELECT u.s FROM unnest($2::integer[]) AS u(s)
+WHERE pg_try_advisory_lock($1::integer, ($3::integer << 16) | u.s)
+LIMIT $4`, ns, free, shards, target-len(s.owned))
+		if err != nil {
+			return fmt.Errorf("rebalance: take shards: %w", err)
+		}
+		got, err := pgx.CollectRows(rows, pgx.RowTo[int32])
+		if err != nil {
+			return fmt.Errorf("rebalance: take shards: %w", err)
+		}
+		if len(got) > 0 {
+			s.owned = append(s.owned, got...)
+			slices.Sort(s.owned)
+			s.r.opts.Logger.Debug("pgoutbox: shards taken", "table", s.r.ob.table, "session", s.idx, "shards", got, "owned", len(s.owned))
+			s.notified = true // look at the new shards now
+			s.retries = true
+		}
+	}
+	return nil
+}
+
+func (s *session) release(ctx context.Context, shards []int32) error {
+	if len(shards) == 0 {
+		return nil
+	}
+	drop := slices.Clone(shards)
+	if _, err := s.conn.Exec(ctx, `SELECT pg_advisory_unlock($1::integer, ($2::integer << 16) | u.s) FROM unnest($3::integer[]) AS u(s)`,
+		s.r.ob.relayNS, s.r.opts.Shards, drop); err != nil {
+		return fmt.Errorf("rebalance: give back shards: %w", err)
+	}
+	s.owned = slices.DeleteFunc(s.owned, func(x int32) bool { return slices.Contains(drop, x) })
+	s.r.opts.Logger.Debug("pgoutbox: shards given back", "table", s.r.ob.table, "session", s.idx, "shards", drop, "owned", len(s.owned))
+	return s.notifyRebalance(ctx)
+}
+
+// notifyRebalance asks the other sessions to rebalance now.
+func (s *session) notifyRebalance(ctx context.Context) error {
+	if _, err := s.conn.Exec(ctx, "SELECT pg_notify($1, $2)", s.r.ob.channel, rebalancePayload); err != nil {
+		return fmt.Errorf("rebalance: notify: %w", err)
+	}
+	return nil
+}
+
+// wait blocks until a notification, the poll interval, the next due retry or
+// the next rebalance, whichever comes first.
+func (s *session) wait(ctx context.Context) error {
+	if s.notified {
+		s.notified = false
+		return nil
+	}
+	d := s.r.opts.PollInterval
+	if len(s.owned) > 0 && s.retries {
+		qctx, cancel := context.WithTimeout(ctx, s.r.opts.QueryTimeout)
+		var due *int64
+		err := s.conn.QueryRow(qctx, s.r.ob.sql.nextDue, s.r.opts.Shards, s.owned).Scan(&due)
+		cancel()
+		if err != nil {
+			if ctx.Err() != nil {
+				return nil
+			}
+			return fmt.Errorf("next due: %w", err)
+		}
+		if due != nil {
+			d = min(d, time.Duration(max(*due, 1))*time.Millisecond)
+		} else {
+			s.retries = false
+		}
+	}
+	d = min(d, time.Until(s.nextRebalance))
+	if s.notified || s.rebalanceSoon || d <= 0 {
+		s.notified = false
+		return nil
+	}
+	wctx, cancel := context.WithTimeout(ctx, d)
+	err := s.conn.PgConn().WaitForNotification(wctx)
+	cancel()
+	s.notified = false
+	switch {
+	case err == nil, ctx.Err() != nil:
+		return nil
+	case pgconn.Timeout(err), errors.Is(err, context.DeadlineExceeded):
+		return nil // poll
+	}
+	return fmt.Errorf("wait for notification: %w", err)
+}
+
+// claimed is one row of a claim.
+type claimed struct {
+	seq      int64
+	attempts int
+	msg      *outbox.Message
+}
+
+// cycle claims a batch, publishes it and marks the result, in one
+// transaction that holds the batch's rows locked from the claim to the
+// commit. It returns the number of messages published or failed.
+func (s *session) cycle(ctx context.Context) (int, error) {
+	if len(s.owned) == 0 || s.mismatch || ctx.Err() != nil {
+		return 0, nil
+	}
+	o := &s.r.opts
+	bctx, done := graceful(ctx, o.ShutdownTimeout)
+	defer done()
+
+	// BEGIN and the claim go in one round trip, the marks and COMMIT in
+	// another. Until COMMIT succeeded, any way out rolls back.
+	inTx := false
+	defer func() {
+		if inTx {
+			s.rollback()
+		}
+	}()
+	qctx, cancel := context.WithTimeout(bctx, o.QueryTimeout)
+	claimBatch := &pgx.Batch{}
+	claimBatch.Queue("BEGIN")
+	claimBatch.Queue(s.r.ob.sql.claim, o.Shards, s.owned, o.ScanWindow, o.PerKeyBatch, o.BatchSize)
+	br := s.conn.SendBatch(qctx, claimBatch)
+	inTx = true
+	batch, err := s.claim(br)
+	if cerr := br.Close(); err == nil && cerr != nil {
+		err = fmt.Errorf("claim: %w", cerr)
+	}
+	cancel()
+	if err != nil {
+		return 0, err
+	}
+	if len(batch) == 0 {
+		return 0, nil
+	}
+	msgs := make([]*outbox.Message, len(batch))
+	for i, c := range batch {
+		msgs[i] = c.msg
+	}
+
+	perr := s.r.pub.Publish(bctx, msgs)
+	if h := s.r.hooks.afterPublish; h != nil {
+		h(msgs, perr)
+	}
+	var pe *outbox.PublishError
+	if perr != nil && !errors.As(perr, &pe) {
+		return 0, &publishFailure{err: perr}
+	}
+
+	var (
+		okSeqs                       []int64
+		failSeqs, delays             []int64
+		failErrs                     []string
+		failDead                     []bool
+		published, retried, deadMsgs = map[string]int{}, map[string]int{}, map[string]int{}
+	)
+	for i, c := range batch {
+		var ferr error
+		failed := false
+		if pe != nil {
+			ferr, failed = pe.Failed[i]
+		}
+		if !failed {
+			okSeqs = append(okSeqs, c.seq)
+			published[c.msg.Topic]++
+			continue
+		}
+		if ferr == nil {
+			ferr = errors.New("not confirmed")
+		}
+		n := c.attempts + 1
+		dead := n >= o.MaxAttempts
+		failSeqs = append(failSeqs, c.seq)
+		failErrs = append(failErrs, truncate(ferr.Error(), 2000))
+		delays = append(delays, o.retryDelay(n).Milliseconds())
+		failDead = append(failDead, dead)
+		if dead {
+			deadMsgs[c.msg.Topic]++
+			o.Logger.Warn("pgoutbox: message parked as dead", "table", s.r.ob.table, "id", c.msg.ID, "topic", c.msg.Topic,
+				"attempts", n, "err", ferr)
+		} else {
+			retried[c.msg.Topic]++
+		}
+	}
+
+	mctx, mcancel := context.WithTimeout(bctx, o.QueryTimeout)
+	defer mcancel()
+	b := &pgx.Batch{}
+	if len(okSeqs) > 0 {
+		if o.DeletePublished {
+			b.Queue(s.r.ob.sql.markDelete, okSeqs)
+		} else {
+			b.Queue(s.r.ob.sql.markPublished, okSeqs)
+		}
+	}
+	if len(failSeqs) > 0 {
+		b.Queue(s.r.ob.sql.markFailed, failSeqs, failErrs, delays, failDead)
+		s.retries = true
+	}
+	b.Queue("COMMIT")
+	mr := s.conn.SendBatch(mctx, b)
+	var tag pgconn.CommandTag
+	for range b.Len() {
+		if tag, err = mr.Exec(); err != nil {
+			break
+		}
+	}
+	if cerr := mr.Close(); err == nil {
+		err = cerr
+	}
+	if err != nil {
+		return 0, fmt.Errorf("mark: %w", err)
+	}
+	if tag.String() != "COMMIT" { // COMMIT of a failed transaction answers ROLLBACK
+		return 0, fmt.Errorf("mark: the transaction did not commit (%s)", tag)
+	}
+	inTx = false
+	if m := o.Metrics; m != nil {
+		for t, n := range published {
+			m.Published(t, n)
+		}
+		for t, n := range retried {
+			m.Retried(t, n)
+		}
+		for t, n := range deadMsgs {
+			m.Dead(t, n)
+		}
+	}
+	return len(batch), nil
+}
+
+// claim reads the results of BEGIN and the claim statement, and keeps, per
+// key, the rows up to the first one it could not lock: a key's message is
+// never sent while an earlier one of the same key is held elsewhere.
+func (s *session) claim(br pgx.BatchResults) ([]claimed, error) {
+	if _, err := br.Exec(); err != nil {
+		return nil, fmt.Errorf("begin: %w", err)
+	}
+	rows, err := br.Query()
+	if err != nil {
+		return nil, fmt.Errorf("claim: %w", err)
+	}
+	defer rows.Close()
+	var (
+		out     []claimed
+		skipped map[string]bool
+	)
+	for rows.Next() {
+		var (
+			seq      int64
+			key      []byte
+			locked   bool
+			id       *string
+			topic    *string
+			payload  []byte
+			headers  *string
+			created  *time.Time
+			attempts *int32
+		)
+		if err := rows.Scan(&seq, &key, &locked, &id, &topic, &payload, &headers, &created, &attempts); err != nil {
+			return nil, fmt.Errorf("claim: %w", err)
+		}
+		k := string(key)
+		if k != "" && skipped[k] {
+			continue
+		}
+		if !locked {
+			if k != "" {
+				if skipped == nil {
+					skipped = map[string]bool{}
+				}
+				skipped[k] = true
+			}
+			continue
+		}
+		m := &outbox.Message{
+			ID:        *id,
+			Topic:     *topic,
+			Key:       key,
+			Payload:   payload,
+			CreatedAt: *created,
+			Attempt:   int(*attempts) + 1,
+		}
+		if len(key) == 0 {
+			m.Key = nil
+		}
+		if headers != nil && *headers != "{}" {
+			m.Headers = decodeHeaders(*headers)
+		}
+		out = append(out, claimed{seq: seq, attempts: int(*attempts), msg: m})
+	}
+	if err := rows.Err(); err != nil {
+		return nil, fmt.Errorf("claim: %w", err)
+	}
+	return out, nil
+}
+
+// decodeHeaders reads the headers column. Enqueue writes string values only;
+// other JSON values (written by hand) are kept as their JSON text.
+func decodeHeaders(js string) map[string]string {
+	var h map[string]string
+	if json.Unmarshal([]byte(js), &h) == nil {
+		return h
+	}
+	var raw map[string]json.RawMessage
+	if json.Unmarshal([]byte(js), &raw) != nil {
+		return nil
+	}
+	h = make(map[string]string, len(raw))
+	for k, v := range raw {
+		var str string
+		if json.Unmarshal(v, &str) == nil {
+			h[k] = str
+		} else {
+			h[k] = string(v)
+		}
+	}
+	return h
+}
+
+// rollback ends the session's transaction. If that fails the connection is
+// broken; the next statement fails and the session reconnects.
+func (s *session) rollback() {
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	_, _ = s.conn.Exec(ctx, "ROLLBACK")
+}
+
+// truncate cuts an error text for the last_error column: at most n bytes,
+// valid UTF-8, no NUL (PostgreSQL text accepts neither).
+func truncate(s string, n int) string {
+	if len(s) > n {
+		s = s[:n]
+	}
+	return strings.ReplaceAll(strings.ToValidUTF8(s, ""), "\x00", "")
+}
