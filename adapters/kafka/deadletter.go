@@ -1,0 +1,114 @@
+package kafka
+
+import (
+	"context"
+	"errors"
+	"log/slog"
+	"strconv"
+	"strings"
+	"time"
+
+	kafkago "github.com/segmentio/kafka-go"
+
+	"github.com/idemkit/idem/consumer"
+)
+
+// Headers added to a dead-lettered record. The record keeps its key, value
+// and headers (the message id among them); headers with the HeaderDeadLetter
+// prefix from an earlier dead-lettering are replaced.
+const (
+	// HeaderDeadLetter is the prefix of every dead-letter header.
+	HeaderDeadLetter = "idem-dlq-"
+	// HeaderReason is the consumer.Reason: permanent, panic,
+	// fingerprint_mismatch, invalid_key, retries_exhausted.
+	HeaderReason = "idem-dlq-reason"
+	// HeaderError is the error's text, cut at 4 KiB.
+	HeaderError = "idem-dlq-error"
+	// HeaderTopic, HeaderPartition and HeaderOffset locate the original
+	// record.
+	HeaderTopic     = "idem-dlq-topic"
+	HeaderPartition = "idem-dlq-partition"
+	HeaderOffset    = "idem-dlq-offset"
+	// HeaderAttempts is how many times the handler ran on the record in its
+	// last delivery: the Consumer's in-place retries, or the attempts of a
+	// consumer.Retry middleware that gave up when that is more.
+	HeaderAttempts = "idem-dlq-attempts"
+	// HeaderGroup is the consumer group that dead-lettered the record.
+	HeaderGroup = "idem-dlq-group"
+)
+
+const maxErrorHeader = 4 << 10
+
+// deadLetterTimeout bounds one dead-letter write.
+const deadLetterTimeout = 30 * time.Second
+
+// deadLetterAttempts is the attempt count of the header.
+func deadLetterAttempts(attempts int, r consumer.Result) int {
+	var exhausted *consumer.RetriesExhaustedError
+	if errors.As(r.Err, &exhausted) {
+		attempts = max(attempts, exhausted.Attempts)
+	}
+	return attempts
+}
+
+func (c *Consumer) deadLetterRecord(km *kafkago.Message, attempts int, r consumer.Result) kafkago.Message {
+	hs := make([]kafkago.Header, 0, len(km.Headers)+7)
+	for _, h := range km.Headers {
+		if !strings.HasPrefix(h.Key, HeaderDeadLetter) {
+			hs = append(hs, h)
+		}
+	}
+	errText := ""
+	if r.Err != nil {
+		errText = r.Err.Error()
+		if len(errText) > maxErrorHeader {
+			errText = errText[:maxErrorHeader]
+		}
+	}
+	reason := string(r.Reason)
+	if reason == "" {
+		reason = string(consumer.ReasonPermanent)
+	}
+	hs = append(hs,
+		kafkago.Header{Key: HeaderReason, Value: []byte(reason)},
+		kafkago.Header{Key: HeaderError, Value: []byte(errText)},
+		kafkago.Header{Key: HeaderTopic, Value: []byte(km.Topic)},
+		kafkago.Header{Key: HeaderPartition, Value: []byte(strconv.Itoa(km.Partition))},
+		kafkago.Header{Key: HeaderOffset, Value: []byte(strconv.FormatInt(km.Offset, 10))},
+		kafkago.Header{Key: HeaderAttempts, Value: []byte(strconv.Itoa(attempts))},
+		kafkago.Header{Key: HeaderGroup, Value: []byte(c.group)},
+	)
+	out := kafkago.Message{Key: km.Key, Value: km.Value, Headers: hs}
+	if c.dlq.Topic == "" {
+		out.Topic = c.dlqTopic
+	}
+	return out
+}
+
+// deadLetter publishes the record to the dead-letter topic, retrying with
+// backoff until the write is confirmed. It returns false, without the record
+// being parked, when stop is done first: the record is then not committed and
+// comes back.
+func (p *partition) deadLetter(stop context.Context, it *item, attempts int, r consumer.Result) bool {
+	c := p.c
+	attempts = deadLetterAttempts(attempts, r)
+	rec := c.deadLetterRecord(&it.km, attempts, r)
+	for n := 1; ; n++ {
+		ctx, cancel := context.WithTimeout(p.workCtx, deadLetterTimeout)
+		err := c.dlq.WriteMessages(ctx, rec)
+		cancel()
+		if err == nil {
+			c.log.LogAttrs(p.workCtx, slog.LevelWarn, "idem: record dead-lettered",
+				slog.String("topic", it.km.Topic), slog.Int("partition", it.km.Partition), slog.Int64("offset", it.km.Offset),
+				slog.String("id", logID(it.msg.ID)), slog.String("reason", string(r.Reason)), slog.Int("attempts", attempts),
+				slog.String("dead_letter_topic", c.dlqTopic), slog.Any("error", r.Err))
+			return true
+		}
+		c.log.LogAttrs(p.workCtx, slog.LevelError, "idem: publishing to the dead-letter topic failed; the partition waits and tries again",
+			slog.String("topic", it.km.Topic), slog.Int("partition", it.km.Partition), slog.Int64("offset", it.km.Offset),
+			slog.String("dead_letter_topic", c.dlqTopic), slog.Int("try", n), slog.Any("error", err))
+		if !sleep(stop, c.backoff(n, 0)) {
+			return false
+		}
+	}
+}

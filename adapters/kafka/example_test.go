@@ -1,0 +1,98 @@
+package kafka_test
+
+import (
+	"context"
+	"fmt"
+	"sync/atomic"
+	"time"
+
+	kafkago "github.com/segmentio/kafka-go"
+	"github.com/twmb/franz-go/pkg/kfake"
+
+	"github.com/idemkit/idem/adapters/kafka"
+	"github.com/idemkit/idem/consumer"
+	"github.com/idemkit/idem/dedup/memstore"
+	"github.com/idemkit/idem/outbox"
+)
+
+// A producer publishes through the outbox Publisher (the outbox id travels in
+// a header) and re-publishes order-1, as a relay does after a crash; the
+// Consumer charges each order once. The cluster is kfake, in process.
+func Example() {
+	cluster, err := kfake.NewCluster(kfake.NumBrokers(1), kfake.SeedTopics(1, "payments", "payments.dlq"))
+	if err != nil {
+		panic(err)
+	}
+	defer cluster.Close()
+	brokers := cluster.ListenAddrs()
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+
+	// Publish. The Writer has a Transport of its own, closed at the end.
+	transport := &kafkago.Transport{}
+	defer transport.CloseIdleConnections()
+	w := &kafkago.Writer{
+		Addr:         kafkago.TCP(brokers...),
+		Topic:        "payments",
+		RequiredAcks: kafkago.RequireAll,
+		BatchTimeout: 10 * time.Millisecond,
+		Transport:    transport,
+	}
+	defer w.Close()
+	pub, err := kafka.NewPublisher(w, kafka.PublisherOptions{})
+	if err != nil {
+		panic(err)
+	}
+	err = pub.Publish(ctx, []*outbox.Message{
+		{ID: "order-1", Key: []byte("alice"), Payload: []byte("10.00")},
+		{ID: "order-2", Key: []byte("bob"), Payload: []byte("25.00")},
+		{ID: "order-1", Key: []byte("alice"), Payload: []byte("10.00")}, // re-published
+		{ID: "order-3", Key: []byte("alice"), Payload: []byte("7.50")},
+	})
+	if err != nil {
+		panic(err)
+	}
+
+	// Consume: the dedup claim in front of the handler.
+	store, err := memstore.New(memstore.Options{})
+	if err != nil {
+		panic(err)
+	}
+	defer store.Close()
+	dd, err := consumer.Dedup(store, consumer.DedupOptions{Scope: "billing/charge"})
+	if err != nil {
+		panic(err)
+	}
+	charge := consumer.HandlerFunc(func(_ context.Context, msg *consumer.Message) error {
+		fmt.Printf("charged %s: %s\n", msg.ID, msg.Payload)
+		return nil
+	})
+	var seen atomic.Int64
+	c, err := kafka.NewConsumer(kafkago.ReaderConfig{
+		Brokers: brokers,
+		GroupID: "billing",
+		Topic:   "payments",
+	}, consumer.Chain(charge, consumer.Recover(), dd), kafka.Options{
+		DeadLetterTopic: "payments.dlq",
+		OnResult: func(_ context.Context, msg *consumer.Message, r consumer.Result) {
+			if r.Duplicate {
+				fmt.Printf("%s again: duplicate, acknowledged\n", msg.ID)
+			}
+			if seen.Add(1) == 4 {
+				cancel() // stop: commit, leave the group
+			}
+		},
+	})
+	if err != nil {
+		panic(err)
+	}
+	if err := c.Run(ctx); err != nil {
+		panic(err)
+	}
+
+	// Output:
+	// charged order-1: 10.00
+	// charged order-2: 25.00
+	// order-1 again: duplicate, acknowledged
+	// charged order-3: 7.50
+}

@@ -1,0 +1,15 @@
+package kafka
+
+import "github.com/idemkit/idem/consumer"
+
+// Test seams for package kafka_test.
+
+// SetAfterEffect sets a function called when the handler acknowledged a
+// record, before the record is marked done. Call before Run.
+func SetAfterEffect(c *Consumer, f func(msg *consumer.Message)) { c.hooks.afterEffect = f }
+
+// SetCommitHooks sets functions called around each offset commit. Call
+// before Run.
+func SetCommitHooks(c *Consumer, before, after func(offsets map[string]map[int]int64)) {
+	c.hooks.beforeCommit, c.hooks.afterCommit = before, after
+}

@@ -1,0 +1,251 @@
+package kafka
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"sort"
+	"sync"
+	"time"
+
+	kafkago "github.com/segmentio/kafka-go"
+)
+
+// generation is this member's share of one consumer-group generation: the
+// partitions assigned to it and their commits.
+type generation struct {
+	c     *Consumer
+	gen   *kafkago.Generation
+	parts []*partition
+	// kick asks the commit loop for a commit now (CommitEvery reached).
+	kick chan struct{}
+}
+
+func (g *generation) kickCommit() {
+	select {
+	case g.kick <- struct{}{}:
+	default:
+	}
+}
+
+// runGeneration runs for the length of a generation, started by
+// Generation.Start. stop is done when the generation ends: a rebalance, a
+// lost coordinator, or Run's context done (Run closes the group). kafka-go
+// waits for this function to return before it joins the next generation, so
+// no record of this generation is committed through another one: a partition
+// moved to another member is never committed by this one.
+func (c *Consumer) runGeneration(base, stop context.Context, gen *kafkago.Generation) {
+	g := &generation{c: c, gen: gen, kick: make(chan struct{}, 1)}
+	starts, ok := g.startPositions(stop)
+	if !ok {
+		return
+	}
+	workCtx, cancelWork := context.WithCancel(context.WithoutCancel(base))
+	defer cancelWork()
+
+	var (
+		wg       sync.WaitGroup
+		resolved bool
+	)
+	for _, s := range starts {
+		p := c.newPartition(workCtx, g, s)
+		g.parts = append(g.parts, p)
+		resolved = resolved || s.commitStart
+		wg.Go(func() { p.run(stop) })
+	}
+	if resolved {
+		g.commit(stop) // record the resolved start positions at once
+	}
+	g.commitLoop(stop)
+
+	// The generation ended: fetching has stopped. Records running get
+	// ShutdownTimeout to finish, then their context is cancelled; records
+	// not started are abandoned. Then what is done is committed.
+	t := time.AfterFunc(c.opts.ShutdownTimeout, cancelWork)
+	wg.Wait()
+	t.Stop()
+	g.commit(context.WithoutCancel(base))
+	c.log.LogAttrs(base, slog.LevelDebug, "idem: generation ended",
+		slog.String("group", c.group), slog.Int("generation", int(gen.ID)))
+}
+
+type startPosition struct {
+	topic       string
+	partition   int
+	offset      int64
+	commitStart bool
+}
+
+// startPositions returns where each assigned partition is consumed from: the
+// OffsetStore's position when there is one, else the group's committed
+// offset, else the StartOffset resolved to an absolute offset (and committed
+// at once, so that a LastOffset start does not skip records produced before
+// the next generation). ok is false when stop ended first.
+func (g *generation) startPositions(stop context.Context) (_ []startPosition, ok bool) {
+	c := g.c
+	topics := make([]string, 0, len(g.gen.Assignments))
+	for t := range g.gen.Assignments {
+		topics = append(topics, t)
+	}
+	sort.Strings(topics)
+	var out []startPosition
+	for _, topic := range topics {
+		as := g.gen.Assignments[topic]
+		if len(as) == 0 {
+			continue
+		}
+		ids := make([]int, len(as))
+		for i, a := range as {
+			ids[i] = a.ID
+		}
+		var stored map[int]int64
+		if c.opts.Offsets != nil {
+			err := retry(stop, c, "loading stored offsets", func() (err error) {
+				stored, err = c.opts.Offsets.LoadOffsets(stop, c.group, topic, ids)
+				return err
+			})
+			if err != nil {
+				return nil, false
+			}
+		}
+		for _, a := range as {
+			s := startPosition{topic: topic, partition: a.ID, offset: a.Offset}
+			if off, ok := stored[a.ID]; ok {
+				s.offset = off
+			}
+			if s.offset < 0 {
+				err := retry(stop, c, "resolving the start offset", func() (err error) {
+					s.offset, err = c.resolveOffset(stop, topic, a.ID, s.offset)
+					return err
+				})
+				if err != nil {
+					return nil, false
+				}
+				s.commitStart = true
+			}
+			out = append(out, s)
+		}
+	}
+	return out, true
+}
+
+// retry runs fn until it succeeds or stop is done, with backoff.
+func retry(stop context.Context, c *Consumer, what string, fn func() error) error {
+	for n := 1; ; n++ {
+		err := fn()
+		if err == nil {
+			return nil
+		}
+		if stop.Err() != nil {
+			return err
+		}
+		c.log.LogAttrs(stop, slog.LevelWarn, "idem: "+what+" failed; trying again",
+			slog.String("group", c.group), slog.Any("error", err))
+		if !sleep(stop, c.backoff(n, 0)) {
+			return err
+		}
+	}
+}
+
+// resolveOffset turns kafkago.FirstOffset or LastOffset into an absolute
+// offset by asking the partition's leader.
+func (c *Consumer) resolveOffset(ctx context.Context, topic string, partition int, which int64) (int64, error) {
+	var errs []error
+	for _, b := range c.groupCfg.Brokers {
+		conn, err := c.dialer.DialLeader(ctx, "tcp", b, topic, partition)
+		if err != nil {
+			errs = append(errs, err)
+			continue
+		}
+		_ = conn.SetDeadline(time.Now().Add(10 * time.Second))
+		first, last, err := conn.ReadOffsets()
+		_ = conn.Close()
+		if err != nil {
+			errs = append(errs, err)
+			continue
+		}
+		if which == kafkago.LastOffset {
+			return last, nil
+		}
+		return first, nil
+	}
+	return 0, fmt.Errorf("kafka: offsets of %s/%d: %w", topic, partition, errors.Join(errs...))
+}
+
+// commitLoop commits every CommitInterval, or sooner when kicked, until stop
+// is done.
+func (g *generation) commitLoop(stop context.Context) {
+	t := time.NewTicker(g.c.opts.CommitInterval)
+	defer t.Stop()
+	for {
+		select {
+		case <-stop.Done():
+			return
+		case <-t.C:
+		case <-g.kick:
+		}
+		if stop.Err() != nil {
+			return // the final commit follows
+		}
+		g.commit(stop)
+	}
+}
+
+// commit commits each partition's contiguous-done watermark that moved,
+// through this generation (the broker refuses it once the generation is
+// over), and to the OffsetStore when there is one.
+func (g *generation) commit(ctx context.Context) {
+	c := g.c
+	type taken struct {
+		p   *partition
+		off int64
+	}
+	var ts []taken
+	offsets := map[string]map[int]int64{}
+	for _, p := range g.parts {
+		off, ok := p.tr.take()
+		if !ok {
+			continue
+		}
+		ts = append(ts, taken{p, off})
+		if offsets[p.topic] == nil {
+			offsets[p.topic] = map[int]int64{}
+		}
+		offsets[p.topic][p.id] = off
+	}
+	if len(ts) == 0 {
+		return
+	}
+	if h := c.hooks.beforeCommit; h != nil {
+		h(offsets)
+	}
+	kerr := g.gen.CommitOffsets(offsets)
+	if kerr != nil {
+		c.log.LogAttrs(ctx, slog.LevelWarn, "idem: committing offsets failed; they are committed with the next commit, or the records come back",
+			slog.String("group", c.group), slog.Int("generation", int(g.gen.ID)), slog.Any("offsets", offsets), slog.Any("error", kerr))
+	}
+	ok := kerr == nil
+	if c.opts.Offsets != nil {
+		// Not cut short by the generation's end: the final commit would
+		// only repeat it.
+		sctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 10*time.Second)
+		serr := c.opts.Offsets.SaveOffsets(sctx, c.group, offsets)
+		cancel()
+		if serr != nil {
+			c.log.LogAttrs(ctx, slog.LevelWarn, "idem: storing offsets failed",
+				slog.String("group", c.group), slog.Any("offsets", offsets), slog.Any("error", serr))
+		}
+		// The OffsetStore is the position the group resumes from.
+		ok = serr == nil
+	}
+	if !ok {
+		return
+	}
+	for _, t := range ts {
+		t.p.tr.taken(t.off)
+	}
+	if h := c.hooks.afterCommit; h != nil {
+		h(offsets)
+	}
+}

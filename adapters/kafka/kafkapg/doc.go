@@ -1,0 +1,43 @@
+// Package kafkapg holds the PostgreSQL modes of idem's Kafka consumer
+// (package kafka): batch claims in one transaction, and offsets stored in
+// PostgreSQL in the transaction of the effect. It is a package of its own so
+// that a Kafka user who keeps marks elsewhere does not compile pgx.
+//
+// # Offsets in PostgreSQL
+//
+// Kafka commits an offset in a request of its own, after the effect: a crash
+// between the two redelivers records whose effect committed, and only the
+// dedup claim stops them from running twice. With Offsets the position is
+// one more row written in the same transaction as the effect and the claim,
+// so the three commit together, and a partition assigned to a Consumer is
+// consumed from the stored position (kafka-go's ConsumerGroup hands the
+// assignment over; the Consumer seeks its partition Reader there). After a
+// crash, consumption resumes exactly after the last committed transaction:
+// no record is fetched again whose effect committed, except duplicates and
+// dead-lettered records, which run no transaction and whose position the
+// Consumer's periodic commit stores.
+//
+//	offsets, _ := kafkapg.NewOffsets(pool, kafkapg.OffsetsOptions{})
+//	_ = offsets.Migrate(ctx)
+//	h, _ := kafkapg.Transactional(claims, offsets, consumer.TxOptions{Scope: "billing/ledger"}, ledger)
+//	c, _ := kafka.NewConsumer(readerConfig, h, kafka.Options{Offsets: offsets, DeadLetterTopic: "billing.dlq"})
+//
+// A position only moves forward (the greater offset wins), so a late write
+// from a member that lost the partition in a rebalance cannot move it back;
+// the new owner then at worst reads a few records again and finds their
+// claims.
+//
+// # Batches
+//
+// Batch handles up to Options.BatchSize records of a partition in one
+// transaction with one claim statement, with or without Offsets:
+//
+//	bh, _ := kafkapg.Batch(pool, claims, kafkapg.BatchOptions{Scope: "billing/ledger", Offsets: offsets}, ledger)
+//	c, _ := kafka.NewBatchConsumer(readerConfig, bh, kafka.Options{Offsets: offsets, DeadLetterTopic: "billing.dlq"})
+//
+// # Schema
+//
+// Schema and table names are options, checked against an allow-list and
+// quoted. Migrate applies the embedded SQL under an advisory lock; SQL prints
+// it for goose or golang-migrate users.
+package kafkapg

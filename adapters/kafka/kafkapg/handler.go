@@ -1,0 +1,194 @@
+package kafkapg
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+
+	"github.com/idemkit/idem/adapters/kafka"
+	"github.com/idemkit/idem/consumer"
+	"github.com/idemkit/idem/dedup"
+	"github.com/idemkit/idem/dedup/pgtable"
+)
+
+// errNoPosition is returned by the handlers when they do not run under a
+// kafka.Consumer: there is no position to store.
+var errNoPosition = errors.New("kafkapg: no partition position in the context: run this handler with a kafka.Consumer")
+
+// Transactional is consumer.Transactional that also stores the record's
+// partition position (kafka.PositionAfter) in the transaction: the claim,
+// the handler's writes and the position commit together. Give the Consumer
+// the same offsets as Options.Offsets, so that a partition assigned to it is
+// consumed from the stored position: after a crash, consumption resumes
+// exactly after the last committed transaction.
+//
+// A duplicate runs no transaction, so its position is stored by the
+// Consumer's next commit instead (Options.CommitEvery, CommitInterval).
+func Transactional(claims dedup.TxStore[pgx.Tx], offsets *Offsets, opts consumer.TxOptions, h consumer.TxHandler[pgx.Tx]) (consumer.Handler, error) {
+	if offsets == nil {
+		return nil, errors.New("kafkapg: Transactional: offsets is nil; without offsets use consumer.Transactional")
+	}
+	if h == nil {
+		return nil, errors.New("kafkapg: Transactional: handler h is nil")
+	}
+	return consumer.Transactional(claims, opts, func(ctx context.Context, tx pgx.Tx, msg *consumer.Message) error {
+		if err := h(ctx, tx, msg); err != nil {
+			return err
+		}
+		pos, ok := kafka.PositionAfter(ctx)
+		if !ok {
+			return consumer.Permanent(errNoPosition)
+		}
+		return offsets.SaveTx(ctx, tx, pos)
+	})
+}
+
+// BatchOptions configure Batch. Only Scope is required.
+type BatchOptions struct {
+	// Scope names who processes the messages; see
+	// consumer.DedupOptions.Scope. Required.
+	Scope string
+	// KeyFunc returns a message's id. Defaults to Message.ID.
+	KeyFunc func(*consumer.Message) (string, error)
+	// Fingerprint returns the digest of a message's content. Defaults to
+	// dedup.FingerprintOf(msg.Payload); return the zero Fingerprint to
+	// disable the check.
+	Fingerprint func(*consumer.Message) dedup.Fingerprint
+	// Offsets, when set, stores the partition's position in each batch's
+	// transaction. Give the Consumer the same one as Options.Offsets.
+	Offsets *Offsets
+	// OnOutcome, if set, is called once per message of a committed batch
+	// with consumer.OutcomeCompleted, OutcomeDuplicate or
+	// OutcomeFingerprintMismatch, for metrics.
+	OnOutcome func(ctx context.Context, msg *consumer.Message, outcome string)
+}
+
+// Batch returns a kafka.BatchHandler that handles a batch of records in one
+// transaction on db: one statement claims every key (pgtable's ClaimBatchTx),
+// h runs for each key claimed first, in offset order, and with
+// BatchOptions.Offsets the partition's position is written; then the
+// transaction commits. Effects, claims and position commit together.
+//
+// A duplicate is acknowledged without h; a fingerprint mismatch is reported
+// for the dead-letter topic (after the commit, so its position is stored by a
+// later commit). When h fails, or a key is held by a lease-mode claim, the
+// whole transaction rolls back and the Consumer hands the records over one at
+// a time. consumer.SetResult has no effect in a batch.
+func Batch(db DB, claims *pgtable.Store, opts BatchOptions, h consumer.TxHandler[pgx.Tx]) (kafka.BatchHandler, error) {
+	switch {
+	case db == nil:
+		return nil, errors.New("kafkapg: Batch: db is nil: pass the *pgxpool.Pool of the store")
+	case claims == nil:
+		return nil, errors.New("kafkapg: Batch: claims is nil: pass a *pgtable.Store")
+	case h == nil:
+		return nil, errors.New("kafkapg: Batch: handler h is nil")
+	case opts.Scope == "":
+		return nil, errors.New("kafkapg: Batch: Scope is required: name the consumer group and handler, for example \"billing/charge-card\"")
+	}
+	if err := dedup.ValidateKey(dedup.Key{Scope: opts.Scope, ID: "x"}, claims.Options().MaxKeyLen); err != nil {
+		return nil, fmt.Errorf("kafkapg: Batch: Scope %q: %w", opts.Scope, err)
+	}
+	if opts.KeyFunc == nil {
+		opts.KeyFunc = func(m *consumer.Message) (string, error) { return m.ID, nil }
+	}
+	if opts.Fingerprint == nil {
+		opts.Fingerprint = func(m *consumer.Message) dedup.Fingerprint { return dedup.FingerprintOf(m.Payload) }
+	}
+	return &batch{db: db, claims: claims, opts: opts, h: h}, nil
+}
+
+type batch struct {
+	db     DB
+	claims *pgtable.Store
+	opts   BatchOptions
+	h      consumer.TxHandler[pgx.Tx]
+}
+
+func (b *batch) outcome(ctx context.Context, msg *consumer.Message, o string) {
+	if b.opts.OnOutcome != nil {
+		b.opts.OnOutcome(ctx, msg, o)
+	}
+}
+
+func (b *batch) HandleBatch(ctx context.Context, msgs []*consumer.Message) (err error) {
+	errs := map[int]error{}
+	keys := make([]dedup.Key, 0, len(msgs))
+	at := make([]int, 0, len(msgs)) // keys[j] is msgs[at[j]]'s
+	for i, m := range msgs {
+		id, kerr := b.opts.KeyFunc(m)
+		if kerr != nil {
+			errs[i] = fmt.Errorf("kafkapg: key function: %w", kerr)
+			continue
+		}
+		keys = append(keys, dedup.Key{Scope: b.opts.Scope, ID: id, Fingerprint: b.opts.Fingerprint(m)})
+		at = append(at, i)
+	}
+	tx, err := b.db.Begin(ctx)
+	if err != nil {
+		return fmt.Errorf("kafkapg: begin: %w", err)
+	}
+	committed := false
+	defer func() {
+		if !committed {
+			rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 5*time.Second)
+			_ = tx.Rollback(rctx)
+			cancel()
+		}
+	}()
+	verdicts, err := b.claims.ClaimBatchTx(ctx, tx, keys)
+	if err != nil {
+		return err
+	}
+	done := make([]*consumer.Message, 0, len(msgs))
+	outcomes := make([]string, len(msgs))
+	for j, i := range at {
+		v := verdicts[j]
+		switch {
+		case v == nil:
+			if herr := b.h(ctx, tx, msgs[i]); herr != nil {
+				return fmt.Errorf("kafkapg: message %d of the batch (id %q): %w", i, msgs[i].ID, herr)
+			}
+			done = append(done, msgs[i])
+			outcomes[i] = consumer.OutcomeCompleted
+		case errors.Is(v, dedup.ErrDuplicate):
+			errs[i] = v
+			done = append(done, msgs[i])
+			outcomes[i] = consumer.OutcomeDuplicate
+		case errors.Is(v, dedup.ErrFingerprintMismatch), errors.Is(v, dedup.ErrInvalidKey):
+			errs[i] = v
+			outcomes[i] = consumer.OutcomeFingerprintMismatch
+			if errors.Is(v, dedup.ErrInvalidKey) {
+				outcomes[i] = consumer.OutcomeInvalidKey
+			}
+		default:
+			// In flight under a lease-mode claim, or a claim error: not
+			// this batch's to decide. Roll back, one at a time.
+			return fmt.Errorf("kafkapg: message %d of the batch (id %q): %w", i, msgs[i].ID, v)
+		}
+	}
+	if b.opts.Offsets != nil {
+		pos, ok := kafka.PositionAfter(ctx, done...)
+		if !ok {
+			return consumer.Permanent(errNoPosition)
+		}
+		if err := b.opts.Offsets.SaveTx(ctx, tx, pos); err != nil {
+			return err
+		}
+	}
+	if err := tx.Commit(ctx); err != nil {
+		return fmt.Errorf("kafkapg: commit: %w", err)
+	}
+	committed = true
+	for i, o := range outcomes {
+		if o != "" {
+			b.outcome(ctx, msgs[i], o)
+		}
+	}
+	if len(errs) > 0 {
+		return &kafka.BatchError{Errs: errs}
+	}
+	return nil
+}

@@ -1,0 +1,257 @@
+package kafkapg
+
+import (
+	"bytes"
+	"context"
+	"embed"
+	"errors"
+	"fmt"
+	"hash/fnv"
+	"io/fs"
+	"sort"
+	"text/template"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/idemkit/idem/adapters/kafka"
+	"github.com/idemkit/idem/internal/sqlname"
+)
+
+// DB is what Offsets and Batch run statements on: a *pgxpool.Pool or a
+// *pgx.Conn.
+type DB interface {
+	Begin(ctx context.Context) (pgx.Tx, error)
+	Exec(ctx context.Context, sql string, args ...any) (pgconn.CommandTag, error)
+	Query(ctx context.Context, sql string, args ...any) (pgx.Rows, error)
+	QueryRow(ctx context.Context, sql string, args ...any) pgx.Row
+}
+
+// OffsetsOptions configure Offsets. The zero value is usable.
+type OffsetsOptions struct {
+	// Schema holds the table. Defaults to "public".
+	Schema string
+	// Table is the table name. Defaults to "kafka_offsets".
+	Table string
+}
+
+// Offsets keeps consumer-group positions in a PostgreSQL table, one row per
+// (group, topic, partition) with the offset the group resumes from. It
+// implements kafka.OffsetStore; SaveTx writes a position in the caller's
+// transaction. A position only moves forward: every write keeps the greater
+// offset, so a late write from a member that lost the partition cannot move
+// it back. To rewind a group, update or delete its rows while no member runs.
+type Offsets struct {
+	db    DB
+	opts  OffsetsOptions
+	table string // quoted, schema-qualified
+	save  string
+	load  string
+}
+
+var _ kafka.OffsetStore = (*Offsets)(nil)
+
+// NewOffsets returns an Offsets on db. It does not touch the database: call
+// Migrate (or apply SQL) once before use.
+func NewOffsets(db DB, opts OffsetsOptions) (*Offsets, error) {
+	switch v := db.(type) {
+	case nil:
+		return nil, errors.New("kafkapg: NewOffsets: db is nil: pass a *pgxpool.Pool or *pgx.Conn")
+	case *pgxpool.Pool:
+		if v == nil {
+			return nil, errors.New("kafkapg: NewOffsets: db is a nil *pgxpool.Pool")
+		}
+	case *pgx.Conn:
+		if v == nil {
+			return nil, errors.New("kafkapg: NewOffsets: db is a nil *pgx.Conn")
+		}
+	}
+	if opts.Schema == "" {
+		opts.Schema = "public"
+	}
+	if opts.Table == "" {
+		opts.Table = "kafka_offsets"
+	}
+	if err := sqlname.Check("kafkapg: OffsetsOptions.Schema", opts.Schema); err != nil {
+		return nil, err
+	}
+	if err := sqlname.Check("kafkapg: OffsetsOptions.Table", opts.Table); err != nil {
+		return nil, err
+	}
+	if len(opts.Table) > 50 {
+		return nil, fmt.Errorf("kafkapg: OffsetsOptions.Table %q is longer than 50 bytes; the migrations table name is derived from it", opts.Table)
+	}
+	o := &Offsets{db: db, opts: opts, table: sqlname.Qualified(opts.Schema, opts.Table)}
+	// $1 group, $2 topics, $3 partitions, $4 offsets. The greater offset
+	// wins; a row that would not move is left alone.
+	o.save = `INSERT INTO ` + o.table + ` AS t (group_id, topic, partition, next_offset, updated_at)
+SELECT $1, u.topic, u.partition, u.next_offset, clock_timestamp()
+FROM unnest($2::text[], $3::integer[], $4::bigint[]) AS u(topic, partition, next_offset)
+ORDER BY u.topic, u.partition
+ON CONFLICT (group_id, topic, partition) DO UPDATE
+    SET next_offset = EXCLUDED.next_offset, updated_at = EXCLUDED.updated_at
+    WHERE t.next_offset < EXCLUDED.next_offset`
+	o.load = `SELECT partition, next_offset FROM ` + o.table + ` WHERE group_id = $1 AND topic = $2 AND partition = ANY($3::integer[])`
+	return o, nil
+}
+
+// Table returns the quoted, schema-qualified table name.
+func (o *Offsets) Table() string { return o.table }
+
+// LoadOffsets implements kafka.OffsetStore.
+func (o *Offsets) LoadOffsets(ctx context.Context, group, topic string, partitions []int) (map[int]int64, error) {
+	ps := make([]int32, len(partitions))
+	for i, p := range partitions {
+		ps[i] = int32(p)
+	}
+	rows, err := o.db.Query(ctx, o.load, group, topic, ps)
+	if err != nil {
+		return nil, fmt.Errorf("kafkapg: load offsets: %w", err)
+	}
+	out := map[int]int64{}
+	var (
+		p   int32
+		off int64
+	)
+	if _, err := pgx.ForEachRow(rows, []any{&p, &off}, func() error {
+		out[int(p)] = off
+		return nil
+	}); err != nil {
+		return nil, fmt.Errorf("kafkapg: load offsets: %w", err)
+	}
+	return out, nil
+}
+
+type execer interface {
+	Exec(ctx context.Context, sql string, args ...any) (pgconn.CommandTag, error)
+}
+
+func (o *Offsets) saveOn(ctx context.Context, db execer, group string, offsets map[string]map[int]int64) error {
+	var (
+		topics []string
+		parts  []int32
+		offs   []int64
+	)
+	for t, ps := range offsets {
+		for p, off := range ps {
+			topics = append(topics, t)
+			parts = append(parts, int32(p))
+			offs = append(offs, off)
+		}
+	}
+	if len(topics) == 0 {
+		return nil
+	}
+	if _, err := db.Exec(ctx, o.save, group, topics, parts, offs); err != nil {
+		return fmt.Errorf("kafkapg: save offsets: %w", err)
+	}
+	return nil
+}
+
+// SaveOffsets implements kafka.OffsetStore.
+func (o *Offsets) SaveOffsets(ctx context.Context, group string, offsets map[string]map[int]int64) error {
+	return o.saveOn(ctx, o.db, group, offsets)
+}
+
+// SaveTx writes pos in tx: it commits with the effect and the claim, or not
+// at all. Get pos from kafka.PositionAfter.
+func (o *Offsets) SaveTx(ctx context.Context, tx pgx.Tx, pos kafka.Position) error {
+	return o.saveOn(ctx, tx, pos.Group, map[string]map[int]int64{pos.Topic: {pos.Partition: pos.Offset}})
+}
+
+//go:embed migrations/*.sql
+var migrationFS embed.FS
+
+// Migration is one embedded schema change, rendered for a schema and table.
+type Migration struct {
+	Version string // file name, e.g. "0001_kafka_offsets"
+	SQL     string
+}
+
+type tmplData struct{ schema, table string }
+
+func (d tmplData) Table() string { return sqlname.Qualified(d.schema, d.table) }
+
+// Migrations returns the migrations in order.
+func (o *Offsets) Migrations() ([]Migration, error) {
+	names, err := fs.Glob(migrationFS, "migrations/*.sql")
+	if err != nil {
+		return nil, err
+	}
+	sort.Strings(names)
+	out := make([]Migration, 0, len(names))
+	for _, n := range names {
+		raw, err := migrationFS.ReadFile(n)
+		if err != nil {
+			return nil, err
+		}
+		t, err := template.New(n).Parse(string(raw))
+		if err != nil {
+			return nil, fmt.Errorf("kafkapg: migration %s: %w", n, err)
+		}
+		var b bytes.Buffer
+		if err := t.Execute(&b, tmplData{schema: o.opts.Schema, table: o.opts.Table}); err != nil {
+			return nil, fmt.Errorf("kafkapg: migration %s: %w", n, err)
+		}
+		out = append(out, Migration{Version: n[len("migrations/") : len(n)-len(".sql")], SQL: b.String()})
+	}
+	return out, nil
+}
+
+// SQL returns every migration as one script, with the schema creation, for
+// goose, golang-migrate or by hand.
+func (o *Offsets) SQL() (string, error) {
+	ms, err := o.Migrations()
+	if err != nil {
+		return "", err
+	}
+	var b bytes.Buffer
+	fmt.Fprintf(&b, "CREATE SCHEMA IF NOT EXISTS %s;\n", sqlname.Quote(o.opts.Schema))
+	for _, m := range ms {
+		fmt.Fprintf(&b, "\n-- idem kafkapg migration %s\n%s", m.Version, m.SQL)
+	}
+	return b.String(), nil
+}
+
+func (o *Offsets) versionTable() string {
+	return sqlname.Qualified(o.opts.Schema, o.opts.Table+"_migrations")
+}
+
+// Migrate applies the migrations not applied yet, in one transaction under an
+// advisory lock, so several processes may run it at once. Applied versions
+// are recorded in <table>_migrations.
+func (o *Offsets) Migrate(ctx context.Context) error {
+	ms, err := o.Migrations()
+	if err != nil {
+		return err
+	}
+	h := fnv.New64a()
+	h.Write([]byte("idem:kafkapg:migrate:" + o.opts.Schema + "." + o.opts.Table))
+	lock := int64(h.Sum64())
+	return pgx.BeginFunc(ctx, o.db, func(tx pgx.Tx) error {
+		if _, err := tx.Exec(ctx, "SELECT pg_advisory_xact_lock($1)", lock); err != nil {
+			return fmt.Errorf("kafkapg: migrate: lock: %w", err)
+		}
+		if _, err := tx.Exec(ctx, "CREATE SCHEMA IF NOT EXISTS "+sqlname.Quote(o.opts.Schema)); err != nil {
+			return fmt.Errorf("kafkapg: migrate: schema: %w", err)
+		}
+		if _, err := tx.Exec(ctx, "CREATE TABLE IF NOT EXISTS "+o.versionTable()+
+			" (version text PRIMARY KEY, applied_at timestamptz NOT NULL DEFAULT clock_timestamp())"); err != nil {
+			return fmt.Errorf("kafkapg: migrate: version table: %w", err)
+		}
+		for _, m := range ms {
+			tag, err := tx.Exec(ctx, "INSERT INTO "+o.versionTable()+" (version) VALUES ($1) ON CONFLICT DO NOTHING", m.Version)
+			if err != nil {
+				return fmt.Errorf("kafkapg: migrate %s: %w", m.Version, err)
+			}
+			if tag.RowsAffected() == 0 {
+				continue
+			}
+			if _, err := tx.Exec(ctx, m.SQL); err != nil {
+				return fmt.Errorf("kafkapg: migrate %s: %w", m.Version, err)
+			}
+		}
+		return nil
+	})
+}

@@ -1,0 +1,232 @@
+package kafka_test
+
+import (
+	"context"
+	"errors"
+	"math/rand/v2"
+	"strconv"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	kafkago "github.com/segmentio/kafka-go"
+
+	"github.com/idemkit/idem/adapters/kafka"
+	"github.com/idemkit/idem/consumer"
+	"github.com/idemkit/idem/dedup"
+	"github.com/idemkit/idem/internal/testenv"
+)
+
+// TestKeyWorkers: with several workers per partition, records of one key
+// are handled one at a time in offset order, different keys in parallel,
+// and every record is committed.
+func TestKeyWorkers(t *testing.T) {
+	k := newKafka(t)
+	topic := k.topic(t, "keys", 2)
+	group := testenv.Name("g")
+	var recs []kafkago.Message
+	for i := range 400 {
+		key := "k" + strconv.Itoa(i%10)
+		if i%50 == 7 {
+			key = "" // records without a key share one
+		}
+		recs = append(recs, rec(i%2, key, "id-"+strconv.Itoa(i), "v"))
+	}
+	k.produce(t, topic, recs...)
+
+	type pk struct {
+		p   string
+		key string
+	}
+	var (
+		mu       sync.Mutex
+		last     = map[pk]int64{}
+		running  = map[pk]bool{}
+		inFlight int
+		maxIn    int
+		handled  atomic.Int64
+	)
+	h := consumer.HandlerFunc(func(_ context.Context, msg *consumer.Message) error {
+		id := pk{msg.Metadata[kafka.MetadataPartition], string(msg.Key)}
+		off := offsetOf(t, msg)
+		mu.Lock()
+		if running[id] {
+			t.Errorf("two records of key %q of partition %s at once", id.key, id.p)
+		}
+		if prev, ok := last[id]; ok && prev >= off {
+			t.Errorf("key %q of partition %s: offset %d after %d", id.key, id.p, off, prev)
+		}
+		running[id] = true
+		last[id] = off
+		inFlight++
+		maxIn = max(maxIn, inFlight)
+		mu.Unlock()
+		time.Sleep(time.Duration(rand.IntN(500)) * time.Microsecond)
+		mu.Lock()
+		running[id] = false
+		inFlight--
+		mu.Unlock()
+		handled.Add(1)
+		return nil
+	})
+	c, err := kafka.NewConsumer(k.readerConfig(group, topic), h, kafka.Options{
+		Workers:         4,
+		CommitInterval:  20 * time.Millisecond,
+		DeadLetterTopic: topic + "_dlq",
+		Logger:          testLogger(t),
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	r := run(t, c)
+	eventually(t, 30*time.Second, "all committed", func() bool {
+		got := k.committed(t, group, topic, 2)
+		return got[0] == 200 && got[1] == 200
+	})
+	r.stop(t)
+	if handled.Load() != 400 {
+		t.Fatalf("handled %d, want 400", handled.Load())
+	}
+	mu.Lock()
+	defer mu.Unlock()
+	if maxIn < 2 {
+		t.Errorf("at most %d records ran at once; the workers never overlapped", maxIn)
+	}
+}
+
+// TestBatchConsumer: a BatchHandler gets the records of a partition in
+// offset order, in batches; per-message outcomes (duplicate, poison) are
+// acted on, a failing batch is split into single records so that its poison
+// record is dead-lettered alone, and PositionAfter says where the partition
+// stands.
+func TestBatchConsumer(t *testing.T) {
+	k := newKafka(t)
+	topic := k.topic(t, "batch", 2)
+	dlq := k.topic(t, "batch_dlq", 1)
+	group := testenv.Name("g")
+	var recs []kafkago.Message
+	for i := range 300 {
+		v := "ok"
+		switch i {
+		case 40:
+			v = "dup"
+		case 41, 150:
+			v = "poison-in-batch" // reported in a BatchError
+		case 99, 201:
+			v = "poison" // fails the whole batch
+		}
+		recs = append(recs, rec(i%2, "k", "id-"+strconv.Itoa(i), v))
+	}
+	k.produce(t, topic, recs...)
+
+	var (
+		mu        sync.Mutex
+		done      = map[string]int{}
+		sizes     []int
+		next      = map[string]int64{}
+		positions int
+	)
+	errPoison := errors.New("cannot parse")
+	bh := kafka.BatchHandlerFunc(func(ctx context.Context, msgs []*consumer.Message) error {
+		mu.Lock()
+		defer mu.Unlock()
+		sizes = append(sizes, len(msgs))
+		be := &kafka.BatchError{Errs: map[int]error{}}
+		var ok []*consumer.Message
+		for i, m := range msgs {
+			p := m.Metadata[kafka.MetadataPartition]
+			if off := offsetOf(t, m); off < next[p] {
+				t.Errorf("partition %s: offset %d handed over after %d", p, off, next[p]-1)
+			}
+			switch string(m.Payload) {
+			case "poison":
+				if len(msgs) > 1 {
+					return errors.New("the batch failed") // nothing committed
+				}
+				return consumer.Permanent(errPoison)
+			case "poison-in-batch":
+				be.Errs[i] = consumer.Permanent(errPoison)
+			case "dup":
+				be.Errs[i] = dedup.Duplicate(dedup.Key{Scope: "s", ID: m.ID}, nil)
+				ok = append(ok, m)
+			default:
+				ok = append(ok, m)
+			}
+		}
+		for _, m := range ok {
+			done[m.ID]++
+			next[m.Metadata[kafka.MetadataPartition]] = offsetOf(t, m) + 1
+		}
+		if pos, found := kafka.PositionAfter(ctx, ok...); found {
+			positions++
+			if pos.Group != group || pos.Topic != topic {
+				t.Errorf("position %+v", pos)
+			}
+		}
+		if len(be.Errs) > 0 {
+			return be
+		}
+		return nil
+	})
+	c, err := kafka.NewBatchConsumer(k.readerConfig(group, topic), bh, kafka.Options{
+		BatchSize:       16,
+		DeadLetterTopic: dlq,
+		Logger:          testLogger(t),
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	r := run(t, c)
+	eventually(t, 30*time.Second, "all committed", func() bool {
+		got := k.committed(t, group, topic, 2)
+		return got[0] == 150 && got[1] == 150
+	})
+	r.stop(t)
+
+	mu.Lock()
+	defer mu.Unlock()
+	for i := range 300 {
+		id := "id-" + strconv.Itoa(i)
+		want := 1
+		switch i {
+		case 41, 150, 99, 201:
+			want = 0
+		}
+		if done[id] != want {
+			t.Errorf("%s done %d times, want %d", id, done[id], want)
+		}
+	}
+	if positions == 0 {
+		t.Error("PositionAfter never answered")
+	}
+	var multi bool
+	for _, s := range sizes {
+		multi = multi || s > 1
+		if s > 16 {
+			t.Errorf("a batch of %d, above BatchSize 16", s)
+		}
+	}
+	if !multi {
+		t.Error("every batch had one record")
+	}
+	reasons := map[string]int{}
+	for _, m := range k.readAll(t, dlq, 1) {
+		for _, h := range m.Headers {
+			if h.Key == kafka.HeaderReason {
+				reasons[string(h.Value)]++
+			}
+		}
+	}
+	if reasons[string(consumer.ReasonPermanent)] != 4 || len(reasons) != 1 {
+		t.Errorf("dead letters by reason %v, want 4 permanent", reasons)
+	}
+}
+
+// TestPositionAfterOutsideConsumer: no position outside a Consumer's
+// handler.
+func TestPositionAfterOutsideConsumer(t *testing.T) {
+	if _, ok := kafka.PositionAfter(context.Background()); ok {
+		t.Fatal("PositionAfter answered outside a Consumer")
+	}
+}

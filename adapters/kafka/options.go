@@ -1,0 +1,189 @@
+package kafka
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"time"
+
+	kafkago "github.com/segmentio/kafka-go"
+
+	"github.com/idemkit/idem/consumer"
+	"github.com/idemkit/idem/dedup"
+	"github.com/idemkit/idem/outbox"
+)
+
+// Options configure a Consumer. Only the dead-letter topic is required:
+// DeadLetterTopic, or a DeadLetterWriter whose Topic is set.
+type Options struct {
+	// IDHeader names the header that carries the producer-assigned message
+	// id, the id half of the dedup key. Defaults to outbox.HeaderMessageID,
+	// which the outbox publishers set.
+	IDHeader string
+	// OffsetID gives a record without the id header the id
+	// "topic/partition/offset". Such an id catches only the broker
+	// delivering the same record again (a crash or a rebalance before the
+	// commit), never a producer that sends the same message twice: that is
+	// two records at two offsets, with two ids. Defaults to false: a record
+	// without an id is dead-lettered with consumer.ReasonInvalidKey.
+	OffsetID bool
+	// IDFunc, if set, returns a record's id instead of the IDHeader header
+	// and OffsetID: for an id carried elsewhere, a field of the payload for
+	// example. An error, or an empty or malformed id, dead-letters the
+	// record with consumer.ReasonInvalidKey. It must be safe for concurrent
+	// use.
+	IDFunc func(km *kafkago.Message) (string, error)
+	// MaxIDLen limits the id, in bytes; a longer one is dead-lettered with
+	// consumer.ReasonInvalidKey. Defaults to dedup.DefaultMaxKeyLen.
+	MaxIDLen int
+
+	// Workers is how many records of one partition are handled at once.
+	// Defaults to 1: a partition's records are handled one after another,
+	// in offset order. With more, records with the same key are still
+	// handled in offset order and records with different keys in parallel
+	// (records without a key share one key); the committed offset still
+	// moves only past records whose every predecessor is done. Partitions
+	// are always handled in parallel. Must be 1 with a BatchHandler.
+	Workers int
+	// BatchSize caps the records handed to one HandleBatch call (a
+	// BatchHandler only): the records already fetched, never waiting for
+	// more. Defaults to 100.
+	BatchSize int
+	// MaxInFlight bounds the records of one partition fetched but not done
+	// when Workers is above 1 or with a BatchHandler; fetching pauses at the
+	// bound. (With one worker the partition Reader's QueueCapacity is the
+	// prefetch.) Defaults to 256.
+	MaxInFlight int
+
+	// CommitEvery commits once this many records of a partition are done
+	// since the last commit. Defaults to 100.
+	CommitEvery int
+	// CommitInterval commits what is done at least this often. Defaults to
+	// 1s.
+	CommitInterval time.Duration
+
+	// RetryInitial is the backoff before the first retry of a record the
+	// handler asked to retry (consumer.ActionRetry); it doubles per retry,
+	// with jitter, up to RetryMax. A Result.RetryAfter hint longer than the
+	// backoff is waited instead, capped by RetryMax. Retries happen in
+	// place: the partition waits, keeping its order. Defaults to 100ms.
+	RetryInitial time.Duration
+	// RetryMax caps the retry backoff. Defaults to 10s.
+	RetryMax time.Duration
+
+	// DeadLetterTopic receives poison records (consumer.ActionDeadLetter:
+	// permanent errors, panics, fingerprint mismatches, invalid ids,
+	// exhausted retries) with the Header* headers of this package added.
+	// Required unless DeadLetterWriter has its Topic set.
+	DeadLetterTopic string
+	// DeadLetterWriter publishes dead letters. It must be synchronous
+	// (Async false) and wait for all in-sync replicas (RequiredAcks
+	// kafkago.RequireAll); the Consumer does not close it. Defaults to a
+	// Writer on the ReaderConfig's brokers and dialer, closed when Run
+	// returns.
+	DeadLetterWriter *kafkago.Writer
+
+	// Offsets keeps the group's positions outside Kafka, for example in
+	// PostgreSQL in the transaction of the effect (kafkapg.Offsets). When
+	// set, a partition assigned to this member is consumed from the
+	// position in Offsets (from Kafka's committed offset when Offsets has
+	// none), and every commit also goes to Offsets. Defaults to nil: Kafka's
+	// committed offsets only.
+	Offsets OffsetStore
+
+	// ShutdownTimeout is how long handlers running when a generation ends
+	// (rebalance, or Run's context done) may take to finish before their
+	// context is cancelled. Keep it well below the session timeout: the
+	// member sends no heartbeat meanwhile. Defaults to a third of the
+	// smaller of the session and rebalance timeouts (10s with kafka-go's
+	// defaults).
+	ShutdownTimeout time.Duration
+
+	// Logger receives warnings (retries, dead letters, failed commits)
+	// and debug messages (generations). Defaults to slog.Default().
+	Logger *slog.Logger
+	// OnResult, if set, is called after each handler run with the
+	// consumer.Result the Consumer acts on, for metrics. It must be fast and
+	// safe for concurrent use.
+	OnResult func(ctx context.Context, msg *consumer.Message, r consumer.Result)
+}
+
+// OffsetStore keeps a consumer group's positions outside Kafka; see
+// Options.Offsets. kafkapg.Offsets keeps them in PostgreSQL.
+type OffsetStore interface {
+	// LoadOffsets returns the stored position of each of partitions of
+	// topic; a partition with nothing stored is absent from the map.
+	LoadOffsets(ctx context.Context, group, topic string, partitions []int) (map[int]int64, error)
+	// SaveOffsets stores positions (topic → partition → next offset). A
+	// position must never move backwards: a store keeps the greater one.
+	SaveOffsets(ctx context.Context, group string, offsets map[string]map[int]int64) error
+}
+
+func (o *Options) setDefaults(session, rebalance time.Duration) error {
+	ints := []struct {
+		name string
+		v    *int
+		def  int
+	}{
+		{"MaxIDLen", &o.MaxIDLen, dedup.DefaultMaxKeyLen},
+		{"Workers", &o.Workers, 1},
+		{"BatchSize", &o.BatchSize, 100},
+		{"MaxInFlight", &o.MaxInFlight, 256},
+		{"CommitEvery", &o.CommitEvery, 100},
+	}
+	for _, f := range ints {
+		if *f.v < 0 {
+			return fmt.Errorf("kafka: Options.%s is %d; it must be positive (or zero for %d)", f.name, *f.v, f.def)
+		}
+		if *f.v == 0 {
+			*f.v = f.def
+		}
+	}
+	durs := []struct {
+		name string
+		v    *time.Duration
+		def  time.Duration
+	}{
+		{"CommitInterval", &o.CommitInterval, time.Second},
+		{"RetryInitial", &o.RetryInitial, 100 * time.Millisecond},
+		{"RetryMax", &o.RetryMax, 10 * time.Second},
+		{"ShutdownTimeout", &o.ShutdownTimeout, min(session, rebalance) / 3},
+	}
+	for _, f := range durs {
+		if *f.v < 0 {
+			return fmt.Errorf("kafka: Options.%s is %v; it must be positive (or zero for %v)", f.name, *f.v, f.def)
+		}
+		if *f.v == 0 {
+			*f.v = f.def
+		}
+	}
+	if o.RetryInitial > o.RetryMax {
+		return fmt.Errorf("kafka: Options.RetryInitial (%v) is greater than RetryMax (%v)", o.RetryInitial, o.RetryMax)
+	}
+	if o.MaxInFlight < o.Workers {
+		return fmt.Errorf("kafka: Options.MaxInFlight (%d) is less than Workers (%d)", o.MaxInFlight, o.Workers)
+	}
+	if o.IDHeader == "" {
+		o.IDHeader = outbox.HeaderMessageID
+	}
+	if o.Logger == nil {
+		o.Logger = slog.Default()
+	}
+	return nil
+}
+
+// checkWriter returns an error when w would not confirm writes.
+func checkWriter(field string, w *kafkago.Writer) error {
+	switch {
+	case w.Addr == nil:
+		return fmt.Errorf("kafka: %s has no Addr", field)
+	case w.Async:
+		return fmt.Errorf("kafka: %s is asynchronous: set Async to false, a write must be confirmed before the record is acknowledged", field)
+	case w.RequiredAcks != kafkago.RequireAll:
+		return fmt.Errorf("kafka: %s has RequiredAcks %v: set RequiredAcks to kafkago.RequireAll, a write must be on every in-sync replica before the record is acknowledged", field, w.RequiredAcks)
+	}
+	return nil
+}
+
+var errNoDeadLetterTopic = errors.New("kafka: Options.DeadLetterTopic is required: poison records are published there, then committed past, so that they never stop their partition")
