@@ -118,6 +118,11 @@ type Result struct {
 // Decide looks at the error only. Process also looks at the consumer's
 // context: while it is done, nothing is dead-lettered.
 func Decide(err error) Result {
+	if err == nil {
+		// The common case, decided before the errors.As targets below
+		// are allocated.
+		return Result{Action: ActionAck}
+	}
 	r := Result{Err: err}
 	var (
 		dl  *DeadLetteredError
@@ -127,8 +132,6 @@ func Decide(err error) Result {
 		pm  *permanentError
 	)
 	switch {
-	case err == nil:
-		r.Action = ActionAck
 	case errors.As(err, &dl):
 		r.Action, r.DeadLettered, r.Reason = ActionAck, true, dl.Reason
 	case errors.As(err, &dlf):

@@ -194,20 +194,87 @@ func (d *dedupMiddleware) release(ctx context.Context, lease *dedup.Lease, why s
 	}
 }
 
-// heartbeat extends a lease until stopped. lostErr is set when the store
-// answered ErrLeaseLost; it may be read once stop has returned.
+// heartbeat extends a lease until stopped. It runs on a timer
+// (time.AfterFunc), so a handler that finishes before the first beat costs no
+// goroutine. lostErr is set when the store answered ErrLeaseLost; read it
+// only after stop has returned.
 type heartbeat struct {
-	cancel  context.CancelFunc
-	done    chan struct{}
-	once    sync.Once
+	d       *dedupMiddleware
+	lease   *dedup.Lease
+	logCtx  context.Context
+	base    context.Context // ctx without its cancellation
+	lost    context.CancelCauseFunc
+	every   time.Duration
+	timeout time.Duration
+
+	mu      sync.Mutex
+	timer   *time.Timer
+	stopped bool
+	cancel  context.CancelFunc // cancels an Extend in progress
+	running sync.WaitGroup
 	lostErr error
 }
 
+// stop ends the heartbeat and waits for a beat in progress to return.
 func (h *heartbeat) stop() {
-	h.once.Do(func() {
-		h.cancel()
-		<-h.done
-	})
+	h.mu.Lock()
+	if h.stopped {
+		h.mu.Unlock()
+		return
+	}
+	h.stopped = true
+	if h.timer != nil {
+		h.timer.Stop()
+	}
+	cancel := h.cancel
+	h.mu.Unlock()
+	if cancel != nil {
+		cancel()
+	}
+	h.running.Wait()
+}
+
+func (h *heartbeat) beat() {
+	h.mu.Lock()
+	if h.stopped {
+		h.mu.Unlock()
+		return
+	}
+	h.running.Add(1)
+	if h.cancel == nil {
+		h.base, h.cancel = context.WithCancel(h.base)
+	}
+	base := h.base
+	h.mu.Unlock()
+	defer h.running.Done()
+
+	// Each Extend may take up to the lease's TTL: past that the lease is
+	// gone anyway.
+	ectx, ecancel := context.WithTimeout(base, h.timeout)
+	err := h.d.store.Extend(ectx, h.lease)
+	ecancel()
+	switch {
+	case err == nil:
+	case errors.Is(err, dedup.ErrLeaseLost):
+		lostErr := fmt.Errorf("consumer: heartbeat: %w", err)
+		h.mu.Lock()
+		h.lostErr = lostErr
+		h.mu.Unlock()
+		h.d.opts.Logger.WarnContext(h.logCtx, "idem: lease lost while the handler ran; cancelling it",
+			slog.String("key", h.lease.Key.String()), slog.Any("error", err))
+		h.lost(lostErr)
+		return
+	case base.Err() != nil:
+		return
+	default:
+		h.d.opts.Logger.WarnContext(h.logCtx, "idem: extending the lease failed; trying again at the next beat",
+			slog.String("key", h.lease.Key.String()), slog.Any("error", err))
+	}
+	h.mu.Lock()
+	if !h.stopped {
+		h.timer.Reset(h.every)
+	}
+	h.mu.Unlock()
 }
 
 func (d *dedupMiddleware) startHeartbeat(ctx context.Context, lease *dedup.Lease, lost context.CancelCauseFunc) *heartbeat {
@@ -215,49 +282,20 @@ func (d *dedupMiddleware) startHeartbeat(ctx context.Context, lease *dedup.Lease
 	if every == 0 {
 		every = lease.TTL / 3
 	}
-	// The heartbeat lives as long as the handler runs, not as long as ctx:
-	// a handler that finishes its work during a graceful stop keeps its
-	// lease.
-	hctx, cancel := context.WithCancel(context.WithoutCancel(ctx))
-	hb := &heartbeat{cancel: cancel, done: make(chan struct{})}
-	if every <= 0 {
-		close(hb.done)
-		return hb
-	}
-	// Each Extend may take up to the lease's TTL: past that the lease is
-	// gone anyway.
 	timeout := lease.TTL
 	if timeout <= 0 {
 		timeout = every
 	}
-	go func() {
-		defer close(hb.done)
-		t := time.NewTicker(every)
-		defer t.Stop()
-		for {
-			select {
-			case <-hctx.Done():
-				return
-			case <-t.C:
-			}
-			ectx, ecancel := context.WithTimeout(hctx, timeout)
-			err := d.store.Extend(ectx, lease)
-			ecancel()
-			switch {
-			case err == nil:
-			case errors.Is(err, dedup.ErrLeaseLost):
-				hb.lostErr = fmt.Errorf("consumer: heartbeat: %w", err)
-				d.opts.Logger.WarnContext(ctx, "idem: lease lost while the handler ran; cancelling it",
-					slog.String("key", lease.Key.String()), slog.Any("error", err))
-				lost(hb.lostErr)
-				return
-			case hctx.Err() != nil:
-				return
-			default:
-				d.opts.Logger.WarnContext(ctx, "idem: extending the lease failed; trying again at the next beat",
-					slog.String("key", lease.Key.String()), slog.Any("error", err))
-			}
-		}
-	}()
+	// The heartbeat lives as long as the handler runs, not as long as ctx:
+	// a handler that finishes its work during a graceful stop keeps its
+	// lease.
+	hb := &heartbeat{d: d, lease: lease, logCtx: ctx, base: context.WithoutCancel(ctx), lost: lost, every: every, timeout: timeout}
+	if every <= 0 {
+		hb.stopped = true
+		return hb
+	}
+	hb.mu.Lock()
+	hb.timer = time.AfterFunc(every, hb.beat)
+	hb.mu.Unlock()
 	return hb
 }

@@ -12,7 +12,9 @@ import (
 	"crypto/rand"
 	"encoding/hex"
 	"fmt"
+	"strconv"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/idemkit/idem/dedup"
@@ -61,6 +63,9 @@ type Store struct {
 
 	stop chan struct{}
 	wg   sync.WaitGroup
+
+	tokenPrefix string
+	tokenSeq    atomic.Uint64
 }
 
 var (
@@ -91,7 +96,9 @@ func New(opts Options) (*Store, error) {
 	if opts.SweepInterval == 0 {
 		opts.SweepInterval = time.Minute
 	}
-	s := &Store{opts: opts, entries: make(map[dedup.Key]*entry), stop: make(chan struct{})}
+	var p [8]byte
+	_, _ = rand.Read(p[:])
+	s := &Store{opts: opts, entries: make(map[dedup.Key]*entry), stop: make(chan struct{}), tokenPrefix: hex.EncodeToString(p[:]) + "-"}
 	if opts.SweepInterval > 0 {
 		s.wg.Add(1)
 		go s.sweep()
@@ -144,10 +151,11 @@ func (s *Store) sweep() {
 	}
 }
 
-func newToken() string {
-	var b [16]byte
-	_, _ = rand.Read(b[:])
-	return hex.EncodeToString(b[:])
+// newToken returns a token unique within the store: a random prefix chosen
+// at New and a counter. Tokens only need to tell owners apart, and a
+// counter is much cheaper per message than reading crypto/rand.
+func (s *Store) newToken() string {
+	return s.tokenPrefix + strconv.FormatUint(s.tokenSeq.Add(1), 36)
 }
 
 // Claim implements dedup.LeaseStore.
@@ -178,7 +186,7 @@ func (s *Store) claimLocked(key dedup.Key) (*dedup.Lease, error) {
 		}
 		return nil, dedup.InFlight(key, e.expires.Sub(now))
 	}
-	l := &dedup.Lease{Key: key, Token: newToken(), TTL: s.opts.Lease}
+	l := &dedup.Lease{Key: key, Token: s.newToken(), TTL: s.opts.Lease}
 	s.entries[id] = &entry{state: inFlight, token: l.Token, fp: key.Fingerprint, expires: now.Add(s.opts.Lease)}
 	return l, nil
 }
