@@ -6,7 +6,7 @@ import (
 	"crypto/rand"
 	"encoding/hex"
 	"fmt"
-	"log"
+
 	"os"
 	"time"
 
@@ -25,7 +25,7 @@ func ExampleOffsets() {
 	defer cancel()
 	pool, err := pgxpool.New(ctx, cmp.Or(os.Getenv("IDEM_TEST_POSTGRES_URL"), "postgres://postgres@127.0.0.1:5432/test?sslmode=disable"))
 	if err != nil {
-		log.Fatal(err)
+		panic(err)
 	}
 	defer pool.Close()
 	var b [4]byte
@@ -35,10 +35,10 @@ func ExampleOffsets() {
 
 	offsets, err := kafkapg.NewOffsets(pool, kafkapg.OffsetsOptions{Schema: schema})
 	if err != nil {
-		log.Fatal(err)
+		panic(err)
 	}
 	if err := offsets.Migrate(ctx); err != nil {
-		log.Fatal(err)
+		panic(err)
 	}
 	for _, off := range []int64{42, 17} { // 17 arrives late, from the old owner
 		err := pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
@@ -46,12 +46,12 @@ func ExampleOffsets() {
 			return offsets.SaveTx(ctx, tx, kafka.Position{Group: "billing", Topic: "payments", Partition: 0, Offset: off})
 		})
 		if err != nil {
-			log.Fatal(err)
+			panic(err)
 		}
 	}
 	got, err := offsets.LoadOffsets(ctx, "billing", "payments", []int{0, 1})
 	if err != nil {
-		log.Fatal(err)
+		panic(err)
 	}
 	_, known := got[1]
 	fmt.Println("partition 0 resumes at", got[0])
