@@ -1,0 +1,712 @@
+package amqp
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"math/rand/v2"
+	"slices"
+	"strconv"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	amqp091 "github.com/rabbitmq/amqp091-go"
+
+	"github.com/idemkit/idem/consumer"
+)
+
+// Consumer runs an idem handler chain (consumer.Handler, usually built with
+// consumer.Chain, consumer.Dedup or consumer.Transactional) over the
+// deliveries of one RabbitMQ queue, and acts on consumer.Process's Result
+// with the ACK rule of idem's design:
+//
+//   - ActionAck (the effect committed, or the message is a completed
+//     duplicate): the delivery is acknowledged.
+//   - ActionRetry (a transient error, dedup.ErrInFlight, a lost lease, a
+//     timeout): a copy is published, with publisher confirms, to a retry
+//     queue whose messages expire after the delay and are dead-lettered by
+//     the broker back to the work queue; then the delivery is acknowledged.
+//     The copy carries the attempt in HeaderAttempt. Nothing is requeued
+//     in a hot loop. After MaxAttempts the message is dead-lettered with
+//     reason retries_exhausted instead — unless the key is owned elsewhere
+//     (in_flight, lease_lost), which is never poison.
+//   - ActionDeadLetter (Permanent, a panic, a fingerprint mismatch, an
+//     invalid key such as a message without id): a copy with HeaderReason,
+//     HeaderAttempt and HeaderError is published to the dead-letter
+//     exchange, confirmed, and then the delivery is acknowledged.
+//
+// A delivery is never acknowledged before its copy is confirmed; if the
+// copy cannot be published the delivery is nacked with requeue after a
+// pause, so that it is neither lost nor spun.
+//
+// Topology is declared on every connect, idempotently: the work queue (with
+// QueueArgs and Bindings), one retry queue per distinct retry delay
+// (x-message-ttl, dead-lettering to the default exchange with the work
+// queue's name as routing key), the dead-letter exchange and queue.
+//
+// Reconnect: the connection and both channels (consuming, and publishing in
+// confirm mode) are watched with NotifyClose; when one closes, the
+// connection is closed and redialled with exponential backoff and jitter.
+// Each connection is a generation: a handler still running on a dead
+// generation settles nothing (its delivery tag died with the channel and is
+// never used on the new one); the broker redelivers the message, and the
+// dedup store decides. So handlers of the old and the new generation may
+// briefly overlap.
+//
+// The redelivered flag is exposed as consumer.Message.Redelivered and
+// counted in Stats; nothing decides on it.
+type Consumer struct {
+	url    string
+	queue  string
+	h      consumer.Handler
+	opts   ConsumerOptions
+	cfg    amqp091.Config
+	delays []time.Duration // distinct retry delays, ascending
+
+	running   atomic.Bool
+	ready     chan struct{}
+	readyOnce sync.Once
+	gen       atomic.Uint64
+	stats     consStats
+}
+
+// ConsumerStats are counters since the Consumer was created.
+type ConsumerStats struct {
+	// Delivered counts deliveries handed to the handler chain; Redelivered
+	// those among them with the broker's redelivered flag.
+	Delivered, Redelivered int64
+	// Acked counts deliveries acknowledged after success or as duplicates;
+	// Duplicates those acknowledged as duplicates.
+	Acked, Duplicates int64
+	// Retried and DeadLettered count deliveries whose copy went to a retry
+	// queue or the dead-letter exchange (and which were then acked).
+	Retried, DeadLettered int64
+	// Requeued counts deliveries nacked with requeue; Abandoned those left
+	// unsettled because their channel closed.
+	Requeued, Abandoned int64
+	// Connects counts successful connections (1 plus the reconnects).
+	Connects int64
+}
+
+type consStats struct {
+	delivered, redelivered, acked, duplicates, retried, deadLettered, requeued, abandoned, connects atomic.Int64
+}
+
+// NewConsumer returns a Consumer of queue on the broker at url (amqp:// or
+// amqps://) that runs h on each delivery. It does not connect: Run does.
+func NewConsumer(url, queue string, h consumer.Handler, opts ConsumerOptions) (*Consumer, error) {
+	if _, err := amqp091.ParseURI(url); err != nil {
+		return nil, fmt.Errorf("amqp: NewConsumer: %w", err)
+	}
+	if queue == "" {
+		return nil, errors.New("amqp: NewConsumer: queue is required (server-named queues would change on every reconnect)")
+	}
+	if h == nil {
+		return nil, errors.New("amqp: NewConsumer: handler is nil")
+	}
+	if err := opts.consSetDefaults(queue); err != nil {
+		return nil, err
+	}
+	var cfg amqp091.Config
+	if opts.Config != nil {
+		cfg = *opts.Config
+	}
+	if cfg.Heartbeat == 0 {
+		cfg.Heartbeat = 10 * time.Second
+	}
+	if cfg.Dial == nil {
+		cfg.Dial = amqp091.DefaultDial(10 * time.Second)
+	}
+	props := amqp091.NewConnectionProperties()
+	for k, v := range cfg.Properties {
+		props[k] = v
+	}
+	if _, ok := props["connection_name"]; !ok {
+		props.SetClientConnectionName(opts.ConnectionName)
+	}
+	cfg.Properties = props
+	delays := slices.Clone(opts.RetryDelays)
+	slices.Sort(delays)
+	delays = slices.Compact(delays)
+	return &Consumer{url: url, queue: queue, h: h, opts: opts, cfg: cfg, delays: delays, ready: make(chan struct{})}, nil
+}
+
+// Ready is closed once the Consumer first consumes: its topology is
+// declared, so messages published to the work queue from then on are
+// routed.
+func (c *Consumer) Ready() <-chan struct{} { return c.ready }
+
+// Stats returns the counters.
+func (c *Consumer) Stats() ConsumerStats {
+	s := &c.stats
+	return ConsumerStats{
+		Delivered: s.delivered.Load(), Redelivered: s.redelivered.Load(),
+		Acked: s.acked.Load(), Duplicates: s.duplicates.Load(),
+		Retried: s.retried.Load(), DeadLettered: s.deadLettered.Load(),
+		Requeued: s.requeued.Load(), Abandoned: s.abandoned.Load(),
+		Connects: s.connects.Load(),
+	}
+}
+
+type consDeliveryKey struct{}
+
+// DeliveryFrom returns the raw delivery of the message being handled, for
+// handlers that need AMQP properties idem does not map (x-death, reply-to).
+// Do not acknowledge it: the Consumer does.
+func DeliveryFrom(ctx context.Context) (*amqp091.Delivery, bool) {
+	d, ok := ctx.Value(consDeliveryKey{}).(*amqp091.Delivery)
+	return d, ok
+}
+
+// Run connects, declares the topology, consumes and reconnects until ctx
+// ends, then stops gracefully: it cancels the consumer, nacks with requeue
+// the prefetched deliveries no handler started, lets the running handlers
+// finish (their context is cancelled ShutdownTimeout after ctx ended),
+// settles them, closes the connection and returns nil.
+//
+// Run returns an error at once when the broker refuses the topology or the
+// credentials (PRECONDITION_FAILED, ACCESS_REFUSED, NOT_FOUND: a
+// configuration mistake that redialling would not fix). A Consumer runs
+// once.
+func (c *Consumer) Run(ctx context.Context) error {
+	if !c.running.CompareAndSwap(false, true) {
+		return errors.New("amqp: Consumer.Run called twice")
+	}
+	// Handlers run under hctx: it outlives ctx by ShutdownTimeout, so that
+	// a graceful stop lets them finish and be acknowledged.
+	hctx, hcancel := context.WithCancel(context.WithoutCancel(ctx))
+	defer hcancel()
+	var (
+		tmu   sync.Mutex
+		timer *time.Timer
+	)
+	stopAfter := context.AfterFunc(ctx, func() {
+		tmu.Lock()
+		timer = time.AfterFunc(c.opts.ShutdownTimeout, hcancel)
+		tmu.Unlock()
+	})
+	defer func() {
+		stopAfter()
+		tmu.Lock()
+		if timer != nil {
+			timer.Stop()
+		}
+		tmu.Unlock()
+	}()
+
+	var wg sync.WaitGroup // every worker and watcher of every generation
+	defer wg.Wait()
+	delay := time.Duration(0)
+	for ctx.Err() == nil {
+		s, err := c.connect(&wg)
+		if err != nil {
+			if consFatal(err) {
+				return fmt.Errorf("amqp: consumer of %q: %w", c.queue, err)
+			}
+			if delay == 0 {
+				delay = c.opts.ReconnectBackoff
+			} else {
+				delay = min(2*delay, c.opts.MaxReconnectBackoff)
+			}
+			c.opts.Logger.Warn("amqp: consumer cannot connect; retrying", "queue", c.queue, "in", delay, "err", err)
+			consSleep(ctx, consJitter(delay))
+			continue
+		}
+		delay = 0
+		if err := c.serve(ctx, hctx, s, &wg); err != nil {
+			if consFatal(err) {
+				return fmt.Errorf("amqp: consumer of %q: %w", c.queue, err)
+			}
+			c.opts.Logger.Warn("amqp: consumer lost its channel; reconnecting", "queue", c.queue, "err", err)
+			consSleep(ctx, consJitter(c.opts.ReconnectBackoff))
+		}
+	}
+	return nil
+}
+
+// consFatal reports whether err is a broker refusal that redialling will
+// not fix.
+func consFatal(err error) bool {
+	var ae *amqp091.Error
+	if !errors.As(err, &ae) {
+		return false
+	}
+	switch ae.Code {
+	case amqp091.PreconditionFailed, amqp091.AccessRefused, amqp091.NotFound:
+		return true
+	}
+	return false
+}
+
+// consSession is one connection generation: the connection, the consuming
+// channel, and the confirm-mode channel retried and dead-lettered copies
+// are published on. dead is closed as soon as any of them closes.
+type consSession struct {
+	gen  uint64
+	conn *amqp091.Connection
+	ch   *amqp091.Channel
+	pub  *amqp091.Channel
+
+	dead     chan struct{}
+	deadOnce sync.Once
+	deadErr  error
+}
+
+func (s *consSession) isDead() bool {
+	select {
+	case <-s.dead:
+		return true
+	default:
+		return false
+	}
+}
+
+func (s *consSession) kill(err error) {
+	s.deadOnce.Do(func() {
+		s.deadErr = err
+		close(s.dead)
+	})
+	_ = s.conn.CloseDeadline(time.Now().Add(2 * time.Second))
+}
+
+func (c *Consumer) connect(wg *sync.WaitGroup) (*consSession, error) {
+	conn, err := amqp091.DialConfig(c.url, c.cfg)
+	if err != nil {
+		return nil, fmt.Errorf("dial: %w", err)
+	}
+	ok := false
+	defer func() {
+		if !ok {
+			_ = conn.CloseDeadline(time.Now().Add(2 * time.Second))
+		}
+	}()
+	ch, err := conn.Channel()
+	if err != nil {
+		return nil, fmt.Errorf("open channel: %w", err)
+	}
+	if err := c.declare(ch); err != nil {
+		return nil, err
+	}
+	if err := ch.Qos(c.opts.Prefetch, 0, false); err != nil {
+		return nil, fmt.Errorf("qos: %w", err)
+	}
+	pub, err := conn.Channel()
+	if err != nil {
+		return nil, fmt.Errorf("open channel: %w", err)
+	}
+	if err := pub.Confirm(false); err != nil {
+		return nil, fmt.Errorf("confirm mode: %w", err)
+	}
+	s := &consSession{gen: c.gen.Add(1), conn: conn, ch: ch, pub: pub, dead: make(chan struct{})}
+	// Buffered: the library sends at most one error on each, then closes
+	// them all when the connection shuts down.
+	connCloses := conn.NotifyClose(make(chan *amqp091.Error, 1))
+	chCloses := ch.NotifyClose(make(chan *amqp091.Error, 1))
+	pubCloses := pub.NotifyClose(make(chan *amqp091.Error, 1))
+	wg.Go(func() {
+		var e *amqp091.Error
+		select {
+		case e = <-connCloses:
+		case e = <-chCloses:
+		case e = <-pubCloses:
+		}
+		err := error(amqp091.ErrClosed)
+		if e != nil {
+			err = e
+		}
+		s.kill(err)
+		// Wait for the connection to be gone, so the watcher outlives no
+		// library goroutine of it.
+		for range connCloses {
+		}
+	})
+	ok = true
+	c.stats.connects.Add(1)
+	return s, nil
+}
+
+// declare declares the topology; every call is idempotent.
+func (c *Consumer) declare(ch *amqp091.Channel) error {
+	durable := !c.opts.NotDurable
+	if _, err := ch.QueueDeclare(c.queue, durable, false, false, false, c.opts.QueueArgs); err != nil {
+		return fmt.Errorf("declare queue %q: %w", c.queue, err)
+	}
+	for _, b := range c.opts.Bindings {
+		if err := ch.QueueBind(c.queue, b.Key, b.Exchange, false, b.Args); err != nil {
+			return fmt.Errorf("bind queue %q to exchange %q with key %q: %w", c.queue, b.Exchange, b.Key, err)
+		}
+	}
+	for _, d := range c.delays {
+		name := consRetryQueue(c.queue, d)
+		args := amqp091.Table{
+			"x-message-ttl":             d.Milliseconds(),
+			"x-dead-letter-exchange":    "",
+			"x-dead-letter-routing-key": c.queue,
+		}
+		if _, err := ch.QueueDeclare(name, durable, false, false, false, args); err != nil {
+			return fmt.Errorf("declare retry queue %q: %w", name, err)
+		}
+	}
+	if err := ch.ExchangeDeclare(c.opts.DeadLetterExchange, amqp091.ExchangeDirect, durable, false, false, false, nil); err != nil {
+		return fmt.Errorf("declare dead-letter exchange %q: %w", c.opts.DeadLetterExchange, err)
+	}
+	if _, err := ch.QueueDeclare(c.opts.DeadLetterQueue, durable, false, false, false, nil); err != nil {
+		return fmt.Errorf("declare dead-letter queue %q: %w", c.opts.DeadLetterQueue, err)
+	}
+	if err := ch.QueueBind(c.opts.DeadLetterQueue, c.queue, c.opts.DeadLetterExchange, false, nil); err != nil {
+		return fmt.Errorf("bind dead-letter queue %q: %w", c.opts.DeadLetterQueue, err)
+	}
+	return nil
+}
+
+// serve consumes on s until ctx ends (graceful stop, nil) or s dies (the
+// reason). Workers of a dead generation are left to finish on their own;
+// wg tracks them.
+func (c *Consumer) serve(ctx, hctx context.Context, s *consSession, wg *sync.WaitGroup) error {
+	tag := fmt.Sprintf("%s-%d", c.opts.ConnectionName, s.gen)
+	deliveries, err := s.ch.Consume(c.queue, tag, false, false, false, false, nil)
+	if err != nil {
+		s.kill(err)
+		return fmt.Errorf("consume %q: %w", c.queue, err)
+	}
+	c.readyOnce.Do(func() { close(c.ready) })
+	var workers sync.WaitGroup
+	for range c.opts.Concurrency {
+		workers.Add(1)
+		wg.Go(func() {
+			defer workers.Done()
+			for d := range deliveries {
+				c.handle(ctx, hctx, s, d)
+			}
+		})
+	}
+	select {
+	case <-ctx.Done():
+		// Stop the flow; the library then hands over what it buffered
+		// (requeued by handle, since ctx is done) and closes deliveries.
+		if err := s.ch.Cancel(tag, false); err != nil {
+			s.kill(err)
+		}
+		workers.Wait()
+		s.kill(amqp091.ErrClosed)
+		return nil
+	case <-s.dead:
+		s.kill(s.deadErr)
+		return s.deadErr
+	}
+}
+
+// handle runs the chain on one delivery and settles it on its own
+// generation.
+func (c *Consumer) handle(ctx, hctx context.Context, s *consSession, d amqp091.Delivery) {
+	if ctx.Err() != nil {
+		// Prefetched but not started before the stop: give it back.
+		c.requeue(s, &d)
+		return
+	}
+	msg := c.message(&d, s.gen)
+	c.stats.delivered.Add(1)
+	if d.Redelivered {
+		c.stats.redelivered.Add(1)
+	}
+	mctx := context.WithValue(hctx, consDeliveryKey{}, &d)
+	r := consumer.Process(mctx, c.h, msg)
+	out := c.settle(hctx, s, &d, msg, r)
+	if c.opts.OnResult != nil {
+		c.opts.OnResult(mctx, msg, r, out)
+	}
+}
+
+func (c *Consumer) settle(hctx context.Context, s *consSession, d *amqp091.Delivery, msg *consumer.Message, r consumer.Result) ConsumerOutcome {
+	switch r.Action {
+	case consumer.ActionAck:
+		out := c.ack(s, d)
+		if out == OutcomeAcked {
+			c.stats.acked.Add(1)
+			if r.Duplicate {
+				c.stats.duplicates.Add(1)
+			}
+		}
+		return out
+	case consumer.ActionDeadLetter:
+		return c.deadLetter(hctx, s, d, msg, r.Reason, r.Err)
+	}
+	// ActionRetry, and anything unknown.
+	if hctx.Err() != nil {
+		// The shutdown timeout cut the handler short: not the message's
+		// fault, so no attempt is spent; the broker redelivers it.
+		return c.requeue(s, d)
+	}
+	owned := r.Reason == consumer.ReasonInFlight || r.Reason == consumer.ReasonLeaseLost
+	if msg.Attempt >= c.opts.MaxAttempts && !owned {
+		err := r.Err
+		if err == nil {
+			err = errors.New("retry requested")
+		}
+		return c.deadLetter(hctx, s, d, msg, consumer.ReasonRetriesExhausted,
+			&consumer.RetriesExhaustedError{Attempts: msg.Attempt, Err: err})
+	}
+	delay := c.retryDelay(msg.Attempt, r.RetryAfter)
+	p := c.copyOf(d, msg.Attempt+1)
+	p.Expiration = strconv.FormatInt(delay.Milliseconds(), 10)
+	if r.Err != nil {
+		p.Headers[HeaderError] = consTruncate(r.Err.Error())
+	}
+	if s.isDead() {
+		return c.abandon()
+	}
+	if err := c.publishCopy(s, "", consRetryQueue(c.queue, delay), p); err != nil {
+		return c.publishFailed(hctx, s, d, "retry queue", err)
+	}
+	out := c.ack(s, d)
+	if out == OutcomeAcked {
+		c.stats.retried.Add(1)
+		return OutcomeRetried
+	}
+	return out
+}
+
+// retryDelay is the delay before the attempt after attempt: the configured
+// one, or the shortest configured delay that covers the hint (the longest
+// when none does).
+func (c *Consumer) retryDelay(attempt int, hint time.Duration) time.Duration {
+	ds := c.opts.RetryDelays
+	d := ds[min(max(attempt, 1), len(ds))-1]
+	if hint > d {
+		d = c.delays[len(c.delays)-1]
+		for _, x := range c.delays {
+			if x >= hint {
+				d = x
+				break
+			}
+		}
+	}
+	return d
+}
+
+func (c *Consumer) deadLetter(hctx context.Context, s *consSession, d *amqp091.Delivery, msg *consumer.Message, reason consumer.Reason, cause error) ConsumerOutcome {
+	p := c.copyOf(d, msg.Attempt)
+	p.Headers[HeaderReason] = string(reason)
+	if cause != nil {
+		p.Headers[HeaderError] = consTruncate(cause.Error())
+	}
+	if s.isDead() {
+		return c.abandon()
+	}
+	if err := c.publishCopy(s, c.opts.DeadLetterExchange, c.queue, p); err != nil {
+		return c.publishFailed(hctx, s, d, "dead-letter exchange", err)
+	}
+	c.opts.Logger.Warn("amqp: message dead-lettered", "queue", c.queue, "message_id", msg.ID,
+		"reason", string(reason), "attempt", msg.Attempt, "err", cause)
+	out := c.ack(s, d)
+	if out == OutcomeAcked {
+		c.stats.deadLettered.Add(1)
+		return OutcomeDeadLettered
+	}
+	return out
+}
+
+// publishFailed handles a copy that was not confirmed: the delivery goes
+// back to the queue, after a pause so a broken publish path is not spun.
+func (c *Consumer) publishFailed(hctx context.Context, s *consSession, d *amqp091.Delivery, where string, err error) ConsumerOutcome {
+	if s.isDead() {
+		return c.abandon()
+	}
+	c.opts.Logger.Warn("amqp: publishing a copy failed; requeueing the delivery", "queue", c.queue, "to", where, "err", err)
+	t := time.NewTimer(consJitter(time.Second))
+	defer t.Stop()
+	select {
+	case <-t.C:
+	case <-s.dead:
+	case <-hctx.Done():
+	}
+	return c.requeue(s, d)
+}
+
+// publishCopy publishes p on s's confirm channel and waits for the
+// broker's confirm.
+func (c *Consumer) publishCopy(s *consSession, exchange, key string, p amqp091.Publishing) error {
+	ctx, cancel := context.WithTimeout(context.Background(), c.opts.PublishTimeout)
+	defer cancel()
+	dc, err := s.pub.PublishWithDeferredConfirmWithContext(ctx, exchange, key, false, false, p)
+	if err != nil {
+		return err
+	}
+	if dc == nil {
+		return errors.New("the channel is not in confirm mode")
+	}
+	acked, err := dc.WaitContext(ctx)
+	if err != nil {
+		return err
+	}
+	if !acked {
+		return ErrUnconfirmed
+	}
+	return nil
+}
+
+// copyOf is the publishing that carries d to a retry queue or the
+// dead-letter exchange: same body, id and properties, headers kept, the
+// attempt and origin set.
+func (c *Consumer) copyOf(d *amqp091.Delivery, attempt int) amqp091.Publishing {
+	h := make(amqp091.Table, len(d.Headers)+6)
+	for k, v := range d.Headers {
+		h[k] = v
+	}
+	h[HeaderAttempt] = int32(min(attempt, 1<<30))
+	h[HeaderQueue] = c.queue
+	if _, ok := h[HeaderExchange]; !ok {
+		h[HeaderExchange] = d.Exchange
+		h[HeaderRoutingKey] = d.RoutingKey
+	}
+	mode := amqp091.Persistent
+	if c.opts.NotDurable {
+		mode = amqp091.Transient
+	}
+	return amqp091.Publishing{
+		Headers:         h,
+		ContentType:     d.ContentType,
+		ContentEncoding: d.ContentEncoding,
+		DeliveryMode:    mode,
+		Priority:        d.Priority,
+		CorrelationId:   d.CorrelationId,
+		ReplyTo:         d.ReplyTo,
+		MessageId:       d.MessageId,
+		Timestamp:       d.Timestamp,
+		Type:            d.Type,
+		AppId:           d.AppId,
+		Body:            d.Body,
+	}
+}
+
+func (c *Consumer) ack(s *consSession, d *amqp091.Delivery) ConsumerOutcome {
+	// The tag belongs to s's channel (d.Acknowledger): on a dead
+	// generation it must not, and cannot, be used.
+	if s.isDead() {
+		return c.abandon()
+	}
+	if err := d.Ack(false); err != nil {
+		return c.abandon()
+	}
+	return OutcomeAcked
+}
+
+func (c *Consumer) requeue(s *consSession, d *amqp091.Delivery) ConsumerOutcome {
+	if s.isDead() {
+		return c.abandon()
+	}
+	if err := d.Nack(false, true); err != nil {
+		return c.abandon()
+	}
+	c.stats.requeued.Add(1)
+	return OutcomeRequeued
+}
+
+func (c *Consumer) abandon() ConsumerOutcome {
+	c.stats.abandoned.Add(1)
+	return OutcomeAbandoned
+}
+
+// message maps a delivery to a consumer.Message.
+func (c *Consumer) message(d *amqp091.Delivery, gen uint64) *consumer.Message {
+	id := d.MessageId
+	if c.opts.IDHeader != "" {
+		if v, ok := consHeaderString(d.Headers[c.opts.IDHeader]); ok && v != "" {
+			id = v
+		}
+	}
+	attempt := 1
+	if n, ok := consHeaderInt(d.Headers[HeaderAttempt]); ok && n > 1 {
+		attempt = int(min(n, 1<<30))
+	}
+	exchange, key := d.Exchange, d.RoutingKey
+	if v, ok := consHeaderString(d.Headers[HeaderExchange]); ok {
+		exchange = v
+		if k, ok := consHeaderString(d.Headers[HeaderRoutingKey]); ok {
+			key = k
+		}
+	}
+	var headers map[string]string
+	if len(d.Headers) > 0 {
+		headers = make(map[string]string, len(d.Headers))
+		for k, v := range d.Headers {
+			if s, ok := consHeaderString(v); ok {
+				headers[k] = s
+			} else if n, ok := consHeaderInt(v); ok {
+				headers[k] = strconv.FormatInt(n, 10)
+			}
+		}
+	}
+	return &consumer.Message{
+		ID:      id,
+		Key:     []byte(key),
+		Payload: d.Body,
+		Headers: headers,
+		Topic:   c.queue,
+		Metadata: map[string]string{
+			"exchange":           exchange,
+			"routing_key":        key,
+			"delivery_tag":       strconv.FormatUint(d.DeliveryTag, 10),
+			"consumer_tag":       d.ConsumerTag,
+			"channel_generation": strconv.FormatUint(gen, 10),
+			"redelivered":        strconv.FormatBool(d.Redelivered),
+		},
+		Attempt:     attempt,
+		Redelivered: d.Redelivered,
+		Time:        d.Timestamp,
+	}
+}
+
+func consHeaderString(v any) (string, bool) {
+	switch x := v.(type) {
+	case string:
+		return x, true
+	case []byte:
+		return string(x), true
+	}
+	return "", false
+}
+
+func consHeaderInt(v any) (int64, bool) {
+	switch x := v.(type) {
+	case int8:
+		return int64(x), true
+	case int16:
+		return int64(x), true
+	case int32:
+		return int64(x), true
+	case int64:
+		return x, true
+	case int:
+		return int64(x), true
+	case uint8:
+		return int64(x), true
+	case uint16:
+		return int64(x), true
+	case uint32:
+		return int64(x), true
+	}
+	return 0, false
+}
+
+func consTruncate(s string) string {
+	const limit = 1024
+	if len(s) <= limit {
+		return s
+	}
+	return s[:limit] + "..."
+}
+
+func consJitter(d time.Duration) time.Duration {
+	return time.Duration(float64(d) * (0.8 + 0.4*rand.Float64()))
+}
+
+func consSleep(ctx context.Context, d time.Duration) {
+	t := time.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-ctx.Done():
+	case <-t.C:
+	}
+}

@@ -1,0 +1,343 @@
+package amqp
+
+import (
+	"context"
+	"fmt"
+	"log/slog"
+	"net"
+	"net/url"
+	"os"
+	"os/exec"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+	amqp091 "github.com/rabbitmq/amqp091-go"
+
+	"github.com/idemkit/idem/consumer"
+	"github.com/idemkit/idem/dedup/pgtable"
+	"github.com/idemkit/idem/internal/testenv"
+)
+
+// consQueue declares a fresh durable work queue on the broker at rawURL and
+// deletes it, with the retry queues of delays and the dead-letter exchange
+// and queue a Consumer declares for it, when the test ends.
+func consQueue(t testing.TB, rawURL string, delays []time.Duration) string {
+	t.Helper()
+	consRequireBroker(t, rawURL)
+	q := testenv.Name("idemtest_cq")
+	consAdmin(t, rawURL, func(ch *amqp091.Channel) error {
+		_, err := ch.QueueDeclare(q, true, false, false, false, nil)
+		return err
+	})
+	t.Cleanup(func() {
+		consAdmin(t, rawURL, func(ch *amqp091.Channel) error {
+			_, _ = ch.QueueDelete(q, false, false, false)
+			_, _ = ch.QueueDelete(q+".dlq", false, false, false)
+			for _, d := range delays {
+				_, _ = ch.QueueDelete(consRetryQueue(q, d), false, false, false)
+			}
+			return ch.ExchangeDelete(q+".dlx", false, false)
+		})
+	})
+	return q
+}
+
+func consRequireBroker(t testing.TB, rawURL string) {
+	t.Helper()
+	u, err := url.Parse(rawURL)
+	if err != nil {
+		t.Fatalf("AMQP URL: %v", err)
+	}
+	testenv.RequireTCP(t, "RabbitMQ", u.Host)
+}
+
+// consAdmin runs f on a fresh connection to rawURL.
+func consAdmin(t testing.TB, rawURL string, f func(ch *amqp091.Channel) error) {
+	t.Helper()
+	conn, err := amqp091.Dial(rawURL)
+	if err != nil {
+		if testenv.Required() {
+			t.Fatalf("RabbitMQ: %v", err)
+		}
+		t.Skipf("RabbitMQ: %v", err)
+	}
+	defer conn.Close()
+	ch, err := conn.Channel()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := f(ch); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// consPublish publishes msgs persistent to queue through the default
+// exchange, with confirms.
+func consPublish(t testing.TB, rawURL, queue string, msgs ...amqp091.Publishing) {
+	t.Helper()
+	consAdmin(t, rawURL, func(ch *amqp091.Channel) error {
+		if err := ch.Confirm(false); err != nil {
+			return err
+		}
+		ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+		defer cancel()
+		dcs := make([]*amqp091.DeferredConfirmation, 0, 512)
+		wait := func() error {
+			for _, dc := range dcs {
+				ok, err := dc.WaitContext(ctx)
+				if err != nil {
+					return err
+				}
+				if !ok {
+					return fmt.Errorf("publish nacked")
+				}
+			}
+			dcs = dcs[:0]
+			return nil
+		}
+		for _, m := range msgs {
+			m.DeliveryMode = amqp091.Persistent
+			dc, err := ch.PublishWithDeferredConfirmWithContext(ctx, "", queue, false, false, m)
+			if err != nil {
+				return err
+			}
+			dcs = append(dcs, dc)
+			if len(dcs) == cap(dcs) {
+				if err := wait(); err != nil {
+					return err
+				}
+			}
+		}
+		return wait()
+	})
+}
+
+// consMsgs returns n messages with ids prefix-0 ... prefix-(n-1).
+func consMsgs(prefix string, n int) []amqp091.Publishing {
+	ms := make([]amqp091.Publishing, n)
+	for i := range ms {
+		id := fmt.Sprintf("%s-%d", prefix, i)
+		ms[i] = amqp091.Publishing{MessageId: id, Body: []byte("body of " + id)}
+	}
+	return ms
+}
+
+// consDepth returns the number of ready messages in queue.
+func consDepth(t testing.TB, rawURL, queue string) int {
+	t.Helper()
+	var n int
+	consAdmin(t, rawURL, func(ch *amqp091.Channel) error {
+		q, err := ch.QueueDeclarePassive(queue, true, false, false, false, nil)
+		n = q.Messages
+		return err
+	})
+	return n
+}
+
+// consGetAll reads (and acks) every message of queue.
+func consGetAll(t testing.TB, rawURL, queue string) []amqp091.Delivery {
+	t.Helper()
+	var out []amqp091.Delivery
+	consAdmin(t, rawURL, func(ch *amqp091.Channel) error {
+		for {
+			d, ok, err := ch.Get(queue, true)
+			if err != nil || !ok {
+				return err
+			}
+			out = append(out, d)
+		}
+	})
+	return out
+}
+
+// consOracle is a PostgreSQL schema with the pgtable store and an effects
+// table without any unique constraint: every applied effect is a row, so a
+// duplicate effect shows as a second row.
+type consOracle struct {
+	pool   *pgxpool.Pool
+	schema string
+	store  *pgtable.Store
+}
+
+func consNewOracle(t testing.TB, maxConns int32) *consOracle {
+	t.Helper()
+	pool := testenv.Pool(t, maxConns)
+	schema := testenv.Schema(t, pool)
+	o, err := consOpenOracle(pool, schema)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx := context.Background()
+	if err := o.store.Migrate(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := pool.Exec(ctx, "CREATE TABLE "+o.table()+" (id text NOT NULL, attempt int NOT NULL, redelivered bool NOT NULL)"); err != nil {
+		t.Fatal(err)
+	}
+	return o
+}
+
+func consOpenOracle(pool *pgxpool.Pool, schema string) (*consOracle, error) {
+	store, err := pgtable.New(pool, pgtable.Options{Schema: schema, Logger: consQuiet()})
+	if err != nil {
+		return nil, err
+	}
+	return &consOracle{pool: pool, schema: schema, store: store}, nil
+}
+
+func (o *consOracle) table() string { return pgx.Identifier{o.schema, "effects"}.Sanitize() }
+
+// handler is the Transactional handler that applies the effect, after
+// before (if set) ran inside the transaction.
+func (o *consOracle) handler(t testing.TB, before func(ctx context.Context, msg *consumer.Message) error) consumer.Handler {
+	t.Helper()
+	h, err := o.txHandler(before)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return h
+}
+
+func (o *consOracle) txHandler(before func(ctx context.Context, msg *consumer.Message) error) (consumer.Handler, error) {
+	ins := "INSERT INTO " + o.table() + " (id, attempt, redelivered) VALUES ($1, $2, $3)"
+	return consumer.Transactional(o.store, consumer.TxOptions{Scope: "test/effects"},
+		func(ctx context.Context, tx pgx.Tx, msg *consumer.Message) error {
+			if before != nil {
+				if err := before(ctx, msg); err != nil {
+					return err
+				}
+			}
+			_, err := tx.Exec(ctx, ins, msg.ID, msg.Attempt, msg.Redelivered)
+			return err
+		})
+}
+
+// counts returns the number of effect rows and of distinct ids.
+func (o *consOracle) counts(t testing.TB) (rows, distinct int) {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	if err := o.pool.QueryRow(ctx, "SELECT count(*), count(DISTINCT id) FROM "+o.table()).Scan(&rows, &distinct); err != nil {
+		t.Fatal(err)
+	}
+	return rows, distinct
+}
+
+// waitFor polls cond until it holds or d passed.
+func consWaitFor(t testing.TB, d time.Duration, what string, cond func() bool) {
+	t.Helper()
+	deadline := time.Now().Add(d)
+	for !cond() {
+		if time.Now().After(deadline) {
+			t.Fatalf("timed out after %v waiting for %s", d, what)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+}
+
+// consStart runs c until the returned stop is called (or the test ends)
+// and waits for it to consume.
+func consStart(t testing.TB, c *Consumer) (stop func()) {
+	t.Helper()
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- c.Run(ctx) }()
+	stopped := false
+	stop = func() {
+		t.Helper()
+		if stopped {
+			return
+		}
+		stopped = true
+		cancel()
+		select {
+		case err := <-done:
+			if err != nil {
+				t.Errorf("Run: %v", err)
+			}
+		case <-time.After(60 * time.Second):
+			t.Fatal("Run did not return 60s after its context ended")
+		}
+	}
+	t.Cleanup(stop)
+	select {
+	case <-c.Ready():
+	case err := <-done:
+		stopped = true
+		t.Fatalf("Run returned before consuming: %v", err)
+	case <-time.After(30 * time.Second):
+		t.Fatal("the consumer did not start consuming in 30s")
+	}
+	return stop
+}
+
+// consRabbitmqctl runs the broker's CLI, which works only on the broker's
+// machine; the test skips (fails under CI=true) when it cannot.
+func consRabbitmqctl(t testing.TB) func(args ...string) {
+	t.Helper()
+	u, err := url.Parse(testenv.AMQPURL())
+	if err != nil {
+		t.Fatal(err)
+	}
+	host := u.Hostname()
+	if ip := net.ParseIP(host); host != "localhost" && (ip == nil || !ip.IsLoopback()) {
+		consUnavailable(t, "rabbitmqctl needs the broker on this machine; IDEM_TEST_AMQP_URL points at "+host)
+	}
+	bin, err := exec.LookPath("rabbitmqctl")
+	if err != nil {
+		if _, serr := os.Stat("/usr/sbin/rabbitmqctl"); serr == nil {
+			bin = "/usr/sbin/rabbitmqctl"
+		} else {
+			consUnavailable(t, "rabbitmqctl is not installed")
+		}
+	}
+	run := func(args ...string) ([]byte, error) {
+		ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+		defer cancel()
+		return exec.CommandContext(ctx, bin, append([]string{"--quiet"}, args...)...).CombinedOutput()
+	}
+	if out, err := run("status"); err != nil {
+		consUnavailable(t, "rabbitmqctl status failed: "+strings.TrimSpace(string(out))+": "+err.Error())
+	}
+	return func(args ...string) {
+		t.Helper()
+		if out, err := run(args...); err != nil {
+			t.Fatalf("rabbitmqctl %s: %v: %s", strings.Join(args, " "), err, out)
+		}
+	}
+}
+
+func consUnavailable(t testing.TB, msg string) {
+	t.Helper()
+	if testenv.Required() {
+		t.Fatal(msg + "; CI=true or IDEM_REQUIRE_SERVICES=1 makes this a failure")
+	}
+	t.Skip(msg)
+}
+
+// consVhost creates a fresh virtual host (deleted when the test ends), so
+// close_all_connections hits only the test's connections; it returns the
+// vhost's name and its broker URL.
+func consVhost(t testing.TB, ctl func(args ...string)) (name, rawURL string) {
+	t.Helper()
+	u, err := url.Parse(testenv.AMQPURL())
+	if err != nil {
+		t.Fatal(err)
+	}
+	name = testenv.Name("idemtest_vh")
+	user := u.User.Username()
+	if user == "" {
+		user = "guest"
+	}
+	ctl("add_vhost", name)
+	t.Cleanup(func() { ctl("delete_vhost", name) })
+	ctl("set_permissions", "-p", name, user, ".*", ".*", ".*")
+	u.Path = "/" + name
+	u.RawPath = ""
+	return name, u.String()
+}
+
+func consQuiet() *slog.Logger { return slog.New(slog.DiscardHandler) }

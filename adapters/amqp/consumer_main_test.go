@@ -1,0 +1,20 @@
+package amqp
+
+import (
+	"os"
+	"testing"
+
+	"go.uber.org/goleak"
+
+	"github.com/idemkit/idem/internal/testenv"
+)
+
+// TestMain runs the package's tests under a goroutine leak check. When the
+// test binary is started as a consumer child process (consChildEnv set, see
+// consumer_child_test.go), it runs the worker instead of the tests.
+func TestMain(m *testing.M) {
+	if os.Getenv(consChildEnv) != "" {
+		os.Exit(consRunChild())
+	}
+	goleak.VerifyTestMain(m, testenv.LeakOptions()...)
+}

@@ -1,0 +1,212 @@
+package amqp
+
+import (
+	"context"
+	"fmt"
+	"log/slog"
+	"slices"
+	"time"
+
+	amqp091 "github.com/rabbitmq/amqp091-go"
+
+	"github.com/idemkit/idem/consumer"
+)
+
+// Headers the Consumer sets on the copies it publishes to its retry queues
+// and to its dead-letter exchange.
+const (
+	// HeaderAttempt is the delivery attempt, 1-based, of the copy: absent
+	// on a message as the producer sent it (attempt 1), then 2, 3, ... on
+	// each copy sent through a retry queue. It is what Message.Attempt
+	// reports and what ConsumerOptions.MaxAttempts bounds. RabbitMQ's own
+	// x-death header is not used for this: it counts per queue and per
+	// reason, so with several retry queues no single entry is the attempt.
+	// A broker redelivery (a worker crashed, a channel closed) does not
+	// change it: only a retry the consumer decided counts.
+	HeaderAttempt = "x-idem-attempt"
+	// HeaderReason is why the message was dead-lettered: a
+	// consumer.Reason such as "permanent", "invalid_key",
+	// "fingerprint_mismatch" or "retries_exhausted".
+	HeaderReason = "x-idem-reason"
+	// HeaderError is the handler's error text (at most 1 KiB) on a
+	// dead-lettered message, or on a retried one the last error.
+	HeaderError = "x-idem-error"
+	// HeaderQueue is the work queue a dead-lettered or retried message was
+	// consumed from.
+	HeaderQueue = "x-idem-queue"
+	// HeaderExchange and HeaderRoutingKey keep the exchange and routing key
+	// of the original delivery on the retried and dead-lettered copies,
+	// which travel through the default exchange.
+	HeaderExchange   = "x-idem-exchange"
+	HeaderRoutingKey = "x-idem-routing-key"
+)
+
+// ConsumerBinding binds the work queue to an exchange. The exchange must
+// exist (it is the producer's); the binding is declared on every connect.
+type ConsumerBinding struct {
+	Exchange string
+	Key      string
+	Args     amqp091.Table
+}
+
+// ConsumerOptions configure a Consumer. The zero value is usable.
+type ConsumerOptions struct {
+	// Config is passed to amqp091.DialConfig. Defaults to a 10s heartbeat,
+	// a 10s dial timeout and the connection name below.
+	Config *amqp091.Config
+	// ConnectionName is the connection_name client property. Defaults to
+	// "idem-consumer".
+	ConnectionName string
+
+	// Prefetch is the channel's QoS prefetch count: how many unacknowledged
+	// deliveries the broker hands over at once. Defaults to 100.
+	Prefetch int
+	// Concurrency is how many handlers run at once. Defaults to 1, which
+	// keeps the queue's order (retries aside).
+	Concurrency int
+
+	// IDHeader, when set, names an application header that carries the
+	// message id. A delivery with that header takes its id from it;
+	// others fall back to the message-id property. The id is
+	// Message.ID, the id half of the dedup key. A delivery with neither
+	// has an empty id and is dead-lettered with reason invalid_key by
+	// consumer.Dedup or consumer.Transactional (unless their KeyFunc
+	// builds a key some other way).
+	IDHeader string
+
+	// NotDurable declares the work, retry and dead-letter queues and the
+	// dead-letter exchange transient, and sends retried and dead-lettered
+	// copies non-persistent: for tests and throw-away queues. By default
+	// they are durable and persistent.
+	NotDurable bool
+	// QueueArgs are the work queue's declare arguments, for example
+	// {"x-queue-type": "quorum"}. They must match the queue's if it
+	// exists, or Run fails with PRECONDITION_FAILED.
+	QueueArgs amqp091.Table
+	// Bindings bind the work queue to the producer's exchanges.
+	Bindings []ConsumerBinding
+
+	// RetryDelays are the delays before the 2nd, 3rd, ... attempt; the last
+	// one repeats. Each distinct delay gets its own retry queue
+	// ("<queue>.retry.<ms>ms"), because RabbitMQ expires messages only at
+	// the head of a queue: in one shared queue a short delay would wait
+	// behind a long one. Defaults to 1s, 5s, 30s, 2m.
+	RetryDelays []time.Duration
+	// MaxAttempts bounds the attempts of a message that keeps failing with
+	// a transient error, the first included; the next failure
+	// dead-letters it with reason retries_exhausted. Messages retried
+	// because another owner holds their key (in_flight, lease_lost) are
+	// not bounded: they are not poison. Defaults to 5; 1 means no retry.
+	MaxAttempts int
+
+	// DeadLetterExchange and DeadLetterQueue receive dead messages.
+	// Defaults to "<queue>.dlx" (a direct exchange) and "<queue>.dlq"
+	// bound to it with the work queue's name as routing key.
+	DeadLetterExchange, DeadLetterQueue string
+
+	// PublishTimeout bounds the confirm of a retried or dead-lettered copy.
+	// Defaults to 10s.
+	PublishTimeout time.Duration
+	// ShutdownTimeout is how long in-flight handlers may run after Run's
+	// context ended before their context is cancelled too. Defaults to
+	// 30s.
+	ShutdownTimeout time.Duration
+	// ReconnectBackoff is the first delay before redialling; it doubles up
+	// to MaxReconnectBackoff. Defaults to 100ms and 10s.
+	ReconnectBackoff, MaxReconnectBackoff time.Duration
+
+	// Logger receives warnings. Defaults to slog.Default().
+	Logger *slog.Logger
+	// OnResult, if set, is called after each delivery was settled, with
+	// the handler chain's Result and what the consumer did. It must be
+	// fast and safe for concurrent use.
+	OnResult func(ctx context.Context, msg *consumer.Message, r consumer.Result, outcome ConsumerOutcome)
+}
+
+// ConsumerOutcome is what the Consumer did with a delivery.
+type ConsumerOutcome string
+
+// Outcomes of a delivery.
+const (
+	// OutcomeAcked: acknowledged (success or a completed duplicate).
+	OutcomeAcked ConsumerOutcome = "acked"
+	// OutcomeRetried: a copy went to a retry queue, the delivery was
+	// acknowledged.
+	OutcomeRetried ConsumerOutcome = "retried"
+	// OutcomeDeadLettered: a copy went to the dead-letter exchange, the
+	// delivery was acknowledged.
+	OutcomeDeadLettered ConsumerOutcome = "dead_lettered"
+	// OutcomeRequeued: nacked with requeue, because the copy could not be
+	// published or the consumer is stopping.
+	OutcomeRequeued ConsumerOutcome = "requeued"
+	// OutcomeAbandoned: the delivery's channel closed before it could be
+	// settled; the broker redelivers it.
+	OutcomeAbandoned ConsumerOutcome = "abandoned"
+)
+
+func (o *ConsumerOptions) consSetDefaults(queue string) error {
+	if o.Prefetch < 0 || o.Concurrency < 0 || o.MaxAttempts < 0 {
+		return fmt.Errorf("amqp: ConsumerOptions: Prefetch (%d), Concurrency (%d) and MaxAttempts (%d) must not be negative", o.Prefetch, o.Concurrency, o.MaxAttempts)
+	}
+	if o.Prefetch == 0 {
+		o.Prefetch = 100
+	}
+	if o.Concurrency == 0 {
+		o.Concurrency = 1
+	}
+	if o.MaxAttempts == 0 {
+		o.MaxAttempts = 5
+	}
+	for _, d := range []struct {
+		name string
+		v    *time.Duration
+		def  time.Duration
+	}{
+		{"PublishTimeout", &o.PublishTimeout, 10 * time.Second},
+		{"ShutdownTimeout", &o.ShutdownTimeout, 30 * time.Second},
+		{"ReconnectBackoff", &o.ReconnectBackoff, 100 * time.Millisecond},
+		{"MaxReconnectBackoff", &o.MaxReconnectBackoff, 10 * time.Second},
+	} {
+		if *d.v < 0 {
+			return fmt.Errorf("amqp: ConsumerOptions.%s is %v; it must not be negative (zero means the default)", d.name, *d.v)
+		}
+		if *d.v == 0 {
+			*d.v = d.def
+		}
+	}
+	if o.MaxReconnectBackoff < o.ReconnectBackoff {
+		return fmt.Errorf("amqp: ConsumerOptions.MaxReconnectBackoff %v is shorter than ReconnectBackoff %v", o.MaxReconnectBackoff, o.ReconnectBackoff)
+	}
+	if len(o.RetryDelays) == 0 {
+		o.RetryDelays = []time.Duration{time.Second, 5 * time.Second, 30 * time.Second, 2 * time.Minute}
+	}
+	o.RetryDelays = slices.Clone(o.RetryDelays)
+	for _, d := range o.RetryDelays {
+		if d < time.Millisecond || d > 24*time.Hour {
+			return fmt.Errorf("amqp: ConsumerOptions.RetryDelays: %v is out of range [1ms, 24h]", d)
+		}
+	}
+	if o.DeadLetterExchange == "" {
+		o.DeadLetterExchange = queue + ".dlx"
+	}
+	if o.DeadLetterQueue == "" {
+		o.DeadLetterQueue = queue + ".dlq"
+	}
+	if o.ConnectionName == "" {
+		o.ConnectionName = "idem-consumer"
+	}
+	if o.Logger == nil {
+		o.Logger = slog.Default()
+	}
+	for _, n := range []string{queue, o.DeadLetterExchange, o.DeadLetterQueue, consRetryQueue(queue, o.RetryDelays[0])} {
+		if len(n) > 255 {
+			return fmt.Errorf("amqp: queue or exchange name %.40q... is longer than 255 bytes", n)
+		}
+	}
+	return nil
+}
+
+// consRetryQueue names the retry queue of delay d.
+func consRetryQueue(queue string, d time.Duration) string {
+	return fmt.Sprintf("%s.retry.%dms", queue, d.Milliseconds())
+}

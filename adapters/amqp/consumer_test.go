@@ -1,0 +1,487 @@
+package amqp
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"math/rand/v2"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"syscall"
+	"testing"
+	"time"
+
+	amqp091 "github.com/rabbitmq/amqp091-go"
+
+	"github.com/idemkit/idem/consumer"
+	"github.com/idemkit/idem/dedup/memstore"
+	"github.com/idemkit/idem/internal/testenv"
+)
+
+// consTestDelays are short retry delays, distinct so that x-death shows
+// which retry queue each retry went through.
+var consTestDelays = []time.Duration{20 * time.Millisecond, 40 * time.Millisecond, 80 * time.Millisecond}
+
+func consOpts(o ConsumerOptions) ConsumerOptions {
+	o.Logger = consQuiet()
+	if o.RetryDelays == nil {
+		o.RetryDelays = consTestDelays
+	}
+	if o.ReconnectBackoff == 0 {
+		o.ReconnectBackoff = 20 * time.Millisecond
+	}
+	return o
+}
+
+func consMemDedup(t testing.TB, scope string) consumer.Middleware {
+	t.Helper()
+	store, err := memstore.New(memstore.Options{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = store.Close() })
+	mw, err := consumer.Dedup(store, consumer.DedupOptions{Scope: scope})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return mw
+}
+
+func TestNewConsumerValidates(t *testing.T) {
+	h := consumer.HandlerFunc(func(context.Context, *consumer.Message) error { return nil })
+	for name, f := range map[string]func() error{
+		"bad url":     func() error { _, err := NewConsumer("http://x", "q", h, ConsumerOptions{}); return err },
+		"no queue":    func() error { _, err := NewConsumer(testenv.AMQPURL(), "", h, ConsumerOptions{}); return err },
+		"nil handler": func() error { _, err := NewConsumer(testenv.AMQPURL(), "q", nil, ConsumerOptions{}); return err },
+		"negative": func() error {
+			_, err := NewConsumer(testenv.AMQPURL(), "q", h, ConsumerOptions{Prefetch: -1})
+			return err
+		},
+		"tiny delay": func() error {
+			_, err := NewConsumer(testenv.AMQPURL(), "q", h, ConsumerOptions{RetryDelays: []time.Duration{0}})
+			return err
+		},
+		"backoff order": func() error {
+			_, err := NewConsumer(testenv.AMQPURL(), "q", h, ConsumerOptions{ReconnectBackoff: time.Minute, MaxReconnectBackoff: time.Second})
+			return err
+		},
+	} {
+		if f() == nil {
+			t.Errorf("%s: NewConsumer accepted it", name)
+		}
+	}
+}
+
+func TestConsumerRetryDelay(t *testing.T) {
+	c, err := NewConsumer(testenv.AMQPURL(), "q", consumer.HandlerFunc(func(context.Context, *consumer.Message) error { return nil }),
+		ConsumerOptions{RetryDelays: []time.Duration{time.Second, 5 * time.Second, 30 * time.Second}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, tc := range []struct {
+		attempt int
+		hint    time.Duration
+		want    time.Duration
+	}{
+		{1, 0, time.Second}, {2, 0, 5 * time.Second}, {3, 0, 30 * time.Second}, {9, 0, 30 * time.Second},
+		{1, 2 * time.Second, 5 * time.Second}, {1, time.Minute, 30 * time.Second}, {2, time.Second, 5 * time.Second},
+	} {
+		if got := c.retryDelay(tc.attempt, tc.hint); got != tc.want {
+			t.Errorf("retryDelay(%d, %v) = %v, want %v", tc.attempt, tc.hint, got, tc.want)
+		}
+	}
+}
+
+// A channel closed while the handler runs: the handler's transaction
+// commits, its delivery tag is dead (not acked, not on the new channel), the
+// broker redelivers on the new connection, and the redelivery is
+// acknowledged as a duplicate. The effect is applied once.
+func TestConsumerChannelClosedMidHandler(t *testing.T) {
+	url := testenv.AMQPURL()
+	q := consQueue(t, url, consTestDelays)
+	o := consNewOracle(t, 4)
+	var closed atomic.Bool
+	h := o.handler(t, func(ctx context.Context, _ *consumer.Message) error {
+		if closed.CompareAndSwap(false, true) {
+			d, ok := DeliveryFrom(ctx)
+			if !ok {
+				return errors.New("no delivery in the context")
+			}
+			// The channel the delivery came on: close it under the handler.
+			return d.Acknowledger.(*amqp091.Channel).Close()
+		}
+		return nil
+	})
+	c, err := NewConsumer(url, q, h, consOpts(ConsumerOptions{Concurrency: 2}))
+	if err != nil {
+		t.Fatal(err)
+	}
+	stop := consStart(t, c)
+	consPublish(t, url, q, consMsgs("closed", 1)...)
+	consWaitFor(t, 30*time.Second, "the redelivery to be acked as a duplicate", func() bool { return c.Stats().Duplicates >= 1 })
+	stop()
+	rows, distinct := o.counts(t)
+	st := c.Stats()
+	t.Logf("stats: %+v", st)
+	if rows != 1 || distinct != 1 {
+		t.Fatalf("effects: %d rows for %d ids, want 1 for 1", rows, distinct)
+	}
+	if st.Abandoned < 1 || st.Redelivered < 1 || st.Connects < 2 {
+		t.Errorf("want the first delivery abandoned, a redelivery and a reconnect; stats %+v", st)
+	}
+	if n := consDepth(t, url, q); n != 0 {
+		t.Errorf("%d messages left in the queue", n)
+	}
+}
+
+// The same message published twice with one message-id is applied once.
+func TestConsumerSameMessageIDTwice(t *testing.T) {
+	url := testenv.AMQPURL()
+	q := consQueue(t, url, consTestDelays)
+	o := consNewOracle(t, 4)
+	c, err := NewConsumer(url, q, o.handler(t, nil), consOpts(ConsumerOptions{}))
+	if err != nil {
+		t.Fatal(err)
+	}
+	stop := consStart(t, c)
+	m := consMsgs("twice", 2)
+	consPublish(t, url, q, m[0], m[1], m[0])
+	consWaitFor(t, 30*time.Second, "3 acks", func() bool { return c.Stats().Acked >= 3 })
+	stop()
+	rows, distinct := o.counts(t)
+	if rows != 2 || distinct != 2 {
+		t.Fatalf("effects: %d rows for %d ids, want 2 for 2", rows, distinct)
+	}
+	if st := c.Stats(); st.Duplicates != 1 {
+		t.Errorf("Duplicates = %d, want 1 (stats %+v)", st.Duplicates, st)
+	}
+}
+
+// consXDeath returns, from a delivery's x-death header, the count per queue
+// of the entries with reason "expired".
+func consXDeath(d amqp091.Delivery) map[string]int64 {
+	out := map[string]int64{}
+	deaths, _ := d.Headers["x-death"].([]any)
+	for _, e := range deaths {
+		tb, ok := e.(amqp091.Table)
+		if !ok {
+			continue
+		}
+		q, _ := tb["queue"].(string)
+		reason, _ := tb["reason"].(string)
+		n, _ := consHeaderInt(tb["count"])
+		if reason == "expired" {
+			out[q] += n
+		}
+	}
+	return out
+}
+
+// Retries go through the retry queues: a message failing transiently three
+// times is handled on the 4th attempt, having waited in the retry queue of
+// each configured delay once (the broker's x-death says so; no clock is
+// read); one that always fails is dead-lettered after MaxAttempts with
+// reason retries_exhausted; a Permanent error is dead-lettered at once.
+func TestConsumerRetryBoundAndDelay(t *testing.T) {
+	url := testenv.AMQPURL()
+	q := consQueue(t, url, consTestDelays)
+	var (
+		mu       sync.Mutex
+		attempts = map[string][]int{}
+		final    amqp091.Delivery
+	)
+	inner := consumer.HandlerFunc(func(ctx context.Context, msg *consumer.Message) error {
+		mu.Lock()
+		defer mu.Unlock()
+		attempts[msg.ID] = append(attempts[msg.ID], msg.Attempt)
+		switch msg.ID {
+		case "flaky":
+			if msg.Attempt < 4 {
+				return errors.New("downstream unavailable")
+			}
+			d, _ := DeliveryFrom(ctx)
+			final = *d
+			return nil
+		case "always":
+			return errors.New("downstream unavailable")
+		case "poison":
+			return consumer.Permanent(errors.New("cannot parse the payload"))
+		}
+		return nil
+	})
+	h := consumer.Chain(inner, consumer.Recover(), consMemDedup(t, "test/retry"))
+	c, err := NewConsumer(url, q, h, consOpts(ConsumerOptions{MaxAttempts: 5, Concurrency: 3}))
+	if err != nil {
+		t.Fatal(err)
+	}
+	stop := consStart(t, c)
+	consPublish(t, url, q,
+		amqp091.Publishing{MessageId: "flaky", Body: []byte("f")},
+		amqp091.Publishing{MessageId: "always", Body: []byte("a"), Headers: amqp091.Table{"tenant": "t1"}},
+		amqp091.Publishing{MessageId: "poison", Body: []byte("p")})
+	consWaitFor(t, 30*time.Second, "2 dead letters and the flaky message done", func() bool {
+		st := c.Stats()
+		return st.DeadLettered >= 2 && st.Acked >= 1
+	})
+	stop()
+	mu.Lock()
+	defer mu.Unlock()
+	if got := attempts["flaky"]; !equalInts(got, []int{1, 2, 3, 4}) {
+		t.Errorf("flaky attempts %v, want [1 2 3 4]", got)
+	}
+	if got := attempts["always"]; !equalInts(got, []int{1, 2, 3, 4, 5}) {
+		t.Errorf("always attempts %v, want [1 2 3 4 5]", got)
+	}
+	if got := attempts["poison"]; !equalInts(got, []int{1}) {
+		t.Errorf("poison attempts %v, want [1]", got)
+	}
+	deaths := consXDeath(final)
+	for _, d := range consTestDelays {
+		if n := deaths[consRetryQueue(q, d)]; n != 1 {
+			t.Errorf("flaky went through %s %d times, want 1 (x-death %v)", consRetryQueue(q, d), n, final.Headers["x-death"])
+		}
+	}
+	if n, _ := consHeaderInt(final.Headers[HeaderAttempt]); n != 4 {
+		t.Errorf("flaky's %s = %d, want 4", HeaderAttempt, n)
+	}
+	dead := map[string]amqp091.Delivery{}
+	for _, d := range consGetAll(t, url, q+".dlq") {
+		dead[d.MessageId] = d
+	}
+	if len(dead) != 2 {
+		t.Fatalf("dead-letter queue holds %d messages, want 2", len(dead))
+	}
+	for id, want := range map[string]struct {
+		reason  string
+		attempt int64
+	}{"always": {"retries_exhausted", 5}, "poison": {"permanent", 1}} {
+		d, ok := dead[id]
+		if !ok {
+			t.Errorf("%s is not in the dead-letter queue", id)
+			continue
+		}
+		if r, _ := d.Headers[HeaderReason].(string); r != want.reason {
+			t.Errorf("%s: %s = %q, want %q", id, HeaderReason, r, want.reason)
+		}
+		if n, _ := consHeaderInt(d.Headers[HeaderAttempt]); n != want.attempt {
+			t.Errorf("%s: %s = %d, want %d", id, HeaderAttempt, n, want.attempt)
+		}
+		if e, _ := d.Headers[HeaderError].(string); !strings.Contains(e, "downstream unavailable") && !strings.Contains(e, "cannot parse") {
+			t.Errorf("%s: %s = %q", id, HeaderError, e)
+		}
+		if d.DeliveryMode != amqp091.Persistent || d.Headers[HeaderQueue] != q {
+			t.Errorf("%s: delivery mode %d, %s %v", id, d.DeliveryMode, HeaderQueue, d.Headers[HeaderQueue])
+		}
+	}
+	if tenant := dead["always"].Headers["tenant"]; tenant != "t1" {
+		t.Errorf("the dead letter lost the message's headers: tenant = %v", tenant)
+	}
+	if n := consDepth(t, url, q); n != 0 {
+		t.Errorf("%d messages left in the queue", n)
+	}
+}
+
+func equalInts(a, b []int) bool {
+	if len(a) != len(b) {
+		return false
+	}
+	for i := range a {
+		if a[i] != b[i] {
+			return false
+		}
+	}
+	return true
+}
+
+// A message without message-id (and no id header) is dead-lettered with
+// reason invalid_key; the worker goes on with the next ones. With IDHeader
+// set, the id comes from that header.
+func TestConsumerNoMessageID(t *testing.T) {
+	url := testenv.AMQPURL()
+	q := consQueue(t, url, consTestDelays)
+	var (
+		mu   sync.Mutex
+		seen []string
+	)
+	inner := consumer.HandlerFunc(func(_ context.Context, msg *consumer.Message) error {
+		mu.Lock()
+		seen = append(seen, msg.ID)
+		mu.Unlock()
+		return nil
+	})
+	h := consumer.Chain(inner, consumer.Recover(), consMemDedup(t, "test/noid"))
+	c, err := NewConsumer(url, q, h, consOpts(ConsumerOptions{IDHeader: "x-request-id"}))
+	if err != nil {
+		t.Fatal(err)
+	}
+	stop := consStart(t, c)
+	consPublish(t, url, q,
+		amqp091.Publishing{Body: []byte("who am I")},
+		amqp091.Publishing{MessageId: "ok-1", Body: []byte("1")},
+		amqp091.Publishing{Headers: amqp091.Table{"x-request-id": "from-header"}, Body: []byte("2")})
+	consWaitFor(t, 30*time.Second, "1 dead letter and 2 acks", func() bool {
+		st := c.Stats()
+		return st.DeadLettered >= 1 && st.Acked >= 2
+	})
+	stop()
+	mu.Lock()
+	defer mu.Unlock()
+	if !equalStrings(seen, []string{"ok-1", "from-header"}) {
+		t.Errorf("handled %q, want [ok-1 from-header]", seen)
+	}
+	dead := consGetAll(t, url, q+".dlq")
+	if len(dead) != 1 || string(dead[0].Body) != "who am I" {
+		t.Fatalf("dead-letter queue: %d messages", len(dead))
+	}
+	if r := dead[0].Headers[HeaderReason]; r != "invalid_key" {
+		t.Errorf("%s = %v, want invalid_key", HeaderReason, r)
+	}
+}
+
+func equalStrings(a, b []string) bool {
+	if len(a) != len(b) {
+		return false
+	}
+	for i := range a {
+		if a[i] != b[i] {
+			return false
+		}
+	}
+	return true
+}
+
+// A graceful stop lets the running handler finish and acknowledges it; the
+// prefetched deliveries no handler started go back to the queue.
+func TestConsumerGracefulStop(t *testing.T) {
+	url := testenv.AMQPURL()
+	q := consQueue(t, url, consTestDelays)
+	started := make(chan struct{})
+	release := make(chan struct{})
+	var handled atomic.Int64
+	h := consumer.HandlerFunc(func(ctx context.Context, _ *consumer.Message) error {
+		if handled.Load() == 0 {
+			close(started)
+			select {
+			case <-release:
+			case <-ctx.Done():
+				return ctx.Err()
+			}
+		}
+		handled.Add(1)
+		return nil
+	})
+	c, err := NewConsumer(url, q, h, consOpts(ConsumerOptions{Prefetch: 10}))
+	if err != nil {
+		t.Fatal(err)
+	}
+	stop := consStart(t, c)
+	consPublish(t, url, q, consMsgs("graceful", 5)...)
+	<-started
+	stopped := make(chan struct{})
+	go func() { stop(); close(stopped) }()
+	// Give the stop time to begin; Run must wait for the handler.
+	time.Sleep(200 * time.Millisecond)
+	select {
+	case <-stopped:
+		t.Fatal("Run returned while a handler was running")
+	default:
+	}
+	close(release)
+	<-stopped
+	if n := handled.Load(); n != 1 {
+		t.Errorf("%d handled, want 1", n)
+	}
+	st := c.Stats()
+	if st.Acked != 1 {
+		t.Errorf("Acked = %d, want 1 (stats %+v)", st.Acked, st)
+	}
+	if st.Requeued != 4 {
+		t.Errorf("Requeued = %d, want 4", st.Requeued)
+	}
+	if n := consDepth(t, url, q); n != 4 {
+		t.Errorf("%d messages in the queue after the stop, want 4", n)
+	}
+}
+
+// close_all_connections (scoped to the test's vhost) twice during a
+// 10,000-message run: the consumer reconnects, nothing is lost, and with
+// pgtable no effect is applied twice.
+func TestConsumerCloseAllConnections(t *testing.T) {
+	ctl := consRabbitmqctl(t)
+	vh, url := consVhost(t, ctl)
+	q := consQueue(t, url, consTestDelays)
+	o := consNewOracle(t, 10)
+	const n = 10000
+	consPublish(t, url, q, consMsgs("m", n)...)
+	c, err := NewConsumer(url, q, o.handler(t, nil), consOpts(ConsumerOptions{Concurrency: 8, Prefetch: 100}))
+	if err != nil {
+		t.Fatal(err)
+	}
+	stop := consStart(t, c)
+	for _, at := range []int{2000, 6000} {
+		consWaitFor(t, 120*time.Second, "progress", func() bool { _, d := o.counts(t); return d >= at })
+		ctl("close_all_connections", "--vhost", vh, "idem test: connection kill mid-run")
+	}
+	consWaitFor(t, 150*time.Second, "every message applied", func() bool { _, d := o.counts(t); return d >= n })
+	consWaitFor(t, 30*time.Second, "the queue to drain", func() bool { return consDepth(t, url, q) == 0 })
+	stop()
+	rows, distinct := o.counts(t)
+	st := c.Stats()
+	t.Logf("%d messages, %d effect rows for %d ids; stats %+v", n, rows, distinct, st)
+	if distinct != n {
+		t.Errorf("%d of %d messages applied: %d lost", distinct, n, n-distinct)
+	}
+	if rows != distinct {
+		t.Errorf("%d duplicate effects", rows-distinct)
+	}
+	if st.Connects < 3 {
+		t.Errorf("Connects = %d, want at least 3", st.Connects)
+	}
+}
+
+// A worker child process is killed with SIGKILL at least 20 times while it
+// processes: with pgtable, every message is applied exactly once.
+func TestConsumerChildSIGKILL(t *testing.T) {
+	url := testenv.AMQPURL()
+	q := consQueue(t, url, consTestDelays)
+	o := consNewOracle(t, 2)
+	total := 3000
+	consPublish(t, url, q, consMsgs("k0", total)...)
+	const kills = 20
+	for k, batch := 0, 1; k < kills; k++ {
+		if _, d := o.counts(t); d >= total-200 {
+			consPublish(t, url, q, consMsgs(fmt.Sprintf("k%d", batch), 1000)...)
+			total += 1000
+			batch++
+		}
+		rows0, _ := o.counts(t)
+		cmd := consChildCommand(url, q, o.schema)
+		if err := cmd.Start(); err != nil {
+			t.Fatal(err)
+		}
+		consWaitFor(t, 60*time.Second, "the child to apply effects", func() bool { r, _ := o.counts(t); return r > rows0 })
+		time.Sleep(time.Duration(rand.N(40)) * time.Millisecond)
+		_ = cmd.Process.Kill()
+		_ = cmd.Wait()
+	}
+	// The last child drains the queue and stops on SIGTERM.
+	cmd := consChildCommand(url, q, o.schema)
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	consWaitFor(t, 120*time.Second, "every message applied", func() bool { _, d := o.counts(t); return d >= total })
+	consWaitFor(t, 30*time.Second, "the queue to drain", func() bool { return consDepth(t, url, q) == 0 })
+	_ = cmd.Process.Signal(syscall.SIGTERM)
+	if err := cmd.Wait(); err != nil {
+		t.Errorf("the last child: %v", err)
+	}
+	rows, distinct := o.counts(t)
+	t.Logf("%d messages, %d SIGKILLs: %d effect rows for %d ids", total, kills, rows, distinct)
+	if distinct != total {
+		t.Errorf("%d of %d messages applied: %d lost", distinct, total, total-distinct)
+	}
+	if rows != distinct {
+		t.Errorf("%d duplicate effects", rows-distinct)
+	}
+}
