@@ -1,0 +1,196 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"slices"
+	"strings"
+	"time"
+
+	"github.com/idemkit/idem/dedup/pgtable"
+	"github.com/idemkit/idem/outbox/pgoutbox"
+)
+
+const outboxSynopsis = `outbox [flags] stats|dead|requeue ID...
+
+  stats          pending messages, the oldest one's age, published and dead counts
+  dead           the dead messages with their last error (--limit)
+  requeue ID...  make dead messages pending again (RequeueDead)`
+
+// splitAction takes the action (and its arguments) before or after the flags.
+func splitAction(args []string) (action string, rest []string) {
+	if len(args) > 0 && !strings.HasPrefix(args[0], "-") {
+		return args[0], args[1:]
+	}
+	return "", args
+}
+
+func runOutbox(ctx context.Context, args []string, stdout, stderr io.Writer) error {
+	fs := newFlagSet("outbox", outboxSynopsis, stderr)
+	var pg pgFlags
+	pg.register(fs, false)
+	limit := fs.Int("limit", 50, "most dead messages to list")
+	action, args := splitAction(args)
+	var pre []string
+	if action != "" {
+		// Arguments of the action (ids) may precede the flags.
+		for len(args) > 0 && !strings.HasPrefix(args[0], "-") {
+			pre, args = append(pre, args[0]), args[1:]
+		}
+	}
+	if err := parseFlags(fs, args); err != nil {
+		return err
+	}
+	operands := slices.Concat(pre, fs.Args())
+	if action == "" && len(operands) > 0 {
+		action, operands = operands[0], operands[1:]
+	}
+	switch action {
+	case "stats", "dead":
+		if len(operands) > 0 {
+			return usageError(fs, "unexpected argument %q", operands[0])
+		}
+	case "requeue":
+		if len(operands) == 0 {
+			return usageError(fs, "requeue needs the ids of dead messages")
+		}
+	case "":
+		return usageError(fs, "missing action: stats, dead or requeue")
+	default:
+		return usageError(fs, "unknown action %q: want stats, dead or requeue", action)
+	}
+	pool, err := pg.connect(ctx)
+	if err != nil {
+		return err
+	}
+	defer pool.Close()
+	ob, err := pgoutbox.New(pool, pgoutbox.Options{Schema: pg.schema, Table: pg.outboxTable})
+	if err != nil {
+		return err
+	}
+	switch action {
+	case "stats":
+		pending, oldest, err := ob.Backlog(ctx)
+		if err != nil {
+			return fmt.Errorf("%s: %w", ob.Table(), err)
+		}
+		var published, dead int64
+		err = pool.QueryRow(ctx, "SELECT count(*) FILTER (WHERE state = 1), count(*) FILTER (WHERE state = 2) FROM "+ob.Table()).
+			Scan(&published, &dead)
+		if err != nil {
+			return fmt.Errorf("%s: %w", ob.Table(), err)
+		}
+		fprintf(stdout, "%s: %d pending (oldest %v), %d published (kept for retention), %d dead\n",
+			ob.Table(), pending, oldest.Round(time.Millisecond), published, dead)
+	case "dead":
+		rows, err := pool.Query(ctx, "SELECT id::text, topic, attempts, coalesce(last_error, ''), dead_at FROM "+ob.Table()+
+			" WHERE state = 2 ORDER BY dead_at LIMIT $1", *limit)
+		if err != nil {
+			return fmt.Errorf("%s: %w", ob.Table(), err)
+		}
+		defer rows.Close()
+		n := 0
+		for rows.Next() {
+			var (
+				id, topic, lastErr string
+				attempts           int
+				deadAt             time.Time
+			)
+			if err := rows.Scan(&id, &topic, &attempts, &lastErr, &deadAt); err != nil {
+				return err
+			}
+			n++
+			fprintf(stdout, "%s  topic=%s attempts=%d dead_at=%s error=%q\n", id, topic, attempts, deadAt.UTC().Format(time.RFC3339), lastErr)
+		}
+		if err := rows.Err(); err != nil {
+			return err
+		}
+		if n == 0 {
+			fprintf(stdout, "%s: no dead messages\n", ob.Table())
+		}
+	case "requeue":
+		n, err := ob.RequeueDead(ctx, operands...)
+		if err != nil {
+			return fmt.Errorf("%s: %w", ob.Table(), err)
+		}
+		fprintf(stdout, "requeued %d of %d messages\n", n, len(operands))
+		if n != int64(len(operands)) {
+			return errors.New("some ids are not dead messages of this outbox")
+		}
+	}
+	return nil
+}
+
+const dedupSynopsis = `dedup [flags] stats|cleanup
+
+  stats    rows per scope, done and in flight, the oldest
+  cleanup  delete the expired rows now, in bounded batches`
+
+func runDedup(ctx context.Context, args []string, stdout, stderr io.Writer) error {
+	fs := newFlagSet("dedup", dedupSynopsis, stderr)
+	var pg pgFlags
+	pg.register(fs, true)
+	action, args := splitAction(args)
+	if err := parseFlags(fs, args); err != nil {
+		return err
+	}
+	operands := fs.Args()
+	if action == "" && len(operands) > 0 {
+		action, operands = operands[0], operands[1:]
+	}
+	if len(operands) > 0 {
+		return usageError(fs, "unexpected argument %q", operands[0])
+	}
+	switch action {
+	case "stats", "cleanup":
+	case "":
+		return usageError(fs, "missing action: stats or cleanup")
+	default:
+		return usageError(fs, "unknown action %q: want stats or cleanup", action)
+	}
+	pool, err := pg.connect(ctx)
+	if err != nil {
+		return err
+	}
+	defer pool.Close()
+	store, err := pgtable.New(pool, pgtable.Options{Schema: pg.schema, Table: pg.dedupTable})
+	if err != nil {
+		return err
+	}
+	if action == "cleanup" {
+		n, err := store.Cleanup(ctx)
+		if err != nil {
+			return fmt.Errorf("%s: %w", store.Table(), err)
+		}
+		fprintf(stdout, "%s: deleted %d expired rows\n", store.Table(), n)
+		return nil
+	}
+	rows, err := pool.Query(ctx, "SELECT scope, count(*) FILTER (WHERE state = 2), count(*) FILTER (WHERE state = 1), min(created_at) FROM "+
+		store.Table()+" GROUP BY scope ORDER BY scope")
+	if err != nil {
+		return fmt.Errorf("%s: %w", store.Table(), err)
+	}
+	defer rows.Close()
+	n := 0
+	for rows.Next() {
+		var (
+			scope        string
+			done, flight int64
+			oldest       time.Time
+		)
+		if err := rows.Scan(&scope, &done, &flight, &oldest); err != nil {
+			return err
+		}
+		n++
+		fprintf(stdout, "%-40s %10d done %6d in flight  oldest %s\n", scope, done, flight, oldest.UTC().Format(time.RFC3339))
+	}
+	if err := rows.Err(); err != nil {
+		return err
+	}
+	if n == 0 {
+		fprintf(stdout, "%s: empty\n", store.Table())
+	}
+	return nil
+}

@@ -1,0 +1,64 @@
+package main
+
+import (
+	"context"
+	"strings"
+	"testing"
+
+	"github.com/jackc/pgx/v5"
+
+	"github.com/idemkit/idem/dedup"
+	"github.com/idemkit/idem/dedup/pgtable"
+	"github.com/idemkit/idem/internal/testenv"
+	"github.com/idemkit/idem/outbox"
+	"github.com/idemkit/idem/outbox/pgoutbox"
+)
+
+func TestAdmin(t *testing.T) {
+	pool := testenv.Pool(t, 4)
+	schema := testenv.Schema(t, pool)
+	ctx := context.Background()
+	pg := []string{"--postgres", testenv.PostgresURL(), "--schema", schema}
+	if code, _, errOut := runCmd(ctx, t, append([]string{"migrate", "up"}, pg...)...); code != 0 {
+		t.Fatalf("migrate up: %s", errOut)
+	}
+	ob, err := pgoutbox.New(pool, pgoutbox.Options{Schema: schema})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var ids []string
+	err = pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
+		ids, err = ob.Enqueue(ctx, tx, outbox.Message{Topic: "t", Payload: []byte("a")}, outbox.Message{Topic: "t", Payload: []byte("b")})
+		return err
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := pool.Exec(ctx, "UPDATE "+ob.Table()+" SET state = 2, dead_at = now(), last_error = 'boom', attempts = 10 WHERE id = $1", ids[0]); err != nil {
+		t.Fatal(err)
+	}
+	check := func(want string, args ...string) {
+		t.Helper()
+		code, out, errOut := runCmd(ctx, t, append(args, pg...)...)
+		if code != 0 || !strings.Contains(out, want) {
+			t.Errorf("%v: exit %d, stdout %q, stderr %q; want %q", args, code, out, errOut, want)
+		}
+	}
+	check("1 pending", "outbox", "stats")
+	check("0 published (kept for retention), 1 dead", "outbox", "stats")
+	check(ids[0]+"  topic=t attempts=10", "outbox", "dead")
+	check(`error="boom"`, "outbox", "dead")
+	check("requeued 1 of 1 messages", "outbox", "requeue", ids[0])
+	check("2 pending", "outbox", "stats")
+
+	store, err := pgtable.New(pool, pgtable.Options{Schema: schema})
+	if err != nil {
+		t.Fatal(err)
+	}
+	check("empty", "dedup", "stats")
+	if _, err := store.Process(ctx, dedup.NewKey("billing/charge", "p1", nil), func(context.Context, pgx.Tx) ([]byte, error) { return nil, nil }); err != nil {
+		t.Fatal(err)
+	}
+	check("billing/charge", "dedup", "stats")
+	check("deleted 0 expired rows", "dedup", "cleanup")
+}

@@ -1,0 +1,1010 @@
+package main
+
+import (
+	"bytes"
+	"context"
+	"crypto/rand"
+	"encoding/hex"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"math"
+	mrand "math/rand/v2"
+	"net/http"
+	"net/http/httptest"
+	"strconv"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/redis/go-redis/v9"
+	kafkago "github.com/segmentio/kafka-go"
+	"github.com/twmb/franz-go/pkg/kfake"
+
+	"github.com/idemkit/idem/adapters/httpidem"
+	"github.com/idemkit/idem/adapters/kafka"
+	"github.com/idemkit/idem/consumer"
+	"github.com/idemkit/idem/dedup"
+	"github.com/idemkit/idem/dedup/memstore"
+	"github.com/idemkit/idem/dedup/redisnx"
+	"github.com/idemkit/idem/outbox"
+)
+
+// The two pipelines of the demo, side by side on one topic.
+const (
+	pathNaive = "naive"
+	pathIdem  = "idem"
+)
+
+// Why a delivery is a duplicate.
+const (
+	causeFirst       = "first"
+	causeDoubleClick = "double-click"
+	causeRetry       = "client-retry"
+	causeRepublish   = "re-publish"
+	causeRedelivery  = "redelivery"
+)
+
+// Headers the demo's APIs put on the messages they publish: which pipeline
+// published it and which kind of request it came from. They are demo
+// instruments for the table, never used to decide anything.
+const (
+	headerPath    = "demo-path"
+	headerRequest = "demo-request"
+	headerCause   = "X-Demo-Request" // on the HTTP request, set by the client
+)
+
+type demoConfig struct {
+	payments       int
+	seed           uint64
+	crashRate      float64
+	doubleClicks   float64
+	timeouts       float64
+	republishes    float64
+	partitions     int
+	clients        int
+	timeout        time.Duration
+	postgres       string
+	redisURL       string
+	kafkaBrokers   string
+	amqpURL        string
+	progress       string
+	progressOutput io.Writer
+}
+
+func runDemo(ctx context.Context, args []string, stdout, stderr io.Writer) error {
+	var cfg demoConfig
+	fs := newFlagSet("demo", "demo [flags]", stderr)
+	fs.IntVar(&cfg.payments, "payments", 10000, "number of payments the clients submit")
+	fs.Uint64Var(&cfg.seed, "seed", 0, "random seed of the workload (0 picks one; it is printed so a run can be repeated)")
+	fs.Float64Var(&cfg.crashRate, "crash-rate", 0.0003, "probability that a consumer crashes after handling a delivery, before committing its offset")
+	fs.Float64Var(&cfg.doubleClicks, "double-click-rate", 0.05, "fraction of payments submitted twice at once (a double click)")
+	fs.Float64Var(&cfg.timeouts, "timeout-rate", 0.04, "fraction of payments whose first response is lost, so the client retries")
+	fs.Float64Var(&cfg.republishes, "republish-rate", 0.05, "probability that the relay crashes after publishing a batch and before marking it, so it publishes the batch again")
+	fs.IntVar(&cfg.partitions, "partitions", 4, "partitions of the payments topic")
+	fs.IntVar(&cfg.clients, "clients", 16, "concurrent HTTP clients")
+	fs.DurationVar(&cfg.timeout, "timeout", 2*time.Minute, "give up after this long")
+	fs.StringVar(&cfg.postgres, "postgres", envDefault("IDEM_POSTGRES_URL", ""), "PostgreSQL URL: pgtable and pgoutbox instead of memstore (not supported yet)")
+	fs.StringVar(&cfg.redisURL, "redis", envDefault("IDEM_REDIS_URL", ""), "Redis URL (redis://host:port/db): dedup marks in Redis (redisnx) instead of memstore")
+	fs.StringVar(&cfg.kafkaBrokers, "kafka", envDefault("IDEM_KAFKA_BROKERS", ""), "comma-separated Kafka brokers instead of the in-process kfake cluster")
+	fs.StringVar(&cfg.amqpURL, "amqp", envDefault("IDEM_AMQP_URL", ""), "RabbitMQ URL instead of Kafka (not supported yet)")
+	fs.StringVar(&cfg.progress, "progress", "auto", "progress display: auto (a bar on a terminal, plain lines otherwise), bar, plain or none")
+	if err := parseFlags(fs, args); err != nil {
+		return err
+	}
+	if fs.NArg() > 0 {
+		return usageError(fs, "unexpected argument %q", fs.Arg(0))
+	}
+	switch {
+	case cfg.payments <= 0:
+		return usageError(fs, "--payments must be positive")
+	case !isRate(cfg.crashRate) || !isRate(cfg.doubleClicks) || !isRate(cfg.timeouts) || !isRate(cfg.republishes):
+		return usageError(fs, "rates must be between 0 and 1")
+	case cfg.crashRate > 0.01:
+		return usageError(fs, "--crash-rate above 0.01 would do little but restart consumers")
+	case cfg.partitions <= 0 || cfg.partitions > 1000:
+		return usageError(fs, "--partitions must be between 1 and 1000")
+	case cfg.clients <= 0:
+		return usageError(fs, "--clients must be positive")
+	case cfg.timeout <= 0:
+		return usageError(fs, "--timeout must be positive")
+	case cfg.progress != "auto" && cfg.progress != "bar" && cfg.progress != "plain" && cfg.progress != "none":
+		return usageError(fs, "--progress must be auto, bar, plain or none")
+	case cfg.postgres != "":
+		return errors.New("--postgres is not supported yet: the demo runs on memstore or Redis (--redis); see `idem migrate` and `idem relay` for PostgreSQL")
+	case cfg.amqpURL != "":
+		return errors.New("--amqp is not supported yet: the demo runs on Kafka (kfake in process, or --kafka BROKERS)")
+	}
+	if cfg.seed == 0 {
+		var b [8]byte
+		_, _ = rand.Read(b[:])
+		for _, x := range b {
+			cfg.seed = cfg.seed<<8 | uint64(x)
+		}
+		cfg.seed = cfg.seed>>1 | 1
+	}
+	cfg.progressOutput = stderr
+
+	ctx, cancel := context.WithTimeout(ctx, cfg.timeout)
+	defer cancel()
+	res, err := demo(ctx, cfg, stdout)
+	if err != nil {
+		return err
+	}
+	res.print(stdout)
+	if res.idem.extra() != 0 || res.idem.lost() != 0 {
+		return errFailed
+	}
+	return nil
+}
+
+func isRate(f float64) bool { return f >= 0 && f <= 1 && !math.IsNaN(f) }
+
+// payment is one logical payment a client submits: one idempotency key,
+// one or more requests.
+type payment struct {
+	n           int
+	key         string
+	customer    string
+	cents       int64
+	doubleClick bool
+	loseFirst   bool
+}
+
+// ledger is one pipeline's effect sink and counters. Everything is guarded
+// by mu.
+type ledger struct {
+	mu sync.Mutex
+	// accepted are the payments the API answered with success.
+	accepted map[int]bool
+	// charges counts the charges applied per payment: the effect sink.
+	charges map[int]int
+	amounts map[int]int64
+	// deliveries of this pipeline's records, by cause.
+	deliveries int
+	causes     map[string]int
+	// classification state of the consumer group.
+	seenOffset  map[string]bool
+	seenID      map[string]bool
+	firstReason map[int]string
+	// replayed counts API answers replayed by the idem middleware.
+	replayed int
+	crashes  int
+}
+
+func newLedger() *ledger {
+	return &ledger{
+		accepted:    map[int]bool{},
+		charges:     map[int]int{},
+		amounts:     map[int]int64{},
+		causes:      map[string]int{},
+		seenOffset:  map[string]bool{},
+		seenID:      map[string]bool{},
+		firstReason: map[int]string{},
+	}
+}
+
+func (l *ledger) accept(n int) {
+	l.mu.Lock()
+	l.accepted[n] = true
+	l.mu.Unlock()
+}
+
+func (l *ledger) charge(n int, cents int64) {
+	l.mu.Lock()
+	l.charges[n]++
+	l.amounts[n] = cents
+	l.mu.Unlock()
+}
+
+// classify records a delivery of this pipeline's record and returns why it
+// is a duplicate (causeFirst when it is not).
+func (l *ledger) classify(msg *consumer.Message, n int) string {
+	po := msg.Metadata[kafka.MetadataPartition] + "/" + msg.Metadata[kafka.MetadataOffset]
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	cause := causeFirst
+	switch first, seen := l.firstReason[n]; {
+	case l.seenOffset[po]:
+		cause = causeRedelivery
+	case l.seenID[msg.ID]:
+		cause = causeRepublish
+	case seen:
+		// Another request of the same payment: a double click or a retry.
+		// When the double click's second request was published first,
+		// this one says "original": the duplicate is still the click's.
+		cause = msg.Headers[headerRequest]
+		if cause == causeFirst || cause == "" {
+			cause = first
+		}
+	default:
+		l.firstReason[n] = msg.Headers[headerRequest]
+	}
+	l.seenOffset[po] = true
+	l.seenID[msg.ID] = true
+	l.deliveries++
+	if cause != causeFirst {
+		l.causes[cause]++
+	}
+	return cause
+}
+
+func (l *ledger) duplicates() int {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	d := 0
+	for _, c := range l.causes {
+		d += c
+	}
+	return d
+}
+
+func (l *ledger) effects() int {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	e := 0
+	for _, c := range l.charges {
+		e += c
+	}
+	return e
+}
+
+// extra is the number of charges beyond one per payment.
+func (l *ledger) extra() int {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	e := 0
+	for _, c := range l.charges {
+		e += c - 1
+	}
+	return e
+}
+
+func (l *ledger) extraCents() int64 {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	var e int64
+	for n, c := range l.charges {
+		e += int64(c-1) * l.amounts[n]
+	}
+	return e
+}
+
+// lost is the number of accepted payments never charged.
+func (l *ledger) lost() int {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	lost := 0
+	for n := range l.accepted {
+		if l.charges[n] == 0 {
+			lost++
+		}
+	}
+	return lost
+}
+
+// demoResult is what the demo prints.
+type demoResult struct {
+	cfg        demoConfig
+	backend    string
+	store      string
+	published  int64
+	republish  int64
+	relayCrash int64
+	elapsed    time.Duration
+	naive      *ledger
+	idem       *ledger
+}
+
+// demo runs the pipeline and returns its counts.
+func demo(ctx context.Context, cfg demoConfig, stdout io.Writer) (*demoResult, error) {
+	start := time.Now()
+	runID := newRunID()
+	topic, dlq := "payments-"+runID, "payments-"+runID+".dlq"
+	res := &demoResult{cfg: cfg, naive: newLedger(), idem: newLedger()}
+
+	// Kafka: kfake in this process, or the brokers given.
+	var brokers []string
+	if cfg.kafkaBrokers == "" {
+		cluster, err := kfake.NewCluster(kfake.NumBrokers(1),
+			kfake.SeedTopics(int32(cfg.partitions), topic), kfake.SeedTopics(1, dlq))
+		if err != nil {
+			return nil, fmt.Errorf("start kfake: %w", err)
+		}
+		defer cluster.Close()
+		brokers = cluster.ListenAddrs()
+		res.backend = fmt.Sprintf("in-process Kafka (kfake), topic with %d partitions", cfg.partitions)
+	} else {
+		brokers = strings.Split(cfg.kafkaBrokers, ",")
+		res.backend = fmt.Sprintf("Kafka at %s, topic %s with %d partitions", cfg.kafkaBrokers, topic, cfg.partitions)
+	}
+	transport := &kafkago.Transport{}
+	defer transport.CloseIdleConnections()
+	if cfg.kafkaBrokers != "" {
+		if err := createTopics(ctx, brokers, transport, cfg.partitions, topic, dlq); err != nil {
+			return nil, err
+		}
+	}
+
+	// The dedup store, shared by the idem API and the idem consumer group
+	// (each with its own scope).
+	var store dedup.LeaseStore
+	if cfg.redisURL == "" {
+		ms, err := memstore.New(memstore.Options{})
+		if err != nil {
+			return nil, err
+		}
+		defer func() { _ = ms.Close() }()
+		store = ms
+		res.store = "dedup marks in memory (memstore)"
+	} else {
+		opt, err := redis.ParseURL(cfg.redisURL)
+		if err != nil {
+			return nil, fmt.Errorf("--redis: %w", err)
+		}
+		client := redis.NewClient(opt)
+		defer func() { _ = client.Close() }()
+		pctx, pcancel := context.WithTimeout(ctx, 5*time.Second)
+		err = client.Ping(pctx).Err()
+		pcancel()
+		if err != nil {
+			return nil, fmt.Errorf("redis at %s is unreachable: %w", opt.Addr, err)
+		}
+		rs, err := redisnx.New(client, redisnx.Options{Prefix: "idem-demo-" + runID, TTL: time.Hour})
+		if err != nil {
+			return nil, err
+		}
+		store = rs
+		res.store = "dedup marks in Redis (redisnx) at " + opt.Addr
+	}
+
+	fprintf(stdout, "idem demo: seed %d, %d payments; %s; %s\n", cfg.seed, cfg.payments, res.backend, res.store)
+
+	// The relay: an in-memory outbox both APIs append to, published in
+	// batches to the topic, and now and then published twice (a crash
+	// between publish and mark).
+	logger := slog.New(slog.NewTextHandler(io.Discard, nil))
+	w := &kafkago.Writer{
+		Addr:         kafkago.TCP(brokers...),
+		Topic:        topic,
+		Balancer:     &kafkago.Hash{},
+		RequiredAcks: kafkago.RequireAll,
+		BatchTimeout: 5 * time.Millisecond,
+		BatchSize:    200,
+		Transport:    transport,
+	}
+	defer func() { _ = w.Close() }()
+	pub, err := kafka.NewPublisher(w, kafka.PublisherOptions{})
+	if err != nil {
+		return nil, err
+	}
+	rl := &relay{
+		pub:   pub,
+		queue: make(chan *outbox.Message, 1024),
+		rng:   mrand.New(mrand.NewPCG(cfg.seed, 2)),
+		rate:  cfg.republishes,
+		done:  make(chan struct{}),
+	}
+
+	// The APIs.
+	naiveAPI := &api{path: pathNaive, ledger: res.naive, relay: rl}
+	idemAPI := &api{path: pathIdem, ledger: res.idem, relay: rl}
+	mw, err := httpidem.New(store, httpidem.Options{
+		Wait:         10 * time.Second,
+		PollInterval: 2 * time.Millisecond,
+		OnOutcome: func(_ *http.Request, rep httpidem.Report) {
+			if rep.Outcome == httpidem.OutcomeReplayed {
+				res.idem.mu.Lock()
+				res.idem.replayed++
+				res.idem.mu.Unlock()
+			}
+		},
+	})
+	if err != nil {
+		return nil, err
+	}
+	apis := []apiTarget{
+		{ledger: res.naive, handler: naiveAPI},
+		{ledger: res.idem, handler: mw.Handler(idemAPI)},
+	}
+
+	// The consumer groups.
+	runCtx, stopAll := context.WithCancel(ctx)
+	defer stopAll()
+	crashRNG := &lockedRand{r: mrand.New(mrand.NewPCG(cfg.seed, 3))}
+	groups := []*group{
+		{path: pathNaive, name: "billing-naive-" + runID, ledger: res.naive},
+		{path: pathIdem, name: "billing-idem-" + runID, ledger: res.idem},
+	}
+	for _, g := range groups {
+		g.brokers, g.topic, g.dlq, g.logger = brokers, topic, dlq, logger
+		g.crashRate, g.rng = cfg.crashRate, crashRNG
+		g.offsets = &offsetStore{pos: map[int]int64{}, partitions: cfg.partitions}
+
+		if g.path == pathIdem {
+			dd, err := consumer.Dedup(store, consumer.DedupOptions{Scope: "billing/charge"})
+			if err != nil {
+				return nil, err
+			}
+			g.dedup = dd
+		}
+	}
+
+	var wg sync.WaitGroup
+	errs := make(chan error, 8)
+	wg.Go(func() {
+		if err := rl.run(runCtx); err != nil {
+			errs <- err
+			stopAll()
+		}
+	})
+	for _, g := range groups {
+		wg.Go(func() {
+			if err := g.run(runCtx); err != nil {
+				errs <- err
+				stopAll()
+			}
+		})
+	}
+
+	// The clients.
+	payments := makePayments(cfg, runID)
+	var submitted atomic.Int64
+	clientsDone := make(chan struct{})
+	wg.Go(func() {
+		defer close(clientsDone)
+		defer rl.closeQueue()
+		submit(runCtx, cfg.clients, payments, apis, &submitted)
+	})
+
+	// Progress, and the end: every record published has been handled by
+	// both groups.
+	prog := newProgress(cfg.progress, cfg.progressOutput, cfg.payments)
+	tick := time.NewTicker(100 * time.Millisecond)
+	defer tick.Stop()
+	var waitErr error
+loop:
+	for {
+		select {
+		case <-runCtx.Done():
+			waitErr = runCtx.Err()
+			break loop
+		case <-tick.C:
+		}
+		relayDone := false
+		select {
+		case <-rl.done:
+			relayDone = true
+		default:
+		}
+		total := rl.published.Load()
+		prog.update(progressState{
+			submitted: submitted.Load(),
+			published: total,
+			naive:     groups[0].handled.Load(),
+			idem:      groups[1].handled.Load(),
+			crashes:   groups[0].crashes.Load() + groups[1].crashes.Load(),
+			relayDone: relayDone,
+		})
+		if relayDone && groups[0].handled.Load() == total && groups[1].handled.Load() == total {
+			break loop
+		}
+	}
+	prog.finish()
+	stopAll()
+	wg.Wait()
+	close(errs)
+	for err := range errs {
+		return nil, err
+	}
+	if waitErr != nil {
+		if ctx.Err() != nil {
+			return nil, fmt.Errorf("gave up after %v (--timeout): %d of %d payments submitted, %d records published, naive handled %d, idem handled %d",
+				cfg.timeout, submitted.Load(), cfg.payments, rl.published.Load(), groups[0].handled.Load(), groups[1].handled.Load())
+		}
+		return nil, waitErr
+	}
+	res.published = rl.published.Load()
+	res.republish = rl.republished.Load()
+	res.relayCrash = rl.crashes.Load()
+	res.naive.crashes = int(groups[0].crashes.Load())
+	res.idem.crashes = int(groups[1].crashes.Load())
+	res.elapsed = time.Since(start)
+	return res, nil
+}
+
+func newRunID() string {
+	var b [4]byte
+	_, _ = rand.Read(b[:])
+	return hex.EncodeToString(b[:])
+}
+
+func makePayments(cfg demoConfig, runID string) []payment {
+	r := mrand.New(mrand.NewPCG(cfg.seed, 1))
+	ps := make([]payment, cfg.payments)
+	for i := range ps {
+		ps[i] = payment{
+			n:           i,
+			key:         fmt.Sprintf("pay-%s-%06d", runID, i),
+			customer:    "customer-" + strconv.Itoa(r.IntN(500)),
+			cents:       100 + r.Int64N(99900),
+			doubleClick: r.Float64() < cfg.doubleClicks,
+			loseFirst:   r.Float64() < cfg.timeouts,
+		}
+	}
+	return ps
+}
+
+// lockedRand is a rand.Rand safe for concurrent use.
+type lockedRand struct {
+	mu sync.Mutex
+	r  *mrand.Rand
+}
+
+func (l *lockedRand) Float64() float64 {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.r.Float64()
+}
+
+// The clients.
+
+type apiTarget struct {
+	ledger  *ledger
+	handler http.Handler
+}
+
+// paymentBody is what a client sends.
+type paymentBody struct {
+	Payment  int    `json:"payment"`
+	Customer string `json:"customer"`
+	Cents    int64  `json:"amount_cents"`
+}
+
+// submit sends every payment to every API from clients goroutines.
+func submit(ctx context.Context, clients int, ps []payment, apis []apiTarget, submitted *atomic.Int64) {
+	next := make(chan *payment)
+	var wg sync.WaitGroup
+	for range clients {
+		wg.Go(func() {
+			httpClients := make([]*http.Client, len(apis))
+			for i, a := range apis {
+				t, err := httpidem.NewTransport(httpidem.TransportOptions{
+					Base:        &inProcess{handler: a.handler},
+					BaseDelay:   time.Millisecond,
+					MaxDelay:    10 * time.Millisecond,
+					MaxAttempts: 10,
+				})
+				if err != nil {
+					panic(err) // the options are constant
+				}
+				httpClients[i] = &http.Client{Transport: t}
+			}
+			for p := range next {
+				for i, a := range apis {
+					submitOne(ctx, httpClients[i], a.ledger, p)
+				}
+				submitted.Add(1)
+			}
+		})
+	}
+	defer wg.Wait()
+	defer close(next)
+	for i := range ps {
+		select {
+		case next <- &ps[i]:
+		case <-ctx.Done():
+			return
+		}
+	}
+}
+
+// submitOne submits p once, or twice at once when it is double-clicked.
+func submitOne(ctx context.Context, c *http.Client, l *ledger, p *payment) {
+	body, _ := json.Marshal(paymentBody{Payment: p.n, Customer: p.customer, Cents: p.cents})
+	clicks := 1
+	if p.doubleClick {
+		clicks = 2
+	}
+	var wg sync.WaitGroup
+	for click := 1; click <= clicks; click++ {
+		wg.Go(func() {
+			cause := causeFirst
+			if click == 2 {
+				cause = causeDoubleClick
+			}
+			st := &attemptState{cause: cause, loseFirst: p.loseFirst && click == 1}
+			req, err := http.NewRequestWithContext(context.WithValue(ctx, attemptKey{}, st),
+				http.MethodPost, "http://payments.demo/payments", bytes.NewReader(body))
+			if err != nil {
+				return
+			}
+			req.Header.Set("Content-Type", "application/json")
+			req.Header.Set(httpidem.HeaderKey, p.key)
+			resp, err := c.Do(req)
+			if err != nil {
+				return
+			}
+			_, _ = io.Copy(io.Discard, resp.Body)
+			_ = resp.Body.Close()
+			if resp.StatusCode/100 == 2 {
+				l.accept(p.n)
+			}
+		})
+	}
+	wg.Wait()
+}
+
+type attemptKey struct{}
+
+// attemptState follows one request through the Transport's attempts.
+type attemptState struct {
+	cause     string
+	loseFirst bool
+	attempts  atomic.Int32
+}
+
+// inProcess is an http.RoundTripper that serves requests with a handler in
+// this process, and loses the response of a request's first attempt when
+// told to: the server did the work, the client saw a timeout and retries
+// with the same key.
+type inProcess struct {
+	handler http.Handler
+}
+
+var errResponseLost = errors.New("demo: response lost (client timeout)")
+
+func (t *inProcess) RoundTrip(req *http.Request) (*http.Response, error) {
+	st, _ := req.Context().Value(attemptKey{}).(*attemptState)
+	attempt := int32(1)
+	cause := causeFirst
+	if st != nil {
+		attempt = st.attempts.Add(1)
+		cause = st.cause
+	}
+	if attempt > 1 {
+		cause = causeRetry
+	}
+	req = req.Clone(req.Context())
+	req.Header.Set(headerCause, cause)
+	rec := httptest.NewRecorder()
+	t.handler.ServeHTTP(rec, req)
+	if req.Body != nil {
+		_ = req.Body.Close()
+	}
+	if st != nil && st.loseFirst && attempt == 1 {
+		return nil, errResponseLost
+	}
+	resp := rec.Result()
+	resp.Request = req
+	return resp, nil
+}
+
+// api is the payments endpoint: it accepts a payment and publishes it
+// through the outbox. The naive one publishes every request it gets under a
+// fresh id; the idem one runs behind the httpidem middleware, once per
+// idempotency key, and publishes the key as the message id.
+type api struct {
+	path   string
+	ledger *ledger
+	relay  *relay
+	seq    atomic.Int64
+}
+
+func (a *api) ServeHTTP(w http.ResponseWriter, r *http.Request) {
+	body, err := io.ReadAll(r.Body)
+	if err != nil {
+		http.Error(w, err.Error(), http.StatusBadRequest)
+		return
+	}
+	var p paymentBody
+	if err := json.Unmarshal(body, &p); err != nil {
+		http.Error(w, err.Error(), http.StatusBadRequest)
+		return
+	}
+	id := r.Header.Get(httpidem.HeaderKey)
+	if a.path == pathNaive {
+		id = fmt.Sprintf("naive-%d", a.seq.Add(1))
+	}
+	msg := &outbox.Message{
+		ID:      id,
+		Key:     []byte(p.Customer),
+		Payload: body,
+		Headers: map[string]string{headerPath: a.path, headerRequest: r.Header.Get(headerCause)},
+	}
+	if err := a.relay.enqueue(r.Context(), msg); err != nil {
+		http.Error(w, err.Error(), http.StatusServiceUnavailable)
+		return
+	}
+	a.ledger.accept(p.Payment)
+	w.Header().Set("Content-Type", "application/json")
+	w.WriteHeader(http.StatusCreated)
+	fprintf(w, "{\"id\":%q}\n", id)
+}
+
+// relay publishes the outbox's messages in batches. After a batch, with
+// probability rate, it "crashes" before marking the batch sent: the batch is
+// published again, with the same ids, as a restarted relay does.
+type relay struct {
+	pub         *kafka.Publisher
+	queue       chan *outbox.Message
+	closeOnce   sync.Once
+	rng         *mrand.Rand
+	rate        float64
+	published   atomic.Int64
+	republished atomic.Int64
+	crashes     atomic.Int64
+	done        chan struct{}
+}
+
+func (r *relay) enqueue(ctx context.Context, msg *outbox.Message) error {
+	select {
+	case r.queue <- msg:
+		return nil
+	case <-ctx.Done():
+		return ctx.Err()
+	}
+}
+
+func (r *relay) closeQueue() { r.closeOnce.Do(func() { close(r.queue) }) }
+
+const relayBatch = 100
+
+func (r *relay) run(ctx context.Context) error {
+	defer close(r.done)
+	for {
+		var batch []*outbox.Message
+		select {
+		case msg, ok := <-r.queue:
+			if !ok {
+				return nil
+			}
+			batch = append(batch, msg)
+		case <-ctx.Done():
+			return nil
+		}
+	fill:
+		for len(batch) < relayBatch {
+			select {
+			case msg, ok := <-r.queue:
+				if !ok {
+					break fill
+				}
+				batch = append(batch, msg)
+			default:
+				break fill
+			}
+		}
+		if err := r.publish(ctx, batch); err != nil {
+			return err
+		}
+		if r.rng.Float64() < r.rate {
+			// Crashed after publishing, before marking: the restarted
+			// relay finds the batch unmarked and publishes it again.
+			r.crashes.Add(1)
+			if err := r.publish(ctx, batch); err != nil {
+				return err
+			}
+			r.republished.Add(int64(len(batch)))
+		}
+	}
+}
+
+func (r *relay) publish(ctx context.Context, batch []*outbox.Message) error {
+	for {
+		err := r.pub.Publish(ctx, batch)
+		if err == nil {
+			r.published.Add(int64(len(batch)))
+			return nil
+		}
+		if ctx.Err() != nil {
+			return nil
+		}
+		var pe *outbox.PublishError
+		if errors.As(err, &pe) {
+			return fmt.Errorf("publish: %w", err)
+		}
+		// The outcome is unknown: send again, as the relay does.
+		select {
+		case <-time.After(100 * time.Millisecond):
+		case <-ctx.Done():
+			return nil
+		}
+	}
+}
+
+// group is a consumer group of one pipeline: a kafka.Consumer that crashes
+// now and then before committing and is restarted.
+type group struct {
+	path      string
+	name      string
+	brokers   []string
+	topic     string
+	dlq       string
+	logger    *slog.Logger
+	ledger    *ledger
+	dedup     consumer.Middleware // nil for the naive group
+	crashRate float64
+	rng       *lockedRand
+	offsets   *offsetStore
+
+	mu      sync.Mutex
+	handled atomic.Int64 // distinct records handled, of both pipelines
+	seen    map[string]bool
+	crashes atomic.Int64
+}
+
+// instance is one run of a group's consumer: one process, in a real
+// deployment.
+type instance struct {
+	dead   atomic.Bool
+	cancel context.CancelFunc
+}
+
+func (g *group) run(ctx context.Context) error {
+	g.seen = map[string]bool{}
+	for ctx.Err() == nil {
+		inst := &instance{}
+		ictx, cancel := context.WithCancel(ctx)
+		inst.cancel = cancel
+		err := g.runInstance(ictx, inst)
+		cancel()
+		if err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+func (g *group) runInstance(ctx context.Context, inst *instance) error {
+	charge := consumer.HandlerFunc(func(_ context.Context, msg *consumer.Message) error {
+		var p paymentBody
+		if err := json.Unmarshal(msg.Payload, &p); err != nil {
+			return consumer.Permanent(err)
+		}
+		g.ledger.charge(p.Payment, p.Cents)
+		return nil
+	})
+	// Outermost: count the record as handled by the group, and skip the
+	// other pipeline's records. Then classify the delivery.
+	route := func(next consumer.Handler) consumer.Handler {
+		return consumer.HandlerFunc(func(ctx context.Context, msg *consumer.Message) error {
+			if msg.Headers[headerPath] != g.path {
+				return nil
+			}
+			var p paymentBody
+			if err := json.Unmarshal(msg.Payload, &p); err != nil {
+				return consumer.Permanent(err)
+			}
+			g.ledger.classify(msg, p.Payment)
+			return next.Handle(ctx, msg)
+		})
+	}
+	h := consumer.Chain(charge, route, consumer.Recover(), g.dedup)
+	c, err := kafka.NewConsumer(kafkago.ReaderConfig{
+		Brokers:  g.brokers,
+		GroupID:  g.name,
+		Topic:    g.topic,
+		MinBytes: 1,
+		MaxBytes: 10 << 20,
+		MaxWait:  50 * time.Millisecond,
+	}, h, kafka.Options{
+		DeadLetterTopic: g.dlq,
+		Logger:          g.logger,
+		CommitEvery:     500,
+		CommitInterval:  500 * time.Millisecond,
+		ShutdownTimeout: time.Second,
+		Offsets:         &instanceOffsets{store: g.offsets, inst: inst},
+		OnResult: func(_ context.Context, msg *consumer.Message, r consumer.Result) {
+			if r.Action == consumer.ActionRetry || inst.dead.Load() {
+				return
+			}
+			po := msg.Metadata[kafka.MetadataPartition] + "/" + msg.Metadata[kafka.MetadataOffset]
+			g.mu.Lock()
+			if !g.seen[po] {
+				g.seen[po] = true
+				g.handled.Add(1)
+			}
+			g.mu.Unlock()
+			if msg.Headers[headerPath] == g.path && g.rng.Float64() < g.crashRate {
+				// Crash: from now on nothing this instance commits
+				// counts, and it stops. The restarted one resumes from
+				// the last committed offsets.
+				inst.dead.Store(true)
+				g.crashes.Add(1)
+				inst.cancel()
+			}
+		},
+	})
+	if err != nil {
+		return err
+	}
+	return c.Run(ctx)
+}
+
+// offsetStore keeps a group's committed positions: the source of truth for
+// where a restarted consumer resumes. A fresh topic starts at offset 0.
+type offsetStore struct {
+	mu         sync.Mutex
+	pos        map[int]int64
+	partitions int
+}
+
+// instanceOffsets is one instance's view of its group's offsetStore: once
+// the instance is dead, its commits are lost, as a crashed process's are.
+type instanceOffsets struct {
+	store *offsetStore
+	inst  *instance
+}
+
+func (o *instanceOffsets) LoadOffsets(_ context.Context, _, _ string, partitions []int) (map[int]int64, error) {
+	o.store.mu.Lock()
+	defer o.store.mu.Unlock()
+	out := make(map[int]int64, len(partitions))
+	for _, p := range partitions {
+		out[p] = o.store.pos[p]
+	}
+	return out, nil
+}
+
+func (o *instanceOffsets) SaveOffsets(_ context.Context, _ string, offsets map[string]map[int]int64) error {
+	if o.inst.dead.Load() {
+		return nil // the process is gone: the commit never happens
+	}
+	o.store.mu.Lock()
+	defer o.store.mu.Unlock()
+	for _, parts := range offsets {
+		for p, off := range parts {
+			if off > o.store.pos[p] {
+				o.store.pos[p] = off
+			}
+		}
+	}
+	return nil
+}
+
+// createTopics creates the demo's topics on a real cluster and waits for
+// their leaders.
+func createTopics(ctx context.Context, brokers []string, transport *kafkago.Transport, partitions int, topic, dlq string) error {
+	client := &kafkago.Client{Addr: kafkago.TCP(brokers...), Transport: transport, Timeout: 10 * time.Second}
+	res, err := client.CreateTopics(ctx, &kafkago.CreateTopicsRequest{Topics: []kafkago.TopicConfig{
+		{Topic: topic, NumPartitions: partitions, ReplicationFactor: 1},
+		{Topic: dlq, NumPartitions: 1, ReplicationFactor: 1},
+	}})
+	if err != nil {
+		return fmt.Errorf("kafka at %s: create topics: %w", strings.Join(brokers, ","), err)
+	}
+	for t, err := range res.Errors {
+		if err != nil && !errors.Is(err, kafkago.TopicAlreadyExists) {
+			return fmt.Errorf("kafka: create topic %s: %w", t, err)
+		}
+	}
+	for {
+		md, err := client.Metadata(ctx, &kafkago.MetadataRequest{Topics: []string{topic, dlq}})
+		if err == nil && topicsReady(md) {
+			return nil
+		}
+		select {
+		case <-ctx.Done():
+			return fmt.Errorf("kafka: topics have no leaders: %w", ctx.Err())
+		case <-time.After(100 * time.Millisecond):
+		}
+	}
+}
+
+func topicsReady(md *kafkago.MetadataResponse) bool {
+	for _, t := range md.Topics {
+		if t.Error != nil || len(t.Partitions) == 0 {
+			return false
+		}
+		for _, p := range t.Partitions {
+			if p.Error != nil || p.Leader.Host == "" {
+				return false
+			}
+		}
+	}
+	return true
+}

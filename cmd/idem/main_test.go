@@ -1,0 +1,128 @@
+package main
+
+import (
+	"bytes"
+	"context"
+	"regexp"
+	"strconv"
+	"strings"
+	"testing"
+	"time"
+
+	"go.uber.org/goleak"
+
+	"github.com/idemkit/idem/internal/testenv"
+)
+
+// kfake's Close and kafka-go's Transport.CloseIdleConnections join their
+// goroutines, so the command needs no goleak ignores beyond testenv's.
+func TestMain(m *testing.M) { goleak.VerifyTestMain(m, testenv.LeakOptions()...) }
+
+// runCmd runs the command in process and returns its exit status and output.
+func runCmd(ctx context.Context, t *testing.T, args ...string) (code int, stdout, stderr string) {
+	t.Helper()
+	var out, errOut bytes.Buffer
+	code = run(ctx, args, &out, &errOut)
+	return code, out.String(), errOut.String()
+}
+
+var lastLine = regexp.MustCompile(`(?m)^demo: (\d+) payments, (\d+) duplicate deliveries, naive (\d+) extra, idem (\d+) extra, (\d+) lost$`)
+
+func checkDemo(t *testing.T, args ...string) {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 50*time.Second)
+	defer cancel()
+	code, out, errOut := runCmd(ctx, t, append([]string{"demo", "--payments", "500", "--progress", "plain"}, args...)...)
+	t.Logf("stdout:\n%s\nstderr:\n%s", out, errOut)
+	if code != 0 {
+		t.Fatalf("exit status %d", code)
+	}
+	lines := strings.Split(strings.TrimRight(out, "\n"), "\n")
+	m := lastLine.FindStringSubmatch(lines[len(lines)-1])
+	if m == nil {
+		t.Fatalf("last line %q is not the demo's summary", lines[len(lines)-1])
+	}
+	n := make([]int, len(m))
+	for i := 1; i < len(m); i++ {
+		n[i], _ = strconv.Atoi(m[i])
+	}
+	if n[1] != 500 {
+		t.Errorf("payments = %d, want 500", n[1])
+	}
+	if n[3] <= 0 || n[2] <= 0 {
+		t.Errorf("naive extra = %d, duplicates = %d: want both > 0", n[3], n[2])
+	}
+	if n[4] != 0 || n[5] != 0 {
+		t.Errorf("idem extra = %d, lost = %d: want 0 and 0", n[4], n[5])
+	}
+}
+
+func TestDemo(t *testing.T) {
+	// Rates high enough that 500 payments see every cause of duplicates.
+	checkDemo(t, "--crash-rate", "0.002", "--republish-rate", "0.2", "--seed", "42")
+}
+
+func TestDemoRedis(t *testing.T) {
+	if testing.Short() {
+		t.Skip("short")
+	}
+	_ = testenv.Redis(t) // skips (or fails under CI=true) without Redis
+	checkDemo(t, "--redis", "redis://"+testenv.RedisAddr()+"/0")
+}
+
+func TestFlagErrors(t *testing.T) {
+	ctx := context.Background()
+	for _, tc := range []struct {
+		args []string
+		code int
+		want string
+	}{
+		{nil, 2, "Usage:"},
+		{[]string{"frobnicate"}, 2, `unknown command "frobnicate"`},
+		{[]string{"demo", "--payments", "0"}, 2, "--payments must be positive"},
+		{[]string{"demo", "--payments", "x"}, 2, "invalid value"},
+		{[]string{"demo", "--crash-rate", "2"}, 2, "rates must be between 0 and 1"},
+		{[]string{"demo", "--nope"}, 2, "flag provided but not defined: -nope"},
+		{[]string{"demo", "extra"}, 2, `unexpected argument "extra"`},
+		{[]string{"demo", "--postgres", "postgres://x"}, 1, "--postgres is not supported yet"},
+		{[]string{"demo", "--amqp", "amqp://x"}, 1, "--amqp is not supported yet"},
+		{[]string{"demo", "--redis", "bogus://"}, 1, "--redis:"},
+		{[]string{"migrate"}, 2, "missing action"},
+		{[]string{"migrate", "sideways"}, 2, `unknown action "sideways"`},
+		{[]string{"migrate", "up", "--postgres", ""}, 1, "--postgres (or IDEM_POSTGRES_URL) is required"},
+		{[]string{"migrate", "up", "--postgres", "postgres://x@" + testenv.DeadAddr(t) + "/db"}, 1, "is unreachable"},
+		{[]string{"relay"}, 2, "--postgres (or IDEM_POSTGRES_URL) is required"},
+		{[]string{"relay", "--postgres", "postgres://x"}, 2, "exactly one of --kafka and --amqp"},
+		{[]string{"relay", "--postgres", "postgres://x", "--kafka", "k:9092", "--log-format", "xml"}, 2, "--log-format"},
+		{[]string{"outbox"}, 2, "missing action"},
+		{[]string{"outbox", "requeue"}, 2, "requeue needs the ids"},
+		{[]string{"dedup", "purge"}, 2, `unknown action "purge"`},
+	} {
+		t.Run(strings.Join(tc.args, " "), func(t *testing.T) {
+			t.Setenv("IDEM_POSTGRES_URL", "")
+			code, _, errOut := runCmd(ctx, t, tc.args...)
+			if code != tc.code {
+				t.Errorf("exit status %d, want %d; stderr:\n%s", code, tc.code, errOut)
+			}
+			if !strings.Contains(errOut, tc.want) {
+				t.Errorf("stderr %q does not contain %q", errOut, tc.want)
+			}
+			if strings.Contains(errOut, "goroutine ") || strings.Contains(errOut, "panic") {
+				t.Errorf("stderr has a stack trace:\n%s", errOut)
+			}
+		})
+	}
+}
+
+func TestHelp(t *testing.T) {
+	for _, cmd := range []string{"demo", "migrate", "relay", "outbox", "dedup"} {
+		code, _, errOut := runCmd(context.Background(), t, cmd, "-help")
+		if code != 0 || !strings.Contains(errOut, "Usage: idem "+cmd) {
+			t.Errorf("%s -help: exit %d, output %q", cmd, code, errOut)
+		}
+	}
+	code, out, _ := runCmd(context.Background(), t, "help")
+	if code != 0 || !strings.Contains(out, "idem demo") {
+		t.Errorf("help: exit %d, output %q", code, out)
+	}
+}
