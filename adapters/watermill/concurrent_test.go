@@ -1,0 +1,106 @@
+package watermill_test
+
+import (
+	"fmt"
+	"sort"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	wm "github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill/message"
+
+	idemwm "github.com/idemkit/idem/adapters/watermill"
+	"github.com/idemkit/idem/consumer"
+	"github.com/idemkit/idem/internal/testenv"
+)
+
+// TestConcurrentDeliveriesOneEffect: 100 deliveries of one message at once
+// — four instances of a service (four routers), each with 25 subscriptions
+// of the topic under one scope — apply its effect once, on the stores shared
+// between processes (real Redis and PostgreSQL), with the effects in an
+// oracle table without a unique constraint. Deliveries that find the key in
+// flight are retried by Watermill's Retry middleware until the first one
+// completed and they are duplicates. Five messages, one after the other.
+func TestConcurrentDeliveriesOneEffect(t *testing.T) {
+	const (
+		routers      = 4
+		subsPerRoute = 25
+		messages     = 5
+	)
+	for _, k := range append(sharedKinds(), memKind()) {
+		t.Run(k.name, func(t *testing.T) {
+			fx := k.setup(t)
+			ps := newGoChannel(t)
+			topic := testenv.Name("payments")
+			var (
+				runs     atomic.Int32
+				outcomes [10]atomic.Int32
+			)
+			names := []string{consumer.OutcomeCompleted, consumer.OutcomeDuplicate, consumer.OutcomeInFlight, consumer.OutcomeStoreError}
+			onOutcome := func(_ *message.Message, o string) {
+				for i, n := range names {
+					if n == o {
+						outcomes[i].Add(1)
+					}
+				}
+			}
+			for r := range routers {
+				router := newRouter(t)
+				router.AddMiddleware(
+					fastRetry(1000).Middleware,
+					// Each router is another instance on the same store.
+					fx.middleware(t, idemwm.Options{Scope: "billing/charge", OnOutcome: onOutcome}),
+				)
+				for s := range subsPerRoute {
+					router.AddConsumerHandler(fmt.Sprintf("charge-%d-%d", r, s), topic, ps, func(msg *message.Message) error {
+						runs.Add(1)
+						if err := fx.oracle.record(msg, "charge"); err != nil {
+							return err
+						}
+						// A slow payment gateway: the other deliveries
+						// arrive while this one holds the key.
+						time.Sleep(20 * time.Millisecond)
+						return nil
+					})
+				}
+				startRouter(t, router)
+			}
+
+			var want []string
+			for range messages {
+				msg := message.NewMessage(wm.NewUUID(), []byte(`{"amount":100}`))
+				want = append(want, "charge/"+msg.UUID)
+				// Returns once all 100 deliveries were acknowledged.
+				if err := ps.Publish(topic, msg); err != nil {
+					t.Fatal(err)
+				}
+			}
+
+			effects := fx.oracle.counts(t)
+			if d := duplicates(effects); len(d) > 0 {
+				sort.Strings(d)
+				t.Errorf("duplicate effects: %v", d)
+			}
+			for _, w := range want {
+				if effects[w] != 1 {
+					t.Errorf("%s: %d effects, want 1", w, effects[w])
+				}
+			}
+			if len(effects) != messages {
+				t.Errorf("%d ids have effects, want %d", len(effects), messages)
+			}
+			if n := runs.Load(); n != messages {
+				t.Errorf("handler ran %d times for %d messages", n, messages)
+			}
+			if got := outcomes[0].Load(); got != messages {
+				t.Errorf("completed = %d, want %d", got, messages)
+			}
+			if got := outcomes[1].Load(); got != messages*(routers*subsPerRoute-1) {
+				t.Errorf("duplicates = %d, want %d", got, messages*(routers*subsPerRoute-1))
+			}
+			t.Logf("%d messages × %d deliveries: %d effects each; outcomes completed=%d duplicate=%d in_flight=%d store_error=%d",
+				messages, routers*subsPerRoute, 1, outcomes[0].Load(), outcomes[1].Load(), outcomes[2].Load(), outcomes[3].Load())
+		})
+	}
+}

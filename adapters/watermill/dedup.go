@@ -1,0 +1,159 @@
+package watermill
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+
+	"github.com/ThreeDotsLabs/watermill/message"
+
+	"github.com/idemkit/idem/consumer"
+	"github.com/idemkit/idem/dedup"
+)
+
+// Dedup returns router middleware that runs the handler at most once at a
+// time per key and never again once it succeeded, on a lease from store
+// (dedup/redisnx, dedup/memstore, or the lease mode of dedup/pgtable). It is
+// for effects outside the database; for effects in PostgreSQL use
+// Transactional, which is exact.
+//
+// For each message it builds the key (Options.Scope or the handler name,
+// the id from msg.UUID, Options.KeyMetadata or Options.KeyFunc, the payload's
+// fingerprint) and claims it:
+//
+//   - lease granted: the handler runs, with msg.Context() cancelled (cause
+//     dedup.ErrLeaseLost) if the lease is lost; the lease is extended every
+//     Options.ExtendEvery meanwhile.
+//   - the handler succeeds: the key is completed and the handler's messages
+//     are returned to the router. If completing fails, an error is
+//     returned (the message is nacked; its redelivery runs once the lease
+//     has expired).
+//   - the handler fails: the lease is released, so the redelivery (or
+//     Watermill's Retry middleware) runs the handler again, and the
+//     handler's error is returned unchanged. This is the difference from
+//     Watermill's Deduplicator, which marks the message before the handler
+//     runs and drops the retry.
+//   - the handler panics: the lease is released and the panic goes on (to
+//     Watermill's Recoverer, or the router).
+//   - duplicate (the key completed before): the message is acknowledged
+//     without running the handler (nil, nil).
+//   - in flight (another delivery holds the lease), or the store failed: an
+//     error wrapping dedup.ErrInFlight or the store's error is returned, so
+//     Watermill retries or nacks the message; the handler does not run. A
+//     store that is down never lets a message through (fail closed).
+//   - fingerprint mismatch or invalid key: poison, see Options.PoisonQueue.
+//
+// Messages the handler returns are published by the router after the key
+// was completed; if that publish fails, the message is nacked and its
+// redelivery is a duplicate, so they are not sent again. Where that matters,
+// use Transactional with Options.Outbox.
+//
+// Put Dedup inside Watermill's Retry middleware (added after it), so that
+// each retry is claimed again, and inside PoisonQueue.
+func Dedup(store dedup.LeaseStore, opts Options) (message.HandlerMiddleware, error) {
+	if store == nil {
+		return nil, errors.New("watermill: Dedup: store is nil; pass a dedup.LeaseStore such as memstore.New, redisnx.New or pgtable's Store.Lease()")
+	}
+	if opts.Outbox != nil || opts.OutboxTopic != "" || opts.OutboxKey != nil {
+		return nil, errors.New("watermill: Dedup: Options.Outbox, OutboxTopic and OutboxKey are for Transactional: a lease cannot commit together with the outbox rows; use Transactional on dedup/pgtable")
+	}
+	c, err := newConfig("Dedup", opts)
+	if err != nil {
+		return nil, err
+	}
+	d := &leaseMiddleware{config: c, store: store}
+	return func(h message.HandlerFunc) message.HandlerFunc {
+		// The frames below the handler stay small: claim returns
+		// before, settle runs after the handler, so the handler's
+		// goroutine (a new one per message in Watermill's router) needs
+		// little more stack than without the middleware.
+		return func(msg *message.Message) ([]*message.Message, error) {
+			lc, out, err := d.claim(msg)
+			if lc == nil {
+				return out, err
+			}
+			defer lc.cleanup()
+			out, err = h(msg)
+			lc.returned = true
+			return lc.settle(out, err)
+		}
+	}, nil
+}
+
+type leaseMiddleware struct {
+	*config
+	store dedup.LeaseStore
+}
+
+// claim builds the key and claims it. It returns the call when the lease
+// was granted, else the middleware's answer.
+func (d *leaseMiddleware) claim(msg *message.Message) (*call, []*message.Message, error) {
+	key, err := d.keys.build(msg)
+	if err != nil {
+		out, err := d.rejectKey(msg, err)
+		return nil, out, err
+	}
+	ctx := msg.Context()
+	lease, err := d.store.Claim(ctx, key)
+	if err == nil && lease == nil {
+		err = errors.New("the store returned neither a lease nor an error")
+	}
+	if err != nil {
+		out, err := d.claimFailed(msg, key, err)
+		return nil, out, err
+	}
+	hctx, cancel := context.WithCancelCause(ctx)
+	lc := d.startCall(ctx, d.store, lease, cancel)
+	lc.msg = msg
+	msg.SetContext(hctx)
+	return lc, nil, nil
+}
+
+// settle completes or releases the key after the handler returned.
+func (lc *call) settle(out []*message.Message, herr error) ([]*message.Message, error) {
+	c, msg, key := lc.cfg, lc.msg, lc.lease.Key
+	if lost := lc.finish(); lost != nil {
+		c.outcome(msg, consumer.OutcomeLeaseLost)
+		return nil, lostError(key, lost, herr)
+	}
+	if herr != nil {
+		lc.release("the handler failed")
+		c.outcome(msg, consumer.OutcomeReleased)
+		return out, herr
+	}
+	if err := lc.complete(); err != nil {
+		c.outcome(msg, consumer.OutcomeCompleteFailed)
+		c.Logger.WarnContext(lc.parent, "idem: completing the key failed after the handler succeeded; the message is nacked and runs again once the lease expires",
+			slog.String("key", key.String()), slog.Any("error", err))
+		return nil, fmt.Errorf("watermill: complete %s: %w", key, err)
+	}
+	c.outcome(msg, consumer.OutcomeCompleted)
+	return out, nil
+}
+
+// cleanup runs after settle, or when the handler panicked: the message gets its
+// own context back (so that a retry further out does not run with a
+// cancelled one); after a panic (or runtime.Goexit) the key is released so
+// that a redelivery can run, and the panic goes on.
+func (lc *call) cleanup() {
+	lc.msg.SetContext(lc.parent)
+	lc.onLost(nil)
+	if !lc.returned {
+		if lc.finish() != nil {
+			lc.cfg.outcome(lc.msg, consumer.OutcomeLeaseLost)
+		} else {
+			lc.release("the handler panicked")
+			lc.cfg.outcome(lc.msg, consumer.OutcomeReleased)
+		}
+	}
+	lc.end()
+}
+
+// lostError is the error for a handler that ran past its lease.
+func lostError(key dedup.Key, lost, herr error) error {
+	if herr != nil {
+		return fmt.Errorf("watermill: handler for %s failed after its lease was lost: %w; handler error: %w", key, lost, herr)
+	}
+	return fmt.Errorf("watermill: handler for %s finished after its lease was lost; it cannot be completed: %w", key, lost)
+}

@@ -1,0 +1,267 @@
+package watermill
+
+import (
+	"context"
+	"crypto/sha256"
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"hash"
+	"log/slog"
+	"sync"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/jackc/pgx/v5"
+
+	"github.com/idemkit/idem/consumer"
+	"github.com/idemkit/idem/dedup"
+	"github.com/idemkit/idem/outbox"
+)
+
+// DefaultFinishTimeout is the default Options.FinishTimeout.
+const DefaultFinishTimeout = 10 * time.Second
+
+// Options configure Dedup and Transactional. The zero value is usable; each
+// field says its default.
+type Options struct {
+	// Scope names who processes the messages, the first half of the dedup
+	// key. Two handlers of the same message need two scopes, or the second
+	// never runs. Defaults to the name of the router handler the message
+	// is delivered to (message.HandlerNameFromCtx), so every handler of a
+	// router is its own scope and the instances of a service that register
+	// the same handler name share one. Set it when handler names are not
+	// stable across deployments, or to give two handler names one scope.
+	// At most MaxKeyLen bytes, no control bytes.
+	Scope string
+	// KeyMetadata names a metadata field that holds the message id, the
+	// second half of the dedup key. Defaults to "": the id is msg.UUID,
+	// which idem's outbox Publisher sets to the outbox row id.
+	KeyMetadata string
+	// KeyFunc returns a message's id; when set, KeyMetadata is ignored. An
+	// empty or malformed id makes the message poison (ReasonInvalidKey, see
+	// Options.PoisonQueue); so does an error that wraps
+	// dedup.ErrInvalidKey or is marked consumer.Permanent. Any other error
+	// is returned as is (the message is retried).
+	//
+	// The id must be assigned by the producer and stay the same across
+	// redeliveries. A key derived from the broker's position (an offset)
+	// catches broker redeliveries only, never a producer that publishes
+	// the same message twice.
+	KeyFunc func(msg *message.Message) (string, error)
+	// Fingerprint returns the digest of a message's content. The same id
+	// with another fingerprint is a conflict: the message is poison
+	// (ReasonFingerprintMismatch) and never processed. Defaults to
+	// dedup.FingerprintOf(msg.Payload). Return the zero Fingerprint to
+	// turn the check off.
+	Fingerprint func(msg *message.Message) dedup.Fingerprint
+	// MaxKeyLen limits scope and id, in bytes. Defaults to
+	// dedup.DefaultMaxKeyLen. Match the store's own limit.
+	MaxKeyLen int
+
+	// PoisonQueue receives the messages the middleware finds
+	// unprocessable: a fingerprint mismatch or an invalid key. Pass
+	// the middleware built by Watermill's middleware.PoisonQueue or
+	// middleware.PoisonQueueWithFilter; the idem middleware runs it around
+	// a handler that returns the *PoisonError, so the poison queue's filter
+	// decides and, when it takes the message, publishes it to its topic and
+	// the message is acknowledged. The handler does not run.
+	//
+	// Defaults to nil: the message's metadata gets MetadataReason and the
+	// *PoisonError is returned, marked consumer.Permanent; the router nacks
+	// it unless a poison queue further out takes it (see IsPoison).
+	PoisonQueue message.HandlerMiddleware
+
+	// ExtendEvery is how often Dedup extends the lease while the handler
+	// runs. Defaults to a third of the lease's TTL (no heartbeat when the
+	// store reports no TTL). Negative disables the heartbeat. Not used by
+	// Transactional.
+	ExtendEvery time.Duration
+	// FinishTimeout bounds Dedup's Complete and Release calls, which run
+	// with context.WithoutCancel so that a handler that succeeded just as
+	// the router stopped is still recorded. Defaults to
+	// DefaultFinishTimeout. Not used by Transactional.
+	FinishTimeout time.Duration
+
+	// Outbox, when set, makes Transactional write the messages the
+	// handler returns to the outbox in the handler's transaction, instead
+	// of handing them to the router to publish: they commit with the claim
+	// and the handler's writes, or not at all, and a relay publishes them
+	// (pgoutbox.NewRelay with this package's Publisher, or any other).
+	// *pgoutbox.Outbox implements Enqueuer. Defaults to nil: returned
+	// messages are published by the router after the commit, as usual,
+	// and a publish that fails after the commit is not retried by a
+	// redelivery (it is a duplicate by then). Only for Transactional.
+	Outbox Enqueuer
+	// OutboxTopic is the topic of the messages written to the outbox.
+	// Defaults to the handler's publish topic (message.PublishTopicFromCtx,
+	// the publishTopic of Router.AddHandler).
+	OutboxTopic string
+	// OutboxKey returns the ordering key of a returned message: messages
+	// with the same key are published in commit order. Defaults to no key
+	// (no order).
+	OutboxKey func(msg *message.Message) []byte
+
+	// Logger receives warnings: failed heartbeats and releases, lost
+	// leases. Defaults to discarding them.
+	Logger *slog.Logger
+	// OnOutcome, if set, is called once per message with one of the
+	// consumer.Outcome constants (completed, duplicate, in_flight,
+	// fingerprint_mismatch, invalid_key, store_error, released,
+	// lease_lost, complete_failed), for metrics. It must be fast and safe
+	// for concurrent use.
+	OnOutcome func(msg *message.Message, outcome string)
+}
+
+// Enqueuer writes messages to an outbox in the caller's transaction.
+// *pgoutbox.Outbox implements it.
+type Enqueuer interface {
+	Enqueue(ctx context.Context, tx pgx.Tx, msgs ...outbox.Message) ([]string, error)
+}
+
+// config is Options validated, with defaults filled in.
+type config struct {
+	Options
+	keys keyBuilder
+}
+
+func newConfig(who string, opts Options) (*config, error) {
+	if opts.MaxKeyLen < 0 {
+		return nil, fmt.Errorf("watermill: %s: Options.MaxKeyLen is %d; it must be positive (or zero for %d)", who, opts.MaxKeyLen, dedup.DefaultMaxKeyLen)
+	}
+	if opts.MaxKeyLen == 0 {
+		opts.MaxKeyLen = dedup.DefaultMaxKeyLen
+	}
+	if opts.Scope != "" {
+		if err := validateScope(opts.Scope, opts.MaxKeyLen); err != nil {
+			return nil, fmt.Errorf("watermill: %s: Options.Scope %q: %w", who, opts.Scope, err)
+		}
+	}
+	if opts.FinishTimeout < 0 {
+		return nil, fmt.Errorf("watermill: %s: Options.FinishTimeout is %v; it must be positive (or zero for %v)", who, opts.FinishTimeout, DefaultFinishTimeout)
+	}
+	if opts.FinishTimeout == 0 {
+		opts.FinishTimeout = DefaultFinishTimeout
+	}
+	if opts.Logger == nil {
+		opts.Logger = slog.New(slog.DiscardHandler)
+	}
+	c := &config{Options: opts}
+	c.keys = keyBuilder{
+		scope:       opts.Scope,
+		keyMetadata: opts.KeyMetadata,
+		keyFunc:     opts.KeyFunc,
+		fingerprint: opts.Fingerprint,
+		maxLen:      opts.MaxKeyLen,
+	}
+	return c, nil
+}
+
+func (c *config) outcome(msg *message.Message, o string) {
+	if c.OnOutcome != nil {
+		c.OnOutcome(msg, o)
+	}
+}
+
+// validateScope checks a scope like the scope half of a key.
+func validateScope(scope string, maxLen int) error {
+	return dedup.ValidateKey(dedup.Key{Scope: scope, ID: "x"}, maxLen)
+}
+
+// errNoScope is returned for a message that did not come through a router
+// handler while Options.Scope is empty. It is a configuration error, not a
+// property of the message, so it is not poison: the message is retried.
+var errNoScope = errors.New("watermill: the message carries no handler name (it did not come through a message.Router handler) and Options.Scope is empty: set Options.Scope")
+
+// keyBuilder turns a message into a dedup key.
+type keyBuilder struct {
+	scope       string
+	keyMetadata string
+	keyFunc     func(*message.Message) (string, error)
+	fingerprint func(*message.Message) dedup.Fingerprint
+	maxLen      int
+}
+
+// build returns msg's key. An error is either a *PoisonError (invalid key),
+// or a transient error (the key function failed, no scope).
+func (b *keyBuilder) build(msg *message.Message) (dedup.Key, error) {
+	scope := b.scope
+	if scope == "" {
+		scope = message.HandlerNameFromCtx(msg.Context())
+		if scope == "" {
+			return dedup.Key{}, errNoScope
+		}
+	}
+	var id string
+	switch {
+	case b.keyFunc != nil:
+		var err error
+		if id, err = b.keyFunc(msg); err != nil {
+			return dedup.Key{}, keyFuncError(err)
+		}
+	case b.keyMetadata != "":
+		id = msg.Metadata.Get(b.keyMetadata)
+	default:
+		id = msg.UUID
+	}
+	k := dedup.Key{Scope: scope, ID: id}
+	if b.fingerprint != nil {
+		k.Fingerprint = b.fingerprint(msg)
+	} else {
+		k.Fingerprint = payloadFingerprint(msg.Payload)
+	}
+	if err := dedup.ValidateKey(k, b.maxLen); err != nil {
+		return dedup.Key{}, b.invalid(scope, err)
+	}
+	return k, nil
+}
+
+func keyFuncError(err error) error {
+	if errors.Is(err, dedup.ErrInvalidKey) || consumer.IsPermanent(err) {
+		return &PoisonError{Reason: consumer.ReasonInvalidKey, Err: fmt.Errorf("watermill: key function: %w", err)}
+	}
+	return fmt.Errorf("watermill: key function: %w", err)
+}
+
+// invalid classifies a key that failed validation: a bad handler name is
+// configuration (retried, never poison), a bad id is poison.
+func (b *keyBuilder) invalid(scope string, err error) error {
+	if b.scope == "" {
+		if serr := validateScope(scope, b.maxLen); serr != nil {
+			return fmt.Errorf("watermill: handler name %q is not a valid scope (set Options.Scope): %w", scope, serr)
+		}
+	}
+	where := "msg.UUID"
+	switch {
+	case b.keyFunc != nil:
+		where = "Options.KeyFunc"
+	case b.keyMetadata != "":
+		where = fmt.Sprintf("metadata %q", b.keyMetadata)
+	}
+	return &PoisonError{Reason: consumer.ReasonInvalidKey, Err: fmt.Errorf("watermill: message id from %s: %w", where, err)}
+}
+
+// fingerprintHash holds SHA-256 states for payloadFingerprint.
+var fingerprintHash = sync.Pool{New: func() any { return &fingerprinter{h: sha256.New()} }}
+
+type fingerprinter struct {
+	h   hash.Hash
+	n   [8]byte
+	sum []byte
+}
+
+// payloadFingerprint is dedup.FingerprintOf(payload) without its
+// allocations: SHA-256 of the payload's length (8 bytes, little endian)
+// followed by the payload, on a pooled hash. TestPayloadFingerprint checks
+// that both agree.
+func payloadFingerprint(payload []byte) (f dedup.Fingerprint) {
+	fp := fingerprintHash.Get().(*fingerprinter)
+	binary.LittleEndian.PutUint64(fp.n[:], uint64(len(payload)))
+	fp.h.Reset()
+	fp.h.Write(fp.n[:])
+	fp.h.Write(payload)
+	fp.sum = fp.h.Sum(fp.sum[:0])
+	copy(f[:], fp.sum)
+	fingerprintHash.Put(fp)
+	return f
+}

@@ -1,0 +1,112 @@
+package watermill
+
+import (
+	"errors"
+	"fmt"
+
+	"github.com/ThreeDotsLabs/watermill/message"
+
+	"github.com/idemkit/idem/consumer"
+	"github.com/idemkit/idem/dedup"
+)
+
+// MetadataReason is the metadata field the middleware sets on a message it
+// rejects as poison, to consumer.ReasonFingerprintMismatch
+// ("fingerprint_mismatch") or consumer.ReasonInvalidKey ("invalid_key"). It
+// travels with the message to the poison queue, next to the fields
+// Watermill's PoisonQueue sets (reason_poisoned, topic_poisoned, ...).
+const MetadataReason = "idem_reason"
+
+// PoisonError is returned for a message the middleware will never process:
+// its key was already seen with other content (Reason
+// consumer.ReasonFingerprintMismatch), or it has no valid key (Reason
+// consumer.ReasonInvalidKey). errors.Is sees through to
+// dedup.ErrFingerprintMismatch or dedup.ErrInvalidKey.
+//
+// The middleware returns it marked consumer.Permanent, or hands it to
+// Options.PoisonQueue.
+type PoisonError struct {
+	// Reason is why the message is poison.
+	Reason consumer.Reason
+	// Err is the cause.
+	Err error
+}
+
+func (e *PoisonError) Error() string {
+	return fmt.Sprintf("idem: poison message (%s): %v", e.Reason, e.Err)
+}
+
+func (e *PoisonError) Unwrap() error { return e.Err }
+
+// IsPoison reports whether err is, or wraps, a *PoisonError. It is the filter
+// for Watermill's poison queue when only idem's rejections should go there:
+//
+//	pq, err := middleware.PoisonQueueWithFilter(pub, "poison", watermill.IsPoison)
+func IsPoison(err error) bool {
+	var pe *PoisonError
+	return errors.As(err, &pe)
+}
+
+// Retryable reports whether running the handler again can change the outcome
+// of err, by idem's ACK rule (consumer.Decide): false for nil, for a
+// *PoisonError, for errors marked consumer.Permanent and for consumer's panic
+// and retries-exhausted errors; true for everything else, including
+// dedup.ErrInFlight and dedup.ErrLeaseLost. Plug it into Watermill's Retry
+// middleware so that poison goes straight to the poison queue instead of
+// being retried:
+//
+//	retry := middleware.Retry{
+//		MaxRetries:  5,
+//		ShouldRetry: func(p middleware.RetryParams) bool { return watermill.Retryable(p.Err) },
+//	}
+func Retryable(err error) bool {
+	return err != nil && consumer.Decide(err).Action == consumer.ActionRetry
+}
+
+// poison rejects msg: the reason goes to its metadata, then the error goes to
+// the poison queue middleware when there is one, else back to the router.
+func (c *config) poison(msg *message.Message, pe *PoisonError) ([]*message.Message, error) {
+	if msg.Metadata == nil {
+		msg.Metadata = make(message.Metadata)
+	}
+	msg.Metadata.Set(MetadataReason, string(pe.Reason))
+	err := consumer.Permanent(pe)
+	if c.PoisonQueue == nil {
+		return nil, err
+	}
+	reject := func(*message.Message) ([]*message.Message, error) { return nil, err }
+	return c.PoisonQueue(reject)(msg)
+}
+
+// rejectKey handles an error from keyBuilder.build.
+func (c *config) rejectKey(msg *message.Message, err error) ([]*message.Message, error) {
+	c.outcome(msg, consumer.OutcomeInvalidKey)
+	var pe *PoisonError
+	if errors.As(err, &pe) {
+		return c.poison(msg, pe)
+	}
+	return nil, err
+}
+
+// claimFailed turns a claim that granted no ownership into the handler's
+// answer: a duplicate is acknowledged without running the handler, a
+// conflict or invalid key is poison, a key in flight elsewhere or a store
+// error is returned so that the message is retried (fail closed).
+func (c *config) claimFailed(msg *message.Message, key dedup.Key, err error) ([]*message.Message, error) {
+	switch {
+	case errors.Is(err, dedup.ErrDuplicate):
+		c.outcome(msg, consumer.OutcomeDuplicate)
+		return nil, nil
+	case errors.Is(err, dedup.ErrFingerprintMismatch):
+		c.outcome(msg, consumer.OutcomeFingerprintMismatch)
+		return c.poison(msg, &PoisonError{Reason: consumer.ReasonFingerprintMismatch, Err: fmt.Errorf("watermill: claim %s: %w", key, err)})
+	case errors.Is(err, dedup.ErrInvalidKey):
+		c.outcome(msg, consumer.OutcomeInvalidKey)
+		return c.poison(msg, &PoisonError{Reason: consumer.ReasonInvalidKey, Err: fmt.Errorf("watermill: claim %s: %w", key, err)})
+	case errors.Is(err, dedup.ErrInFlight):
+		c.outcome(msg, consumer.OutcomeInFlight)
+	default:
+		c.outcome(msg, consumer.OutcomeStoreError)
+	}
+	return nil, fmt.Errorf("watermill: claim %s: %w", key, err)
+}

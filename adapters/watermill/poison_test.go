@@ -1,0 +1,217 @@
+package watermill_test
+
+import (
+	"errors"
+	"fmt"
+	"strings"
+	"sync/atomic"
+	"testing"
+
+	wm "github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/ThreeDotsLabs/watermill/message/router/middleware"
+
+	idemwm "github.com/idemkit/idem/adapters/watermill"
+	"github.com/idemkit/idem/consumer"
+	"github.com/idemkit/idem/dedup"
+	"github.com/idemkit/idem/internal/testenv"
+)
+
+// TestPoisonQueueOption: with Options.PoisonQueue, a forged message (a known
+// UUID with other content) and a message without its id go to Watermill's
+// poison queue with idem's reason in the metadata, are acknowledged, and never
+// reach the handler; the original is applied once.
+func TestPoisonQueueOption(t *testing.T) {
+	for _, k := range allKinds() {
+		t.Run(k.name, func(t *testing.T) {
+			fx := k.setup(t)
+			poisonPub := &recordingPublisher{}
+			pq := must(middleware.PoisonQueue(poisonPub, "poison"))
+			ps := newGoChannel(t)
+			r := newRouter(t)
+			r.AddMiddleware(fx.middleware(t, idemwm.Options{KeyMetadata: "event_id", PoisonQueue: pq}))
+			var runs atomic.Int32
+			topic := testenv.Name("payments")
+			r.AddConsumerHandler("charge", topic, ps, func(msg *message.Message) error {
+				runs.Add(1)
+				return fx.oracle.record(msg, "charge")
+			})
+			startRouter(t, r)
+
+			orig := message.NewMessage(wm.NewUUID(), []byte(`{"amount":100}`))
+			orig.Metadata.Set("event_id", "evt-1")
+			forged := message.NewMessage(orig.UUID, []byte(`{"amount":900}`))
+			forged.Metadata.Set("event_id", "evt-1")
+			noID := message.NewMessage(wm.NewUUID(), []byte(`{"amount":5}`))
+			for _, m := range []*message.Message{orig, forged, noID} {
+				if err := ps.Publish(topic, m); err != nil {
+					t.Fatal(err)
+				}
+			}
+
+			if n := runs.Load(); n != 1 {
+				t.Errorf("handler ran %d times, want 1 (the original only)", n)
+			}
+			topics, got := poisonPub.published()
+			if len(got) != 2 {
+				t.Fatalf("poison queue got %d messages, want 2", len(got))
+			}
+			for i, want := range []struct {
+				uuid, reason, cause string
+			}{
+				{forged.UUID, string(consumer.ReasonFingerprintMismatch), "fingerprint mismatch"},
+				{noID.UUID, string(consumer.ReasonInvalidKey), `metadata "event_id"`},
+			} {
+				m := got[i]
+				if topics[i] != "poison" || m.UUID != want.uuid {
+					t.Errorf("poison #%d: topic %s uuid %s", i, topics[i], m.UUID)
+				}
+				if m.Metadata.Get(idemwm.MetadataReason) != want.reason {
+					t.Errorf("poison #%d: %s = %q, want %q", i, idemwm.MetadataReason, m.Metadata.Get(idemwm.MetadataReason), want.reason)
+				}
+				if r := m.Metadata.Get(middleware.ReasonForPoisonedKey); !strings.Contains(r, want.cause) {
+					t.Errorf("poison #%d: %s = %q, want it to mention %q", i, middleware.ReasonForPoisonedKey, r, want.cause)
+				}
+				if m.Metadata.Get(middleware.PoisonedHandlerKey) != "charge" {
+					t.Errorf("poison #%d: handler %q", i, m.Metadata.Get(middleware.PoisonedHandlerKey))
+				}
+			}
+		})
+	}
+}
+
+// TestPoisonWithoutQueue: without Options.PoisonQueue, poison is returned as
+// a permanent *PoisonError with the reason in the metadata; the handler does
+// not run.
+func TestPoisonWithoutQueue(t *testing.T) {
+	mw := must(idemwm.Dedup(newMemstore(t), idemwm.Options{Scope: "billing/charge"}))
+	var runs atomic.Int32
+	h := mw(func(*message.Message) ([]*message.Message, error) { runs.Add(1); return nil, nil })
+
+	orig := message.NewMessage(wm.NewUUID(), []byte("a"))
+	if _, err := h(orig); err != nil {
+		t.Fatal(err)
+	}
+	cases := []struct {
+		name   string
+		msg    *message.Message
+		reason consumer.Reason
+		is     error
+	}{
+		{"fingerprint_mismatch", message.NewMessage(orig.UUID, []byte("b")), consumer.ReasonFingerprintMismatch, dedup.ErrFingerprintMismatch},
+		{"empty_uuid", message.NewMessage("", []byte("c")), consumer.ReasonInvalidKey, dedup.ErrInvalidKey},
+		{"control_byte", message.NewMessage("id\n2", []byte("d")), consumer.ReasonInvalidKey, dedup.ErrInvalidKey},
+		{"too_long", message.NewMessage(strings.Repeat("x", 256), []byte("e")), consumer.ReasonInvalidKey, dedup.ErrInvalidKey},
+		{"nil_metadata", &message.Message{UUID: "", Payload: []byte("f")}, consumer.ReasonInvalidKey, dedup.ErrInvalidKey},
+	}
+	for _, c := range cases {
+		t.Run(c.name, func(t *testing.T) {
+			_, err := h(c.msg)
+			var pe *idemwm.PoisonError
+			if !errors.As(err, &pe) || pe.Reason != c.reason || !errors.Is(err, c.is) {
+				t.Fatalf("err = %v, want a *PoisonError (%s) wrapping %v", err, c.reason, c.is)
+			}
+			if !idemwm.IsPoison(err) || idemwm.Retryable(err) || !consumer.IsPermanent(err) {
+				t.Errorf("IsPoison %v, Retryable %v, IsPermanent %v", idemwm.IsPoison(err), idemwm.Retryable(err), consumer.IsPermanent(err))
+			}
+			if got := c.msg.Metadata.Get(idemwm.MetadataReason); got != string(c.reason) {
+				t.Errorf("metadata %s = %q, want %q", idemwm.MetadataReason, got, c.reason)
+			}
+		})
+	}
+	if runs.Load() != 1 {
+		t.Errorf("handler ran %d times, want 1", runs.Load())
+	}
+}
+
+// TestPoisonQueueWithFilterOutside: the other wiring, without the option —
+// Watermill's PoisonQueueWithFilter(IsPoison) outermost and Retry with
+// ShouldRetry = Retryable: poison skips the retries and lands in the poison
+// queue; a transient handler error is retried and never poisoned.
+func TestPoisonQueueWithFilterOutside(t *testing.T) {
+	poisonPub := &recordingPublisher{}
+	pq := must(middleware.PoisonQueueWithFilter(poisonPub, "poison", idemwm.IsPoison))
+	var retried, notRetried atomic.Int32
+	retry := fastRetry(5)
+	retry.ShouldRetry = func(p middleware.RetryParams) bool {
+		ok := idemwm.Retryable(p.Err)
+		if ok {
+			retried.Add(1)
+		} else {
+			notRetried.Add(1)
+		}
+		return ok
+	}
+
+	ps := newGoChannel(t)
+	r := newRouter(t)
+	r.AddMiddleware(pq, retry.Middleware, must(idemwm.Dedup(newMemstore(t), idemwm.Options{})))
+	var runs atomic.Int32
+	topic := testenv.Name("payments")
+	r.AddConsumerHandler("charge", topic, ps, func(msg *message.Message) error {
+		if runs.Add(1) == 2 {
+			return errGateway // the second message fails once
+		}
+		return nil
+	})
+	startRouter(t, r)
+
+	a := message.NewMessage(wm.NewUUID(), []byte("a"))
+	b := message.NewMessage(wm.NewUUID(), []byte("b"))
+	forged := message.NewMessage(a.UUID, []byte("forged"))
+	for _, m := range []*message.Message{a, b, forged} {
+		if err := ps.Publish(topic, m); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if runs.Load() != 3 {
+		t.Errorf("handler ran %d times, want 3 (a, b failing, b again)", runs.Load())
+	}
+	_, got := poisonPub.published()
+	if len(got) != 1 || got[0].UUID != forged.UUID || got[0].Metadata.Get(idemwm.MetadataReason) != string(consumer.ReasonFingerprintMismatch) {
+		t.Fatalf("poison queue got %v", got)
+	}
+	if retried.Load() != 1 || notRetried.Load() != 1 {
+		t.Errorf("Retry retried %d errors and gave up on %d; want 1 (the gateway timeout) and 1 (the forged message)", retried.Load(), notRetried.Load())
+	}
+}
+
+// TestKeyFunc: KeyFunc picks the id; its error is retried unless it says the
+// key is invalid or permanent.
+func TestKeyFunc(t *testing.T) {
+	store := newMemstore(t)
+	var keyErr error
+	mw := must(idemwm.Dedup(store, idemwm.Options{Scope: "s", KeyFunc: func(m *message.Message) (string, error) {
+		return "order-" + string(m.Payload), keyErr
+	}}))
+	var runs atomic.Int32
+	h := mw(func(*message.Message) ([]*message.Message, error) { runs.Add(1); return nil, nil })
+	for i := range 2 { // two UUIDs, one key: the second is a duplicate
+		if _, err := h(message.NewMessage(fmt.Sprint(i), []byte("7"))); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if runs.Load() != 1 {
+		t.Fatalf("runs = %d", runs.Load())
+	}
+	keyErr = errors.New("schema registry unreachable")
+	if _, err := h(message.NewMessage("x", []byte("8"))); err == nil || idemwm.IsPoison(err) || !idemwm.Retryable(err) {
+		t.Errorf("transient key error: %v", err)
+	}
+	for _, e := range []error{fmt.Errorf("no order id: %w", dedup.ErrInvalidKey), consumer.Permanent(errors.New("undecodable"))} {
+		keyErr = e
+		if _, err := h(message.NewMessage("x", []byte("9"))); !idemwm.IsPoison(err) {
+			t.Errorf("key error %v: got %v, want poison", e, err)
+		}
+	}
+}
+
+// TestScopeFromHandlerName: outside a router, with no Options.Scope, there
+// is no scope: a configuration error, retried (never poison).
+func TestScopeFromHandlerName(t *testing.T) {
+	mw := must(idemwm.Dedup(newMemstore(t), idemwm.Options{}))
+	_, err := mw(func(*message.Message) ([]*message.Message, error) { return nil, nil })(message.NewMessage("a", nil))
+	if err == nil || idemwm.IsPoison(err) || !strings.Contains(err.Error(), "Options.Scope") {
+		t.Fatalf("err = %v", err)
+	}
+}

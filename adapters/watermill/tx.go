@@ -1,0 +1,164 @@
+package watermill
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"maps"
+
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5"
+
+	"github.com/idemkit/idem/consumer"
+	"github.com/idemkit/idem/dedup"
+	"github.com/idemkit/idem/outbox"
+)
+
+type txKey struct{}
+
+// Tx returns the transaction that holds the message's claim when the handler
+// runs under Transactional, or nil. Call it with msg.Context(). The handler's
+// writes through it commit together with the claim (and the outbox rows), or
+// not at all. The handler must not commit or roll it back, and must close any
+// Rows it opens before returning.
+func Tx(ctx context.Context) pgx.Tx {
+	tx, _ := ctx.Value(txKey{}).(pgx.Tx)
+	return tx
+}
+
+// Transactional returns router middleware that runs the handler inside
+// store.Process (dedup/pgtable's Store): it begins a transaction, claims the
+// message's key in it, runs the handler with the transaction in
+// msg.Context() (see Tx), and commits when the handler succeeds. The claim
+// and the handler's writes commit together, so the effect on the database
+// happens exactly once: no lease, no clock.
+//
+//   - the handler fails or panics: the transaction rolls back, the claim with
+//     it, and the handler's error (or panic) goes on unchanged, so the
+//     redelivery or Watermill's Retry middleware runs the handler again.
+//   - duplicate: the message is acknowledged without running the handler
+//     (nil, nil). A concurrent delivery of the same key waits on the
+//     claim's row until the first transaction ends, then is a duplicate (or
+//     runs, if the first rolled back).
+//   - fingerprint mismatch or invalid key: poison, see Options.PoisonQueue.
+//   - a store error, or the key held by a lease-mode claim (dedup.ErrInFlight):
+//     an error is returned and the handler does not run.
+//
+// With Options.Outbox, the messages the handler returns are written to the
+// outbox in the same transaction and not returned to the router: they are
+// published by the outbox relay once committed, and never when the
+// transaction rolls back. Without it they are returned to the router, which
+// publishes them after the commit.
+//
+// Options.ExtendEvery and FinishTimeout are not used.
+func Transactional(store dedup.TxStore[pgx.Tx], opts Options) (message.HandlerMiddleware, error) {
+	if store == nil {
+		return nil, errors.New("watermill: Transactional: store is nil; pass a dedup.TxStore[pgx.Tx] such as pgtable.New")
+	}
+	if opts.Outbox == nil && (opts.OutboxTopic != "" || opts.OutboxKey != nil) {
+		return nil, errors.New("watermill: Transactional: Options.OutboxTopic and OutboxKey need Options.Outbox (a *pgoutbox.Outbox)")
+	}
+	c, err := newConfig("Transactional", opts)
+	if err != nil {
+		return nil, err
+	}
+	t := &txMiddleware{config: c, store: store}
+	return func(h message.HandlerFunc) message.HandlerFunc {
+		return func(msg *message.Message) ([]*message.Message, error) {
+			return t.handle(h, msg)
+		}
+	}, nil
+}
+
+type txMiddleware struct {
+	*config
+	store dedup.TxStore[pgx.Tx]
+}
+
+func (t *txMiddleware) handle(h message.HandlerFunc, msg *message.Message) ([]*message.Message, error) {
+	key, err := t.keys.build(msg)
+	if err != nil {
+		return t.rejectKey(msg, err)
+	}
+	orig := msg.Context()
+	var (
+		out     []*message.Message
+		ran     bool
+		herr    error
+		settled bool // the handler returned (no panic)
+	)
+	defer func() {
+		if !settled && ran {
+			// The handler panicked: Process rolled back.
+			t.outcome(msg, consumer.OutcomeReleased)
+		}
+	}()
+	_, err = t.store.Process(orig, key, func(ctx context.Context, tx pgx.Tx) ([]byte, error) {
+		ran = true
+		msg.SetContext(context.WithValue(ctx, txKey{}, tx))
+		defer msg.SetContext(orig)
+		out, herr = h(msg)
+		settled = true
+		if herr != nil {
+			return nil, herr
+		}
+		if t.Outbox != nil && len(out) > 0 {
+			if herr = t.enqueue(ctx, orig, tx, out); herr != nil {
+				return nil, herr
+			}
+			out = nil
+		}
+		return nil, nil
+	})
+	switch {
+	case err == nil:
+		t.outcome(msg, consumer.OutcomeCompleted)
+		return out, nil
+	case ran && herr != nil:
+		t.outcome(msg, consumer.OutcomeReleased)
+		return nil, herr
+	case ran:
+		// The handler succeeded but the commit failed: nothing happened.
+		t.outcome(msg, consumer.OutcomeCompleteFailed)
+		return nil, fmt.Errorf("watermill: commit %s: %w", key, err)
+	}
+	return t.claimFailed(msg, key, err)
+}
+
+// enqueue writes the handler's messages to the outbox in tx.
+func (t *txMiddleware) enqueue(ctx, msgCtx context.Context, tx pgx.Tx, out []*message.Message) error {
+	topic := t.OutboxTopic
+	if topic == "" {
+		topic = message.PublishTopicFromCtx(msgCtx)
+	}
+	if topic == "" {
+		return errors.New("watermill: the handler returned messages but there is no topic to write them to the outbox with: register the handler with Router.AddHandler and a publish topic, or set Options.OutboxTopic")
+	}
+	msgs := make([]outbox.Message, 0, len(out))
+	for _, m := range out {
+		if m == nil {
+			continue
+		}
+		om := outbox.Message{Topic: topic, Payload: m.Payload}
+		// The message keeps its UUID downstream when it is one; otherwise
+		// the outbox assigns a UUIDv7.
+		if _, err := uuid.Parse(m.UUID); err == nil {
+			om.ID = m.UUID
+		}
+		if len(m.Metadata) > 0 {
+			om.Headers = maps.Clone(map[string]string(m.Metadata))
+		}
+		if t.OutboxKey != nil {
+			om.Key = t.OutboxKey(m)
+		}
+		msgs = append(msgs, om)
+	}
+	if len(msgs) == 0 {
+		return nil
+	}
+	if _, err := t.Outbox.Enqueue(ctx, tx, msgs...); err != nil {
+		return fmt.Errorf("watermill: write %d returned messages to the outbox: %w", len(msgs), err)
+	}
+	return nil
+}
