@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"sort"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -266,14 +267,39 @@ func (s *Store) claimBatchInsert(ctx context.Context, tx pgx.Tx, scopes, ids []s
 	if s.opts.Partitioned {
 		return s.claimBatchPartitioned(ctx, tx, scopes, ids, fps)
 	}
-	rows, err := tx.Query(ctx, s.sql.claimBatchInsert, scopes, ids, fps, millis(s.opts.Retention))
+	// Distinct keys in a fixed (bytewise) order; a key repeated in the
+	// batch is claimed by its first occurrence.
+	first := make(map[[2]string]int, len(scopes))
+	order := make([]int, 0, len(scopes))
+	for i := range scopes {
+		k := [2]string{scopes[i], ids[i]}
+		if _, dup := first[k]; dup {
+			continue
+		}
+		first[k] = i
+		order = append(order, i)
+	}
+	sort.Slice(order, func(a, b int) bool {
+		x, y := order[a], order[b]
+		if scopes[x] != scopes[y] {
+			return scopes[x] < scopes[y]
+		}
+		return ids[x] < ids[y]
+	})
+	ss, is, fs := make([]string, len(order)), make([]string, len(order)), make([][]byte, len(order))
+	for j, i := range order {
+		ss[j], is[j], fs[j] = scopes[i], ids[i], fps[i]
+	}
+	rows, err := tx.Query(ctx, s.sql.claimBatchSorted, ss, is, fs, millis(s.opts.Retention))
 	if err != nil {
 		return nil, fmt.Errorf("pgtable: batch claim: %w", err)
 	}
 	won := make([]bool, len(scopes))
-	var ord int64
-	_, err = pgx.ForEachRow(rows, []any{&ord}, func() error {
-		won[ord-1] = true
+	var sc, id string
+	_, err = pgx.ForEachRow(rows, []any{&sc, &id}, func() error {
+		if i, ok := first[[2]string{sc, id}]; ok {
+			won[i] = true
+		}
 		return nil
 	})
 	if err != nil {

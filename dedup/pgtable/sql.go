@@ -6,7 +6,7 @@ import "strings"
 // parameter is bound; only the validated, quoted table name is spliced in.
 type statements struct {
 	claimTx, lookup, setResult                  string
-	claimBatchInsert, claimBatchLookup          string
+	claimBatchSorted, claimBatchLookup          string
 	leaseClaim, leaseExtend, leaseComplete      string
 	leaseRelease, cleanup, backdateForTestsOnly string
 }
@@ -47,26 +47,19 @@ FROM {{T}} e WHERE e.scope = $1 AND e.id = $2`),
 
 		setResult: r.Replace(`UPDATE {{T}} SET result = $3 WHERE scope = $1 AND id = $2 AND state = 2`),
 
-		// $1 scopes, $2 ids, $3 fingerprints, $4 retention ms. Returns the
-		// ordinal of each input row that won; repeated keys in one batch
-		// are inserted once (the first occurrence).
-		claimBatchInsert: r.Replace(`
-WITH input AS (
-    SELECT u.scope, u.id, u.fp, u.ord
-    FROM unnest($1::text[], $2::text[], $3::bytea[]) WITH ORDINALITY AS u(scope, id, fp, ord)
-), firsts AS (
-    SELECT DISTINCT ON (scope, id) scope, id, fp, ord FROM input ORDER BY scope, id, ord
-), ins AS (
-    INSERT INTO {{T}} AS e (scope, id, fingerprint, state, created_at, completed_at, expires_at)
-    SELECT scope, id, fp, 2, clock_timestamp(), clock_timestamp(), clock_timestamp() + $4 * interval '1 millisecond'
-    FROM firsts ORDER BY scope, id
-    ON CONFLICT (scope, id) DO UPDATE
-        SET fingerprint = EXCLUDED.fingerprint, state = 2, token = NULL, lease_until = NULL, result = NULL,
-            created_at = EXCLUDED.created_at, completed_at = EXCLUDED.completed_at, expires_at = EXCLUDED.expires_at
-        WHERE {{EXPIRED}}
-    RETURNING e.scope, e.id
-)
-SELECT f.ord FROM firsts f JOIN ins USING (scope, id)`),
+		// $1 scopes, $2 ids, $3 fingerprints, $4 retention ms: distinct
+		// keys, sorted in Go, inserted in that order (so overlapping
+		// batches lock keys in the same order and cannot deadlock).
+		// Returns the keys that won.
+		claimBatchSorted: r.Replace(`
+INSERT INTO {{T}} AS e (scope, id, fingerprint, state, created_at, completed_at, expires_at)
+SELECT u.scope, u.id, u.fp, 2, clock_timestamp(), clock_timestamp(), clock_timestamp() + $4 * interval '1 millisecond'
+FROM unnest($1::text[], $2::text[], $3::bytea[]) AS u(scope, id, fp)
+ON CONFLICT (scope, id) DO UPDATE
+    SET fingerprint = EXCLUDED.fingerprint, state = 2, token = NULL, lease_until = NULL, result = NULL,
+        created_at = EXCLUDED.created_at, completed_at = EXCLUDED.completed_at, expires_at = EXCLUDED.expires_at
+    WHERE {{EXPIRED}}
+RETURNING e.scope, e.id`),
 
 		claimBatchLookup: r.Replace(`
 SELECT e.scope, e.id, e.state, e.fingerprint, e.result,
