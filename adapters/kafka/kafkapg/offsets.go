@@ -1,21 +1,17 @@
 package kafkapg
 
 import (
-	"bytes"
 	"context"
 	"embed"
 	"errors"
 	"fmt"
-	"hash/fnv"
-	"io/fs"
-	"sort"
-	"text/template"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/idemkit/idem/adapters/kafka"
+	"github.com/idemkit/idem/internal/pgmigrate"
 	"github.com/idemkit/idem/internal/sqlname"
 )
 
@@ -164,10 +160,7 @@ func (o *Offsets) SaveTx(ctx context.Context, tx pgx.Tx, pos kafka.Position) err
 var migrationFS embed.FS
 
 // Migration is one embedded schema change, rendered for a schema and table.
-type Migration struct {
-	Version string // file name, e.g. "0001_kafka_offsets"
-	SQL     string
-}
+type Migration = pgmigrate.Migration
 
 type tmplData struct{ schema, table string }
 
@@ -175,28 +168,7 @@ func (d tmplData) Table() string { return sqlname.Qualified(d.schema, d.table) }
 
 // Migrations returns the migrations in order.
 func (o *Offsets) Migrations() ([]Migration, error) {
-	names, err := fs.Glob(migrationFS, "migrations/*.sql")
-	if err != nil {
-		return nil, err
-	}
-	sort.Strings(names)
-	out := make([]Migration, 0, len(names))
-	for _, n := range names {
-		raw, err := migrationFS.ReadFile(n)
-		if err != nil {
-			return nil, err
-		}
-		t, err := template.New(n).Parse(string(raw))
-		if err != nil {
-			return nil, fmt.Errorf("kafkapg: migration %s: %w", n, err)
-		}
-		var b bytes.Buffer
-		if err := t.Execute(&b, tmplData{schema: o.opts.Schema, table: o.opts.Table}); err != nil {
-			return nil, fmt.Errorf("kafkapg: migration %s: %w", n, err)
-		}
-		out = append(out, Migration{Version: n[len("migrations/") : len(n)-len(".sql")], SQL: b.String()})
-	}
-	return out, nil
+	return pgmigrate.Render("kafkapg", migrationFS, "migrations", tmplData{schema: o.opts.Schema, table: o.opts.Table})
 }
 
 // SQL returns every migration as one script, with the schema creation, for
@@ -206,12 +178,7 @@ func (o *Offsets) SQL() (string, error) {
 	if err != nil {
 		return "", err
 	}
-	var b bytes.Buffer
-	fmt.Fprintf(&b, "CREATE SCHEMA IF NOT EXISTS %s;\n", sqlname.Quote(o.opts.Schema))
-	for _, m := range ms {
-		fmt.Fprintf(&b, "\n-- idem kafkapg migration %s\n%s", m.Version, m.SQL)
-	}
-	return b.String(), nil
+	return pgmigrate.Script("kafkapg", o.opts.Schema, ms), nil
 }
 
 func (o *Offsets) versionTable() string {
@@ -226,32 +193,10 @@ func (o *Offsets) Migrate(ctx context.Context) error {
 	if err != nil {
 		return err
 	}
-	h := fnv.New64a()
-	h.Write([]byte("idem:kafkapg:migrate:" + o.opts.Schema + "." + o.opts.Table))
-	lock := int64(h.Sum64())
-	return pgx.BeginFunc(ctx, o.db, func(tx pgx.Tx) error {
-		if _, err := tx.Exec(ctx, "SELECT pg_advisory_xact_lock($1)", lock); err != nil {
-			return fmt.Errorf("kafkapg: migrate: lock: %w", err)
-		}
-		if _, err := tx.Exec(ctx, "CREATE SCHEMA IF NOT EXISTS "+sqlname.Quote(o.opts.Schema)); err != nil {
-			return fmt.Errorf("kafkapg: migrate: schema: %w", err)
-		}
-		if _, err := tx.Exec(ctx, "CREATE TABLE IF NOT EXISTS "+o.versionTable()+
-			" (version text PRIMARY KEY, applied_at timestamptz NOT NULL DEFAULT clock_timestamp())"); err != nil {
-			return fmt.Errorf("kafkapg: migrate: version table: %w", err)
-		}
-		for _, m := range ms {
-			tag, err := tx.Exec(ctx, "INSERT INTO "+o.versionTable()+" (version) VALUES ($1) ON CONFLICT DO NOTHING", m.Version)
-			if err != nil {
-				return fmt.Errorf("kafkapg: migrate %s: %w", m.Version, err)
-			}
-			if tag.RowsAffected() == 0 {
-				continue
-			}
-			if _, err := tx.Exec(ctx, m.SQL); err != nil {
-				return fmt.Errorf("kafkapg: migrate %s: %w", m.Version, err)
-			}
-		}
-		return nil
-	})
+	return pgmigrate.Migrate(ctx, o.db, pgmigrate.Target{
+		Who:          "kafkapg",
+		Schema:       o.opts.Schema,
+		VersionTable: o.versionTable(),
+		LockKey:      pgmigrate.LockKey("idem:kafkapg:migrate:" + o.opts.Schema + "." + o.opts.Table),
+	}, ms, nil)
 }
