@@ -37,6 +37,29 @@ type Options struct {
 	SweepInterval time.Duration
 }
 
+const shardCount = 64
+
+// mapKey is a key without its fingerprint: the map is keyed by (scope, id).
+type mapKey struct{ scope, id string }
+
+type shard struct {
+	mu      sync.Mutex
+	entries map[mapKey]*entry
+}
+
+func (s *Store) shardOf(scope, id string) *shard {
+	// FNV-1a over scope, a separator, and id.
+	h := uint32(2166136261)
+	for i := 0; i < len(scope); i++ {
+		h = (h ^ uint32(scope[i])) * 16777619
+	}
+	h = (h ^ 0xff) * 16777619
+	for i := 0; i < len(id); i++ {
+		h = (h ^ uint32(id[i])) * 16777619
+	}
+	return &s.shards[h%shardCount]
+}
+
 type state uint8
 
 const (
@@ -54,12 +77,15 @@ type entry struct {
 
 // Store is an in-memory LeaseStore. It is safe for concurrent use. Close stops
 // its sweeper.
+//
+// Keys are spread over shards, each with its own lock, so concurrent
+// handlers rarely wait for each other.
 type Store struct {
 	opts Options
 
-	mu      sync.Mutex
-	entries map[dedup.Key]*entry
-	closed  bool
+	closeMu sync.Mutex
+	closed  atomic.Bool
+	shards  [shardCount]shard
 
 	stop chan struct{}
 	wg   sync.WaitGroup
@@ -98,7 +124,10 @@ func New(opts Options) (*Store, error) {
 	}
 	var p [8]byte
 	_, _ = rand.Read(p[:])
-	s := &Store{opts: opts, entries: make(map[dedup.Key]*entry), stop: make(chan struct{}), tokenPrefix: hex.EncodeToString(p[:]) + "-"}
+	s := &Store{opts: opts, stop: make(chan struct{}), tokenPrefix: hex.EncodeToString(p[:]) + "-"}
+	for i := range s.shards {
+		s.shards[i].entries = make(map[mapKey]*entry)
+	}
 	if opts.SweepInterval > 0 {
 		s.wg.Add(1)
 		go s.sweep()
@@ -109,14 +138,19 @@ func New(opts Options) (*Store, error) {
 // Close stops the sweeper and makes every later call return dedup.ErrClosed.
 // It is safe to call more than once.
 func (s *Store) Close() error {
-	s.mu.Lock()
-	if s.closed {
-		s.mu.Unlock()
+	s.closeMu.Lock()
+	if s.closed.Load() {
+		s.closeMu.Unlock()
 		return nil
 	}
-	s.closed = true
-	s.entries = nil
-	s.mu.Unlock()
+	s.closed.Store(true)
+	for i := range s.shards {
+		sh := &s.shards[i]
+		sh.mu.Lock()
+		sh.entries = nil
+		sh.mu.Unlock()
+	}
+	s.closeMu.Unlock()
 	close(s.stop)
 	s.wg.Wait()
 	return nil
@@ -125,9 +159,14 @@ func (s *Store) Close() error {
 // Len returns the number of entries held in memory, including expired ones
 // the sweeper has not removed yet.
 func (s *Store) Len() int {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return len(s.entries)
+	n := 0
+	for i := range s.shards {
+		sh := &s.shards[i]
+		sh.mu.Lock()
+		n += len(sh.entries)
+		sh.mu.Unlock()
+	}
+	return n
 }
 
 func (s *Store) sweep() {
@@ -139,14 +178,17 @@ func (s *Store) sweep() {
 		case <-s.stop:
 			return
 		case <-t.C:
-			s.mu.Lock()
 			now := s.opts.Clock.Now()
-			for k, e := range s.entries {
-				if !now.Before(e.expires) {
-					delete(s.entries, k)
+			for i := range s.shards {
+				sh := &s.shards[i]
+				sh.mu.Lock()
+				for k, e := range sh.entries {
+					if !now.Before(e.expires) {
+						delete(sh.entries, k)
+					}
 				}
+				sh.mu.Unlock()
 			}
-			s.mu.Unlock()
 		}
 	}
 }
@@ -166,18 +208,20 @@ func (s *Store) Claim(ctx context.Context, key dedup.Key) (*dedup.Lease, error) 
 	if err := dedup.ValidateKey(key, s.opts.MaxKeyLen); err != nil {
 		return nil, err
 	}
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	if s.closed {
+	sh := s.shardOf(key.Scope, key.ID)
+	sh.mu.Lock()
+	defer sh.mu.Unlock()
+	if s.closed.Load() {
 		return nil, dedup.ErrClosed
 	}
-	return s.claimLocked(key)
+	return s.claimLocked(sh, key)
 }
 
-func (s *Store) claimLocked(key dedup.Key) (*dedup.Lease, error) {
+// claimLocked claims key in sh, whose lock the caller holds.
+func (s *Store) claimLocked(sh *shard, key dedup.Key) (*dedup.Lease, error) {
 	now := s.opts.Clock.Now()
-	id := dedup.Key{Scope: key.Scope, ID: key.ID}
-	if e, ok := s.entries[id]; ok && now.Before(e.expires) {
+	id := mapKey{key.Scope, key.ID}
+	if e, ok := sh.entries[id]; ok && now.Before(e.expires) {
 		if !key.Fingerprint.Matches(e.fp) {
 			return nil, dedup.Mismatch(key)
 		}
@@ -187,7 +231,7 @@ func (s *Store) claimLocked(key dedup.Key) (*dedup.Lease, error) {
 		return nil, dedup.InFlight(key, e.expires.Sub(now))
 	}
 	l := &dedup.Lease{Key: key, Token: s.newToken(), TTL: s.opts.Lease}
-	s.entries[id] = &entry{state: inFlight, token: l.Token, fp: key.Fingerprint, expires: now.Add(s.opts.Lease)}
+	sh.entries[id] = &entry{state: inFlight, token: l.Token, fp: key.Fingerprint, expires: now.Add(s.opts.Lease)}
 	return l, nil
 }
 
@@ -196,35 +240,45 @@ func (s *Store) ClaimBatch(ctx context.Context, keys []dedup.Key) ([]dedup.Batch
 	if err := ctx.Err(); err != nil {
 		return nil, err
 	}
-	out := make([]dedup.BatchResult, len(keys))
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	if s.closed {
+	if s.closed.Load() {
 		return nil, dedup.ErrClosed
 	}
+	out := make([]dedup.BatchResult, len(keys))
 	for i, k := range keys {
 		if err := dedup.ValidateKey(k, s.opts.MaxKeyLen); err != nil {
 			out[i].Err = err
 			continue
 		}
-		out[i].Lease, out[i].Err = s.claimLocked(k)
+		sh := s.shardOf(k.Scope, k.ID)
+		sh.mu.Lock()
+		if s.closed.Load() {
+			sh.mu.Unlock()
+			return nil, dedup.ErrClosed
+		}
+		out[i].Lease, out[i].Err = s.claimLocked(sh, k)
+		sh.mu.Unlock()
 	}
 	return out, nil
 }
 
-// owned returns the entry l owns, or an error.
-func (s *Store) owned(l *dedup.Lease) (*entry, error) {
-	if s.closed {
-		return nil, dedup.ErrClosed
-	}
+// owned locks the shard of l's key and returns it with the entry l owns.
+// On success the caller must unlock the shard.
+func (s *Store) owned(l *dedup.Lease) (*shard, *entry, error) {
 	if l == nil {
-		return nil, fmt.Errorf("memstore: nil lease: %w", dedup.ErrLeaseLost)
+		return nil, nil, fmt.Errorf("memstore: nil lease: %w", dedup.ErrLeaseLost)
 	}
-	e, ok := s.entries[dedup.Key{Scope: l.Key.Scope, ID: l.Key.ID}]
+	sh := s.shardOf(l.Key.Scope, l.Key.ID)
+	sh.mu.Lock()
+	if s.closed.Load() {
+		sh.mu.Unlock()
+		return nil, nil, dedup.ErrClosed
+	}
+	e, ok := sh.entries[mapKey{l.Key.Scope, l.Key.ID}]
 	if !ok || e.state != inFlight || e.token != l.Token || !s.opts.Clock.Now().Before(e.expires) {
-		return nil, fmt.Errorf("memstore: key %s: %w", l.Key, dedup.ErrLeaseLost)
+		sh.mu.Unlock()
+		return nil, nil, fmt.Errorf("memstore: key %s: %w", l.Key, dedup.ErrLeaseLost)
 	}
-	return e, nil
+	return sh, e, nil
 }
 
 // Extend implements dedup.LeaseStore.
@@ -232,12 +286,11 @@ func (s *Store) Extend(ctx context.Context, l *dedup.Lease) error {
 	if err := ctx.Err(); err != nil {
 		return err
 	}
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	e, err := s.owned(l)
+	sh, e, err := s.owned(l)
 	if err != nil {
 		return err
 	}
+	defer sh.mu.Unlock()
 	e.expires = s.opts.Clock.Now().Add(s.opts.Lease)
 	return nil
 }
@@ -247,12 +300,11 @@ func (s *Store) Complete(ctx context.Context, l *dedup.Lease, result []byte) err
 	if err := ctx.Err(); err != nil {
 		return err
 	}
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	e, err := s.owned(l)
+	sh, e, err := s.owned(l)
 	if err != nil {
 		return err
 	}
+	defer sh.mu.Unlock()
 	e.state = done
 	e.token = ""
 	e.result = clone(result)
@@ -265,12 +317,12 @@ func (s *Store) Release(ctx context.Context, l *dedup.Lease) error {
 	if err := ctx.Err(); err != nil {
 		return err
 	}
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	if _, err := s.owned(l); err != nil {
+	sh, _, err := s.owned(l)
+	if err != nil {
 		return err
 	}
-	delete(s.entries, dedup.Key{Scope: l.Key.Scope, ID: l.Key.ID})
+	defer sh.mu.Unlock()
+	delete(sh.entries, mapKey{l.Key.Scope, l.Key.ID})
 	return nil
 }
 
