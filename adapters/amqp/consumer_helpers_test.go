@@ -4,11 +4,7 @@ import (
 	"context"
 	"fmt"
 	"log/slog"
-	"net"
 	"net/url"
-	"os"
-	"os/exec"
-	"strings"
 	"testing"
 	"time"
 
@@ -274,70 +270,15 @@ func consStart(t testing.TB, c *Consumer) (stop func()) {
 	return stop
 }
 
-// consRabbitmqctl runs the broker's CLI, which works only on the broker's
-// machine; the test skips (fails under CI=true) when it cannot.
-func consRabbitmqctl(t testing.TB) func(args ...string) {
-	t.Helper()
-	u, err := url.Parse(testenv.AMQPURL())
-	if err != nil {
-		t.Fatal(err)
-	}
-	host := u.Hostname()
-	if ip := net.ParseIP(host); host != "localhost" && (ip == nil || !ip.IsLoopback()) {
-		consUnavailable(t, "rabbitmqctl needs the broker on this machine; IDEM_TEST_AMQP_URL points at "+host)
-	}
-	bin, err := exec.LookPath("rabbitmqctl")
-	if err != nil {
-		if _, serr := os.Stat("/usr/sbin/rabbitmqctl"); serr == nil {
-			bin = "/usr/sbin/rabbitmqctl"
-		} else {
-			consUnavailable(t, "rabbitmqctl is not installed")
-		}
-	}
-	run := func(args ...string) ([]byte, error) {
-		ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
-		defer cancel()
-		return exec.CommandContext(ctx, bin, append([]string{"--quiet"}, args...)...).CombinedOutput()
-	}
-	if out, err := run("status"); err != nil {
-		consUnavailable(t, "rabbitmqctl status failed: "+strings.TrimSpace(string(out))+": "+err.Error())
-	}
-	return func(args ...string) {
-		t.Helper()
-		if out, err := run(args...); err != nil {
-			t.Fatalf("rabbitmqctl %s: %v: %s", strings.Join(args, " "), err, out)
-		}
-	}
-}
+// consRabbitmqctl runs the broker's CLI (see testenv.Rabbitmqctl).
+func consRabbitmqctl(t testing.TB) func(args ...string) { t.Helper(); return testenv.Rabbitmqctl(t) }
 
-func consUnavailable(t testing.TB, msg string) {
-	t.Helper()
-	if testenv.Required() {
-		t.Fatal(msg + "; CI=true or IDEM_REQUIRE_SERVICES=1 makes this a failure")
-	}
-	t.Skip(msg)
-}
 
-// consVhost creates a fresh virtual host (deleted when the test ends), so
-// close_all_connections hits only the test's connections; it returns the
-// vhost's name and its broker URL.
+// consVhost creates a fresh virtual host for the test (see
+// testenv.RabbitVhost) and returns its name and broker URL.
 func consVhost(t testing.TB, ctl func(args ...string)) (name, rawURL string) {
 	t.Helper()
-	u, err := url.Parse(testenv.AMQPURL())
-	if err != nil {
-		t.Fatal(err)
-	}
-	name = testenv.Name("idemtest_vh")
-	user := u.User.Username()
-	if user == "" {
-		user = "guest"
-	}
-	ctl("add_vhost", name)
-	t.Cleanup(func() { ctl("delete_vhost", name) })
-	ctl("set_permissions", "-p", name, user, ".*", ".*", ".*")
-	u.Path = "/" + name
-	u.RawPath = ""
-	return name, u.String()
+	return testenv.RabbitVhost(t, ctl)
 }
 
 func consQuiet() *slog.Logger { return slog.New(slog.DiscardHandler) }

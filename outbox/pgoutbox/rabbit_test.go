@@ -2,11 +2,7 @@ package pgoutbox_test
 
 import (
 	"context"
-	"net"
 	"net/url"
-	"os"
-	"os/exec"
-	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -180,69 +176,14 @@ func (c *collector) snapshot() []arrival {
 	return append([]arrival(nil), c.arrivals...)
 }
 
-// rabbitmqctl runs the broker's CLI, which works only on the broker's own
-// machine. The test skips (fails under CI=true) when the broker is not local
-// or the CLI is missing or cannot reach it.
-func rabbitmqctl(t testing.TB) func(args ...string) {
-	t.Helper()
-	u, err := url.Parse(testenv.AMQPURL())
-	if err != nil {
-		t.Fatal(err)
-	}
-	host := u.Hostname()
-	if ip := net.ParseIP(host); host != "localhost" && (ip == nil || !ip.IsLoopback()) {
-		unavailable(t, "rabbitmqctl needs the broker on this machine; IDEM_TEST_AMQP_URL points at "+host)
-	}
-	bin, err := exec.LookPath("rabbitmqctl")
-	if err != nil {
-		if _, serr := os.Stat("/usr/sbin/rabbitmqctl"); serr == nil {
-			bin = "/usr/sbin/rabbitmqctl"
-		} else {
-			unavailable(t, "rabbitmqctl is not installed")
-		}
-	}
-	run := func(args ...string) ([]byte, error) {
-		ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
-		defer cancel()
-		return exec.CommandContext(ctx, bin, append([]string{"--quiet"}, args...)...).CombinedOutput()
-	}
-	if out, err := run("status"); err != nil {
-		unavailable(t, "rabbitmqctl status failed: "+strings.TrimSpace(string(out))+": "+err.Error())
-	}
-	return func(args ...string) {
-		t.Helper()
-		if out, err := run(args...); err != nil {
-			t.Fatalf("rabbitmqctl %s: %v: %s", strings.Join(args, " "), err, out)
-		}
-	}
-}
+// rabbitmqctl runs the broker's CLI (see testenv.Rabbitmqctl).
+func rabbitmqctl(t testing.TB) func(args ...string) { t.Helper(); return testenv.Rabbitmqctl(t) }
 
-func unavailable(t testing.TB, msg string) {
-	t.Helper()
-	if testenv.Required() {
-		t.Fatal(msg + "; CI=true or IDEM_REQUIRE_SERVICES=1 makes this a failure")
-	}
-	t.Skip(msg)
-}
 
-// vhost creates a fresh virtual host for the test (deleted at the end), so
-// close_all_connections hits only the test's connections, and returns the
-// broker URL for it.
+// vhost creates a fresh virtual host for the test and returns its broker URL
+// (see testenv.RabbitVhost).
 func vhost(t testing.TB, ctl func(args ...string)) string {
 	t.Helper()
-	u, err := url.Parse(testenv.AMQPURL())
-	if err != nil {
-		t.Fatal(err)
-	}
-	name := testenv.Name("idemtest_vh")
-	user := u.User.Username()
-	if user == "" {
-		user = "guest"
-	}
-	ctl("add_vhost", name)
-	t.Cleanup(func() { ctl("delete_vhost", name) })
-	ctl("set_permissions", "-p", name, user, ".*", ".*", ".*")
-	u.Path = "/" + name
-	u.RawPath = ""
-	return u.String()
+	_, u := testenv.RabbitVhost(t, ctl)
+	return u
 }
