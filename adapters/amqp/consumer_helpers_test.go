@@ -273,7 +273,6 @@ func consStart(t testing.TB, c *Consumer) (stop func()) {
 // consRabbitmqctl runs the broker's CLI (see testenv.Rabbitmqctl).
 func consRabbitmqctl(t testing.TB) func(args ...string) { t.Helper(); return testenv.Rabbitmqctl(t) }
 
-
 // consVhost creates a fresh virtual host for the test (see
 // testenv.RabbitVhost) and returns its name and broker URL.
 func consVhost(t testing.TB, ctl func(args ...string)) (name, rawURL string) {
