@@ -5,16 +5,14 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
-	"os"
 	"strings"
 	"sync"
 	"testing"
 	"time"
 
 	kafkago "github.com/segmentio/kafka-go"
-	"github.com/twmb/franz-go/pkg/kfake"
 
-	"github.com/idemkit/idem/internal/testenv"
+	"github.com/idemkit/idem/internal/kafkatest"
 	"github.com/idemkit/idem/outbox"
 )
 
@@ -36,70 +34,27 @@ type kenv struct {
 	childSession time.Duration
 	tr           *kafkago.Transport
 	client       *kafkago.Client
+	env          *kafkatest.Env
 }
 
-const brokersEnv = "IDEM_TEST_KAFKA_BROKERS"
-
-// newKafka returns the test Kafka: kfake, closed when the test ends, unless
-// IDEM_TEST_KAFKA_BROKERS names real brokers.
+// newKafka returns the test Kafka (see kafkatest.New): kfake, closed when
+// the test ends, unless IDEM_TEST_KAFKA_BROKERS names real brokers.
 func newKafka(t testing.TB) *kenv {
 	t.Helper()
-	e := &kenv{}
-	if b := os.Getenv(brokersEnv); b != "" {
-		e.brokers = strings.Split(b, ",")
-		e.real = true
+	k := kafkatest.New(t)
+	e := &kenv{brokers: k.Brokers, real: k.Real, tr: k.Transport, client: k.Client, env: k}
+	if e.real {
 		e.session, e.childSession, e.heartbeat = 10*time.Second, 6*time.Second, 500*time.Millisecond
-		testenv.RequireTCP(t, "Kafka ("+brokersEnv+")", e.brokers[0])
 	} else {
-		c, err := kfake.NewCluster(
-			kfake.NumBrokers(1),
-			kfake.GroupMinSessionTimeout(100*time.Millisecond),
-		)
-		if err != nil {
-			t.Fatalf("kfake: %v", err)
-		}
-		t.Cleanup(c.Close)
-		e.brokers = c.ListenAddrs()
 		e.session, e.childSession, e.heartbeat = 10*time.Second, 1500*time.Millisecond, 100*time.Millisecond
 	}
-	e.tr = &kafkago.Transport{}
-	t.Cleanup(e.tr.CloseIdleConnections)
-	e.client = &kafkago.Client{Addr: kafkago.TCP(e.brokers...), Transport: e.tr, Timeout: 10 * time.Second}
 	return e
 }
 
 // topic creates a fresh topic.
 func (e *kenv) topic(t testing.TB, prefix string, partitions int) string {
 	t.Helper()
-	name := testenv.Name(prefix)
-	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
-	defer cancel()
-	res, err := e.client.CreateTopics(ctx, &kafkago.CreateTopicsRequest{
-		Topics: []kafkago.TopicConfig{{Topic: name, NumPartitions: partitions, ReplicationFactor: 1}},
-	})
-	if err == nil {
-		err = res.Errors[name]
-	}
-	if err != nil {
-		t.Fatalf("create topic %s: %v", name, err)
-	}
-	// A real broker elects leaders asynchronously: wait for them.
-	for {
-		md, err := e.client.Metadata(ctx, &kafkago.MetadataRequest{Topics: []string{name}})
-		if err == nil && len(md.Topics) == 1 && md.Topics[0].Error == nil && len(md.Topics[0].Partitions) == partitions {
-			ok := true
-			for _, p := range md.Topics[0].Partitions {
-				ok = ok && p.Error == nil && p.Leader.Host != ""
-			}
-			if ok {
-				return name
-			}
-		}
-		if ctx.Err() != nil {
-			t.Fatalf("topic %s has no leaders: %v", name, err)
-		}
-		time.Sleep(50 * time.Millisecond)
-	}
+	return e.env.Topic(t, prefix, partitions)
 }
 
 // readerConfig is the ReaderConfig the tests give the Consumer.

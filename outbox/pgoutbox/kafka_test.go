@@ -5,7 +5,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"os"
 	"slices"
 	"strings"
 	"sync"
@@ -15,83 +14,38 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	kafkago "github.com/segmentio/kafka-go"
-	"github.com/twmb/franz-go/pkg/kfake"
 
 	"github.com/idemkit/idem/adapters/kafka"
 	"github.com/idemkit/idem/consumer"
 	"github.com/idemkit/idem/dedup/pgtable"
+	"github.com/idemkit/idem/internal/kafkatest"
 	"github.com/idemkit/idem/internal/testenv"
 	"github.com/idemkit/idem/outbox/pgoutbox"
 )
 
-// kafkaBrokersEnv names real Kafka brokers (comma-separated) for the Kafka
-// tests; without it they run on kfake, in process.
-const kafkaBrokersEnv = "IDEM_TEST_KAFKA_BROKERS"
-
-// kafkaEnv is the Kafka the relay tests publish to: an in-process kfake
-// cluster (closed when the test ends), or the brokers of
-// IDEM_TEST_KAFKA_BROKERS. Every Writer and Client of the tests uses its
-// Transport, whose idle connections are closed when the test ends: kafka-go's
-// DefaultTransport would keep them, and their goroutines, alive past goleak.
+// kafkaEnv is the Kafka the relay tests publish to (see kafkatest.New): an
+// in-process kfake cluster, or the brokers of IDEM_TEST_KAFKA_BROKERS. Every
+// Writer and Client of the tests uses its Transport, whose idle connections
+// are closed when the test ends: kafka-go's DefaultTransport would keep them,
+// and their goroutines, alive past goleak.
 type kafkaEnv struct {
 	brokers []string
 	real    bool
 	tr      *kafkago.Transport
 	client  *kafkago.Client
+	env     *kafkatest.Env
 }
 
 func newKafkaEnv(t testing.TB) *kafkaEnv {
 	t.Helper()
-	k := &kafkaEnv{}
-	if s := os.Getenv(kafkaBrokersEnv); s != "" {
-		k.brokers = strings.Split(s, ",")
-		k.real = true
-		testenv.RequireTCP(t, "Kafka ("+kafkaBrokersEnv+")", k.brokers[0])
-	} else {
-		c, err := kfake.NewCluster(kfake.NumBrokers(1), kfake.GroupMinSessionTimeout(100*time.Millisecond))
-		if err != nil {
-			t.Fatalf("kfake: %v", err)
-		}
-		t.Cleanup(c.Close)
-		k.brokers = c.ListenAddrs()
-	}
-	k.tr = &kafkago.Transport{}
-	t.Cleanup(k.tr.CloseIdleConnections)
-	k.client = &kafkago.Client{Addr: kafkago.TCP(k.brokers...), Transport: k.tr, Timeout: 10 * time.Second}
-	return k
+	e := kafkatest.New(t)
+	return &kafkaEnv{brokers: e.Brokers, real: e.Real, tr: e.Transport, client: e.Client, env: e}
 }
 
 // createTopic creates a fresh topic and waits for its partitions' leaders.
 func (k *kafkaEnv) createTopic(t testing.TB, prefix string, partitions int) string {
 	t.Helper()
-	name := testenv.Name(prefix)
-	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
-	defer cancel()
-	res, err := k.client.CreateTopics(ctx, &kafkago.CreateTopicsRequest{
-		Topics: []kafkago.TopicConfig{{Topic: name, NumPartitions: partitions, ReplicationFactor: 1}},
-	})
-	if err == nil {
-		err = res.Errors[name]
-	}
-	if err != nil {
-		t.Fatalf("create topic %s: %v", name, err)
-	}
-	for {
-		md, err := k.client.Metadata(ctx, &kafkago.MetadataRequest{Topics: []string{name}})
-		if err == nil && len(md.Topics) == 1 && md.Topics[0].Error == nil && len(md.Topics[0].Partitions) == partitions {
-			ok := true
-			for _, p := range md.Topics[0].Partitions {
-				ok = ok && p.Error == nil && p.Leader.Host != ""
-			}
-			if ok {
-				return name
-			}
-		}
-		if ctx.Err() != nil {
-			t.Fatalf("topic %s has no leaders: %v", name, err)
-		}
-		time.Sleep(20 * time.Millisecond)
-	}
+	return k.env.Topic(t, prefix, partitions)
 }
 
 // deleteTopic deletes topic, so that kfake (which keeps records in the test
