@@ -56,6 +56,13 @@ import (
 //
 // The redelivered flag is exposed as consumer.Message.Redelivered and
 // counted in Stats; nothing decides on it.
+//
+// Crash redeliveries (a message that kills the worker process, or whose
+// channel closes, every time) are bounded only on quorum queues
+// (ConsumerOptions.QuorumQueue): the broker counts them in x-delivery-count,
+// and a delivery past ConsumerOptions.MaxDeliveries is dead-lettered with
+// reason redelivery_limit before the handler runs. A classic queue keeps no
+// such count, and there such a message is redelivered forever.
 type Consumer struct {
 	url    string
 	queue  string
@@ -411,11 +418,34 @@ func (c *Consumer) handle(ctx, hctx context.Context, s *consSession, d amqp091.D
 		c.stats.redelivered.Add(1)
 	}
 	mctx := context.WithValue(hctx, consDeliveryKey{}, &d)
-	r := consumer.Process(mctx, c.h, msg)
-	out := c.settle(hctx, s, &d, msg, r)
+	var (
+		r   consumer.Result
+		out ConsumerOutcome
+	)
+	if n, ok := c.overDelivered(&d); ok {
+		// Poison: every earlier delivery died unsettled (a crash, a closed
+		// channel). Running the handler again would only kill another
+		// worker.
+		r = consumer.Result{Action: consumer.ActionDeadLetter, Reason: ReasonRedeliveryLimit,
+			Err: fmt.Errorf("delivered %d times without being settled (MaxDeliveries %d)", n+1, c.opts.MaxDeliveries)}
+		out = c.deadLetter(hctx, s, &d, msg, r.Reason, r.Err)
+	} else {
+		r = consumer.Process(mctx, c.h, msg)
+		out = c.settle(hctx, s, &d, msg, r)
+	}
 	if c.opts.OnResult != nil {
 		c.opts.OnResult(mctx, msg, r, out)
 	}
+}
+
+// overDelivered reports whether d is past MaxDeliveries, with its
+// x-delivery-count.
+func (c *Consumer) overDelivered(d *amqp091.Delivery) (int64, bool) {
+	if c.opts.MaxDeliveries < 0 {
+		return 0, false
+	}
+	n, ok := consHeaderInt(d.Headers[HeaderDeliveryCount])
+	return n, ok && n >= int64(c.opts.MaxDeliveries)
 }
 
 func (c *Consumer) settle(hctx context.Context, s *consSession, d *amqp091.Delivery, msg *consumer.Message, r consumer.Result) ConsumerOutcome {
@@ -554,6 +584,10 @@ func (c *Consumer) copyOf(d *amqp091.Delivery, attempt int) amqp091.Publishing {
 	for k, v := range d.Headers {
 		h[k] = v
 	}
+	// The count is the work queue's, of this delivery; a copy is a new
+	// message there (and a replayed dead letter must not come back
+	// poisoned).
+	delete(h, HeaderDeliveryCount)
 	h[HeaderAttempt] = int32(min(attempt, 1<<30))
 	h[HeaderQueue] = c.queue
 	if _, ok := h[HeaderExchange]; !ok {

@@ -22,10 +22,17 @@ import (
 // and queue a Consumer declares for it, when the test ends.
 func consQueue(t testing.TB, rawURL string, delays []time.Duration) string {
 	t.Helper()
+	return consQueueArgs(t, rawURL, delays, nil)
+}
+
+// consQueueArgs is consQueue with the work queue's declare arguments, for
+// example {"x-queue-type": "quorum"}.
+func consQueueArgs(t testing.TB, rawURL string, delays []time.Duration, args amqp091.Table) string {
+	t.Helper()
 	consRequireBroker(t, rawURL)
 	q := testenv.Name("idemtest_cq")
 	consAdmin(t, rawURL, func(ch *amqp091.Channel) error {
-		_, err := ch.QueueDeclare(q, true, false, false, false, nil)
+		_, err := ch.QueueDeclare(q, true, false, false, false, args)
 		return err
 	})
 	t.Cleanup(func() {

@@ -2,8 +2,10 @@ package amqp
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"log/slog"
+	"maps"
 	"slices"
 	"time"
 
@@ -39,7 +41,19 @@ const (
 	// which travel through the default exchange.
 	HeaderExchange   = "x-idem-exchange"
 	HeaderRoutingKey = "x-idem-routing-key"
+
+	// HeaderDeliveryCount is the header in which quorum queues report how
+	// many earlier deliveries of a message were returned unsettled. The
+	// Consumer reads it (ConsumerOptions.MaxDeliveries) and strips it from
+	// the copies it publishes.
+	HeaderDeliveryCount = "x-delivery-count"
 )
+
+// ReasonRedeliveryLimit is the HeaderReason (and the Result.Reason passed to
+// OnResult) of a message dead-lettered because the broker delivered it more
+// than ConsumerOptions.MaxDeliveries times without it being settled: it
+// crashed or stalled every worker that took it.
+const ReasonRedeliveryLimit consumer.Reason = "redelivery_limit"
 
 // ConsumerBinding binds the work queue to an exchange. The exchange must
 // exist (it is the producer's); the binding is declared on every connect.
@@ -80,9 +94,41 @@ type ConsumerOptions struct {
 	// they are durable and persistent.
 	NotDurable bool
 	// QueueArgs are the work queue's declare arguments, for example
-	// {"x-queue-type": "quorum"}. They must match the queue's if it
-	// exists, or Run fails with PRECONDITION_FAILED.
+	// {"x-max-length": 100000}. They must match the queue's if it exists,
+	// or Run fails with PRECONDITION_FAILED.
 	QueueArgs amqp091.Table
+	// QuorumQueue declares the work queue as a quorum queue
+	// ("x-queue-type": "quorum", added to QueueArgs). A quorum queue
+	// counts the deliveries of each message that were not acknowledged
+	// and reports the count in the x-delivery-count header, which bounds
+	// crash redeliveries (see MaxDeliveries). It requires durable queues:
+	// NotDurable must be false. An existing classic queue of the same name
+	// cannot be turned into a quorum queue: Run fails with
+	// PRECONDITION_FAILED; delete it or use a new name.
+	QuorumQueue bool
+	// MaxDeliveries bounds the broker deliveries of a message whose
+	// handler never settles it: a message that crashes the worker process
+	// (or closes its channel) every time is redelivered by the broker with
+	// HeaderAttempt unchanged, so MaxAttempts does not stop it. A delivery
+	// carrying x-delivery-count (set by quorum queues: the number of
+	// earlier deliveries of this message that were returned, by a crash, a
+	// closed channel or a nack with requeue) of MaxDeliveries or more —
+	// that is, the (MaxDeliveries+1)th delivery — is dead-lettered with
+	// reason redelivery_limit (ReasonRedeliveryLimit) without running the
+	// handler. Defaults to 10; -1 means no bound.
+	//
+	// Classic queues do not count deliveries: on a classic queue a message
+	// that kills every worker that takes it is redelivered forever (the
+	// redelivered flag is only a hint, and the consumer keeps no state
+	// across crashes). Use QuorumQueue, or a quorum queue declared
+	// elsewhere, where that matters.
+	//
+	// Deliveries the consumer itself gives back count too: a prefetched
+	// delivery requeued by a graceful stop, or one requeued because its
+	// retry or dead-letter copy could not be published. Retried copies
+	// start again at zero (the consumer strips x-delivery-count from the
+	// copies it publishes).
+	MaxDeliveries int
 	// Bindings bind the work queue to the producer's exchanges.
 	Bindings []ConsumerBinding
 
@@ -148,6 +194,24 @@ func (o *ConsumerOptions) consSetDefaults(queue string) error {
 	if o.Prefetch < 0 || o.Concurrency < 0 || o.MaxAttempts < 0 {
 		return fmt.Errorf("amqp: ConsumerOptions: Prefetch (%d), Concurrency (%d) and MaxAttempts (%d) must not be negative", o.Prefetch, o.Concurrency, o.MaxAttempts)
 	}
+	switch {
+	case o.MaxDeliveries == 0:
+		o.MaxDeliveries = 10
+	case o.MaxDeliveries < -1:
+		return fmt.Errorf("amqp: ConsumerOptions.MaxDeliveries is %d; it must be positive, 0 (the default) or -1 (no bound)", o.MaxDeliveries)
+	}
+	if o.QuorumQueue {
+		if o.NotDurable {
+			return errors.New("amqp: ConsumerOptions: QuorumQueue requires durable queues, but NotDurable is set")
+		}
+		if t, ok := o.QueueArgs[consQueueTypeArg]; ok && t != "quorum" {
+			return fmt.Errorf("amqp: ConsumerOptions: QuorumQueue is set but QueueArgs has %s %v", consQueueTypeArg, t)
+		}
+		args := make(amqp091.Table, len(o.QueueArgs)+1)
+		maps.Copy(args, o.QueueArgs)
+		args[consQueueTypeArg] = "quorum"
+		o.QueueArgs = args
+	}
 	if o.Prefetch == 0 {
 		o.Prefetch = 100
 	}
@@ -205,6 +269,8 @@ func (o *ConsumerOptions) consSetDefaults(queue string) error {
 	}
 	return nil
 }
+
+const consQueueTypeArg = "x-queue-type"
 
 // consRetryQueue names the retry queue of delay d.
 func consRetryQueue(queue string, d time.Duration) string {

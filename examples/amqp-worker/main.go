@@ -133,7 +133,13 @@ func run(ctx context.Context, cfg config) error {
 		Concurrency: 8,
 		RetryDelays: []time.Duration{200 * time.Millisecond, time.Second, 5 * time.Second},
 		MaxAttempts: 5,
-		Logger:      logger,
+		// A quorum queue counts the deliveries that died unsettled (a
+		// worker crashed mid-send): the 11th delivery of a message that
+		// crashes every worker is dead-lettered (redelivery_limit) instead
+		// of being redelivered forever.
+		QuorumQueue:   true,
+		MaxDeliveries: 10,
+		Logger:        logger,
 		OnResult: func(_ context.Context, _ *consumer.Message, _ consumer.Result, out amqp.ConsumerOutcome) {
 			if out != amqp.OutcomeRetried {
 				settled.Add(1)

@@ -1,0 +1,135 @@
+package amqp
+
+import (
+	"context"
+	"errors"
+	"strings"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	amqp091 "github.com/rabbitmq/amqp091-go"
+
+	"github.com/idemkit/idem/consumer"
+	"github.com/idemkit/idem/internal/testenv"
+)
+
+func TestConsumerQuorumOptions(t *testing.T) {
+	h := consumer.HandlerFunc(func(context.Context, *consumer.Message) error { return nil })
+	url := testenv.AMQPURL()
+	for name, o := range map[string]ConsumerOptions{
+		"quorum not durable":    {QuorumQueue: true, NotDurable: true},
+		"quorum classic args":   {QuorumQueue: true, QueueArgs: amqp091.Table{"x-queue-type": "classic"}},
+		"negative deliveries":   {MaxDeliveries: -2},
+		"negative deliveries 2": {MaxDeliveries: -100},
+	} {
+		if _, err := NewConsumer(url, "q", h, o); err == nil {
+			t.Errorf("%s: NewConsumer accepted it", name)
+		}
+	}
+	args := amqp091.Table{"x-max-length": int32(10)}
+	c, err := NewConsumer(url, "q", h, ConsumerOptions{QuorumQueue: true, QueueArgs: args})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if c.opts.QueueArgs["x-queue-type"] != "quorum" || c.opts.QueueArgs["x-max-length"] != int32(10) || len(args) != 1 {
+		t.Errorf("QueueArgs %v (caller's %v)", c.opts.QueueArgs, args)
+	}
+	if c.opts.MaxDeliveries != 10 {
+		t.Errorf("default MaxDeliveries %d, want 10", c.opts.MaxDeliveries)
+	}
+	for _, tc := range []struct {
+		max   int
+		count any
+		want  bool
+	}{
+		{10, nil, false}, {10, int32(9), false}, {10, int32(10), true}, {10, int64(11), true},
+		{1, int32(1), true}, {-1, int64(1000), false}, {10, "10", false},
+	} {
+		c.opts.MaxDeliveries = tc.max
+		d := amqp091.Delivery{Headers: amqp091.Table{}}
+		if tc.count != nil {
+			d.Headers[HeaderDeliveryCount] = tc.count
+		}
+		if _, got := c.overDelivered(&d); got != tc.want {
+			t.Errorf("MaxDeliveries %d, x-delivery-count %v: overDelivered %v, want %v", tc.max, tc.count, got, tc.want)
+		}
+	}
+	p := c.copyOf(&amqp091.Delivery{Headers: amqp091.Table{HeaderDeliveryCount: int32(3), "k": "v"}}, 2)
+	if _, ok := p.Headers[HeaderDeliveryCount]; ok || p.Headers["k"] != "v" {
+		t.Errorf("copy headers %v: want x-delivery-count stripped, the others kept", p.Headers)
+	}
+}
+
+// A message that "crashes" its worker every time (the handler closes the
+// delivery's channel, so the delivery dies unsettled and the broker
+// redelivers it with x-idem-attempt unchanged) on a quorum queue: after
+// MaxDeliveries deliveries the next one is dead-lettered with reason
+// redelivery_limit without running the handler, and the worker goes on.
+func TestConsumerQuorumRedeliveryLimit(t *testing.T) {
+	url := testenv.AMQPURL()
+	q := consQueueArgs(t, url, consTestDelays, amqp091.Table{"x-queue-type": "quorum"})
+	const maxDeliveries = 3
+	var poisonRuns, goodRuns atomic.Int32
+	h := consumer.HandlerFunc(func(ctx context.Context, msg *consumer.Message) error {
+		if !strings.HasPrefix(msg.ID, "poison-") {
+			goodRuns.Add(1)
+			return nil
+		}
+		poisonRuns.Add(1)
+		d, ok := DeliveryFrom(ctx)
+		if !ok {
+			return errors.New("no delivery in the context")
+		}
+		return d.Acknowledger.(*amqp091.Channel).Close()
+	})
+	var limited atomic.Int32
+	c, err := NewConsumer(url, q, h, consOpts(ConsumerOptions{
+		QuorumQueue: true, MaxDeliveries: maxDeliveries, Prefetch: 1,
+		OnResult: func(_ context.Context, _ *consumer.Message, r consumer.Result, out ConsumerOutcome) {
+			if r.Reason == ReasonRedeliveryLimit && out == OutcomeDeadLettered {
+				limited.Add(1)
+			}
+		},
+	}))
+	if err != nil {
+		t.Fatal(err)
+	}
+	stop := consStart(t, c)
+	start := time.Now()
+	consPublish(t, url, q, consMsgs("poison", 1)...)
+	consWaitFor(t, 60*time.Second, "the poison message to be dead-lettered", func() bool { return c.Stats().DeadLettered >= 1 })
+	t.Logf("poison dead-lettered after %v, %d handler runs", time.Since(start).Round(time.Millisecond), poisonRuns.Load())
+	consPublish(t, url, q, consMsgs("good", 5)...)
+	consWaitFor(t, 30*time.Second, "the worker to go on", func() bool { return c.Stats().Acked >= 5 })
+	stop()
+	st := c.Stats()
+	t.Logf("stats: %+v", st)
+	if n := poisonRuns.Load(); n != maxDeliveries {
+		t.Errorf("the poison handler ran %d times, want MaxDeliveries = %d", n, maxDeliveries)
+	}
+	if n := goodRuns.Load(); n != 5 {
+		t.Errorf("the good handler ran %d times, want 5", n)
+	}
+	if n := limited.Load(); n != 1 {
+		t.Errorf("OnResult saw %d redelivery_limit dead letters, want 1", n)
+	}
+	if st.DeadLettered != 1 || st.Abandoned != maxDeliveries || st.Connects < maxDeliveries+1 {
+		t.Errorf("want 1 dead letter, %d abandoned deliveries, %d+ connects; stats %+v", maxDeliveries, maxDeliveries+1, st)
+	}
+	dead := consGetAll(t, url, q+".dlq")
+	if len(dead) != 1 {
+		t.Fatalf("%d messages in the dead-letter queue, want 1", len(dead))
+	}
+	d := dead[0]
+	if d.MessageId != "poison-0" || d.Headers[HeaderReason] != string(ReasonRedeliveryLimit) {
+		t.Errorf("dead letter %q with reason %v, want poison-0 with %s", d.MessageId, d.Headers[HeaderReason], ReasonRedeliveryLimit)
+	}
+	if _, ok := d.Headers[HeaderDeliveryCount]; ok {
+		t.Errorf("the dead letter kept %s: %v", HeaderDeliveryCount, d.Headers)
+	}
+	t.Logf("dead letter: reason %v, error %q", d.Headers[HeaderReason], d.Headers[HeaderError])
+	if n := consDepth(t, url, q); n != 0 {
+		t.Errorf("%d messages left in the queue", n)
+	}
+}
