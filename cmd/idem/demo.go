@@ -31,6 +31,7 @@ import (
 	"github.com/idemkit/idem/dedup/memstore"
 	"github.com/idemkit/idem/dedup/redisnx"
 	"github.com/idemkit/idem/outbox"
+	"github.com/idemkit/idem/outbox/pgoutbox"
 )
 
 // The two pipelines of the demo, side by side on one topic.
@@ -68,6 +69,7 @@ type demoConfig struct {
 	clients        int
 	timeout        time.Duration
 	postgres       string
+	schema         string
 	redisURL       string
 	kafkaBrokers   string
 	amqpURL        string
@@ -87,7 +89,8 @@ func runDemo(ctx context.Context, args []string, stdout, stderr io.Writer) error
 	fs.IntVar(&cfg.partitions, "partitions", 4, "partitions of the payments topic")
 	fs.IntVar(&cfg.clients, "clients", 16, "concurrent HTTP clients")
 	fs.DurationVar(&cfg.timeout, "timeout", 2*time.Minute, "give up after this long")
-	fs.StringVar(&cfg.postgres, "postgres", envDefault("IDEM_POSTGRES_URL", ""), "PostgreSQL URL: pgtable and pgoutbox instead of memstore (not supported yet)")
+	fs.StringVar(&cfg.postgres, "postgres", envDefault("IDEM_POSTGRES_URL", ""), "PostgreSQL URL: dedup marks in pgtable, messages through a pgoutbox relay, charges in a table (drops and recreates the demo's demo_* tables in --schema; the default run takes about a minute)")
+	fs.StringVar(&cfg.schema, "schema", "idem_demo", "schema of the demo's tables with --postgres")
 	fs.StringVar(&cfg.redisURL, "redis", envDefault("IDEM_REDIS_URL", ""), "Redis URL (redis://host:port/db): dedup marks in Redis (redisnx) instead of memstore")
 	fs.StringVar(&cfg.kafkaBrokers, "kafka", envDefault("IDEM_KAFKA_BROKERS", ""), "comma-separated Kafka brokers instead of the in-process kfake cluster")
 	fs.StringVar(&cfg.amqpURL, "amqp", envDefault("IDEM_AMQP_URL", ""), "RabbitMQ URL instead of Kafka (not supported yet)")
@@ -113,8 +116,10 @@ func runDemo(ctx context.Context, args []string, stdout, stderr io.Writer) error
 		return usageError(fs, "--timeout must be positive")
 	case cfg.progress != "auto" && cfg.progress != "bar" && cfg.progress != "plain" && cfg.progress != "none":
 		return usageError(fs, "--progress must be auto, bar, plain or none")
-	case cfg.postgres != "":
-		return errors.New("--postgres is not supported yet: the demo runs on memstore or Redis (--redis); see `idem migrate` and `idem relay` for PostgreSQL")
+	case cfg.postgres != "" && cfg.redisURL != "":
+		return usageError(fs, "--postgres and --redis are exclusive")
+	case cfg.postgres != "" && !schemaName.MatchString(cfg.schema):
+		return usageError(fs, "--schema must be a lowercase identifier")
 	case cfg.amqpURL != "":
 		return errors.New("--amqp is not supported yet: the demo runs on Kafka (kfake in process, or --kafka BROKERS)")
 	}
@@ -332,7 +337,17 @@ func demo(ctx context.Context, cfg demoConfig, stdout io.Writer) (*demoResult, e
 	// The dedup store, shared by the idem API and the idem consumer group
 	// (each with its own scope).
 	var store dedup.LeaseStore
-	if cfg.redisURL == "" {
+	var pgd *pgDemo
+	switch {
+	case cfg.postgres != "":
+		var err error
+		pgd, err = setupPG(ctx, cfg.postgres, cfg.schema)
+		if err != nil {
+			return nil, err
+		}
+		defer pgd.close()
+		res.store = "pgtable + pgoutbox on " + pgd.where
+	case cfg.redisURL == "":
 		ms, err := memstore.New(memstore.Options{})
 		if err != nil {
 			return nil, err
@@ -340,7 +355,7 @@ func demo(ctx context.Context, cfg demoConfig, stdout io.Writer) (*demoResult, e
 		defer func() { _ = ms.Close() }()
 		store = ms
 		res.store = "dedup marks in memory (memstore)"
-	} else {
+	default:
 		opt, err := redis.ParseURL(cfg.redisURL)
 		if err != nil {
 			return nil, fmt.Errorf("--redis: %w", err)
@@ -381,18 +396,54 @@ func demo(ctx context.Context, cfg demoConfig, stdout io.Writer) (*demoResult, e
 	if err != nil {
 		return nil, err
 	}
-	rl := &relay{
-		pub:   pub,
-		queue: make(chan *outbox.Message, 1024),
-		rng:   mrand.New(mrand.NewPCG(cfg.seed, 2)),
-		rate:  cfg.republishes,
-		done:  make(chan struct{}),
+	clientsDone := make(chan struct{})
+	var (
+		sink        outboxSink
+		rl          *relay
+		runRelay    func(context.Context) error
+		published   func() int64
+		relayDone   func() bool
+		relayCounts func() (republished, crashes int64)
+	)
+	if pgd == nil {
+		rl = &relay{
+			pub:   pub,
+			queue: make(chan *outbox.Message, 1024),
+			rng:   mrand.New(mrand.NewPCG(cfg.seed, 2)),
+			rate:  cfg.republishes,
+			done:  make(chan struct{}),
+		}
+		sink, runRelay, published = rl, rl.run, rl.published.Load
+		relayDone = func() bool { return isClosed(rl.done) }
+		relayCounts = func() (int64, int64) { return rl.republished.Load(), rl.crashes.Load() }
+	} else {
+		// pgoutbox's relay, through a publisher that now and then
+		// "crashes" between publish and mark: the rows stay unmarked
+		// and the relay publishes them again.
+		cp := &crashingPublisher{pub: pub, rng: mrand.New(mrand.NewPCG(cfg.seed, 2)), rate: cfg.republishes}
+		pr, err := pgoutbox.NewRelay(pgd.ob, cp, pgoutbox.RelayOptions{
+			BatchSize:           relayBatch,
+			PollInterval:        100 * time.Millisecond,
+			ReconnectBackoff:    5 * time.Millisecond,
+			MaxReconnectBackoff: 50 * time.Millisecond,
+			CleanupInterval:     -1,
+			DeletePublished:     true,
+			ShutdownTimeout:     2 * time.Second,
+			Logger:              logger,
+		})
+		if err != nil {
+			return nil, err
+		}
+		sink = &pgSink{d: pgd, topic: topic}
+		runRelay, published = pr.Run, cp.published.Load
+		relayDone = func() bool { return isClosed(clientsDone) && pgd.backlogEmpty(ctx) }
+		relayCounts = func() (int64, int64) { return cp.republished.Load(), cp.crashes.Load() }
 	}
 
 	// The APIs.
-	naiveAPI := &api{path: pathNaive, ledger: res.naive, relay: rl}
-	idemAPI := &api{path: pathIdem, ledger: res.idem, relay: rl}
-	mw, err := httpidem.New(store, httpidem.Options{
+	naiveAPI := &api{path: pathNaive, ledger: res.naive, sink: sink}
+	idemAPI := &api{path: pathIdem, ledger: res.idem, sink: sink}
+	mwOpts := httpidem.Options{
 		Wait:         10 * time.Second,
 		PollInterval: 2 * time.Millisecond,
 		OnOutcome: func(_ *http.Request, rep httpidem.Report) {
@@ -402,7 +453,13 @@ func demo(ctx context.Context, cfg demoConfig, stdout io.Writer) (*demoResult, e
 				res.idem.mu.Unlock()
 			}
 		},
-	})
+	}
+	var mw *httpidem.Middleware
+	if pgd != nil {
+		mw, err = httpidem.NewTx(pgd.store, mwOpts)
+	} else {
+		mw, err = httpidem.New(store, mwOpts)
+	}
 	if err != nil {
 		return nil, err
 	}
@@ -424,7 +481,14 @@ func demo(ctx context.Context, cfg demoConfig, stdout io.Writer) (*demoResult, e
 		g.crashRate, g.rng = cfg.crashRate, crashRNG
 		g.offsets = &offsetStore{pos: map[int]int64{}, partitions: cfg.partitions}
 
-		if g.path == pathIdem {
+		switch {
+		case g.path == pathIdem && pgd != nil:
+			h, err := pgd.chargeHandler()
+			if err != nil {
+				return nil, err
+			}
+			g.charge = h
+		case g.path == pathIdem:
 			dd, err := consumer.Dedup(store, consumer.DedupOptions{Scope: "billing/charge"})
 			if err != nil {
 				return nil, err
@@ -436,7 +500,7 @@ func demo(ctx context.Context, cfg demoConfig, stdout io.Writer) (*demoResult, e
 	var wg sync.WaitGroup
 	errs := make(chan error, 8)
 	wg.Go(func() {
-		if err := rl.run(runCtx); err != nil {
+		if err := runRelay(runCtx); err != nil {
 			errs <- err
 			stopAll()
 		}
@@ -453,10 +517,11 @@ func demo(ctx context.Context, cfg demoConfig, stdout io.Writer) (*demoResult, e
 	// The clients.
 	payments := makePayments(cfg, runID)
 	var submitted atomic.Int64
-	clientsDone := make(chan struct{})
 	wg.Go(func() {
 		defer close(clientsDone)
-		defer rl.closeQueue()
+		if rl != nil {
+			defer rl.closeQueue()
+		}
 		submit(runCtx, cfg.clients, payments, apis, &submitted)
 	})
 
@@ -474,13 +539,8 @@ loop:
 			break loop
 		case <-tick.C:
 		}
-		relayDone := false
-		select {
-		case <-rl.done:
-			relayDone = true
-		default:
-		}
-		total := rl.published.Load()
+		total := published()
+		relayDone := relayDone()
 		prog.update(progressState{
 			submitted: submitted.Load(),
 			published: total,
@@ -489,7 +549,7 @@ loop:
 			crashes:   groups[0].crashes.Load() + groups[1].crashes.Load(),
 			relayDone: relayDone,
 		})
-		if relayDone && groups[0].handled.Load() == total && groups[1].handled.Load() == total {
+		if relayDone && groups[0].handled.Load() >= total && groups[1].handled.Load() >= total {
 			break loop
 		}
 	}
@@ -503,13 +563,17 @@ loop:
 	if waitErr != nil {
 		if ctx.Err() != nil {
 			return nil, fmt.Errorf("gave up after %v (--timeout): %d of %d payments submitted, %d records published, naive handled %d, idem handled %d",
-				cfg.timeout, submitted.Load(), cfg.payments, rl.published.Load(), groups[0].handled.Load(), groups[1].handled.Load())
+				cfg.timeout, submitted.Load(), cfg.payments, published(), groups[0].handled.Load(), groups[1].handled.Load())
 		}
 		return nil, waitErr
 	}
-	res.published = rl.published.Load()
-	res.republish = rl.republished.Load()
-	res.relayCrash = rl.crashes.Load()
+	res.published = published()
+	res.republish, res.relayCrash = relayCounts()
+	if pgd != nil {
+		if err := pgd.count(ctx, res.idem); err != nil {
+			return nil, err
+		}
+	}
 	res.naive.crashes = int(groups[0].crashes.Load())
 	res.idem.crashes = int(groups[1].crashes.Load())
 	res.elapsed = time.Since(start)
@@ -690,8 +754,23 @@ func (t *inProcess) RoundTrip(req *http.Request) (*http.Response, error) {
 type api struct {
 	path   string
 	ledger *ledger
-	relay  *relay
+	sink   outboxSink
 	seq    atomic.Int64
+}
+
+// outboxSink is where the APIs put their messages: the demo's in-memory
+// relay, or pgoutbox with --postgres.
+type outboxSink interface {
+	enqueue(r *http.Request, p *paymentBody, msg *outbox.Message) error
+}
+
+func isClosed(c <-chan struct{}) bool {
+	select {
+	case <-c:
+		return true
+	default:
+		return false
+	}
 }
 
 func (a *api) ServeHTTP(w http.ResponseWriter, r *http.Request) {
@@ -715,11 +794,15 @@ func (a *api) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		Payload: body,
 		Headers: map[string]string{headerPath: a.path, headerRequest: r.Header.Get(headerCause)},
 	}
-	if err := a.relay.enqueue(r.Context(), msg); err != nil {
+	if err := a.sink.enqueue(r, &p, msg); err != nil {
 		http.Error(w, err.Error(), http.StatusServiceUnavailable)
 		return
 	}
-	a.ledger.accept(p.Payment)
+	if httpidem.Tx(r.Context()) == nil {
+		// Under httpidem.NewTx the payment is accepted when the
+		// transaction commits: the client counts it on the response.
+		a.ledger.accept(p.Payment)
+	}
 	w.Header().Set("Content-Type", "application/json")
 	w.WriteHeader(http.StatusCreated)
 	fprintf(w, "{\"id\":%q}\n", id)
@@ -740,12 +823,12 @@ type relay struct {
 	done        chan struct{}
 }
 
-func (r *relay) enqueue(ctx context.Context, msg *outbox.Message) error {
+func (r *relay) enqueue(req *http.Request, _ *paymentBody, msg *outbox.Message) error {
 	select {
 	case r.queue <- msg:
 		return nil
-	case <-ctx.Done():
-		return ctx.Err()
+	case <-req.Context().Done():
+		return req.Context().Err()
 	}
 }
 
@@ -827,6 +910,7 @@ type group struct {
 	logger    *slog.Logger
 	ledger    *ledger
 	dedup     consumer.Middleware // nil for the naive group
+	charge    consumer.Handler    // the effect, when not charging the ledger
 	crashRate float64
 	rng       *lockedRand
 	offsets   *offsetStore
@@ -860,7 +944,7 @@ func (g *group) run(ctx context.Context) error {
 }
 
 func (g *group) runInstance(ctx context.Context, inst *instance) error {
-	charge := consumer.HandlerFunc(func(_ context.Context, msg *consumer.Message) error {
+	var charge consumer.Handler = consumer.HandlerFunc(func(_ context.Context, msg *consumer.Message) error {
 		var p paymentBody
 		if err := json.Unmarshal(msg.Payload, &p); err != nil {
 			return consumer.Permanent(err)
@@ -882,6 +966,9 @@ func (g *group) runInstance(ctx context.Context, inst *instance) error {
 			g.ledger.classify(msg, p.Payment)
 			return next.Handle(ctx, msg)
 		})
+	}
+	if g.charge != nil {
+		charge = g.charge
 	}
 	h := consumer.Chain(charge, route, consumer.Recover(), g.dedup)
 	c, err := kafka.NewConsumer(kafkago.ReaderConfig{

@@ -9,6 +9,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/jackc/pgx/v5"
 	"go.uber.org/goleak"
 
 	"github.com/idemkit/idem/internal/testenv"
@@ -30,9 +31,14 @@ var lastLine = regexp.MustCompile(`(?m)^demo: (\d+) payments, (\d+) duplicate de
 
 func checkDemo(t *testing.T, args ...string) {
 	t.Helper()
+	checkDemoN(t, 500, args...)
+}
+
+func checkDemoN(t *testing.T, payments int, args ...string) {
+	t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), 50*time.Second)
 	defer cancel()
-	code, out, errOut := runCmd(ctx, t, append([]string{"demo", "--payments", "500", "--progress", "plain"}, args...)...)
+	code, out, errOut := runCmd(ctx, t, append([]string{"demo", "--payments", strconv.Itoa(payments), "--progress", "plain"}, args...)...)
 	t.Logf("stdout:\n%s\nstderr:\n%s", out, errOut)
 	if code != 0 {
 		t.Fatalf("exit status %d", code)
@@ -46,8 +52,8 @@ func checkDemo(t *testing.T, args ...string) {
 	for i := 1; i < len(m); i++ {
 		n[i], _ = strconv.Atoi(m[i])
 	}
-	if n[1] != 500 {
-		t.Errorf("payments = %d, want 500", n[1])
+	if n[1] != payments {
+		t.Errorf("payments = %d, want %d", n[1], payments)
 	}
 	if n[3] <= 0 || n[2] <= 0 {
 		t.Errorf("naive extra = %d, duplicates = %d: want both > 0", n[3], n[2])
@@ -70,6 +76,24 @@ func TestDemoRedis(t *testing.T) {
 	checkDemo(t, "--redis", "redis://"+testenv.RedisAddr()+"/0")
 }
 
+func TestDemoPostgres(t *testing.T) {
+	if testing.Short() {
+		t.Skip("short")
+	}
+	pool := testenv.Pool(t, 2) // skips (or fails under CI=true) without PostgreSQL
+	schema := testenv.Name("idem_demo")
+	t.Cleanup(func() {
+		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		defer cancel()
+		if _, err := pool.Exec(ctx, "DROP SCHEMA IF EXISTS "+pgx.Identifier{schema}.Sanitize()+" CASCADE"); err != nil {
+			t.Errorf("drop schema %s: %v", schema, err)
+		}
+	})
+	// A relay crash rate high enough that 300 payments see re-publishes.
+	checkDemoN(t, 300, "--postgres", testenv.PostgresURL(), "--schema", schema,
+		"--crash-rate", "0.002", "--republish-rate", "0.2", "--seed", "42")
+}
+
 func TestFlagErrors(t *testing.T) {
 	ctx := context.Background()
 	for _, tc := range []struct {
@@ -84,7 +108,9 @@ func TestFlagErrors(t *testing.T) {
 		{[]string{"demo", "--crash-rate", "2"}, 2, "rates must be between 0 and 1"},
 		{[]string{"demo", "--nope"}, 2, "flag provided but not defined: -nope"},
 		{[]string{"demo", "extra"}, 2, `unexpected argument "extra"`},
-		{[]string{"demo", "--postgres", "postgres://x"}, 1, "--postgres is not supported yet"},
+		{[]string{"demo", "--postgres", "postgres://x@" + testenv.DeadAddr(t) + "/db"}, 1, "is unreachable"},
+		{[]string{"demo", "--postgres", "postgres://x", "--schema", "Bad-Name"}, 2, "--schema must be a lowercase identifier"},
+		{[]string{"demo", "--postgres", "postgres://x", "--redis", "redis://y"}, 2, "exclusive"},
 		{[]string{"demo", "--amqp", "amqp://x"}, 1, "--amqp is not supported yet"},
 		{[]string{"demo", "--redis", "bogus://"}, 1, "--redis:"},
 		{[]string{"migrate"}, 2, "missing action"},
