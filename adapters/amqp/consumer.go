@@ -115,24 +115,7 @@ func NewConsumer(url, queue string, h consumer.Handler, opts ConsumerOptions) (*
 	if err := opts.consSetDefaults(queue); err != nil {
 		return nil, err
 	}
-	var cfg amqp091.Config
-	if opts.Config != nil {
-		cfg = *opts.Config
-	}
-	if cfg.Heartbeat == 0 {
-		cfg.Heartbeat = 10 * time.Second
-	}
-	if cfg.Dial == nil {
-		cfg.Dial = amqp091.DefaultDial(10 * time.Second)
-	}
-	props := amqp091.NewConnectionProperties()
-	for k, v := range cfg.Properties {
-		props[k] = v
-	}
-	if _, ok := props["connection_name"]; !ok {
-		props.SetClientConnectionName(opts.ConnectionName)
-	}
-	cfg.Properties = props
+	cfg := dialConfig(opts.Config, opts.ConnectionName)
 	delays := slices.Clone(opts.RetryDelays)
 	slices.Sort(delays)
 	delays = slices.Compact(delays)

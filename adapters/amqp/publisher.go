@@ -143,24 +143,7 @@ func NewPublisher(url string, opts PublisherOptions) (*Publisher, error) {
 	if opts.Logger == nil {
 		opts.Logger = slog.Default()
 	}
-	var cfg amqp091.Config
-	if opts.Config != nil {
-		cfg = *opts.Config
-	}
-	if cfg.Heartbeat == 0 {
-		cfg.Heartbeat = 10 * time.Second
-	}
-	if cfg.Dial == nil {
-		cfg.Dial = amqp091.DefaultDial(10 * time.Second)
-	}
-	props := amqp091.NewConnectionProperties()
-	for k, v := range cfg.Properties {
-		props[k] = v
-	}
-	if _, ok := props["connection_name"]; !ok {
-		props.SetClientConnectionName(opts.ConnectionName)
-	}
-	cfg.Properties = props
+	cfg := dialConfig(opts.Config, opts.ConnectionName)
 	return &Publisher{
 		url:     url,
 		opts:    opts,
@@ -668,4 +651,30 @@ func (p *Publisher) forgetExchanges() {
 
 func pubJitter(d time.Duration) time.Duration {
 	return time.Duration(float64(d) * (0.8 + 0.4*rand.Float64()))
+}
+
+// dialConfig returns a copy of base (or a zero Config) with the defaults the
+// publisher and the consumer share: a 10s heartbeat, a dialer with a 10s
+// timeout, and name as the connection name unless base sets one. base's
+// Properties table is copied, never changed.
+func dialConfig(base *amqp091.Config, name string) amqp091.Config {
+	var cfg amqp091.Config
+	if base != nil {
+		cfg = *base
+	}
+	if cfg.Heartbeat == 0 {
+		cfg.Heartbeat = 10 * time.Second
+	}
+	if cfg.Dial == nil {
+		cfg.Dial = amqp091.DefaultDial(10 * time.Second)
+	}
+	props := amqp091.NewConnectionProperties()
+	for k, v := range cfg.Properties {
+		props[k] = v
+	}
+	if _, ok := props["connection_name"]; !ok {
+		props.SetClientConnectionName(name)
+	}
+	cfg.Properties = props
+	return cfg
 }

@@ -196,16 +196,7 @@ func NewPostgresKeyRepository(db PostgresDB, opts PostgresKeyRepositoryOptions) 
 		return nil, err
 	}
 	opts.Window = w
-	if opts.Schema == "" {
-		opts.Schema = "public"
-	}
-	if opts.Table == "" {
-		opts.Table = "watermill_dedup_keys"
-	}
-	if err := sqlname.Check("PostgresKeyRepositoryOptions.Schema", opts.Schema); err != nil {
-		return nil, fmt.Errorf("watermill: NewPostgresKeyRepository: %w", err)
-	}
-	if err := sqlname.Check("PostgresKeyRepositoryOptions.Table", opts.Table); err != nil {
+	if err := sqlname.SchemaTable("PostgresKeyRepositoryOptions", &opts.Schema, &opts.Table, "watermill_dedup_keys", 0); err != nil {
 		return nil, fmt.Errorf("watermill: NewPostgresKeyRepository: %w", err)
 	}
 	if opts.CleanupBatch < 0 {

@@ -76,20 +76,8 @@ func New(db DB, opts Options) (*Store, error) {
 	if isNil(db) {
 		return nil, errors.New("pgtable: db is nil: pass a *pgxpool.Pool, *pgx.Conn or pgx.Tx")
 	}
-	if opts.Schema == "" {
-		opts.Schema = "public"
-	}
-	if opts.Table == "" {
-		opts.Table = "processed_events"
-	}
-	if err := sqlname.Check("pgtable: Options.Schema", opts.Schema); err != nil {
+	if err := sqlname.SchemaTable("pgtable: Options", &opts.Schema, &opts.Table, "processed_events", 50); err != nil {
 		return nil, err
-	}
-	if err := sqlname.Check("pgtable: Options.Table", opts.Table); err != nil {
-		return nil, err
-	}
-	if len(opts.Table) > 50 {
-		return nil, fmt.Errorf("pgtable: Options.Table %q is longer than 50 bytes; index names are derived from it", opts.Table)
 	}
 	for _, d := range []struct {
 		name string

@@ -28,3 +28,27 @@ func Quote(name string) string {
 
 // Qualified returns "schema"."name".
 func Qualified(schema, name string) string { return Quote(schema) + "." + Quote(name) }
+
+// SchemaTable fills in the defaults of a schema and table pair taken from
+// options ("public" and defTable) and checks both. option names the options
+// in errors, e.g. "pgtable: Options". maxTable, when positive, bounds the
+// table name so the names derived from it (indexes, partitions,
+// <table>_migrations) stay within PostgreSQL's 63 bytes.
+func SchemaTable(option string, schema, table *string, defTable string, maxTable int) error {
+	if *schema == "" {
+		*schema = "public"
+	}
+	if *table == "" {
+		*table = defTable
+	}
+	if err := Check(option+".Schema", *schema); err != nil {
+		return err
+	}
+	if err := Check(option+".Table", *table); err != nil {
+		return err
+	}
+	if maxTable > 0 && len(*table) > maxTable {
+		return fmt.Errorf("%s.Table %q is longer than %d bytes; the names of its indexes and migrations table are derived from it", option, *table, maxTable)
+	}
+	return nil
+}

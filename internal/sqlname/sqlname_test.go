@@ -1,6 +1,9 @@
 package sqlname
 
-import "testing"
+import (
+	"strings"
+	"testing"
+)
 
 func TestCheck(t *testing.T) {
 	for _, ok := range []string{"processed_events", "_x", "a1", "idem_outbox_v2"} {
@@ -28,4 +31,21 @@ func FuzzCheckQuote(f *testing.F) {
 			t.Fatalf("an allowed name needed escaping: %q", s)
 		}
 	})
+}
+
+func TestSchemaTable(t *testing.T) {
+	schema, table := "", ""
+	if err := SchemaTable("x: Options", &schema, &table, "events", 50); err != nil || schema != "public" || table != "events" {
+		t.Fatalf("defaults: %q %q %v", schema, table, err)
+	}
+	for _, c := range []struct{ schema, table, want string }{
+		{"bad schema", "t", "x: Options.Schema"},
+		{"s", "events; drop table x", "x: Options.Table"},
+		{"s", "t234567890123456789012345678901234567890123456789012", "longer than 50 bytes"},
+	} {
+		s, tb := c.schema, c.table
+		if err := SchemaTable("x: Options", &s, &tb, "events", 50); err == nil || !strings.Contains(err.Error(), c.want) {
+			t.Errorf("%q.%q: %v, want an error naming %q", c.schema, c.table, err, c.want)
+		}
+	}
 }

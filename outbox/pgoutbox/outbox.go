@@ -69,20 +69,8 @@ type Outbox struct {
 // caller's transaction) or prints its SQL; Migrate, MigrationStatus,
 // Cleanup, Backlog, RequeueDead and NewRelay need it.
 func New(pool *pgxpool.Pool, opts Options) (*Outbox, error) {
-	if opts.Schema == "" {
-		opts.Schema = "public"
-	}
-	if opts.Table == "" {
-		opts.Table = "outbox"
-	}
-	if err := sqlname.Check("pgoutbox: Options.Schema", opts.Schema); err != nil {
+	if err := sqlname.SchemaTable("pgoutbox: Options", &opts.Schema, &opts.Table, "outbox", 50); err != nil {
 		return nil, err
-	}
-	if err := sqlname.Check("pgoutbox: Options.Table", opts.Table); err != nil {
-		return nil, err
-	}
-	if len(opts.Table) > 50 {
-		return nil, fmt.Errorf("pgoutbox: Options.Table %q is longer than 50 bytes; index names are derived from it", opts.Table)
 	}
 	for _, d := range []struct {
 		name string

@@ -63,20 +63,8 @@ func NewOffsets(db DB, opts OffsetsOptions) (*Offsets, error) {
 			return nil, errors.New("kafkapg: NewOffsets: db is a nil *pgx.Conn")
 		}
 	}
-	if opts.Schema == "" {
-		opts.Schema = "public"
-	}
-	if opts.Table == "" {
-		opts.Table = "kafka_offsets"
-	}
-	if err := sqlname.Check("kafkapg: OffsetsOptions.Schema", opts.Schema); err != nil {
+	if err := sqlname.SchemaTable("kafkapg: OffsetsOptions", &opts.Schema, &opts.Table, "kafka_offsets", 50); err != nil {
 		return nil, err
-	}
-	if err := sqlname.Check("kafkapg: OffsetsOptions.Table", opts.Table); err != nil {
-		return nil, err
-	}
-	if len(opts.Table) > 50 {
-		return nil, fmt.Errorf("kafkapg: OffsetsOptions.Table %q is longer than 50 bytes; the migrations table name is derived from it", opts.Table)
 	}
 	o := &Offsets{db: db, opts: opts, table: sqlname.Qualified(opts.Schema, opts.Table)}
 	// $1 group, $2 topics, $3 partitions, $4 offsets. The greater offset
