@@ -2,6 +2,7 @@
 #
 #   make test    services up, then every test with -race (the test command)
 #   make lint    gofmt, go vet, golangci-lint (installed on first use)
+#   make chaos   the reliability matrix (CHAOS_SCALE=small|full, CHAOS_SEED, CHAOS_ONLY)
 #   make bench   side-by-side benchmarks in interleaved rounds (ROUNDS, BENCHTIME)
 #   make up      start or check PostgreSQL, Redis, RabbitMQ (scripts/services.sh)
 #   make down    stop what `make up` started with docker compose
@@ -29,10 +30,10 @@ GOLANGCI_LINT := $(TOOLS_BIN)/golangci-lint
 # Every Go file but testdata fixtures and vendored code.
 GOFILES = $(shell find . -name '*.go' -not -path './.git/*' -not -path '*/testdata/*' -not -path './vendor/*' 2>/dev/null)
 
-.PHONY: help up down status test lint fmt-check vet golangci-lint tools fmt bench
+.PHONY: help up down status test lint fmt-check vet golangci-lint tools fmt bench chaos
 
 help:
-	@sed -n '3,13s/^# \{0,1\}//p' $(firstword $(MAKEFILE_LIST))
+	@sed -n '3,14s/^# \{0,1\}//p' $(firstword $(MAKEFILE_LIST))
 
 up:
 	@scripts/services.sh up
@@ -45,6 +46,14 @@ status:
 
 test: up
 	$(GO) test -race -count=1 -timeout 30m $(GOTESTFLAGS) $(PKGS)
+
+# The reliability matrix (internal/chaos): built once, so the cells can
+# re-execute the binary as the consumers they SIGKILL.
+CHAOS_SCALE ?= full
+chaos: up
+	@bin=$$(mktemp -d)/chaos; trap 'rm -rf "$$(dirname $$bin)"' EXIT; \
+	$(GO) build -o $$bin ./internal/chaos/cmd/chaos && \
+	CHAOS_SCALE=$(CHAOS_SCALE) $$bin
 
 # All three checks run; lint fails at the end if any of them failed.
 lint: tools

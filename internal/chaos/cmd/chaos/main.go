@@ -1,0 +1,89 @@
+// Command chaos runs idem's reliability matrix (see package
+// internal/chaos). `make chaos` builds and runs it; CHAOS_SCALE=small makes
+// the quick run that the test command includes.
+//
+//	chaos [-scale small|full] [-seed N] [-only REGEXP] [-v]
+package main
+
+import (
+	"context"
+	"flag"
+	"fmt"
+	"os"
+	"os/signal"
+	"regexp"
+	"syscall"
+	"time"
+
+	"github.com/idemkit/idem/internal/chaos"
+	"github.com/idemkit/idem/internal/testenv"
+)
+
+func main() {
+	chaos.ChildMain()
+
+	scale := flag.String("scale", envOr("CHAOS_SCALE", "full"), "small or full (env CHAOS_SCALE)")
+	seed := flag.Uint64("seed", 0, "random seed; 0 picks one and prints it (env CHAOS_SEED)")
+	only := flag.String("only", os.Getenv("CHAOS_ONLY"), "run only the cells whose name matches this regexp (env CHAOS_ONLY)")
+	list := flag.Bool("list", false, "list the cells and exit")
+	verbose := flag.Bool("v", os.Getenv("CHAOS_VERBOSE") != "", "print progress lines")
+	flag.Parse()
+
+	if *list {
+		for _, n := range chaos.Names() {
+			fmt.Println(n)
+		}
+		return
+	}
+	if *scale != string(chaos.Small) && *scale != string(chaos.Full) {
+		fmt.Fprintf(os.Stderr, "chaos: -scale must be small or full, not %q\n", *scale)
+		os.Exit(2)
+	}
+	if *seed == 0 {
+		if s := os.Getenv("CHAOS_SEED"); s != "" {
+			if _, err := fmt.Sscan(s, seed); err != nil {
+				fmt.Fprintf(os.Stderr, "chaos: CHAOS_SEED: %v\n", err)
+				os.Exit(2)
+			}
+		} else {
+			*seed = uint64(time.Now().UnixNano())
+		}
+	}
+	var re *regexp.Regexp
+	if *only != "" {
+		var err error
+		if re, err = regexp.Compile(*only); err != nil {
+			fmt.Fprintf(os.Stderr, "chaos: -only: %v\n", err)
+			os.Exit(2)
+		}
+	}
+	exe, err := os.Executable()
+	if err != nil {
+		fmt.Fprintf(os.Stderr, "chaos: %v\n", err)
+		os.Exit(1)
+	}
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	defer stop()
+	err = chaos.Run(ctx, chaos.Config{
+		Scale:     chaos.Scale(*scale),
+		Seed:      *seed,
+		Only:      re,
+		PGURL:     testenv.PostgresURL(),
+		RedisAddr: testenv.RedisAddr(),
+		AMQPURL:   testenv.AMQPURL(),
+		Exe:       exe,
+		Verbose:   *verbose,
+		Out:       os.Stdout,
+	})
+	if err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		os.Exit(1)
+	}
+}
+
+func envOr(name, def string) string {
+	if v := os.Getenv(name); v != "" {
+		return v
+	}
+	return def
+}
