@@ -178,7 +178,7 @@ func (d *dedupMiddleware) handle(ctx context.Context, msg *Message, next Handler
 	if err := d.store.Complete(fctx, lease, slot.get()); err != nil {
 		d.outcome(ctx, msg, OutcomeCompleteFailed)
 		d.opts.Logger.WarnContext(ctx, "idem: completing the key failed after the handler succeeded; the message will be retried once the lease expires",
-			slog.String("key", key.String()), slog.Any("error", err))
+			slog.String("key_hash", key.Hash()), slog.Any("error", err))
 		return fmt.Errorf("consumer: complete %s: %w", key, err)
 	}
 	d.outcome(ctx, msg, OutcomeCompleted)
@@ -190,7 +190,7 @@ func (d *dedupMiddleware) release(ctx context.Context, lease *dedup.Lease, why s
 	defer cancel()
 	if err := d.store.Release(rctx, lease); err != nil {
 		d.opts.Logger.WarnContext(ctx, "idem: releasing the key failed; it stays claimed until its lease expires",
-			slog.String("key", lease.Key.String()), slog.String("why", why), slog.Any("error", err))
+			slog.String("key_hash", lease.Key.Hash()), slog.String("why", why), slog.Any("error", err))
 	}
 }
 
@@ -261,14 +261,14 @@ func (h *heartbeat) beat() {
 		h.lostErr = lostErr
 		h.mu.Unlock()
 		h.d.opts.Logger.WarnContext(h.logCtx, "idem: lease lost while the handler ran; cancelling it",
-			slog.String("key", h.lease.Key.String()), slog.Any("error", err))
+			slog.String("key_hash", h.lease.Key.Hash()), slog.Any("error", err))
 		h.lost(lostErr)
 		return
 	case base.Err() != nil:
 		return
 	default:
 		h.d.opts.Logger.WarnContext(h.logCtx, "idem: extending the lease failed; trying again at the next beat",
-			slog.String("key", h.lease.Key.String()), slog.Any("error", err))
+			slog.String("key_hash", h.lease.Key.Hash()), slog.Any("error", err))
 	}
 	h.mu.Lock()
 	if !h.stopped {

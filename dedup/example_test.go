@@ -15,7 +15,8 @@ import (
 func ExampleKey_Validate() {
 	payload := []byte(`{"order":"A-1","amount":100}`)
 	good := dedup.NewKey("billing-consumer/charge", "order-A-1", payload)
-	fmt.Println(good, good.Validate())
+	// A key prints as its hash, so logs and errors never hold the raw id.
+	fmt.Println(good.Scope+"/"+good.ID, good, good.Validate())
 
 	for _, k := range []dedup.Key{
 		{Scope: "billing-consumer/charge", ID: ""},           // header missing
@@ -26,7 +27,7 @@ func ExampleKey_Validate() {
 		fmt.Println(errors.Is(err, dedup.ErrInvalidKey), err)
 	}
 	// Output:
-	// billing-consumer/charge/order-A-1 <nil>
+	// billing-consumer/charge/order-A-1 #4d142f57c24bd397 <nil>
 	// true dedup: invalid key: id is empty
 	// true dedup: invalid key: id has control byte 0xa at offset 5
 	// true dedup: invalid key: scope is empty
@@ -85,7 +86,7 @@ func ExampleStoredResult() {
 	err = dedup.Mismatch(key)
 	fmt.Println("mismatch:", errors.Is(err, dedup.ErrFingerprintMismatch))
 	// Output:
-	// handle delivery: dedup: duplicate: already processed (key billing-consumer/charge/order-A-1)
+	// handle delivery: dedup: duplicate: already processed (key #4d142f57c24bd397)
 	// duplicate: true
 	// stored result: charged ch_42
 	// in flight, retry after 12s

@@ -4,6 +4,7 @@ import (
 	"crypto/sha256"
 	"encoding/hex"
 	"fmt"
+	"log/slog"
 	"unicode/utf8"
 )
 
@@ -90,9 +91,33 @@ func NewKey(scope, id string, payload []byte) Key {
 	return Key{Scope: scope, ID: id, Fingerprint: FingerprintOf(payload)}
 }
 
-// String returns "scope/id" for logs and errors. It does not include the
-// fingerprint.
-func (k Key) String() string { return k.Scope + "/" + k.ID }
+// String returns the key's Hash with a '#' in front, for logs and error
+// text: idem never writes a raw key (which may hold an e-mail address, an
+// order number or a principal) to a log line, a span or an error message.
+// Use Scope and ID for the raw values.
+func (k Key) String() string { return "#" + k.Hash() }
+
+// Hash returns a short digest of scope and id: the first 8 bytes of their
+// SHA-256, in hex. It is stable across processes and versions, so a log
+// line can be matched to a key by hashing the key the same way (HashKey),
+// but it is not a secret: a guessable id (a small order number) can be
+// found by trying candidates. It keeps raw keys out of logs; it does not
+// anonymise them.
+func (k Key) Hash() string { return HashKey(k.Scope, k.ID) }
+
+// HashKey returns Key{Scope: scope, ID: id}.Hash(). An adapter that logs a
+// message id outside any scope passes an empty scope.
+func HashKey(scope, id string) string {
+	h := sha256.New()
+	h.Write([]byte(scope))
+	h.Write([]byte{0})
+	h.Write([]byte(id))
+	var sum [sha256.Size]byte
+	return hex.EncodeToString(h.Sum(sum[:0])[:8])
+}
+
+// LogValue makes slog print the key's Hash, never the key.
+func (k Key) LogValue() slog.Value { return slog.StringValue(k.Hash()) }
 
 // Validate checks the key against DefaultMaxKeyLen. See ValidateKey.
 func (k Key) Validate() error { return ValidateKey(k, DefaultMaxKeyLen) }

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"github.com/idemkit/idem/dedup"
 	"math/rand/v2"
 	"slices"
 	"strconv"
@@ -510,7 +511,7 @@ func (c *Consumer) deadLetter(hctx context.Context, s *consSession, d *amqp091.D
 	if err := c.publishCopy(s, c.opts.DeadLetterExchange, c.queue, p); err != nil {
 		return c.publishFailed(hctx, s, d, "dead-letter exchange", err)
 	}
-	c.opts.Logger.Warn("amqp: message dead-lettered", "queue", c.queue, "message_id", msg.ID,
+	c.opts.Logger.Warn("amqp: message dead-lettered", "queue", c.queue, "message_id_hash", dedup.HashKey("", msg.ID),
 		"reason", string(reason), "attempt", msg.Attempt, "err", cause)
 	out := c.ack(s, d)
 	if out == OutcomeAcked {

@@ -61,14 +61,14 @@ func (m *Middleware) startHeartbeat(ctx context.Context, lease *dedup.Lease, los
 			hb.lostErr = fmt.Errorf("httpidem: heartbeat: %w", err)
 			hb.mu.Unlock()
 			m.opts.Logger.WarnContext(ctx, "httpidem: lease lost while the handler ran; cancelling its context",
-				slog.String("key", lease.Key.String()), slog.Any("error", err))
+				slog.String("key_hash", lease.Key.Hash()), slog.Any("error", err))
 			lost(err)
 			return
 		case hctx.Err() != nil:
 			return
 		default:
 			m.opts.Logger.WarnContext(ctx, "httpidem: extending the lease failed; trying again at the next beat",
-				slog.String("key", lease.Key.String()), slog.Any("error", err))
+				slog.String("key_hash", lease.Key.Hash()), slog.Any("error", err))
 		}
 		hb.mu.Lock()
 		if !hb.stopped {

@@ -224,7 +224,7 @@ func (m *Middleware) answer(w http.ResponseWriter, r *http.Request, key dedup.Ke
 		rec, derr := decodeRecord(stored)
 		if derr != nil {
 			m.opts.Logger.ErrorContext(r.Context(), "httpidem: the stored response of a completed key cannot be decoded; answering 500",
-				slog.String("key", key.String()), slog.Any("error", derr))
+				slog.String("key_hash", key.Hash()), slog.Any("error", derr))
 			p := newProblem(http.StatusInternalServerError, ProblemStoredUnreadable, "Stored response unreadable",
 				"the request with this key was processed, but its stored response cannot be replayed")
 			WriteProblem(w, p)
@@ -255,7 +255,7 @@ func (m *Middleware) answer(w http.ResponseWriter, r *http.Request, key dedup.Ke
 	default:
 		if r.Context().Err() == nil {
 			m.opts.Logger.WarnContext(r.Context(), "httpidem: store failed; answering 503",
-				slog.String("key", key.String()), slog.Any("error", err))
+				slog.String("key_hash", key.Hash()), slog.Any("error", err))
 		}
 		p = newProblem(http.StatusServiceUnavailable, ProblemStoreUnavailable, "Idempotency store unavailable",
 			"the request was not processed; retry with the same key")
@@ -377,7 +377,7 @@ func (m *Middleware) serveLease(w http.ResponseWriter, r *http.Request, next htt
 		// Another request may own the key now: this response cannot be
 		// stored. The client still gets it: the effect happened.
 		m.opts.Logger.WarnContext(ctx, "httpidem: the lease ran out while the handler ran; its response is sent but not stored",
-			slog.String("key", key.String()), slog.Any("error", hb.lost()))
+			slog.String("key_hash", key.Hash()), slog.Any("error", hb.lost()))
 		cw.send(w)
 		m.report(r, OutcomeLeaseLost, status, waited)
 	case cw.tooLarge:
@@ -405,7 +405,7 @@ func (m *Middleware) complete(ctx context.Context, lease *dedup.Lease, result []
 		// after that runs the handler again. Nothing better can be done
 		// for an effect outside a transaction.
 		m.opts.Logger.WarnContext(ctx, "httpidem: storing the response failed; the key stays in flight until its lease runs out",
-			slog.String("key", lease.Key.String()), slog.Any("error", err))
+			slog.String("key_hash", lease.Key.Hash()), slog.Any("error", err))
 	}
 }
 
@@ -414,7 +414,7 @@ func (m *Middleware) release(ctx context.Context, lease *dedup.Lease, why string
 	defer cancel()
 	if err := m.lease.Release(fctx, lease); err != nil {
 		m.opts.Logger.WarnContext(ctx, "httpidem: releasing the key failed; it stays claimed until its lease runs out",
-			slog.String("key", lease.Key.String()), slog.String("why", why), slog.Any("error", err))
+			slog.String("key_hash", lease.Key.Hash()), slog.String("why", why), slog.Any("error", err))
 	}
 }
 
@@ -509,7 +509,7 @@ func (m *Middleware) serveTx(w http.ResponseWriter, r *http.Request, next http.H
 		// COMMIT, a retry finds the key and replays).
 		if ctx.Err() == nil {
 			m.opts.Logger.WarnContext(ctx, "httpidem: the transaction failed after the handler ran; answering 503",
-				slog.String("key", key.String()), slog.Any("error", err))
+				slog.String("key_hash", key.Hash()), slog.Any("error", err))
 		}
 		p := newProblem(http.StatusServiceUnavailable, ProblemStoreUnavailable, "Request not completed",
 			"the request's transaction did not commit; retry with the same key")

@@ -150,14 +150,14 @@ func (lc *call) fire() {
 		lc.lost = lost
 		lc.mu.Unlock()
 		lc.cfg.Logger.WarnContext(lc, "idem: lease lost while the handler ran; cancelling its context",
-			slog.String("key", lc.lease.Key.String()), slog.Any("error", err))
+			slog.String("key_hash", lc.lease.Key.Hash()), slog.Any("error", err))
 		lc.onLost(lost)
 		return
 	case lc.Err() != nil:
 		return
 	default:
 		lc.cfg.Logger.WarnContext(lc, "idem: extending the lease failed; trying again at the next beat",
-			slog.String("key", lc.lease.Key.String()), slog.Any("error", err))
+			slog.String("key_hash", lc.lease.Key.Hash()), slog.Any("error", err))
 	}
 	lc.mu.Lock()
 	if lc.phase == running {
@@ -204,6 +204,6 @@ func (lc *call) complete() error { return lc.store.Complete(lc, lc.lease, nil) }
 func (lc *call) release(why string) {
 	if err := lc.store.Release(lc, lc.lease); err != nil {
 		lc.cfg.Logger.WarnContext(lc, "idem: releasing the key failed; it stays claimed until its lease expires",
-			slog.String("key", lc.lease.Key.String()), slog.String("why", why), slog.Any("error", err))
+			slog.String("key_hash", lc.lease.Key.Hash()), slog.String("why", why), slog.Any("error", err))
 	}
 }

@@ -125,7 +125,7 @@ func (lc *call) settle(out []*message.Message, herr error) ([]*message.Message, 
 	if err := lc.complete(); err != nil {
 		c.outcome(msg, consumer.OutcomeCompleteFailed)
 		c.Logger.WarnContext(lc.parent, "idem: completing the key failed after the handler succeeded; the message is nacked and runs again once the lease expires",
-			slog.String("key", key.String()), slog.Any("error", err))
+			slog.String("key_hash", key.Hash()), slog.Any("error", err))
 		return nil, fmt.Errorf("watermill: complete %s: %w", key, err)
 	}
 	c.outcome(msg, consumer.OutcomeCompleted)

@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"github.com/idemkit/idem/dedup"
 	"math/rand/v2"
 	"slices"
 	"strings"
@@ -402,7 +403,7 @@ func (s *session) cycle(ctx context.Context) (int, error) {
 		failDead = append(failDead, dead)
 		if dead {
 			deadMsgs[c.msg.Topic]++
-			o.Logger.Warn("pgoutbox: message parked as dead", "table", s.r.ob.table, "id", c.msg.ID, "topic", c.msg.Topic,
+			o.Logger.Warn("pgoutbox: message parked as dead", "table", s.r.ob.table, "id_hash", dedup.HashKey("", c.msg.ID), "topic", c.msg.Topic,
 				"attempts", n, "err", ferr)
 		} else {
 			retried[c.msg.Topic]++

@@ -1,0 +1,57 @@
+package telemetry
+
+import (
+	"context"
+
+	"go.opentelemetry.io/otel/attribute"
+	"go.opentelemetry.io/otel/codes"
+	"go.opentelemetry.io/otel/propagation"
+	"go.opentelemetry.io/otel/trace"
+)
+
+// DefaultPropagator is W3C Trace Context (traceparent, tracestate) plus
+// W3C Baggage: what the outbox stores and the adapters read when the user
+// names no propagator.
+var DefaultPropagator propagation.TextMapPropagator = propagation.NewCompositeTextMapPropagator(
+	propagation.TraceContext{}, propagation.Baggage{})
+
+// MaxHeaderValue bounds a header value a carrier hands to a propagator:
+// longer values (a hostile 1 MB traceparent) read as absent.
+const MaxHeaderValue = 8 << 10
+
+// StartConsumer starts the span of one delivery: a consumer span named
+// "process <destination>" that continues the trace found in carrier
+// (its parent is the producer's context, the one present at
+// outbox.Enqueue), with p (nil: DefaultPropagator). end records the verdict
+// and ends the span.
+func (a *Adapter) StartConsumer(ctx context.Context, p propagation.TextMapPropagator, carrier propagation.TextMapCarrier, destination string) (context.Context, func(result string, err error)) {
+	if p == nil {
+		p = DefaultPropagator
+	}
+	if carrier != nil {
+		ctx = p.Extract(ctx, carrier)
+	}
+	ctx, span := a.Tracer.Start(ctx, "process "+destination,
+		trace.WithSpanKind(trace.SpanKindConsumer),
+		trace.WithAttributes(
+			AttrSystem.String(a.system),
+			AttrDestination.String(destination),
+			AttrOperation.String("process"),
+		))
+	if !span.IsRecording() {
+		return ctx, func(string, error) {}
+	}
+	return ctx, func(result string, err error) {
+		span.SetAttributes(AttrResult.String(result))
+		if err != nil && result != "ack" {
+			span.RecordError(err)
+			span.SetStatus(codes.Error, err.Error())
+		}
+		span.End()
+	}
+}
+
+// SpanAttrs is a helper for the claim span's attributes.
+func (d *Dedup) SpanAttrs(keyHash string) []attribute.KeyValue {
+	return []attribute.KeyValue{AttrScope.String(d.scope), AttrStore.String(d.store), AttrKeyHash.String(keyHash)}
+}
