@@ -8,7 +8,11 @@ import (
 	"sync"
 	"time"
 
+	"go.opentelemetry.io/otel/metric"
+	"go.opentelemetry.io/otel/trace"
+
 	"github.com/idemkit/idem/dedup"
+	"github.com/idemkit/idem/internal/telemetry"
 )
 
 // DedupOptions configure the Dedup middleware. Only Scope is required.
@@ -51,6 +55,19 @@ type DedupOptions struct {
 	// Outcome constants, for metrics. It must be fast and safe for
 	// concurrent use.
 	OnOutcome func(ctx context.Context, msg *Message, outcome string)
+	// MeterProvider receives the metrics idem.claims,
+	// idem.claim.duration, idem.handler.duration and idem.lease.lost
+	// (README, "Operating idem"). Defaults to otel.GetMeterProvider(),
+	// a no-op until the application installs a provider.
+	MeterProvider metric.MeterProvider
+	// TracerProvider starts the idem.claim, idem.handle and
+	// idem.complete spans, only under a recording span in the message's
+	// context (an adapter's consumer span). Defaults to
+	// otel.GetTracerProvider().
+	TracerProvider trace.TracerProvider
+	// StoreName is the idem.store metric attribute. Defaults to the
+	// store's package name: memstore, pgtable, redisnx, twolevel.
+	StoreName string
 }
 
 // Dedup returns middleware that runs the handler at most once per key at a
@@ -102,7 +119,11 @@ func Dedup(store dedup.LeaseStore, opts DedupOptions) (Middleware, error) {
 	if opts.Logger == nil {
 		opts.Logger = slog.New(slog.DiscardHandler)
 	}
-	d := &dedupMiddleware{store: store, keys: kb, opts: opts}
+	if opts.StoreName == "" {
+		opts.StoreName = telemetry.StoreName(store)
+	}
+	d := &dedupMiddleware{store: store, keys: kb, opts: opts,
+		tel: telemetry.NewDedup(opts.MeterProvider, opts.TracerProvider, opts.Scope, opts.StoreName)}
 	return func(next Handler) Handler {
 		return HandlerFunc(func(ctx context.Context, msg *Message) error {
 			return d.handle(ctx, msg, next)
@@ -114,6 +135,7 @@ type dedupMiddleware struct {
 	store dedup.LeaseStore
 	keys  *keyBuilder
 	opts  DedupOptions
+	tel   *telemetry.Dedup
 }
 
 func (d *dedupMiddleware) outcome(ctx context.Context, msg *Message, outcome string) {
@@ -126,21 +148,35 @@ func (d *dedupMiddleware) handle(ctx context.Context, msg *Message, next Handler
 	key, err := d.keys.build(msg)
 	if err != nil {
 		d.outcome(ctx, msg, OutcomeInvalidKey)
+		d.tel.Claimed(ctx, telemetry.ClaimInvalidKey, 0)
 		return err
 	}
-	lease, err := d.store.Claim(ctx, key)
+	start := time.Now()
+	cctx, endClaim := telemetry.StartSpan(ctx, d.tel.Tracer, "idem.claim", d.tel.SpanAttrs(key.Hash())...)
+	lease, err := d.store.Claim(cctx, key)
 	if err == nil && lease == nil {
 		err = errors.New("the store returned neither a lease nor an error")
 	}
 	if err != nil {
-		d.outcome(ctx, msg, claimOutcome(err))
+		o := claimOutcome(err)
+		d.tel.Claimed(ctx, telemetryClaim(o), time.Since(start))
+		endClaim(spanErr(err), telemetry.AttrOutcome.String(telemetryClaim(o)))
+		d.outcome(ctx, msg, o)
 		return fmt.Errorf("consumer: claim %s: %w", key, err)
+	}
+	hstart := time.Now()
+	d.tel.Claimed(ctx, telemetry.ClaimFirst, hstart.Sub(start))
+	endClaim(nil, telemetry.AttrOutcome.String(telemetry.ClaimFirst))
+	ended := func(o string) {
+		d.tel.Handled(ctx, o, time.Since(hstart))
+		d.outcome(ctx, msg, o)
 	}
 
 	hctx, cancel := context.WithCancelCause(ctx)
 	defer cancel(nil)
 	hctx, slot := withResultSlot(hctx)
 	hb := d.startHeartbeat(ctx, lease, cancel)
+	hctx, endHandle := telemetry.StartSpan(hctx, d.tel.Tracer, "idem.handle")
 
 	returned := false
 	defer func() {
@@ -149,20 +185,22 @@ func (d *dedupMiddleware) handle(ctx context.Context, msg *Message, next Handler
 		}
 		// The handler panicked (or called runtime.Goexit). Give the key
 		// back so a redelivery can run; the panic goes on to Recover.
+		endHandle(errors.New("the handler panicked"))
 		hb.stop()
 		if hb.lostErr != nil {
-			d.outcome(ctx, msg, OutcomeLeaseLost)
+			ended(OutcomeLeaseLost)
 			return
 		}
 		d.release(ctx, lease, "the handler panicked")
-		d.outcome(ctx, msg, OutcomeReleased)
+		ended(OutcomeReleased)
 	}()
 	herr := next.Handle(hctx, msg)
 	returned = true
+	endHandle(herr)
 	hb.stop()
 
 	if lost := hb.lostErr; lost != nil {
-		d.outcome(ctx, msg, OutcomeLeaseLost)
+		ended(OutcomeLeaseLost)
 		if herr != nil {
 			return fmt.Errorf("consumer: handler for %s failed after its lease was lost: %w; handler error: %w", key, lost, herr)
 		}
@@ -170,18 +208,21 @@ func (d *dedupMiddleware) handle(ctx context.Context, msg *Message, next Handler
 	}
 	if herr != nil {
 		d.release(ctx, lease, "the handler failed")
-		d.outcome(ctx, msg, OutcomeReleased)
+		ended(OutcomeReleased)
 		return herr
 	}
 	fctx, fcancel := context.WithTimeout(context.WithoutCancel(ctx), d.opts.FinishTimeout)
 	defer fcancel()
-	if err := d.store.Complete(fctx, lease, slot.get()); err != nil {
-		d.outcome(ctx, msg, OutcomeCompleteFailed)
+	fctx, endComplete := telemetry.StartSpan(fctx, d.tel.Tracer, "idem.complete")
+	err = d.store.Complete(fctx, lease, slot.get())
+	endComplete(err)
+	if err != nil {
+		ended(OutcomeCompleteFailed)
 		d.opts.Logger.WarnContext(ctx, "idem: completing the key failed after the handler succeeded; the message will be retried once the lease expires",
 			slog.String("key_hash", key.Hash()), slog.Any("error", err))
 		return fmt.Errorf("consumer: complete %s: %w", key, err)
 	}
-	d.outcome(ctx, msg, OutcomeCompleted)
+	ended(OutcomeCompleted)
 	return nil
 }
 

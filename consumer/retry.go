@@ -2,9 +2,15 @@ package consumer
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"math/rand/v2"
 	"time"
+
+	"go.opentelemetry.io/otel/metric"
+
+	"github.com/idemkit/idem/dedup"
+	"github.com/idemkit/idem/internal/telemetry"
 )
 
 // RetryOptions configure the Retry middleware. The zero value is usable.
@@ -29,6 +35,11 @@ type RetryOptions struct {
 	// Sleep waits for d or until ctx is done, returning ctx's error then.
 	// Defaults to a timer. Tests inject their own.
 	Sleep func(ctx context.Context, d time.Duration) error
+	// MeterProvider receives idem.lease.wait.duration: for each message
+	// that found its key in flight elsewhere, the time slept waiting for
+	// the other owner, with how the wait ended (acquired, duplicate,
+	// gave_up). Defaults to otel.GetMeterProvider().
+	MeterProvider metric.MeterProvider
 }
 
 // Retry returns middleware that retries the handler in process, with
@@ -85,14 +96,28 @@ func Retry(opts RetryOptions) (Middleware, error) {
 	if opts.Sleep == nil {
 		opts.Sleep = sleep
 	}
+	wait := telemetry.NewLeaseWait(opts.MeterProvider)
 	return func(next Handler) Handler {
 		return HandlerFunc(func(ctx context.Context, msg *Message) error {
-			return retry(ctx, msg, next, &opts)
+			return retry(ctx, msg, next, &opts, wait)
 		})
 	}, nil
 }
 
-func retry(ctx context.Context, msg *Message, next Handler, o *RetryOptions) error {
+func retry(ctx context.Context, msg *Message, next Handler, o *RetryOptions, wait *telemetry.LeaseWait) (err error) {
+	var waited time.Duration // slept because the key was in flight elsewhere
+	defer func() {
+		if waited > 0 {
+			outcome := "gave_up"
+			switch {
+			case err == nil:
+				outcome = "acquired"
+			case errors.Is(err, dedup.ErrDuplicate):
+				outcome = "duplicate"
+			}
+			wait.Record(ctx, "", outcome, waited)
+		}
+	}()
 	for attempt := 1; ; attempt++ {
 		err := next.Handle(context.WithValue(ctx, attemptKey{}, attempt), msg)
 		if err == nil || !o.ShouldRetry(err) {
@@ -108,7 +133,12 @@ func retry(ctx context.Context, msg *Message, next Handler, o *RetryOptions) err
 		if hint := Decide(err).RetryAfter; hint > d {
 			d = min(hint, o.Max)
 		}
-		if serr := o.Sleep(ctx, d); serr != nil {
+		slept := time.Now()
+		serr := o.Sleep(ctx, d)
+		if errors.Is(err, dedup.ErrInFlight) {
+			waited += time.Since(slept)
+		}
+		if serr != nil {
 			return stopped(serr, attempt, err)
 		}
 	}

@@ -3,8 +3,13 @@ package consumer
 import (
 	"context"
 	"errors"
+	"time"
+
+	"go.opentelemetry.io/otel/metric"
+	"go.opentelemetry.io/otel/trace"
 
 	"github.com/idemkit/idem/dedup"
+	"github.com/idemkit/idem/internal/telemetry"
 )
 
 // TxHandler processes a message inside the transaction that holds its
@@ -32,6 +37,17 @@ type TxOptions struct {
 	// Outcome constants, for metrics. It must be fast and safe for
 	// concurrent use.
 	OnOutcome func(ctx context.Context, msg *Message, outcome string)
+	// MeterProvider receives idem.claims, idem.claim.duration and
+	// idem.handler.duration. Defaults to otel.GetMeterProvider(), a no-op
+	// until the application installs a provider.
+	MeterProvider metric.MeterProvider
+	// TracerProvider records the idem.claim, idem.handle and idem.commit
+	// spans under a recording span in the message's context. Defaults to
+	// otel.GetTracerProvider().
+	TracerProvider trace.TracerProvider
+	// StoreName is the idem.store metric attribute. Defaults to the
+	// store's package name (pgtable).
+	StoreName string
 }
 
 // Transactional returns a Handler that runs h inside store.Process: the
@@ -58,6 +74,10 @@ func Transactional[Tx any](store dedup.TxStore[Tx], opts TxOptions, h TxHandler[
 	if err != nil {
 		return nil, err
 	}
+	if opts.StoreName == "" {
+		opts.StoreName = telemetry.StoreName(store)
+	}
+	tel := telemetry.NewDedup(opts.MeterProvider, opts.TracerProvider, opts.Scope, opts.StoreName)
 	outcome := func(ctx context.Context, msg *Message, o string) {
 		if opts.OnOutcome != nil {
 			opts.OnOutcome(ctx, msg, o)
@@ -67,30 +87,52 @@ func Transactional[Tx any](store dedup.TxStore[Tx], opts TxOptions, h TxHandler[
 		key, err := kb.build(msg)
 		if err != nil {
 			outcome(ctx, msg, OutcomeInvalidKey)
+			tel.Claimed(ctx, telemetry.ClaimInvalidKey, 0)
 			return err
 		}
 		var (
-			ran  bool
-			hErr error
+			ran          bool
+			hErr         error
+			start        = time.Now()
+			hStart, hEnd time.Time
 		)
 		_, err = store.Process(ctx, key, func(ctx context.Context, tx Tx) ([]byte, error) {
 			ran = true
+			hStart = time.Now()
+			tel.Claimed(ctx, telemetry.ClaimFirst, hStart.Sub(start))
+			telemetry.RecordSpan(ctx, tel.Tracer, "idem.claim", start, hStart, nil,
+				append(tel.SpanAttrs(key.Hash()), telemetry.AttrOutcome.String(telemetry.ClaimFirst))...)
+			ctx, endHandle := telemetry.StartSpan(ctx, tel.Tracer, "idem.handle")
 			ctx, slot := withResultSlot(ctx)
-			if hErr = h(ctx, tx, msg); hErr != nil {
+			hErr = h(ctx, tx, msg)
+			endHandle(hErr)
+			hEnd = time.Now()
+			if hErr != nil {
 				return nil, hErr
 			}
 			return slot.get(), nil
 		})
+		end := time.Now()
+		if ran && hErr == nil {
+			telemetry.RecordSpan(ctx, tel.Tracer, "idem.commit", hEnd, end, err)
+		}
 		switch {
 		case err == nil:
 			outcome(ctx, msg, OutcomeCompleted)
+			tel.Handled(ctx, OutcomeCompleted, end.Sub(hStart))
 		case ran && hErr != nil:
 			outcome(ctx, msg, OutcomeReleased)
+			tel.Handled(ctx, OutcomeReleased, end.Sub(hStart))
 		case ran:
 			// h succeeded but the commit failed.
 			outcome(ctx, msg, OutcomeCompleteFailed)
+			tel.Handled(ctx, OutcomeCompleteFailed, end.Sub(hStart))
 		default:
-			outcome(ctx, msg, claimOutcome(err))
+			o := claimOutcome(err)
+			outcome(ctx, msg, o)
+			tel.Claimed(ctx, telemetryClaim(o), end.Sub(start))
+			telemetry.RecordSpan(ctx, tel.Tracer, "idem.claim", start, end, spanErr(err),
+				append(tel.SpanAttrs(key.Hash()), telemetry.AttrOutcome.String(telemetryClaim(o)))...)
 		}
 		return err
 	}), nil

@@ -182,3 +182,18 @@ func StartSpan(ctx context.Context, t trace.Tracer, name string, attrs ...attrib
 		span.End()
 	}
 }
+
+// RecordSpan records a span that already happened, from start to end, under
+// the recording span in ctx (nothing otherwise): used for the claim and
+// commit phases of a store call that runs them around a callback.
+func RecordSpan(ctx context.Context, t trace.Tracer, name string, start, end time.Time, err error, attrs ...attribute.KeyValue) {
+	if !trace.SpanFromContext(ctx).IsRecording() {
+		return
+	}
+	_, span := t.Start(ctx, name, trace.WithTimestamp(start), trace.WithAttributes(attrs...))
+	if err != nil {
+		span.RecordError(err)
+		span.SetStatus(codes.Error, err.Error())
+	}
+	span.End(trace.WithTimestamp(end))
+}

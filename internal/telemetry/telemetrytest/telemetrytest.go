@@ -1,0 +1,169 @@
+// Package telemetrytest reads idem's metrics and spans in tests: an
+// in-memory metric reader and span recorder with lookups by name and
+// attributes.
+package telemetrytest
+
+import (
+	"context"
+	"sort"
+	"strings"
+	"testing"
+
+	"go.opentelemetry.io/otel/attribute"
+	sdkmetric "go.opentelemetry.io/otel/sdk/metric"
+	"go.opentelemetry.io/otel/sdk/metric/metricdata"
+	sdktrace "go.opentelemetry.io/otel/sdk/trace"
+	"go.opentelemetry.io/otel/sdk/trace/tracetest"
+)
+
+// Metrics is a MeterProvider with a manual reader.
+type Metrics struct {
+	*sdkmetric.MeterProvider
+	reader *sdkmetric.ManualReader
+	t      testing.TB
+}
+
+// NewMetrics returns a MeterProvider whose data the test reads with Sum,
+// Count and Points. It is shut down when the test ends.
+func NewMetrics(t testing.TB) *Metrics {
+	r := sdkmetric.NewManualReader()
+	mp := sdkmetric.NewMeterProvider(sdkmetric.WithReader(r))
+	t.Cleanup(func() { _ = mp.Shutdown(context.Background()) })
+	return &Metrics{MeterProvider: mp, reader: r, t: t}
+}
+
+// Point is one data point: its attributes and its value (a sum, a gauge's
+// value, or a histogram's count).
+type Point struct {
+	Attrs attribute.Set
+	Value float64
+}
+
+// Points returns every point of the metric name.
+func (m *Metrics) Points(name string) []Point {
+	m.t.Helper()
+	var rm metricdata.ResourceMetrics
+	if err := m.reader.Collect(context.Background(), &rm); err != nil {
+		m.t.Fatalf("collect metrics: %v", err)
+	}
+	var out []Point
+	for _, sm := range rm.ScopeMetrics {
+		for _, md := range sm.Metrics {
+			if md.Name != name {
+				continue
+			}
+			switch d := md.Data.(type) {
+			case metricdata.Sum[int64]:
+				for _, p := range d.DataPoints {
+					out = append(out, Point{p.Attributes, float64(p.Value)})
+				}
+			case metricdata.Sum[float64]:
+				for _, p := range d.DataPoints {
+					out = append(out, Point{p.Attributes, p.Value})
+				}
+			case metricdata.Gauge[int64]:
+				for _, p := range d.DataPoints {
+					out = append(out, Point{p.Attributes, float64(p.Value)})
+				}
+			case metricdata.Gauge[float64]:
+				for _, p := range d.DataPoints {
+					out = append(out, Point{p.Attributes, p.Value})
+				}
+			case metricdata.Histogram[float64]:
+				for _, p := range d.DataPoints {
+					out = append(out, Point{p.Attributes, float64(p.Count)})
+				}
+			default:
+				m.t.Fatalf("metric %s: unexpected data %T", name, md.Data)
+			}
+		}
+	}
+	return out
+}
+
+// Names returns the names of every metric with data.
+func (m *Metrics) Names() []string {
+	m.t.Helper()
+	var rm metricdata.ResourceMetrics
+	if err := m.reader.Collect(context.Background(), &rm); err != nil {
+		m.t.Fatalf("collect metrics: %v", err)
+	}
+	var out []string
+	for _, sm := range rm.ScopeMetrics {
+		for _, md := range sm.Metrics {
+			out = append(out, md.Name)
+		}
+	}
+	sort.Strings(out)
+	return out
+}
+
+// Sum adds the values of the points of name whose attributes include every
+// one of attrs (a counter's total, a histogram's count).
+func (m *Metrics) Sum(name string, attrs ...attribute.KeyValue) float64 {
+	m.t.Helper()
+	var total float64
+	for _, p := range m.Points(name) {
+		if Has(p.Attrs, attrs...) {
+			total += p.Value
+		}
+	}
+	return total
+}
+
+// Has reports whether set holds every one of attrs.
+func Has(set attribute.Set, attrs ...attribute.KeyValue) bool {
+	for _, a := range attrs {
+		v, ok := set.Value(a.Key)
+		if !ok || v != a.Value {
+			return false
+		}
+	}
+	return true
+}
+
+// NoValueContains fails the test when any attribute value of any point of
+// any metric contains one of the secrets (message ids, keys).
+func (m *Metrics) NoValueContains(secrets ...string) {
+	m.t.Helper()
+	for _, name := range m.Names() {
+		for _, p := range m.Points(name) {
+			for _, kv := range p.Attrs.ToSlice() {
+				for _, s := range secrets {
+					if strings.Contains(kv.Value.Emit(), s) {
+						m.t.Errorf("metric %s attribute %s=%q holds %q", name, kv.Key, kv.Value.Emit(), s)
+					}
+				}
+			}
+		}
+	}
+}
+
+// Spans is a TracerProvider that records ended spans.
+type Spans struct {
+	*sdktrace.TracerProvider
+	rec *tracetest.SpanRecorder
+}
+
+// NewSpans returns a TracerProvider that samples everything and records
+// ended spans.
+func NewSpans(t testing.TB) *Spans {
+	rec := tracetest.NewSpanRecorder()
+	tp := sdktrace.NewTracerProvider(sdktrace.WithSampler(sdktrace.AlwaysSample()), sdktrace.WithSpanProcessor(rec))
+	t.Cleanup(func() { _ = tp.Shutdown(context.Background()) })
+	return &Spans{TracerProvider: tp, rec: rec}
+}
+
+// Ended returns the ended spans.
+func (s *Spans) Ended() []sdktrace.ReadOnlySpan { return s.rec.Ended() }
+
+// Named returns the ended spans called name.
+func (s *Spans) Named(name string) []sdktrace.ReadOnlySpan {
+	var out []sdktrace.ReadOnlySpan
+	for _, sp := range s.rec.Ended() {
+		if sp.Name() == name {
+			out = append(out, sp)
+		}
+	}
+	return out
+}
