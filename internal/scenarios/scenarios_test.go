@@ -22,6 +22,8 @@ import (
 	"github.com/idemkit/idem/dedup/pgtable"
 	"github.com/idemkit/idem/dedup/redisnx"
 	"github.com/idemkit/idem/dedup/twolevel"
+	"github.com/idemkit/idem/internal/telemetry"
+	"github.com/idemkit/idem/internal/telemetry/telemetrytest"
 	"github.com/idemkit/idem/internal/testenv"
 )
 
@@ -442,10 +444,12 @@ func TestQueueRedeliveryAfterCrash(t *testing.T) {
 		}
 		var h consumer.Handler
 		var midTxCrashes atomic.Int64
+		// The metrics must agree with the oracle (issue 10).
+		mp := telemetrytest.NewMetrics(t)
 		switch p := e.a.(type) {
 		case *txPayments:
 			var err error
-			h, err = consumer.Transactional(p.store, consumer.TxOptions{Scope: "payments/charge"},
+			h, err = consumer.Transactional(p.store, consumer.TxOptions{Scope: "payments/charge", MeterProvider: mp},
 				func(ctx context.Context, tx pgx.Tx, msg *consumer.Message) error {
 					r := receipt()
 					if _, err := tx.Exec(ctx, fmt.Sprintf(insertCharge, p.o.table), msg.ID, r, 100); err != nil {
@@ -462,7 +466,7 @@ func TestQueueRedeliveryAfterCrash(t *testing.T) {
 				t.Fatal(err)
 			}
 		case *leasePayments:
-			mw, err := consumer.Dedup(p.store, consumer.DedupOptions{Scope: "payments/charge"})
+			mw, err := consumer.Dedup(p.store, consumer.DedupOptions{Scope: "payments/charge", MeterProvider: mp})
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -479,7 +483,7 @@ func TestQueueRedeliveryAfterCrash(t *testing.T) {
 		for _, id := range ids {
 			queue <- &consumer.Message{ID: id, Payload: []byte("100"), Attempt: 1}
 		}
-		var acked, redelivered, duplicates atomic.Int64
+		var acked, redelivered, duplicates, calls, dupResults atomic.Int64
 		var pending sync.WaitGroup
 		pending.Add(payments)
 		ctx := context.Background()
@@ -490,6 +494,10 @@ func TestQueueRedeliveryAfterCrash(t *testing.T) {
 				defer workers.Done()
 				for msg := range queue {
 					res := consumer.Process(ctx, h, msg)
+					calls.Add(1)
+					if res.Duplicate {
+						dupResults.Add(1)
+					}
 					if res.Action == consumer.ActionAck && !chance(crashBeforeAck) {
 						acked.Add(1)
 						if res.Duplicate {
@@ -518,6 +526,32 @@ func TestQueueRedeliveryAfterCrash(t *testing.T) {
 		t.Logf("%d acked, %d redeliveries, %d acked as duplicates, %d crashes inside the transaction",
 			acked.Load(), redelivered.Load(), duplicates.Load(), midTxCrashes.Load())
 		e.o.check(t, ids, nil)
+
+		scope := telemetry.AttrScope.String("payments/charge")
+		claims := func(outcome string) int64 {
+			return int64(mp.Sum(telemetry.MetricClaims, scope, telemetry.AttrOutcome.String(outcome)))
+		}
+		handled := func(outcome string) int64 {
+			return int64(mp.Sum(telemetry.MetricHandlerDuration, scope, telemetry.AttrOutcome.String(outcome)))
+		}
+		// Every claim that won either committed its one effect or rolled
+		// back with the crash inside the transaction.
+		if got, want := claims(telemetry.ClaimFirst), int64(payments)+midTxCrashes.Load(); got != want {
+			t.Errorf("idem.claims{first} = %d, want %d (effects + rolled-back crashes)", got, want)
+		}
+		if got := handled("completed"); got != payments {
+			t.Errorf("idem.handler.duration{completed} count = %d, want %d (one per effect)", got, payments)
+		}
+		if got, want := handled("released"), midTxCrashes.Load(); got != want {
+			t.Errorf("idem.handler.duration{released} count = %d, want %d", got, want)
+		}
+		if got, want := claims(telemetry.ClaimDuplicate), dupResults.Load(); got != want {
+			t.Errorf("idem.claims{duplicate} = %d, want %d duplicate results", got, want)
+		}
+		if got, want := int64(mp.Sum(telemetry.MetricClaims, scope)), calls.Load(); got != want {
+			t.Errorf("idem.claims in all = %d, want %d deliveries", got, want)
+		}
+		mp.NoValueContains("pay-q-")
 	})
 }
 
