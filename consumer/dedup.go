@@ -8,6 +8,7 @@ import (
 	"sync"
 	"time"
 
+	"go.opentelemetry.io/otel/attribute"
 	"go.opentelemetry.io/otel/metric"
 	"go.opentelemetry.io/otel/trace"
 
@@ -152,7 +153,10 @@ func (d *dedupMiddleware) handle(ctx context.Context, msg *Message, next Handler
 		return err
 	}
 	start := time.Now()
-	cctx, endClaim := telemetry.StartSpan(ctx, d.tel.Tracer, "idem.claim", d.tel.SpanAttrs(key.Hash())...)
+	cctx, endClaim := ctx, noEnd
+	if telemetry.Recording(ctx) {
+		cctx, endClaim = telemetry.StartSpan(ctx, d.tel.Tracer, "idem.claim", d.tel.SpanAttrs(key.Hash())...)
+	}
 	lease, err := d.store.Claim(cctx, key)
 	if err == nil && lease == nil {
 		err = errors.New("the store returned neither a lease nor an error")
@@ -167,10 +171,6 @@ func (d *dedupMiddleware) handle(ctx context.Context, msg *Message, next Handler
 	hstart := time.Now()
 	d.tel.Claimed(ctx, telemetry.ClaimFirst, hstart.Sub(start))
 	endClaim(nil, telemetry.AttrOutcome.String(telemetry.ClaimFirst))
-	ended := func(o string) {
-		d.tel.Handled(ctx, o, time.Since(hstart))
-		d.outcome(ctx, msg, o)
-	}
 
 	hctx, cancel := context.WithCancelCause(ctx)
 	defer cancel(nil)
@@ -188,11 +188,11 @@ func (d *dedupMiddleware) handle(ctx context.Context, msg *Message, next Handler
 		endHandle(errors.New("the handler panicked"))
 		hb.stop()
 		if hb.lostErr != nil {
-			ended(OutcomeLeaseLost)
+			d.ended(ctx, msg, hstart, OutcomeLeaseLost)
 			return
 		}
 		d.release(ctx, lease, "the handler panicked")
-		ended(OutcomeReleased)
+		d.ended(ctx, msg, hstart, OutcomeReleased)
 	}()
 	herr := next.Handle(hctx, msg)
 	returned = true
@@ -200,7 +200,7 @@ func (d *dedupMiddleware) handle(ctx context.Context, msg *Message, next Handler
 	hb.stop()
 
 	if lost := hb.lostErr; lost != nil {
-		ended(OutcomeLeaseLost)
+		d.ended(ctx, msg, hstart, OutcomeLeaseLost)
 		if herr != nil {
 			return fmt.Errorf("consumer: handler for %s failed after its lease was lost: %w; handler error: %w", key, lost, herr)
 		}
@@ -208,7 +208,7 @@ func (d *dedupMiddleware) handle(ctx context.Context, msg *Message, next Handler
 	}
 	if herr != nil {
 		d.release(ctx, lease, "the handler failed")
-		ended(OutcomeReleased)
+		d.ended(ctx, msg, hstart, OutcomeReleased)
 		return herr
 	}
 	fctx, fcancel := context.WithTimeout(context.WithoutCancel(ctx), d.opts.FinishTimeout)
@@ -217,14 +217,23 @@ func (d *dedupMiddleware) handle(ctx context.Context, msg *Message, next Handler
 	err = d.store.Complete(fctx, lease, slot.get())
 	endComplete(err)
 	if err != nil {
-		ended(OutcomeCompleteFailed)
+		d.ended(ctx, msg, hstart, OutcomeCompleteFailed)
 		d.opts.Logger.WarnContext(ctx, "idem: completing the key failed after the handler succeeded; the message will be retried once the lease expires",
 			slog.String("key_hash", key.Hash()), slog.Any("error", err))
 		return fmt.Errorf("consumer: complete %s: %w", key, err)
 	}
-	ended(OutcomeCompleted)
+	d.ended(ctx, msg, hstart, OutcomeCompleted)
 	return nil
 }
+
+// ended reports how a handler that ran under a claim ended.
+func (d *dedupMiddleware) ended(ctx context.Context, msg *Message, hstart time.Time, outcome string) {
+	d.tel.Handled(ctx, outcome, time.Since(hstart))
+	d.outcome(ctx, msg, outcome)
+}
+
+// noEnd ends no span.
+func noEnd(error, ...attribute.KeyValue) {}
 
 func (d *dedupMiddleware) release(ctx context.Context, lease *dedup.Lease, why string) {
 	rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), d.opts.FinishTimeout)

@@ -100,8 +100,10 @@ func Transactional[Tx any](store dedup.TxStore[Tx], opts TxOptions, h TxHandler[
 			ran = true
 			hStart = time.Now()
 			tel.Claimed(ctx, telemetry.ClaimFirst, hStart.Sub(start))
-			telemetry.RecordSpan(ctx, tel.Tracer, "idem.claim", start, hStart, nil,
-				append(tel.SpanAttrs(key.Hash()), telemetry.AttrOutcome.String(telemetry.ClaimFirst))...)
+			if telemetry.Recording(ctx) {
+				telemetry.RecordSpan(ctx, tel.Tracer, "idem.claim", start, hStart, nil,
+					append(tel.SpanAttrs(key.Hash()), telemetry.AttrOutcome.String(telemetry.ClaimFirst))...)
+			}
 			ctx, endHandle := telemetry.StartSpan(ctx, tel.Tracer, "idem.handle")
 			ctx, slot := withResultSlot(ctx)
 			hErr = h(ctx, tx, msg)
@@ -131,8 +133,10 @@ func Transactional[Tx any](store dedup.TxStore[Tx], opts TxOptions, h TxHandler[
 			o := claimOutcome(err)
 			outcome(ctx, msg, o)
 			tel.Claimed(ctx, telemetryClaim(o), end.Sub(start))
-			telemetry.RecordSpan(ctx, tel.Tracer, "idem.claim", start, end, spanErr(err),
-				append(tel.SpanAttrs(key.Hash()), telemetry.AttrOutcome.String(telemetryClaim(o)))...)
+			if telemetry.Recording(ctx) {
+				telemetry.RecordSpan(ctx, tel.Tracer, "idem.claim", start, end, spanErr(err),
+					append(tel.SpanAttrs(key.Hash()), telemetry.AttrOutcome.String(telemetryClaim(o)))...)
+			}
 		}
 		return err
 	}), nil

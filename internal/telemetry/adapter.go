@@ -52,11 +52,19 @@ func (a *Adapter) Result(ctx context.Context, destination, result, reason string
 		if reason != "" {
 			attrs = append(attrs, AttrReason.String(reason))
 		}
-		v, _ = a.sets.LoadOrStore(k, metric.WithAttributeSet(attribute.NewSet(attrs...)))
+		set := metric.WithAttributeSet(attribute.NewSet(attrs...))
+		v, _ = a.sets.LoadOrStore(k, &optSet{add: []metric.AddOption{set}, rec: []metric.RecordOption{set}})
 	}
-	o := v.(metric.MeasurementOption)
-	a.msgs.Add(ctx, 1, o)
-	a.process.Record(ctx, took.Seconds(), o)
+	o := v.(*optSet)
+	a.msgs.Add(ctx, 1, o.add...)
+	a.process.Record(ctx, took.Seconds(), o.rec...)
+}
+
+// optSet holds the option slices of one attribute set, built once so a
+// record allocates nothing.
+type optSet struct {
+	add []metric.AddOption
+	rec []metric.RecordOption
 }
 
 // LeaseWait is the histogram of time spent waiting on a key another owner
@@ -81,7 +89,8 @@ func (w *LeaseWait) Record(ctx context.Context, scope, outcome string, took time
 		if scope != "" {
 			attrs = append(attrs, AttrScope.String(scope))
 		}
-		v, _ = w.sets.LoadOrStore(k, metric.WithAttributeSet(attribute.NewSet(attrs...)))
+		set := metric.WithAttributeSet(attribute.NewSet(attrs...))
+		v, _ = w.sets.LoadOrStore(k, &optSet{rec: []metric.RecordOption{set}})
 	}
-	w.h.Record(ctx, took.Seconds(), v.(metric.MeasurementOption))
+	w.h.Record(ctx, took.Seconds(), v.(*optSet).rec...)
 }

@@ -20,9 +20,12 @@ type Dedup struct {
 	claimD  metric.Float64Histogram
 	handleD metric.Float64Histogram
 	lost    metric.Int64Counter
-	claimO  map[string]metric.MeasurementOption
-	handleO map[string]metric.MeasurementOption
-	lostO   metric.MeasurementOption
+	// Option slices built once: passing them with ... allocates nothing,
+	// where a variadic call with a fresh option would.
+	claimA  map[string][]metric.AddOption
+	claimR  map[string][]metric.RecordOption
+	handleR map[string][]metric.RecordOption
+	lostA   []metric.AddOption
 }
 
 // NewDedup creates the instruments for scope and store on mp and tp (nil:
@@ -37,55 +40,58 @@ func NewDedup(mp metric.MeterProvider, tp trace.TracerProvider, scope, store str
 		claimD:  Histogram(m, MetricClaimDuration, "Time a claim of an idempotency key took."),
 		handleD: Histogram(m, MetricHandlerDuration, "Time the handler ran under a claim, by how it ended."),
 		lost:    Counter(m, MetricLeaseLost, "{lease}", "Leases lost while the handler ran."),
-		claimO:  map[string]metric.MeasurementOption{},
-		handleO: map[string]metric.MeasurementOption{},
+		claimA:  map[string][]metric.AddOption{},
+		claimR:  map[string][]metric.RecordOption{},
+		handleR: map[string][]metric.RecordOption{},
 	}
 	base := []attribute.KeyValue{AttrScope.String(scope), AttrStore.String(store)}
 	for _, o := range []string{ClaimFirst, ClaimDuplicate, ClaimInFlight, ClaimFingerprintMismatch, ClaimInvalidKey, ClaimError} {
-		d.claimO[o] = metric.WithAttributeSet(attribute.NewSet(append(base[:2:2], AttrOutcome.String(o))...))
+		set := metric.WithAttributeSet(attribute.NewSet(append(base[:2:2], AttrOutcome.String(o))...))
+		d.claimA[o] = []metric.AddOption{set}
+		d.claimR[o] = []metric.RecordOption{set}
 	}
 	for _, o := range []string{"completed", "released", "lease_lost", "complete_failed"} {
-		d.handleO[o] = metric.WithAttributeSet(attribute.NewSet(append(base[:2:2], AttrOutcome.String(o))...))
+		d.handleR[o] = []metric.RecordOption{metric.WithAttributeSet(attribute.NewSet(append(base[:2:2], AttrOutcome.String(o))...))}
 	}
-	d.lostO = metric.WithAttributeSet(attribute.NewSet(base...))
+	d.lostA = []metric.AddOption{metric.WithAttributeSet(attribute.NewSet(base...))}
 	return d
 }
 
-func (d *Dedup) claimOpt(outcome string) metric.MeasurementOption {
-	if o, ok := d.claimO[outcome]; ok {
-		return o
+func (d *Dedup) opts(outcome string) ([]metric.AddOption, []metric.RecordOption) {
+	if a, ok := d.claimA[outcome]; ok {
+		return a, d.claimR[outcome]
 	}
-	return d.claimO[ClaimError]
+	return d.claimA[ClaimError], d.claimR[ClaimError]
 }
 
-// Claimed records one claim that took since start.
+// Claimed records one claim that took took.
 func (d *Dedup) Claimed(ctx context.Context, outcome string, took time.Duration) {
-	o := d.claimOpt(outcome)
-	d.claims.Add(ctx, 1, o)
-	d.claimD.Record(ctx, took.Seconds(), o)
+	a, r := d.opts(outcome)
+	d.claims.Add(ctx, 1, a...)
+	d.claimD.Record(ctx, took.Seconds(), r...)
 }
 
 // ClaimedN records n claims of one outcome (a batch) that took took in all;
-// the duration is recorded once per claim, as the batch's time.
+// the duration is recorded once, as the batch's time.
 func (d *Dedup) ClaimedN(ctx context.Context, outcome string, n int, took time.Duration) {
 	if n <= 0 {
 		return
 	}
-	o := d.claimOpt(outcome)
-	d.claims.Add(ctx, int64(n), o)
-	d.claimD.Record(ctx, took.Seconds(), o)
+	a, r := d.opts(outcome)
+	d.claims.Add(ctx, int64(n), a...)
+	d.claimD.Record(ctx, took.Seconds(), r...)
 }
 
 // Handled records how a handler run under a claim ended: completed,
 // released, lease_lost or complete_failed.
 func (d *Dedup) Handled(ctx context.Context, outcome string, took time.Duration) {
-	o, ok := d.handleO[outcome]
+	r, ok := d.handleR[outcome]
 	if !ok {
 		return
 	}
-	d.handleD.Record(ctx, took.Seconds(), o)
+	d.handleD.Record(ctx, took.Seconds(), r...)
 	if outcome == "lease_lost" {
-		d.lost.Add(ctx, 1, d.lostO)
+		d.lost.Add(ctx, 1, d.lostA...)
 	}
 }
 

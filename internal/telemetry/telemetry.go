@@ -163,6 +163,11 @@ func StoreName(store any) string {
 // Seconds converts a duration for a histogram.
 func Seconds(d time.Duration) float64 { return d.Seconds() }
 
+// Recording reports whether ctx carries a recording span: the condition
+// under which StartSpan and RecordSpan do anything. Callers use it to skip
+// building span attributes nobody will see.
+func Recording(ctx context.Context) bool { return trace.SpanFromContext(ctx).IsRecording() }
+
 // StartSpan starts a span only when ctx already carries a recording span,
 // so a consumer nobody traces pays nothing. The returned end function
 // records err (if any) and ends the span; it is never nil.
