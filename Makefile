@@ -1,6 +1,7 @@
 # idem: build, test and lint entry points (GNU make).
 #
-#   make test    services up, then every test with -race (the test command)
+#   make test    services up, every test with -race, then CHAOS_SCALE=small make chaos (the test command)
+#   make test-go services up, every test with -race (no chaos matrix)
 #   make lint    gofmt, go vet, golangci-lint (installed on first use)
 #   make chaos   the reliability matrix (CHAOS_SCALE=small|full, CHAOS_SEED, CHAOS_ONLY)
 #   make bench   side-by-side benchmarks in interleaved rounds (ROUNDS, BENCHTIME)
@@ -30,10 +31,10 @@ GOLANGCI_LINT := $(TOOLS_BIN)/golangci-lint
 # Every Go file but testdata fixtures and vendored code.
 GOFILES = $(shell find . -name '*.go' -not -path './.git/*' -not -path '*/testdata/*' -not -path './vendor/*' 2>/dev/null)
 
-.PHONY: help up down status test lint fmt-check vet golangci-lint tools fmt bench chaos
+.PHONY: help up down status test test-go lint fmt-check vet golangci-lint tools fmt bench chaos
 
 help:
-	@sed -n '3,14s/^# \{0,1\}//p' $(firstword $(MAKEFILE_LIST))
+	@sed -n '3,15s/^# \{0,1\}//p' $(firstword $(MAKEFILE_LIST))
 
 up:
 	@scripts/services.sh up
@@ -44,7 +45,10 @@ down:
 status:
 	@scripts/services.sh status
 
-test: up
+test: test-go
+	@$(MAKE) chaos CHAOS_SCALE=small
+
+test-go: up
 	$(GO) test -race -count=1 -timeout 30m $(GOTESTFLAGS) $(PKGS)
 
 # The reliability matrix (internal/chaos): built once, so the cells can

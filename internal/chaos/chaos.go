@@ -192,10 +192,12 @@ func Run(ctx context.Context, cfg Config) error {
 	fmt.Fprintf(cfg.Out, "chaos: scale %s, seed %d\n", cfg.Scale, cfg.Seed)
 	var total Result
 	var failed []string
+	ran := 0
 	for _, name := range Names() {
 		if cfg.Only != nil && !cfg.Only.MatchString(name) {
 			continue
 		}
+		ran++
 		mu.Lock()
 		c := cells[name]
 		mu.Unlock()
@@ -248,6 +250,9 @@ func Run(ctx context.Context, cfg Config) error {
 	}
 	fmt.Fprintf(cfg.Out, "chaos: total: %d messages, %d kills, %d restarts, %d duplicate effects, %d lost\n",
 		total.Messages, total.Kills, total.Restarts, total.Duplicates, total.Lost)
+	if ran == 0 {
+		return ErrNoCells
+	}
 	if len(failed) > 0 {
 		return fmt.Errorf("chaos: %d cell(s) failed: %v (seed %d)", len(failed), failed, cfg.Seed)
 	}
