@@ -6,6 +6,9 @@ import (
 	"fmt"
 	"sort"
 
+	"go.opentelemetry.io/otel/propagation"
+	sdktrace "go.opentelemetry.io/otel/sdk/trace"
+
 	"github.com/idemkit/idem/outbox"
 )
 
@@ -31,11 +34,8 @@ func ExampleWithTraceContext() {
 	// tracestate: vendor=1
 }
 
-// A Propagator plugs in another tracing library; with OpenTelemetry:
-//
-//	outbox.PropagatorFunc(func(ctx context.Context, h map[string]string) {
-//		otel.GetTextMapPropagator().Inject(ctx, propagation.MapCarrier(h))
-//	})
+// A Propagator plugs in another tracing library (OpenTelemetry needs none:
+// see TraceContext and OTelPropagator).
 func ExamplePropagatorFunc() {
 	type spanKey struct{}
 	p := outbox.PropagatorFunc(func(ctx context.Context, h map[string]string) {
@@ -79,4 +79,32 @@ func ExamplePublishError() {
 	// a published
 	// b retry: nacked
 	// c published
+}
+
+// With OpenTelemetry the span of the context passed to Enqueue is stored
+// with the message and sent as its traceparent: the consumer's span becomes
+// its child. No configuration is needed; OTelPropagator picks another
+// format (here W3C, what TraceContext writes too).
+func ExampleOTelPropagator() {
+	tp := sdktrace.NewTracerProvider()
+	defer func() { _ = tp.Shutdown(context.Background()) }()
+	ctx, span := tp.Tracer("checkout").Start(context.Background(), "place order")
+	defer span.End()
+
+	h := outbox.InjectHeaders(ctx, outbox.OTelPropagator(propagation.TraceContext{}), nil)
+	sc, ok := outbox.SpanContext(h)
+	fmt.Println(ok, sc.TraceID() == span.SpanContext().TraceID(), sc.SpanID() == span.SpanContext().SpanID())
+	// Output:
+	// true true true
+}
+
+// SpanContext reads the trace context a message carries, as a relay or a
+// consumer does.
+func ExampleSpanContext() {
+	sc, ok := outbox.SpanContext(map[string]string{
+		outbox.HeaderTraceParent: "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",
+	})
+	fmt.Println(ok, sc.TraceID(), sc.SpanID(), sc.IsSampled())
+	// Output:
+	// true 4bf92f3577b34da6a3ce929d0e0e4736 00f067aa0ba902b7 true
 }

@@ -6,6 +6,10 @@ import "time"
 // as they happen; the backlog is sampled periodically. Implementations must
 // be fast and safe for concurrent use: the relay calls them from its
 // goroutines. Embed NopMetrics to implement only some of them.
+//
+// The PostgreSQL relay reports the same measurements, and more (publish
+// latency, delay), through OpenTelemetry (pgoutbox.RelayOptions.MeterProvider);
+// a Metrics set alongside keeps receiving its calls.
 type Metrics interface {
 	// Published counts messages the broker confirmed and the relay then
 	// marked published (or deleted).

@@ -13,11 +13,17 @@
 // the Relay — is the subpackage outbox/pgoutbox. The broker adapters
 // implement Publisher: adapters/amqp (publisher confirms), adapters/kafka.
 //
-// Trace context present at Enqueue time travels with the message: put it in
-// the context with WithTraceContext (or plug an OpenTelemetry propagator in
-// as a Propagator) and it is stored in the message's headers and sent as
-// HeaderTraceParent and HeaderTraceState. Metrics is the relay's metrics
-// hook.
+// Trace context present at Enqueue time travels with the message: the
+// OpenTelemetry span of Enqueue's context (or, without OpenTelemetry, the
+// values of WithTraceContext) is stored in the message's headers and sent as
+// the W3C HeaderTraceParent and HeaderTraceState headers, so the consumer's
+// span continues the trace of the request that enqueued the message (see
+// TraceContext, OTelPropagator). The relay's publish span links to it
+// without replacing it.
+//
+// Metrics is the relay's metrics hook for code that does not use
+// OpenTelemetry; the PostgreSQL relay also reports its metrics through an
+// OpenTelemetry MeterProvider (idem.outbox.*, README "Operating idem").
 //
 // This package imports no driver.
 package outbox
@@ -71,6 +77,12 @@ type Message struct {
 // for use by one relay goroutine at a time; the relay calls it with messages
 // in per-key order and publishes a key's next message only after the previous
 // one was confirmed.
+//
+// A publisher sends Message.Headers as they are. ctx may carry the relay's
+// publish span (a producer span linked to the messages' traces); the
+// headers' HeaderTraceParent is the trace context of Enqueue and must not be
+// replaced by the one of ctx, or the consumer's span would continue the
+// relay's trace instead of the producer's.
 type Publisher interface {
 	Publish(ctx context.Context, msgs []*Message) error
 }

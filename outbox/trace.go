@@ -1,18 +1,22 @@
 package outbox
 
-import "context"
+import (
+	"context"
+
+	"go.opentelemetry.io/otel/propagation"
+	"go.opentelemetry.io/otel/trace"
+
+	"github.com/idemkit/idem/internal/telemetry"
+)
 
 // Propagator writes the trace context carried by ctx into a message's
 // headers. Enqueue calls it once per message, with ctx the context passed to
 // Enqueue, so the relay can send the trace context with the message long
 // after the request that produced it ended.
 //
-// An OpenTelemetry TextMapPropagator fits in one line, since
-// propagation.MapCarrier is a map[string]string:
-//
-//	outbox.PropagatorFunc(func(ctx context.Context, h map[string]string) {
-//		otel.GetTextMapPropagator().Inject(ctx, propagation.MapCarrier(h))
-//	})
+// The default, TraceContext, writes the OpenTelemetry span of ctx as W3C
+// Trace Context; OTelPropagator plugs in any other OpenTelemetry
+// propagator, and PropagatorFunc any other tracing library.
 type Propagator interface {
 	Inject(ctx context.Context, headers map[string]string)
 }
@@ -23,15 +27,33 @@ type PropagatorFunc func(ctx context.Context, headers map[string]string)
 // Inject calls f(ctx, headers).
 func (f PropagatorFunc) Inject(ctx context.Context, headers map[string]string) { f(ctx, headers) }
 
+// OTelPropagator returns a Propagator that writes the OpenTelemetry context
+// of ctx (its span context, its baggage: whatever p carries) with p, for
+// example otel.GetTextMapPropagator() or a B3 propagator. A nil p is W3C
+// Trace Context plus W3C Baggage, the propagator TraceContext uses.
+//
+// Unlike TraceContext it does not read WithTraceContext.
+func OTelPropagator(p propagation.TextMapPropagator) Propagator {
+	if p == nil {
+		p = telemetry.DefaultPropagator
+	}
+	return PropagatorFunc(func(ctx context.Context, h map[string]string) {
+		p.Inject(ctx, propagation.MapCarrier(h))
+	})
+}
+
 type traceKey struct{}
 
 type traceContext struct{ parent, state string }
 
 // WithTraceContext returns a copy of ctx carrying a W3C trace context: the
-// traceparent and (optionally empty) tracestate header values. The default
-// Propagator (TraceContext) stores them in the headers of the messages
-// enqueued with that context. An empty traceparent removes the trace
-// context.
+// traceparent and (optionally empty) tracestate header values, for
+// applications that do not use OpenTelemetry. The default Propagator
+// (TraceContext) stores them in the headers of the messages enqueued with
+// that context when ctx has no OpenTelemetry span.
+//
+// An empty traceparent removes the trace context: TraceContext then writes
+// no trace context at all, not even the OpenTelemetry span's.
 func WithTraceContext(ctx context.Context, traceparent, tracestate string) context.Context {
 	if traceparent == "" {
 		return context.WithValue(ctx, traceKey{}, (*traceContext)(nil))
@@ -49,24 +71,78 @@ func TraceContextFrom(ctx context.Context) (traceparent, tracestate string, ok b
 	return tc.parent, tc.state, true
 }
 
-// TraceContext is the default Propagator: it writes the trace context stored
-// by WithTraceContext as the HeaderTraceParent and HeaderTraceState headers
-// (the latter only when not empty). It writes nothing when ctx carries no
-// trace context.
+// TraceContext is the default Propagator. It writes, in this order of
+// preference:
+//
+//   - the OpenTelemetry span context of ctx, when it has a valid one
+//     (trace.SpanContextFromContext), as W3C Trace Context
+//     (HeaderTraceParent, and HeaderTraceState when not empty), plus W3C
+//     Baggage when ctx carries baggage. It uses W3C propagation whatever
+//     the global propagator (otel.SetTextMapPropagator) is; use
+//     OTelPropagator for another format.
+//   - otherwise the trace context stored by WithTraceContext.
+//
+// It writes nothing when ctx carries neither, or when WithTraceContext
+// removed the trace context. The span context is the one of the span
+// active at Enqueue time, so the consumer's span that continues it from the
+// published headers becomes that span's child.
 var TraceContext Propagator = PropagatorFunc(func(ctx context.Context, h map[string]string) {
-	parent, state, ok := TraceContextFrom(ctx)
-	if !ok {
+	if v, set := ctx.Value(traceKey{}).(*traceContext); set && v == nil {
+		return // removed by WithTraceContext(ctx, "", ...)
+	}
+	if trace.SpanContextFromContext(ctx).IsValid() {
+		telemetry.DefaultPropagator.Inject(ctx, propagation.MapCarrier(h))
 		return
 	}
+	parent, state, ok := TraceContextFrom(ctx)
+	if !ok {
+		// Baggage alone still travels.
+		telemetry.DefaultPropagator.Inject(ctx, propagation.MapCarrier(h))
+		return
+	}
+	propagation.Baggage{}.Inject(ctx, propagation.MapCarrier(h))
 	h[HeaderTraceParent] = parent
 	if state != "" {
 		h[HeaderTraceState] = state
 	}
 })
 
+// SpanContext returns the OpenTelemetry span context stored in a message's
+// headers (HeaderTraceParent, HeaderTraceState), and whether there is a
+// valid one. A relay links its publish span to it; a consumer continues it.
+func SpanContext(headers map[string]string) (trace.SpanContext, bool) {
+	if headers[HeaderTraceParent] == "" {
+		return trace.SpanContext{}, false
+	}
+	sc := trace.SpanContextFromContext(propagation.TraceContext{}.Extract(context.Background(), limitedCarrier(headers)))
+	return sc, sc.IsValid()
+}
+
+// limitedCarrier reads a header map, treating values longer than
+// telemetry.MaxHeaderValue as absent.
+type limitedCarrier map[string]string
+
+func (c limitedCarrier) Get(key string) string {
+	if v := c[key]; len(v) <= telemetry.MaxHeaderValue {
+		return v
+	}
+	return ""
+}
+
+func (c limitedCarrier) Set(string, string) {}
+
+func (c limitedCarrier) Keys() []string {
+	keys := make([]string, 0, len(c))
+	for k := range c {
+		keys = append(keys, k)
+	}
+	return keys
+}
+
 // InjectHeaders returns headers with the trace context of ctx added by p.
 // Headers already present win over the propagated ones, so a message that
-// names its own traceparent keeps it. headers is not modified; the result is
+// names its own traceparent keeps it (with its own tracestate, if any, and
+// never the propagated one). headers is not modified; the result is
 // a new map (nil only when there is nothing to carry).
 func InjectHeaders(ctx context.Context, p Propagator, headers map[string]string) map[string]string {
 	var injected map[string]string
@@ -78,7 +154,11 @@ func InjectHeaders(ctx context.Context, p Propagator, headers map[string]string)
 		return nil
 	}
 	out := make(map[string]string, len(headers)+len(injected))
+	_, ownParent := headers[HeaderTraceParent]
 	for k, v := range injected {
+		if ownParent && k == HeaderTraceState {
+			continue // never mix the message's own traceparent with another tracestate
+		}
 		out[k] = v
 	}
 	for k, v := range headers {

@@ -5,12 +5,7 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
-	"net"
-	"net/http"
-	"sort"
 	"strings"
-	"sync"
-	"sync/atomic"
 	"time"
 
 	kafkago "github.com/segmentio/kafka-go"
@@ -25,7 +20,16 @@ const relaySynopsis = `relay --postgres URL (--kafka BROKERS | --amqp URL) [flag
 
 Publishes the committed rows of the outbox table until SIGINT or SIGTERM,
 then finishes the batch in flight, releases its shards and exits 0.
-Run as many as needed: they share the work by shards.`
+Run as many as needed: they share the work by shards.
+
+With --metrics-addr (off by default; :9464 is the usual port) it serves
+GET /metrics in the Prometheus text format, through the OpenTelemetry
+Prometheus exporter: idem_outbox_published_total, idem_outbox_retried_total
+and idem_outbox_dead_total per table and topic, idem_outbox_backlog and
+idem_outbox_oldest_age_seconds (sampled at most every 5s),
+idem_outbox_publish_duration_seconds and idem_outbox_delay_seconds
+histograms, plus the Go runtime's go_* and process_* series. GET /healthz
+answers 200 while the relay runs and 503 once it is stopping.`
 
 func runRelay(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	fs := newFlagSet("relay", relaySynopsis, stderr)
@@ -40,7 +44,7 @@ func runRelay(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 		poll      = fs.Duration("poll", 0, "poll interval, the fallback for lost notifications (default 1s)")
 		maxTries  = fs.Int("max-attempts", 0, "failed publishes after which a message is parked dead (default 10)")
 		shutdown  = fs.Duration("shutdown-timeout", 0, "how long the batch in flight may take to finish on SIGTERM (default 10s)")
-		httpAddr  = fs.String("http", envDefault("IDEM_RELAY_HTTP", ""), "address of /healthz and /metrics, e.g. :9090 (default none)")
+		metricsAt = fs.String("metrics-addr", envDefault("IDEM_RELAY_METRICS_ADDR", ""), "address to serve /metrics (Prometheus) and /healthz on, e.g. :9464 (or IDEM_RELAY_METRICS_ADDR; default none)")
 		logFormat = fs.String("log-format", "text", "log format: text or json")
 		logLevel  = fs.String("log-level", "info", "log level: debug, info, warn or error")
 	)
@@ -110,7 +114,13 @@ func runRelay(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 		pub, target = ap, "amqp"
 	}
 
-	metrics := newRelayMetrics()
+	var ms *metricsServer
+	if *metricsAt != "" {
+		if ms, err = newMetricsServer("idem-relay"); err != nil {
+			return err
+		}
+		defer ms.shutdown()
+	}
 	r, err := pgoutbox.NewRelay(ob, pub, pgoutbox.RelayOptions{
 		Shards:          *shards,
 		Sessions:        *sessions,
@@ -118,7 +128,7 @@ func runRelay(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 		PollInterval:    *poll,
 		MaxAttempts:     *maxTries,
 		ShutdownTimeout: *shutdown,
-		Metrics:         metrics,
+		MeterProvider:   ms.meterProvider(),
 		MetricsInterval: 5 * time.Second,
 		Logger:          logger,
 	})
@@ -126,109 +136,24 @@ func runRelay(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 		return err
 	}
 
-	var wg sync.WaitGroup
-	defer wg.Wait()
-	if *httpAddr != "" {
-		ln, err := net.Listen("tcp", *httpAddr)
+	if ms != nil {
+		stop, err := ms.serve(*metricsAt)
 		if err != nil {
-			return fmt.Errorf("--http: %w", err)
+			return fmt.Errorf("--metrics-addr: %w", err)
 		}
-		srv := &http.Server{Handler: metrics.mux(), ReadHeaderTimeout: 5 * time.Second}
-		wg.Go(func() { _ = srv.Serve(ln) })
-		defer func() {
-			sctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
-			defer cancel()
-			_ = srv.Shutdown(sctx)
-		}()
-		logger.Info("serving /healthz and /metrics", "addr", ln.Addr().String())
+		defer stop()
+		logger.Info("serving /metrics and /healthz", "addr", ms.addr())
 	}
 
 	opts := r.Options()
 	logger.Info("relay starting", "outbox", ob.Table(), "publisher", target,
 		"shards", opts.Shards, "sessions", opts.Sessions, "batch_size", opts.BatchSize)
-	metrics.running.Store(true)
+	ms.setRunning(true)
 	err = r.Run(ctx)
-	metrics.running.Store(false)
+	ms.setRunning(false)
 	if err != nil {
 		return fmt.Errorf("relay: %w", err)
 	}
-	logger.Info("relay stopped", "published", metrics.total("published"))
+	logger.Info("relay stopped")
 	return nil
 }
-
-// relayMetrics implements outbox.Metrics in memory and serves them in the
-// Prometheus text format.
-type relayMetrics struct {
-	running  atomic.Bool
-	mu       sync.Mutex
-	counters map[string]map[string]int64 // kind → topic → n
-	pending  int64
-	oldest   time.Duration
-}
-
-func newRelayMetrics() *relayMetrics {
-	return &relayMetrics{counters: map[string]map[string]int64{"published": {}, "retried": {}, "dead": {}}}
-}
-
-func (m *relayMetrics) add(kind, topic string, n int) {
-	m.mu.Lock()
-	m.counters[kind][topic] += int64(n)
-	m.mu.Unlock()
-}
-
-func (m *relayMetrics) Published(topic string, n int) { m.add("published", topic, n) }
-func (m *relayMetrics) Retried(topic string, n int)   { m.add("retried", topic, n) }
-func (m *relayMetrics) Dead(topic string, n int)      { m.add("dead", topic, n) }
-
-func (m *relayMetrics) Backlog(pending int64, oldest time.Duration) {
-	m.mu.Lock()
-	m.pending, m.oldest = pending, oldest
-	m.mu.Unlock()
-}
-
-func (m *relayMetrics) total(kind string) int64 {
-	m.mu.Lock()
-	defer m.mu.Unlock()
-	var t int64
-	for _, n := range m.counters[kind] {
-		t += n
-	}
-	return t
-}
-
-func (m *relayMetrics) mux() *http.ServeMux {
-	mux := http.NewServeMux()
-	mux.HandleFunc("GET /healthz", func(w http.ResponseWriter, _ *http.Request) {
-		if !m.running.Load() {
-			http.Error(w, "stopping", http.StatusServiceUnavailable)
-			return
-		}
-		_, _ = io.WriteString(w, "ok\n")
-	})
-	mux.HandleFunc("GET /metrics", func(w http.ResponseWriter, _ *http.Request) {
-		w.Header().Set("Content-Type", "text/plain; version=0.0.4")
-		m.writeTo(w)
-	})
-	return mux
-}
-
-func (m *relayMetrics) writeTo(w io.Writer) {
-	m.mu.Lock()
-	defer m.mu.Unlock()
-	for _, kind := range []string{"published", "retried", "dead"} {
-		name := "idem_outbox_" + kind + "_total"
-		fprintf(w, "# TYPE %s counter\n", name)
-		topics := make([]string, 0, len(m.counters[kind]))
-		for t := range m.counters[kind] {
-			topics = append(topics, t)
-		}
-		sort.Strings(topics)
-		for _, t := range topics {
-			fprintf(w, "%s{topic=%q} %d\n", name, t, m.counters[kind][t])
-		}
-	}
-	fprintf(w, "# TYPE idem_outbox_pending gauge\nidem_outbox_pending %d\n", m.pending)
-	fprintf(w, "# TYPE idem_outbox_oldest_seconds gauge\nidem_outbox_oldest_seconds %g\n", m.oldest.Seconds())
-}
-
-var _ outbox.Metrics = (*relayMetrics)(nil)

@@ -9,7 +9,8 @@
 // Outbox.Enqueue (or the package-level Enqueue for public.outbox) inserts
 // one row per message in the business transaction: a time-ordered id
 // (UUIDv7, the message id downstream), topic, key, payload, headers (jsonb,
-// with the trace context of ctx, see outbox.WithTraceContext), created and
+// with the trace context of ctx: its OpenTelemetry span as W3C traceparent,
+// see outbox.TraceContext), created and
 // available times from the database clock, attempts, last error, published
 // and dead times. Rows of a transaction that rolls back never exist; rows of
 // one that commits are always published. Enqueue also notifies the relays
@@ -73,14 +74,31 @@
 // re-publish (after a crash or an unconfirmed publish) can arrive later and
 // is a duplicate for the consumer's idem claim to drop.
 //
-// # Retention, metrics, schema
+// # Observability
+//
+// RelayOptions.MeterProvider (default: the OpenTelemetry global, a no-op
+// until the application installs one) receives idem.outbox.published,
+// .retried and .dead per table and topic, the publisher's latency per
+// batch (idem.outbox.publish.duration), each message's delay from
+// available to confirmed (idem.outbox.delay), and the backlog gauges
+// idem.outbox.backlog and idem.outbox.oldest_age, sampled from the
+// database when the provider collects but at most about once per
+// MetricsInterval. RelayOptions.Metrics, the older hook, receives the same
+// counters and a periodic backlog sample; both can be active.
+//
+// The trace context of Enqueue's ctx travels in the row's headers and is
+// published unchanged as the message's traceparent, so the consumer's span
+// continues the producer's trace. RelayOptions.TracerProvider adds a
+// producer span per batch, "publish <topic>", linked to each message's
+// trace. Logs go to the Options.Logger (default slog.Default()) and carry
+// a message id only as its hash, dedup.HashKey("", id).
+//
+// # Retention, schema
 //
 // Cleanup deletes published rows older than Options.Retention in bounded
 // batches; a relay runs it every CleanupInterval. Dead rows are kept unless
-// Options.DeadRetention is set. RelayOptions.Metrics receives the published,
-// retried and dead counters and a periodic backlog sample (pending rows, age
-// of the oldest). Schema and table names are options, checked against an
-// allow-list and quoted; Migrate applies the embedded migrations under an
-// advisory lock (safe to run from several processes at once) and SQL prints
-// them for goose or golang-migrate.
+// Options.DeadRetention is set. Schema and table names are options, checked
+// against an allow-list and quoted; Migrate applies the embedded migrations
+// under an advisory lock (safe to run from several processes at once) and
+// SQL prints them for goose or golang-migrate.
 package pgoutbox

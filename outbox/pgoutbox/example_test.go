@@ -12,6 +12,9 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
+	sdkmetric "go.opentelemetry.io/otel/sdk/metric"
+	"go.opentelemetry.io/otel/sdk/metric/metricdata"
+	sdktrace "go.opentelemetry.io/otel/sdk/trace"
 
 	"github.com/idemkit/idem/outbox"
 	"github.com/idemkit/idem/outbox/pgoutbox"
@@ -148,4 +151,100 @@ func ExampleOutbox_SQL() {
 	// CREATE SCHEMA IF NOT EXISTS "billing";
 	// true
 	// idem_outbox.billing.outbox
+}
+
+// confirmOne is a Publisher that confirms everything and signals the first
+// message.
+type confirmOne struct {
+	once sync.Once
+	got  chan *outbox.Message
+}
+
+func (p *confirmOne) Publish(_ context.Context, msgs []*outbox.Message) error {
+	p.once.Do(func() { p.got <- msgs[0] })
+	return nil
+}
+
+// The relay reports its metrics to an OpenTelemetry MeterProvider (here a
+// manual reader; in production the Prometheus exporter or OTLP) and sends
+// the trace of the span active at Enqueue as the message's traceparent.
+func ExampleRelayOptions_openTelemetry() {
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	pool, err := pgxpool.New(ctx, postgresURL)
+	if err != nil {
+		fmt.Println(err)
+		return
+	}
+	defer pool.Close()
+	schema := "idem_example_" + strings.ToLower(rand.Text())
+	defer func() {
+		_, _ = pool.Exec(context.Background(), "DROP SCHEMA "+pgx.Identifier{schema}.Sanitize()+" CASCADE")
+	}()
+	ob, err := pgoutbox.New(pool, pgoutbox.Options{Schema: schema})
+	if err != nil {
+		fmt.Println(err)
+		return
+	}
+	if err := ob.Migrate(ctx); err != nil {
+		fmt.Println(err)
+		return
+	}
+
+	reader := sdkmetric.NewManualReader()
+	mp := sdkmetric.NewMeterProvider(sdkmetric.WithReader(reader))
+	tp := sdktrace.NewTracerProvider()
+	defer func() { _ = tp.Shutdown(context.Background()) }()
+
+	pub := &confirmOne{got: make(chan *outbox.Message, 1)}
+	relay, err := pgoutbox.NewRelay(ob, pub, pgoutbox.RelayOptions{MeterProvider: mp, TracerProvider: tp})
+	if err != nil {
+		fmt.Println(err)
+		return
+	}
+	rctx, stop := context.WithCancel(ctx)
+	defer stop()
+	relayDone := make(chan error, 1)
+	go func() { relayDone <- relay.Run(rctx) }()
+
+	reqCtx, span := tp.Tracer("checkout").Start(ctx, "place order")
+	err = pgx.BeginFunc(reqCtx, pool, func(tx pgx.Tx) error {
+		_, err := ob.Enqueue(reqCtx, tx, outbox.Message{Topic: "orders", Key: []byte("order-1"), Payload: []byte("placed")})
+		return err
+	})
+	span.End()
+	if err != nil {
+		fmt.Println(err)
+		stop()
+		if err := <-relayDone; err != nil {
+			fmt.Println(err)
+		}
+		return
+	}
+	m := <-pub.got
+	sc, _ := outbox.SpanContext(m.Headers)
+	fmt.Println("child of the enqueuing span:", sc.SpanID() == span.SpanContext().SpanID())
+
+	stop()
+	if err := <-relayDone; err != nil { // the batch is marked before Run returns
+		fmt.Println(err)
+	}
+	var rm metricdata.ResourceMetrics
+	if err := reader.Collect(ctx, &rm); err != nil {
+		fmt.Println(err)
+		return
+	}
+	for _, sm := range rm.ScopeMetrics {
+		for _, md := range sm.Metrics {
+			if sum, ok := md.Data.(metricdata.Sum[int64]); ok && md.Name == "idem.outbox.published" {
+				for _, p := range sum.DataPoints {
+					topic, _ := p.Attributes.Value("messaging.destination.name")
+					fmt.Println(md.Name, topic.AsString(), p.Value)
+				}
+			}
+		}
+	}
+	// Output:
+	// child of the enqueuing span: true
+	// idem.outbox.published orders 1
 }

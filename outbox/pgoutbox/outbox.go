@@ -16,6 +16,7 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 
+	"github.com/idemkit/idem/dedup"
 	"github.com/idemkit/idem/internal/sqlname"
 	"github.com/idemkit/idem/outbox"
 )
@@ -27,8 +28,9 @@ type Options struct {
 	// Table is the table name. Defaults to "outbox".
 	Table string
 	// Propagator adds the trace context of Enqueue's ctx to each message's
-	// headers. Defaults to outbox.TraceContext, which reads
-	// outbox.WithTraceContext.
+	// headers. Defaults to outbox.TraceContext: the OpenTelemetry span of
+	// ctx as W3C traceparent and tracestate (and baggage), or else the
+	// values of outbox.WithTraceContext.
 	Propagator outbox.Propagator
 	// NoKeyLock disables the per-key advisory lock Enqueue takes (see
 	// Enqueue). Messages of one key are then ordered by the order in which
@@ -46,7 +48,10 @@ type Options struct {
 	// CleanupBatch is the number of rows one cleanup statement deletes.
 	// Defaults to 1000.
 	CleanupBatch int
-	// Logger receives warnings. Defaults to slog.Default().
+	// Logger receives the cleanup loop's warnings, and the relays'
+	// unless RelayOptions.Logger is set. Message ids and keys are never
+	// logged, only their hash (dedup.HashKey("", id)). Defaults to
+	// slog.Default().
 	Logger *slog.Logger
 }
 
@@ -237,16 +242,16 @@ func (o *Outbox) Enqueue(ctx context.Context, tx pgx.Tx, msgs ...outbox.Message)
 			return nil, fmt.Errorf("pgoutbox: Enqueue: message %d: %w", i, err)
 		}
 		if err := checkMessage(m); err != nil {
-			return nil, fmt.Errorf("pgoutbox: Enqueue: message %d (%s): %w", i, id, err)
+			return nil, fmt.Errorf("pgoutbox: Enqueue: message %d (id #%s): %w", i, dedup.HashKey("", id.String()), err)
 		}
 		h := outbox.InjectHeaders(ctx, o.opts.Propagator, m.Headers)
 		if err := checkHeaders(h); err != nil {
-			return nil, fmt.Errorf("pgoutbox: Enqueue: message %d (%s): %w", i, id, err)
+			return nil, fmt.Errorf("pgoutbox: Enqueue: message %d (id #%s): %w", i, dedup.HashKey("", id.String()), err)
 		}
 		js := []byte("{}")
 		if len(h) > 0 {
 			if js, err = json.Marshal(h); err != nil {
-				return nil, fmt.Errorf("pgoutbox: Enqueue: message %d (%s): headers: %w", i, id, err)
+				return nil, fmt.Errorf("pgoutbox: Enqueue: message %d (id #%s): headers: %w", i, dedup.HashKey("", id.String()), err)
 			}
 		}
 		ids[i] = id.String()
@@ -283,7 +288,7 @@ func messageID(s string) (uuid.UUID, error) {
 	}
 	id, err := uuid.Parse(s)
 	if err != nil {
-		return uuid.UUID{}, fmt.Errorf("Message.ID %q is not a UUID (leave it empty for a generated UUIDv7): %w", s, err)
+		return uuid.UUID{}, fmt.Errorf("Message.ID #%s is not a UUID (leave it empty for a generated UUIDv7): %w", dedup.HashKey("", s), err)
 	}
 	return id, nil
 }

@@ -11,6 +11,8 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"go.opentelemetry.io/otel/metric"
+	"go.opentelemetry.io/otel/trace"
 
 	"github.com/idemkit/idem/outbox"
 )
@@ -76,11 +78,32 @@ type RelayOptions struct {
 	// CleanupInterval is how often the relay runs Outbox.Cleanup.
 	// Negative disables it. Defaults to 1 minute.
 	CleanupInterval time.Duration
-	// Metrics receives counters and, every MetricsInterval, the backlog.
-	// Defaults to none.
+	// MeterProvider receives the relay's OpenTelemetry metrics (README,
+	// "Operating idem"): the counters idem.outbox.published, .retried and
+	// .dead (attributes idem.outbox.table, messaging.destination.name =
+	// topic), the histograms idem.outbox.publish.duration (one per batch,
+	// idem.result ok or error) and idem.outbox.delay (one per published
+	// message: from its available time to the broker's confirmation), and
+	// the gauges idem.outbox.backlog and idem.outbox.oldest_age, observed
+	// when the provider collects and sampled from the database at most
+	// about once per MetricsInterval. Defaults to otel.GetMeterProvider(),
+	// a no-op until the application installs a provider (with a no-op
+	// provider the backlog is never queried).
+	MeterProvider metric.MeterProvider
+	// TracerProvider starts a producer span per published batch, "publish
+	// <topic>", linked to the trace context each message carries from
+	// Enqueue (the messages' headers keep that context). Defaults to
+	// otel.GetTracerProvider(), a no-op until the application installs a
+	// provider.
+	TracerProvider trace.TracerProvider
+	// Metrics receives counters and, every MetricsInterval, the backlog,
+	// for code that does not use OpenTelemetry; MeterProvider reports the
+	// same (and more) too. Defaults to none.
 	Metrics outbox.Metrics
-	// MetricsInterval is how often the backlog is sampled when Metrics is
-	// set. Defaults to 15s.
+	// MetricsInterval is how often the backlog is sampled: the Metrics
+	// hook's period, and the shortest time between two backlog queries
+	// for the MeterProvider's gauges (a collection in between reports the
+	// last sample). Defaults to 15s.
 	MetricsInterval time.Duration
 	// ShutdownTimeout is how long the batch in flight when Run's context
 	// ends may take to finish (publish and mark). Defaults to 10s.
@@ -88,7 +111,10 @@ type RelayOptions struct {
 	// QueryTimeout bounds each database round trip of a session. Defaults
 	// to 30s.
 	QueryTimeout time.Duration
-	// Logger receives warnings. Defaults to the Outbox's logger.
+	// Logger receives warnings (sessions lost, publish failures, messages
+	// parked dead; message ids only as dedup.HashKey("", id)) and debug
+	// lines about shards. Defaults to the Outbox's logger
+	// (Options.Logger, itself defaulting to slog.Default()).
 	Logger *slog.Logger
 }
 
@@ -101,6 +127,8 @@ type Relay struct {
 	connCfg *pgx.ConnConfig
 	running atomic.Bool
 	hooks   hooks
+	tel     *relayTelemetry
+	backlog backlogCache
 }
 
 // hooks are test seams (set through export_test.go).
@@ -127,7 +155,8 @@ func NewRelay(ob *Outbox, pub outbox.Publisher, opts RelayOptions) (*Relay, erro
 	if err := opts.fill(ob); err != nil {
 		return nil, err
 	}
-	return &Relay{ob: ob, pub: pub, opts: opts, connCfg: ob.pool.Config().ConnConfig}, nil
+	return &Relay{ob: ob, pub: pub, opts: opts, connCfg: ob.pool.Config().ConnConfig,
+		tel: newRelayTelemetry(opts.MeterProvider, opts.TracerProvider, ob.opts.Schema+"."+ob.opts.Table)}, nil
 }
 
 func (o *RelayOptions) fill(ob *Outbox) error {
@@ -237,6 +266,8 @@ func (r *Relay) Run(ctx context.Context) error {
 		return errors.New("pgoutbox: Relay.Run called while the relay is running")
 	}
 	defer r.running.Store(false)
+	unregister := r.registerBacklog()
+	defer unregister()
 
 	runCtx, stop := context.WithCancelCause(ctx)
 	defer stop(nil)
@@ -261,13 +292,8 @@ func (r *Relay) sampleBacklog(ctx context.Context) {
 	t := time.NewTicker(r.opts.MetricsInterval)
 	defer t.Stop()
 	for {
-		qctx, cancel := context.WithTimeout(ctx, r.opts.QueryTimeout)
-		n, age, err := r.ob.Backlog(qctx)
-		cancel()
-		if err == nil {
+		if n, age, err := r.backlogSample(ctx); err == nil {
 			r.opts.Metrics.Backlog(n, age)
-		} else if ctx.Err() == nil {
-			r.opts.Logger.Warn("pgoutbox: backlog sample failed", "table", r.ob.table, "err", err)
 		}
 		select {
 		case <-ctx.Done():

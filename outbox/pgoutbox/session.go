@@ -5,7 +5,6 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
-	"github.com/idemkit/idem/dedup"
 	"math/rand/v2"
 	"slices"
 	"strings"
@@ -15,6 +14,7 @@ import (
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgconn/ctxwatch"
 
+	"github.com/idemkit/idem/dedup"
 	"github.com/idemkit/idem/outbox"
 )
 
@@ -321,6 +321,7 @@ func (s *session) wait(ctx context.Context) error {
 type claimed struct {
 	seq      int64
 	attempts int
+	age      time.Duration // since available, database clock, at the claim
 	msg      *outbox.Message
 }
 
@@ -349,6 +350,7 @@ func (s *session) cycle(ctx context.Context) (int, error) {
 	claimBatch.Queue(s.r.ob.sql.claim, o.Shards, s.owned, o.ScanWindow, o.PerKeyBatch, o.BatchSize)
 	br := s.conn.SendBatch(qctx, claimBatch)
 	inTx = true
+	claimedAt := time.Now()
 	batch, err := s.claim(br)
 	if cerr := br.Close(); err == nil && cerr != nil {
 		err = fmt.Errorf("claim: %w", cerr)
@@ -361,18 +363,33 @@ func (s *session) cycle(ctx context.Context) (int, error) {
 		return 0, nil
 	}
 	msgs := make([]*outbox.Message, len(batch))
+	ages := make([]time.Duration, len(batch))
 	for i, c := range batch {
 		msgs[i] = c.msg
+		ages[i] = c.age
 	}
 
-	perr := s.r.pub.Publish(bctx, msgs)
+	tel := s.r.tel
+	pctx, endSpan := tel.startPublish(bctx, msgs)
+	pstart := time.Now()
+	perr := s.r.pub.Publish(pctx, msgs)
+	pend := time.Now()
+	endSpan(perr)
 	if h := s.r.hooks.afterPublish; h != nil {
 		h(msgs, perr)
 	}
 	var pe *outbox.PublishError
 	if perr != nil && !errors.As(perr, &pe) {
+		tel.publishedBatch(bctx, pend.Sub(pstart), perr, 0, nil, nil)
 		return 0, &publishFailure{err: perr}
 	}
+	tel.publishedBatch(bctx, pend.Sub(pstart), perr, pend.Sub(claimedAt), ages, func(i int) bool {
+		if pe == nil {
+			return true
+		}
+		_, failed := pe.Failed[i]
+		return !failed
+	})
 
 	var (
 		okSeqs                       []int64
@@ -442,6 +459,7 @@ func (s *session) cycle(ctx context.Context) (int, error) {
 		return 0, fmt.Errorf("mark: the transaction did not commit (%s)", tag)
 	}
 	inTx = false
+	tel.counted(bctx, published, retried, deadMsgs)
 	if m := o.Metrics; m != nil {
 		for t, n := range published {
 			m.Published(t, n)
@@ -483,8 +501,9 @@ func (s *session) claim(br pgx.BatchResults) ([]claimed, error) {
 			headers  *string
 			created  *time.Time
 			attempts *int32
+			ageUS    *int64
 		)
-		if err := rows.Scan(&seq, &key, &locked, &id, &topic, &payload, &headers, &created, &attempts); err != nil {
+		if err := rows.Scan(&seq, &key, &locked, &id, &topic, &payload, &headers, &created, &attempts, &ageUS); err != nil {
 			return nil, fmt.Errorf("claim: %w", err)
 		}
 		k := string(key)
@@ -514,7 +533,11 @@ func (s *session) claim(br pgx.BatchResults) ([]claimed, error) {
 		if headers != nil && *headers != "{}" {
 			m.Headers = decodeHeaders(*headers)
 		}
-		out = append(out, claimed{seq: seq, attempts: int(*attempts), msg: m})
+		c := claimed{seq: seq, attempts: int(*attempts), msg: m}
+		if ageUS != nil {
+			c.age = time.Duration(*ageUS) * time.Microsecond
+		}
+		out = append(out, c)
 	}
 	if err := rows.Err(); err != nil {
 		return nil, fmt.Errorf("claim: %w", err)

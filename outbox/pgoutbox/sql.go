@@ -48,7 +48,9 @@ ORDER BY u.ord`),
 		// The result is every candidate in seq order, locked or not (no
 		// join: the generic plan's row estimates would make it a nested
 		// loop); the caller drops every row of a key from the first one
-		// not locked.
+		// not locked. The last column is a locked row's age in
+		// microseconds since it became available (its insert, or its
+		// retry falling due), for the idem.outbox.delay metric.
 		claim: r.Replace(`
 WITH now AS MATERIALIZED (SELECT clock_timestamp() AS t),
 blocked AS MATERIALIZED (
@@ -71,14 +73,16 @@ cand AS MATERIALIZED (
     ORDER BY r.seq LIMIT $5
 ),
 locked AS MATERIALIZED (
-    SELECT o.seq, o.key, o.id, o.topic, o.payload, o.headers, o.created_at, o.attempts
+    SELECT o.seq, o.key, o.id, o.topic, o.payload, o.headers, o.created_at, o.attempts, o.available_at
     FROM {{T}} o
     WHERE o.seq IN (SELECT seq FROM cand) AND o.state = 0
     FOR UPDATE SKIP LOCKED
 )
-SELECT l.seq, l.key, true, l.id::text, l.topic, l.payload, l.headers::text, l.created_at, l.attempts FROM locked l
+SELECT l.seq, l.key, true, l.id::text, l.topic, l.payload, l.headers::text, l.created_at, l.attempts,
+       (extract(epoch FROM ((SELECT t FROM now) - l.available_at)) * 1000000)::bigint
+FROM locked l
 UNION ALL
-SELECT c.seq, c.key, false, NULL, NULL, NULL, NULL, NULL, NULL FROM cand c WHERE c.seq NOT IN (SELECT seq FROM locked)
+SELECT c.seq, c.key, false, NULL, NULL, NULL, NULL, NULL, NULL, NULL FROM cand c WHERE c.seq NOT IN (SELECT seq FROM locked)
 ORDER BY 1`),
 
 		// Milliseconds until the next retry in the owned shards is due,
