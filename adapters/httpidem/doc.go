@@ -73,6 +73,53 @@
 // to it, and run pgtable's CleanupLoop. Redis marks are best effort (see
 // dedup/redisnx).
 //
+// # Metrics and traces
+//
+// With Options.MeterProvider (default: the OpenTelemetry global, a no-op
+// until the application installs one) each request under the middleware
+// is counted once. Attributes: idem.scope, the value of
+// Options.MetricScope (default: the ServeMux pattern, or the method) —
+// never the key's scope, which holds the principal, nor the key — and
+// idem.store.
+//
+//	metric                          values
+//	idem.claims (idem.outcome)      first: the handler runs
+//	                                duplicate: a stored response is replayed
+//	                                in_flight: 409 (after Options.Wait, if any)
+//	                                fingerprint_mismatch: 422
+//	                                invalid_key: 400, the key missing or malformed
+//	                                error: 503, the store failed
+//	idem.claim.duration             time to the claim's answer, waits included
+//	idem.handler.duration           completed (stored), released (not stored,
+//	                                or rolled back), lease_lost, complete_failed
+//	idem.lease.lost                 leases that ran out while the handler ran
+//	idem.lease.wait.duration        Options.Wait's waits, by idem.wait.outcome:
+//	                                replayed, acquired (the first released the
+//	                                key), timed_out (409), cancelled (the client
+//	                                left), error
+//	idem.messages (idem.result)     ack: the answer is stored (processed,
+//	                                replayed; a lease store's stored 500)
+//	                                retry: nothing is stored, the same request
+//	                                can run again (409, 503, a response not
+//	                                stored, a lost lease, a panic)
+//	                                dead_letter: never runs with this key
+//	                                (idem.reason fingerprint_mismatch: 422;
+//	                                invalid_key: 400; body_too_large: 413;
+//	                                signature_invalid: webhooks' 401)
+//	messaging.process.duration      time from the request's arrival to the answer
+//
+// idem.messages and messaging.process.duration carry messaging.system
+// "http" and the metric scope as messaging.destination.name. A request
+// without a key on an Optional route, or of a method not in Options.Methods,
+// is not counted.
+//
+// With Options.TracerProvider, a request whose context holds a recording
+// span (started by otelhttp, say) gets idem.claim, idem.handle and
+// idem.complete (transactional stores: idem.commit) spans as its children,
+// with the key's hash (idem.key.hash); the handler runs under idem.handle.
+// Logs (Options.Logger, discarded by default) carry the key's hash too,
+// never the key or the principal.
+//
 // # Webhooks
 //
 // NewWebhook and NewWebhookTx receive signed webhooks. The signature (HMAC-

@@ -16,6 +16,7 @@ import (
 	"github.com/jackc/pgx/v5/pgconn"
 
 	"github.com/idemkit/idem/dedup"
+	"github.com/idemkit/idem/internal/telemetry"
 )
 
 // ErrNoKey is returned by Middleware.Check for a request that does not go
@@ -35,6 +36,8 @@ type Middleware struct {
 	check func(r *http.Request) (dedup.Key, error)
 	// claim claims a key on the lease store, batched or not.
 	claim func(ctx context.Context, key dedup.Key) (*dedup.Lease, error)
+	// ins are the metrics.
+	ins *instruments
 }
 
 // New returns a Middleware on a lease store: dedup/memstore,
@@ -57,6 +60,7 @@ func New(store dedup.LeaseStore, opts Options) (*Middleware, error) {
 	m := &Middleware{opts: opts, lease: store}
 	m.check = m.Check
 	m.setClaim()
+	m.setTelemetry(store)
 	return m, nil
 }
 
@@ -89,6 +93,7 @@ func NewTx(store dedup.TxStore[pgx.Tx], opts Options) (*Middleware, error) {
 	}
 	m := &Middleware{opts: opts, tx: store}
 	m.check = m.Check
+	m.setTelemetry(store)
 	return m, nil
 }
 
@@ -193,7 +198,25 @@ func (m *Middleware) report(r *http.Request, o Outcome, status int, waited time.
 	}
 }
 
+// done reports a request that went through the claim: its metrics, then
+// Options.OnOutcome.
+func (m *Middleware) done(rq *request, r *http.Request, o Outcome, status int, waited time.Duration) {
+	m.finish(rq, o, waited)
+	m.report(r, o, status, waited)
+}
+
+// rejected records the metrics of a request answered before any claim.
+func (m *Middleware) rejected(r *http.Request, p *Problem, start time.Time) {
+	claim, result, reason := rejection(p)
+	tel := m.ins.scope(m.opts.MetricScope(r))
+	if claim != "" {
+		tel.Claimed(r.Context(), claim, 0)
+	}
+	m.ins.msgs.Result(r.Context(), tel.Scope(), result, reason, time.Since(start))
+}
+
 func (m *Middleware) serve(w http.ResponseWriter, r *http.Request, next http.Handler) {
+	start := time.Now()
 	key, err := m.check(r)
 	if errors.Is(err, ErrNoKey) {
 		if m.handles(r.Method) {
@@ -208,18 +231,21 @@ func (m *Middleware) serve(w http.ResponseWriter, r *http.Request, next http.Han
 			p = newProblem(http.StatusBadRequest, ProblemKeyInvalid, "Request rejected", err.Error())
 		}
 		WriteProblem(w, p)
+		m.rejected(r, p, start)
 		m.report(r, OutcomeRejected, p.Status, 0)
 		return
 	}
 	if m.tx != nil {
-		m.serveTx(w, r, next, key)
+		rq := m.begin(r, start) // escapes: Process's callback holds it
+		m.serveTx(w, r, next, key, &rq)
 		return
 	}
-	m.serveLease(w, r, next, key)
+	rq := m.begin(r, start) // stays on the stack
+	m.serveLease(w, r, next, key, &rq)
 }
 
 // answer writes the answer to a claim that did not run the handler.
-func (m *Middleware) answer(w http.ResponseWriter, r *http.Request, key dedup.Key, err error, waited time.Duration) {
+func (m *Middleware) answer(w http.ResponseWriter, r *http.Request, rq *request, key dedup.Key, err error, waited time.Duration) {
 	if stored, ok := dedup.StoredResult(err); ok {
 		rec, derr := decodeRecord(stored)
 		if derr != nil {
@@ -228,11 +254,11 @@ func (m *Middleware) answer(w http.ResponseWriter, r *http.Request, key dedup.Ke
 			p := newProblem(http.StatusInternalServerError, ProblemStoredUnreadable, "Stored response unreadable",
 				"the request with this key was processed, but its stored response cannot be replayed")
 			WriteProblem(w, p)
-			m.report(r, OutcomeStoreError, p.Status, waited)
+			m.done(rq, r, OutcomeStoreError, p.Status, waited)
 			return
 		}
 		replay(w, rec)
-		m.report(r, OutcomeReplayed, rec.status, waited)
+		m.done(rq, r, OutcomeReplayed, rec.status, waited)
 		return
 	}
 	var (
@@ -263,7 +289,7 @@ func (m *Middleware) answer(w http.ResponseWriter, r *http.Request, key dedup.Ke
 		outcome = OutcomeStoreError
 	}
 	WriteProblem(w, p)
-	m.report(r, outcome, p.Status, waited)
+	m.done(rq, r, outcome, p.Status, waited)
 }
 
 // isLockTimeout reports a PostgreSQL lock_timeout (lock_not_available):
@@ -327,32 +353,56 @@ func (m *Middleware) finishCtx(ctx context.Context) (context.Context, context.Ca
 	return context.WithTimeout(context.WithoutCancel(ctx), m.opts.FinishTimeout)
 }
 
+// Handler outcomes (idem.outcome of idem.handler.duration).
+const (
+	handledCompleted      = "completed"
+	handledReleased       = "released"
+	handledLeaseLost      = "lease_lost"
+	handledCompleteFailed = "complete_failed"
+)
+
+var errPanicked = errors.New("httpidem: the handler panicked")
+
 // serveLease runs a request on a lease store.
-func (m *Middleware) serveLease(w http.ResponseWriter, r *http.Request, next http.Handler, key dedup.Key) {
+func (m *Middleware) serveLease(w http.ResponseWriter, r *http.Request, next http.Handler, key dedup.Key, rq *request) {
 	ctx := r.Context()
 	start := time.Now()
 	var waited time.Duration
-	lease, err := m.claim(ctx, key)
+	cctx, endClaim := rq.startClaim(ctx, key)
+	lease, err := m.claim(cctx, key)
 	for err != nil && m.opts.Wait > 0 && inFlight(err) {
 		d, ok := m.waitStep(start)
-		if !ok || !pause(ctx, d) {
+		if !ok {
 			break
 		}
-		lease, err = m.claim(ctx, key)
+		rq.waited = true
+		if !pause(ctx, d) {
+			rq.wait = waitCancelled
+			waited = time.Since(start)
+			break
+		}
+		lease, err = m.claim(cctx, key)
 		waited = time.Since(start)
 	}
 	if err == nil && lease == nil {
 		err = errors.New("the store returned neither a lease nor an error")
 	}
+	o := claimOutcome(err)
+	rq.claimed(o, start)
+	if endClaim != nil {
+		endClaim(spanErr(err), telemetry.AttrOutcome.String(o))
+	}
 	if err != nil {
-		m.answer(w, r, key, err, waited)
+		m.answer(w, r, rq, key, err, waited)
 		return
 	}
 
+	rq.hstart = time.Now()
 	c := &call{key: key}
 	hctx, cancel := context.WithCancelCause(withCall(m.handlerCtx(ctx), c))
 	defer cancel(nil)
 	hb := m.startHeartbeat(ctx, lease, cancel)
+	hctx, endHandle := rq.startSpan(hctx, "idem.handle")
 	cw := newCapture(m.opts.MaxResponseBytes)
 	returned := false
 	defer func() {
@@ -361,15 +411,20 @@ func (m *Middleware) serveLease(w http.ResponseWriter, r *http.Request, next htt
 		}
 		// The handler panicked (or called runtime.Goexit): give the key
 		// back so a retry runs, and let the panic go on to the server.
+		endSpan(endHandle, errPanicked)
 		hb.stop()
 		if hb.lost() == nil {
 			m.release(ctx, lease, "the handler panicked")
+			rq.handled(handledReleased)
+		} else {
+			rq.handled(handledLeaseLost)
 		}
-		m.report(r, OutcomePanicked, 0, waited)
+		m.done(rq, r, OutcomePanicked, 0, waited)
 	}()
 	next.ServeHTTP(cw, r.WithContext(hctx))
 	returned = true
 	hb.stop()
+	endSpan(endHandle, nil)
 
 	status, header := cw.final()
 	switch {
@@ -379,34 +434,49 @@ func (m *Middleware) serveLease(w http.ResponseWriter, r *http.Request, next htt
 		m.opts.Logger.WarnContext(ctx, "httpidem: the lease ran out while the handler ran; its response is sent but not stored",
 			slog.String("key_hash", key.Hash()), slog.Any("error", hb.lost()))
 		cw.send(w)
-		m.report(r, OutcomeLeaseLost, status, waited)
+		rq.handled(handledLeaseLost)
+		m.done(rq, r, OutcomeLeaseLost, status, waited)
 	case cw.tooLarge:
 		p := tooLargeProblem(m.opts.MaxResponseBytes)
-		m.complete(ctx, lease, problemRecord(p).encode())
+		rq.handled(completion(m.complete(ctx, rq, lease, problemRecord(p).encode())))
 		WriteProblem(w, p)
-		m.report(r, OutcomeTooLarge, p.Status, waited)
+		m.done(rq, r, OutcomeTooLarge, p.Status, waited)
 	case c.released.Load() || !m.opts.StoreResponse(status):
 		m.release(ctx, lease, "the response is not stored")
+		rq.handled(handledReleased)
 		cw.send(w)
-		m.report(r, OutcomeNotStored, status, waited)
+		m.done(rq, r, OutcomeNotStored, status, waited)
 	default:
 		rec := newRecord(status, header, m.opts.ReplayHeaders, cw.body)
-		m.complete(ctx, lease, rec.encode())
+		rq.handled(completion(m.complete(ctx, rq, lease, rec.encode())))
 		cw.send(w)
-		m.report(r, OutcomeProcessed, status, waited)
+		m.done(rq, r, OutcomeProcessed, status, waited)
 	}
 }
 
-func (m *Middleware) complete(ctx context.Context, lease *dedup.Lease, result []byte) {
+// completion is the handler outcome of a Complete that returned err.
+func completion(err error) string {
+	if err != nil {
+		return handledCompleteFailed
+	}
+	return handledCompleted
+}
+
+// complete stores the response, in an idem.complete span when traced.
+func (m *Middleware) complete(ctx context.Context, rq *request, lease *dedup.Lease, result []byte) error {
 	fctx, cancel := m.finishCtx(ctx)
 	defer cancel()
-	if err := m.lease.Complete(fctx, lease, result); err != nil {
+	fctx, end := rq.startSpan(fctx, "idem.complete")
+	err := m.lease.Complete(fctx, lease, result)
+	endSpan(end, err)
+	if err != nil {
 		// The key stays in flight until its lease runs out; a retry
 		// after that runs the handler again. Nothing better can be done
 		// for an effect outside a transaction.
 		m.opts.Logger.WarnContext(ctx, "httpidem: storing the response failed; the key stays in flight until its lease runs out",
 			slog.String("key_hash", lease.Key.Hash()), slog.Any("error", err))
 	}
+	return err
 }
 
 func (m *Middleware) release(ctx context.Context, lease *dedup.Lease, why string) {
@@ -431,18 +501,25 @@ func txFailed(tx pgx.Tx) bool {
 }
 
 // serveTx runs a request on a transactional store.
-func (m *Middleware) serveTx(w http.ResponseWriter, r *http.Request, next http.Handler, key dedup.Key) {
+func (m *Middleware) serveTx(w http.ResponseWriter, r *http.Request, next http.Handler, key dedup.Key, rq *request) {
 	ctx := r.Context()
 	cw := newCapture(m.opts.MaxResponseBytes)
 	c := &call{key: key}
 	var (
-		ran    bool
-		waited time.Duration
+		ran       bool
+		stored    bool // the handler's response was returned for the commit
+		waited    time.Duration
+		endHandle spanEnd
+		hEnd      time.Time
 	)
 	returned := false
 	defer func() {
 		if !returned { // the handler panicked: Process rolled back
-			m.report(r, OutcomePanicked, 0, waited)
+			endSpan(endHandle, errPanicked)
+			if ran {
+				rq.handled(handledReleased)
+			}
+			m.done(rq, r, OutcomePanicked, 0, waited)
 		}
 	}()
 	// The claim may wait in PostgreSQL for an in-flight first request. If
@@ -461,13 +538,22 @@ func (m *Middleware) serveTx(w http.ResponseWriter, r *http.Request, next http.H
 		})
 		defer stop()
 	}
+	start := time.Now()
 	fn := func(ctx context.Context, tx pgx.Tx) ([]byte, error) {
 		if !m.opts.CancelWithClient && !phase.CompareAndSwap(0, 1) {
 			return nil, context.Canceled // the client left before the claim was won
 		}
 		ran = true
+		rq.hstart = time.Now()
+		rq.claimed(telemetry.ClaimFirst, start)
+		rq.recordClaim(key, start, rq.hstart, telemetry.ClaimFirst, nil)
 		c.tx = tx
-		next.ServeHTTP(cw, r.WithContext(withCall(ctx, c)))
+		hctx, end := rq.startSpan(withCall(ctx, c), "idem.handle")
+		endHandle = end
+		next.ServeHTTP(cw, r.WithContext(hctx))
+		endHandle = nil
+		endSpan(end, nil)
+		hEnd = time.Now()
 		status, header := cw.final()
 		switch {
 		case cw.tooLarge:
@@ -475,38 +561,55 @@ func (m *Middleware) serveTx(w http.ResponseWriter, r *http.Request, next http.H
 		case c.released.Load() || !m.opts.StoreResponse(status) || txFailed(tx):
 			return nil, errNotStored
 		}
+		stored = true
 		return newRecord(status, header, m.opts.ReplayHeaders, cw.body).encode(), nil
 	}
-	start := time.Now()
 	_, err := m.tx.Process(pctx, key, fn)
 	for !ran && err != nil && m.opts.Wait > 0 && inFlight(err) {
 		d, ok := m.waitStep(start)
-		if !ok || !pause(ctx, d) {
+		if !ok {
+			break
+		}
+		rq.waited = true
+		if !pause(ctx, d) {
+			rq.wait = waitCancelled
+			waited = time.Since(start)
 			break
 		}
 		_, err = m.tx.Process(pctx, key, fn)
 		waited = time.Since(start)
 	}
 	returned = true
+	end := time.Now()
+	if stored && rq.traced {
+		telemetry.RecordSpan(rq.ctx, rq.tel.Tracer, "idem.commit", hEnd, end, err)
+	}
 	switch {
 	case !ran:
-		m.answer(w, r, key, err, waited)
+		o := claimOutcome(err)
+		rq.claimed(o, start)
+		rq.recordClaim(key, start, end, o, spanErr(err))
+		m.answer(w, r, rq, key, err, waited)
 	case err == nil:
+		rq.handled(handledCompleted)
 		cw.send(w)
 		status, _ := cw.final()
-		m.report(r, OutcomeProcessed, status, waited)
+		m.done(rq, r, OutcomeProcessed, status, waited)
 	case errors.Is(err, errNotStored):
+		rq.handled(handledReleased)
 		cw.send(w)
 		status, _ := cw.final()
-		m.report(r, OutcomeNotStored, status, waited)
+		m.done(rq, r, OutcomeNotStored, status, waited)
 	case errors.Is(err, errTooLarge):
+		rq.handled(handledReleased)
 		p := tooLargeProblem(m.opts.MaxResponseBytes)
 		WriteProblem(w, p)
-		m.report(r, OutcomeTooLarge, p.Status, waited)
+		m.done(rq, r, OutcomeTooLarge, p.Status, waited)
 	default:
 		// Storing the response or the commit failed after the handler
 		// ran: nothing was committed (or, if the connection broke during
 		// COMMIT, a retry finds the key and replays).
+		rq.handled(handledCompleteFailed)
 		if ctx.Err() == nil {
 			m.opts.Logger.WarnContext(ctx, "httpidem: the transaction failed after the handler ran; answering 503",
 				slog.String("key_hash", key.Hash()), slog.Any("error", err))
@@ -515,6 +618,6 @@ func (m *Middleware) serveTx(w http.ResponseWriter, r *http.Request, next http.H
 			"the request's transaction did not commit; retry with the same key")
 		p.RetryAfter = m.opts.RetryAfter
 		WriteProblem(w, p)
-		m.report(r, OutcomeStoreError, p.Status, waited)
+		m.done(rq, r, OutcomeStoreError, p.Status, waited)
 	}
 }

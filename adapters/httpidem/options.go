@@ -7,6 +7,9 @@ import (
 	"slices"
 	"time"
 
+	"go.opentelemetry.io/otel/metric"
+	"go.opentelemetry.io/otel/trace"
+
 	"github.com/idemkit/idem/dedup"
 )
 
@@ -143,13 +146,54 @@ type Options struct {
 	// (Complete, Release); they run even if the client went away.
 	// Defaults to DefaultFinishTimeout (10s).
 	FinishTimeout time.Duration
-	// Logger receives warnings: store failures, lost leases. Defaults to
-	// discarding them.
+	// Logger receives warnings: store failures, lost leases. Keys appear
+	// in it as their hash (dedup.Key.Hash), never raw, and neither the
+	// principal nor the route does. Defaults to discarding them
+	// (slog.DiscardHandler).
 	Logger *slog.Logger
 	// OnOutcome, if set, is called once per request that went through the
 	// middleware, for metrics (hits, misses, waits). It must be fast and
 	// safe for concurrent use.
 	OnOutcome func(r *http.Request, rep Report)
+
+	// MeterProvider receives the middleware's metrics (see the package
+	// documentation, "Metrics and traces"): idem.claims by outcome,
+	// idem.claim.duration, idem.handler.duration, idem.lease.lost,
+	// idem.lease.wait.duration, and idem.messages and
+	// messaging.process.duration with messaging.system "http". Their
+	// idem.scope (and messaging.destination.name) is MetricScope's value,
+	// never the key's scope, which holds the principal. Defaults to
+	// otel.GetMeterProvider(), a no-op until the application installs a
+	// provider.
+	MeterProvider metric.MeterProvider
+	// TracerProvider starts the idem.claim, idem.handle and idem.complete
+	// (transactional stores: idem.commit) spans as children of the
+	// request's span, when it records one (under otelhttp, say); the
+	// handler runs under idem.handle. Spans carry the key's hash, never
+	// the key. Defaults to otel.GetTracerProvider().
+	TracerProvider trace.TracerProvider
+	// MetricScope returns the idem.scope attribute of a request's
+	// metrics. It must take few values, such as route templates, and never
+	// hold a principal, a key or a raw path (/payments/123 would make one
+	// time series per payment). Defaults to DefaultMetricScope: the
+	// ServeMux pattern, or the method alone when the middleware runs
+	// before the mux matched a route; set it to your router's route
+	// template then.
+	MetricScope func(r *http.Request) string
+	// StoreName is the idem.store metric attribute. Defaults to the
+	// store's package name: memstore, pgtable, redisnx, twolevel.
+	StoreName string
+}
+
+// DefaultMetricScope is the default Options.MetricScope: the pattern that
+// matched the request in a Go 1.22+ http.ServeMux (r.Pattern, such as "POST
+// /payments/{id}/refunds"), or the method when there is none. Unlike
+// DefaultRoute it never falls back to the path, which is unbounded.
+func DefaultMetricScope(r *http.Request) string {
+	if r.Pattern != "" {
+		return r.Pattern
+	}
+	return r.Method
 }
 
 // Outcome says what the middleware did with a request.
@@ -259,6 +303,9 @@ func (o *Options) fill(who string) error {
 	}
 	if o.Logger == nil {
 		o.Logger = slog.New(slog.DiscardHandler)
+	}
+	if o.MetricScope == nil {
+		o.MetricScope = DefaultMetricScope
 	}
 	return nil
 }

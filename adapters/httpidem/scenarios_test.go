@@ -20,11 +20,15 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
+	"go.opentelemetry.io/otel/attribute"
 
 	"github.com/idemkit/idem/adapters/httpidem"
+	"github.com/idemkit/idem/dedup/memstore"
 	"github.com/idemkit/idem/dedup/pgtable"
 	"github.com/idemkit/idem/dedup/redisnx"
 	"github.com/idemkit/idem/dedup/twolevel"
+	"github.com/idemkit/idem/internal/telemetry"
+	"github.com/idemkit/idem/internal/telemetry/telemetrytest"
 	"github.com/idemkit/idem/internal/testenv"
 )
 
@@ -169,11 +173,16 @@ func (p *payments) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 
 // backend builds one server instance (own pool, own Redis client, as two
 // servers behind a load balancer have) on stores shared through PostgreSQL
-// or Redis.
+// or Redis (memstore: shared in the process). store is its idem.store.
 type backend struct {
 	name     string
+	store    string
 	instance func(t *testing.T, schema, prefix string, opts httpidem.Options) (*httpidem.Middleware, *pgxpool.Pool)
 }
+
+// memStores are the memstore backend's stores, one per world (prefix), so
+// that two instances of one world share theirs.
+var memStores sync.Map
 
 func pgStore(t *testing.T, pool *pgxpool.Pool, schema string) *pgtable.Store {
 	t.Helper()
@@ -207,19 +216,26 @@ func mustMW(t *testing.T) func(*httpidem.Middleware, error) *httpidem.Middleware
 }
 
 var backends = []backend{
-	{"pgtable_tx", func(t *testing.T, schema, _ string, opts httpidem.Options) (*httpidem.Middleware, *pgxpool.Pool) {
+	{"memstore", "memstore", func(t *testing.T, _, prefix string, opts httpidem.Options) (*httpidem.Middleware, *pgxpool.Pool) {
+		s, loaded := memStores.LoadOrStore(prefix, newMem(t, memstore.Options{}))
+		if !loaded {
+			t.Cleanup(func() { memStores.Delete(prefix) })
+		}
+		return mustMW(t)(httpidem.New(s.(*memstore.Store), opts)), testenv.Pool(t, 5)
+	}},
+	{"pgtable_tx", "pgtable", func(t *testing.T, schema, _ string, opts httpidem.Options) (*httpidem.Middleware, *pgxpool.Pool) {
 		pool := testenv.Pool(t, 5)
 		return mustMW(t)(httpidem.NewTx(pgStore(t, pool, schema), opts)), pool
 	}},
-	{"pgtable_lease", func(t *testing.T, schema, _ string, opts httpidem.Options) (*httpidem.Middleware, *pgxpool.Pool) {
+	{"pgtable_lease", "pgtable", func(t *testing.T, schema, _ string, opts httpidem.Options) (*httpidem.Middleware, *pgxpool.Pool) {
 		pool := testenv.Pool(t, 5)
 		return mustMW(t)(httpidem.New(pgStore(t, pool, schema).Lease(), opts)), pool
 	}},
-	{"redisnx", func(t *testing.T, _, prefix string, opts httpidem.Options) (*httpidem.Middleware, *pgxpool.Pool) {
+	{"redisnx", "redisnx", func(t *testing.T, _, prefix string, opts httpidem.Options) (*httpidem.Middleware, *pgxpool.Pool) {
 		pool := testenv.Pool(t, 5)
 		return mustMW(t)(httpidem.New(redisStore(t, prefix), opts)), pool
 	}},
-	{"twolevel_tx", func(t *testing.T, schema, prefix string, opts httpidem.Options) (*httpidem.Middleware, *pgxpool.Pool) {
+	{"twolevel_tx", "twolevel", func(t *testing.T, schema, prefix string, opts httpidem.Options) (*httpidem.Middleware, *pgxpool.Pool) {
 		pool := testenv.Pool(t, 5)
 		s, err := twolevel.New(redisStore(t, prefix), pgStore(t, pool, schema), twolevel.Options{})
 		if err != nil {
@@ -229,10 +245,15 @@ var backends = []backend{
 	}},
 }
 
-// world is one backend's setup: an oracle and a way to start instances.
+// world is one backend's setup: an oracle and a way to start instances,
+// whose middlewares all report to mp; requests counts the requests the
+// instances received.
 type world struct {
-	o     *oracle
-	start func(gateway time.Duration, opts httpidem.Options) (*httptest.Server, *payments)
+	o        *oracle
+	mp       *telemetrytest.Metrics
+	store    string
+	requests *atomic.Int64
+	start    func(gateway time.Duration, opts httpidem.Options) (*httptest.Server, *payments)
 }
 
 func forEachBackend(t *testing.T, fn func(t *testing.T, w world)) {
@@ -242,13 +263,57 @@ func forEachBackend(t *testing.T, fn func(t *testing.T, w world)) {
 			schema := testenv.Schema(t, admin)
 			o := newOracle(t, admin, schema)
 			prefix := testenv.Name("httpidem")
-			fn(t, world{o: o, start: func(gateway time.Duration, opts httpidem.Options) (*httptest.Server, *payments) {
+			mp := telemetrytest.NewMetrics(t)
+			requests := new(atomic.Int64)
+			fn(t, world{o: o, mp: mp, store: b.store, requests: requests, start: func(gateway time.Duration, opts httpidem.Options) (*httptest.Server, *payments) {
+				opts.MeterProvider = mp
 				mw, pool := b.instance(t, schema, prefix, opts)
 				p := &payments{o: o, pool: pool, gateway: gateway}
-				return quietServer(t, mw.Handler(p)), p
+				h := mw.Handler(p)
+				return quietServer(t, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+					requests.Add(1)
+					h.ServeHTTP(w, r)
+				})), p
 			}})
 		})
 	}
+}
+
+// checkMetrics checks the metrics against the oracle and the requests the
+// instances received: as many first claims and completed handlers as
+// charges, every other request a duplicate (replayed), in flight (409) or a
+// store error (503, a client that left before its claim), each counted
+// once; replays and first requests acknowledged, the others to retry; no
+// key in any attribute.
+func (w world) checkMetrics(t *testing.T) {
+	t.Helper()
+	mp := w.mp
+	requests := float64(w.requests.Load())
+	// A request's metrics are recorded after its answer is written: wait
+	// for the last ones.
+	eventually(t, "every request counted", func() bool { return mp.Sum(telemetry.MetricMessages) == requests })
+	attrs := []attribute.KeyValue{telemetry.AttrScope.String(http.MethodPost), telemetry.AttrStore.String(w.store)}
+	claims := func(o string) float64 {
+		return mp.Sum(telemetry.MetricClaims, append(attrs, telemetry.AttrOutcome.String(o))...)
+	}
+	msgs := func(result string) float64 {
+		return mp.Sum(telemetry.MetricMessages, telemetry.AttrSystem.String("http"), telemetry.AttrDestination.String(http.MethodPost), telemetry.AttrResult.String(result))
+	}
+	first, dup, inFlight, failed := claims(telemetry.ClaimFirst), claims(telemetry.ClaimDuplicate), claims(telemetry.ClaimInFlight), claims(telemetry.ClaimError)
+	charges := float64(w.o.count(t))
+	completed := mp.Sum(telemetry.MetricHandlerDuration, append(attrs, telemetry.AttrOutcome.String("completed"))...)
+	if first != charges || completed != charges {
+		t.Errorf("claims{first} = %v, handler{completed} = %v; the oracle counted %v charges", first, completed, charges)
+	}
+	if all := mp.Sum(telemetry.MetricClaims); first+dup+inFlight+failed != requests || all != requests {
+		t.Errorf("claims: first %v + duplicate %v + in_flight %v + error %v (all outcomes %v); the instances got %v requests",
+			first, dup, inFlight, failed, all, requests)
+	}
+	if msgs("ack") != first+dup || msgs("retry") != inFlight+failed || msgs("dead_letter") != 0 {
+		t.Errorf("messages: ack %v, retry %v, dead_letter %v; want %v, %v, 0", msgs("ack"), msgs("retry"), msgs("dead_letter"), first+dup, inFlight+failed)
+	}
+	mp.NoValueContains("pay-")
+	t.Logf("metrics: %v requests: %v first, %v duplicate, %v in flight, %v error", requests, first, dup, inFlight, failed)
 }
 
 // collector records the receipts clients got, per payment.
@@ -333,6 +398,7 @@ func TestScenarioRetryAfterClientTimeout(t *testing.T) {
 			t.Fatalf("the handler ran %d times for %d payments", calls, n)
 		}
 		w.o.check(t, ids, c.seen)
+		w.checkMetrics(t)
 	})
 }
 
@@ -377,6 +443,7 @@ func TestScenarioDoubleClick(t *testing.T) {
 			t.Logf("%d clicks: 1 charge, %d replays, %d answered 409", clicks, replays.Load(), conflicts.Load())
 		}
 		w.o.check(t, ids, c.seen)
+		w.checkMetrics(t)
 	})
 }
 
@@ -406,6 +473,7 @@ func TestScenarioReplayAfterCompletion(t *testing.T) {
 			t.Fatalf("handler ran %d times for 10 payments", p.calls.Load())
 		}
 		w.o.check(t, ids, c.seen)
+		w.checkMetrics(t)
 	})
 }
 
@@ -450,6 +518,7 @@ func TestScenarioLoadBalancerRetry(t *testing.T) {
 			}
 		}
 		w.o.check(t, ids, c.seen)
+		w.checkMetrics(t)
 	})
 }
 

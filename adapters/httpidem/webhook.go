@@ -98,6 +98,7 @@ func NewWebhook(store dedup.LeaseStore, opts WebhookOptions) (*Webhook, error) {
 	}
 	wh.m.lease = store
 	wh.m.setClaim()
+	wh.m.setTelemetry(store)
 	return wh, nil
 }
 
@@ -113,6 +114,7 @@ func NewWebhookTx(store dedup.TxStore[pgx.Tx], opts WebhookOptions) (*Webhook, e
 		return nil, err
 	}
 	wh.m.tx = store
+	wh.m.setTelemetry(store)
 	return wh, nil
 }
 
@@ -162,6 +164,17 @@ func newWebhook(who string, opts WebhookOptions) (*Webhook, error) {
 	}
 	if mo.StoreResponse == nil {
 		mo.StoreResponse = func(status int) bool { return status >= 200 && status <= 299 }
+	}
+	if mo.MetricScope == nil {
+		mo.MetricScope = func(r *http.Request) string {
+			switch {
+			case opts.Scope != "":
+				return opts.Scope
+			case r.Pattern != "":
+				return r.Pattern
+			}
+			return "webhook"
+		}
 	}
 	if err := mo.fill(who); err != nil {
 		return nil, err

@@ -11,6 +11,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 
 	"github.com/idemkit/idem/dedup"
+	"github.com/idemkit/idem/internal/telemetry"
 )
 
 // call is one message's lease, from the claim to Complete or Release.
@@ -38,6 +39,10 @@ type call struct {
 	// when a beat finds the lease gone, with nil when the call ends.
 	onLost   context.CancelCauseFunc
 	returned bool // the handler returned (did not panic)
+
+	tel       *telemetry.Dedup
+	hstart    time.Time // the handler's start
+	endHandle spanEnd   // ends the idem.handle span
 
 	mu       sync.Mutex
 	phase    int // running, finishing, ended
@@ -196,8 +201,13 @@ func (lc *call) end() {
 	lc.mu.Unlock()
 }
 
-// complete marks the key done.
-func (lc *call) complete() error { return lc.store.Complete(lc, lc.lease, nil) }
+// complete marks the key done, in an idem.complete span when traced.
+func (lc *call) complete() error {
+	ctx, end := telemetry.StartSpan(lc, lc.tel.Tracer, "idem.complete")
+	err := lc.store.Complete(ctx, lc.lease, nil)
+	end(err)
+	return err
+}
 
 // release gives the key back, logging a failure (the lease then expires on
 // its own).

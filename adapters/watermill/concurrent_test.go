@@ -12,6 +12,8 @@ import (
 
 	idemwm "github.com/idemkit/idem/adapters/watermill"
 	"github.com/idemkit/idem/consumer"
+	"github.com/idemkit/idem/internal/telemetry"
+	"github.com/idemkit/idem/internal/telemetry/telemetrytest"
 	"github.com/idemkit/idem/internal/testenv"
 )
 
@@ -22,6 +24,11 @@ import (
 // oracle table without a unique constraint. Deliveries that find the key in
 // flight are retried by Watermill's Retry middleware until the first one
 // completed and they are duplicates. Five messages, one after the other.
+//
+// The metrics agree with the oracle: as many first claims and completed
+// handlers as effects, every other delivery attempt a duplicate or in
+// flight, every delivery acknowledged once and every in-flight attempt a
+// retry.
 func TestConcurrentDeliveriesOneEffect(t *testing.T) {
 	const (
 		routers      = 4
@@ -31,6 +38,7 @@ func TestConcurrentDeliveriesOneEffect(t *testing.T) {
 	for _, k := range append(sharedKinds(), memKind()) {
 		t.Run(k.name, func(t *testing.T) {
 			fx := k.setup(t)
+			mp := telemetrytest.NewMetrics(t)
 			ps := newGoChannel(t)
 			topic := testenv.Name("payments")
 			var (
@@ -50,7 +58,7 @@ func TestConcurrentDeliveriesOneEffect(t *testing.T) {
 				router.AddMiddleware(
 					fastRetry(1000).Middleware,
 					// Each router is another instance on the same store.
-					fx.middleware(t, idemwm.Options{Scope: "billing/charge", OnOutcome: onOutcome}),
+					fx.middleware(t, idemwm.Options{Scope: "billing/charge", OnOutcome: onOutcome, MeterProvider: mp}),
 				)
 				for s := range subsPerRoute {
 					router.AddConsumerHandler(fmt.Sprintf("charge-%d-%d", r, s), topic, ps, func(msg *message.Message) error {
@@ -99,6 +107,30 @@ func TestConcurrentDeliveriesOneEffect(t *testing.T) {
 			if got := outcomes[1].Load(); got != messages*(routers*subsPerRoute-1) {
 				t.Errorf("duplicates = %d, want %d", got, messages*(routers*subsPerRoute-1))
 			}
+			claims := func(outcome string) float64 {
+				return mp.Sum(telemetry.MetricClaims, telemetry.AttrScope.String("billing/charge"), telemetry.AttrOutcome.String(outcome))
+			}
+			msgs := func(result string) float64 {
+				return mp.Sum(telemetry.MetricMessages, telemetry.AttrDestination.String(topic), telemetry.AttrResult.String(result))
+			}
+			effectsApplied := 0
+			for _, n := range effects {
+				effectsApplied += n
+			}
+			first, dup, inFlight := claims(telemetry.ClaimFirst), claims(telemetry.ClaimDuplicate), claims(telemetry.ClaimInFlight)
+			if first != float64(effectsApplied) || mp.Sum(telemetry.MetricHandlerDuration, telemetry.AttrOutcome.String("completed")) != float64(effectsApplied) {
+				t.Errorf("claims{first} = %v, handler{completed} = %v; the oracle counted %d effects",
+					first, mp.Sum(telemetry.MetricHandlerDuration, telemetry.AttrOutcome.String("completed")), effectsApplied)
+			}
+			deliveries := float64(messages * routers * subsPerRoute)
+			if dup != deliveries-first || inFlight != float64(outcomes[2].Load()) || mp.Sum(telemetry.MetricClaims) != first+dup+inFlight {
+				t.Errorf("claims: first %v, duplicate %v, in_flight %v, all %v; want duplicate = %v deliveries - first, in_flight = %d",
+					first, dup, inFlight, mp.Sum(telemetry.MetricClaims), deliveries, outcomes[2].Load())
+			}
+			if msgs("ack") != deliveries || msgs("retry") != inFlight || msgs("dead_letter") != 0 {
+				t.Errorf("messages: ack %v, retry %v, dead_letter %v; want %v, %v, 0", msgs("ack"), msgs("retry"), msgs("dead_letter"), deliveries, inFlight)
+			}
+			mp.NoValueContains(want...)
 			t.Logf("%d messages × %d deliveries: %d effects each; outcomes completed=%d duplicate=%d in_flight=%d store_error=%d",
 				messages, routers*subsPerRoute, 1, outcomes[0].Load(), outcomes[1].Load(), outcomes[2].Load(), outcomes[3].Load())
 		})

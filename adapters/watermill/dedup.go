@@ -5,11 +5,13 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"time"
 
 	"github.com/ThreeDotsLabs/watermill/message"
 
 	"github.com/idemkit/idem/consumer"
 	"github.com/idemkit/idem/dedup"
+	"github.com/idemkit/idem/internal/telemetry"
 )
 
 // Dedup returns router middleware that runs the handler at most once at a
@@ -58,7 +60,7 @@ func Dedup(store dedup.LeaseStore, opts Options) (message.HandlerMiddleware, err
 	if opts.Outbox != nil || opts.OutboxTopic != "" || opts.OutboxKey != nil {
 		return nil, errors.New("watermill: Dedup: Options.Outbox, OutboxTopic and OutboxKey are for Transactional: a lease cannot commit together with the outbox rows; use Transactional on dedup/pgtable")
 	}
-	c, err := newConfig("Dedup", opts)
+	c, err := newConfig("Dedup", opts, store)
 	if err != nil {
 		return nil, err
 	}
@@ -69,14 +71,16 @@ func Dedup(store dedup.LeaseStore, opts Options) (message.HandlerMiddleware, err
 		// goroutine (a new one per message in Watermill's router) needs
 		// little more stack than without the middleware.
 		return func(msg *message.Message) ([]*message.Message, error) {
-			lc, out, err := d.claim(msg)
+			dl := c.begin(msg)
+			defer dl.finish()
+			lc, out, err := d.claim(&dl, msg)
 			if lc == nil {
-				return out, err
+				return dl.verdict(out, err)
 			}
 			defer lc.cleanup()
 			out, err = h(msg)
 			lc.returned = true
-			return lc.settle(out, err)
+			return dl.verdict(lc.settle(out, err))
 		}
 	}, nil
 }
@@ -88,48 +92,65 @@ type leaseMiddleware struct {
 
 // claim builds the key and claims it. It returns the call when the lease
 // was granted, else the middleware's answer.
-func (d *leaseMiddleware) claim(msg *message.Message) (*call, []*message.Message, error) {
+func (d *leaseMiddleware) claim(dl *delivery, msg *message.Message) (*call, []*message.Message, error) {
 	key, err := d.keys.build(msg)
 	if err != nil {
-		out, err := d.rejectKey(msg, err)
+		out, err := d.rejectKey(dl, msg, err)
 		return nil, out, err
 	}
+	tel := d.tel.get(key.Scope)
 	ctx := msg.Context()
-	lease, err := d.store.Claim(ctx, key)
+	start := time.Now()
+	cctx, end := startClaim(ctx, tel, key)
+	lease, err := d.store.Claim(cctx, key)
 	if err == nil && lease == nil {
 		err = errors.New("the store returned neither a lease nor an error")
 	}
 	if err != nil {
-		out, err := d.claimFailed(msg, key, err)
+		o := claimOutcome(err)
+		tel.Claimed(ctx, o, time.Since(start))
+		endClaim(end, spanErr(err), o)
+		out, err := d.claimFailed(dl, msg, key, err)
 		return nil, out, err
 	}
+	hstart := time.Now()
+	tel.Claimed(ctx, telemetry.ClaimFirst, hstart.Sub(start))
+	endClaim(end, nil, telemetry.ClaimFirst)
 	hctx, cancel := context.WithCancelCause(ctx)
 	lc := d.startCall(ctx, d.store, lease, cancel)
-	lc.msg = msg
+	lc.msg, lc.tel, lc.hstart = msg, tel, hstart
+	hctx, lc.endHandle = telemetry.StartSpan(hctx, tel.Tracer, "idem.handle")
 	msg.SetContext(hctx)
 	return lc, nil, nil
 }
 
 // settle completes or releases the key after the handler returned.
 func (lc *call) settle(out []*message.Message, herr error) ([]*message.Message, error) {
-	c, msg, key := lc.cfg, lc.msg, lc.lease.Key
+	c, key := lc.cfg, lc.lease.Key
+	lc.endHandle(herr)
 	if lost := lc.finish(); lost != nil {
-		c.outcome(msg, consumer.OutcomeLeaseLost)
+		lc.handled(consumer.OutcomeLeaseLost)
 		return nil, lostError(key, lost, herr)
 	}
 	if herr != nil {
 		lc.release("the handler failed")
-		c.outcome(msg, consumer.OutcomeReleased)
+		lc.handled(consumer.OutcomeReleased)
 		return out, herr
 	}
 	if err := lc.complete(); err != nil {
-		c.outcome(msg, consumer.OutcomeCompleteFailed)
+		lc.handled(consumer.OutcomeCompleteFailed)
 		c.Logger.WarnContext(lc.parent, "idem: completing the key failed after the handler succeeded; the message is nacked and runs again once the lease expires",
 			slog.String("key_hash", key.Hash()), slog.Any("error", err))
 		return nil, fmt.Errorf("watermill: complete %s: %w", key, err)
 	}
-	c.outcome(msg, consumer.OutcomeCompleted)
+	lc.handled(consumer.OutcomeCompleted)
 	return out, nil
+}
+
+// handled reports how the handler's run under the lease ended.
+func (lc *call) handled(outcome string) {
+	lc.tel.Handled(lc.parent, outcome, time.Since(lc.hstart))
+	lc.cfg.outcome(lc.msg, outcome)
 }
 
 // cleanup runs after settle, or when the handler panicked: the message gets its
@@ -140,11 +161,12 @@ func (lc *call) cleanup() {
 	lc.msg.SetContext(lc.parent)
 	lc.onLost(nil)
 	if !lc.returned {
+		lc.endHandle(errPanicked)
 		if lc.finish() != nil {
-			lc.cfg.outcome(lc.msg, consumer.OutcomeLeaseLost)
+			lc.handled(consumer.OutcomeLeaseLost)
 		} else {
 			lc.release("the handler panicked")
-			lc.cfg.outcome(lc.msg, consumer.OutcomeReleased)
+			lc.handled(consumer.OutcomeReleased)
 		}
 	}
 	lc.end()

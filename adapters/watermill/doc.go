@@ -79,6 +79,42 @@
 // idem's middleware must be inside Retry: outside it, a failed attempt
 // would keep its claim while Retry runs the handler again, unprotected.
 //
+// # Metrics, traces and logs
+//
+// With Options.MeterProvider (default: the OpenTelemetry global, a no-op
+// until the application installs one) the middleware reports
+// idem.claims by outcome (first, duplicate, in_flight,
+// fingerprint_mismatch, invalid_key, error), idem.claim.duration,
+// idem.handler.duration by how the handler ended (completed, released,
+// lease_lost, complete_failed) and idem.lease.lost, with the scope (the
+// handler name, or Options.Scope) and the store as attributes; and
+// idem.messages and messaging.process.duration with each message's verdict
+// by topic (messaging.system "watermill"):
+//
+//	ack          the handler succeeded, or the message was a duplicate
+//	retry        an error was returned (the handler's, a key in flight
+//	             elsewhere, a store error, a lost lease) or the handler
+//	             panicked: the message is nacked or retried further out
+//	dead_letter  poison (idem.reason fingerprint_mismatch or invalid_key),
+//	             or an error marked consumer.Permanent (idem.reason
+//	             permanent): it will never succeed
+//
+// Each run of the middleware counts once, so with Watermill's Retry
+// middleware outside it every attempt is counted. No attribute carries a
+// message id or a key.
+//
+// With Options.TracerProvider, each message gets a consumer span ("process
+// <topic>") that continues the trace found in its metadata — the
+// traceparent the outbox stored at Enqueue, which Publisher copies to the
+// metadata unchanged — and the handler runs under it, with idem.claim,
+// idem.handle and idem.complete (or idem.commit) as its children. If
+// msg.Context() already holds a recording span, only the idem spans are
+// added, under it. MetadataCarrier reads the metadata for a propagator and
+// ignores values over 8 KiB.
+//
+// Logs (Options.Logger, discarded by default) name keys by their hash,
+// dedup.Key.Hash, never by the raw id.
+//
 // # Repositories for the Deduplicator
 //
 // RedisKeyRepository and PostgresKeyRepository implement Watermill's

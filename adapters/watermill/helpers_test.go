@@ -24,7 +24,7 @@ import (
 )
 
 // maxConns bounds every test pool.
-const maxConns = 15
+const maxConns = 8
 
 var nopLogger = wm.NopLogger{}
 

@@ -13,9 +13,13 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/jackc/pgx/v5"
+	"go.opentelemetry.io/otel/metric"
+	"go.opentelemetry.io/otel/propagation"
+	"go.opentelemetry.io/otel/trace"
 
 	"github.com/idemkit/idem/consumer"
 	"github.com/idemkit/idem/dedup"
+	"github.com/idemkit/idem/internal/telemetry"
 	"github.com/idemkit/idem/outbox"
 )
 
@@ -102,8 +106,10 @@ type Options struct {
 	// (no order).
 	OutboxKey func(msg *message.Message) []byte
 
-	// Logger receives warnings: failed heartbeats and releases, lost
-	// leases. Defaults to discarding them.
+	// Logger receives warnings: failed heartbeats, releases and
+	// completions, lost leases. Keys appear in it as their hash
+	// (dedup.Key.Hash), never raw. Defaults to discarding them
+	// (slog.DiscardHandler).
 	Logger *slog.Logger
 	// OnOutcome, if set, is called once per message with one of the
 	// consumer.Outcome constants (completed, duplicate, in_flight,
@@ -111,6 +117,36 @@ type Options struct {
 	// lease_lost, complete_failed), for metrics. It must be fast and safe
 	// for concurrent use.
 	OnOutcome func(msg *message.Message, outcome string)
+
+	// MeterProvider receives the middleware's metrics: idem.claims,
+	// idem.claim.duration, idem.handler.duration and idem.lease.lost, with
+	// the scope (the handler name, or Options.Scope) and the store as
+	// attributes; and idem.messages and messaging.process.duration, the
+	// verdict on each message (ack, retry, dead_letter) by topic, with
+	// messaging.system "watermill". No attribute carries a message id or a
+	// key. Defaults to otel.GetMeterProvider(), a no-op until the
+	// application installs a provider.
+	MeterProvider metric.MeterProvider
+	// TracerProvider starts the consumer span of each message ("process
+	// <topic>", continuing the trace found in the message's metadata, see
+	// Propagator) and, under it, the idem.claim, idem.handle and
+	// idem.complete (Transactional: idem.commit) spans; the handler runs
+	// under idem.handle (msg.Context()). When msg.Context() already holds a
+	// recording span (Watermill's or another OpenTelemetry middleware
+	// outside this one started it), no consumer span is started: the idem
+	// spans become its children. Defaults to otel.GetTracerProvider(), a
+	// no-op until the application installs a provider.
+	TracerProvider trace.TracerProvider
+	// Propagator reads the producer's trace context from the message's
+	// metadata (idem's outbox stores it as the traceparent and tracestate
+	// headers, which Publisher copies to metadata unchanged). Metadata
+	// values longer than 8 KiB are read as absent, so a hostile header
+	// cannot make the propagator parse megabytes. Defaults to W3C Trace
+	// Context plus W3C Baggage.
+	Propagator propagation.TextMapPropagator
+	// StoreName is the idem.store metric attribute. Defaults to the
+	// store's package name: memstore, pgtable, redisnx, twolevel.
+	StoreName string
 }
 
 // Enqueuer writes messages to an outbox in the caller's transaction.
@@ -123,9 +159,13 @@ type Enqueuer interface {
 type config struct {
 	Options
 	keys keyBuilder
+	// tel are the claim instruments, per scope; msgs the verdicts'.
+	tel  *scopes
+	msgs *telemetry.Adapter
 }
 
-func newConfig(who string, opts Options) (*config, error) {
+// newConfig validates opts for the middleware who, claiming on store.
+func newConfig(who string, opts Options, store any) (*config, error) {
 	if opts.MaxKeyLen < 0 {
 		return nil, fmt.Errorf("watermill: %s: Options.MaxKeyLen is %d; it must be positive (or zero for %d)", who, opts.MaxKeyLen, dedup.DefaultMaxKeyLen)
 	}
@@ -146,7 +186,17 @@ func newConfig(who string, opts Options) (*config, error) {
 	if opts.Logger == nil {
 		opts.Logger = slog.New(slog.DiscardHandler)
 	}
-	c := &config{Options: opts}
+	if opts.Propagator == nil {
+		opts.Propagator = telemetry.DefaultPropagator
+	}
+	if opts.StoreName == "" {
+		opts.StoreName = telemetry.StoreName(store)
+	}
+	c := &config{
+		Options: opts,
+		tel:     &scopes{mp: opts.MeterProvider, tp: opts.TracerProvider, store: opts.StoreName},
+		msgs:    telemetry.NewAdapter(opts.MeterProvider, opts.TracerProvider, "watermill"),
+	}
 	c.keys = keyBuilder{
 		scope:       opts.Scope,
 		keyMetadata: opts.KeyMetadata,

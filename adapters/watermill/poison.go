@@ -8,6 +8,7 @@ import (
 
 	"github.com/idemkit/idem/consumer"
 	"github.com/idemkit/idem/dedup"
+	"github.com/idemkit/idem/internal/telemetry"
 )
 
 // MetadataReason is the metadata field the middleware sets on a message it
@@ -65,7 +66,8 @@ func Retryable(err error) bool {
 
 // poison rejects msg: the reason goes to its metadata, then the error goes to
 // the poison queue middleware when there is one, else back to the router.
-func (c *config) poison(msg *message.Message, pe *PoisonError) ([]*message.Message, error) {
+func (c *config) poison(d *delivery, msg *message.Message, pe *PoisonError) ([]*message.Message, error) {
+	d.poison = pe.Reason
 	if msg.Metadata == nil {
 		msg.Metadata = make(message.Metadata)
 	}
@@ -78,13 +80,18 @@ func (c *config) poison(msg *message.Message, pe *PoisonError) ([]*message.Messa
 	return c.PoisonQueue(reject)(msg)
 }
 
-// rejectKey handles an error from keyBuilder.build.
-func (c *config) rejectKey(msg *message.Message, err error) ([]*message.Message, error) {
+// rejectKey handles an error from keyBuilder.build: a *PoisonError is an
+// invalid key; anything else (no scope, a key function that failed) is
+// retried and counted as a claim error.
+func (c *config) rejectKey(d *delivery, msg *message.Message, err error) ([]*message.Message, error) {
 	c.outcome(msg, consumer.OutcomeInvalidKey)
+	tel := c.tel.get(c.scopeOf(msg))
 	var pe *PoisonError
 	if errors.As(err, &pe) {
-		return c.poison(msg, pe)
+		tel.Claimed(d.ctx, telemetry.ClaimInvalidKey, 0)
+		return c.poison(d, msg, pe)
 	}
+	tel.Claimed(d.ctx, telemetry.ClaimError, 0)
 	return nil, err
 }
 
@@ -92,17 +99,17 @@ func (c *config) rejectKey(msg *message.Message, err error) ([]*message.Message,
 // answer: a duplicate is acknowledged without running the handler, a
 // conflict or invalid key is poison, a key in flight elsewhere or a store
 // error is returned so that the message is retried (fail closed).
-func (c *config) claimFailed(msg *message.Message, key dedup.Key, err error) ([]*message.Message, error) {
+func (c *config) claimFailed(d *delivery, msg *message.Message, key dedup.Key, err error) ([]*message.Message, error) {
 	switch {
 	case errors.Is(err, dedup.ErrDuplicate):
 		c.outcome(msg, consumer.OutcomeDuplicate)
 		return nil, nil
 	case errors.Is(err, dedup.ErrFingerprintMismatch):
 		c.outcome(msg, consumer.OutcomeFingerprintMismatch)
-		return c.poison(msg, &PoisonError{Reason: consumer.ReasonFingerprintMismatch, Err: fmt.Errorf("watermill: claim %s: %w", key, err)})
+		return c.poison(d, msg, &PoisonError{Reason: consumer.ReasonFingerprintMismatch, Err: fmt.Errorf("watermill: claim %s: %w", key, err)})
 	case errors.Is(err, dedup.ErrInvalidKey):
 		c.outcome(msg, consumer.OutcomeInvalidKey)
-		return c.poison(msg, &PoisonError{Reason: consumer.ReasonInvalidKey, Err: fmt.Errorf("watermill: claim %s: %w", key, err)})
+		return c.poison(d, msg, &PoisonError{Reason: consumer.ReasonInvalidKey, Err: fmt.Errorf("watermill: claim %s: %w", key, err)})
 	case errors.Is(err, dedup.ErrInFlight):
 		c.outcome(msg, consumer.OutcomeInFlight)
 	default:

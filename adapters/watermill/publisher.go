@@ -20,7 +20,10 @@ const MetadataKey = "idem_key"
 // UUID — what Dedup and Transactional key on by default, so a re-publish
 // after a relay crash is a duplicate downstream — the row's headers as
 // metadata, the id again in outbox.HeaderMessageID and the ordering key in
-// MetadataKey.
+// MetadataKey. The headers are copied as they are: the traceparent and
+// tracestate the outbox stored at Enqueue reach the consumer unchanged
+// (Publisher adds no trace context of its own: the relay's is not the
+// message's), so Dedup and Transactional continue the producer's trace.
 //
 // Watermill's Publish has no per-message result: Publisher publishes each
 // run of consecutive messages with the same topic in one call and treats a

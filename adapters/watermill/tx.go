@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"maps"
+	"time"
 
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/google/uuid"
@@ -12,6 +13,7 @@ import (
 
 	"github.com/idemkit/idem/consumer"
 	"github.com/idemkit/idem/dedup"
+	"github.com/idemkit/idem/internal/telemetry"
 	"github.com/idemkit/idem/outbox"
 )
 
@@ -59,14 +61,16 @@ func Transactional(store dedup.TxStore[pgx.Tx], opts Options) (message.HandlerMi
 	if opts.Outbox == nil && (opts.OutboxTopic != "" || opts.OutboxKey != nil) {
 		return nil, errors.New("watermill: Transactional: Options.OutboxTopic and OutboxKey need Options.Outbox (a *pgoutbox.Outbox)")
 	}
-	c, err := newConfig("Transactional", opts)
+	c, err := newConfig("Transactional", opts, store)
 	if err != nil {
 		return nil, err
 	}
 	t := &txMiddleware{config: c, store: store}
 	return func(h message.HandlerFunc) message.HandlerFunc {
 		return func(msg *message.Message) ([]*message.Message, error) {
-			return t.handle(h, msg)
+			dl := c.begin(msg)
+			defer dl.finish()
+			return dl.verdict(t.handle(&dl, h, msg))
 		}
 	}, nil
 }
@@ -76,54 +80,76 @@ type txMiddleware struct {
 	store dedup.TxStore[pgx.Tx]
 }
 
-func (t *txMiddleware) handle(h message.HandlerFunc, msg *message.Message) ([]*message.Message, error) {
+func (t *txMiddleware) handle(dl *delivery, h message.HandlerFunc, msg *message.Message) ([]*message.Message, error) {
 	key, err := t.keys.build(msg)
 	if err != nil {
-		return t.rejectKey(msg, err)
+		return t.rejectKey(dl, msg, err)
 	}
+	tel := t.tel.get(key.Scope)
 	orig := msg.Context()
 	var (
-		out     []*message.Message
-		ran     bool
-		herr    error
-		settled bool // the handler returned (no panic)
+		out          []*message.Message
+		ran          bool
+		herr         error
+		settled      bool // the handler returned (no panic)
+		start        = time.Now()
+		hStart, hEnd time.Time
+		endHandle    spanEnd
 	)
 	defer func() {
 		if !settled && ran {
 			// The handler panicked: Process rolled back.
+			endHandle(errPanicked)
+			tel.Handled(orig, consumer.OutcomeReleased, time.Since(hStart))
 			t.outcome(msg, consumer.OutcomeReleased)
 		}
 	}()
 	_, err = t.store.Process(orig, key, func(ctx context.Context, tx pgx.Tx) ([]byte, error) {
 		ran = true
-		msg.SetContext(context.WithValue(ctx, txKey{}, tx))
+		hStart = time.Now()
+		tel.Claimed(ctx, telemetry.ClaimFirst, hStart.Sub(start))
+		recordClaim(ctx, tel, key, start, hStart, telemetry.ClaimFirst, nil)
+		var hctx context.Context
+		hctx, endHandle = telemetry.StartSpan(context.WithValue(ctx, txKey{}, tx), tel.Tracer, "idem.handle")
+		msg.SetContext(hctx)
 		defer msg.SetContext(orig)
 		out, herr = h(msg)
 		settled = true
+		if herr == nil && t.Outbox != nil && len(out) > 0 {
+			if herr = t.enqueue(hctx, orig, tx, out); herr == nil {
+				out = nil
+			}
+		}
+		endHandle(herr)
+		hEnd = time.Now()
 		if herr != nil {
 			return nil, herr
 		}
-		if t.Outbox != nil && len(out) > 0 {
-			if herr = t.enqueue(ctx, orig, tx, out); herr != nil {
-				return nil, herr
-			}
-			out = nil
-		}
 		return nil, nil
 	})
+	end := time.Now()
+	if ran && herr == nil {
+		telemetry.RecordSpan(orig, tel.Tracer, "idem.commit", hEnd, end, err)
+	}
 	switch {
 	case err == nil:
+		tel.Handled(orig, consumer.OutcomeCompleted, end.Sub(hStart))
 		t.outcome(msg, consumer.OutcomeCompleted)
 		return out, nil
 	case ran && herr != nil:
+		tel.Handled(orig, consumer.OutcomeReleased, end.Sub(hStart))
 		t.outcome(msg, consumer.OutcomeReleased)
 		return nil, herr
 	case ran:
 		// The handler succeeded but the commit failed: nothing happened.
+		tel.Handled(orig, consumer.OutcomeCompleteFailed, end.Sub(hStart))
 		t.outcome(msg, consumer.OutcomeCompleteFailed)
 		return nil, fmt.Errorf("watermill: commit %s: %w", key, err)
 	}
-	return t.claimFailed(msg, key, err)
+	o := claimOutcome(err)
+	tel.Claimed(orig, o, end.Sub(start))
+	recordClaim(orig, tel, key, start, end, o, spanErr(err))
+	return t.claimFailed(dl, msg, key, err)
 }
 
 // enqueue writes the handler's messages to the outbox in tx.

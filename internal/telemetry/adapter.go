@@ -14,6 +14,7 @@ import (
 // watermill, http): the verdict on each message and the time it took.
 type Adapter struct {
 	Tracer  trace.Tracer
+	tp      trace.TracerProvider // as given: nil means the global
 	system  string
 	msgs    metric.Int64Counter
 	process metric.Float64Histogram
@@ -28,6 +29,7 @@ func NewAdapter(mp metric.MeterProvider, tp trace.TracerProvider, system string)
 	m := Meter(mp)
 	return &Adapter{
 		Tracer:  Tracer(tp),
+		tp:      tp,
 		system:  system,
 		msgs:    Counter(m, MetricMessages, "{message}", "Messages handled by an adapter, by result (ack, retry, dead_letter)."),
 		process: Histogram(m, MetricProcessDuration, "Time an adapter spent on one message, from delivery to its verdict."),

@@ -1,11 +1,17 @@
 package telemetry_test
 
 import (
+	"context"
 	"os"
 	"strings"
 	"testing"
 
+	"go.opentelemetry.io/otel/propagation"
+	"go.opentelemetry.io/otel/trace"
+	"go.opentelemetry.io/otel/trace/noop"
+
 	"github.com/idemkit/idem/internal/telemetry"
+	"github.com/idemkit/idem/internal/telemetry/telemetrytest"
 )
 
 // README's "Operating idem" section lists every metric idem declares.
@@ -37,5 +43,32 @@ func TestStoreName(t *testing.T) {
 	}
 	if got := telemetry.StoreName(nil); got != "custom" {
 		t.Errorf("StoreName(nil) = %q", got)
+	}
+}
+
+// Before the application installs a global provider, an adapter with no
+// TracerProvider starts no consumer span; with one given, it does.
+func TestTracingFastPath(t *testing.T) {
+	if telemetry.Tracing(nil) {
+		t.Fatal("Tracing(nil) with no global provider installed = true")
+	}
+	if telemetry.Tracing(noop.NewTracerProvider()) {
+		t.Fatal("Tracing(noop) = true")
+	}
+	a := telemetry.NewAdapter(nil, nil, "kafka")
+	ctx, end := a.StartConsumer(context.Background(), nil, propagation.MapCarrier{}, "orders")
+	end("ack", nil)
+	if trace.SpanFromContext(ctx).SpanContext().IsValid() {
+		t.Fatal("a span was started with no provider")
+	}
+	tp := telemetrytest.NewSpans(t)
+	if !telemetry.Tracing(tp) {
+		t.Fatal("Tracing(sdk provider) = false")
+	}
+	b := telemetry.NewAdapter(nil, tp, "kafka")
+	_, end = b.StartConsumer(context.Background(), nil, propagation.MapCarrier{}, "orders")
+	end("ack", nil)
+	if n := len(tp.Named("process orders")); n != 1 {
+		t.Fatalf("%d consumer spans, want 1", n)
 	}
 }

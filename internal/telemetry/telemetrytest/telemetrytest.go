@@ -130,8 +130,8 @@ func (m *Metrics) NoValueContains(secrets ...string) {
 		for _, p := range m.Points(name) {
 			for _, kv := range p.Attrs.ToSlice() {
 				for _, s := range secrets {
-					if strings.Contains(kv.Value.Emit(), s) {
-						m.t.Errorf("metric %s attribute %s=%q holds %q", name, kv.Key, kv.Value.Emit(), s)
+					if strings.Contains(kv.Value.String(), s) {
+						m.t.Errorf("metric %s attribute %s=%q holds %q", name, kv.Key, kv.Value.String(), s)
 					}
 				}
 			}

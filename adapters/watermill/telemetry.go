@@ -1,0 +1,242 @@
+package watermill
+
+import (
+	"context"
+	"errors"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill/message"
+	"go.opentelemetry.io/otel/attribute"
+	"go.opentelemetry.io/otel/metric"
+	"go.opentelemetry.io/otel/propagation"
+	"go.opentelemetry.io/otel/trace"
+
+	"github.com/idemkit/idem/consumer"
+	"github.com/idemkit/idem/dedup"
+	"github.com/idemkit/idem/internal/telemetry"
+)
+
+// MetadataCarrier reads and writes trace context in Watermill metadata, for
+// an OpenTelemetry propagator: propagation.MapCarrier, except that a value
+// longer than 8 KiB reads as absent, so that a hostile or corrupt header
+// (a megabyte "traceparent") is never handed to a propagator's parser. The
+// middleware extracts the producer's trace context with it; a producer
+// that does not go through idem's outbox can inject with it:
+//
+//	otel.GetTextMapPropagator().Inject(ctx, idemwm.MetadataCarrier(msg.Metadata))
+type MetadataCarrier message.Metadata
+
+var _ propagation.TextMapCarrier = MetadataCarrier(nil)
+
+// Get returns the value of key, or "" when it is absent or too long.
+func (c MetadataCarrier) Get(key string) string {
+	v := c[key]
+	if len(v) > telemetry.MaxHeaderValue {
+		return ""
+	}
+	return v
+}
+
+// Set stores value under key. The metadata must not be nil.
+func (c MetadataCarrier) Set(key, value string) { c[key] = value }
+
+// Keys lists the metadata keys.
+func (c MetadataCarrier) Keys() []string {
+	keys := make([]string, 0, len(c))
+	for k := range c {
+		keys = append(keys, k)
+	}
+	return keys
+}
+
+// maxScopes bounds the scopes that get their own instruments. Scopes are
+// handler names or Options.Scope, set by configuration, so the bound is a
+// safety net, not a limit anyone should reach.
+const maxScopes = 1024
+
+// overflowScope is the idem.scope of the scopes past maxScopes.
+const overflowScope = "_other"
+
+// scopes holds the claim instruments (telemetry.Dedup) of each scope the
+// middleware sees: one set per handler name when Options.Scope is empty.
+// Lookups are lock-free on an immutable map; a new scope copies it.
+type scopes struct {
+	mp    metric.MeterProvider
+	tp    trace.TracerProvider
+	store string
+	mu    sync.Mutex
+	m     atomic.Pointer[map[string]*telemetry.Dedup]
+}
+
+func (s *scopes) get(scope string) *telemetry.Dedup {
+	if m := s.m.Load(); m != nil {
+		if d, ok := (*m)[scope]; ok {
+			return d
+		}
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	var old map[string]*telemetry.Dedup
+	if m := s.m.Load(); m != nil {
+		old = *m
+	}
+	if d, ok := old[scope]; ok {
+		return d
+	}
+	name := scope
+	if len(old) >= maxScopes {
+		if d, ok := old[overflowScope]; ok {
+			return d
+		}
+		name = overflowScope
+	}
+	d := telemetry.NewDedup(s.mp, s.tp, name, s.store)
+	m := make(map[string]*telemetry.Dedup, len(old)+1)
+	for k, v := range old {
+		m[k] = v
+	}
+	m[name] = d
+	s.m.Store(&m)
+	return d
+}
+
+// scopeOf is the scope of msg's key, for a message whose key could not be
+// built: Options.Scope or the handler name.
+func (c *config) scopeOf(msg *message.Message) string {
+	if c.Scope != "" {
+		return c.Scope
+	}
+	return message.HandlerNameFromCtx(msg.Context())
+}
+
+// Message verdicts (idem.result of idem.messages).
+const (
+	resultAck        = "ack"
+	resultRetry      = "retry"
+	resultDeadLetter = "dead_letter"
+)
+
+var errPanicked = errors.New("watermill: the handler panicked")
+
+// delivery is one message's trip through the middleware, for telemetry:
+// its consumer span and the verdict. It lives on the middleware's stack.
+type delivery struct {
+	c      *config
+	msg    *message.Message
+	orig   context.Context // the message's context as it came
+	ctx    context.Context // with the consumer span
+	topic  string
+	start  time.Time
+	end    func(result string, err error) // ends the consumer span
+	poison consumer.Reason                // the middleware found msg poison
+	done   bool
+}
+
+// begin starts msg's delivery: the consumer span, continuing the trace in
+// the metadata, becomes msg's context — unless the context already holds a
+// recording span, which then is the parent of idem's spans, or no tracer
+// provider is installed.
+func (c *config) begin(msg *message.Message) delivery {
+	ctx := msg.Context()
+	d := delivery{c: c, msg: msg, orig: ctx, ctx: ctx, topic: message.SubscribeTopicFromCtx(ctx), start: time.Now(), end: noEnd}
+	if c.tracing() && !trace.SpanFromContext(ctx).IsRecording() {
+		d.ctx, d.end = c.msgs.StartConsumer(ctx, c.Propagator, MetadataCarrier(msg.Metadata), d.topic)
+		msg.SetContext(d.ctx)
+	}
+	return d
+}
+
+// tracing reports whether a consumer span may record (telemetry.Tracing):
+// not while Options.TracerProvider is nil and the application installed no
+// global provider, nor with OpenTelemetry's no-op provider. Then the
+// consumer span is not started at all, sparing its extraction and
+// allocations on every message.
+func (c *config) tracing() bool { return telemetry.Tracing(c.TracerProvider) }
+
+func noEnd(string, error) {}
+
+// verdict records the middleware's answer on the message.
+func (d *delivery) verdict(out []*message.Message, err error) ([]*message.Message, error) {
+	d.done = true
+	result, reason := resultAck, consumer.ReasonNone
+	switch {
+	case d.poison != "" && err == nil:
+		// A poison queue took the message.
+		result, reason = resultDeadLetter, d.poison
+	case err != nil:
+		switch r := consumer.Decide(err); r.Action {
+		case consumer.ActionRetry:
+			result = resultRetry
+		case consumer.ActionDeadLetter:
+			result, reason = resultDeadLetter, r.Reason
+		}
+	}
+	d.c.msgs.Result(d.ctx, d.topic, result, string(reason), time.Since(d.start))
+	d.end(result, err)
+	return out, err
+}
+
+// finish runs last (deferred): after a panic it records a retry (the
+// message was not acknowledged; Recoverer or the router decides), and it
+// gives the message its own context back.
+func (d *delivery) finish() {
+	if !d.done {
+		d.c.msgs.Result(d.ctx, d.topic, resultRetry, "", time.Since(d.start))
+		d.end(resultRetry, errPanicked)
+	}
+	d.msg.SetContext(d.orig)
+}
+
+// spanEnd ends a span started by telemetry.StartSpan.
+type spanEnd = func(err error, more ...attribute.KeyValue)
+
+// startClaim starts the idem.claim span under a recording span in ctx. The
+// key's hash is only computed then. end is nil when there is no span.
+func startClaim(ctx context.Context, tel *telemetry.Dedup, key dedup.Key) (context.Context, spanEnd) {
+	if !trace.SpanFromContext(ctx).IsRecording() {
+		return ctx, nil
+	}
+	return telemetry.StartSpan(ctx, tel.Tracer, "idem.claim", tel.SpanAttrs(key.Hash())...)
+}
+
+// endClaim ends a claim span (when there is one) with its outcome.
+func endClaim(end spanEnd, err error, outcome string) {
+	if end != nil {
+		end(err, telemetry.AttrOutcome.String(outcome))
+	}
+}
+
+// recordClaim records a claim span that already happened (Transactional).
+func recordClaim(ctx context.Context, tel *telemetry.Dedup, key dedup.Key, start, end time.Time, outcome string, err error) {
+	if !trace.SpanFromContext(ctx).IsRecording() {
+		return
+	}
+	telemetry.RecordSpan(ctx, tel.Tracer, "idem.claim", start, end, err,
+		append(tel.SpanAttrs(key.Hash()), telemetry.AttrOutcome.String(outcome))...)
+}
+
+// claimOutcome maps a claim's error to the idem.claims outcome.
+func claimOutcome(err error) string {
+	switch {
+	case errors.Is(err, dedup.ErrDuplicate):
+		return telemetry.ClaimDuplicate
+	case errors.Is(err, dedup.ErrInFlight):
+		return telemetry.ClaimInFlight
+	case errors.Is(err, dedup.ErrFingerprintMismatch):
+		return telemetry.ClaimFingerprintMismatch
+	case errors.Is(err, dedup.ErrInvalidKey):
+		return telemetry.ClaimInvalidKey
+	}
+	return telemetry.ClaimError
+}
+
+// spanErr is the error a claim span records: none for a duplicate or a key
+// in flight, which are answers, not failures.
+func spanErr(err error) error {
+	if errors.Is(err, dedup.ErrDuplicate) || errors.Is(err, dedup.ErrInFlight) {
+		return nil
+	}
+	return err
+}
