@@ -28,9 +28,9 @@ type PropagatorFunc func(ctx context.Context, headers map[string]string)
 func (f PropagatorFunc) Inject(ctx context.Context, headers map[string]string) { f(ctx, headers) }
 
 // OTelPropagator returns a Propagator that writes the OpenTelemetry context
-// of ctx (its span context, its baggage: whatever p carries) with p, for
-// example otel.GetTextMapPropagator() or a B3 propagator. A nil p is W3C
-// Trace Context plus W3C Baggage, the propagator TraceContext uses.
+// of ctx (its span context, and its baggage when p carries baggage) with p,
+// for example otel.GetTextMapPropagator() or a B3 propagator. A nil p is W3C
+// Trace Context, the propagator TraceContext uses.
 //
 // Unlike TraceContext it does not read WithTraceContext.
 func OTelPropagator(p propagation.TextMapPropagator) Propagator {
@@ -76,10 +76,10 @@ func TraceContextFrom(ctx context.Context) (traceparent, tracestate string, ok b
 //
 //   - the OpenTelemetry span context of ctx, when it has a valid one
 //     (trace.SpanContextFromContext), as W3C Trace Context
-//     (HeaderTraceParent, and HeaderTraceState when not empty), plus W3C
-//     Baggage when ctx carries baggage. It uses W3C propagation whatever
-//     the global propagator (otel.SetTextMapPropagator) is; use
-//     OTelPropagator for another format.
+//     (HeaderTraceParent, and HeaderTraceState when not empty). It uses
+//     W3C propagation whatever the global propagator
+//     (otel.SetTextMapPropagator) is; use OTelPropagator for another
+//     format or to carry baggage.
 //   - otherwise the trace context stored by WithTraceContext.
 //
 // It writes nothing when ctx carries neither, or when WithTraceContext
@@ -96,11 +96,8 @@ var TraceContext Propagator = PropagatorFunc(func(ctx context.Context, h map[str
 	}
 	parent, state, ok := TraceContextFrom(ctx)
 	if !ok {
-		// Baggage alone still travels.
-		telemetry.DefaultPropagator.Inject(ctx, propagation.MapCarrier(h))
 		return
 	}
-	propagation.Baggage{}.Inject(ctx, propagation.MapCarrier(h))
 	h[HeaderTraceParent] = parent
 	if state != "" {
 		h[HeaderTraceState] = state

@@ -42,7 +42,8 @@ func TestTraceContextOTelSpan(t *testing.T) {
 		t.Fatalf("removed trace context still written: %v", h)
 	}
 	// A span context that is not valid (no span) falls back to
-	// WithTraceContext, with baggage carried along.
+	// WithTraceContext; baggage is not carried by default (a composite
+	// propagator through OTelPropagator carries it).
 	m, err := baggage.NewMember("tenant", "t1")
 	if err != nil {
 		t.Fatal(err)
@@ -53,8 +54,12 @@ func TestTraceContextOTelSpan(t *testing.T) {
 	}
 	bctx := baggage.ContextWithBaggage(context.Background(), bag)
 	h = outbox.InjectHeaders(outbox.WithTraceContext(bctx, "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01", "v=1"), outbox.TraceContext, nil)
-	if h[outbox.HeaderTraceParent] != "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01" || h[outbox.HeaderTraceState] != "v=1" || h["baggage"] != "tenant=t1" {
+	if h[outbox.HeaderTraceParent] != "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01" || h[outbox.HeaderTraceState] != "v=1" || h["baggage"] != "" {
 		t.Fatalf("WithTraceContext with baggage: %v", h)
+	}
+	withBag := outbox.OTelPropagator(propagation.NewCompositeTextMapPropagator(propagation.TraceContext{}, propagation.Baggage{}))
+	if h := outbox.InjectHeaders(bctx, withBag, nil); h["baggage"] != "tenant=t1" {
+		t.Fatalf("composite propagator: %v, want baggage", h)
 	}
 	// A message's own traceparent keeps its own (absent) tracestate.
 	traced := trace.ContextWithSpanContext(context.Background(), sc.WithTraceState(mustTraceState(t, "v=2")))

@@ -4,7 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"github.com/idemkit/idem/dedup"
+	"log/slog"
 	"math/rand/v2"
 	"slices"
 	"strconv"
@@ -15,6 +15,8 @@ import (
 	amqp091 "github.com/rabbitmq/amqp091-go"
 
 	"github.com/idemkit/idem/consumer"
+	"github.com/idemkit/idem/dedup"
+	"github.com/idemkit/idem/internal/telemetry"
 )
 
 // Consumer runs an idem handler chain (consumer.Handler, usually built with
@@ -64,6 +66,17 @@ import (
 // and a delivery past ConsumerOptions.MaxDeliveries is dead-lettered with
 // reason redelivery_limit before the handler runs. A classic queue keeps no
 // such count, and there such a message is redelivered forever.
+//
+// Telemetry: each delivery has an OpenTelemetry consumer span, "process
+// <queue>", whose parent is the trace context in the delivery's headers (the
+// W3C traceparent the outbox stored at Enqueue time and the Publisher sent;
+// retried and dead-lettered copies keep it), read through
+// ConsumerOptions.Propagator and TableCarrier. The handler chain runs in the
+// span's context, so consumer.Dedup's and consumer.Transactional's spans are
+// its children. Each verdict is counted in idem.messages (idem.result ack,
+// retry or dead_letter, idem.reason for dead letters) and timed in
+// messaging.process.duration, with messaging.system "rabbitmq" and the queue
+// as messaging.destination.name: never an id or a key.
 type Consumer struct {
 	url    string
 	queue  string
@@ -71,6 +84,7 @@ type Consumer struct {
 	opts   ConsumerOptions
 	cfg    amqp091.Config
 	delays []time.Duration // distinct retry delays, ascending
+	tel    *telemetry.Adapter
 
 	running   atomic.Bool
 	ready     chan struct{}
@@ -120,7 +134,8 @@ func NewConsumer(url, queue string, h consumer.Handler, opts ConsumerOptions) (*
 	delays := slices.Clone(opts.RetryDelays)
 	slices.Sort(delays)
 	delays = slices.Compact(delays)
-	return &Consumer{url: url, queue: queue, h: h, opts: opts, cfg: cfg, delays: delays, ready: make(chan struct{})}, nil
+	return &Consumer{url: url, queue: queue, h: h, opts: opts, cfg: cfg, delays: delays, ready: make(chan struct{}),
+		tel: telemetry.NewAdapter(opts.MeterProvider, opts.TracerProvider, system)}, nil
 }
 
 // Ready is closed once the Consumer first consumes: its topology is
@@ -389,19 +404,23 @@ func (c *Consumer) serve(ctx, hctx context.Context, s *consSession, wg *sync.Wai
 }
 
 // handle runs the chain on one delivery and settles it on its own
-// generation.
+// generation. The chain runs in the delivery's consumer span (see
+// ConsumerOptions.TracerProvider), which ends with the verdict.
 func (c *Consumer) handle(ctx, hctx context.Context, s *consSession, d amqp091.Delivery) {
 	if ctx.Err() != nil {
 		// Prefetched but not started before the stop: give it back.
 		c.requeue(s, &d)
 		return
 	}
+	start := time.Now()
 	msg := c.message(&d, s.gen)
 	c.stats.delivered.Add(1)
 	if d.Redelivered {
 		c.stats.redelivered.Add(1)
 	}
+	// mctx only adds values to hctx: it is cancelled with it.
 	mctx := context.WithValue(hctx, consDeliveryKey{}, &d)
+	mctx, end := c.tel.StartConsumer(mctx, c.opts.Propagator, (*TableCarrier)(&d.Headers), c.queue)
 	var (
 		r   consumer.Result
 		out ConsumerOutcome
@@ -412,14 +431,41 @@ func (c *Consumer) handle(ctx, hctx context.Context, s *consSession, d amqp091.D
 		// worker.
 		r = consumer.Result{Action: consumer.ActionDeadLetter, Reason: ReasonRedeliveryLimit,
 			Err: fmt.Errorf("delivered %d times without being settled (MaxDeliveries %d)", n+1, c.opts.MaxDeliveries)}
-		out = c.deadLetter(hctx, s, &d, msg, r.Reason, r.Err)
+		out = c.deadLetter(mctx, s, &d, msg, r.Reason, r.Err)
 	} else {
 		r = consumer.Process(mctx, c.h, msg)
-		out = c.settle(hctx, s, &d, msg, r)
+		out = c.settle(mctx, s, &d, msg, r)
 	}
+	result, reason := verdictOf(r, out)
+	c.tel.Result(mctx, c.queue, result, reason, time.Since(start))
+	end(result, r.Err)
 	if c.opts.OnResult != nil {
 		c.opts.OnResult(mctx, msg, r, out)
 	}
+}
+
+// system is the messaging.system attribute of the Consumer's metrics and
+// spans.
+const system = "rabbitmq"
+
+// verdictOf is the idem.result and idem.reason of a delivery whose chain
+// returned r and that the Consumer settled with out: ack, dead_letter with
+// the reason the copy carries, or retry for everything that comes back (a
+// retry copy, a requeue, an abandoned delivery).
+func verdictOf(r consumer.Result, out ConsumerOutcome) (result, reason string) {
+	switch out {
+	case OutcomeAcked:
+		if r.DeadLettered { // a consumer.DeadLetter middleware parked it
+			return "dead_letter", string(r.Reason)
+		}
+		return "ack", ""
+	case OutcomeDeadLettered:
+		if r.Action == consumer.ActionRetry {
+			return "dead_letter", string(consumer.ReasonRetriesExhausted)
+		}
+		return "dead_letter", string(r.Reason)
+	}
+	return "retry", ""
 }
 
 // overDelivered reports whether d is past MaxDeliveries, with its
@@ -511,8 +557,9 @@ func (c *Consumer) deadLetter(hctx context.Context, s *consSession, d *amqp091.D
 	if err := c.publishCopy(s, c.opts.DeadLetterExchange, c.queue, p); err != nil {
 		return c.publishFailed(hctx, s, d, "dead-letter exchange", err)
 	}
-	c.opts.Logger.Warn("amqp: message dead-lettered", "queue", c.queue, "message_id_hash", dedup.HashKey("", msg.ID),
-		"reason", string(reason), "attempt", msg.Attempt, "err", cause)
+	c.opts.Logger.LogAttrs(hctx, slog.LevelWarn, "amqp: message dead-lettered", slog.String("queue", c.queue),
+		slog.String("message_id_hash", dedup.HashKey("", msg.ID)), slog.String("reason", string(reason)),
+		slog.Int("attempt", msg.Attempt), slog.Any("err", cause))
 	out := c.ack(s, d)
 	if out == OutcomeAcked {
 		c.stats.deadLettered.Add(1)
@@ -527,7 +574,7 @@ func (c *Consumer) publishFailed(hctx context.Context, s *consSession, d *amqp09
 	if s.isDead() {
 		return c.abandon()
 	}
-	c.opts.Logger.Warn("amqp: publishing a copy failed; requeueing the delivery", "queue", c.queue, "to", where, "err", err)
+	c.opts.Logger.WarnContext(hctx, "amqp: publishing a copy failed; requeueing the delivery", "queue", c.queue, "to", where, "err", err)
 	t := time.NewTimer(consJitter(time.Second))
 	defer t.Stop()
 	select {

@@ -10,8 +10,12 @@ import (
 	"time"
 
 	amqp091 "github.com/rabbitmq/amqp091-go"
+	"go.opentelemetry.io/otel/metric"
+	"go.opentelemetry.io/otel/propagation"
+	"go.opentelemetry.io/otel/trace"
 
 	"github.com/idemkit/idem/consumer"
+	"github.com/idemkit/idem/internal/telemetry"
 )
 
 // Headers the Consumer sets on the copies it publishes to its retry queues
@@ -161,12 +165,36 @@ type ConsumerOptions struct {
 	// to MaxReconnectBackoff. Defaults to 100ms and 10s.
 	ReconnectBackoff, MaxReconnectBackoff time.Duration
 
-	// Logger receives warnings. Defaults to slog.Default().
+	// Logger receives warnings (reconnects, dead letters, failed copies),
+	// with the context of the delivery's span when there is one. Message
+	// ids appear only hashed (message_id_hash, dedup.HashKey with an empty
+	// scope), routing keys and bodies never. Defaults to slog.Default().
 	Logger *slog.Logger
 	// OnResult, if set, is called after each delivery was settled, with
 	// the handler chain's Result and what the consumer did. It must be
 	// fast and safe for concurrent use.
 	OnResult func(ctx context.Context, msg *consumer.Message, r consumer.Result, outcome ConsumerOutcome)
+
+	// MeterProvider receives idem.messages (each delivery's verdict: ack,
+	// retry or dead_letter, with the dead-letter reason) and
+	// messaging.process.duration, with the attributes messaging.system
+	// "rabbitmq" and messaging.destination.name the queue (README,
+	// "Operating idem"). Defaults to the OpenTelemetry global, a no-op
+	// until the application installs a provider.
+	MeterProvider metric.MeterProvider
+	// TracerProvider starts a consumer span "process <queue>" for each
+	// delivery, continuing the trace found in its headers (the traceparent
+	// the outbox stored at Enqueue time; retried copies keep it). The
+	// handler chain runs in that span's context, so consumer.Dedup's and
+	// consumer.Transactional's spans are its children. Defaults to the
+	// OpenTelemetry global, a no-op until the application installs a
+	// provider: until then (and with OpenTelemetry's noop provider) no span
+	// is started and the headers are not read.
+	TracerProvider trace.TracerProvider
+	// Propagator reads the trace context from the delivery's headers (see
+	// TableCarrier). Defaults to W3C Trace Context (traceparent,
+	// tracestate), what the outbox stores.
+	Propagator propagation.TextMapPropagator
 }
 
 // ConsumerOutcome is what the Consumer did with a delivery.
@@ -261,6 +289,9 @@ func (o *ConsumerOptions) consSetDefaults(queue string) error {
 	}
 	if o.Logger == nil {
 		o.Logger = slog.Default()
+	}
+	if o.Propagator == nil {
+		o.Propagator = telemetry.DefaultPropagator
 	}
 	for _, n := range []string{queue, o.DeadLetterExchange, o.DeadLetterQueue, consRetryQueue(queue, o.RetryDelays[0])} {
 		if len(n) > 255 {

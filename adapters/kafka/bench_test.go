@@ -12,13 +12,17 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 	kafkago "github.com/segmentio/kafka-go"
+	sdkmetric "go.opentelemetry.io/otel/sdk/metric"
+	sdktrace "go.opentelemetry.io/otel/sdk/trace"
 
 	"github.com/idemkit/idem/adapters/kafka"
 	"github.com/idemkit/idem/adapters/kafka/kafkapg"
 	"github.com/idemkit/idem/consumer"
 	"github.com/idemkit/idem/dedup/memstore"
 	"github.com/idemkit/idem/dedup/pgtable"
+	"github.com/idemkit/idem/internal/telemetry"
 	"github.com/idemkit/idem/internal/testenv"
+	"github.com/idemkit/idem/outbox"
 )
 
 // The consume benchmarks read b.N records (produced before the timer starts)
@@ -155,6 +159,24 @@ func BenchmarkConsume(b *testing.B) {
 		benchConsumer(b, b.N, done, finished, c)
 	})
 
+	// idem-nodedup-otel is idem-nodedup with OpenTelemetry SDK providers
+	// installed: every record's span sampled and recorded (then dropped:
+	// no exporter), its verdict counted by a metric reader.
+	b.Run("idem-nodedup-otel", func(b *testing.B) {
+		topic := benchTopic(b, k)
+		defer deleteTopic(b, k, topic)
+		h := consumer.HandlerFunc(func(context.Context, *consumer.Message) error { return nil })
+		done, finished, onResult := counting(b.N)
+		opts := benchOptions(b, topic, onResult)
+		opts.MeterProvider, opts.TracerProvider = benchSDK(b)
+		c, err := kafka.NewConsumer(k.readerConfig(testenv.Name("g"), topic), h, opts)
+		if err != nil {
+			b.Fatal(err)
+		}
+		b.ResetTimer()
+		benchConsumer(b, b.N, done, finished, c)
+	})
+
 	b.Run("idem-memstore", func(b *testing.B) {
 		topic := benchTopic(b, k)
 		defer deleteTopic(b, k, topic)
@@ -271,6 +293,60 @@ func BenchmarkConsume(b *testing.B) {
 			}
 			b.ResetTimer()
 			benchConsumer(b, b.N, done, finished, c)
+		})
+	}
+}
+
+// benchSDK returns OpenTelemetry SDK providers that record everything and
+// export nothing, shut down when the benchmark ends.
+func benchSDK(b *testing.B) (*sdkmetric.MeterProvider, *sdktrace.TracerProvider) {
+	mp := sdkmetric.NewMeterProvider(sdkmetric.WithReader(sdkmetric.NewManualReader()))
+	tp := sdktrace.NewTracerProvider(sdktrace.WithSampler(sdktrace.AlwaysSample()))
+	b.Cleanup(func() {
+		_ = mp.Shutdown(context.Background())
+		_ = tp.Shutdown(context.Background())
+	})
+	return mp, tp
+}
+
+// BenchmarkDeliveryTelemetry is what the Consumer adds per handler run: the
+// consumer span continued from the record's headers, the verdict counted
+// and timed. defaults is the OpenTelemetry globals with nothing installed
+// (no-ops), sdk the SDK recording everything; traced records carry a
+// traceparent, untraced ones none.
+//
+//	go test -run '^$' -bench BenchmarkDeliveryTelemetry ./adapters/kafka/
+func BenchmarkDeliveryTelemetry(b *testing.B) {
+	untraced := []kafkago.Header{
+		{Key: outbox.HeaderMessageID, Value: []byte("order-1")},
+		{Key: "content-type", Value: []byte("application/json")},
+	}
+	traced := []kafkago.Header{untraced[0], untraced[1], {Key: outbox.HeaderTraceParent, Value: []byte(validTP)}}
+	for _, v := range []struct {
+		name string
+		sdk  bool
+		hs   []kafkago.Header
+	}{
+		{"defaults-untraced", false, untraced}, {"defaults-traced", false, traced},
+		{"sdk-untraced", true, untraced}, {"sdk-traced", true, traced},
+	} {
+		b.Run(v.name, func(b *testing.B) {
+			hs := v.hs
+			var a *telemetry.Adapter
+			if v.sdk {
+				mp, tp := benchSDK(b)
+				a = telemetry.NewAdapter(mp, tp, "kafka")
+			} else {
+				a = telemetry.NewAdapter(nil, nil, "kafka")
+			}
+			ctx := context.Background()
+			b.ReportAllocs()
+			for b.Loop() {
+				start := time.Now()
+				sctx, end := a.StartConsumer(ctx, nil, (*kafka.HeaderCarrier)(&hs), "orders")
+				a.Result(sctx, "orders", "ack", "", time.Since(start))
+				end("ack", nil)
+			}
 		})
 	}
 }

@@ -15,6 +15,7 @@ import (
 	kafkago "github.com/segmentio/kafka-go"
 
 	"github.com/idemkit/idem/consumer"
+	"github.com/idemkit/idem/internal/telemetry"
 )
 
 // Consumer runs a handler over the partitions a Kafka consumer group assigns
@@ -32,6 +33,7 @@ type Consumer struct {
 
 	opts     Options
 	log      *slog.Logger
+	tel      *telemetry.Adapter
 	dlq      *kafkago.Writer
 	dlqTopic string
 	// dlqTransport is set when the Consumer made dlq (and closes it).
@@ -177,6 +179,7 @@ func newConsumer(cfg kafkago.ReaderConfig, opts Options) (*Consumer, error) {
 	}
 	c.opts = opts
 	c.log = opts.Logger
+	c.tel = telemetry.NewAdapter(opts.MeterProvider, opts.TracerProvider, system)
 	if err := c.setDeadLetter(cfg); err != nil {
 		return nil, err
 	}

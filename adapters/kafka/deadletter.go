@@ -11,6 +11,7 @@ import (
 	kafkago "github.com/segmentio/kafka-go"
 
 	"github.com/idemkit/idem/consumer"
+	"github.com/idemkit/idem/dedup"
 )
 
 // Headers added to a dead-lettered record. The record keeps its key, value
@@ -89,7 +90,7 @@ func (c *Consumer) deadLetterRecord(km *kafkago.Message, attempts int, r consume
 // backoff until the write is confirmed. It returns false, without the record
 // being parked, when stop is done first: the record is then not committed and
 // comes back.
-func (p *partition) deadLetter(stop context.Context, it *item, attempts int, r consumer.Result) bool {
+func (p *partition) deadLetter(stop, logCtx context.Context, it *item, attempts int, r consumer.Result) bool {
 	c := p.c
 	attempts = deadLetterAttempts(attempts, r)
 	rec := c.deadLetterRecord(&it.km, attempts, r)
@@ -98,13 +99,13 @@ func (p *partition) deadLetter(stop context.Context, it *item, attempts int, r c
 		err := c.dlq.WriteMessages(ctx, rec)
 		cancel()
 		if err == nil {
-			c.log.LogAttrs(p.workCtx, slog.LevelWarn, "idem: record dead-lettered",
+			c.log.LogAttrs(logCtx, slog.LevelWarn, "idem: record dead-lettered",
 				slog.String("topic", it.km.Topic), slog.Int("partition", it.km.Partition), slog.Int64("offset", it.km.Offset),
-				slog.String("id", logID(it.msg.ID)), slog.String("reason", string(r.Reason)), slog.Int("attempts", attempts),
+				slog.String("message_id_hash", dedup.HashKey("", it.msg.ID)), slog.String("reason", string(r.Reason)), slog.Int("attempts", attempts),
 				slog.String("dead_letter_topic", c.dlqTopic), slog.Any("error", r.Err))
 			return true
 		}
-		c.log.LogAttrs(p.workCtx, slog.LevelError, "idem: publishing to the dead-letter topic failed; the partition waits and tries again",
+		c.log.LogAttrs(logCtx, slog.LevelError, "idem: publishing to the dead-letter topic failed; the partition waits and tries again",
 			slog.String("topic", it.km.Topic), slog.Int("partition", it.km.Partition), slog.Int64("offset", it.km.Offset),
 			slog.String("dead_letter_topic", c.dlqTopic), slog.Int("try", n), slog.Any("error", err))
 		if !sleep(stop, c.backoff(n, 0)) {

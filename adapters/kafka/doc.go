@@ -109,6 +109,24 @@
 // commit atomically and a restart resumes exactly where the last transaction
 // left off.
 //
+// # Telemetry
+//
+// Each handler run has an OpenTelemetry consumer span, "process <topic>",
+// whose parent is the trace context in the record's headers (the W3C
+// traceparent the outbox stored at Enqueue time and the Publisher sent),
+// read through Options.Propagator and HeaderCarrier. The handler chain runs
+// in the span's context, so the claim, handle and commit spans of
+// consumer.Dedup and consumer.Transactional are its children, and a handler
+// that enqueues to the outbox passes the trace on. A BatchHandler call has
+// one span with a link to each record's trace. The verdict of each run is
+// counted in idem.messages (idem.result ack, retry or dead_letter, and
+// idem.reason for dead letters) and timed in messaging.process.duration,
+// with messaging.system "kafka" and the topic as
+// messaging.destination.name: never an id or a key. The providers default to
+// the OpenTelemetry globals, no-ops until the application installs real
+// ones. Logs give message ids only as message_id_hash (dedup.HashKey with an
+// empty scope).
+//
 // # Outbox publisher
 //
 // NewPublisher turns a kafkago.Writer (RequiredAcks kafkago.RequireAll,

@@ -74,15 +74,6 @@ func (p *partition) message(km *kafkago.Message) (*consumer.Message, error) {
 	return msg, nil
 }
 
-// logID returns id for a log line, cut at 64 bytes: an invalid id may be
-// anything.
-func logID(id string) string {
-	if len(id) > 64 {
-		return id[:64] + "..."
-	}
-	return id
-}
-
 // offsetID is the fallback id of Options.OffsetID.
 func offsetID(topic string, partition int, offset int64) string {
 	return topic + "/" + strconv.Itoa(partition) + "/" + strconv.FormatInt(offset, 10)

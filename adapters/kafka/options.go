@@ -8,9 +8,13 @@ import (
 	"time"
 
 	kafkago "github.com/segmentio/kafka-go"
+	"go.opentelemetry.io/otel/metric"
+	"go.opentelemetry.io/otel/propagation"
+	"go.opentelemetry.io/otel/trace"
 
 	"github.com/idemkit/idem/consumer"
 	"github.com/idemkit/idem/dedup"
+	"github.com/idemkit/idem/internal/telemetry"
 	"github.com/idemkit/idem/outbox"
 )
 
@@ -101,12 +105,37 @@ type Options struct {
 	ShutdownTimeout time.Duration
 
 	// Logger receives warnings (retries, dead letters, failed commits)
-	// and debug messages (generations). Defaults to slog.Default().
+	// and debug messages (generations), with the context of the record's
+	// span when there is one. Message ids appear only hashed
+	// (message_id_hash, dedup.HashKey with an empty scope), keys and
+	// payloads never. Defaults to slog.Default().
 	Logger *slog.Logger
 	// OnResult, if set, is called after each handler run with the
 	// consumer.Result the Consumer acts on, for metrics. It must be fast and
 	// safe for concurrent use.
 	OnResult func(ctx context.Context, msg *consumer.Message, r consumer.Result)
+
+	// MeterProvider receives idem.messages (each handler run's verdict:
+	// ack, retry or dead_letter, with the dead-letter reason) and
+	// messaging.process.duration, with the attributes messaging.system
+	// "kafka" and messaging.destination.name the topic (README, "Operating
+	// idem"). Defaults to the OpenTelemetry global, a no-op until the
+	// application installs a provider.
+	MeterProvider metric.MeterProvider
+	// TracerProvider starts a consumer span "process <topic>" for each
+	// handler run, continuing the trace found in the record's headers (the
+	// traceparent the outbox stored at Enqueue time), and a span with links
+	// to the records' traces for a batch. The handler chain runs in that
+	// span's context, so consumer.Dedup's and consumer.Transactional's
+	// spans are its children. Defaults to the OpenTelemetry global, a no-op
+	// until the application installs a provider: until then (and with
+	// OpenTelemetry's noop provider) no span is started and the headers are
+	// not read.
+	TracerProvider trace.TracerProvider
+	// Propagator reads the trace context from the record's headers (see
+	// HeaderCarrier). Defaults to W3C Trace Context (traceparent,
+	// tracestate), what the outbox stores.
+	Propagator propagation.TextMapPropagator
 }
 
 // OffsetStore keeps a consumer group's positions outside Kafka; see
@@ -169,6 +198,9 @@ func (o *Options) setDefaults(session, rebalance time.Duration) error {
 	}
 	if o.Logger == nil {
 		o.Logger = slog.Default()
+	}
+	if o.Propagator == nil {
+		o.Propagator = telemetry.DefaultPropagator
 	}
 	return nil
 }

@@ -10,6 +10,7 @@ import (
 	kafkago "github.com/segmentio/kafka-go"
 
 	"github.com/idemkit/idem/consumer"
+	"github.com/idemkit/idem/dedup"
 )
 
 // item is one fetched record on its way through a partition.
@@ -192,19 +193,21 @@ gather:
 
 // runOne runs one record until it is done (acknowledged or dead-lettered) or
 // abandoned (stop done while it waits for a retry or a dead-letter write).
+// Each run has its consumer span (see Options.TracerProvider) and verdict.
 func (p *partition) runOne(stop context.Context, rn *runner, it *item, attempt int) {
 	msg, idErr := p.mapped(it)
 	ctx := rn.single(it)
 	for ; ; attempt++ {
+		hctx, at := p.startAttempt(ctx, it)
 		msg.Attempt = attempt
 		var r consumer.Result
 		if idErr != nil {
 			r = consumer.Result{Action: consumer.ActionDeadLetter, Reason: consumer.ReasonInvalidKey, Err: idErr}
 		} else {
-			r = p.process(ctx, msg)
+			r = p.process(hctx, msg)
 		}
-		p.c.report(ctx, msg, r)
-		if p.settle(stop, it, attempt, r) {
+		p.c.report(hctx, msg, r)
+		if p.settle(stop, hctx, at, it, attempt, r) {
 			return
 		}
 	}
@@ -269,26 +272,31 @@ func decide(ctx context.Context, err error) consumer.Result {
 	return r
 }
 
-// settle acts on a result. It returns true when the record is finished (done,
-// or abandoned because stop is done) and false when it must run again.
-func (p *partition) settle(stop context.Context, it *item, attempt int, r consumer.Result) bool {
+// settle acts on a result and records the verdict (at; ctx is the run's
+// context, for logs). It returns true when the record is finished (done, or
+// abandoned because stop is done) and false when it must run again.
+func (p *partition) settle(stop, ctx context.Context, at attemptTel, it *item, attempt int, r consumer.Result) bool {
 	switch r.Action {
 	case consumer.ActionAck:
 		if h := p.c.hooks.afterEffect; h != nil {
 			h(it.msg)
 		}
 		p.markDone(it)
+		p.c.verdict(ctx, it.km.Topic, at, r, false)
 		return true
 	case consumer.ActionDeadLetter:
-		if p.deadLetter(stop, it, attempt, r) {
+		parked := p.deadLetter(stop, ctx, it, attempt, r)
+		if parked {
 			p.markDone(it)
 		}
+		p.c.verdict(ctx, it.km.Topic, at, r, parked)
 		return true
 	}
+	p.c.verdict(ctx, it.km.Topic, at, r, false)
 	if attempt == 1 || attempt%10 == 0 {
-		p.c.log.LogAttrs(p.workCtx, slog.LevelWarn, "idem: handler asked to retry; the partition retries the record in place",
+		p.c.log.LogAttrs(ctx, slog.LevelWarn, "idem: handler asked to retry; the partition retries the record in place",
 			slog.String("topic", it.km.Topic), slog.Int("partition", it.km.Partition), slog.Int64("offset", it.km.Offset),
-			slog.String("id", logID(it.msg.ID)), slog.String("reason", string(r.Reason)), slog.Int("attempt", attempt), slog.Any("error", r.Err))
+			slog.String("message_id_hash", dedup.HashKey("", it.msg.ID)), slog.String("reason", string(r.Reason)), slog.Int("attempt", attempt), slog.Any("error", r.Err))
 	}
 	return !sleep(stop, p.c.backoff(attempt, r.RetryAfter))
 }
@@ -317,7 +325,10 @@ func (p *partition) handleBatch(stop context.Context, rn *runner, batch []*item)
 		p.runOne(stop, rn, valid[0], 1)
 		return
 	}
-	ctx := rn.batch(valid)
+	ctx, bt := p.startBatch(rn.batch(valid), valid)
+	// The records' verdicts are timed from the batch's start; the batch
+	// span is ended once, below.
+	at := attemptTel{start: bt.start, end: noEnd}
 	msgs := make([]*consumer.Message, len(valid))
 	for i, it := range valid {
 		it.msg.Attempt = 1
@@ -327,21 +338,24 @@ func (p *partition) handleBatch(stop context.Context, rn *runner, batch []*item)
 	var be *BatchError
 	switch {
 	case err == nil:
+		bt.end(resultAck, nil)
 		for _, it := range valid {
-			p.c.report(ctx, it.msg, consumer.Result{Action: consumer.ActionAck})
-			p.settle(stop, it, 1, consumer.Result{Action: consumer.ActionAck})
+			r := consumer.Result{Action: consumer.ActionAck}
+			p.c.report(ctx, it.msg, r)
+			p.settle(stop, ctx, at, it, 1, r)
 		}
 	case errors.As(err, &be):
+		bt.end("", nil)
 		var again []*item
 		for i, it := range valid {
 			r := decide(ctx, be.Errs[i])
+			p.c.report(ctx, it.msg, r)
 			if r.Action == consumer.ActionRetry {
-				p.c.report(ctx, it.msg, r)
+				p.c.verdict(ctx, it.km.Topic, at, r, false)
 				again = append(again, it)
 				continue
 			}
-			p.c.report(ctx, it.msg, r)
-			p.settle(stop, it, 1, r)
+			p.settle(stop, ctx, at, it, 1, r)
 		}
 		for _, it := range again {
 			if stop.Err() != nil {
@@ -350,7 +364,12 @@ func (p *partition) handleBatch(stop context.Context, rn *runner, batch []*item)
 			p.runOne(stop, rn, it, 2)
 		}
 	default:
-		// Nothing committed. One at a time, a poison message is isolated.
+		// Nothing committed: each record's run ends in a retry. One at a
+		// time, a poison message is isolated.
+		bt.end(resultRetry, err)
+		for _, it := range valid {
+			p.c.verdict(ctx, it.km.Topic, at, consumer.Result{Action: consumer.ActionRetry, Err: err}, false)
+		}
 		p.c.log.LogAttrs(p.workCtx, slog.LevelDebug, "idem: batch failed; handling its records one at a time",
 			slog.String("topic", p.topic), slog.Int("partition", p.id), slog.Int("records", len(valid)), slog.Any("error", err))
 		for _, it := range valid {

@@ -8,6 +8,7 @@ import (
 
 	kafkago "github.com/segmentio/kafka-go"
 
+	"github.com/idemkit/idem/dedup"
 	"github.com/idemkit/idem/outbox"
 )
 
@@ -21,7 +22,10 @@ type PublisherOptions struct {
 // Publisher is an outbox.Publisher on a kafka-go Writer: each outbox message
 // becomes a record with the message's topic, key, payload and headers, and
 // its outbox id in the IDHeader header, so that a re-publish after a relay
-// crash is deduplicated by the consumers.
+// crash is deduplicated by the consumers. The headers carry what the outbox
+// stored with the message, the W3C traceparent and tracestate of the context
+// given to outbox.Enqueue among them, so the Consumer's span continues the
+// producer's trace.
 type Publisher struct {
 	w        *kafkago.Writer
 	idHeader string
@@ -114,9 +118,9 @@ func (p *Publisher) record(m *outbox.Message) (kafkago.Message, error) {
 	case m.ID == "":
 		return kafkago.Message{}, errors.New("kafka: message has no id; the outbox sets it")
 	case p.w.Topic == "" && m.Topic == "":
-		return kafkago.Message{}, fmt.Errorf("kafka: message %s has no topic and the writer has none", m.ID)
+		return kafkago.Message{}, fmt.Errorf("kafka: message #%s has no topic and the writer has none", dedup.HashKey("", m.ID))
 	case p.w.Topic != "" && m.Topic != "" && m.Topic != p.w.Topic:
-		return kafkago.Message{}, fmt.Errorf("kafka: message %s is for topic %q but the writer writes to %q", m.ID, m.Topic, p.w.Topic)
+		return kafkago.Message{}, fmt.Errorf("kafka: message #%s is for topic %q but the writer writes to %q", dedup.HashKey("", m.ID), m.Topic, p.w.Topic)
 	}
 	keys := make([]string, 0, len(m.Headers))
 	for k := range m.Headers {

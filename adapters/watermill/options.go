@@ -142,7 +142,8 @@ type Options struct {
 	// headers, which Publisher copies to metadata unchanged). Metadata
 	// values longer than 8 KiB are read as absent, so a hostile header
 	// cannot make the propagator parse megabytes. Defaults to W3C Trace
-	// Context plus W3C Baggage.
+	// Context (telemetry.DefaultPropagator; add propagation.Baggage{} in
+	// a composite propagator to carry baggage).
 	Propagator propagation.TextMapPropagator
 	// StoreName is the idem.store metric attribute. Defaults to the
 	// store's package name: memstore, pgtable, redisnx, twolevel.

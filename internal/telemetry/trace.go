@@ -13,11 +13,14 @@ import (
 	"go.opentelemetry.io/otel/trace"
 )
 
-// DefaultPropagator is W3C Trace Context (traceparent, tracestate) plus
-// W3C Baggage: what the outbox stores and the adapters read when the user
-// names no propagator.
-var DefaultPropagator propagation.TextMapPropagator = propagation.NewCompositeTextMapPropagator(
-	propagation.TraceContext{}, propagation.Baggage{})
+// DefaultPropagator is W3C Trace Context (traceparent, tracestate): what
+// the outbox stores and the adapters read when the user names no
+// propagator. Baggage is left out on purpose: OpenTelemetry's baggage
+// propagator reports every malformed baggage header it extracts to the
+// global error handler (stderr by default), so a hostile producer could
+// flood a consumer's logs. Pass propagation.Baggage{} in a composite
+// propagator to carry it.
+var DefaultPropagator propagation.TextMapPropagator = propagation.TraceContext{}
 
 // MaxHeaderValue bounds a header value a carrier hands to a propagator:
 // longer values (a hostile 1 MB traceparent) read as absent.

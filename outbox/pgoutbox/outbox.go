@@ -29,7 +29,7 @@ type Options struct {
 	Table string
 	// Propagator adds the trace context of Enqueue's ctx to each message's
 	// headers. Defaults to outbox.TraceContext: the OpenTelemetry span of
-	// ctx as W3C traceparent and tracestate (and baggage), or else the
+	// ctx as W3C traceparent and tracestate, or else the
 	// values of outbox.WithTraceContext.
 	Propagator outbox.Propagator
 	// NoKeyLock disables the per-key advisory lock Enqueue takes (see

@@ -7,11 +7,15 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"go.opentelemetry.io/otel/attribute"
+	"go.opentelemetry.io/otel/metric"
+	"go.opentelemetry.io/otel/trace"
 
 	"github.com/idemkit/idem/adapters/kafka"
 	"github.com/idemkit/idem/consumer"
 	"github.com/idemkit/idem/dedup"
 	"github.com/idemkit/idem/dedup/pgtable"
+	"github.com/idemkit/idem/internal/telemetry"
 )
 
 // errNoPosition is returned by the handlers when they do not run under a
@@ -64,6 +68,19 @@ type BatchOptions struct {
 	// with consumer.OutcomeCompleted, OutcomeDuplicate or
 	// OutcomeFingerprintMismatch, for metrics.
 	OnOutcome func(ctx context.Context, msg *consumer.Message, outcome string)
+	// MeterProvider receives idem.claims (one per message, by outcome),
+	// idem.claim.duration (the batch claim's time, once per outcome) and
+	// idem.handler.duration (each message's handler run, by how the batch
+	// ended: completed, released, complete_failed), with idem.scope and
+	// idem.store "pgtable", as consumer.Transactional does. Defaults to the
+	// OpenTelemetry global, a no-op until the application installs a
+	// provider.
+	MeterProvider metric.MeterProvider
+	// TracerProvider records an idem.claim span around the batch claim, an
+	// idem.handle span per message and an idem.commit span, under the
+	// recording span in the batch's context (the kafka.Consumer's batch
+	// span). Defaults to the OpenTelemetry global.
+	TracerProvider trace.TracerProvider
 }
 
 // Batch returns a kafka.BatchHandler that handles a batch of records in one
@@ -97,7 +114,8 @@ func Batch(db DB, claims *pgtable.Store, opts BatchOptions, h consumer.TxHandler
 	if opts.Fingerprint == nil {
 		opts.Fingerprint = func(m *consumer.Message) dedup.Fingerprint { return dedup.FingerprintOf(m.Payload) }
 	}
-	return &batch{db: db, claims: claims, opts: opts, h: h}, nil
+	tel := telemetry.NewDedup(opts.MeterProvider, opts.TracerProvider, opts.Scope, telemetry.StoreName(claims))
+	return &batch{db: db, claims: claims, opts: opts, h: h, tel: tel}, nil
 }
 
 type batch struct {
@@ -105,6 +123,46 @@ type batch struct {
 	claims *pgtable.Store
 	opts   BatchOptions
 	h      consumer.TxHandler[pgx.Tx]
+	tel    *telemetry.Dedup
+}
+
+// attrBatchCount is the claim span's number of keys.
+const attrBatchCount = attribute.Key("messaging.batch.message_count")
+
+// claimOutcome is the idem.claims outcome of a key's verdict.
+func claimOutcome(v error) string {
+	switch {
+	case v == nil:
+		return telemetry.ClaimFirst
+	case errors.Is(v, dedup.ErrDuplicate):
+		return telemetry.ClaimDuplicate
+	case errors.Is(v, dedup.ErrFingerprintMismatch):
+		return telemetry.ClaimFingerprintMismatch
+	case errors.Is(v, dedup.ErrInvalidKey):
+		return telemetry.ClaimInvalidKey
+	case errors.Is(v, dedup.ErrInFlight):
+		return telemetry.ClaimInFlight
+	}
+	return telemetry.ClaimError
+}
+
+// recordClaims counts the verdicts of one batch claim that took took.
+func (b *batch) recordClaims(ctx context.Context, verdicts []error, took time.Duration) {
+	var n [6]int
+	names := [6]string{telemetry.ClaimFirst, telemetry.ClaimDuplicate, telemetry.ClaimFingerprintMismatch,
+		telemetry.ClaimInvalidKey, telemetry.ClaimInFlight, telemetry.ClaimError}
+	for _, v := range verdicts {
+		o := claimOutcome(v)
+		for i, name := range names {
+			if name == o {
+				n[i]++
+				break
+			}
+		}
+	}
+	for i, name := range names {
+		b.tel.ClaimedN(ctx, name, n[i], took)
+	}
 }
 
 func (b *batch) outcome(ctx context.Context, msg *consumer.Message, o string) {
@@ -121,6 +179,7 @@ func (b *batch) HandleBatch(ctx context.Context, msgs []*consumer.Message) (err 
 		id, kerr := b.opts.KeyFunc(m)
 		if kerr != nil {
 			errs[i] = fmt.Errorf("kafkapg: key function: %w", kerr)
+			b.tel.Claimed(ctx, telemetry.ClaimInvalidKey, 0)
 			continue
 		}
 		keys = append(keys, dedup.Key{Scope: b.opts.Scope, ID: id, Fingerprint: b.opts.Fingerprint(m)})
@@ -131,25 +190,53 @@ func (b *batch) HandleBatch(ctx context.Context, msgs []*consumer.Message) (err 
 		return fmt.Errorf("kafkapg: begin: %w", err)
 	}
 	committed := false
+	// ran holds the time each handler run took; they are recorded with
+	// how the batch ended.
+	ran := make([]time.Duration, 0, len(keys))
+	handled := consumer.OutcomeReleased
 	defer func() {
 		if !committed {
 			rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 5*time.Second)
 			_ = tx.Rollback(rctx)
 			cancel()
 		}
+		for _, d := range ran {
+			b.tel.Handled(ctx, handled, d)
+		}
 	}()
-	verdicts, err := b.claims.ClaimBatchTx(ctx, tx, keys)
+	// Span attributes are built only under a recording span (the key
+	// hashes cost a SHA-256 each).
+	tracing := telemetry.Recording(ctx)
+	start := time.Now()
+	cctx, endClaim := ctx, func(error, ...attribute.KeyValue) {}
+	if tracing {
+		cctx, endClaim = telemetry.StartSpan(ctx, b.tel.Tracer, "idem.claim",
+			telemetry.AttrScope.String(b.tel.Scope()), telemetry.AttrStore.String(b.tel.Store()), attrBatchCount.Int(len(keys)))
+	}
+	verdicts, err := b.claims.ClaimBatchTx(cctx, tx, keys)
+	took := time.Since(start)
+	endClaim(err)
 	if err != nil {
+		b.tel.ClaimedN(ctx, telemetry.ClaimError, len(keys), took)
 		return err
 	}
+	b.recordClaims(ctx, verdicts, took)
 	done := make([]*consumer.Message, 0, len(msgs))
 	outcomes := make([]string, len(msgs))
 	for j, i := range at {
 		v := verdicts[j]
 		switch {
 		case v == nil:
-			if herr := b.h(ctx, tx, msgs[i]); herr != nil {
-				return fmt.Errorf("kafkapg: message %d of the batch (id %q): %w", i, msgs[i].ID, herr)
+			hctx, endHandle := ctx, func(error, ...attribute.KeyValue) {}
+			if tracing {
+				hctx, endHandle = telemetry.StartSpan(ctx, b.tel.Tracer, "idem.handle", telemetry.AttrKeyHash.String(keys[j].Hash()))
+			}
+			hstart := time.Now()
+			herr := b.h(hctx, tx, msgs[i])
+			ran = append(ran, time.Since(hstart))
+			endHandle(herr)
+			if herr != nil {
+				return fmt.Errorf("kafkapg: message %d of the batch (%s): %w", i, keys[j], herr)
 			}
 			done = append(done, msgs[i])
 			outcomes[i] = consumer.OutcomeCompleted
@@ -166,7 +253,7 @@ func (b *batch) HandleBatch(ctx context.Context, msgs []*consumer.Message) (err 
 		default:
 			// In flight under a lease-mode claim, or a claim error: not
 			// this batch's to decide. Roll back, one at a time.
-			return fmt.Errorf("kafkapg: message %d of the batch (id %q): %w", i, msgs[i].ID, v)
+			return fmt.Errorf("kafkapg: message %d of the batch (%s): %w", i, keys[j], v)
 		}
 	}
 	if b.opts.Offsets != nil {
@@ -178,10 +265,15 @@ func (b *batch) HandleBatch(ctx context.Context, msgs []*consumer.Message) (err 
 			return err
 		}
 	}
+	cmStart := time.Now()
 	if err := tx.Commit(ctx); err != nil {
+		telemetry.RecordSpan(ctx, b.tel.Tracer, "idem.commit", cmStart, time.Now(), err)
+		handled = consumer.OutcomeCompleteFailed
 		return fmt.Errorf("kafkapg: commit: %w", err)
 	}
+	telemetry.RecordSpan(ctx, b.tel.Tracer, "idem.commit", cmStart, time.Now(), nil)
 	committed = true
+	handled = consumer.OutcomeCompleted
 	for i, o := range outcomes {
 		if o != "" {
 			b.outcome(ctx, msgs[i], o)

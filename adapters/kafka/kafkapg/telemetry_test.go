@@ -1,0 +1,90 @@
+package kafkapg_test
+
+import (
+	"context"
+	"errors"
+	"strings"
+	"testing"
+
+	"github.com/jackc/pgx/v5"
+
+	"github.com/idemkit/idem/adapters/kafka/kafkapg"
+	"github.com/idemkit/idem/consumer"
+	"github.com/idemkit/idem/dedup/pgtable"
+	"github.com/idemkit/idem/internal/telemetry"
+	"github.com/idemkit/idem/internal/telemetry/telemetrytest"
+	"github.com/idemkit/idem/internal/testenv"
+)
+
+// Batch counts each message's claim by outcome and each handler run by how
+// the batch ended, with scope and store only, and records its claim, handle
+// and commit spans under the batch's span.
+func TestBatchTelemetry(t *testing.T) {
+	pool := testenv.Pool(t, 4)
+	schema := testenv.Schema(t, pool)
+	ctx := context.Background()
+	claims, err := pgtable.New(pool, pgtable.Options{Schema: schema})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := claims.Migrate(ctx); err != nil {
+		t.Fatal(err)
+	}
+	errBoom := errors.New("boom")
+	h := func(_ context.Context, _ pgx.Tx, msg *consumer.Message) error {
+		if string(msg.Payload) == "boom" {
+			return errBoom
+		}
+		return nil
+	}
+	mp := telemetrytest.NewMetrics(t)
+	spans := telemetrytest.NewSpans(t)
+	bh, err := kafkapg.Batch(pool, claims, kafkapg.BatchOptions{Scope: "test/batch", MeterProvider: mp, TracerProvider: spans}, h)
+	if err != nil {
+		t.Fatal(err)
+	}
+	msg := func(id, payload string) *consumer.Message {
+		return &consumer.Message{ID: "secret-" + id, Payload: []byte(payload)}
+	}
+	bctx, batchSpan := spans.Tracer("test").Start(ctx, "process batch")
+	_ = bh.HandleBatch(bctx, []*consumer.Message{msg("a", "1"), msg("b", "2")})
+	_ = bh.HandleBatch(bctx, []*consumer.Message{msg("a", "1"), msg("c", "3"), msg("c", "3"), msg("b", "other")})
+	_ = bh.HandleBatch(bctx, []*consumer.Message{msg("d", "4"), msg("e", "boom")})
+	batchSpan.End()
+
+	scope, store := telemetry.AttrScope.String("test/batch"), telemetry.AttrStore.String("pgtable")
+	for outcome, want := range map[string]float64{
+		telemetry.ClaimFirst: 5, telemetry.ClaimDuplicate: 2, telemetry.ClaimFingerprintMismatch: 1,
+	} {
+		if got := mp.Sum(telemetry.MetricClaims, scope, store, telemetry.AttrOutcome.String(outcome)); got != want {
+			t.Errorf("%s{outcome=%s} = %v, want %v", telemetry.MetricClaims, outcome, got, want)
+		}
+	}
+	if got := mp.Sum(telemetry.MetricClaims); got != 8 {
+		t.Errorf("claims in all = %v, want 8", got)
+	}
+	for outcome, want := range map[string]float64{consumer.OutcomeCompleted: 3, consumer.OutcomeReleased: 2} {
+		if got := mp.Sum(telemetry.MetricHandlerDuration, scope, store, telemetry.AttrOutcome.String(outcome)); got != want {
+			t.Errorf("%s{outcome=%s} = %v, want %v", telemetry.MetricHandlerDuration, outcome, got, want)
+		}
+	}
+	mp.NoValueContains("secret-")
+
+	parent := batchSpan.SpanContext().SpanID()
+	for name, want := range map[string]int{"idem.claim": 3, "idem.handle": 5, "idem.commit": 2} {
+		got := spans.Named(name)
+		if len(got) != want {
+			t.Errorf("%d %s spans, want %d", len(got), name, want)
+		}
+		for _, s := range got {
+			if s.Parent().SpanID() != parent {
+				t.Errorf("%s's parent = %v, want the batch span %v", name, s.Parent().SpanID(), parent)
+			}
+			for _, kv := range s.Attributes() {
+				if v := kv.Value.String(); strings.Contains(v, "secret-") {
+					t.Errorf("%s attribute %s = %q holds an id", name, kv.Key, v)
+				}
+			}
+		}
+	}
+}
