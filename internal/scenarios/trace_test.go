@@ -2,6 +2,7 @@ package scenarios
 
 import (
 	"context"
+	"errors"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -120,7 +121,9 @@ func traceTrip(t *testing.T, topic, key string, pub outbox.Publisher, mk func(co
 	t.Cleanup(func() {
 		cancel()
 		for range 2 {
-			<-done
+			if err := <-done; err != nil && !errors.Is(err, context.Canceled) {
+				t.Errorf("consumer or relay: %v", err)
+			}
 		}
 	})
 	c := mk(h, spans)
