@@ -14,6 +14,7 @@ import (
 	mrand "math/rand/v2"
 	"net/http"
 	"net/http/httptest"
+	"os"
 	"strconv"
 	"strings"
 	"sync"
@@ -22,7 +23,6 @@ import (
 
 	"github.com/redis/go-redis/v9"
 	kafkago "github.com/segmentio/kafka-go"
-	"github.com/twmb/franz-go/pkg/kfake"
 
 	"github.com/idemkit/idem/adapters/httpidem"
 	"github.com/idemkit/idem/adapters/kafka"
@@ -56,6 +56,9 @@ const (
 	headerPath    = "demo-path"
 	headerRequest = "demo-request"
 	headerCause   = "X-Demo-Request" // on the HTTP request, set by the client
+	// headerPublish numbers each copy the relay sends to RabbitMQ (see
+	// deliveryID).
+	headerPublish = "demo-publish"
 )
 
 type demoConfig struct {
@@ -82,7 +85,7 @@ func runDemo(ctx context.Context, args []string, stdout, stderr io.Writer) error
 	fs := newFlagSet("demo", "demo [flags]", stderr)
 	fs.IntVar(&cfg.payments, "payments", 10000, "number of payments the clients submit")
 	fs.Uint64Var(&cfg.seed, "seed", 0, "random seed of the workload (0 picks one; it is printed so a run can be repeated)")
-	fs.Float64Var(&cfg.crashRate, "crash-rate", 0.0003, "probability that a consumer crashes after handling a delivery, before committing its offset")
+	fs.Float64Var(&cfg.crashRate, "crash-rate", 0.0003, "probability that a consumer crashes after handling a delivery, before committing its offset (or ACK); with --postgres or --redis the idem consumer is a child process that is SIGKILLed and restarted instead")
 	fs.Float64Var(&cfg.doubleClicks, "double-click-rate", 0.05, "fraction of payments submitted twice at once (a double click)")
 	fs.Float64Var(&cfg.timeouts, "timeout-rate", 0.04, "fraction of payments whose first response is lost, so the client retries")
 	fs.Float64Var(&cfg.republishes, "republish-rate", 0.05, "probability that the relay crashes after publishing a batch and before marking it, so it publishes the batch again")
@@ -93,7 +96,7 @@ func runDemo(ctx context.Context, args []string, stdout, stderr io.Writer) error
 	fs.StringVar(&cfg.schema, "schema", "idem_demo", "schema of the demo's tables with --postgres")
 	fs.StringVar(&cfg.redisURL, "redis", envDefault("IDEM_REDIS_URL", ""), "Redis URL (redis://host:port/db): dedup marks in Redis (redisnx) instead of memstore")
 	fs.StringVar(&cfg.kafkaBrokers, "kafka", envDefault("IDEM_KAFKA_BROKERS", ""), "comma-separated Kafka brokers instead of the in-process kfake cluster")
-	fs.StringVar(&cfg.amqpURL, "amqp", envDefault("IDEM_AMQP_URL", ""), "RabbitMQ URL instead of Kafka (not supported yet)")
+	fs.StringVar(&cfg.amqpURL, "amqp", envDefault("IDEM_AMQP_URL", ""), "RabbitMQ URL (amqp://user:password@host:port/vhost): the pipeline runs over RabbitMQ instead of Kafka, through a fanout exchange and a queue per consumer named after the run (deleted at the end)")
 	fs.StringVar(&cfg.progress, "progress", "auto", "progress display: auto (a bar on a terminal, plain lines otherwise), bar, plain or none")
 	if err := parseFlags(fs, args); err != nil {
 		return err
@@ -120,8 +123,8 @@ func runDemo(ctx context.Context, args []string, stdout, stderr io.Writer) error
 		return usageError(fs, "--postgres and --redis are exclusive")
 	case cfg.postgres != "" && !schemaName.MatchString(cfg.schema):
 		return usageError(fs, "--schema must be a lowercase identifier")
-	case cfg.amqpURL != "":
-		return errors.New("--amqp is not supported yet: the demo runs on Kafka (kfake in process, or --kafka BROKERS)")
+	case cfg.amqpURL != "" && cfg.kafkaBrokers != "":
+		return usageError(fs, "--amqp and --kafka are exclusive")
 	}
 	if cfg.seed == 0 {
 		var b [8]byte
@@ -205,31 +208,43 @@ func (l *ledger) charge(n int, cents int64) {
 	l.mu.Unlock()
 }
 
-// classify records a delivery of this pipeline's record and returns why it
+// deliveryID names the broker's copy of a message: its partition and offset
+// on Kafka; on RabbitMQ, which has no offsets, the publish sequence number
+// the demo's publisher stamps on each copy it sends (headerPublish). A
+// second delivery with the same name is the broker delivering the same copy
+// again; another name with the same message id is a re-publish.
+func deliveryID(msg *consumer.Message) string {
+	if seq := msg.Headers[headerPublish]; seq != "" {
+		return "pub:" + seq
+	}
+	return msg.Metadata[kafka.MetadataPartition] + "/" + msg.Metadata[kafka.MetadataOffset]
+}
+
+// classify records a delivery of this pipeline's record, the broker's copy
+// po of message id with the demo-request header request, and returns why it
 // is a duplicate (causeFirst when it is not).
-func (l *ledger) classify(msg *consumer.Message, n int) string {
-	po := msg.Metadata[kafka.MetadataPartition] + "/" + msg.Metadata[kafka.MetadataOffset]
+func (l *ledger) classify(po, id, request string, n int) string {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	cause := causeFirst
 	switch first, seen := l.firstReason[n]; {
 	case l.seenOffset[po]:
 		cause = causeRedelivery
-	case l.seenID[msg.ID]:
+	case l.seenID[id]:
 		cause = causeRepublish
 	case seen:
 		// Another request of the same payment: a double click or a retry.
 		// When the double click's second request was published first,
 		// this one says "original": the duplicate is still the click's.
-		cause = msg.Headers[headerRequest]
+		cause = request
 		if cause == causeFirst || cause == "" {
 			cause = first
 		}
 	default:
-		l.firstReason[n] = msg.Headers[headerRequest]
+		l.firstReason[n] = request
 	}
 	l.seenOffset[po] = true
-	l.seenID[msg.ID] = true
+	l.seenID[id] = true
 	l.deliveries++
 	if cause != causeFirst {
 		l.causes[cause]++
@@ -302,45 +317,44 @@ type demoResult struct {
 	elapsed    time.Duration
 	naive      *ledger
 	idem       *ledger
+	// children is set when the idem consumer ran as child processes
+	// (--postgres, --redis); kills and restarts count the SIGKILLs they
+	// got and the processes started again.
+	children        bool
+	kills, restarts int
 }
 
 // demo runs the pipeline and returns its counts.
 func demo(ctx context.Context, cfg demoConfig, stdout io.Writer) (*demoResult, error) {
 	start := time.Now()
 	runID := newRunID()
-	topic, dlq := "payments-"+runID, "payments-"+runID+".dlq"
 	res := &demoResult{cfg: cfg, naive: newLedger(), idem: newLedger()}
+	logger := slog.New(slog.DiscardHandler)
 
-	// Kafka: kfake in this process, or the brokers given.
-	var brokers []string
-	if cfg.kafkaBrokers == "" {
-		cluster, err := kfake.NewCluster(kfake.NumBrokers(1),
-			kfake.SeedTopics(int32(cfg.partitions), topic), kfake.SeedTopics(1, dlq))
-		if err != nil {
-			return nil, fmt.Errorf("start kfake: %w", err)
-		}
-		defer cluster.Close()
-		brokers = cluster.ListenAddrs()
-		res.backend = fmt.Sprintf("in-process Kafka (kfake), topic with %d partitions", cfg.partitions)
+	// The broker: Kafka (kfake in this process, or the brokers given) or
+	// RabbitMQ.
+	var (
+		br  *demoBroker
+		err error
+	)
+	if cfg.amqpURL != "" {
+		br, err = setupAMQP(ctx, cfg.amqpURL, runID, logger)
 	} else {
-		brokers = strings.Split(cfg.kafkaBrokers, ",")
-		res.backend = fmt.Sprintf("Kafka at %s, topic %s with %d partitions", cfg.kafkaBrokers, topic, cfg.partitions)
+		br, err = setupKafka(ctx, cfg, runID)
 	}
-	transport := &kafkago.Transport{}
-	defer transport.CloseIdleConnections()
-	if cfg.kafkaBrokers != "" {
-		if err := createTopics(ctx, brokers, transport, cfg.partitions, topic, dlq); err != nil {
-			return nil, err
-		}
+	if err != nil {
+		return nil, err
 	}
+	defer br.close()
+	res.backend = br.describe
 
 	// The dedup store, shared by the idem API and the idem consumer group
 	// (each with its own scope).
 	var store dedup.LeaseStore
 	var pgd *pgDemo
+	redisPrefix := "idem-demo-" + runID
 	switch {
 	case cfg.postgres != "":
-		var err error
 		pgd, err = setupPG(ctx, cfg.postgres, cfg.schema)
 		if err != nil {
 			return nil, err
@@ -368,34 +382,27 @@ func demo(ctx context.Context, cfg demoConfig, stdout io.Writer) (*demoResult, e
 		if err != nil {
 			return nil, fmt.Errorf("redis at %s is unreachable: %w", opt.Addr, err)
 		}
-		rs, err := redisnx.New(client, redisnx.Options{Prefix: "idem-demo-" + runID, TTL: time.Hour})
+		rs, err := redisnx.New(client, redisnx.Options{Prefix: redisPrefix, TTL: time.Hour})
 		if err != nil {
 			return nil, err
 		}
 		store = rs
 		res.store = "dedup marks in Redis (redisnx) at " + opt.Addr
 	}
+	// A shared store lets the idem consumer live in other processes: they
+	// run as children of this one and are SIGKILLed. memstore lives in
+	// this process, so there the crashes are simulated.
+	res.children = pgd != nil || cfg.redisURL != ""
+	consumers := "consumer crashes simulated in this process"
+	if res.children {
+		consumers = "idem consumer in child processes, SIGKILLed and restarted"
+	}
 
-	fprintf(stdout, "idem demo: seed %d, %d payments; %s; %s\n", cfg.seed, cfg.payments, res.backend, res.store)
+	fprintf(stdout, "idem demo: seed %d, %d payments; %s; %s; %s\n", cfg.seed, cfg.payments, res.backend, res.store, consumers)
 
 	// The relay: an in-memory outbox both APIs append to, published in
 	// batches to the topic, and now and then published twice (a crash
 	// between publish and mark).
-	logger := slog.New(slog.NewTextHandler(io.Discard, nil))
-	w := &kafkago.Writer{
-		Addr:         kafkago.TCP(brokers...),
-		Topic:        topic,
-		Balancer:     &kafkago.Hash{},
-		RequiredAcks: kafkago.RequireAll,
-		BatchTimeout: 5 * time.Millisecond,
-		BatchSize:    200,
-		Transport:    transport,
-	}
-	defer func() { _ = w.Close() }()
-	pub, err := kafka.NewPublisher(w, kafka.PublisherOptions{})
-	if err != nil {
-		return nil, err
-	}
 	clientsDone := make(chan struct{})
 	var (
 		sink        outboxSink
@@ -407,7 +414,7 @@ func demo(ctx context.Context, cfg demoConfig, stdout io.Writer) (*demoResult, e
 	)
 	if pgd == nil {
 		rl = &relay{
-			pub:   pub,
+			pub:   br.pub,
 			queue: make(chan *outbox.Message, 1024),
 			rng:   mrand.New(mrand.NewPCG(cfg.seed, 2)),
 			rate:  cfg.republishes,
@@ -420,7 +427,7 @@ func demo(ctx context.Context, cfg demoConfig, stdout io.Writer) (*demoResult, e
 		// pgoutbox's relay, through a publisher that now and then
 		// "crashes" between publish and mark: the rows stay unmarked
 		// and the relay publishes them again.
-		cp := &crashingPublisher{pub: pub, rng: mrand.New(mrand.NewPCG(cfg.seed, 2)), rate: cfg.republishes}
+		cp := &crashingPublisher{pub: br.pub, rng: mrand.New(mrand.NewPCG(cfg.seed, 2)), rate: cfg.republishes}
 		pr, err := pgoutbox.NewRelay(pgd.ob, cp, pgoutbox.RelayOptions{
 			BatchSize:           relayBatch,
 			PollInterval:        100 * time.Millisecond,
@@ -434,7 +441,7 @@ func demo(ctx context.Context, cfg demoConfig, stdout io.Writer) (*demoResult, e
 		if err != nil {
 			return nil, err
 		}
-		sink = &pgSink{d: pgd, topic: topic}
+		sink = &pgSink{d: pgd, topic: br.topic}
 		runRelay, published = pr.Run, cp.published.Load
 		relayDone = func() bool { return isClosed(clientsDone) && pgd.backlogEmpty(ctx) }
 		relayCounts = func() (int64, int64) { return cp.republished.Load(), cp.crashes.Load() }
@@ -471,30 +478,50 @@ func demo(ctx context.Context, cfg demoConfig, stdout io.Writer) (*demoResult, e
 	// The consumer groups.
 	runCtx, stopAll := context.WithCancel(ctx)
 	defer stopAll()
-	crashRNG := &lockedRand{r: mrand.New(mrand.NewPCG(cfg.seed, 3))}
 	groups := []*group{
 		{path: pathNaive, name: "billing-naive-" + runID, ledger: res.naive},
 		{path: pathIdem, name: "billing-idem-" + runID, ledger: res.idem},
 	}
-	for _, g := range groups {
-		g.brokers, g.topic, g.dlq, g.logger = brokers, topic, dlq, logger
-		g.crashRate, g.rng = cfg.crashRate, crashRNG
+	for i, g := range groups {
+		g.br, g.logger = br, logger
+		// A generator per group: the crashes of each follow from the
+		// seed, whatever the other does meanwhile.
+		g.crashRate, g.rng = cfg.crashRate, &lockedRand{r: mrand.New(mrand.NewPCG(cfg.seed, uint64(3+i)))}
 		g.offsets = &offsetStore{pos: map[int]int64{}, partitions: cfg.partitions}
-
-		switch {
-		case g.path == pathIdem && pgd != nil:
-			h, err := pgd.chargeHandler()
-			if err != nil {
-				return nil, err
-			}
-			g.charge = h
-		case g.path == pathIdem:
-			dd, err := consumer.Dedup(store, consumer.DedupOptions{Scope: "billing/charge"})
+		g.seen = map[string]bool{}
+		if g.path != pathIdem {
+			continue
+		}
+		if !res.children {
+			dd, err := consumer.Dedup(store, consumer.DedupOptions{Scope: chargeScope})
 			if err != nil {
 				return nil, err
 			}
 			g.dedup = dd
+			continue
 		}
+		exe, err := os.Executable()
+		if err != nil {
+			return nil, fmt.Errorf("child processes: %w", err)
+		}
+		cc := &childConfig{Broker: br.kind, Group: g.name, Path: g.path}
+		switch br.kind {
+		case brokerKafka:
+			cc.Brokers, cc.Topic, cc.DLQ, cc.SessionMS = br.brokers, br.topic, br.dlq, br.session.Milliseconds()
+		case brokerAMQP:
+			cc.AMQPURL, cc.Queue, cc.Exchange = br.amqpURL, br.queues[g.path], br.topic
+		}
+		if pgd != nil {
+			cc.Postgres, cc.Schema = cfg.postgres, cfg.schema
+		} else {
+			// The lease store: a SIGKILL between the charge and
+			// Complete would charge again once the lease ran out (the
+			// limit of lease stores the README states), so the child is
+			// stopped between deliveries before it is killed.
+			cc.Redis, cc.Prefix = cfg.redisURL, redisPrefix
+			g.freeze = true
+		}
+		g.exe, g.child = exe, cc
 	}
 
 	var wg sync.WaitGroup
@@ -562,8 +589,12 @@ loop:
 	}
 	if waitErr != nil {
 		if ctx.Err() != nil {
-			return nil, fmt.Errorf("gave up after %v (--timeout): %d of %d payments submitted, %d records published, naive handled %d, idem handled %d",
-				cfg.timeout, submitted.Load(), cfg.payments, published(), groups[0].handled.Load(), groups[1].handled.Load())
+			why := fmt.Sprintf("gave up after %v (--timeout)", cfg.timeout)
+			if !errors.Is(ctx.Err(), context.DeadlineExceeded) {
+				why = "interrupted"
+			}
+			return nil, fmt.Errorf("%s: %d of %d payments submitted, %d records published, naive handled %d, idem handled %d",
+				why, submitted.Load(), cfg.payments, published(), groups[0].handled.Load(), groups[1].handled.Load())
 		}
 		return nil, waitErr
 	}
@@ -576,9 +607,13 @@ loop:
 	}
 	res.naive.crashes = int(groups[0].crashes.Load())
 	res.idem.crashes = int(groups[1].crashes.Load())
+	res.kills, res.restarts = int(groups[1].kills.Load()), int(groups[1].restarts.Load())
 	res.elapsed = time.Since(start)
 	return res, nil
 }
+
+// chargeScope is the idem consumer's dedup scope.
+const chargeScope = "billing/charge"
 
 func newRunID() string {
 	var b [4]byte
@@ -812,7 +847,7 @@ func (a *api) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 // probability rate, it "crashes" before marking the batch sent: the batch is
 // published again, with the same ids, as a restarted relay does.
 type relay struct {
-	pub         *kafka.Publisher
+	pub         outbox.Publisher
 	queue       chan *outbox.Message
 	closeOnce   sync.Once
 	rng         *mrand.Rand
@@ -876,8 +911,16 @@ func (r *relay) run(ctx context.Context) error {
 	}
 }
 
+// relayAttempts bounds the sends of a message the broker keeps refusing
+// (an outbox.PublishError: nacked, returned, unconfirmed).
+const relayAttempts = 50
+
+// publish sends batch until every message is confirmed. A message whose
+// outcome is unknown is sent again, as the relay does: the whole batch
+// after a lost connection or a timeout, the failed messages of an
+// outbox.PublishError.
 func (r *relay) publish(ctx context.Context, batch []*outbox.Message) error {
-	for {
+	for refused := 0; ; {
 		err := r.pub.Publish(ctx, batch)
 		if err == nil {
 			r.published.Add(int64(len(batch)))
@@ -888,9 +931,18 @@ func (r *relay) publish(ctx context.Context, batch []*outbox.Message) error {
 		}
 		var pe *outbox.PublishError
 		if errors.As(err, &pe) {
-			return fmt.Errorf("publish: %w", err)
+			if refused++; refused >= relayAttempts {
+				return fmt.Errorf("publish: %w", err)
+			}
+			r.published.Add(int64(len(batch) - len(pe.Failed)))
+			failed := make([]*outbox.Message, 0, len(pe.Failed))
+			for i, m := range batch {
+				if _, ok := pe.Failed[i]; ok {
+					failed = append(failed, m)
+				}
+			}
+			batch = failed
 		}
-		// The outcome is unknown: send again, as the relay does.
 		select {
 		case <-time.After(100 * time.Millisecond):
 		case <-ctx.Done():
@@ -899,26 +951,33 @@ func (r *relay) publish(ctx context.Context, batch []*outbox.Message) error {
 	}
 }
 
-// group is a consumer group of one pipeline: a kafka.Consumer that crashes
-// now and then before committing and is restarted.
+// group is a consumer group of one pipeline: a kafka.Consumer, or an
+// amqp.Consumer of the pipeline's queue, that crashes now and then before
+// committing and is restarted. With a shared store, the idem group runs in
+// child processes instead (demo_proc.go).
 type group struct {
 	path      string
 	name      string
-	brokers   []string
-	topic     string
-	dlq       string
+	br        *demoBroker
 	logger    *slog.Logger
 	ledger    *ledger
 	dedup     consumer.Middleware // nil for the naive group
-	charge    consumer.Handler    // the effect, when not charging the ledger
 	crashRate float64
 	rng       *lockedRand
 	offsets   *offsetStore
+	// child, when set, is the configuration of the child processes that
+	// run this group, started from exe. freeze makes the demo stop a
+	// child between deliveries before it SIGKILLs it.
+	child  *childConfig
+	exe    string
+	freeze bool
 
-	mu      sync.Mutex
-	handled atomic.Int64 // distinct records handled, of both pipelines
-	seen    map[string]bool
-	crashes atomic.Int64
+	mu       sync.Mutex
+	handled  atomic.Int64 // distinct records handled, of both pipelines
+	seen     map[string]bool
+	crashes  atomic.Int64
+	kills    atomic.Int64 // child processes SIGKILLed
+	restarts atomic.Int64 // child processes started after a kill
 }
 
 // instance is one run of a group's consumer: one process, in a real
@@ -929,12 +988,19 @@ type instance struct {
 }
 
 func (g *group) run(ctx context.Context) error {
-	g.seen = map[string]bool{}
+	if g.child != nil {
+		return g.runChildren(ctx)
+	}
 	for ctx.Err() == nil {
 		inst := &instance{}
 		ictx, cancel := context.WithCancel(ctx)
 		inst.cancel = cancel
-		err := g.runInstance(ictx, inst)
+		var err error
+		if g.br.kind == brokerAMQP {
+			err = g.runAMQPInstance(ictx, inst)
+		} else {
+			err = g.runInstance(ictx, inst)
+		}
 		cancel()
 		if err != nil {
 			return err
@@ -943,8 +1009,21 @@ func (g *group) run(ctx context.Context) error {
 	return nil
 }
 
-func (g *group) runInstance(ctx context.Context, inst *instance) error {
-	var charge consumer.Handler = consumer.HandlerFunc(func(_ context.Context, msg *consumer.Message) error {
+// markHandled counts the broker's copy po as handled by the group.
+func (g *group) markHandled(po string) {
+	g.mu.Lock()
+	if !g.seen[po] {
+		g.seen[po] = true
+		g.handled.Add(1)
+	}
+	g.mu.Unlock()
+}
+
+// handler is the group's handler chain in this process: route (skip the
+// other pipeline's records, classify this one's deliveries), then the dedup
+// claim for the idem group, then the charge on the ledger.
+func (g *group) handler() consumer.Handler {
+	charge := consumer.HandlerFunc(func(_ context.Context, msg *consumer.Message) error {
 		var p paymentBody
 		if err := json.Unmarshal(msg.Payload, &p); err != nil {
 			return consumer.Permanent(err)
@@ -952,34 +1031,44 @@ func (g *group) runInstance(ctx context.Context, inst *instance) error {
 		g.ledger.charge(p.Payment, p.Cents)
 		return nil
 	})
-	// Outermost: count the record as handled by the group, and skip the
-	// other pipeline's records. Then classify the delivery.
-	route := func(next consumer.Handler) consumer.Handler {
+	classify := func(msg *consumer.Message, p *paymentBody) {
+		g.ledger.classify(deliveryID(msg), msg.ID, msg.Headers[headerRequest], p.Payment)
+	}
+	return consumer.Chain(charge, route(g.path, classify), consumer.Recover(), g.dedup)
+}
+
+// route is the outermost middleware of a group: it skips the other
+// pipeline's records (both pipelines share the topic) and reports each
+// broker delivery of this pipeline's records to delivered before passing it
+// on. A retry the consumer decided (Attempt > 1) is not a delivery.
+func route(path string, delivered func(msg *consumer.Message, p *paymentBody)) consumer.Middleware {
+	return func(next consumer.Handler) consumer.Handler {
 		return consumer.HandlerFunc(func(ctx context.Context, msg *consumer.Message) error {
-			if msg.Headers[headerPath] != g.path {
+			if msg.Headers[headerPath] != path {
 				return nil
 			}
 			var p paymentBody
 			if err := json.Unmarshal(msg.Payload, &p); err != nil {
 				return consumer.Permanent(err)
 			}
-			g.ledger.classify(msg, p.Payment)
+			if msg.Attempt <= 1 {
+				delivered(msg, &p)
+			}
 			return next.Handle(ctx, msg)
 		})
 	}
-	if g.charge != nil {
-		charge = g.charge
-	}
-	h := consumer.Chain(charge, route, consumer.Recover(), g.dedup)
+}
+
+func (g *group) runInstance(ctx context.Context, inst *instance) error {
 	c, err := kafka.NewConsumer(kafkago.ReaderConfig{
-		Brokers:  g.brokers,
+		Brokers:  g.br.brokers,
 		GroupID:  g.name,
-		Topic:    g.topic,
+		Topic:    g.br.topic,
 		MinBytes: 1,
 		MaxBytes: 10 << 20,
 		MaxWait:  50 * time.Millisecond,
-	}, h, kafka.Options{
-		DeadLetterTopic: g.dlq,
+	}, g.handler(), kafka.Options{
+		DeadLetterTopic: g.br.dlq,
 		Logger:          g.logger,
 		CommitEvery:     500,
 		CommitInterval:  500 * time.Millisecond,
@@ -989,13 +1078,7 @@ func (g *group) runInstance(ctx context.Context, inst *instance) error {
 			if r.Action == consumer.ActionRetry || inst.dead.Load() {
 				return
 			}
-			po := msg.Metadata[kafka.MetadataPartition] + "/" + msg.Metadata[kafka.MetadataOffset]
-			g.mu.Lock()
-			if !g.seen[po] {
-				g.seen[po] = true
-				g.handled.Add(1)
-			}
-			g.mu.Unlock()
+			g.markHandled(deliveryID(msg))
 			if msg.Headers[headerPath] == g.path && g.rng.Float64() < g.crashRate {
 				// Crash: from now on nothing this instance commits
 				// counts, and it stops. The restarted one resumes from

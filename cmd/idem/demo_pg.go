@@ -92,9 +92,7 @@ func setupPG(ctx context.Context, rawURL, schema string) (*pgDemo, error) {
 // repeatable.
 func (d *pgDemo) init(ctx context.Context, schema string) error {
 	quiet := slog.New(slog.DiscardHandler)
-	store, err := pgtable.New(d.pool, pgtable.Options{
-		Schema: schema, Table: pgDedupTable, Retention: httpidem.DefaultRetention, Logger: quiet,
-	})
+	store, err := pgDemoStore(d.pool, schema)
 	if err != nil {
 		return err
 	}
@@ -158,19 +156,27 @@ func (s *pgSink) enqueue(r *http.Request, p *paymentBody, msg *outbox.Message) e
 	})
 }
 
-// chargeHandler is the idem consumer's handler with --postgres: the charge
-// row commits with the message's claim in pgtable.
-func (d *pgDemo) chargeHandler() (consumer.Handler, error) {
-	return consumer.Transactional(d.store, consumer.TxOptions{Scope: "billing/charge"},
+// chargeTxHandler is the idem consumer's handler with --postgres: the
+// charge row is inserted into charges (quoted, schema-qualified) in the
+// transaction of the message's claim in store.
+func chargeTxHandler(store *pgtable.Store, charges string) (consumer.Handler, error) {
+	return consumer.Transactional(store, consumer.TxOptions{Scope: chargeScope},
 		func(ctx context.Context, tx pgx.Tx, msg *consumer.Message) error {
 			var p paymentBody
 			if err := json.Unmarshal(msg.Payload, &p); err != nil {
 				return consumer.Permanent(err)
 			}
-			_, err := tx.Exec(ctx, "INSERT INTO "+d.charges+" (payment, cents, message_id) VALUES ($1, $2, $3)",
+			_, err := tx.Exec(ctx, "INSERT INTO "+charges+" (payment, cents, message_id) VALUES ($1, $2, $3)",
 				p.Payment, p.Cents, msg.ID)
 			return err
 		})
+}
+
+// pgDemoStore is the demo's pgtable store in schema.
+func pgDemoStore(pool pgtable.DB, schema string) (*pgtable.Store, error) {
+	return pgtable.New(pool, pgtable.Options{
+		Schema: schema, Table: pgDedupTable, Retention: httpidem.DefaultRetention, Logger: slog.New(slog.DiscardHandler),
+	})
 }
 
 // backlogEmpty reports whether every committed outbox row is published.

@@ -24,8 +24,12 @@
 // that crashes between publish and mark now and then (it publishes the batch
 // again); two consumer groups read the topic, a naive one and one with the
 // idem dedup claim, and crash before committing their offsets and restart.
-// Effects are counted in each consumer's effect sink. The demo prints a
-// table and a last line of the form
+// Effects are counted in each consumer's effect sink. --amqp URL runs the
+// same pipeline over RabbitMQ instead of Kafka. With a shared store
+// (--postgres or --redis) the idem consumers run as child processes of the
+// demo, which SIGKILLs them at random (--crash-rate, --seed) and restarts
+// them; without one, crashes are simulated in the process. The demo prints
+// a table and a last line of the form
 //
 //	demo: 10000 payments, 2345 duplicate deliveries, naive 2345 extra, idem 0 extra, 0 lost
 //

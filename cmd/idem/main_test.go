@@ -9,7 +9,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/jackc/pgx/v5"
 	"go.uber.org/goleak"
 
 	"github.com/idemkit/idem/internal/testenv"
@@ -68,32 +67,6 @@ func TestDemo(t *testing.T) {
 	checkDemo(t, "--crash-rate", "0.002", "--republish-rate", "0.2", "--seed", "42")
 }
 
-func TestDemoRedis(t *testing.T) {
-	if testing.Short() {
-		t.Skip("short")
-	}
-	_ = testenv.Redis(t) // skips (or fails under CI=true) without Redis
-	checkDemo(t, "--redis", "redis://"+testenv.RedisAddr()+"/0")
-}
-
-func TestDemoPostgres(t *testing.T) {
-	if testing.Short() {
-		t.Skip("short")
-	}
-	pool := testenv.Pool(t, 2) // skips (or fails under CI=true) without PostgreSQL
-	schema := testenv.Name("idem_demo")
-	t.Cleanup(func() {
-		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-		defer cancel()
-		if _, err := pool.Exec(ctx, "DROP SCHEMA IF EXISTS "+pgx.Identifier{schema}.Sanitize()+" CASCADE"); err != nil {
-			t.Errorf("drop schema %s: %v", schema, err)
-		}
-	})
-	// A relay crash rate high enough that 300 payments see re-publishes.
-	checkDemoN(t, 300, "--postgres", testenv.PostgresURL(), "--schema", schema,
-		"--crash-rate", "0.002", "--republish-rate", "0.2", "--seed", "42")
-}
-
 func TestFlagErrors(t *testing.T) {
 	ctx := context.Background()
 	for _, tc := range []struct {
@@ -111,7 +84,9 @@ func TestFlagErrors(t *testing.T) {
 		{[]string{"demo", "--postgres", "postgres://x@" + testenv.DeadAddr(t) + "/db"}, 1, "is unreachable"},
 		{[]string{"demo", "--postgres", "postgres://x", "--schema", "Bad-Name"}, 2, "--schema must be a lowercase identifier"},
 		{[]string{"demo", "--postgres", "postgres://x", "--redis", "redis://y"}, 2, "exclusive"},
-		{[]string{"demo", "--amqp", "amqp://x"}, 1, "--amqp is not supported yet"},
+		{[]string{"demo", "--amqp", "amqp://guest:guest@" + testenv.DeadAddr(t) + "/"}, 1, "is unreachable"},
+		{[]string{"demo", "--amqp", "http://x"}, 1, "--amqp:"},
+		{[]string{"demo", "--amqp", "amqp://x", "--kafka", "k:9092"}, 2, "exclusive"},
 		{[]string{"demo", "--redis", "bogus://"}, 1, "--redis:"},
 		{[]string{"migrate"}, 2, "missing action"},
 		{[]string{"migrate", "sideways"}, 2, `unknown action "sideways"`},

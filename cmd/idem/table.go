@@ -22,6 +22,10 @@ func (r *demoResult) print(w io.Writer) {
 	row("  re-publish (relay crash)", n.causes[causeRepublish], d.causes[causeRepublish])
 	row("  redelivery (consumer crash)", n.causes[causeRedelivery], d.causes[causeRedelivery])
 	row("consumer crashes (restarted)", n.crashes, d.crashes)
+	if r.children {
+		row("  child processes SIGKILLed", "-", r.kills)
+		row("  child processes restarted", "-", r.restarts)
+	}
 	row("effects applied (charges)", n.effects(), d.effects())
 	row("extra charges", n.extra(), d.extra())
 	row("extra amount charged", money(n.extraCents()), money(d.extraCents()))

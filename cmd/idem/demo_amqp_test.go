@@ -1,0 +1,116 @@
+package main
+
+import (
+	"errors"
+	"net/url"
+	"regexp"
+	"testing"
+	"time"
+
+	amqp091 "github.com/rabbitmq/amqp091-go"
+
+	"github.com/idemkit/idem/internal/testenv"
+)
+
+// requireRabbitMQ skips the test (fails it under CI=true) when the test
+// broker does not accept connections.
+func requireRabbitMQ(t *testing.T) {
+	t.Helper()
+	u, err := url.Parse(testenv.AMQPURL())
+	if err != nil {
+		t.Fatal(err)
+	}
+	host := u.Host
+	if u.Port() == "" {
+		host += ":5672"
+	}
+	testenv.RequireTCP(t, "RabbitMQ", host)
+}
+
+// checkAMQPDeleted checks that the run's exchange and queues are gone.
+func checkAMQPDeleted(t *testing.T, r *demoRun) {
+	t.Helper()
+	m := regexp.MustCompile(`fanout exchange (\S+) and a queue per consumer`).FindStringSubmatch(r.out)
+	if m == nil {
+		t.Fatal("the header names no exchange")
+	}
+	exchange := m[1]
+	// Other suites may restart the shared broker: wait a little for it.
+	var (
+		conn *amqp091.Connection
+		err  error
+	)
+	for deadline := time.Now().Add(20 * time.Second); ; time.Sleep(500 * time.Millisecond) {
+		conn, err = amqp091.DialConfig(testenv.AMQPURL(), amqp091.Config{Dial: amqp091.DefaultDial(5 * time.Second)})
+		if err == nil || time.Now().After(deadline) {
+			break
+		}
+	}
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = conn.Close() }()
+	// A passive declare of what does not exist closes the channel with
+	// NOT_FOUND: one channel per probe.
+	probe := func(what, name string, declare func(ch *amqp091.Channel) error) {
+		ch, err := conn.Channel()
+		if err != nil {
+			t.Fatal(err)
+		}
+		err = declare(ch)
+		var ae *amqp091.Error
+		switch {
+		case err == nil:
+			_ = ch.Close()
+			t.Errorf("%s %s is still there after the demo", what, name)
+		case !errors.As(err, &ae) || ae.Code != amqp091.NotFound:
+			t.Errorf("%s %s: %v", what, name, err)
+		}
+	}
+	probe("exchange", exchange, func(ch *amqp091.Channel) error {
+		return ch.ExchangeDeclarePassive(exchange, amqp091.ExchangeFanout, false, false, false, false, nil)
+	})
+	for _, q := range []string{".billing-naive", ".billing-idem", ".billing-idem.dlq", ".billing-idem" + ".retry.50ms"} {
+		probe("queue", exchange+q, func(ch *amqp091.Channel) error {
+			_, err := ch.QueueDeclarePassive(exchange+q, false, false, false, false, nil)
+			return err
+		})
+	}
+}
+
+func TestDemoAMQP(t *testing.T) {
+	if testing.Short() {
+		t.Skip("short")
+	}
+	requireRabbitMQ(t)
+	r := runDemoChecked(t, 400, "--amqp", testenv.AMQPURL(), "--crash-rate", "0.002", "--republish-rate", "0.2", "--seed", "7")
+	if !regexp.MustCompile(`RabbitMQ at `).MatchString(r.out) {
+		t.Error("the header does not name RabbitMQ")
+	}
+	// The idem group's crashes follow from the seed (see the child
+	// tests): at least one, and the delivery it crashed on comes back
+	// unacknowledged, a redelivery.
+	if _, crashes := r.row(t, "consumer crashes (restarted)"); crashes <= 0 {
+		t.Errorf("idem consumer crashes %d: want > 0", crashes)
+	}
+	if _, redelivered := r.row(t, "  redelivery (consumer crash)"); redelivered <= 0 {
+		t.Errorf("idem redeliveries %d: want > 0", redelivered)
+	}
+	checkAMQPDeleted(t, r)
+}
+
+// TestDemoAMQPPostgres runs the idem consumer as child processes on
+// RabbitMQ: a SIGKILLed child's unacknowledged deliveries go back to the
+// queue, and pgtable finds the ones whose charge committed.
+func TestDemoAMQPPostgres(t *testing.T) {
+	if testing.Short() {
+		t.Skip("short")
+	}
+	requireRabbitMQ(t)
+	pool := testenv.Pool(t, 2)
+	schema := testenv.Schema(t, pool)
+	r := runDemoChecked(t, 400, "--amqp", testenv.AMQPURL(), "--postgres", testenv.PostgresURL(), "--schema", schema,
+		"--crash-rate", "0.002", "--republish-rate", "0.2", "--seed", "7")
+	checkChildren(t, r)
+	checkAMQPDeleted(t, r)
+}

@@ -1,0 +1,243 @@
+package main
+
+import (
+	"bufio"
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"os"
+	"os/exec"
+	"strconv"
+	"strings"
+	"sync"
+	"syscall"
+	"time"
+)
+
+// The parent side of the idem consumer's child processes (demo_child.go):
+// one child at a time consumes the idem pipeline; when the demo draws a
+// crash (--crash-rate, on the child's handled idem records, with the
+// run's seeded generator), it SIGKILLs the child and starts another, which
+// gets what the dead one left unacknowledged or uncommitted. With a lease
+// store (--redis) the child is first frozen between deliveries: a SIGKILL
+// between a charge and the Complete of its lease would charge again once
+// the lease ran out, the limit of lease stores the README states. With
+// pgtable the kill lands anywhere: the claim and the charge commit
+// together.
+
+// Bounds of the child's stops.
+const (
+	childFreezeWait = 3 * time.Second // for "frozen", then SIGKILL anyway
+	childStopWait   = 5 * time.Second // after EOF on stdin, then SIGKILL
+)
+
+// childProc is one child process.
+type childProc struct {
+	cmd    *exec.Cmd
+	stdin  io.WriteCloser
+	stderr *tailBuffer
+	// crash is closed when the demo drew a crash for this child; frozen
+	// when the child reported "frozen".
+	crash, frozen         chan struct{}
+	crashOnce, frozenOnce sync.Once
+	crashing              bool // only the reader goroutine reads and writes it
+	// exited is closed once the child's stdout is read to its end and the
+	// process reaped; err is set then.
+	exited chan struct{}
+	err    error
+}
+
+// runChildren runs the group as child processes, one at a time, until ctx
+// ends, SIGKILLing and restarting them. Every child has exited when it
+// returns.
+func (g *group) runChildren(ctx context.Context) error {
+	cfg, err := json.Marshal(g.child)
+	if err != nil {
+		return err
+	}
+	for first := true; ctx.Err() == nil; first = false {
+		p, err := g.startChild(cfg)
+		if err != nil {
+			return err
+		}
+		if !first {
+			g.restarts.Add(1)
+		}
+		select {
+		case <-ctx.Done():
+			return p.stop()
+		case <-p.exited:
+			if ctx.Err() != nil {
+				return nil
+			}
+			return fmt.Errorf("the idem consumer's child process exited: %w%s", p.exitErr(), p.stderr.tail())
+		case <-p.crash:
+			if err := g.kill(p); err != nil {
+				return err
+			}
+		}
+	}
+	return nil
+}
+
+// startChild starts a child with the JSON configuration cfg and a goroutine
+// that reads its reports until it exits.
+func (g *group) startChild(cfg []byte) (*childProc, error) {
+	cmd := exec.Command(g.exe)
+	cmd.Env = append(os.Environ(), demoChildEnv+"=1")
+	setDeathSignal(cmd)
+	p := &childProc{cmd: cmd, stderr: &tailBuffer{max: 8 << 10},
+		crash: make(chan struct{}), frozen: make(chan struct{}), exited: make(chan struct{})}
+	cmd.Stderr = p.stderr
+	stdin, err := cmd.StdinPipe()
+	if err != nil {
+		return nil, err
+	}
+	stdout, err := cmd.StdoutPipe()
+	if err != nil {
+		return nil, err
+	}
+	if err := cmd.Start(); err != nil {
+		return nil, fmt.Errorf("start the idem consumer's child process: %w", err)
+	}
+	p.stdin = stdin
+	// The pipe's buffer holds the line: the child reads it when it starts.
+	_, _ = stdin.Write(append(cfg, '\n'))
+	go func() {
+		sc := bufio.NewScanner(stdout)
+		for sc.Scan() {
+			g.report(p, sc.Text())
+		}
+		_, _ = io.Copy(io.Discard, stdout)
+		p.err = cmd.Wait()
+		close(p.exited)
+	}()
+	return p, nil
+}
+
+// report handles one line of p's reports (see demo_child.go).
+func (g *group) report(p *childProc, line string) {
+	f := strings.Fields(line)
+	if len(f) == 0 {
+		return
+	}
+	switch f[0] {
+	case "d":
+		if len(f) != 5 {
+			return
+		}
+		n, _ := strconv.Atoi(f[3])
+		req := f[4]
+		if req == "-" {
+			req = ""
+		}
+		g.ledger.classify(f[1], f[2], req, n)
+	case "c":
+		if len(f) != 3 {
+			return
+		}
+		n, _ := strconv.Atoi(f[1])
+		cents, _ := strconv.ParseInt(f[2], 10, 64)
+		g.ledger.charge(n, cents)
+	case "h":
+		if len(f) != 3 {
+			return
+		}
+		g.markHandled(f[1])
+		if f[2] == "1" && !p.crashing && g.rng.Float64() < g.crashRate {
+			p.crashing = true
+			p.crashOnce.Do(func() { close(p.crash) })
+		}
+	case "frozen":
+		p.frozenOnce.Do(func() { close(p.frozen) })
+	}
+}
+
+// kill SIGKILLs p (frozen first when the group says so) and waits for it.
+func (g *group) kill(p *childProc) error {
+	if g.freeze {
+		_, _ = io.WriteString(p.stdin, "freeze\n")
+		select {
+		case <-p.frozen:
+		case <-p.exited:
+		case <-time.After(childFreezeWait):
+		}
+	}
+	_ = p.cmd.Process.Kill()
+	<-p.exited
+	if !p.killed() {
+		return fmt.Errorf("the idem consumer's child process exited before its SIGKILL: %w%s", p.exitErr(), p.stderr.tail())
+	}
+	g.kills.Add(1)
+	g.crashes.Add(1)
+	return nil
+}
+
+// stop stops p gracefully (EOF on its stdin), SIGKILLing it after
+// childStopWait, and waits for it.
+func (p *childProc) stop() error {
+	_ = p.stdin.Close()
+	select {
+	case <-p.exited:
+		if p.err != nil {
+			return fmt.Errorf("the idem consumer's child process: %w%s", p.err, p.stderr.tail())
+		}
+		return nil
+	case <-time.After(childStopWait):
+		_ = p.cmd.Process.Kill()
+		<-p.exited
+		return fmt.Errorf("the idem consumer's child process did not stop within %v%s", childStopWait, p.stderr.tail())
+	}
+}
+
+// exitErr is why the exited child exited: p.err, or "exit status 0".
+func (p *childProc) exitErr() error {
+	if p.err == nil {
+		return errors.New("exit status 0")
+	}
+	return p.err
+}
+
+// killed reports whether the exited child died of SIGKILL.
+func (p *childProc) killed() bool {
+	var ee *exec.ExitError
+	if errors.As(p.err, &ee) {
+		if ws, ok := ee.Sys().(syscall.WaitStatus); ok && ws.Signaled() && ws.Signal() == syscall.SIGKILL {
+			return true
+		}
+	}
+	return false
+}
+
+// tailBuffer keeps the last max bytes written to it: a child's stderr.
+type tailBuffer struct {
+	mu  sync.Mutex
+	max int
+	b   []byte
+}
+
+func (t *tailBuffer) Write(p []byte) (int, error) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	t.b = append(t.b, p...)
+	if len(t.b) > t.max {
+		t.b = append(t.b[:0], t.b[len(t.b)-t.max:]...)
+	}
+	return len(p), nil
+}
+
+// tail returns the kept output as a suffix for an error message.
+func (t *tailBuffer) tail() string {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	s := strings.Join(strings.Fields(string(t.b)), " ")
+	if s == "" {
+		return ""
+	}
+	if len(s) > 1000 {
+		s = "..." + s[len(s)-1000:]
+	}
+	return "; its stderr ends with: " + s
+}
