@@ -65,6 +65,11 @@ type Store struct {
 	// The scripts are package variables in production; tests swap in
 	// scripts unknown to the server to exercise the NOSCRIPT path.
 	claim, extend, complete, release *redis.Script
+
+	// claims and calls coalesce concurrent claims and token scripts
+	// into shared pipelines (see group).
+	claims *group[*claimOp]
+	calls  *group[*scriptCall]
 }
 
 var (
@@ -100,7 +105,7 @@ func New(client redis.UniversalClient, opts Options) (*Store, error) {
 	case maxKeyLen == 0:
 		maxKeyLen = dedup.DefaultMaxKeyLen
 	}
-	return &Store{
+	s := &Store{
 		client:    client,
 		lease:     lease,
 		ttl:       ttl,
@@ -112,7 +117,10 @@ func New(client redis.UniversalClient, opts Options) (*Store, error) {
 		extend:    extendScript,
 		complete:  completeScript,
 		release:   releaseScript,
-	}, nil
+	}
+	s.claims = &group[*claimOp]{run: s.claimAll}
+	s.calls = &group[*scriptCall]{run: s.runScripts}
+	return s, nil
 }
 
 // isNil reports whether client is nil, including a typed nil pointer such as
@@ -256,11 +264,8 @@ func (s *Store) send(ctx context.Context, c cmdable, op *claimOp, legacy bool) {
 //
 // Keys found in flight get their PTTL, as the RetryAfter hint, in one more
 // round trip; it is only a hint, so a failure there leaves it at zero.
-func (s *Store) claimAll(ctx context.Context, ops []claimOp) error {
-	todo := make([]*claimOp, len(ops))
-	for i := range ops {
-		todo[i] = &ops[i]
-	}
+func (s *Store) claimAll(ctx context.Context, ops []*claimOp) error {
+	todo := ops
 	for attempt := 0; attempt < 3 && len(todo) > 0; attempt++ {
 		legacy := s.legacy.Load()
 		if len(todo) == 1 {
@@ -300,8 +305,7 @@ func (s *Store) claimAll(ctx context.Context, ops []claimOp) error {
 	}
 
 	var waiting []*claimOp
-	for i := range ops {
-		op := &ops[i]
+	for _, op := range ops {
 		if op.script {
 			continue // the script answered the PTTL
 		}
@@ -391,12 +395,12 @@ func (s *Store) Claim(ctx context.Context, key dedup.Key) (*dedup.Lease, error) 
 	if err := ctx.Err(); err != nil {
 		return nil, fmt.Errorf("redisnx: claim %s: %w", key, err)
 	}
-	var ops [1]claimOp
-	s.newClaimOp(&ops[0], key)
-	if err := s.claimAll(ctx, ops[:]); err != nil {
+	op := new(claimOp)
+	s.newClaimOp(op, key)
+	if err := s.claims.do(ctx, []*claimOp{op}); err != nil {
 		return nil, fmt.Errorf("redisnx: claim %s: %w", key, err)
 	}
-	return s.result(&ops[0])
+	return s.result(op)
 }
 
 // ClaimBatch implements dedup.BatchLeaseStore: the claims of all valid keys
@@ -426,15 +430,16 @@ func (s *Store) ClaimBatch(ctx context.Context, keys []dedup.Key) ([]dedup.Batch
 	if err := ctx.Err(); err != nil {
 		return nil, fmt.Errorf("redisnx: claim batch: %w", err)
 	}
-	ops := make([]claimOp, len(idx))
+	ops := make([]*claimOp, len(idx))
 	for j, i := range idx {
-		s.newClaimOp(&ops[j], keys[i])
+		ops[j] = new(claimOp)
+		s.newClaimOp(ops[j], keys[i])
 	}
-	if err := s.claimAll(ctx, ops); err != nil {
+	if err := s.claims.do(ctx, ops); err != nil {
 		return nil, fmt.Errorf("redisnx: claim batch of %d keys: %w", len(keys), err)
 	}
 	for j, i := range idx {
-		out[i].Lease, out[i].Err = s.result(&ops[j])
+		out[i].Lease, out[i].Err = s.result(ops[j])
 	}
 	return out, nil
 }
@@ -456,7 +461,12 @@ func (s *Store) owned(ctx context.Context, op string, sc *redis.Script, l *dedup
 	if err := ctx.Err(); err != nil {
 		return fmt.Errorf("redisnx: %s %s: %w", op, l.Key, err)
 	}
-	n, err := sc.Run(ctx, s.client, []string{s.RedisKey(l.Key)}, args...).Int64()
+	call := &scriptCall{script: sc, key: s.RedisKey(l.Key), args: args}
+	err := s.calls.do(ctx, []*scriptCall{call})
+	var n int64
+	if err == nil {
+		n, err = call.cmd.Int64()
+	}
 	if err != nil {
 		return fmt.Errorf("redisnx: %s %s: %w", op, l.Key, err)
 	}
@@ -494,4 +504,55 @@ func (s *Store) Release(ctx context.Context, l *dedup.Lease) error {
 		return s.owned(ctx, "release", s.release, l)
 	}
 	return s.owned(ctx, "release", s.release, l, l.Token)
+}
+
+// scriptCall is one run of a token script (extend, complete, release) on
+// its way to Redis and back.
+type scriptCall struct {
+	script *redis.Script
+	key    string
+	args   []any
+	cmd    *redis.Cmd
+}
+
+// runScripts runs calls with EVALSHA: alone, or in one pipeline. A call
+// answered NOSCRIPT (a restarted server, SCRIPT FLUSH, a new cluster node)
+// has had no effect: its script is loaded and the call sent again. It
+// returns an error only when Redis could not be reached; an error Redis
+// returns for one call stays in its cmd.
+func (s *Store) runScripts(ctx context.Context, calls []*scriptCall) error {
+	todo := calls
+	for attempt := 0; attempt < 3 && len(todo) > 0; attempt++ {
+		if len(todo) == 1 {
+			c := todo[0]
+			c.cmd = c.script.EvalSha(ctx, s.client, []string{c.key}, c.args...)
+		} else {
+			_, _ = s.client.Pipelined(ctx, func(p redis.Pipeliner) error {
+				for _, c := range todo {
+					c.cmd = c.script.EvalSha(ctx, p, []string{c.key}, c.args...)
+				}
+				return nil
+			})
+		}
+		var again []*scriptCall
+		load := map[*redis.Script]bool{}
+		for _, c := range todo {
+			err := c.cmd.Err()
+			switch {
+			case err == nil || errors.Is(err, redis.Nil):
+			case !isReplyError(err):
+				return err
+			case isNoScript(err):
+				load[c.script] = true
+				again = append(again, c)
+			}
+		}
+		for sc := range load {
+			if err := sc.Load(ctx, s.client).Err(); err != nil {
+				return fmt.Errorf("loading a script: %w", err)
+			}
+		}
+		todo = again
+	}
+	return nil
 }

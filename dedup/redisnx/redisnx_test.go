@@ -5,7 +5,10 @@ import (
 	"crypto/sha256"
 	"encoding/hex"
 	"errors"
+	"fmt"
 	"strings"
+	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -524,5 +527,67 @@ func TestClaimBatchLarge(t *testing.T) {
 		if !errors.Is(r.Err, want) || r.Lease != nil {
 			t.Fatalf("%d: %+v, want %v", i, r, want)
 		}
+	}
+}
+
+// roundTrips counts what the client sends: single commands and pipelines.
+type roundTrips struct{ singles, pipelines atomic.Int64 }
+
+func (*roundTrips) DialHook(next redis.DialHook) redis.DialHook { return next }
+func (r *roundTrips) ProcessHook(next redis.ProcessHook) redis.ProcessHook {
+	return func(ctx context.Context, cmd redis.Cmder) error {
+		r.singles.Add(1)
+		return next(ctx, cmd)
+	}
+}
+func (r *roundTrips) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.ProcessPipelineHook {
+	return func(ctx context.Context, cmds []redis.Cmder) error {
+		r.pipelines.Add(1)
+		return next(ctx, cmds)
+	}
+}
+
+// Concurrent claims and completes share round trips (group commit), and
+// every caller still gets its own answer: one lease per key, completes
+// that stick, duplicates afterwards.
+func TestConcurrentCallsShareRoundTrips(t *testing.T) {
+	s, c := newStore(t, redisnx.Options{})
+	rt := &roundTrips{}
+	c.AddHook(rt)
+	const n = 200
+	var wg sync.WaitGroup
+	errs := make(chan error, n)
+	start := make(chan struct{})
+	for i := range n {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			<-start
+			key := dedup.NewKey("group", fmt.Sprintf("m-%d", i), []byte("p"))
+			l, err := s.Claim(t.Context(), key)
+			if err != nil {
+				errs <- fmt.Errorf("claim %d: %w", i, err)
+				return
+			}
+			if err := s.Complete(t.Context(), l, []byte(fmt.Sprint(i))); err != nil {
+				errs <- fmt.Errorf("complete %d: %w", i, err)
+				return
+			}
+			_, err = s.Claim(t.Context(), key)
+			if res, dup := dedup.StoredResult(err); !dup || string(res) != fmt.Sprint(i) {
+				errs <- fmt.Errorf("claim again %d = %w, want a duplicate with result %d", i, err, i)
+			}
+		}()
+	}
+	close(start)
+	wg.Wait()
+	close(errs)
+	for err := range errs {
+		t.Error(err)
+	}
+	trips := rt.singles.Load() + rt.pipelines.Load()
+	t.Logf("%d calls in %d round trips (%d pipelines)", 3*n, trips, rt.pipelines.Load())
+	if trips >= 3*n {
+		t.Errorf("%d calls took %d round trips: concurrent calls were not coalesced", 3*n, trips)
 	}
 }
