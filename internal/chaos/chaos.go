@@ -76,7 +76,7 @@ type Env struct {
 // Logf prints a progress line for the cell when the run is verbose.
 func (e *Env) Logf(format string, args ...any) {
 	if e.Verbose {
-		fmt.Fprintf(e.out, "chaos: %s: "+format+"\n", append([]any{e.name}, args...)...)
+		_, _ = fmt.Fprintf(e.out, "chaos: %s: "+format+"\n", append([]any{e.name}, args...)...)
 	}
 }
 
@@ -189,7 +189,7 @@ func Names() []string {
 // Run runs the cells in order and prints their lines and the total. It
 // returns an error when a cell failed to run or broke its promise.
 func Run(ctx context.Context, cfg Config) error {
-	fmt.Fprintf(cfg.Out, "chaos: scale %s, seed %d\n", cfg.Scale, cfg.Seed)
+	_, _ = fmt.Fprintf(cfg.Out, "chaos: scale %s, seed %d\n", cfg.Scale, cfg.Seed)
 	var total Result
 	var failed []string
 	ran := 0
@@ -243,12 +243,12 @@ func Run(ctx context.Context, cfg Config) error {
 			line += " FAILED: promise broken"
 			failed = append(failed, name)
 		}
-		fmt.Fprintln(cfg.Out, line)
+		_, _ = fmt.Fprintln(cfg.Out, line)
 		if ctx.Err() != nil {
 			break
 		}
 	}
-	fmt.Fprintf(cfg.Out, "chaos: total: %d messages, %d kills, %d restarts, %d duplicate effects, %d lost\n",
+	_, _ = fmt.Fprintf(cfg.Out, "chaos: total: %d messages, %d kills, %d restarts, %d duplicate effects, %d lost\n",
 		total.Messages, total.Kills, total.Restarts, total.Duplicates, total.Lost)
 	if ran == 0 {
 		return ErrNoCells

@@ -63,7 +63,6 @@ func main() {
 		os.Exit(1)
 	}
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
-	defer stop()
 	err = chaos.Run(ctx, chaos.Config{
 		Scale:     chaos.Scale(*scale),
 		Seed:      *seed,
@@ -75,6 +74,7 @@ func main() {
 		Verbose:   *verbose,
 		Out:       os.Stdout,
 	})
+	stop()
 	if err != nil {
 		fmt.Fprintln(os.Stderr, err)
 		os.Exit(1)
