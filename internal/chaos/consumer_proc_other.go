@@ -1,0 +1,8 @@
+//go:build !linux
+
+package chaos
+
+import "os/exec"
+
+// setDeathSignal does nothing where there is no parent-death signal.
+func setDeathSignal(*exec.Cmd) {}
