@@ -208,7 +208,7 @@ func (m *Middleware) done(rq *request, r *http.Request, o Outcome, status int, w
 // rejected records the metrics of a request answered before any claim.
 func (m *Middleware) rejected(r *http.Request, p *Problem, start time.Time) {
 	claim, result, reason := rejection(p)
-	tel := m.ins.scope(m.opts.MetricScope(r))
+	tel := m.ins.Get(m.opts.MetricScope(r))
 	if claim != "" {
 		tel.Claimed(r.Context(), claim, 0)
 	}

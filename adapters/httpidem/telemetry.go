@@ -4,12 +4,9 @@ import (
 	"context"
 	"errors"
 	"net/http"
-	"sync"
-	"sync/atomic"
 	"time"
 
 	"go.opentelemetry.io/otel/attribute"
-	"go.opentelemetry.io/otel/metric"
 	"go.opentelemetry.io/otel/trace"
 
 	"github.com/idemkit/idem/dedup"
@@ -38,23 +35,11 @@ const (
 	waitError     = "error"     // the store failed, or anything else
 )
 
-// maxScopes bounds the metric scopes that get their own instruments: a
-// MetricScope that returns unbounded values (a path with ids) folds into
-// overflowScope past it instead of growing memory and time series forever.
-const maxScopes = 1024
-
-// overflowScope is the idem.scope of the scopes past maxScopes.
-const overflowScope = "_other"
-
 // instruments are a middleware's metrics.
 type instruments struct {
-	mp    metric.MeterProvider
-	tp    trace.TracerProvider
-	store string
-	msgs  *telemetry.Adapter
-	wait  *telemetry.LeaseWait
-	mu    sync.Mutex
-	m     atomic.Pointer[map[string]*telemetry.Dedup]
+	*telemetry.Scopes
+	msgs *telemetry.Adapter
+	wait *telemetry.LeaseWait
 }
 
 // setTelemetry creates the instruments for the store the middleware
@@ -65,44 +50,10 @@ func (m *Middleware) setTelemetry(store any) {
 		name = telemetry.StoreName(store)
 	}
 	m.ins = &instruments{
-		mp: m.opts.MeterProvider, tp: m.opts.TracerProvider, store: name,
-		msgs: telemetry.NewAdapter(m.opts.MeterProvider, m.opts.TracerProvider, "http"),
-		wait: telemetry.NewLeaseWait(m.opts.MeterProvider),
+		Scopes: telemetry.NewScopes(m.opts.MeterProvider, m.opts.TracerProvider, name),
+		msgs:   telemetry.NewAdapter(m.opts.MeterProvider, m.opts.TracerProvider, "http"),
+		wait:   telemetry.NewLeaseWait(m.opts.MeterProvider),
 	}
-}
-
-// scope returns the claim instruments of a metric scope. Lookups are
-// lock-free on an immutable map; a new scope copies it.
-func (ins *instruments) scope(scope string) *telemetry.Dedup {
-	if m := ins.m.Load(); m != nil {
-		if d, ok := (*m)[scope]; ok {
-			return d
-		}
-	}
-	ins.mu.Lock()
-	defer ins.mu.Unlock()
-	var old map[string]*telemetry.Dedup
-	if m := ins.m.Load(); m != nil {
-		old = *m
-	}
-	if d, ok := old[scope]; ok {
-		return d
-	}
-	name := scope
-	if len(old) >= maxScopes {
-		if d, ok := old[overflowScope]; ok {
-			return d
-		}
-		name = overflowScope
-	}
-	d := telemetry.NewDedup(ins.mp, ins.tp, name, ins.store)
-	m := make(map[string]*telemetry.Dedup, len(old)+1)
-	for k, v := range old {
-		m[k] = v
-	}
-	m[name] = d
-	ins.m.Store(&m)
-	return d
 }
 
 // request is one request's trip through the middleware, for telemetry. It
@@ -121,7 +72,7 @@ func (m *Middleware) begin(r *http.Request, start time.Time) request {
 	ctx := r.Context()
 	return request{
 		ctx:    ctx,
-		tel:    m.ins.scope(m.opts.MetricScope(r)),
+		tel:    m.ins.Get(m.opts.MetricScope(r)),
 		start:  start,
 		traced: trace.SpanFromContext(ctx).IsRecording(),
 	}

@@ -98,7 +98,7 @@ func (d *leaseMiddleware) claim(dl *delivery, msg *message.Message) (*call, []*m
 		out, err := d.rejectKey(dl, msg, err)
 		return nil, out, err
 	}
-	tel := d.tel.get(key.Scope)
+	tel := d.tel.Get(key.Scope)
 	ctx := msg.Context()
 	start := time.Now()
 	cctx, end := startClaim(ctx, tel, key)

@@ -161,7 +161,7 @@ type config struct {
 	Options
 	keys keyBuilder
 	// tel are the claim instruments, per scope; msgs the verdicts'.
-	tel  *scopes
+	tel  *telemetry.Scopes
 	msgs *telemetry.Adapter
 }
 
@@ -195,7 +195,7 @@ func newConfig(who string, opts Options, store any) (*config, error) {
 	}
 	c := &config{
 		Options: opts,
-		tel:     &scopes{mp: opts.MeterProvider, tp: opts.TracerProvider, store: opts.StoreName},
+		tel:     telemetry.NewScopes(opts.MeterProvider, opts.TracerProvider, opts.StoreName),
 		msgs:    telemetry.NewAdapter(opts.MeterProvider, opts.TracerProvider, "watermill"),
 	}
 	c.keys = keyBuilder{

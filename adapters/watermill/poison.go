@@ -85,7 +85,7 @@ func (c *config) poison(d *delivery, msg *message.Message, pe *PoisonError) ([]*
 // retried and counted as a claim error.
 func (c *config) rejectKey(d *delivery, msg *message.Message, err error) ([]*message.Message, error) {
 	c.outcome(msg, consumer.OutcomeInvalidKey)
-	tel := c.tel.get(c.scopeOf(msg))
+	tel := c.tel.Get(c.scopeOf(msg))
 	var pe *PoisonError
 	if errors.As(err, &pe) {
 		tel.Claimed(d.ctx, telemetry.ClaimInvalidKey, 0)

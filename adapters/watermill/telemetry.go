@@ -3,13 +3,10 @@ package watermill
 import (
 	"context"
 	"errors"
-	"sync"
-	"sync/atomic"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill/message"
 	"go.opentelemetry.io/otel/attribute"
-	"go.opentelemetry.io/otel/metric"
 	"go.opentelemetry.io/otel/propagation"
 	"go.opentelemetry.io/otel/trace"
 
@@ -49,57 +46,6 @@ func (c MetadataCarrier) Keys() []string {
 		keys = append(keys, k)
 	}
 	return keys
-}
-
-// maxScopes bounds the scopes that get their own instruments. Scopes are
-// handler names or Options.Scope, set by configuration, so the bound is a
-// safety net, not a limit anyone should reach.
-const maxScopes = 1024
-
-// overflowScope is the idem.scope of the scopes past maxScopes.
-const overflowScope = "_other"
-
-// scopes holds the claim instruments (telemetry.Dedup) of each scope the
-// middleware sees: one set per handler name when Options.Scope is empty.
-// Lookups are lock-free on an immutable map; a new scope copies it.
-type scopes struct {
-	mp    metric.MeterProvider
-	tp    trace.TracerProvider
-	store string
-	mu    sync.Mutex
-	m     atomic.Pointer[map[string]*telemetry.Dedup]
-}
-
-func (s *scopes) get(scope string) *telemetry.Dedup {
-	if m := s.m.Load(); m != nil {
-		if d, ok := (*m)[scope]; ok {
-			return d
-		}
-	}
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	var old map[string]*telemetry.Dedup
-	if m := s.m.Load(); m != nil {
-		old = *m
-	}
-	if d, ok := old[scope]; ok {
-		return d
-	}
-	name := scope
-	if len(old) >= maxScopes {
-		if d, ok := old[overflowScope]; ok {
-			return d
-		}
-		name = overflowScope
-	}
-	d := telemetry.NewDedup(s.mp, s.tp, name, s.store)
-	m := make(map[string]*telemetry.Dedup, len(old)+1)
-	for k, v := range old {
-		m[k] = v
-	}
-	m[name] = d
-	s.m.Store(&m)
-	return d
 }
 
 // scopeOf is the scope of msg's key, for a message whose key could not be

@@ -85,7 +85,7 @@ func (t *txMiddleware) handle(dl *delivery, h message.HandlerFunc, msg *message.
 	if err != nil {
 		return t.rejectKey(dl, msg, err)
 	}
-	tel := t.tel.get(key.Scope)
+	tel := t.tel.Get(key.Scope)
 	orig := msg.Context()
 	var (
 		out          []*message.Message

@@ -72,3 +72,21 @@ func TestTracingFastPath(t *testing.T) {
 		t.Fatalf("%d consumer spans, want 1", n)
 	}
 }
+
+// Scopes past MaxScopes share the overflow scope's instruments.
+func TestScopesOverflow(t *testing.T) {
+	s := telemetry.NewScopes(nil, nil, "memstore")
+	if a, b := s.Get("orders"), s.Get("orders"); a != b || a.Scope() != "orders" || a.Store() != "memstore" {
+		t.Fatalf("Get(orders) twice = %p %p (scope %q)", a, b, a.Scope())
+	}
+	for i := range telemetry.MaxScopes {
+		s.Get(strings.Repeat("x", i+1))
+	}
+	over := s.Get("one-too-many")
+	if over.Scope() != telemetry.OverflowScope || s.Get("and-another") != over {
+		t.Fatalf("past MaxScopes: scope %q, want %q shared", over.Scope(), telemetry.OverflowScope)
+	}
+	if s.Get("orders").Scope() != "orders" {
+		t.Fatal("a known scope lost its instruments")
+	}
+}
