@@ -8,6 +8,7 @@ import (
 	"time"
 
 	"go.opentelemetry.io/otel/attribute"
+	"go.opentelemetry.io/otel/codes"
 	"go.opentelemetry.io/otel/trace"
 
 	"github.com/idemkit/idem/consumer"
@@ -181,5 +182,46 @@ func TestDedupSpans(t *testing.T) {
 				t.Errorf("span %s attribute %s holds the id", sp.Name(), kv.Key)
 			}
 		}
+	}
+}
+
+// Transactional's spans: claim, handle and commit under the consumer span;
+// a panicking handler still ends its handle span, with an error.
+func TestTransactionalSpans(t *testing.T) {
+	tp := telemetrytest.NewSpans(t)
+	store := newTxStore()
+	h, err := consumer.Transactional(store, consumer.TxOptions{Scope: "ledger", TracerProvider: tp},
+		func(_ context.Context, tx *fakeTx, m *consumer.Message) error {
+			if m.ID == "boom" {
+				panic("handler exploded")
+			}
+			tx.writes = append(tx.writes, m.ID)
+			return nil
+		})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, root := tp.Tracer("test").Start(t.Context(), "process ledger")
+	consumer.Process(ctx, h, msg("order-1", "p"))
+	consumer.Process(ctx, consumer.Chain(h, consumer.Recover()), msg("boom", "p"))
+	root.End()
+	if n := len(tp.Named("idem.commit")); n != 1 {
+		t.Fatalf("%d commit spans, want 1", n)
+	}
+	handles := tp.Named("idem.handle")
+	if len(handles) != 2 {
+		t.Fatalf("%d handle spans, want 2 (the panicking one ended too)", len(handles))
+	}
+	failed := 0
+	for _, s := range handles {
+		if s.Parent().SpanID() != root.SpanContext().SpanID() {
+			t.Errorf("handle span parent %v, want the consumer span", s.Parent().SpanID())
+		}
+		if s.Status().Code == codes.Error {
+			failed++
+		}
+	}
+	if failed != 1 {
+		t.Errorf("%d handle spans with an error status, want 1 (the panic)", failed)
 	}
 }

@@ -12,6 +12,10 @@ import (
 	"github.com/idemkit/idem/internal/telemetry"
 )
 
+// errHandlerPanicked is what the handle span records when the handler
+// panicked; the panic itself goes on to Recover.
+var errHandlerPanicked = errors.New("consumer: the handler panicked")
+
 // TxHandler processes a message inside the transaction that holds its
 // claim. With dedup/pgtable, Tx is a pgx.Tx: write the business rows (and the
 // outbox rows) with it and they commit together with the claim, or not at
@@ -105,8 +109,15 @@ func Transactional[Tx any](store dedup.TxStore[Tx], opts TxOptions, h TxHandler[
 					append(tel.SpanAttrs(key.Hash()), telemetry.AttrOutcome.String(telemetry.ClaimFirst))...)
 			}
 			ctx, endHandle := telemetry.StartSpan(ctx, tel.Tracer, "idem.handle")
+			ended := false
+			defer func() {
+				if !ended { // h panicked: the span ends with it
+					endHandle(errHandlerPanicked)
+				}
+			}()
 			ctx, slot := withResultSlot(ctx)
 			hErr = h(ctx, tx, msg)
+			ended = true
 			endHandle(hErr)
 			hEnd = time.Now()
 			if hErr != nil {

@@ -99,7 +99,9 @@ func (t *txMiddleware) handle(dl *delivery, h message.HandlerFunc, msg *message.
 	defer func() {
 		if !settled && ran {
 			// The handler panicked: Process rolled back.
-			endHandle(errPanicked)
+			if endHandle != nil { // nil when the panic came before the span
+				endHandle(errPanicked)
+			}
 			tel.Handled(orig, consumer.OutcomeReleased, time.Since(hStart))
 			t.outcome(msg, consumer.OutcomeReleased)
 		}

@@ -118,8 +118,22 @@ func New(client redis.UniversalClient, opts Options) (*Store, error) {
 		complete:  completeScript,
 		release:   releaseScript,
 	}
-	s.claims = &group[*claimOp]{run: s.claimAll}
-	s.calls = &group[*scriptCall]{run: s.runScripts}
+	s.claims = &group[*claimOp]{run: s.claimAll, errOf: func(ops []*claimOp, batchErr error) error {
+		for _, op := range ops {
+			if err := transportErr(op.cmd, batchErr); err != nil {
+				return err
+			}
+		}
+		return nil
+	}}
+	s.calls = &group[*scriptCall]{run: s.runScripts, errOf: func(calls []*scriptCall, batchErr error) error {
+		for _, c := range calls {
+			if err := transportErr(c.cmd, batchErr); err != nil {
+				return err
+			}
+		}
+		return nil
+	}}
 	return s, nil
 }
 
@@ -373,7 +387,7 @@ func (s *Store) result(op *claimOp) (*dedup.Lease, error) {
 		// the first reply (go-redis retries on network errors).
 		return &dedup.Lease{Key: op.key, Token: op.token, TTL: s.lease}, nil
 	case !ok:
-		return nil, fmt.Errorf("redisnx: claim %s: Redis key %q holds a value that is not an idem record; refusing to process (delete the key if it is stale, and give idem its own Options.Prefix)", op.key, op.rkey)
+		return nil, fmt.Errorf("redisnx: claim %s: its Redis key (Store.RedisKey) holds a value that is not an idem record; refusing to process (delete the key if it is stale, and give idem its own Options.Prefix)", op.key)
 	case !op.key.Fingerprint.Matches(fp):
 		return nil, dedup.Mismatch(op.key)
 	case state == stateDone:
@@ -442,6 +456,20 @@ func (s *Store) ClaimBatch(ctx context.Context, keys []dedup.Key) ([]dedup.Batch
 		out[i].Lease, out[i].Err = s.result(ops[j])
 	}
 	return out, nil
+}
+
+// transportErr is the error of one command of a batch that failed with
+// batchErr: batchErr when the command was never sent, the command's own
+// error when it did not get an answer, nil when Redis answered it (the
+// answer, an error reply included, is the command's result).
+func transportErr(cmd *redis.Cmd, batchErr error) error {
+	if cmd == nil {
+		return batchErr
+	}
+	if err := cmd.Err(); err != nil && !errors.Is(err, redis.Nil) && !isReplyError(err) {
+		return err
+	}
+	return nil
 }
 
 // isReplyError reports whether err is an error reply from Redis about one
@@ -517,25 +545,33 @@ type scriptCall struct {
 
 // runScripts runs calls with EVALSHA: alone, or in one pipeline. A call
 // answered NOSCRIPT (a restarted server, SCRIPT FLUSH, a new cluster node)
-// has had no effect: its script is loaded and the call sent again. It
-// returns an error only when Redis could not be reached; an error Redis
-// returns for one call stays in its cmd.
+// has had no effect: it is sent again with EVAL, the whole script, which
+// also caches it on that server (no SCRIPT LOAD, which on a cluster would
+// need every shard). It returns an error only when Redis could not be
+// reached; an error Redis returns for one call stays in its cmd.
 func (s *Store) runScripts(ctx context.Context, calls []*scriptCall) error {
-	todo := calls
-	for attempt := 0; attempt < 3 && len(todo) > 0; attempt++ {
-		if len(todo) == 1 {
-			c := todo[0]
-			c.cmd = c.script.EvalSha(ctx, s.client, []string{c.key}, c.args...)
-		} else {
-			_, _ = s.client.Pipelined(ctx, func(p redis.Pipeliner) error {
-				for _, c := range todo {
-					c.cmd = c.script.EvalSha(ctx, p, []string{c.key}, c.args...)
-				}
-				return nil
-			})
+	send := func(todo []*scriptCall, full bool) {
+		do := func(c cmdable, sc *scriptCall) *redis.Cmd {
+			if full {
+				return sc.script.Eval(ctx, c, []string{sc.key}, sc.args...)
+			}
+			return sc.script.EvalSha(ctx, c, []string{sc.key}, sc.args...)
 		}
+		if len(todo) == 1 {
+			todo[0].cmd = do(s.client, todo[0])
+			return
+		}
+		_, _ = s.client.Pipelined(ctx, func(p redis.Pipeliner) error {
+			for _, c := range todo {
+				c.cmd = do(p, c)
+			}
+			return nil
+		})
+	}
+	todo := calls
+	for _, full := range []bool{false, true} {
+		send(todo, full)
 		var again []*scriptCall
-		load := map[*redis.Script]bool{}
 		for _, c := range todo {
 			err := c.cmd.Err()
 			switch {
@@ -543,14 +579,11 @@ func (s *Store) runScripts(ctx context.Context, calls []*scriptCall) error {
 			case !isReplyError(err):
 				return err
 			case isNoScript(err):
-				load[c.script] = true
 				again = append(again, c)
 			}
 		}
-		for sc := range load {
-			if err := sc.Load(ctx, s.client).Err(); err != nil {
-				return fmt.Errorf("loading a script: %w", err)
-			}
+		if len(again) == 0 {
+			return nil
 		}
 		todo = again
 	}

@@ -591,3 +591,96 @@ func TestConcurrentCallsShareRoundTrips(t *testing.T) {
 		t.Errorf("%d calls took %d round trips: concurrent calls were not coalesced", 3*n, trips)
 	}
 }
+
+// hookFunc runs f before every command and pipeline the client sends.
+type hookFunc func(cmds []redis.Cmder)
+
+func (hookFunc) DialHook(next redis.DialHook) redis.DialHook { return next }
+func (f hookFunc) ProcessHook(next redis.ProcessHook) redis.ProcessHook {
+	return func(ctx context.Context, cmd redis.Cmder) error {
+		f([]redis.Cmder{cmd})
+		return next(ctx, cmd)
+	}
+}
+func (f hookFunc) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.ProcessPipelineHook {
+	return func(ctx context.Context, cmds []redis.Cmder) error {
+		f(cmds)
+		return next(ctx, cmds)
+	}
+}
+
+func mentions(cmds []redis.Cmder, s string) bool {
+	for _, c := range cmds {
+		for _, a := range c.Args() {
+			if v, ok := a.(string); ok && strings.Contains(v, s) {
+				return true
+			}
+		}
+	}
+	return false
+}
+
+// A caller queued behind a slow round trip leaves when its own context
+// ends, and the store goes on working after the slow call returns.
+func TestGroupedCallerHonoursItsContext(t *testing.T) {
+	s, c := newStore(t, redisnx.Options{})
+	c.AddHook(hookFunc(func(cmds []redis.Cmder) {
+		if mentions(cmds, "slow-one") {
+			time.Sleep(time.Second)
+		}
+	}))
+	slowDone := make(chan error, 1)
+	go func() {
+		_, err := s.Claim(t.Context(), dedup.NewKey("group", "slow-one", nil))
+		slowDone <- err
+	}()
+	time.Sleep(100 * time.Millisecond) // the slow claim is in flight
+	ctx, cancel := context.WithTimeout(t.Context(), 50*time.Millisecond)
+	defer cancel()
+	start := time.Now()
+	_, err := s.Claim(ctx, dedup.NewKey("group", "impatient", nil))
+	if !errors.Is(err, context.DeadlineExceeded) {
+		t.Fatalf("queued claim with a 50ms deadline = %v, want DeadlineExceeded", err)
+	}
+	if waited := time.Since(start); waited > 600*time.Millisecond {
+		t.Fatalf("queued claim returned after %v, not when its context ended", waited)
+	}
+	if err := <-slowDone; err != nil {
+		t.Fatalf("slow claim: %v", err)
+	}
+	if _, err := s.Claim(t.Context(), dedup.NewKey("group", "after", nil)); err != nil {
+		t.Fatalf("claim after the slow one: %v", err)
+	}
+}
+
+// A panic inside the client (a hook) reaches its caller and leaves the
+// store usable: the group is released, not stuck.
+func TestGroupSurvivesPanickingHook(t *testing.T) {
+	s, c := newStore(t, redisnx.Options{})
+	c.AddHook(hookFunc(func(cmds []redis.Cmder) {
+		if mentions(cmds, "boom") {
+			panic("hook exploded")
+		}
+	}))
+	func() {
+		defer func() {
+			if r := recover(); r == nil {
+				t.Fatal("the hook's panic did not reach the caller")
+			}
+		}()
+		_, _ = s.Claim(t.Context(), dedup.NewKey("group", "boom", nil))
+	}()
+	done := make(chan error, 1)
+	go func() {
+		_, err := s.Claim(t.Context(), dedup.NewKey("group", "fine", nil))
+		done <- err
+	}()
+	select {
+	case err := <-done:
+		if err != nil {
+			t.Fatalf("claim after the panic: %v", err)
+		}
+	case <-time.After(10 * time.Second):
+		t.Fatal("the store is stuck after a panic in the client")
+	}
+}

@@ -292,7 +292,7 @@ func (r *Relay) sampleBacklog(ctx context.Context) {
 	t := time.NewTicker(r.opts.MetricsInterval)
 	defer t.Stop()
 	for {
-		if n, age, err := r.backlogSample(ctx); err == nil {
+		if n, age, err := r.backlogSample(ctx, true); err == nil {
 			r.opts.Metrics.Backlog(n, age)
 		}
 		select {

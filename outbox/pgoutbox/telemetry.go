@@ -2,7 +2,9 @@ package pgoutbox
 
 import (
 	"context"
+	"errors"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"go.opentelemetry.io/otel"
@@ -164,30 +166,58 @@ func (t *relayTelemetry) startPublish(ctx context.Context, msgs []*outbox.Messag
 // nor the Metrics sampler query more often than about once per
 // MetricsInterval.
 type backlogCache struct {
-	mu      sync.Mutex
-	at      time.Time // when the last query started; zero: never
+	mu   sync.Mutex // one query at a time
+	last atomic.Pointer[backlogValue]
+}
+
+type backlogValue struct {
+	at      time.Time // when its query started
 	err     error
 	pending int64
 	oldest  time.Duration
 }
 
+// errBacklogBusy answers a collection that finds a backlog query running
+// and no sample yet.
+var errBacklogBusy = errors.New("pgoutbox: a backlog query is running")
+
 // backlogSample returns the cached sample when it is younger than 90% of
-// MetricsInterval, else queries the database (one query at a time).
-func (r *Relay) backlogSample(ctx context.Context) (int64, time.Duration, error) {
+// MetricsInterval, else queries the database (one query at a time). With
+// wait false (a metrics collection) it never waits for a query another
+// caller runs: it answers the last good sample instead, so a slow database
+// cannot stall a scrape. An error caused by ctx ending is not cached.
+func (r *Relay) backlogSample(ctx context.Context, wait bool) (int64, time.Duration, error) {
 	c := &r.backlog
-	c.mu.Lock()
-	defer c.mu.Unlock()
-	if !c.at.IsZero() && time.Since(c.at) < r.opts.MetricsInterval*9/10 {
-		return c.pending, c.oldest, c.err
+	fresh := func(v *backlogValue) bool {
+		return v != nil && time.Since(v.at) < r.opts.MetricsInterval*9/10
 	}
-	c.at = time.Now()
+	if v := c.last.Load(); fresh(v) {
+		return v.pending, v.oldest, v.err
+	}
+	if wait {
+		c.mu.Lock()
+	} else if !c.mu.TryLock() {
+		if v := c.last.Load(); v != nil && v.err == nil {
+			return v.pending, v.oldest, nil
+		}
+		return 0, 0, errBacklogBusy
+	}
+	defer c.mu.Unlock()
+	if v := c.last.Load(); fresh(v) {
+		return v.pending, v.oldest, v.err
+	}
+	v := &backlogValue{at: time.Now()}
 	qctx, cancel := context.WithTimeout(ctx, r.opts.QueryTimeout)
 	defer cancel()
-	c.pending, c.oldest, c.err = r.ob.Backlog(qctx)
-	if c.err != nil && ctx.Err() == nil {
-		r.opts.Logger.Warn("pgoutbox: backlog sample failed", "table", r.ob.table, "err", c.err)
+	v.pending, v.oldest, v.err = r.ob.Backlog(qctx)
+	if v.err != nil && ctx.Err() != nil {
+		return 0, 0, v.err
 	}
-	return c.pending, c.oldest, c.err
+	c.last.Store(v)
+	if v.err != nil {
+		r.opts.Logger.Warn("pgoutbox: backlog sample failed", "table", r.ob.table, "err", v.err)
+	}
+	return v.pending, v.oldest, v.err
 }
 
 // collectTimeout bounds the backlog query of a metrics collection (a
@@ -201,7 +231,7 @@ func (r *Relay) registerBacklog() func() {
 	reg, err := t.meter.RegisterCallback(func(ctx context.Context, o metric.Observer) error {
 		ctx, cancel := context.WithTimeout(ctx, min(collectTimeout, r.opts.QueryTimeout))
 		defer cancel()
-		n, age, err := r.backlogSample(ctx)
+		n, age, err := r.backlogSample(ctx, false)
 		if err != nil {
 			return nil // logged; a gauge without a value beats a wrong one
 		}

@@ -232,9 +232,8 @@ func (b *batch) HandleBatch(ctx context.Context, msgs []*consumer.Message) (err 
 				hctx, endHandle = telemetry.StartSpan(ctx, b.tel.Tracer, "idem.handle", telemetry.AttrKeyHash.String(keys[j].Hash()))
 			}
 			hstart := time.Now()
-			herr := b.h(hctx, tx, msgs[i])
+			herr := callEnding(hctx, tx, msgs[i], b.h, endHandle)
 			ran = append(ran, time.Since(hstart))
-			endHandle(herr)
 			if herr != nil {
 				return fmt.Errorf("kafkapg: message %d of the batch (%s): %w", i, keys[j], herr)
 			}
@@ -283,4 +282,19 @@ func (b *batch) HandleBatch(ctx context.Context, msgs []*consumer.Message) (err 
 		return &kafka.BatchError{Errs: errs}
 	}
 	return nil
+}
+
+// callEnding runs h and ends its span, also when h panics (the panic goes
+// on, and the batch's transaction rolls back).
+func callEnding(ctx context.Context, tx pgx.Tx, msg *consumer.Message, h func(context.Context, pgx.Tx, *consumer.Message) error, end func(error, ...attribute.KeyValue)) (err error) {
+	ended := false
+	defer func() {
+		if !ended {
+			end(errors.New("kafkapg: the handler panicked"))
+		}
+	}()
+	err = h(ctx, tx, msg)
+	ended = true
+	end(err)
+	return err
 }
