@@ -153,8 +153,11 @@ func (d *dedupMiddleware) handle(ctx context.Context, msg *Message, next Handler
 		return err
 	}
 	start := time.Now()
+	// The span's attributes are built only under a recording span: a
+	// variadic call through a func value would allocate them every time.
+	recording := telemetry.Recording(ctx)
 	cctx, endClaim := ctx, noEnd
-	if telemetry.Recording(ctx) {
+	if recording {
 		cctx, endClaim = telemetry.StartSpan(ctx, d.tel.Tracer, "idem.claim", d.tel.SpanAttrs(key.Hash())...)
 	}
 	lease, err := d.store.Claim(cctx, key)
@@ -164,13 +167,17 @@ func (d *dedupMiddleware) handle(ctx context.Context, msg *Message, next Handler
 	if err != nil {
 		o := claimOutcome(err)
 		d.tel.Claimed(ctx, telemetryClaim(o), time.Since(start))
-		endClaim(spanErr(err), telemetry.AttrOutcome.String(telemetryClaim(o)))
+		if recording {
+			endClaim(spanErr(err), telemetry.AttrOutcome.String(telemetryClaim(o)))
+		}
 		d.outcome(ctx, msg, o)
 		return fmt.Errorf("consumer: claim %s: %w", key, err)
 	}
 	hstart := time.Now()
 	d.tel.Claimed(ctx, telemetry.ClaimFirst, hstart.Sub(start))
-	endClaim(nil, telemetry.AttrOutcome.String(telemetry.ClaimFirst))
+	if recording {
+		endClaim(nil, telemetry.AttrOutcome.String(telemetry.ClaimFirst))
+	}
 
 	hctx, cancel := context.WithCancelCause(ctx)
 	defer cancel(nil)
