@@ -158,8 +158,7 @@ func srvProxyOutboxAMQP(ctx context.Context, env *Env) (res Result, err error) {
 		return res, fmt.Errorf("amqp consumer: %w", err)
 	case <-time.After(60 * time.Second):
 		ccancel()
-		<-cdone
-		return res, errors.New("the amqp consumer was not ready within 60s")
+		return res, errors.Join(errors.New("the amqp consumer was not ready within 60s"), <-cdone)
 	}
 	stopConsumer := func() error {
 		ccancel()
