@@ -398,24 +398,7 @@ func srvProxyOutboxKafka(ctx context.Context, env *Env) (res Result, err error) 
 	}
 	defer func() { err = errors.Join(err, stopAll()) }()
 
-	prod := &srvProducers{keys: 16}
-	var bursts srvCounts
-	plan := time.Duration(rounds) * srvProxyCycle
-	pctx, pcancel := context.WithTimeout(ctx, plan+srvDrain(env))
-	defer pcancel()
-	var g srvGroup
-	g.Go("producers", func() error { return prod.run(pctx, shared, ob, n, plan) })
-	faults := srvProxyFaults(px, rounds, srvRand(env), &bursts, env)
-	g.Go("faults", func() error { return faults(pctx) })
-	runErr := g.Wait()
-	if runErr == nil {
-		runErr = srvWaitOutbox(ctx, shared, ob, srvDrain(env))
-	}
-	if runErr == nil {
-		runErr = srvWaitEffects(ctx, o, prod.acked, srvDrain(env))
-	}
-	runErr = errors.Join(runErr, stopAll())
-	_, verr := srvOutboxVerdict(ctx, shared, ob, o, prod, &res)
+	bursts, runErr, verr := srvProxyOutboxWorkload(ctx, env, px, shared, ob, o, n, rounds, stopAll, &res)
 	res.Redeliveries = int(dups.Load())
 	res.Kills = srvProxyKills(px)
 	deadMu.Lock()
@@ -423,8 +406,37 @@ func srvProxyOutboxKafka(ctx context.Context, env *Env) (res Result, err error) 
 		verr = errors.Join(verr, fmt.Errorf("%d record(s) dead-lettered, first %s", len(dead), dead[0]))
 	}
 	deadMu.Unlock()
-	res.Note = fmt.Sprintf("%d records consumed, %d of them re-published duplicates; %s", acks.Load(), dups.Load(), srvProxyNote(px, &bursts))
+	res.Note = fmt.Sprintf("%d records consumed, %d of them re-published duplicates; %s", acks.Load(), dups.Load(), srvProxyNote(px, bursts))
 	return res, errors.Join(runErr, verr)
+}
+
+// srvProxyOutboxWorkload is the run of the proxy/outbox-* cells once the
+// relay and the consumer are up: producers enqueue n messages over rounds
+// proxy cycles while the proxy injects faults; then it waits for the
+// outbox to drain and every committed message's effect, stops the relay
+// and the consumer (stopAll), and fills res from the oracle. runErr is the
+// run's failure, verr the verdict's.
+func srvProxyOutboxWorkload(ctx context.Context, env *Env, px *fault.Proxy, shared *pgxpool.Pool, ob *pgoutbox.Outbox, o *Oracle,
+	n, rounds int, stopAll func() error, res *Result) (bursts *srvCounts, runErr, verr error) {
+	prod := &srvProducers{keys: 16}
+	bursts = &srvCounts{}
+	plan := time.Duration(rounds) * srvProxyCycle
+	pctx, pcancel := context.WithTimeout(ctx, plan+srvDrain(env))
+	defer pcancel()
+	var g srvGroup
+	g.Go("producers", func() error { return prod.run(pctx, shared, ob, n, plan) })
+	faults := srvProxyFaults(px, rounds, srvRand(env), bursts, env)
+	g.Go("faults", func() error { return faults(pctx) })
+	runErr = g.Wait()
+	if runErr == nil {
+		runErr = srvWaitOutbox(ctx, shared, ob, srvDrain(env))
+	}
+	if runErr == nil {
+		runErr = srvWaitEffects(ctx, o, prod.acked, srvDrain(env))
+	}
+	runErr = errors.Join(runErr, stopAll())
+	_, verr = srvOutboxVerdict(ctx, shared, ob, o, prod, res)
+	return bursts, runErr, verr
 }
 
 // srvWaitEffects waits until every id of must has an effect in o.

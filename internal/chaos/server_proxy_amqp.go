@@ -181,24 +181,7 @@ func srvProxyOutboxAMQP(ctx context.Context, env *Env) (res Result, err error) {
 	}
 	defer func() { err = errors.Join(err, stopAll()) }()
 
-	prod := &srvProducers{keys: 16}
-	var bursts srvCounts
-	plan := time.Duration(rounds) * srvProxyCycle
-	pctx, pcancel := context.WithTimeout(ctx, plan+srvDrain(env))
-	defer pcancel()
-	var g srvGroup
-	g.Go("producers", func() error { return prod.run(pctx, shared, ob, n, plan) })
-	faults := srvProxyFaults(px, rounds, srvRand(env), &bursts, env)
-	g.Go("faults", func() error { return faults(pctx) })
-	runErr := g.Wait()
-	if runErr == nil {
-		runErr = srvWaitOutbox(ctx, shared, ob, srvDrain(env))
-	}
-	if runErr == nil {
-		runErr = srvWaitEffects(ctx, o, prod.acked, srvDrain(env))
-	}
-	runErr = errors.Join(runErr, stopAll())
-	_, verr := srvOutboxVerdict(ctx, shared, ob, o, prod, &res)
+	bursts, runErr, verr := srvProxyOutboxWorkload(ctx, env, px, shared, ob, o, n, rounds, stopAll, &res)
 	res.Redeliveries = int(dups.Load())
 	res.Kills = srvProxyKills(px)
 	deadMu.Lock()
@@ -206,6 +189,6 @@ func srvProxyOutboxAMQP(ctx context.Context, env *Env) (res Result, err error) {
 		verr = errors.Join(verr, fmt.Errorf("%d message(s) dead-lettered, first %s", len(dead), dead[0]))
 	}
 	deadMu.Unlock()
-	res.Note = fmt.Sprintf("%d messages consumed, %d of them re-published duplicates; %s", acks.Load(), dups.Load(), srvProxyNote(px, &bursts))
+	res.Note = fmt.Sprintf("%d messages consumed, %d of them re-published duplicates; %s", acks.Load(), dups.Load(), srvProxyNote(px, bursts))
 	return res, errors.Join(runErr, verr)
 }
