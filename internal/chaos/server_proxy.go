@@ -374,28 +374,8 @@ func srvProxyOutboxKafka(ctx context.Context, env *Env) (res Result, err error) 
 	if err != nil {
 		return res, err
 	}
-	cctx, ccancel := context.WithCancel(ctx)
-	cdone := make(chan error, 1)
-	go func() { cdone <- c.Run(cctx) }()
-	stopConsumer := func() error {
-		ccancel()
-		select {
-		case err := <-cdone:
-			if errors.Is(err, context.Canceled) {
-				return nil
-			}
-			return err
-		case <-time.After(60 * time.Second):
-			return errors.New("the kafka consumer did not stop within 60s")
-		}
-	}
-	stopRelay := srvRelay(ctx, relay)
-	var stopOnce sync.Once
-	var stopErr error
-	stopAll := func() error {
-		stopOnce.Do(func() { stopErr = errors.Join(stopRelay(), stopConsumer()) })
-		return stopErr
-	}
+	_, stopConsumer := srvStart(ctx, "kafka consumer", c.Run)
+	stopAll := srvStopAll(srvRelay(ctx, relay), stopConsumer)
 	defer func() { err = errors.Join(err, stopAll()) }()
 
 	bursts, runErr, verr := srvProxyOutboxWorkload(ctx, env, px, shared, ob, o, n, rounds, stopAll, &res)
@@ -408,6 +388,42 @@ func srvProxyOutboxKafka(ctx context.Context, env *Env) (res Result, err error) 
 	deadMu.Unlock()
 	res.Note = fmt.Sprintf("%d records consumed, %d of them re-published duplicates; %s", acks.Load(), dups.Load(), srvProxyNote(px, bursts))
 	return res, errors.Join(runErr, verr)
+}
+
+// srvStart runs run in a goroutine. stop cancels it and waits for it up to
+// 60s; exiting with context.Canceled is a clean stop. exited delivers
+// run's error if it ends on its own (read it only instead of stop).
+func srvStart(ctx context.Context, what string, run func(context.Context) error) (exited <-chan error, stop func() error) {
+	cctx, cancel := context.WithCancel(ctx)
+	done := make(chan error, 1)
+	go func() { done <- run(cctx) }()
+	return done, func() error {
+		cancel()
+		select {
+		case err := <-done:
+			if errors.Is(err, context.Canceled) {
+				return nil
+			}
+			return err
+		case <-time.After(60 * time.Second):
+			return fmt.Errorf("the %s did not stop within 60s", what)
+		}
+	}
+}
+
+// srvStopAll returns a function that runs every stop once, in order, and
+// joins their errors; later calls return the same result.
+func srvStopAll(stops ...func() error) func() error {
+	var once sync.Once
+	var err error
+	return func() error {
+		once.Do(func() {
+			for _, stop := range stops {
+				err = errors.Join(err, stop())
+			}
+		})
+		return err
+	}
 }
 
 // srvProxyOutboxWorkload is the run of the proxy/outbox-* cells once the

@@ -148,37 +148,15 @@ func srvProxyOutboxAMQP(ctx context.Context, env *Env) (res Result, err error) {
 	if err != nil {
 		return res, err
 	}
-	cctx, ccancel := context.WithCancel(ctx)
-	cdone := make(chan error, 1)
-	go func() { cdone <- c.Run(cctx) }()
+	exited, stopConsumer := srvStart(ctx, "amqp consumer", c.Run)
 	select {
 	case <-c.Ready():
-	case err := <-cdone:
-		ccancel()
+	case err := <-exited:
 		return res, fmt.Errorf("amqp consumer: %w", err)
 	case <-time.After(60 * time.Second):
-		ccancel()
-		return res, errors.Join(errors.New("the amqp consumer was not ready within 60s"), <-cdone)
+		return res, errors.Join(errors.New("the amqp consumer was not ready within 60s"), stopConsumer())
 	}
-	stopConsumer := func() error {
-		ccancel()
-		select {
-		case err := <-cdone:
-			if errors.Is(err, context.Canceled) {
-				return nil
-			}
-			return err
-		case <-time.After(60 * time.Second):
-			return errors.New("the amqp consumer did not stop within 60s")
-		}
-	}
-	stopRelay := srvRelay(ctx, relay)
-	var stopOnce sync.Once
-	var stopErr error
-	stopAll := func() error {
-		stopOnce.Do(func() { stopErr = errors.Join(stopRelay(), stopConsumer()) })
-		return stopErr
-	}
+	stopAll := srvStopAll(srvRelay(ctx, relay), stopConsumer)
 	defer func() { err = errors.Join(err, stopAll()) }()
 
 	bursts, runErr, verr := srvProxyOutboxWorkload(ctx, env, px, shared, ob, o, n, rounds, stopAll, &res)
