@@ -356,11 +356,7 @@ func srvPause(ctx context.Context, env *Env, name, kind string) (res Result, err
 	}
 	switch kind {
 	case "pg":
-		st, err := pgtable.New(shared, pgtable.Options{Schema: o.Schema(), Logger: srvQuiet})
-		if err != nil {
-			return res, err
-		}
-		if err := st.Migrate(ctx); err != nil {
+		if _, err := srvMigratedStore(ctx, shared, o.Schema()); err != nil {
 			return res, err
 		}
 	case "redis":

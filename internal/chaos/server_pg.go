@@ -32,7 +32,6 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/idemkit/idem/consumer"
-	"github.com/idemkit/idem/dedup/pgtable"
 	"github.com/idemkit/idem/internal/fault"
 	"github.com/idemkit/idem/outbox"
 	"github.com/idemkit/idem/outbox/pgoutbox"
@@ -164,11 +163,8 @@ func srvPGTable(ctx context.Context, env *Env, f srvPGFault) (res Result, err er
 	if err != nil {
 		return res, err
 	}
-	store, err := pgtable.New(pool, pgtable.Options{Schema: o.Schema(), Logger: srvQuiet})
+	store, err := srvMigratedStore(ctx, pool, o.Schema())
 	if err != nil {
-		return res, err
-	}
-	if err := store.Migrate(ctx); err != nil {
 		return res, err
 	}
 	var outcomes srvCounts
@@ -443,18 +439,12 @@ func srvPGOutbox(ctx context.Context, env *Env, f srvPGFault) (res Result, err e
 	}
 	defer func() { err = errors.Join(err, o.Drop(context.WithoutCancel(ctx))) }()
 
-	ob, err := pgoutbox.New(tpool, pgoutbox.Options{Logger: srvQuiet})
+	ob, err := srvMigratedOutbox(ctx, tpool, "")
 	if err != nil {
 		return res, err
 	}
-	if err := ob.Migrate(ctx); err != nil {
-		return res, err
-	}
-	store, err := pgtable.New(shared, pgtable.Options{Schema: o.Schema(), Logger: srvQuiet})
+	store, err := srvMigratedStore(ctx, shared, o.Schema())
 	if err != nil {
-		return res, err
-	}
-	if err := store.Migrate(ctx); err != nil {
 		return res, err
 	}
 	var outcomes srvCounts

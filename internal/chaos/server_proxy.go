@@ -150,11 +150,8 @@ func srvProxyPGTable(ctx context.Context, env *Env) (res Result, err error) {
 	}
 	defer proxied.Close()
 
-	migrator, err := pgtable.New(shared, pgtable.Options{Schema: o.Schema(), Logger: srvQuiet})
-	if err != nil {
-		return res, err
-	}
-	if err := migrator.Migrate(ctx); err != nil {
+	// Migrate directly; the store under test goes through the proxy.
+	if _, err := srvMigratedStore(ctx, shared, o.Schema()); err != nil {
 		return res, err
 	}
 	store, err := pgtable.New(proxied, pgtable.Options{Schema: o.Schema(), Logger: srvQuiet})
@@ -299,18 +296,12 @@ func srvProxyOutboxKafka(ctx context.Context, env *Env) (res Result, err error) 
 		return res, err
 	}
 	defer func() { err = errors.Join(err, o.Drop(context.WithoutCancel(ctx))) }()
-	ob, err := pgoutbox.New(shared, pgoutbox.Options{Schema: o.Schema(), Logger: srvQuiet})
+	ob, err := srvMigratedOutbox(ctx, shared, o.Schema())
 	if err != nil {
 		return res, err
 	}
-	if err := ob.Migrate(ctx); err != nil {
-		return res, err
-	}
-	store, err := pgtable.New(shared, pgtable.Options{Schema: o.Schema(), Logger: srvQuiet})
+	store, err := srvMigratedStore(ctx, shared, o.Schema())
 	if err != nil {
-		return res, err
-	}
-	if err := store.Migrate(ctx); err != nil {
 		return res, err
 	}
 

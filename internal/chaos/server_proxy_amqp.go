@@ -26,7 +26,6 @@ import (
 
 	"github.com/idemkit/idem/adapters/amqp"
 	"github.com/idemkit/idem/consumer"
-	"github.com/idemkit/idem/dedup/pgtable"
 	"github.com/idemkit/idem/internal/fault"
 	"github.com/idemkit/idem/outbox/pgoutbox"
 )
@@ -86,18 +85,12 @@ func srvProxyOutboxAMQP(ctx context.Context, env *Env) (res Result, err error) {
 		return res, err
 	}
 	defer func() { err = errors.Join(err, o.Drop(context.WithoutCancel(ctx))) }()
-	ob, err := pgoutbox.New(shared, pgoutbox.Options{Schema: o.Schema(), Logger: srvQuiet})
+	ob, err := srvMigratedOutbox(ctx, shared, o.Schema())
 	if err != nil {
 		return res, err
 	}
-	if err := ob.Migrate(ctx); err != nil {
-		return res, err
-	}
-	store, err := pgtable.New(shared, pgtable.Options{Schema: o.Schema(), Logger: srvQuiet})
+	store, err := srvMigratedStore(ctx, shared, o.Schema())
 	if err != nil {
-		return res, err
-	}
-	if err := store.Migrate(ctx); err != nil {
 		return res, err
 	}
 

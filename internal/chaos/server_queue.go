@@ -30,6 +30,8 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/idemkit/idem/consumer"
+	"github.com/idemkit/idem/dedup/pgtable"
+	"github.com/idemkit/idem/outbox/pgoutbox"
 )
 
 // srvQuiet is the logger of the libraries under test: their warnings are
@@ -496,4 +498,29 @@ func srvDupDetail(ctx context.Context, pool *pgxpool.Pool, o *Oracle) string {
 		return err.Error()
 	}
 	return strings.Join(parts, ", ")
+}
+
+// srvMigratedStore returns a migrated dedup/pgtable store on pool in schema.
+func srvMigratedStore(ctx context.Context, pool pgtable.DB, schema string) (*pgtable.Store, error) {
+	st, err := pgtable.New(pool, pgtable.Options{Schema: schema, Logger: srvQuiet})
+	if err != nil {
+		return nil, err
+	}
+	if err := st.Migrate(ctx); err != nil {
+		return nil, err
+	}
+	return st, nil
+}
+
+// srvMigratedOutbox returns a migrated pgoutbox on pool in schema ("" for the
+// default).
+func srvMigratedOutbox(ctx context.Context, pool *pgxpool.Pool, schema string) (*pgoutbox.Outbox, error) {
+	ob, err := pgoutbox.New(pool, pgoutbox.Options{Schema: schema, Logger: srvQuiet})
+	if err != nil {
+		return nil, err
+	}
+	if err := ob.Migrate(ctx); err != nil {
+		return nil, err
+	}
+	return ob, nil
 }

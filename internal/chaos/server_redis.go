@@ -30,7 +30,6 @@ import (
 	"github.com/redis/go-redis/v9"
 
 	"github.com/idemkit/idem/consumer"
-	"github.com/idemkit/idem/dedup/pgtable"
 	"github.com/idemkit/idem/dedup/redisnx"
 	"github.com/idemkit/idem/dedup/twolevel"
 	"github.com/idemkit/idem/internal/fault"
@@ -165,11 +164,8 @@ func srvRedisTwoLevel(ctx context.Context, env *Env) (res Result, err error) {
 	if err != nil {
 		return res, err
 	}
-	db, err := pgtable.New(e.shared, pgtable.Options{Schema: o.Schema(), Logger: srvQuiet})
+	db, err := srvMigratedStore(ctx, e.shared, o.Schema())
 	if err != nil {
-		return res, err
-	}
-	if err := db.Migrate(ctx); err != nil {
 		return res, err
 	}
 	var sources srvCounts
