@@ -5,7 +5,6 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
-	"sync"
 	"time"
 
 	"go.opentelemetry.io/otel/attribute"
@@ -13,6 +12,7 @@ import (
 	"go.opentelemetry.io/otel/trace"
 
 	"github.com/idemkit/idem/dedup"
+	"github.com/idemkit/idem/internal/leasekeep"
 	"github.com/idemkit/idem/internal/telemetry"
 )
 
@@ -43,7 +43,11 @@ type DedupOptions struct {
 	MaxKeyLen int
 	// ExtendEvery is how often the lease is extended while the handler
 	// runs. Defaults to a third of the lease's TTL (no heartbeat when the
-	// store reports no TTL). Negative disables the heartbeat.
+	// store reports no TTL). Negative disables the heartbeat. The first
+	// extension comes between ExtendEvery/2 and ExtendEvery after the
+	// claim, the later ones every ExtendEvery: one timer per middleware
+	// serves all the handlers in flight, so a handler that returns sooner
+	// costs no timer at all.
 	ExtendEvery time.Duration
 	// FinishTimeout bounds Complete and Release. Both run with
 	// context.WithoutCancel, so a handler that succeeded just as the
@@ -124,7 +128,8 @@ func Dedup(store dedup.LeaseStore, opts DedupOptions) (Middleware, error) {
 		opts.StoreName = telemetry.StoreName(store)
 	}
 	d := &dedupMiddleware{store: store, keys: kb, opts: opts,
-		tel: telemetry.NewDedup(opts.MeterProvider, opts.TracerProvider, opts.Scope, opts.StoreName)}
+		tel:    telemetry.NewDedup(opts.MeterProvider, opts.TracerProvider, opts.Scope, opts.StoreName),
+		keeper: leasekeep.New(store, opts.Logger, "consumer")}
 	return func(next Handler) Handler {
 		return HandlerFunc(func(ctx context.Context, msg *Message) error {
 			return d.handle(ctx, msg, next)
@@ -133,16 +138,40 @@ func Dedup(store dedup.LeaseStore, opts DedupOptions) (Middleware, error) {
 }
 
 type dedupMiddleware struct {
-	store dedup.LeaseStore
-	keys  *keyBuilder
-	opts  DedupOptions
-	tel   *telemetry.Dedup
+	store  dedup.LeaseStore
+	keys   *keyBuilder
+	opts   DedupOptions
+	tel    *telemetry.Dedup
+	keeper *leasekeep.Keeper
 }
 
 func (d *dedupMiddleware) outcome(ctx context.Context, msg *Message, outcome string) {
 	if d.opts.OnOutcome != nil {
 		d.opts.OnOutcome(ctx, msg, outcome)
 	}
+}
+
+// dedupRun is one message's state under a claim, allocated once: the
+// heartbeat's hold, the result slot and the context of Complete or Release.
+type dedupRun struct {
+	hold leasekeep.Hold
+	slot resultSlot
+	hctx slotCtx
+	fin  leasekeep.Finish
+}
+
+// slotCtx is the handler's context: its parent with the result slot as the
+// value of resultKey (context.WithValue, without an allocation of its own).
+type slotCtx struct {
+	context.Context
+	slot *resultSlot
+}
+
+func (c *slotCtx) Value(key any) any {
+	if _, ok := key.(resultKey); ok {
+		return c.slot
+	}
+	return c.Context.Value(key)
 }
 
 func (d *dedupMiddleware) handle(ctx context.Context, msg *Message, next Handler) error {
@@ -152,7 +181,13 @@ func (d *dedupMiddleware) handle(ctx context.Context, msg *Message, next Handler
 		d.tel.Claimed(ctx, telemetry.ClaimInvalidKey, 0)
 		return err
 	}
-	start := time.Now()
+	// The clock is read only for the duration histograms, when a meter
+	// provider records them.
+	timed := d.tel.Timed(ctx)
+	var start time.Time
+	if timed {
+		start = time.Now()
+	}
 	// The span's attributes are built only under a recording span: a
 	// variadic call through a func value would allocate them every time.
 	recording := telemetry.Recording(ctx)
@@ -166,24 +201,40 @@ func (d *dedupMiddleware) handle(ctx context.Context, msg *Message, next Handler
 	}
 	if err != nil {
 		o := claimOutcome(err)
-		d.tel.Claimed(ctx, telemetryClaim(o), time.Since(start))
+		d.tel.Claimed(ctx, telemetryClaim(o), since(timed, start))
 		if recording {
 			endClaim(spanErr(err), telemetry.AttrOutcome.String(telemetryClaim(o)))
 		}
 		d.outcome(ctx, msg, o)
 		return fmt.Errorf("consumer: claim %s: %w", key, err)
 	}
-	hstart := time.Now()
+	var hstart time.Time
+	if timed {
+		hstart = time.Now()
+	}
 	d.tel.Claimed(ctx, telemetry.ClaimFirst, hstart.Sub(start))
 	if recording {
 		endClaim(nil, telemetry.AttrOutcome.String(telemetry.ClaimFirst))
 	}
 
-	hctx, cancel := context.WithCancelCause(ctx)
+	run := &dedupRun{}
+	cancelable, cancel := context.WithCancelCause(ctx)
 	defer cancel(nil)
-	hctx, slot := withResultSlot(hctx)
-	hb := d.startHeartbeat(ctx, lease, cancel)
+	run.hctx = slotCtx{Context: cancelable, slot: &run.slot}
+	var hctx context.Context = &run.hctx
+	every := d.opts.ExtendEvery
+	if every == 0 {
+		every = lease.TTL / 3
+	}
+	// The heartbeat lives as long as the handler runs, not as long as ctx:
+	// a handler that finishes its work during a graceful stop keeps its
+	// lease.
+	d.keeper.Start(ctx, &run.hold, lease, every, cancel)
 	hctx, endHandle := telemetry.StartSpan(hctx, d.tel.Tracer, "idem.handle")
+	end := func(outcome string) {
+		d.tel.Handled(ctx, outcome, since(timed, hstart))
+		d.outcome(ctx, msg, outcome)
+	}
 
 	returned := false
 	defer func() {
@@ -193,166 +244,65 @@ func (d *dedupMiddleware) handle(ctx context.Context, msg *Message, next Handler
 		// The handler panicked (or called runtime.Goexit). Give the key
 		// back so a redelivery can run; the panic goes on to Recover.
 		endHandle(errors.New("the handler panicked"))
-		hb.stop()
-		if hb.lostErr != nil {
-			d.ended(ctx, msg, hstart, OutcomeLeaseLost)
+		if run.hold.Stop() != nil {
+			end(OutcomeLeaseLost)
 			return
 		}
-		d.release(ctx, lease, "the handler panicked")
-		d.ended(ctx, msg, hstart, OutcomeReleased)
+		d.release(ctx, run, lease, "the handler panicked")
+		end(OutcomeReleased)
 	}()
 	herr := next.Handle(hctx, msg)
 	returned = true
 	endHandle(herr)
-	hb.stop()
 
-	if lost := hb.lostErr; lost != nil {
-		d.ended(ctx, msg, hstart, OutcomeLeaseLost)
+	if lost := run.hold.Stop(); lost != nil {
+		end(OutcomeLeaseLost)
 		if herr != nil {
 			return fmt.Errorf("consumer: handler for %s failed after its lease was lost: %w; handler error: %w", key, lost, herr)
 		}
 		return fmt.Errorf("consumer: handler for %s finished after its lease was lost; it cannot be completed: %w", key, lost)
 	}
 	if herr != nil {
-		d.release(ctx, lease, "the handler failed")
-		d.ended(ctx, msg, hstart, OutcomeReleased)
+		d.release(ctx, run, lease, "the handler failed")
+		end(OutcomeReleased)
 		return herr
 	}
-	fctx, fcancel := context.WithTimeout(context.WithoutCancel(ctx), d.opts.FinishTimeout)
-	defer fcancel()
-	fctx, endComplete := telemetry.StartSpan(fctx, d.tel.Tracer, "idem.complete")
-	err = d.store.Complete(fctx, lease, slot.get())
+	run.fin.Init(ctx, d.opts.FinishTimeout)
+	var fctx context.Context = &run.fin
+	endComplete := noEnd
+	if recording {
+		fctx, endComplete = telemetry.StartSpan(fctx, d.tel.Tracer, "idem.complete")
+	}
+	err = d.store.Complete(fctx, lease, run.slot.get())
+	run.fin.Close()
 	endComplete(err)
 	if err != nil {
-		d.ended(ctx, msg, hstart, OutcomeCompleteFailed)
+		end(OutcomeCompleteFailed)
 		d.opts.Logger.WarnContext(ctx, "idem: completing the key failed after the handler succeeded; the message will be retried once the lease expires",
 			slog.String("key_hash", key.Hash()), slog.Any("error", err))
 		return fmt.Errorf("consumer: complete %s: %w", key, err)
 	}
-	d.ended(ctx, msg, hstart, OutcomeCompleted)
+	end(OutcomeCompleted)
 	return nil
 }
 
-// ended reports how a handler that ran under a claim ended.
-func (d *dedupMiddleware) ended(ctx context.Context, msg *Message, hstart time.Time, outcome string) {
-	d.tel.Handled(ctx, outcome, time.Since(hstart))
-	d.outcome(ctx, msg, outcome)
+// since is the time since start, when timed.
+func since(timed bool, start time.Time) time.Duration {
+	if !timed {
+		return 0
+	}
+	return time.Since(start)
 }
 
 // noEnd ends no span.
 func noEnd(error, ...attribute.KeyValue) {}
 
-func (d *dedupMiddleware) release(ctx context.Context, lease *dedup.Lease, why string) {
-	rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), d.opts.FinishTimeout)
-	defer cancel()
-	if err := d.store.Release(rctx, lease); err != nil {
+func (d *dedupMiddleware) release(ctx context.Context, run *dedupRun, lease *dedup.Lease, why string) {
+	run.fin.Init(ctx, d.opts.FinishTimeout)
+	err := d.store.Release(&run.fin, lease)
+	run.fin.Close()
+	if err != nil {
 		d.opts.Logger.WarnContext(ctx, "idem: releasing the key failed; it stays claimed until its lease expires",
 			slog.String("key_hash", lease.Key.Hash()), slog.String("why", why), slog.Any("error", err))
 	}
-}
-
-// heartbeat extends a lease until stopped. It runs on a timer
-// (time.AfterFunc), so a handler that finishes before the first beat costs no
-// goroutine. lostErr is set when the store answered ErrLeaseLost; read it
-// only after stop has returned.
-type heartbeat struct {
-	d       *dedupMiddleware
-	lease   *dedup.Lease
-	logCtx  context.Context
-	base    context.Context // ctx without its cancellation
-	lost    context.CancelCauseFunc
-	every   time.Duration
-	timeout time.Duration
-
-	mu      sync.Mutex
-	timer   *time.Timer
-	stopped bool
-	cancel  context.CancelFunc // cancels an Extend in progress
-	running sync.WaitGroup
-	lostErr error
-}
-
-// stop ends the heartbeat and waits for a beat in progress to return.
-func (h *heartbeat) stop() {
-	h.mu.Lock()
-	if h.stopped {
-		h.mu.Unlock()
-		return
-	}
-	h.stopped = true
-	if h.timer != nil {
-		h.timer.Stop()
-	}
-	cancel := h.cancel
-	h.mu.Unlock()
-	if cancel != nil {
-		cancel()
-	}
-	h.running.Wait()
-}
-
-func (h *heartbeat) beat() {
-	h.mu.Lock()
-	if h.stopped {
-		h.mu.Unlock()
-		return
-	}
-	h.running.Add(1)
-	if h.cancel == nil {
-		h.base, h.cancel = context.WithCancel(h.base)
-	}
-	base := h.base
-	h.mu.Unlock()
-	defer h.running.Done()
-
-	// Each Extend may take up to the lease's TTL: past that the lease is
-	// gone anyway.
-	ectx, ecancel := context.WithTimeout(base, h.timeout)
-	err := h.d.store.Extend(ectx, h.lease)
-	ecancel()
-	switch {
-	case err == nil:
-	case errors.Is(err, dedup.ErrLeaseLost):
-		lostErr := fmt.Errorf("consumer: heartbeat: %w", err)
-		h.mu.Lock()
-		h.lostErr = lostErr
-		h.mu.Unlock()
-		h.d.opts.Logger.WarnContext(h.logCtx, "idem: lease lost while the handler ran; cancelling it",
-			slog.String("key_hash", h.lease.Key.Hash()), slog.Any("error", err))
-		h.lost(lostErr)
-		return
-	case base.Err() != nil:
-		return
-	default:
-		h.d.opts.Logger.WarnContext(h.logCtx, "idem: extending the lease failed; trying again at the next beat",
-			slog.String("key_hash", h.lease.Key.Hash()), slog.Any("error", err))
-	}
-	h.mu.Lock()
-	if !h.stopped {
-		h.timer.Reset(h.every)
-	}
-	h.mu.Unlock()
-}
-
-func (d *dedupMiddleware) startHeartbeat(ctx context.Context, lease *dedup.Lease, lost context.CancelCauseFunc) *heartbeat {
-	every := d.opts.ExtendEvery
-	if every == 0 {
-		every = lease.TTL / 3
-	}
-	timeout := lease.TTL
-	if timeout <= 0 {
-		timeout = every
-	}
-	// The heartbeat lives as long as the handler runs, not as long as ctx:
-	// a handler that finishes its work during a graceful stop keeps its
-	// lease.
-	hb := &heartbeat{d: d, lease: lease, logCtx: ctx, base: context.WithoutCancel(ctx), lost: lost, every: every, timeout: timeout}
-	if every <= 0 {
-		hb.stopped = true
-		return hb
-	}
-	hb.mu.Lock()
-	hb.timer = time.AfterFunc(every, hb.beat)
-	hb.mu.Unlock()
-	return hb
 }

@@ -2,6 +2,7 @@ package dedup
 
 import (
 	"crypto/sha256"
+	"encoding/binary"
 	"encoding/hex"
 	"fmt"
 	"log/slog"
@@ -19,13 +20,27 @@ type Fingerprint [sha256.Size]byte
 // FingerprintOf returns the SHA-256 of the parts, each prefixed with its
 // length so that ("ab","c") and ("a","bc") differ.
 func FingerprintOf(parts ...[]byte) Fingerprint {
+	// Small content (most messages) is framed in a buffer on the stack and
+	// hashed in one call, which allocates nothing; larger content streams
+	// through a hash.Hash. Both give the same digest.
+	const small = 256
+	total := 0
+	for _, p := range parts {
+		total += 8 + len(p)
+	}
+	if total <= small {
+		var buf [small]byte
+		b := buf[:0]
+		for _, p := range parts {
+			b = binary.LittleEndian.AppendUint64(b, uint64(len(p)))
+			b = append(b, p...)
+		}
+		return sha256.Sum256(b)
+	}
 	h := sha256.New()
 	var n [8]byte
 	for _, p := range parts {
-		l := uint64(len(p))
-		for i := range n {
-			n[i] = byte(l >> (8 * i))
-		}
+		binary.LittleEndian.PutUint64(n[:], uint64(len(p)))
 		h.Write(n[:])
 		h.Write(p)
 	}

@@ -2,6 +2,7 @@ package dedup_test
 
 import (
 	"bytes"
+	"crypto/sha256"
 	"fmt"
 	"log/slog"
 	"strings"
@@ -30,5 +31,31 @@ func TestKeyNeverPrintsRaw(t *testing.T) {
 	// Scope and id are separated: moving a byte across the boundary changes the hash.
 	if dedup.HashKey("ab", "c") == dedup.HashKey("a", "bc") {
 		t.Fatal("hash ignores the scope/id boundary")
+	}
+}
+
+// TestFingerprintFraming pins FingerprintOf to its definition, SHA-256 over
+// each part prefixed with its length as 8 little-endian bytes, on both sides
+// of the size where it switches from a stack buffer to a streaming hash:
+// stored fingerprints must not change with the implementation.
+func TestFingerprintFraming(t *testing.T) {
+	for _, sizes := range [][]int{{}, {0}, {1}, {31}, {248}, {249}, {120, 120}, {120, 121}, {4096}, {0, 0, 3}} {
+		var parts [][]byte
+		var framed []byte
+		for i, n := range sizes {
+			p := bytes.Repeat([]byte{byte('a' + i)}, n)
+			parts = append(parts, p)
+			var l [8]byte
+			for j := range l {
+				l[j] = byte(uint64(n) >> (8 * j))
+			}
+			framed = append(append(framed, l[:]...), p...)
+		}
+		if got, want := dedup.FingerprintOf(parts...), dedup.Fingerprint(sha256.Sum256(framed)); got != want {
+			t.Errorf("sizes %v: FingerprintOf %x, want %x", sizes, got, want)
+		}
+	}
+	if dedup.FingerprintOf([]byte("ab"), []byte("c")) == dedup.FingerprintOf([]byte("a"), []byte("bc")) {
+		t.Fatal("the parts' boundary does not count")
 	}
 }

@@ -11,6 +11,7 @@ import (
 
 	"github.com/idemkit/idem/consumer"
 	"github.com/idemkit/idem/dedup"
+	"github.com/idemkit/idem/internal/leasekeep"
 	"github.com/idemkit/idem/internal/telemetry"
 )
 
@@ -64,7 +65,7 @@ func Dedup(store dedup.LeaseStore, opts Options) (message.HandlerMiddleware, err
 	if err != nil {
 		return nil, err
 	}
-	d := &leaseMiddleware{config: c, store: store}
+	d := &leaseMiddleware{config: c, store: store, keeper: leasekeep.New(store, c.Logger, "watermill")}
 	return func(h message.HandlerFunc) message.HandlerFunc {
 		// The frames below the handler stay small: claim returns
 		// before, settle runs after the handler, so the handler's
@@ -87,7 +88,8 @@ func Dedup(store dedup.LeaseStore, opts Options) (message.HandlerMiddleware, err
 
 type leaseMiddleware struct {
 	*config
-	store dedup.LeaseStore
+	store  dedup.LeaseStore
+	keeper *leasekeep.Keeper
 }
 
 // claim builds the key and claims it. It returns the call when the lease
@@ -100,7 +102,13 @@ func (d *leaseMiddleware) claim(dl *delivery, msg *message.Message) (*call, []*m
 	}
 	tel := d.tel.Get(key.Scope)
 	ctx := msg.Context()
-	start := time.Now()
+	// The clock is read only for the duration histograms, when a meter
+	// provider records them.
+	timed := tel.Timed(ctx)
+	var start time.Time
+	if timed {
+		start = time.Now()
+	}
 	cctx, end := startClaim(ctx, tel, key)
 	lease, err := d.store.Claim(cctx, key)
 	if err == nil && lease == nil {
@@ -108,17 +116,24 @@ func (d *leaseMiddleware) claim(dl *delivery, msg *message.Message) (*call, []*m
 	}
 	if err != nil {
 		o := claimOutcome(err)
-		tel.Claimed(ctx, o, time.Since(start))
+		var took time.Duration
+		if timed {
+			took = time.Since(start)
+		}
+		tel.Claimed(ctx, o, took)
 		endClaim(end, spanErr(err), o)
 		out, err := d.claimFailed(dl, msg, key, err)
 		return nil, out, err
 	}
-	hstart := time.Now()
+	var hstart time.Time
+	if timed {
+		hstart = time.Now()
+	}
 	tel.Claimed(ctx, telemetry.ClaimFirst, hstart.Sub(start))
 	endClaim(end, nil, telemetry.ClaimFirst)
 	hctx, cancel := context.WithCancelCause(ctx)
-	lc := d.startCall(ctx, d.store, lease, cancel)
-	lc.msg, lc.tel, lc.hstart = msg, tel, hstart
+	lc := d.startCall(ctx, lease, cancel)
+	lc.msg, lc.tel, lc.timed, lc.hstart = msg, tel, timed, hstart
 	hctx, lc.endHandle = telemetry.StartSpan(hctx, tel.Tracer, "idem.handle")
 	msg.SetContext(hctx)
 	return lc, nil, nil
@@ -149,7 +164,11 @@ func (lc *call) settle(out []*message.Message, herr error) ([]*message.Message, 
 
 // handled reports how the handler's run under the lease ended.
 func (lc *call) handled(outcome string) {
-	lc.tel.Handled(lc.parent, outcome, time.Since(lc.hstart))
+	var took time.Duration
+	if lc.timed {
+		took = time.Since(lc.hstart)
+	}
+	lc.tel.Handled(lc.parent, outcome, took)
 	lc.cfg.outcome(lc.msg, outcome)
 }
 

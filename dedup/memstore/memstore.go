@@ -44,7 +44,7 @@ type mapKey struct{ scope, id string }
 
 type shard struct {
 	mu      sync.Mutex
-	entries map[mapKey]*entry
+	entries map[mapKey]entry // by value: one allocation less per claim
 }
 
 func (s *Store) shardOf(scope, id string) *shard {
@@ -126,7 +126,7 @@ func New(opts Options) (*Store, error) {
 	_, _ = rand.Read(p[:])
 	s := &Store{opts: opts, stop: make(chan struct{}), tokenPrefix: hex.EncodeToString(p[:]) + "-"}
 	for i := range s.shards {
-		s.shards[i].entries = make(map[mapKey]*entry)
+		s.shards[i].entries = make(map[mapKey]entry)
 	}
 	if opts.SweepInterval > 0 {
 		s.wg.Add(1)
@@ -197,7 +197,9 @@ func (s *Store) sweep() {
 // at New and a counter. Tokens only need to tell owners apart, and a
 // counter is much cheaper per message than reading crypto/rand.
 func (s *Store) newToken() string {
-	return s.tokenPrefix + strconv.FormatUint(s.tokenSeq.Add(1), 36)
+	var buf [48]byte
+	b := append(buf[:0], s.tokenPrefix...)
+	return string(strconv.AppendUint(b, s.tokenSeq.Add(1), 36))
 }
 
 // Claim implements dedup.LeaseStore.
@@ -231,7 +233,7 @@ func (s *Store) claimLocked(sh *shard, key dedup.Key) (*dedup.Lease, error) {
 		return nil, dedup.InFlight(key, e.expires.Sub(now))
 	}
 	l := &dedup.Lease{Key: key, Token: s.newToken(), TTL: s.opts.Lease}
-	sh.entries[id] = &entry{state: inFlight, token: l.Token, fp: key.Fingerprint, expires: now.Add(s.opts.Lease)}
+	sh.entries[id] = entry{state: inFlight, token: l.Token, fp: key.Fingerprint, expires: now.Add(s.opts.Lease)}
 	return l, nil
 }
 
@@ -261,24 +263,26 @@ func (s *Store) ClaimBatch(ctx context.Context, keys []dedup.Key) ([]dedup.Batch
 	return out, nil
 }
 
-// owned locks the shard of l's key and returns it with the entry l owns.
-// On success the caller must unlock the shard.
-func (s *Store) owned(l *dedup.Lease) (*shard, *entry, error) {
+// owned locks the shard of l's key and returns it with the entry l owns and
+// the time. On success the caller must unlock the shard, and store the entry
+// back if it changed it.
+func (s *Store) owned(l *dedup.Lease) (*shard, entry, time.Time, error) {
 	if l == nil {
-		return nil, nil, fmt.Errorf("memstore: nil lease: %w", dedup.ErrLeaseLost)
+		return nil, entry{}, time.Time{}, fmt.Errorf("memstore: nil lease: %w", dedup.ErrLeaseLost)
 	}
 	sh := s.shardOf(l.Key.Scope, l.Key.ID)
 	sh.mu.Lock()
 	if s.closed.Load() {
 		sh.mu.Unlock()
-		return nil, nil, dedup.ErrClosed
+		return nil, entry{}, time.Time{}, dedup.ErrClosed
 	}
+	now := s.opts.Clock.Now()
 	e, ok := sh.entries[mapKey{l.Key.Scope, l.Key.ID}]
-	if !ok || e.state != inFlight || e.token != l.Token || !s.opts.Clock.Now().Before(e.expires) {
+	if !ok || e.state != inFlight || e.token != l.Token || !now.Before(e.expires) {
 		sh.mu.Unlock()
-		return nil, nil, fmt.Errorf("memstore: key %s: %w", l.Key, dedup.ErrLeaseLost)
+		return nil, entry{}, time.Time{}, fmt.Errorf("memstore: key %s: %w", l.Key, dedup.ErrLeaseLost)
 	}
-	return sh, e, nil
+	return sh, e, now, nil
 }
 
 // Extend implements dedup.LeaseStore.
@@ -286,12 +290,13 @@ func (s *Store) Extend(ctx context.Context, l *dedup.Lease) error {
 	if err := ctx.Err(); err != nil {
 		return err
 	}
-	sh, e, err := s.owned(l)
+	sh, e, now, err := s.owned(l)
 	if err != nil {
 		return err
 	}
 	defer sh.mu.Unlock()
-	e.expires = s.opts.Clock.Now().Add(s.opts.Lease)
+	e.expires = now.Add(s.opts.Lease)
+	sh.entries[mapKey{l.Key.Scope, l.Key.ID}] = e
 	return nil
 }
 
@@ -300,7 +305,7 @@ func (s *Store) Complete(ctx context.Context, l *dedup.Lease, result []byte) err
 	if err := ctx.Err(); err != nil {
 		return err
 	}
-	sh, e, err := s.owned(l)
+	sh, e, now, err := s.owned(l)
 	if err != nil {
 		return err
 	}
@@ -308,7 +313,8 @@ func (s *Store) Complete(ctx context.Context, l *dedup.Lease, result []byte) err
 	e.state = done
 	e.token = ""
 	e.result = clone(result)
-	e.expires = s.opts.Clock.Now().Add(s.opts.TTL)
+	e.expires = now.Add(s.opts.TTL)
+	sh.entries[mapKey{l.Key.Scope, l.Key.ID}] = e
 	return nil
 }
 
@@ -317,7 +323,7 @@ func (s *Store) Release(ctx context.Context, l *dedup.Lease) error {
 	if err := ctx.Err(); err != nil {
 		return err
 	}
-	sh, _, err := s.owned(l)
+	sh, _, _, err := s.owned(l)
 	if err != nil {
 		return err
 	}

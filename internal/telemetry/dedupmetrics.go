@@ -20,11 +20,12 @@ type Dedup struct {
 	claimD  metric.Float64Histogram
 	handleD metric.Float64Histogram
 	lost    metric.Int64Counter
-	// Option slices built once: passing them with ... allocates nothing,
-	// where a variadic call with a fresh option would.
-	claimA  map[string][]metric.AddOption
-	claimR  map[string][]metric.RecordOption
-	handleR map[string][]metric.RecordOption
+	// Option slices built once, indexed by outcome (claimIndex,
+	// handledIndex): passing them with ... allocates nothing, where a
+	// variadic call with a fresh option would.
+	claimA  [len(claimOutcomes)][]metric.AddOption
+	claimR  [len(claimOutcomes)][]metric.RecordOption
+	handleR [len(handledOutcomes)][]metric.RecordOption
 	lostA   []metric.AddOption
 }
 
@@ -40,28 +41,69 @@ func NewDedup(mp metric.MeterProvider, tp trace.TracerProvider, scope, store str
 		claimD:  Histogram(m, MetricClaimDuration, "Time a claim of an idempotency key took."),
 		handleD: Histogram(m, MetricHandlerDuration, "Time the handler ran under a claim, by how it ended."),
 		lost:    Counter(m, MetricLeaseLost, "{lease}", "Leases lost while the handler ran."),
-		claimA:  map[string][]metric.AddOption{},
-		claimR:  map[string][]metric.RecordOption{},
-		handleR: map[string][]metric.RecordOption{},
 	}
 	base := []attribute.KeyValue{AttrScope.String(scope), AttrStore.String(store)}
-	for _, o := range []string{ClaimFirst, ClaimDuplicate, ClaimInFlight, ClaimFingerprintMismatch, ClaimInvalidKey, ClaimError} {
+	for i, o := range claimOutcomes {
 		set := metric.WithAttributeSet(attribute.NewSet(append(base[:2:2], AttrOutcome.String(o))...))
-		d.claimA[o] = []metric.AddOption{set}
-		d.claimR[o] = []metric.RecordOption{set}
+		d.claimA[i] = []metric.AddOption{set}
+		d.claimR[i] = []metric.RecordOption{set}
 	}
-	for _, o := range []string{"completed", "released", "lease_lost", "complete_failed"} {
-		d.handleR[o] = []metric.RecordOption{metric.WithAttributeSet(attribute.NewSet(append(base[:2:2], AttrOutcome.String(o))...))}
+	for i, o := range handledOutcomes {
+		d.handleR[i] = []metric.RecordOption{metric.WithAttributeSet(attribute.NewSet(append(base[:2:2], AttrOutcome.String(o))...))}
 	}
 	d.lostA = []metric.AddOption{metric.WithAttributeSet(attribute.NewSet(base...))}
 	return d
 }
 
-func (d *Dedup) opts(outcome string) ([]metric.AddOption, []metric.RecordOption) {
-	if a, ok := d.claimA[outcome]; ok {
-		return a, d.claimR[outcome]
+// claimOutcomes are the idem.claims outcomes, in claimIndex order.
+var claimOutcomes = [...]string{ClaimFirst, ClaimDuplicate, ClaimInFlight, ClaimFingerprintMismatch, ClaimInvalidKey, ClaimError}
+
+// claimIndex is outcome's place in claimOutcomes; an unknown outcome counts
+// as an error.
+func claimIndex(outcome string) int {
+	switch outcome {
+	case ClaimFirst:
+		return 0
+	case ClaimDuplicate:
+		return 1
+	case ClaimInFlight:
+		return 2
+	case ClaimFingerprintMismatch:
+		return 3
+	case ClaimInvalidKey:
+		return 4
 	}
-	return d.claimA[ClaimError], d.claimR[ClaimError]
+	return 5
+}
+
+// handledOutcomes are how a handler under a claim ends, in handledIndex
+// order.
+var handledOutcomes = [...]string{"completed", "released", "lease_lost", "complete_failed"}
+
+// handledIndex is outcome's place in handledOutcomes, or -1.
+func handledIndex(outcome string) int {
+	switch outcome {
+	case "completed":
+		return 0
+	case "released":
+		return 1
+	case "lease_lost":
+		return 2
+	case "complete_failed":
+		return 3
+	}
+	return -1
+}
+
+func (d *Dedup) opts(outcome string) ([]metric.AddOption, []metric.RecordOption) {
+	i := claimIndex(outcome)
+	return d.claimA[i], d.claimR[i]
+}
+
+// Timed reports whether the duration histograms record anything for ctx:
+// callers read the clock only then.
+func (d *Dedup) Timed(ctx context.Context) bool {
+	return d.claimD.Enabled(ctx) || d.handleD.Enabled(ctx)
 }
 
 // Claimed records one claim that took took.
@@ -85,11 +127,11 @@ func (d *Dedup) ClaimedN(ctx context.Context, outcome string, n int, took time.D
 // Handled records how a handler run under a claim ended: completed,
 // released, lease_lost or complete_failed.
 func (d *Dedup) Handled(ctx context.Context, outcome string, took time.Duration) {
-	r, ok := d.handleR[outcome]
-	if !ok {
+	i := handledIndex(outcome)
+	if i < 0 {
 		return
 	}
-	d.handleD.Record(ctx, took.Seconds(), r...)
+	d.handleD.Record(ctx, took.Seconds(), d.handleR[i]...)
 	if outcome == "lease_lost" {
 		d.lost.Add(ctx, 1, d.lostA...)
 	}

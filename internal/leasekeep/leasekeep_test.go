@@ -1,0 +1,297 @@
+package leasekeep
+
+import (
+	"context"
+	"errors"
+	"strconv"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/idemkit/idem/dedup"
+	"github.com/idemkit/idem/dedup/memstore"
+)
+
+func newStore(t *testing.T, lease time.Duration) *memstore.Store {
+	t.Helper()
+	s, err := memstore.New(memstore.Options{Lease: lease, SweepInterval: -1})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = s.Close() })
+	return s
+}
+
+func claim(t *testing.T, s dedup.LeaseStore, id string) *dedup.Lease {
+	t.Helper()
+	l, err := s.Claim(context.Background(), dedup.Key{Scope: "keep", ID: id})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return l
+}
+
+// The beats keep a lease alive well past its TTL; without them the same
+// lease is lost (the control shows the check can fail).
+func TestHoldKeepsTheLease(t *testing.T) {
+	const ttl = 200 * time.Millisecond
+	s := newStore(t, ttl)
+	k := New(s, nil, "test")
+
+	kept := claim(t, s, "kept")
+	var h Hold
+	k.Start(context.Background(), &h, kept, ttl/3, func(err error) { t.Errorf("lease lost: %v", err) })
+	control := claim(t, s, "control")
+
+	time.Sleep(4 * ttl)
+	if err := h.Stop(); err != nil {
+		t.Fatalf("Stop: %v", err)
+	}
+	if err := s.Complete(context.Background(), kept, nil); err != nil {
+		t.Fatalf("Complete of the kept lease: %v", err)
+	}
+	if err := s.Complete(context.Background(), control, nil); !errors.Is(err, dedup.ErrLeaseLost) {
+		t.Fatalf("Complete of the lease nobody extended: %v, want ErrLeaseLost", err)
+	}
+}
+
+// A lease taken over by another owner is reported once through onLost, and
+// Stop returns the same error; the beats end.
+func TestLostLease(t *testing.T) {
+	const ttl = 20 * time.Millisecond
+	s := newStore(t, ttl)
+	k := New(s, nil, "test")
+	l := claim(t, s, "lost")
+
+	var calls atomic.Int32
+	got := make(chan error, 1)
+	var h Hold
+	// Beats far apart: the lease expires before the first one.
+	k.Start(context.Background(), &h, l, 8*ttl, func(err error) {
+		calls.Add(1)
+		got <- err
+	})
+	time.Sleep(2 * ttl)
+	if _, err := s.Claim(context.Background(), l.Key); err != nil {
+		t.Fatalf("a new owner's claim after expiry: %v", err)
+	}
+	var lost error
+	select {
+	case lost = <-got:
+	case <-time.After(5 * time.Second):
+		t.Fatal("onLost was not called")
+	}
+	if !errors.Is(lost, dedup.ErrLeaseLost) {
+		t.Fatalf("onLost got %v, want ErrLeaseLost", lost)
+	}
+	time.Sleep(20 * ttl) // more ticks: no second call
+	if err := h.Stop(); err != lost {
+		t.Fatalf("Stop returned %v, want %v", err, lost)
+	}
+	if n := calls.Load(); n != 1 {
+		t.Fatalf("onLost called %d times", n)
+	}
+}
+
+// blockingStore's Extend waits until its context is done.
+type blockingStore struct {
+	dedup.LeaseStore
+	entered chan struct{}
+	ended   chan error
+}
+
+func (b *blockingStore) Extend(ctx context.Context, _ *dedup.Lease) error {
+	b.entered <- struct{}{}
+	<-ctx.Done()
+	b.ended <- ctx.Err()
+	return ctx.Err()
+}
+
+// Stop cancels an Extend in progress and waits for it to return.
+func TestStopCancelsABeat(t *testing.T) {
+	s := newStore(t, time.Minute)
+	bs := &blockingStore{LeaseStore: s, entered: make(chan struct{}, 1), ended: make(chan error, 1)}
+	k := New(bs, nil, "test")
+	l := claim(t, s, "blocked")
+	var h Hold
+	k.Start(context.Background(), &h, l, 10*time.Millisecond, func(err error) { t.Errorf("lease lost: %v", err) })
+	select {
+	case <-bs.entered:
+	case <-time.After(5 * time.Second):
+		t.Fatal("no beat started")
+	}
+	if err := h.Stop(); err != nil {
+		t.Fatalf("Stop: %v", err)
+	}
+	select {
+	case err := <-bs.ended:
+		if !errors.Is(err, context.Canceled) {
+			t.Fatalf("the Extend ended with %v, want context.Canceled", err)
+		}
+	default:
+		t.Fatal("Stop returned while the Extend still ran")
+	}
+}
+
+// The message context's cancellation does not stop the beats: a handler
+// that finishes during a graceful stop keeps its lease.
+func TestBeatsOutliveTheMessageContext(t *testing.T) {
+	const ttl = 200 * time.Millisecond
+	s := newStore(t, ttl)
+	k := New(s, nil, "test")
+	l := claim(t, s, "cancelled")
+	ctx, cancel := context.WithCancel(context.Background())
+	cancel()
+	var h Hold
+	k.Start(ctx, &h, l, ttl/3, func(err error) { t.Errorf("lease lost: %v", err) })
+	time.Sleep(3 * ttl)
+	if err := h.Stop(); err != nil {
+		t.Fatal(err)
+	}
+	if err := s.Complete(context.Background(), l, nil); err != nil {
+		t.Fatalf("Complete: %v", err)
+	}
+}
+
+// Many holds starting and stopping at once, with beats running among them:
+// every lease survives and, once all stopped, the timer stops ticking.
+func TestManyHolds(t *testing.T) {
+	const ttl = 150 * time.Millisecond
+	s := newStore(t, ttl)
+	k := New(s, nil, "test")
+	var wg sync.WaitGroup
+	var failed atomic.Int32
+	for i := range 200 {
+		wg.Go(func() {
+			l, err := s.Claim(context.Background(), dedup.Key{Scope: "many", ID: strconv.Itoa(i)})
+			if err != nil {
+				failed.Add(1)
+				return
+			}
+			var h Hold
+			k.Start(context.Background(), &h, l, ttl/3, func(error) { failed.Add(1) })
+			time.Sleep(time.Duration(i%4) * ttl)
+			if h.Stop() != nil || s.Complete(context.Background(), l, nil) != nil {
+				failed.Add(1)
+			}
+		})
+	}
+	wg.Wait()
+	if n := failed.Load(); n != 0 {
+		t.Fatalf("%d of 200 holds lost their lease", n)
+	}
+	tk := k.ticker(ttl / 3)
+	deadline := time.Now().Add(5 * time.Second)
+	for {
+		tk.mu.Lock()
+		ticking, head := tk.ticking, tk.head
+		tk.mu.Unlock()
+		if head != nil {
+			t.Fatal("a stopped hold is still linked")
+		}
+		if !ticking {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("the timer still ticks with no hold linked")
+		}
+		time.Sleep(ttl / 6)
+	}
+}
+
+// every ≤ 0: no beats, Stop is a no-op.
+func TestNoBeats(t *testing.T) {
+	s := newStore(t, time.Minute)
+	k := New(s, nil, "test")
+	var h Hold
+	k.Start(context.Background(), &h, claim(t, s, "none"), 0, nil)
+	if err := h.Stop(); err != nil {
+		t.Fatal(err)
+	}
+	if len(k.all) != 0 {
+		t.Fatal("a ticker was made for a hold without beats")
+	}
+}
+
+type ctxKey struct{}
+
+func TestFinishDeadline(t *testing.T) {
+	parent, cancel := context.WithCancelCause(context.WithValue(context.Background(), ctxKey{}, "v"))
+	cancel(errors.New("the consumer stopped"))
+
+	var f Finish
+	f.Init(parent, 50*time.Millisecond)
+	defer f.Close()
+	if f.Value(ctxKey{}) != "v" {
+		t.Fatal("the parent's value is lost")
+	}
+	if err := f.Err(); err != nil {
+		t.Fatalf("Err before the deadline: %v (the parent's cancellation leaked in)", err)
+	}
+	if c := context.Cause(&f); c != nil {
+		t.Fatalf("Cause before the deadline: %v", c)
+	}
+	dl, ok := f.Deadline()
+	if !ok || time.Until(dl) > 50*time.Millisecond || time.Until(dl) < 0 {
+		t.Fatalf("Deadline %v, %v", dl, ok)
+	}
+	child, ccancel := context.WithCancel(&f)
+	defer ccancel()
+	select {
+	case <-f.Done():
+	case <-time.After(5 * time.Second):
+		t.Fatal("Done not closed at the deadline")
+	}
+	if !errors.Is(f.Err(), context.DeadlineExceeded) {
+		t.Fatalf("Err after the deadline: %v", f.Err())
+	}
+	if c := context.Cause(&f); !errors.Is(c, context.DeadlineExceeded) {
+		t.Fatalf("Cause after the deadline: %v (the parent's cause leaked in)", c)
+	}
+	select {
+	case <-child.Done():
+	case <-time.After(5 * time.Second):
+		t.Fatal("a derived context was not cancelled at the deadline")
+	}
+	if time.Now().Before(dl) {
+		t.Fatal("done before its deadline")
+	}
+}
+
+// Err alone (no Done, no timer) still sees the deadline.
+func TestFinishErrWithoutDone(t *testing.T) {
+	var f Finish
+	f.Init(context.Background(), 20*time.Millisecond)
+	defer f.Close()
+	if err := f.Err(); err != nil {
+		t.Fatal(err)
+	}
+	time.Sleep(40 * time.Millisecond)
+	if !errors.Is(f.Err(), context.DeadlineExceeded) {
+		t.Fatalf("Err past the deadline: %v", f.Err())
+	}
+	select {
+	case <-f.Done():
+	default:
+		t.Fatal("Done open while Err reports the deadline")
+	}
+}
+
+func TestFinishClose(t *testing.T) {
+	var f Finish
+	f.Init(context.Background(), time.Hour)
+	done := f.Done()
+	f.Close()
+	select {
+	case <-done:
+	default:
+		t.Fatal("Done open after Close")
+	}
+	if !errors.Is(f.Err(), context.Canceled) {
+		t.Fatalf("Err after Close: %v", f.Err())
+	}
+	if f.timer.Stop() {
+		t.Fatal("the timer still ran after Close")
+	}
+}
