@@ -46,7 +46,10 @@ func noEnd(string, error) {}
 // continuing the trace in the record's headers; the handler chain runs in
 // the returned context.
 func (p *partition) startAttempt(ctx context.Context, it *item) (context.Context, attemptTel) {
-	start := time.Now()
+	var start time.Time
+	if p.c.tel.Timed(ctx) {
+		start = time.Now()
+	}
 	ctx, end := p.c.tel.StartConsumer(ctx, p.c.opts.Propagator, (*HeaderCarrier)(&it.km.Headers), it.km.Topic)
 	if sp := trace.SpanFromContext(ctx); sp.IsRecording() {
 		sp.SetAttributes(attrPartition.String(p.partStr), attrOffset.Int64(it.km.Offset), attrGroup.String(p.c.group))
@@ -98,7 +101,11 @@ func (p *partition) startBatch(ctx context.Context, items []*item) (context.Cont
 // back, so it counts as a retry.
 func (c *Consumer) verdict(ctx context.Context, topic string, at attemptTel, r consumer.Result, parked bool) {
 	result, reason := verdictOf(r, parked)
-	c.tel.Result(ctx, topic, result, reason, time.Since(at.start))
+	var took time.Duration
+	if !at.start.IsZero() {
+		took = time.Since(at.start)
+	}
+	c.tel.Result(ctx, topic, result, reason, took)
 	at.end(result, r.Err)
 }
 

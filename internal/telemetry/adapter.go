@@ -39,11 +39,18 @@ func NewAdapter(mp metric.MeterProvider, tp trace.TracerProvider, system string)
 // System is the messaging.system value.
 func (a *Adapter) System() string { return a.system }
 
+// Timed reports whether messaging.process.duration records anything for
+// ctx: adapters read the clock for it only then.
+func (a *Adapter) Timed(ctx context.Context) bool { return a.process.Enabled(ctx) }
+
 // Result records one message's verdict: result is ack, retry or
 // dead_letter; reason is the dead-letter reason (empty otherwise). The
 // attribute sets are cached per destination, result and reason, all of
 // them bounded (topics and queues, not ids).
 func (a *Adapter) Result(ctx context.Context, destination, result, reason string, took time.Duration) {
+	if !a.msgs.Enabled(ctx) && !a.process.Enabled(ctx) {
+		return // no provider records them: skip the attribute set lookup
+	}
 	k := setKey{destination, result, reason}
 	v, ok := a.sets.Load(k)
 	if !ok {
