@@ -1,10 +1,8 @@
 package main
 
 import (
-	"bufio"
 	"context"
 	"encoding/json"
-	"errors"
 	"fmt"
 	"io"
 	"os"
@@ -12,8 +10,9 @@ import (
 	"strconv"
 	"strings"
 	"sync"
-	"syscall"
 	"time"
+
+	"github.com/idemkit/idem/internal/childproc"
 )
 
 // The parent side of the idem consumer's child processes (demo_child.go):
@@ -35,18 +34,12 @@ const (
 
 // childProc is one child process.
 type childProc struct {
-	cmd    *exec.Cmd
-	stdin  io.WriteCloser
-	stderr *tailBuffer
+	*childproc.Proc
 	// crash is closed when the demo drew a crash for this child; frozen
 	// when the child reported "frozen".
 	crash, frozen         chan struct{}
 	crashOnce, frozenOnce sync.Once
 	crashing              bool // only the reader goroutine reads and writes it
-	// exited is closed once the child's stdout is read to its end and the
-	// process reaped; err is set then.
-	exited chan struct{}
-	err    error
 }
 
 // runChildren runs the group as child processes, one at a time, until ctx
@@ -68,11 +61,11 @@ func (g *group) runChildren(ctx context.Context) error {
 		select {
 		case <-ctx.Done():
 			return p.stop()
-		case <-p.exited:
+		case <-p.Exited():
 			if ctx.Err() != nil {
 				return nil
 			}
-			return fmt.Errorf("the idem consumer's child process exited: %w%s", p.exitErr(), p.stderr.tail())
+			return fmt.Errorf("the idem consumer's child process exited: %w%s", p.ExitErr(), p.StderrTail())
 		case <-p.crash:
 			if err := g.kill(p); err != nil {
 				return err
@@ -87,33 +80,15 @@ func (g *group) runChildren(ctx context.Context) error {
 func (g *group) startChild(cfg []byte) (*childProc, error) {
 	cmd := exec.Command(g.exe)
 	cmd.Env = append(os.Environ(), demoChildEnv+"=1")
-	setDeathSignal(cmd)
-	p := &childProc{cmd: cmd, stderr: &tailBuffer{max: 8 << 10},
-		crash: make(chan struct{}), frozen: make(chan struct{}), exited: make(chan struct{})}
-	cmd.Stderr = p.stderr
-	stdin, err := cmd.StdinPipe()
+	p := &childProc{crash: make(chan struct{}), frozen: make(chan struct{})}
+	// report uses only p's own channels, never p.Proc, which is set below.
+	proc, err := childproc.Start(cmd, 8<<10, func(line string) { g.report(p, line) })
 	if err != nil {
-		return nil, err
-	}
-	stdout, err := cmd.StdoutPipe()
-	if err != nil {
-		return nil, err
-	}
-	if err := cmd.Start(); err != nil {
 		return nil, fmt.Errorf("start the idem consumer's child process: %w", err)
 	}
-	p.stdin = stdin
+	p.Proc = proc
 	// The pipe's buffer holds the line: the child reads it when it starts.
-	_, _ = stdin.Write(append(cfg, '\n'))
-	go func() {
-		sc := bufio.NewScanner(stdout)
-		for sc.Scan() {
-			g.report(p, sc.Text())
-		}
-		_, _ = io.Copy(io.Discard, stdout)
-		p.err = cmd.Wait()
-		close(p.exited)
-	}()
+	_, _ = p.Stdin.Write(append(cfg, '\n'))
 	return p, nil
 }
 
@@ -158,17 +133,17 @@ func (g *group) report(p *childProc, line string) {
 // kill SIGKILLs p (frozen first when the group says so) and waits for it.
 func (g *group) kill(p *childProc) error {
 	if g.freeze {
-		_, _ = io.WriteString(p.stdin, "freeze\n")
+		_, _ = io.WriteString(p.Stdin, "freeze\n")
 		select {
 		case <-p.frozen:
-		case <-p.exited:
+		case <-p.Exited():
 		case <-time.After(childFreezeWait):
 		}
 	}
-	_ = p.cmd.Process.Kill()
-	<-p.exited
-	if !p.killed() {
-		return fmt.Errorf("the idem consumer's child process exited before its SIGKILL: %w%s", p.exitErr(), p.stderr.tail())
+	p.Kill()
+	<-p.Exited()
+	if !p.DiedOfSIGKILL() {
+		return fmt.Errorf("the idem consumer's child process exited before its SIGKILL: %w%s", p.ExitErr(), p.StderrTail())
 	}
 	g.kills.Add(1)
 	g.crashes.Add(1)
@@ -178,66 +153,16 @@ func (g *group) kill(p *childProc) error {
 // stop stops p gracefully (EOF on its stdin), SIGKILLing it after
 // childStopWait, and waits for it.
 func (p *childProc) stop() error {
-	_ = p.stdin.Close()
+	_ = p.Stdin.Close()
 	select {
-	case <-p.exited:
-		if p.err != nil {
-			return fmt.Errorf("the idem consumer's child process: %w%s", p.err, p.stderr.tail())
+	case <-p.Exited():
+		if p.Err() != nil {
+			return fmt.Errorf("the idem consumer's child process: %w%s", p.Err(), p.StderrTail())
 		}
 		return nil
 	case <-time.After(childStopWait):
-		_ = p.cmd.Process.Kill()
-		<-p.exited
-		return fmt.Errorf("the idem consumer's child process did not stop within %v%s", childStopWait, p.stderr.tail())
+		p.Kill()
+		<-p.Exited()
+		return fmt.Errorf("the idem consumer's child process did not stop within %v%s", childStopWait, p.StderrTail())
 	}
-}
-
-// exitErr is why the exited child exited: p.err, or "exit status 0".
-func (p *childProc) exitErr() error {
-	if p.err == nil {
-		return errors.New("exit status 0")
-	}
-	return p.err
-}
-
-// killed reports whether the exited child died of SIGKILL.
-func (p *childProc) killed() bool {
-	var ee *exec.ExitError
-	if errors.As(p.err, &ee) {
-		if ws, ok := ee.Sys().(syscall.WaitStatus); ok && ws.Signaled() && ws.Signal() == syscall.SIGKILL {
-			return true
-		}
-	}
-	return false
-}
-
-// tailBuffer keeps the last max bytes written to it: a child's stderr.
-type tailBuffer struct {
-	mu  sync.Mutex
-	max int
-	b   []byte
-}
-
-func (t *tailBuffer) Write(p []byte) (int, error) {
-	t.mu.Lock()
-	defer t.mu.Unlock()
-	t.b = append(t.b, p...)
-	if len(t.b) > t.max {
-		t.b = append(t.b[:0], t.b[len(t.b)-t.max:]...)
-	}
-	return len(p), nil
-}
-
-// tail returns the kept output as a suffix for an error message.
-func (t *tailBuffer) tail() string {
-	t.mu.Lock()
-	defer t.mu.Unlock()
-	s := strings.Join(strings.Fields(string(t.b)), " ")
-	if s == "" {
-		return ""
-	}
-	if len(s) > 1000 {
-		s = "..." + s[len(s)-1000:]
-	}
-	return "; its stderr ends with: " + s
 }

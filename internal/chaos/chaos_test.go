@@ -13,21 +13,6 @@ import (
 // The helpers of the SIGKILL and RabbitMQ cells; the matrix itself runs
 // from cmd/chaos, never from go test.
 
-func TestTailBufferKeepsTheEnd(t *testing.T) {
-	b := &tailBuffer{max: 8}
-	_, _ = b.Write([]byte("0123456789"))
-	_, _ = b.Write([]byte("ab"))
-	if got := string(b.b); got != "456789ab" {
-		t.Fatalf("kept %q, want %q", got, "456789ab")
-	}
-	if !strings.HasSuffix(b.tail(), "456789ab") {
-		t.Fatalf("tail %q", b.tail())
-	}
-	if (&tailBuffer{max: 8}).tail() != "" {
-		t.Fatal("an empty buffer has a tail")
-	}
-}
-
 func TestCountDeliveries(t *testing.T) {
 	dir := t.TempDir()
 	write := func(name, s string) {

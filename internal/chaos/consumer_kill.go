@@ -123,8 +123,8 @@ func runKills(ctx context.Context, env *Env, w workload, spec killSpec) (st kill
 	defer func() {
 		for _, p := range procs {
 			if p != nil {
-				p.sigkill()
-				<-p.exited
+				p.Kill()
+				<-p.Exited()
 			}
 		}
 	}()
@@ -163,7 +163,7 @@ func runKills(ctx context.Context, env *Env, w workload, spec killSpec) (st kill
 		return nil
 	}
 	unexpected := func(p *proc) error {
-		return fmt.Errorf("child %s exited on its own (%w)%s", p.cfg.Name, p.err, p.stderr.tail())
+		return fmt.Errorf("child %s exited on its own (%w)%s", p.cfg.Name, p.Err(), p.StderrTail())
 	}
 
 	var (
@@ -211,13 +211,13 @@ func runKills(ctx context.Context, env *Env, w workload, spec killSpec) (st kill
 		}
 		for s, p := range procs {
 			select {
-			case <-p.exited:
-				if !p.killed() {
+			case <-p.Exited():
+				if !p.DiedOfSIGKILL() {
 					return st, unexpected(p)
 				}
 				st.kills++
 				switch {
-				case !p.signalled:
+				case !p.Signalled():
 					st.byPoint[p.plan.point]++
 				case p.plan.point != "":
 					st.missed++
@@ -233,12 +233,12 @@ func runKills(ctx context.Context, env *Env, w workload, spec killSpec) (st kill
 				continue
 			default:
 			}
-			if !p.plan.armed || p.signalled {
+			if !p.plan.armed || p.Signalled() {
 				continue
 			}
 			if !p.armedAt.IsZero() {
 				if now.Sub(p.armedAt) > spec.named {
-					p.sigkill() // the named point was not reached
+					p.Kill() // the named point was not reached
 				}
 				continue
 			}
@@ -255,7 +255,7 @@ func runKills(ctx context.Context, env *Env, w workload, spec killSpec) (st kill
 				continue
 			}
 			if p.plan.point == "" {
-				p.sigkill()
+				p.Kill()
 			} else if err := p.arm(now); err != nil {
 				return st, err
 			}
@@ -274,7 +274,7 @@ func runKills(ctx context.Context, env *Env, w workload, spec killSpec) (st kill
 		}
 		for _, p := range procs {
 			select {
-			case <-p.exited:
+			case <-p.Exited():
 				return st, unexpected(p)
 			default:
 			}
@@ -327,7 +327,7 @@ func runKills(ctx context.Context, env *Env, w workload, spec killSpec) (st kill
 
 func planName(p *proc) string {
 	switch {
-	case p.plan.point != "" && !p.signalled:
+	case p.plan.point != "" && !p.Signalled():
 		return fmt.Sprintf("named point %s, armed at %d inputs done", p.plan.point, p.plan.target)
 	case p.plan.point != "":
 		return "named point " + p.plan.point + " not reached, killed by the runner"

@@ -1,6 +1,6 @@
 //go:build !linux
 
-package chaos
+package childproc
 
 import "os/exec"
 
