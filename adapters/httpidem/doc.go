@@ -64,9 +64,20 @@
 // *twolevel.Store with Redis in front of it. The handler gets the
 // transaction with Tx(r.Context()); its writes, the key's row and the
 // stored response commit together or not at all, and the response is sent
-// after the commit. This is exact for effects in the database: a duplicate
-// that arrives while the first transaction runs waits for it in PostgreSQL,
-// then replays its response.
+// after the commit. This is exact for effects in the database.
+//
+// pgtable begins the transaction with an advisory lock on the key and a read
+// of the key's row, runs the handler, and writes the key's row, with the
+// encoded response, only at commit: one row write beside the handler's, in
+// the round trips of the handler's own transaction. A duplicate that
+// arrives while the first request runs waits for that lock in PostgreSQL
+// (up to the connection's lock_timeout, if set, then 409), then replays the
+// first response; it runs if the first rolled back. A claim that does not
+// take the lock (a New middleware on pgtable's lease mode and the same
+// table, an idem version that claimed at the start of the transaction) can
+// take the key while the handler runs: the transaction then rolls back, the
+// handler's response is dropped, and the request is answered as a
+// duplicate of that claim (a replay, 409 or 422).
 //
 // How long keys and responses are kept is the store's retention: 24 hours
 // (DefaultRetention) for memstore and redisnx; set pgtable.Options.Retention

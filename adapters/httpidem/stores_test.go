@@ -353,7 +353,10 @@ func TestTxStoreFailureAnswers503(t *testing.T) {
 func TestTxAbandonedWaitFreesConnection(t *testing.T) {
 	w := newPGWorld(t, 2, nil) // two connections: the first request's, and one more
 	entered, unblock := make(chan struct{}), make(chan struct{})
-	var once sync.Once
+	var (
+		once   sync.Once
+		holder int32
+	)
 	p := &payments{o: w.o}
 	mw, err := httpidem.NewTx(w.store, httpidem.Options{})
 	if err != nil {
@@ -365,7 +368,15 @@ func TestTxAbandonedWaitFreesConnection(t *testing.T) {
 		_ = json.Unmarshal(body, &in)
 		r.Body = io.NopCloser(strings.NewReader(string(body)))
 		if in.ID == "pay-held" {
-			once.Do(func() { close(entered); <-unblock })
+			once.Do(func() {
+				// The backend of the first request's transaction, which
+				// holds the key's lock.
+				if err := httpidem.Tx(r.Context()).QueryRow(r.Context(), "SELECT pg_backend_pid()").Scan(&holder); err != nil {
+					t.Error(err)
+				}
+				close(entered)
+				<-unblock
+			})
 		}
 		p.ServeHTTP(rw, r)
 	})))
@@ -382,10 +393,11 @@ func TestTxAbandonedWaitFreesConnection(t *testing.T) {
 		dup <- err
 	}()
 	admin := testenv.Pool(t, 1)
-	eventually(t, "the duplicate to wait on the first's row lock", func() bool {
+	eventually(t, "the duplicate to wait for the key's lock, which the first holds", func() bool {
 		var n int
-		_ = admin.QueryRow(context.Background(),
-			"SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND query LIKE '%"+w.schema+"%'").Scan(&n)
+		_ = admin.QueryRow(context.Background(), `SELECT count(*) FROM pg_locks w JOIN pg_locks h
+			ON h.locktype = w.locktype AND h.classid = w.classid AND h.objid = w.objid AND h.objsubid = w.objsubid
+			WHERE h.pid = $1 AND h.granted AND NOT w.granted`, holder).Scan(&n)
 		return n == 1
 	})
 	cancel() // the duplicate's client gives up
@@ -401,4 +413,54 @@ func TestTxAbandonedWaitFreesConnection(t *testing.T) {
 	var c collector
 	c.add(t, "pay-held", <-first)
 	w.o.check(t, []string{"pay-held", "pay-other"}, c.seen)
+}
+
+// A transactional instance and a lease-mode instance on the same pgtable
+// table (a deployment moving a route from one mode to the other): the lease
+// request claims the key while the transactional request's handler runs
+// (the transactional store writes the key's row only at commit), charges
+// and completes. The transactional request's commit then loses to that row:
+// its charge rolls back, and it answers with a replay of the lease
+// request's response, not 503. One charge.
+func TestTxCommitLosesToLeaseRequest(t *testing.T) {
+	pool := testenv.Pool(t, 6)
+	schema := testenv.Schema(t, pool)
+	o := newOracle(t, pool, schema)
+	store := pgStore(t, pool, schema)
+	entered, unblock := make(chan struct{}), make(chan struct{})
+	txPay := &payments{o: o}
+	txMW, err := httpidem.NewTx(store, httpidem.Options{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	txSrv := quietServer(t, txMW.Handler(http.HandlerFunc(func(rw http.ResponseWriter, r *http.Request) {
+		txPay.ServeHTTP(rw, r) // charges in the request's transaction
+		close(entered)
+		<-unblock
+	})))
+	leaseSrv := quietServer(t, newMW(t, store.Lease(), httpidem.Options{}).Handler(&payments{o: o, pool: pool}))
+
+	first := make(chan response, 1)
+	go func() {
+		r, err := send(context.Background(), nil, txSrv.URL, payReq("pay-mixed"))
+		if err != nil {
+			t.Error(err)
+		}
+		first <- r
+	}()
+	<-entered
+	second := do(t, nil, leaseSrv.URL, payReq("pay-mixed"))
+	if second.status != http.StatusCreated || second.replayed() {
+		t.Fatalf("lease request while the transactional one runs: %d replayed=%v %s", second.status, second.replayed(), second.body)
+	}
+	close(unblock)
+	r := <-first
+	if r.status != http.StatusCreated || !r.replayed() || string(r.body) != string(second.body) {
+		t.Fatalf("transactional request whose commit lost: %d replayed=%v %s; want a replay of %s", r.status, r.replayed(), r.body, second.body)
+	}
+	var got paid
+	if err := json.Unmarshal(second.body, &got); err != nil {
+		t.Fatal(err)
+	}
+	o.check(t, []string{"pay-mixed"}, map[string][]string{"pay-mixed": {got.Receipt}})
 }

@@ -133,9 +133,34 @@ func (s *Store) SetResultTx(ctx context.Context, tx pgx.Tx, key dedup.Key, resul
 }
 
 // Process implements dedup.TxStore: it begins a transaction on the store's
-// DB, claims key in it, runs fn, stores fn's result (when not nil) and
-// commits. When fn returns an error or panics, the transaction rolls back and
-// the claim with it, so a redelivery runs fn again.
+// DB, runs fn in it and commits, with the key's row written once, at
+// commit, completed and holding fn's result (NULL when fn returns nil).
+//
+// Before fn runs, the transaction takes a transaction-scoped advisory lock on
+// the key and reads the key's row. A live row is answered without running
+// fn: an error wrapping dedup.ErrDuplicate (with the stored result, see
+// dedup.StoredResult), dedup.ErrInFlight (a lease-mode claim holds the key)
+// or dedup.ErrFingerprintMismatch. An expired row counts as absent. A
+// concurrent Process of the same key waits for the lock until this
+// transaction ends, then replays its result (or runs, if it rolled back).
+//
+// When fn returns an error or panics, the transaction rolls back and nothing
+// is written, so a redelivery runs fn again. fn must not end tx itself
+// (Commit, Rollback): Process commits it once fn returns.
+//
+// In the plain layout, a writer that does not take the lock — ClaimTx or
+// ClaimBatchTx in a transaction of its own, the lease mode, Process of an
+// idem version that claimed at the start of the transaction — can write the
+// key while fn runs (in the partitioned layout every writer takes it).
+// The commit's insert then loses to it: the transaction rolls back, fn's
+// writes with it, and Process returns the verdict on that writer's row (so
+// the effect stays single and a duplicate replays), or an error wrapping
+// ErrLostRace when that row is gone again.
+//
+// The lock is pg_advisory_xact_lock's two-int4 form on a 64-bit hash of the
+// table and the key (the partitioned layout: the single-bigint form, see
+// Options.Partitioned). It is held until the transaction ends, like the row
+// lock of ClaimTx.
 func (s *Store) Process(ctx context.Context, key dedup.Key, fn dedup.TxFunc[pgx.Tx]) (result []byte, err error) {
 	if fn == nil {
 		return nil, errors.New("pgtable: Process: fn is nil")
@@ -143,45 +168,19 @@ func (s *Store) Process(ctx context.Context, key dedup.Key, fn dedup.TxFunc[pgx.
 	if err := s.validate(key); err != nil {
 		return nil, err
 	}
-	tx, fastConn, release, err := s.begin(ctx, key)
+	r, err := s.begin(ctx, key)
 	if err != nil {
 		return nil, err
 	}
-	defer release()
-	committed := false
-	defer func() {
-		if !committed {
-			// Rollback uses a context that outlives ctx, so a cancelled
-			// handler does not leave the connection in a transaction.
-			rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 5*time.Second)
-			_ = tx.Rollback(rctx)
-			cancel()
-		}
-	}()
-	result, err = fn(ctx, tx)
+	defer r.release()
+	defer r.abort(ctx) // fn failed or panicked, or the commit failed
+	result, err = fn(ctx, r.tx)
 	if err != nil {
 		return nil, err
 	}
-	if result != nil && fastConn != nil {
-		// The result and COMMIT travel in one round trip.
-		if err := s.commitWithResult(ctx, fastConn, key, result); err != nil {
-			if fastConn.PgConn().TxStatus() == 'I' {
-				committed = true // nothing left to roll back
-			}
-			return nil, err
-		}
-		committed = true
-		return result, nil
+	if err := s.finish(ctx, r, key, result); err != nil {
+		return nil, err
 	}
-	if result != nil {
-		if err := s.SetResultTx(ctx, tx, key, result); err != nil {
-			return nil, err
-		}
-	}
-	if err := tx.Commit(ctx); err != nil {
-		return nil, fmt.Errorf("pgtable: commit %s: %w", key, err)
-	}
-	committed = true
 	return result, nil
 }
 

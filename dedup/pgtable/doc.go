@@ -12,9 +12,44 @@
 // rolled back. There is no lease and no clock involved: the effect on the
 // database happens once for as long as the row is kept.
 //
-// Process wraps the whole shape (begin, claim, run, store the result, commit)
-// and implements dedup.TxStore[pgx.Tx]; ClaimBatchTx claims many keys in one
-// statement for consumers that handle a batch in one transaction.
+// ClaimBatchTx claims many keys in one statement for consumers that handle a
+// batch in one transaction.
+//
+// Process wraps the whole shape and implements dedup.TxStore[pgx.Tx]. It
+// writes the key's row once, at commit, completed and with fn's result:
+//
+//  1. BEGIN, a transaction-scoped advisory lock on the key, and a read of
+//     the key's row, in one round trip. A live row is answered at once
+//     (duplicate with the stored result, in flight, fingerprint mismatch)
+//     and fn does not run; an expired row counts as absent.
+//  2. fn runs in the transaction.
+//  3. The key's row is inserted and the transaction commits, in one round
+//     trip.
+//
+// A first message thus costs the round trips of the bare business
+// transaction and one row write beside its own. A concurrent Process of the
+// same key waits for the lock until the first transaction ends, then reads
+// its row (the read is a statement of its own, so under READ COMMITTED its
+// snapshot is taken after the lock was granted) and replays its result, or
+// runs if the first rolled back. When fn fails or panics, nothing is
+// written.
+//
+// ClaimTx, ClaimBatchTx and the lease mode do not take the lock (nor does
+// Process of idem versions that claimed at the start of the transaction). If
+// one of them writes the key while fn runs, the primary key makes step 3's
+// insert fail: the transaction rolls back with fn's writes, and Process
+// returns the verdict on the row that won (a duplicate replays its result),
+// or ErrLostRace when that row is already gone again. fn's effects on the
+// database happen once either way; fn itself may have run for nothing.
+//
+// The lock is pg_advisory_xact_lock(int4, int4), the two-key form, whose
+// lock space is apart from the single-bigint form that migration tools,
+// applications, idem's outbox and the partitioned layout use; its keys are
+// the two halves of a 64-bit hash of the schema, the table, the scope and
+// the id (hashtextextended). A transaction-scoped lock suits PgBouncer's
+// transaction pooling. With Options.Partitioned, Process takes the layout's
+// own lock (the single-bigint form, on the same hash), which every writer of
+// a partitioned table takes.
 //
 // # Lease mode
 //
@@ -40,5 +75,8 @@
 // New takes a *pgxpool.Pool, a *pgx.Conn or a pgx.Tx. With a pool, Process and
 // the lease mode run concurrently. A *pgx.Conn is not safe for concurrent use,
 // so neither is a store on one. With a pgx.Tx, Process runs in a savepoint of
-// that transaction and lease operations commit only with it.
+// that transaction (steps 1 and 3 take two round trips each then) and lease
+// operations commit only with it; the key's lock is held until that
+// transaction ends. Statements go through pgx, so the connection's
+// DefaultQueryExecMode applies (prepared statements by default).
 package pgtable

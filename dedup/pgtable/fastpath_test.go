@@ -14,8 +14,7 @@ import (
 )
 
 // TestProcessHostileKeys: keys that would break naive SQL quoting go through
-// Process (whose fast path writes them as literals) and come back unchanged,
-// on a pool and on a single conn.
+// Process and come back unchanged, on a pool and on a single conn.
 func TestProcessHostileKeys(t *testing.T) {
 	pool := testenv.Pool(t, 4)
 	schema := testenv.Schema(t, pool)
@@ -61,8 +60,8 @@ func TestProcessHostileKeys(t *testing.T) {
 }
 
 // TestProcessExpiredRowIsReclaimed: a row past its retention that cleanup has
-// not deleted yet does not block a new claim (the fast path's plain INSERT
-// fails on it and the regular path takes over).
+// not deleted yet does not block a new claim (Process deletes it before its
+// insert).
 func TestProcessExpiredRowIsReclaimed(t *testing.T) {
 	pool := testenv.Pool(t, 4)
 	s := newStore(t, pool, pgtable.Options{})

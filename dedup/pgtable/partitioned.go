@@ -28,7 +28,7 @@ import (
 
 type partitionedStatements struct {
 	lock, lockMany, deleteExpired, deleteExpiredMany string
-	claimTx, claimBatch, leaseClaim                  string
+	claimTx, claimBatch, leaseClaim, insertDone      string
 	leaseExtend, leaseComplete                       string
 	listPartitions, cleanupDefault                   string
 }
@@ -42,10 +42,16 @@ func lockSeed(name string) int64 {
 	return int64(h.Sum64())
 }
 
+// keyHashSQL is the SQL expression of a key's 64-bit lock hash: scope and id
+// are text expressions, the length prefix keeps ("ab", "c") and ("a", "bc")
+// apart, and seed (lockSeed of the table) keeps tables apart. Both layouts
+// lock on it (see lockSQL and partitionedStatements.lock).
+func keyHashSQL(scope, id string, seed int64) string {
+	return fmt.Sprintf("hashtextextended(length(%s)::text || ':' || %s || %s, %d)", scope, scope, id, seed)
+}
+
 func buildPartitionedStatements(table, quotedBase string, seed int64) partitionedStatements {
-	keyHash := func(scope, id string) string {
-		return fmt.Sprintf("hashtextextended(length(%s)::text || ':' || %s || %s, %d)", scope, scope, id, seed)
-	}
+	keyHash := func(scope, id string) string { return keyHashSQL(scope, id, seed) }
 	r := strings.NewReplacer("{{T}}", table, "{{EXPIRED}}", expiredRow)
 	exp := "clock_timestamp() + $4 * interval '1 millisecond'"
 	leaseExp := "clock_timestamp() + $5 * interval '1 millisecond'"
@@ -71,6 +77,13 @@ WITH cur AS (
 SELECT true, NULL::smallint, NULL::bytea, NULL::bytea, NULL::bigint FROM ins
 UNION ALL
 SELECT false, state, fingerprint, result, lease_ms FROM cur`),
+		// $1 scope, $2 id, $3 fingerprint, $4 retention ms, $5 result.
+		// The row Process writes at commit, under the key's lock and
+		// after deleteExpired. Every writer of a partitioned table takes
+		// that lock, so no live row of the key can be there.
+		insertDone: r.Replace(`
+INSERT INTO {{T}} (scope, id, fingerprint, state, result, created_at, completed_at, expires_at, part_day)
+VALUES ($1, $2, $3, 2, $5, now(), clock_timestamp(), ` + exp + `, ` + partDay(exp) + `)`),
 		// $1 scopes, $2 ids, $3 fingerprints, $4 retention ms.
 		claimBatch: r.Replace(`
 WITH input AS (

@@ -3,21 +3,50 @@ package pgtable
 import "strings"
 
 // statements are built once per store from the quoted table name. Every
-// parameter is bound; only the validated, quoted table name is spliced in.
+// parameter is bound; only the validated, quoted table name and the table's
+// lock seed (an integer) are spliced in.
 type statements struct {
 	claimTx, lookup, setResult                  string
+	lock, insertDone, deleteExpired             string
 	claimBatchSorted, claimBatchLookup          string
 	leaseClaim, leaseExtend, leaseComplete      string
 	leaseRelease, cleanup, backdateForTestsOnly string
+}
+
+// lockSQL is the statement Process of the plain layout runs first in its
+// transaction: pg_advisory_xact_lock in its two-int4 form, on the two halves
+// of the key's 64-bit hash (keyHashSQL). The two-key form has a lock space
+// of its own, apart from the single-bigint locks of migration tools, of
+// applications, of the partitioned layout and of idem's outbox, so it cannot
+// make them wait. scope and id are text expressions.
+func lockSQL(scope, id string, seed int64) string {
+	return "SELECT pg_advisory_xact_lock((k.h >> 32)::int4, ((k.h << 32) >> 32)::int4) FROM (SELECT " +
+		keyHashSQL(scope, id, seed) + " AS h) AS k"
 }
 
 // expiredRow is true for a row that no longer counts: a lease that ran out,
 // or a row past its retention (not yet deleted by cleanup).
 const expiredRow = `((e.state = 1 AND e.lease_until <= clock_timestamp()) OR e.expires_at <= clock_timestamp())`
 
-func buildStatements(table string) statements {
+func buildStatements(table string, seed int64) statements {
 	r := strings.NewReplacer("{{T}}", table, "{{EXPIRED}}", expiredRow)
 	return statements{
+		// $1 scope, $2 id.
+		lock: lockSQL("$1::text", "$2::text", seed),
+
+		// $1 scope, $2 id, $3 fingerprint, $4 retention ms, $5 result.
+		// The row Process writes at commit, completed and with fn's
+		// result. A plain INSERT: Process deletes an expired row first
+		// (deleteExpired), so a unique_violation means that a claim which
+		// does not take the key's lock holds the key.
+		insertDone: r.Replace(`
+INSERT INTO {{T}} (scope, id, fingerprint, state, result, created_at, completed_at, expires_at)
+VALUES ($1, $2, $3, 2, $5, now(), clock_timestamp(), clock_timestamp() + $4 * interval '1 millisecond')`),
+
+		// $1 scope, $2 id. Deletes the key's row if it is expired
+		// (Process, under the key's lock, before insertDone).
+		deleteExpired: r.Replace(`DELETE FROM {{T}} e WHERE e.scope = $1 AND e.id = $2 AND {{EXPIRED}}`),
+
 		// $1 scope, $2 id, $3 fingerprint, $4 retention ms.
 		// One round trip: the insert wins, or the existing row is read.
 		// When the insert waited for a concurrent transaction that then

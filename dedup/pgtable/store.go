@@ -51,9 +51,10 @@ type Options struct {
 	Logger *slog.Logger
 	// Partitioned lays the table out partitioned by day of expires_at
 	// (UTC), so Cleanup drops whole partitions instead of deleting rows.
-	// A unique index cannot span partitions, so every claim first takes a
-	// transaction-scoped advisory lock on its key (sent in the same round
-	// trip); the single-INSERT fast path of Process is not used. Migrate
+	// A unique index cannot span partitions, so every claim (ClaimTx,
+	// ClaimBatchTx, the lease mode, Process) first takes a
+	// transaction-scoped advisory lock on its key, pg_advisory_xact_lock's
+	// single-bigint form, in the same round trip as the claim. Migrate
 	// creates the partitions ahead; CleanupLoop keeps creating them.
 	// Defaults to false.
 	Partitioned bool
@@ -64,6 +65,7 @@ type Store struct {
 	db    DB
 	opts  Options
 	table string // quoted, schema-qualified
+	seed  int64  // of the keys' lock hash (keyHashSQL)
 	sql   statements
 	psql  partitionedStatements
 }
@@ -113,9 +115,10 @@ func New(db DB, opts Options) (*Store, error) {
 			"table", opts.Schema+"."+opts.Table, "retention", opts.Retention, "redelivery_horizon", opts.RedeliveryHorizon)
 	}
 	s := &Store{db: db, opts: opts, table: sqlname.Qualified(opts.Schema, opts.Table)}
-	s.sql = buildStatements(s.table)
+	s.seed = lockSeed(opts.Schema + "." + opts.Table)
+	s.sql = buildStatements(s.table, s.seed)
 	if opts.Partitioned {
-		s.psql = buildPartitionedStatements(s.table, sqlname.Quote(opts.Table), lockSeed(opts.Schema+"."+opts.Table))
+		s.psql = buildPartitionedStatements(s.table, sqlname.Quote(opts.Table), s.seed)
 	}
 	return s, nil
 }
