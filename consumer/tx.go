@@ -136,6 +136,13 @@ func Transactional[Tx any](store dedup.TxStore[Tx], opts TxOptions, h TxHandler[
 		case ran && hErr != nil:
 			outcome(ctx, msg, OutcomeReleased)
 			tel.Handled(ctx, OutcomeReleased, end.Sub(hStart))
+		case ran && isVerdict(err):
+			// h ran, but a claim that does not wait for this transaction
+			// (pgtable.Process against its lease mode or ClaimTx) took the
+			// key first: the transaction rolled back, and err is the
+			// verdict on that claim, acted on like any claim's.
+			tel.Handled(ctx, OutcomeReleased, end.Sub(hStart))
+			outcome(ctx, msg, claimOutcome(err))
 		case ran:
 			// h succeeded but the commit failed.
 			outcome(ctx, msg, OutcomeCompleteFailed)

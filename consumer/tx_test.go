@@ -21,6 +21,10 @@ type txStore struct {
 	done      map[dedup.Key]txRow
 	committed []string
 	down      bool
+	// stolen: another writer takes the key while fn runs, as a claim that
+	// does not wait for the transaction can on pgtable; the transaction
+	// then rolls back and the verdict is on the other writer's row.
+	stolen bool
 }
 
 type txRow struct {
@@ -50,6 +54,10 @@ func (s *txStore) Process(ctx context.Context, key dedup.Key, fn dedup.TxFunc[*f
 	res, err := fn(ctx, tx) // a panic unlocks and commits nothing
 	if err != nil {
 		return nil, err
+	}
+	if s.stolen {
+		s.done[id] = txRow{fp: key.Fingerprint, result: []byte("theirs")}
+		return nil, dedup.Duplicate(key, []byte("theirs"))
 	}
 	s.done[id] = txRow{fp: key.Fingerprint, result: res}
 	s.committed = append(s.committed, tx.writes...)
@@ -174,5 +182,39 @@ func TestTransactionalErrors(t *testing.T) {
 				t.Fatalf("Transactional = %v, want an error naming %s", err, c.want)
 			}
 		})
+	}
+}
+
+// A handler that ran, but whose transaction lost the key to a writer that
+// did not wait for it, is a duplicate: acknowledged, nothing of it
+// committed, reported with the duplicate outcome (not complete_failed).
+func TestTransactionalLosesTheKey(t *testing.T) {
+	store := newTxStore()
+	store.stolen = true
+	var outcomes []string
+	ran := 0
+	h, err := consumer.Transactional[*fakeTx](store, consumer.TxOptions{
+		Scope:     "billing/ledger",
+		OnOutcome: func(_ context.Context, _ *consumer.Message, o string) { outcomes = append(outcomes, o) },
+	}, func(_ context.Context, tx *fakeTx, m *consumer.Message) error {
+		ran++
+		tx.writes = append(tx.writes, "debit "+m.ID)
+		return nil
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	r := consumer.Process(t.Context(), h, msg("m1", "p"))
+	if r.Action != consumer.ActionAck || !r.Duplicate {
+		t.Fatalf("result %+v, want an acknowledged duplicate", r)
+	}
+	if res, ok := dedup.StoredResult(r.Err); !ok || string(res) != "theirs" {
+		t.Fatalf("stored result %q, want the winner's", res)
+	}
+	if ran != 1 || len(store.writes()) != 0 {
+		t.Fatalf("ran %d, writes %v; want one run and nothing committed", ran, store.writes())
+	}
+	if len(outcomes) != 1 || outcomes[0] != consumer.OutcomeDuplicate {
+		t.Fatalf("outcomes %v, want [duplicate]", outcomes)
 	}
 }

@@ -142,6 +142,14 @@ func (t *txMiddleware) handle(dl *delivery, h message.HandlerFunc, msg *message.
 		tel.Handled(orig, consumer.OutcomeReleased, end.Sub(hStart))
 		t.outcome(msg, consumer.OutcomeReleased)
 		return nil, herr
+	case ran && isVerdict(err):
+		// The handler ran, but a claim that does not wait for this
+		// transaction (pgtable.Process against its lease mode or
+		// ClaimTx) took the key first: the transaction rolled back, and
+		// err is the verdict on that claim, answered like any claim's (a
+		// duplicate is acknowledged).
+		tel.Handled(orig, consumer.OutcomeReleased, end.Sub(hStart))
+		return t.claimFailed(dl, msg, key, err)
 	case ran:
 		// The handler succeeded but the commit failed: nothing happened.
 		tel.Handled(orig, consumer.OutcomeCompleteFailed, end.Sub(hStart))
@@ -189,4 +197,10 @@ func (t *txMiddleware) enqueue(ctx, msgCtx context.Context, tx pgx.Tx, out []*me
 		return fmt.Errorf("watermill: write %d returned messages to the outbox: %w", len(msgs), err)
 	}
 	return nil
+}
+
+// isVerdict reports whether err is a store's answer about a key another
+// claim holds: a duplicate, in flight, or with another fingerprint.
+func isVerdict(err error) bool {
+	return errors.Is(err, dedup.ErrDuplicate) || errors.Is(err, dedup.ErrInFlight) || errors.Is(err, dedup.ErrFingerprintMismatch)
 }

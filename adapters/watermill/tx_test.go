@@ -366,3 +366,40 @@ func TestTransactionalClaimErrors(t *testing.T) {
 		t.Fatalf("handler ran %d times", runs.Load())
 	}
 }
+
+// TestTransactionalLosesTheKey: while the handler runs, a claim that does
+// not wait for its transaction (pgtable's lease mode on the same table)
+// takes and completes the key. The handler's transaction rolls back with its
+// effect, and the message is answered as the duplicate it now is:
+// acknowledged, not returned as a commit error (which would cost a
+// redelivery).
+func TestTransactionalLosesTheKey(t *testing.T) {
+	fx := pgTxKind().setup(t)
+	var outcomes []string
+	mw := fx.middleware(t, idemwm.Options{Scope: "charge", OnOutcome: func(_ *message.Message, o string) { outcomes = append(outcomes, o) }})
+	msg := message.NewMessage(wm.NewUUID(), []byte(`{"amount":100}`))
+	ran := 0
+	h := mw(func(msg *message.Message) ([]*message.Message, error) {
+		ran++
+		if err := fx.oracle.record(msg, "charge"); err != nil {
+			return nil, err
+		}
+		lease := fx.pgStore.Lease()
+		l, err := lease.Claim(context.Background(), dedup.Key{Scope: "charge", ID: msg.UUID, Fingerprint: dedup.FingerprintOf(msg.Payload)})
+		if err != nil {
+			return nil, fmt.Errorf("the lease claim beside the transaction: %w", err)
+		}
+		return nil, lease.Complete(context.Background(), l, nil)
+	})
+	out, err := h(msg)
+	if err != nil || out != nil {
+		t.Fatalf("the handler lost the key: returned %v, %v; want an acknowledged duplicate", out, err)
+	}
+	effects, claims := committed(t, fx, "charge", msg.UUID)
+	if ran != 1 || effects != 0 || claims != 1 {
+		t.Fatalf("ran %d, committed effects %d, key rows %d; want 1, 0 (rolled back), 1 (the lease's)", ran, effects, claims)
+	}
+	if len(outcomes) != 1 || outcomes[0] != "duplicate" {
+		t.Fatalf("outcomes %v, want [duplicate]", outcomes)
+	}
+}
