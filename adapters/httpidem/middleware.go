@@ -16,6 +16,7 @@ import (
 	"github.com/jackc/pgx/v5/pgconn"
 
 	"github.com/idemkit/idem/dedup"
+	"github.com/idemkit/idem/internal/leasekeep"
 	"github.com/idemkit/idem/internal/telemetry"
 )
 
@@ -30,7 +31,9 @@ var ErrNoKey = errors.New("httpidem: the request has no idempotency key and need
 type Middleware struct {
 	opts  Options
 	lease dedup.LeaseStore
-	tx    dedup.TxStore[pgx.Tx]
+	// keeper extends the leases of the handlers in flight (lease stores).
+	keeper *leasekeep.Keeper
+	tx     dedup.TxStore[pgx.Tx]
 	// check builds a request's key: Check for the Idempotency-Key header,
 	// the webhook's verifier for webhooks.
 	check func(r *http.Request) (dedup.Key, error)
@@ -64,9 +67,10 @@ func New(store dedup.LeaseStore, opts Options) (*Middleware, error) {
 	return m, nil
 }
 
-// setClaim picks how lease claims are sent: batched (Options.BatchClaims)
-// or one by one.
+// setClaim picks how lease claims are sent, batched (Options.BatchClaims)
+// or one by one, and makes the keeper of the leases.
 func (m *Middleware) setClaim() {
+	m.keeper = leasekeep.New(m.lease, m.opts.Logger, "httpidem")
 	m.claim = m.lease.Claim
 	if bs, ok := m.lease.(dedup.BatchLeaseStore); ok && m.opts.BatchClaims > 0 {
 		b := &batcher{store: bs, lanes: m.opts.BatchClaims, timeout: m.opts.FinishTimeout}
@@ -407,7 +411,15 @@ func (m *Middleware) serveLease(w http.ResponseWriter, r *http.Request, next htt
 	c := &call{key: key}
 	hctx, cancel := context.WithCancelCause(withCall(m.handlerCtx(ctx), c))
 	defer cancel(nil)
-	hb := m.startHeartbeat(ctx, lease, cancel)
+	every := m.opts.ExtendEvery
+	if every == 0 {
+		every = lease.TTL / 3
+	}
+	// The beats live as long as the handler runs, not as long as the
+	// request's context: a handler that finishes after its client went
+	// away keeps its lease until it returns.
+	hold := &leasekeep.Hold{}
+	m.keeper.Start(ctx, hold, lease, every, cancel)
 	hctx, endHandle := rq.startSpan(hctx, "idem.handle")
 	cw := newCapture(m.opts.MaxResponseBytes)
 	returned := false
@@ -418,8 +430,7 @@ func (m *Middleware) serveLease(w http.ResponseWriter, r *http.Request, next htt
 		// The handler panicked (or called runtime.Goexit): give the key
 		// back so a retry runs, and let the panic go on to the server.
 		endSpan(endHandle, errPanicked)
-		hb.stop()
-		if hb.lost() == nil {
+		if hold.Stop() == nil {
 			m.release(ctx, lease, "the handler panicked")
 			rq.handled(handledReleased)
 		} else {
@@ -429,16 +440,16 @@ func (m *Middleware) serveLease(w http.ResponseWriter, r *http.Request, next htt
 	}()
 	next.ServeHTTP(cw, r.WithContext(hctx))
 	returned = true
-	hb.stop()
+	lost := hold.Stop()
 	endSpan(endHandle, nil)
 
 	status, header := cw.final()
 	switch {
-	case hb.lost() != nil:
+	case lost != nil:
 		// Another request may own the key now: this response cannot be
 		// stored. The client still gets it: the effect happened.
 		m.opts.Logger.WarnContext(ctx, "httpidem: the lease ran out while the handler ran; its response is sent but not stored",
-			slog.String("key_hash", key.Hash()), slog.Any("error", hb.lost()))
+			slog.String("key_hash", key.Hash()), slog.Any("error", lost))
 		cw.send(w)
 		rq.handled(handledLeaseLost)
 		m.done(rq, r, OutcomeLeaseLost, status, waited)
