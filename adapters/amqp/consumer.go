@@ -43,6 +43,29 @@ import (
 // copy cannot be published the delivery is nacked with requeue after a
 // pause, so that it is neither lost nor spun.
 //
+// ACKs are coalesced per channel. The deliveries acknowledged on ActionAck
+// are "finished" when their chain returns, and acknowledged together: a
+// run of finished deliveries that starts at the channel's lowest unsettled
+// delivery tag, with no delivery below its highest tag still in flight or
+// waiting to be nacked, retried or dead-lettered, is acknowledged with one
+// basic.ack, multiple=true, for that highest tag, as soon as the run is a
+// quarter of Prefetch long or its oldest delivery finished 1ms before. A
+// finished delivery behind one still in flight is never covered by a
+// multiple ack: it waits for the gap to close, 20ms at most (1ms when half
+// of Prefetch wait so, so a slow handler never stalls the prefetch
+// window), and is then acknowledged on its own. Retried and dead-lettered
+// deliveries (after their copy was confirmed) and requeued ones are
+// settled on their own tag, and a settled tag no longer holds back the
+// ones above it. Workers take deliveries in the broker's order, so no tag
+// the broker sent is unknown when a multiple ack is decided. An ack that
+// waits on a channel that closed is never sent, on it or on the next
+// channel: the broker redelivers the message and the dedup store answers
+// "duplicate". A graceful stop sends every waiting ack before it closes
+// the connection. Coalescing changes neither the ACK rule nor the counts:
+// Stats.Acked, the span, the metrics and OnResult of a delivery are
+// recorded once its ack was written (OutcomeAcked) or given up
+// (OutcomeAbandoned).
+//
 // Topology is declared on every connect, idempotently: the work queue (with
 // QueueArgs and Bindings), one retry queue per distinct retry delay
 // (x-message-ttl, dead-lettering to the default exchange with the work
@@ -91,6 +114,8 @@ type Consumer struct {
 	readyOnce sync.Once
 	gen       atomic.Uint64
 	stats     consStats
+	// consAckLinger and consAckDelay; tests change them.
+	ackLinger, ackDelay time.Duration
 }
 
 // ConsumerStats are counters since the Consumer was created.
@@ -98,8 +123,9 @@ type ConsumerStats struct {
 	// Delivered counts deliveries handed to the handler chain; Redelivered
 	// those among them with the broker's redelivered flag.
 	Delivered, Redelivered int64
-	// Acked counts deliveries acknowledged after success or as duplicates;
-	// Duplicates those acknowledged as duplicates.
+	// Acked counts deliveries acknowledged after success or as duplicates
+	// (each delivery a coalesced ack covered counts, once its frame was
+	// written); Duplicates those acknowledged as duplicates.
 	Acked, Duplicates int64
 	// Retried and DeadLettered count deliveries whose copy went to a retry
 	// queue or the dead-letter exchange (and which were then acked).
@@ -135,7 +161,7 @@ func NewConsumer(url, queue string, h consumer.Handler, opts ConsumerOptions) (*
 	slices.Sort(delays)
 	delays = slices.Compact(delays)
 	return &Consumer{url: url, queue: queue, h: h, opts: opts, cfg: cfg, delays: delays, ready: make(chan struct{}),
-		tel: telemetry.NewAdapter(opts.MeterProvider, opts.TracerProvider, system)}, nil
+		tel: telemetry.NewAdapter(opts.MeterProvider, opts.TracerProvider, system), ackLinger: consAckLinger, ackDelay: consAckDelay}, nil
 }
 
 // Ready is closed once the Consumer first consumes: its topology is
@@ -159,7 +185,9 @@ type consDeliveryKey struct{}
 
 // DeliveryFrom returns the raw delivery of the message being handled, for
 // handlers that need AMQP properties idem does not map (x-death, reply-to).
-// Do not acknowledge it: the Consumer does.
+// Do not acknowledge, nack or reject it: the Consumer does, possibly in one
+// multiple ack with its neighbours, and a tag settled twice is a channel
+// error (PRECONDITION_FAILED) that stops Run.
 func DeliveryFrom(ctx context.Context) (*amqp091.Delivery, bool) {
 	d, ok := ctx.Value(consDeliveryKey{}).(*amqp091.Delivery)
 	return d, ok
@@ -169,7 +197,8 @@ func DeliveryFrom(ctx context.Context) (*amqp091.Delivery, bool) {
 // ends, then stops gracefully: it cancels the consumer, nacks with requeue
 // the prefetched deliveries no handler started, lets the running handlers
 // finish (their context is cancelled ShutdownTimeout after ctx ended),
-// settles them, closes the connection and returns nil.
+// settles them, sends the acknowledgements still being coalesced, closes
+// the connection and returns nil.
 //
 // Run returns an error at once when the broker refuses the topology or the
 // credentials (PRECONDITION_FAILED, ACCESS_REFUSED, NOT_FOUND: a
@@ -377,13 +406,19 @@ func (c *Consumer) serve(ctx, hctx context.Context, s *consSession, wg *sync.Wai
 		return fmt.Errorf("consume %q: %w", c.queue, err)
 	}
 	c.readyOnce.Do(func() { close(c.ready) })
+	a := newConsAcker(c, s)
+	wg.Go(a.loop)
 	var workers sync.WaitGroup
 	for range c.opts.Concurrency {
 		workers.Add(1)
 		wg.Go(func() {
 			defer workers.Done()
-			for d := range deliveries {
-				c.handle(ctx, hctx, s, d)
+			for {
+				d, ok := a.next(deliveries)
+				if !ok {
+					return
+				}
+				c.handle(ctx, hctx, s, a, d)
 			}
 		})
 	}
@@ -395,6 +430,9 @@ func (c *Consumer) serve(ctx, hctx context.Context, s *consSession, wg *sync.Wai
 			s.kill(err)
 		}
 		workers.Wait()
+		// Every handler returned: send the acks still waiting in the
+		// acker before the connection closes.
+		a.drain()
 		s.kill(amqp091.ErrClosed)
 		return nil
 	case <-s.dead:
@@ -404,12 +442,17 @@ func (c *Consumer) serve(ctx, hctx context.Context, s *consSession, wg *sync.Wai
 }
 
 // handle runs the chain on one delivery and settles it on its own
-// generation. The chain runs in the delivery's consumer span (see
-// ConsumerOptions.TracerProvider), which ends with the verdict.
-func (c *Consumer) handle(ctx, hctx context.Context, s *consSession, d amqp091.Delivery) {
+// generation: a delivery the chain acknowledges (ActionAck) goes to the
+// session's acker, which coalesces its ack with others (see consAcker) and
+// reports it once the ack is written; every other delivery is settled
+// here, on its own tag, and reported at once. The chain runs in the
+// delivery's consumer span (see ConsumerOptions.TracerProvider), which ends
+// with the verdict.
+func (c *Consumer) handle(ctx, hctx context.Context, s *consSession, a *consAcker, d amqp091.Delivery) {
 	if ctx.Err() != nil {
 		// Prefetched but not started before the stop: give it back.
-		c.requeue(s, &d)
+		out := c.requeue(s, &d)
+		a.settled(d.DeliveryTag, out == OutcomeAbandoned)
 		return
 	}
 	start := time.Now()
@@ -434,8 +477,33 @@ func (c *Consumer) handle(ctx, hctx context.Context, s *consSession, d amqp091.D
 		out = c.deadLetter(mctx, s, &d, msg, r.Reason, r.Err)
 	} else {
 		r = consumer.Process(mctx, c.h, msg)
+		if r.Action == consumer.ActionAck {
+			a.finished(&consDone{tag: d.DeliveryTag, at: time.Now(), start: start, ctx: mctx, msg: msg, r: r, end: end})
+			return
+		}
 		out = c.settle(mctx, s, &d, msg, r)
 	}
+	a.settled(d.DeliveryTag, out == OutcomeAbandoned)
+	c.report(mctx, msg, r, out, start, end)
+}
+
+// reportDone counts and reports a delivery the acker acknowledged
+// (OutcomeAcked) or abandoned.
+func (c *Consumer) reportDone(p *consDone, out ConsumerOutcome) {
+	if out == OutcomeAcked {
+		c.stats.acked.Add(1)
+		if p.r.Duplicate {
+			c.stats.duplicates.Add(1)
+		}
+	} else {
+		c.abandon()
+	}
+	c.report(p.ctx, p.msg, p.r, out, p.start, p.end)
+}
+
+// report records a settled delivery's verdict (metrics, its span) and
+// calls OnResult.
+func (c *Consumer) report(mctx context.Context, msg *consumer.Message, r consumer.Result, out ConsumerOutcome, start time.Time, end func(string, error)) {
 	result, reason := verdictOf(r, out)
 	c.tel.Result(mctx, c.queue, result, reason, time.Since(start))
 	end(result, r.Err)
@@ -478,18 +546,11 @@ func (c *Consumer) overDelivered(d *amqp091.Delivery) (int64, bool) {
 	return n, ok && n >= int64(c.opts.MaxDeliveries)
 }
 
+// settle settles a delivery whose chain did not return ActionAck (those go
+// to the acker) on its own tag: a dead-letter or retry copy then an ack, or
+// a nack with requeue.
 func (c *Consumer) settle(hctx context.Context, s *consSession, d *amqp091.Delivery, msg *consumer.Message, r consumer.Result) ConsumerOutcome {
-	switch r.Action {
-	case consumer.ActionAck:
-		out := c.ack(s, d)
-		if out == OutcomeAcked {
-			c.stats.acked.Add(1)
-			if r.Duplicate {
-				c.stats.duplicates.Add(1)
-			}
-		}
-		return out
-	case consumer.ActionDeadLetter:
+	if r.Action == consumer.ActionDeadLetter {
 		return c.deadLetter(hctx, s, d, msg, r.Reason, r.Err)
 	}
 	// ActionRetry, and anything unknown.

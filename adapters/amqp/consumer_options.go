@@ -77,7 +77,11 @@ type ConsumerOptions struct {
 	ConnectionName string
 
 	// Prefetch is the channel's QoS prefetch count: how many unacknowledged
-	// deliveries the broker hands over at once. Defaults to 100.
+	// deliveries the broker hands over at once. Defaults to 100. It also
+	// sizes the ACK coalescing (see Consumer): a run of a quarter of
+	// Prefetch finished deliveries is acknowledged at once, and finished
+	// deliveries waiting behind a slow one wait only 1ms when they are half
+	// of Prefetch.
 	Prefetch int
 	// Concurrency is how many handlers run at once. Defaults to 1, which
 	// keeps the queue's order (retries aside).
@@ -172,7 +176,10 @@ type ConsumerOptions struct {
 	Logger *slog.Logger
 	// OnResult, if set, is called after each delivery was settled, with
 	// the handler chain's Result and what the consumer did. It must be
-	// fast and safe for concurrent use.
+	// fast and safe for concurrent use. For a delivery acknowledged on
+	// ActionAck it is called once the (coalesced) ack was written, or
+	// given up with OutcomeAbandoned, and possibly from another handler's
+	// goroutine or the consumer's own; its ctx is the delivery's.
 	OnResult func(ctx context.Context, msg *consumer.Message, r consumer.Result, outcome ConsumerOutcome)
 
 	// MeterProvider receives idem.messages (each delivery's verdict: ack,
@@ -202,7 +209,8 @@ type ConsumerOutcome string
 
 // Outcomes of a delivery.
 const (
-	// OutcomeAcked: acknowledged (success or a completed duplicate).
+	// OutcomeAcked: acknowledged (success or a completed duplicate); the
+	// ack, possibly coalesced with others, was written.
 	OutcomeAcked ConsumerOutcome = "acked"
 	// OutcomeRetried: a copy went to a retry queue, the delivery was
 	// acknowledged.
@@ -214,7 +222,8 @@ const (
 	// published or the consumer is stopping.
 	OutcomeRequeued ConsumerOutcome = "requeued"
 	// OutcomeAbandoned: the delivery's channel closed before it could be
-	// settled; the broker redelivers it.
+	// settled (or while its ack was being coalesced); the broker
+	// redelivers it.
 	OutcomeAbandoned ConsumerOutcome = "abandoned"
 )
 
