@@ -13,6 +13,7 @@ import (
 	"encoding/hex"
 	"fmt"
 	"strconv"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -67,12 +68,18 @@ const (
 	done
 )
 
+// entry is kept by value in its shard's map, and small: a map that holds
+// every completed key for its TTL grows by copying its slots, and the
+// collector scans them. The owner's token is its sequence number (the
+// Lease's Token is the store's prefix and that number), times are offsets
+// from the store's creation (monotonic with the system clock), and a result
+// is a string only a result-bearing key (an HTTP response) pays for.
 type entry struct {
 	state   state
-	token   string
+	seq     uint64 // the owner's token number while in flight
+	expires int64  // lease expiry while in flight, retention end when done (Store.at)
 	fp      dedup.Fingerprint
-	result  []byte
-	expires time.Time // lease expiry while in flight, retention end when done
+	result  string
 }
 
 // Store is an in-memory LeaseStore. It is safe for concurrent use. Close stops
@@ -92,7 +99,12 @@ type Store struct {
 
 	tokenPrefix string
 	tokenSeq    atomic.Uint64
+	// base is the time entry offsets count from.
+	base time.Time
 }
+
+// at is t as an entry time: its offset from s.base.
+func (s *Store) at(t time.Time) int64 { return int64(t.Sub(s.base)) }
 
 var (
 	_ dedup.LeaseStore      = (*Store)(nil)
@@ -124,7 +136,7 @@ func New(opts Options) (*Store, error) {
 	}
 	var p [8]byte
 	_, _ = rand.Read(p[:])
-	s := &Store{opts: opts, stop: make(chan struct{}), tokenPrefix: hex.EncodeToString(p[:]) + "-"}
+	s := &Store{opts: opts, stop: make(chan struct{}), tokenPrefix: hex.EncodeToString(p[:]) + "-", base: opts.Clock.Now()}
 	for i := range s.shards {
 		s.shards[i].entries = make(map[mapKey]entry)
 	}
@@ -178,12 +190,12 @@ func (s *Store) sweep() {
 		case <-s.stop:
 			return
 		case <-t.C:
-			now := s.opts.Clock.Now()
+			now := s.at(s.opts.Clock.Now())
 			for i := range s.shards {
 				sh := &s.shards[i]
 				sh.mu.Lock()
 				for k, e := range sh.entries {
-					if !now.Before(e.expires) {
+					if now >= e.expires {
 						delete(sh.entries, k)
 					}
 				}
@@ -196,10 +208,24 @@ func (s *Store) sweep() {
 // newToken returns a token unique within the store: a random prefix chosen
 // at New and a counter. Tokens only need to tell owners apart, and a
 // counter is much cheaper per message than reading crypto/rand.
-func (s *Store) newToken() string {
+func (s *Store) newToken() (string, uint64) {
+	seq := s.tokenSeq.Add(1)
 	var buf [48]byte
 	b := append(buf[:0], s.tokenPrefix...)
-	return string(strconv.AppendUint(b, s.tokenSeq.Add(1), 36))
+	return string(strconv.AppendUint(b, seq, 36)), seq
+}
+
+// tokenSeq is the sequence number of a token of this store, or 0.
+func (s *Store) seqOf(token string) uint64 {
+	rest, ok := strings.CutPrefix(token, s.tokenPrefix)
+	if !ok {
+		return 0
+	}
+	seq, err := strconv.ParseUint(rest, 36, 64)
+	if err != nil {
+		return 0
+	}
+	return seq
 }
 
 // Claim implements dedup.LeaseStore.
@@ -223,17 +249,19 @@ func (s *Store) Claim(ctx context.Context, key dedup.Key) (*dedup.Lease, error) 
 func (s *Store) claimLocked(sh *shard, key dedup.Key) (*dedup.Lease, error) {
 	now := s.opts.Clock.Now()
 	id := mapKey{key.Scope, key.ID}
-	if e, ok := sh.entries[id]; ok && now.Before(e.expires) {
+	t := s.at(now)
+	if e, ok := sh.entries[id]; ok && t < e.expires {
 		if !key.Fingerprint.Matches(e.fp) {
 			return nil, dedup.Mismatch(key)
 		}
 		if e.state == done {
-			return nil, dedup.Duplicate(key, clone(e.result))
+			return nil, dedup.Duplicate(key, resultBytes(e))
 		}
-		return nil, dedup.InFlight(key, e.expires.Sub(now))
+		return nil, dedup.InFlight(key, time.Duration(e.expires-t))
 	}
-	l := &dedup.Lease{Key: key, Token: s.newToken(), TTL: s.opts.Lease}
-	sh.entries[id] = entry{state: inFlight, token: l.Token, fp: key.Fingerprint, expires: now.Add(s.opts.Lease)}
+	token, seq := s.newToken()
+	l := &dedup.Lease{Key: key, Token: token, TTL: s.opts.Lease}
+	sh.entries[id] = entry{state: inFlight, seq: seq, fp: key.Fingerprint, expires: t + int64(s.opts.Lease)}
 	return l, nil
 }
 
@@ -266,21 +294,22 @@ func (s *Store) ClaimBatch(ctx context.Context, keys []dedup.Key) ([]dedup.Batch
 // owned locks the shard of l's key and returns it with the entry l owns and
 // the time. On success the caller must unlock the shard, and store the entry
 // back if it changed it.
-func (s *Store) owned(l *dedup.Lease) (*shard, entry, time.Time, error) {
+func (s *Store) owned(l *dedup.Lease) (*shard, entry, int64, error) {
 	if l == nil {
-		return nil, entry{}, time.Time{}, fmt.Errorf("memstore: nil lease: %w", dedup.ErrLeaseLost)
+		return nil, entry{}, 0, fmt.Errorf("memstore: nil lease: %w", dedup.ErrLeaseLost)
 	}
+	seq := s.seqOf(l.Token)
 	sh := s.shardOf(l.Key.Scope, l.Key.ID)
 	sh.mu.Lock()
 	if s.closed.Load() {
 		sh.mu.Unlock()
-		return nil, entry{}, time.Time{}, dedup.ErrClosed
+		return nil, entry{}, 0, dedup.ErrClosed
 	}
-	now := s.opts.Clock.Now()
+	now := s.at(s.opts.Clock.Now())
 	e, ok := sh.entries[mapKey{l.Key.Scope, l.Key.ID}]
-	if !ok || e.state != inFlight || e.token != l.Token || !now.Before(e.expires) {
+	if !ok || e.state != inFlight || seq == 0 || e.seq != seq || now >= e.expires {
 		sh.mu.Unlock()
-		return nil, entry{}, time.Time{}, fmt.Errorf("memstore: key %s: %w", l.Key, dedup.ErrLeaseLost)
+		return nil, entry{}, 0, fmt.Errorf("memstore: key %s: %w", l.Key, dedup.ErrLeaseLost)
 	}
 	return sh, e, now, nil
 }
@@ -295,7 +324,7 @@ func (s *Store) Extend(ctx context.Context, l *dedup.Lease) error {
 		return err
 	}
 	defer sh.mu.Unlock()
-	e.expires = now.Add(s.opts.Lease)
+	e.expires = now + int64(s.opts.Lease)
 	sh.entries[mapKey{l.Key.Scope, l.Key.ID}] = e
 	return nil
 }
@@ -311,9 +340,9 @@ func (s *Store) Complete(ctx context.Context, l *dedup.Lease, result []byte) err
 	}
 	defer sh.mu.Unlock()
 	e.state = done
-	e.token = ""
-	e.result = clone(result)
-	e.expires = now.Add(s.opts.TTL)
+	e.seq = 0
+	e.result = string(result)
+	e.expires = now + int64(s.opts.TTL)
 	sh.entries[mapKey{l.Key.Scope, l.Key.ID}] = e
 	return nil
 }
@@ -332,9 +361,11 @@ func (s *Store) Release(ctx context.Context, l *dedup.Lease) error {
 	return nil
 }
 
-func clone(b []byte) []byte {
-	if b == nil {
+// resultBytes is the stored result of a done entry: nil when Complete got
+// nil or an empty result.
+func resultBytes(e entry) []byte {
+	if e.result == "" {
 		return nil
 	}
-	return append([]byte(nil), b...)
+	return []byte(e.result)
 }
