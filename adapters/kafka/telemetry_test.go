@@ -184,36 +184,11 @@ func TestConsumerMetricsByVerdict(t *testing.T) {
 	run(t, c)
 	eventually(t, 30*time.Second, "5 verdicts", func() bool { return mp.Sum(telemetry.MetricMessages) >= 5 })
 
-	base := []attribute.KeyValue{telemetry.AttrSystem.String("kafka"), telemetry.AttrDestination.String(topic)}
-	for _, w := range []struct {
-		result, reason string
-		want           float64
-	}{
-		{"ack", "", 2},
-		{"retry", "", 1},
-		{"dead_letter", string(consumer.ReasonPermanent), 1},
-		{"dead_letter", string(consumer.ReasonInvalidKey), 1},
-	} {
-		attrs := []attribute.KeyValue{base[0], base[1], telemetry.AttrResult.String(w.result)}
-		if w.reason != "" {
-			attrs = append(attrs, telemetry.AttrReason.String(w.reason))
-		}
-		if got := mp.Sum(telemetry.MetricMessages, attrs...); got != w.want {
-			t.Errorf("%s{result=%s, reason=%s} = %v, want %v", telemetry.MetricMessages, w.result, w.reason, got, w.want)
-		}
-		if got := mp.Sum(telemetry.MetricProcessDuration, attrs...); got != w.want {
-			t.Errorf("%s{result=%s, reason=%s} count = %v, want %v", telemetry.MetricProcessDuration, w.result, w.reason, got, w.want)
-		}
-	}
-	for _, p := range mp.Points(telemetry.MetricMessages) {
-		r, _ := p.Attrs.Value(telemetry.AttrResult)
-		if _, has := p.Attrs.Value(telemetry.AttrReason); has != (r.AsString() == "dead_letter") {
-			t.Errorf("point %v: idem.reason only on dead letters", p.Attrs.ToSlice())
-		}
-	}
-	if got := mp.Sum(telemetry.MetricMessages); got != 5 {
-		t.Errorf("%s in all = %v, want 5", telemetry.MetricMessages, got)
-	}
+	mp.CheckVerdicts("kafka", topic, 5,
+		telemetrytest.Verdict{Result: "ack", Want: 2},
+		telemetrytest.Verdict{Result: "retry", Want: 1},
+		telemetrytest.Verdict{Result: "dead_letter", Reason: string(consumer.ReasonPermanent), Want: 1},
+		telemetrytest.Verdict{Result: "dead_letter", Reason: string(consumer.ReasonInvalidKey), Want: 1})
 	mp.NoValueContains("secret-")
 	eventually(t, 10*time.Second, "the dead-letter log lines", func() bool {
 		return strings.Count(logs.String(), "record dead-lettered") == 2

@@ -14,6 +14,8 @@ import (
 	"go.opentelemetry.io/otel/sdk/metric/metricdata"
 	sdktrace "go.opentelemetry.io/otel/sdk/trace"
 	"go.opentelemetry.io/otel/sdk/trace/tracetest"
+
+	"github.com/idemkit/idem/internal/telemetry"
 )
 
 // Metrics is a MeterProvider with a manual reader.
@@ -136,6 +138,41 @@ func (m *Metrics) NoValueContains(secrets ...string) {
 				}
 			}
 		}
+	}
+}
+
+// Verdict is how many messages of a consumer ended with Result (ack, retry,
+// dead_letter) and, for a dead letter, Reason.
+type Verdict struct {
+	Result, Reason string
+	Want           float64
+}
+
+// CheckVerdicts checks a consumer's idem.messages and
+// messaging.process.duration for one system and destination: each verdict's
+// count in both, idem.reason on dead letters only, and total messages in all.
+func (m *Metrics) CheckVerdicts(system, destination string, total float64, want ...Verdict) {
+	m.t.Helper()
+	for _, w := range want {
+		attrs := []attribute.KeyValue{telemetry.AttrSystem.String(system), telemetry.AttrDestination.String(destination), telemetry.AttrResult.String(w.Result)}
+		if w.Reason != "" {
+			attrs = append(attrs, telemetry.AttrReason.String(w.Reason))
+		}
+		if got := m.Sum(telemetry.MetricMessages, attrs...); got != w.Want {
+			m.t.Errorf("%s{result=%s, reason=%s} = %v, want %v", telemetry.MetricMessages, w.Result, w.Reason, got, w.Want)
+		}
+		if got := m.Sum(telemetry.MetricProcessDuration, attrs...); got != w.Want {
+			m.t.Errorf("%s{result=%s, reason=%s} count = %v, want %v", telemetry.MetricProcessDuration, w.Result, w.Reason, got, w.Want)
+		}
+	}
+	for _, p := range m.Points(telemetry.MetricMessages) {
+		r, _ := p.Attrs.Value(telemetry.AttrResult)
+		if _, has := p.Attrs.Value(telemetry.AttrReason); has != (r.AsString() == "dead_letter") {
+			m.t.Errorf("point %v: idem.reason only on dead letters", p.Attrs.ToSlice())
+		}
+	}
+	if got := m.Sum(telemetry.MetricMessages); got != total {
+		m.t.Errorf("%s in all = %v, want %v", telemetry.MetricMessages, got, total)
 	}
 }
 
