@@ -6,8 +6,6 @@ package httpidem_test
 
 import (
 	"context"
-	"crypto/rand"
-	"encoding/hex"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -18,7 +16,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"go.opentelemetry.io/otel/attribute"
 
@@ -32,98 +29,12 @@ import (
 	"github.com/idemkit/idem/internal/testenv"
 )
 
-// oracle is the charges table.
-type oracle struct {
-	pool  *pgxpool.Pool
-	table string
-}
-
-func newOracle(t testing.TB, pool *pgxpool.Pool, schema string) *oracle {
-	t.Helper()
-	o := &oracle{pool: pool, table: pgx.Identifier{schema, "charges"}.Sanitize()}
-	if _, err := pool.Exec(context.Background(), "CREATE TABLE "+o.table+
-		" (payment_id text NOT NULL, receipt text NOT NULL, amount bigint NOT NULL)"); err != nil {
-		t.Fatal(err)
-	}
-	return o
-}
-
-func (o *oracle) insert() string {
-	return "INSERT INTO " + o.table + " (payment_id, receipt, amount) VALUES ($1, $2, $3)"
-}
-
-func (o *oracle) count(t testing.TB) int {
-	t.Helper()
-	var n int
-	if err := o.pool.QueryRow(context.Background(), "SELECT count(*) FROM "+o.table).Scan(&n); err != nil {
-		t.Fatal(err)
-	}
-	return n
-}
-
-// tally counts, for the payments in want, the extra charges, the payments
-// never charged, the charges of payments not in want, and the answers
-// (seen) that carry another receipt than the charge's.
-func (o *oracle) tally(t testing.TB, want []string, seen map[string][]string) (extra, lost, unexpected, wrong int) {
-	t.Helper()
-	rows, err := o.pool.Query(context.Background(), "SELECT payment_id, count(*), min(receipt) FROM "+o.table+" GROUP BY payment_id")
-	if err != nil {
-		t.Fatal(err)
-	}
-	type agg struct {
-		n       int64
-		receipt string
-	}
-	got := map[string]agg{}
-	var (
-		id, rc string
-		n      int64
-	)
-	if _, err := pgx.ForEachRow(rows, []any{&id, &n, &rc}, func() error { got[id] = agg{n, rc}; return nil }); err != nil {
-		t.Fatal(err)
-	}
-	for _, p := range want {
-		a, ok := got[p]
-		switch {
-		case !ok:
-			lost++
-		case a.n > 1:
-			extra += int(a.n - 1)
-		}
-		for _, r := range seen[p] {
-			if r != a.receipt {
-				wrong++
-			}
-		}
-		delete(got, p)
-	}
-	return extra, lost, len(got), wrong
-}
-
-// check asserts exactly one charge per payment in want, no other charge, and
-// that every receipt a client got is its payment's charge receipt.
-func (o *oracle) check(t testing.TB, want []string, seen map[string][]string) {
-	t.Helper()
-	extra, lost, unexpected, wrong := o.tally(t, want, seen)
-	if extra != 0 || lost != 0 || unexpected != 0 || wrong != 0 {
-		t.Fatalf("oracle: %d payments, %d extra charges, %d lost, %d unexpected, %d answers with another receipt",
-			len(want), extra, lost, unexpected, wrong)
-	}
-	t.Logf("oracle: %d payments, 0 extra charges, 0 lost, every answer carries the charge's receipt", len(want))
-}
-
-func newReceipt() string {
-	var b [6]byte
-	_, _ = rand.Read(b[:])
-	return "rcpt_" + hex.EncodeToString(b[:])
-}
-
 // payments is the payment endpoint: it charges (a row in the oracle) and
 // answers 201 with the receipt. Under a transactional middleware the charge
 // is written in the request's transaction; under a lease it is an effect of
 // its own (the oracle insert stands for a call to a payment provider).
 type payments struct {
-	o       *oracle
+	o       *testenv.Charges
 	pool    *pgxpool.Pool // the instance's own pool
 	gateway time.Duration // how long the provider takes, after the charge
 	calls   atomic.Int64
@@ -151,13 +62,13 @@ func (p *payments) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	if p.panics.Load() > 0 && p.panics.Add(-1) >= 0 {
 		panic("crash before the charge")
 	}
-	rc := newReceipt()
+	rc := testenv.Receipt()
 	ctx := r.Context()
 	var err error
 	if tx := httpidem.Tx(ctx); tx != nil {
-		_, err = tx.Exec(ctx, p.o.insert(), in.ID, rc, in.Amount)
+		_, err = tx.Exec(ctx, p.o.Insert(), in.ID, rc, in.Amount)
 	} else {
-		_, err = p.pool.Exec(ctx, p.o.insert(), in.ID, rc, in.Amount)
+		_, err = p.pool.Exec(ctx, p.o.Insert(), in.ID, rc, in.Amount)
 	}
 	if err != nil {
 		httpidem.Release(ctx) // nothing was charged
@@ -249,7 +160,7 @@ var backends = []backend{
 // whose middlewares all report to mp; requests counts the requests the
 // instances received.
 type world struct {
-	o        *oracle
+	o        *testenv.Charges
 	mp       *telemetrytest.Metrics
 	store    string
 	requests *atomic.Int64
@@ -261,7 +172,7 @@ func forEachBackend(t *testing.T, fn func(t *testing.T, w world)) {
 		t.Run(b.name, func(t *testing.T) {
 			admin := testenv.Pool(t, 2)
 			schema := testenv.Schema(t, admin)
-			o := newOracle(t, admin, schema)
+			o := testenv.NewCharges(t, admin, schema)
 			prefix := testenv.Name("httpidem")
 			mp := telemetrytest.NewMetrics(t)
 			requests := new(atomic.Int64)
@@ -300,7 +211,7 @@ func (w world) checkMetrics(t *testing.T) {
 		return mp.Sum(telemetry.MetricMessages, telemetry.AttrSystem.String("http"), telemetry.AttrDestination.String(http.MethodPost), telemetry.AttrResult.String(result))
 	}
 	first, dup, inFlight, failed := claims(telemetry.ClaimFirst), claims(telemetry.ClaimDuplicate), claims(telemetry.ClaimInFlight), claims(telemetry.ClaimError)
-	charges := float64(w.o.count(t))
+	charges := float64(w.o.Count(t))
 	completed := mp.Sum(telemetry.MetricHandlerDuration, append(attrs, telemetry.AttrOutcome.String("completed"))...)
 	if first != charges || completed != charges {
 		t.Errorf("claims{first} = %v, handler{completed} = %v; the oracle counted %v charges", first, completed, charges)
@@ -397,7 +308,7 @@ func TestScenarioRetryAfterClientTimeout(t *testing.T) {
 		if calls := p.calls.Load(); calls != n {
 			t.Fatalf("the handler ran %d times for %d payments", calls, n)
 		}
-		w.o.check(t, ids, c.seen)
+		w.o.Check(t, ids, c.seen)
 		w.checkMetrics(t)
 	})
 }
@@ -442,7 +353,7 @@ func TestScenarioDoubleClick(t *testing.T) {
 			}
 			t.Logf("%d clicks: 1 charge, %d replays, %d answered 409", clicks, replays.Load(), conflicts.Load())
 		}
-		w.o.check(t, ids, c.seen)
+		w.o.Check(t, ids, c.seen)
 		w.checkMetrics(t)
 	})
 }
@@ -472,7 +383,7 @@ func TestScenarioReplayAfterCompletion(t *testing.T) {
 		if p.calls.Load() != 10 {
 			t.Fatalf("handler ran %d times for 10 payments", p.calls.Load())
 		}
-		w.o.check(t, ids, c.seen)
+		w.o.Check(t, ids, c.seen)
 		w.checkMetrics(t)
 	})
 }
@@ -517,7 +428,7 @@ func TestScenarioLoadBalancerRetry(t *testing.T) {
 				t.Fatalf("payment %s: %d answers, want 2", id, len(c.seen[id]))
 			}
 		}
-		w.o.check(t, ids, c.seen)
+		w.o.Check(t, ids, c.seen)
 		w.checkMetrics(t)
 	})
 }
@@ -527,7 +438,7 @@ func TestScenarioLoadBalancerRetry(t *testing.T) {
 // nothing.
 func TestOracleCatchesNaive(t *testing.T) {
 	admin := testenv.Pool(t, 3)
-	o := newOracle(t, admin, testenv.Schema(t, admin))
+	o := testenv.NewCharges(t, admin, testenv.Schema(t, admin))
 	srv := quietServer(t, &payments{o: o, pool: admin, gateway: 10 * time.Millisecond})
 	var c collector
 	var wg sync.WaitGroup
@@ -542,7 +453,7 @@ func TestOracleCatchesNaive(t *testing.T) {
 		})
 	}
 	wg.Wait()
-	extra, lost, _, wrong := o.tally(t, []string{"pay-naive"}, c.seen)
+	extra, lost, _, wrong := o.Tally(t, []string{"pay-naive"}, c.seen)
 	if extra != 9 || lost != 0 || wrong != 9 {
 		t.Fatalf("naive double click: the oracle counted %d extra charges and %d wrong receipts, want 9 and 9", extra, wrong)
 	}

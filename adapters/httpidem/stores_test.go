@@ -23,7 +23,7 @@ import (
 
 // pgWorld is a transactional middleware on a fresh schema.
 type pgWorld struct {
-	o      *oracle
+	o      *testenv.Charges
 	store  *pgtable.Store
 	schema string
 }
@@ -32,13 +32,13 @@ func newPGWorld(t *testing.T, maxConns int32, params map[string]string) pgWorld 
 	t.Helper()
 	pool := testenv.PoolWith(t, maxConns, params)
 	schema := testenv.Schema(t, pool)
-	return pgWorld{o: newOracle(t, pool, schema), store: pgStore(t, pool, schema), schema: schema}
+	return pgWorld{o: testenv.NewCharges(t, pool, schema), store: pgStore(t, pool, schema), schema: schema}
 }
 
 func (w pgWorld) keys(t *testing.T) int {
 	t.Helper()
 	var n int
-	if err := w.o.pool.QueryRow(context.Background(), "SELECT count(*) FROM "+w.store.Table()).Scan(&n); err != nil {
+	if err := w.o.Pool.QueryRow(context.Background(), "SELECT count(*) FROM "+w.store.Table()).Scan(&n); err != nil {
 		t.Fatal(err)
 	}
 	return n
@@ -81,7 +81,7 @@ func TestTxRequestRules(t *testing.T) {
 	c.add(t, "pay-alice", alice)
 	c.add(t, "pay-bob", bob)
 	c.add(t, "pay-alice", do(t, nil, srv.URL, as("alice", req{key: "shared", body: `{"id":"pay-alice","amount":100}`})))
-	w.o.check(t, []string{"pay-alice", "pay-bob"}, c.seen)
+	w.o.Check(t, []string{"pay-alice", "pay-bob"}, c.seen)
 }
 
 func TestBodyTooLargeStoresNothing(t *testing.T) {
@@ -115,8 +115,8 @@ func TestBodyTooLargeStoresNothing(t *testing.T) {
 	if err != nil || len(keys) != 0 {
 		t.Fatalf("Redis keys %v, %v", keys, err)
 	}
-	if p.calls.Load() != 0 || w.o.count(t) != 0 {
-		t.Fatalf("handler ran %d times, %d charges", p.calls.Load(), w.o.count(t))
+	if p.calls.Load() != 0 || w.o.Count(t) != 0 {
+		t.Fatalf("handler ran %d times, %d charges", p.calls.Load(), w.o.Count(t))
 	}
 }
 
@@ -139,7 +139,7 @@ func TestPanicReleasesKeyOnEveryStore(t *testing.T) {
 		if p.calls.Load() != 2 {
 			t.Fatalf("handler ran %d times, want 2", p.calls.Load())
 		}
-		w.o.check(t, []string{"pay-panic"}, c.seen)
+		w.o.Check(t, []string{"pay-panic"}, c.seen)
 	})
 }
 
@@ -152,14 +152,14 @@ func TestTxFailedStatementIsNotStored(t *testing.T) {
 	h := http.HandlerFunc(func(rw http.ResponseWriter, r *http.Request) {
 		tx := httpidem.Tx(r.Context())
 		if calls.Add(1) == 1 {
-			if _, err := tx.Exec(r.Context(), w.o.insert(), "pay-fail", "rcpt", 1); err != nil {
+			if _, err := tx.Exec(r.Context(), w.o.Insert(), "pay-fail", "rcpt", 1); err != nil {
 				t.Error(err)
 			}
 			_, err := tx.Exec(r.Context(), "INSERT INTO no_such_table VALUES (1)")
 			http.Error(rw, fmt.Sprint("database: ", err), http.StatusInternalServerError)
 			return
 		}
-		if _, err := tx.Exec(r.Context(), w.o.insert(), "pay-fail", "rcpt-2", 1); err != nil {
+		if _, err := tx.Exec(r.Context(), w.o.Insert(), "pay-fail", "rcpt-2", 1); err != nil {
 			t.Error(err)
 		}
 		rw.WriteHeader(http.StatusCreated)
@@ -178,7 +178,7 @@ func TestTxFailedStatementIsNotStored(t *testing.T) {
 	if r := do(t, nil, srv.URL, req{key: "f", body: "{}"}); r.status != http.StatusCreated || r.replayed() {
 		t.Fatalf("retry: %d replayed=%v", r.status, r.replayed())
 	}
-	w.o.check(t, []string{"pay-fail"}, nil)
+	w.o.Check(t, []string{"pay-fail"}, nil)
 }
 
 // An oversized response under a transactional store rolls everything back:
@@ -186,7 +186,7 @@ func TestTxFailedStatementIsNotStored(t *testing.T) {
 func TestTxResponseTooLargeRollsBack(t *testing.T) {
 	w := newPGWorld(t, 3, nil)
 	h := http.HandlerFunc(func(rw http.ResponseWriter, r *http.Request) {
-		if _, err := httpidem.Tx(r.Context()).Exec(r.Context(), w.o.insert(), "pay-big", "rcpt", 1); err != nil {
+		if _, err := httpidem.Tx(r.Context()).Exec(r.Context(), w.o.Insert(), "pay-big", "rcpt", 1); err != nil {
 			t.Error(err)
 		}
 		_, _ = rw.Write(make([]byte, 4096))
@@ -202,8 +202,8 @@ func TestTxResponseTooLargeRollsBack(t *testing.T) {
 			t.Fatalf("oversized: %d replayed=%v", r.status, r.replayed())
 		}
 	}
-	if w.keys(t) != 0 || w.o.count(t) != 0 {
-		t.Fatalf("%d keys, %d charges after a rolled-back request", w.keys(t), w.o.count(t))
+	if w.keys(t) != 0 || w.o.Count(t) != 0 {
+		t.Fatalf("%d keys, %d charges after a rolled-back request", w.keys(t), w.o.Count(t))
 	}
 }
 
@@ -240,7 +240,7 @@ func TestTxLockTimeoutAnswers409(t *testing.T) {
 	var c collector
 	c.add(t, "pay-lock", a)
 	c.add(t, "pay-lock", do(t, nil, srv.URL, payReq("pay-lock")))
-	w.o.check(t, []string{"pay-lock"}, c.seen)
+	w.o.Check(t, []string{"pay-lock"}, c.seen)
 }
 
 // The client retries through a server that drops the first response after
@@ -314,7 +314,7 @@ func TestClientRetriesThroughDroppedResponse(t *testing.T) {
 	if err := json.Unmarshal(b, &got); err != nil {
 		t.Fatal(err)
 	}
-	w.o.check(t, []string{"pay-drop"}, map[string][]string{"pay-drop": {got.Receipt}})
+	w.o.Check(t, []string{"pay-drop"}, map[string][]string{"pay-drop": {got.Receipt}})
 	t.Logf("%d attempts with key %s", len(keys), keys[0])
 }
 
@@ -328,7 +328,7 @@ func TestTxStoreFailureAnswers503(t *testing.T) {
 		if err := tx.QueryRow(r.Context(), "SELECT pg_backend_pid()").Scan(&pid); err != nil {
 			t.Error(err)
 		}
-		if _, err := w.o.pool.Exec(context.Background(), "SELECT pg_terminate_backend($1)", pid); err != nil {
+		if _, err := w.o.Pool.Exec(context.Background(), "SELECT pg_terminate_backend($1)", pid); err != nil {
 			t.Error(err)
 		}
 		rw.WriteHeader(http.StatusCreated)
@@ -412,7 +412,7 @@ func TestTxAbandonedWaitFreesConnection(t *testing.T) {
 	close(unblock)
 	var c collector
 	c.add(t, "pay-held", <-first)
-	w.o.check(t, []string{"pay-held", "pay-other"}, c.seen)
+	w.o.Check(t, []string{"pay-held", "pay-other"}, c.seen)
 }
 
 // A transactional instance and a lease-mode instance on the same pgtable
@@ -425,7 +425,7 @@ func TestTxAbandonedWaitFreesConnection(t *testing.T) {
 func TestTxCommitLosesToLeaseRequest(t *testing.T) {
 	pool := testenv.Pool(t, 6)
 	schema := testenv.Schema(t, pool)
-	o := newOracle(t, pool, schema)
+	o := testenv.NewCharges(t, pool, schema)
 	store := pgStore(t, pool, schema)
 	entered, unblock := make(chan struct{}), make(chan struct{})
 	txPay := &payments{o: o}
@@ -462,5 +462,5 @@ func TestTxCommitLosesToLeaseRequest(t *testing.T) {
 	if err := json.Unmarshal(second.body, &got); err != nil {
 		t.Fatal(err)
 	}
-	o.check(t, []string{"pay-mixed"}, map[string][]string{"pay-mixed": {got.Receipt}})
+	o.Check(t, []string{"pay-mixed"}, map[string][]string{"pay-mixed": {got.Receipt}})
 }

@@ -3,7 +3,6 @@ package scenarios_test
 import (
 	"context"
 	"crypto/rand"
-	"encoding/hex"
 	"errors"
 	"fmt"
 	"math/big"
@@ -36,79 +35,6 @@ type payments interface {
 	charge(ctx context.Context, id string, amount int64, gateway time.Duration) (string, error)
 }
 
-// oracle is the charges table: no unique constraint, so a duplicate effect
-// shows up as a second row.
-type oracle struct {
-	pool  *pgxpool.Pool
-	table string
-}
-
-func newOracle(t testing.TB, pool *pgxpool.Pool, schema string) *oracle {
-	o := &oracle{pool: pool, table: pgx.Identifier{schema, "charges"}.Sanitize()}
-	if _, err := pool.Exec(context.Background(), "CREATE TABLE "+o.table+
-		" (payment_id text NOT NULL, receipt text NOT NULL, amount bigint NOT NULL, at timestamptz DEFAULT clock_timestamp())"); err != nil {
-		t.Fatal(err)
-	}
-	return o
-}
-
-const insertCharge = "INSERT INTO %s (payment_id, receipt, amount) VALUES ($1, $2, $3)"
-
-// tally counts, for the payments in want, the extra charges, the payments
-// never charged, the charges of payments not in want, and the callers that got
-// a receipt other than the charge's.
-func (o *oracle) tally(t testing.TB, want []string, seen map[string][]string) (extra, lost, unexpected, wrongReceipt int) {
-	t.Helper()
-	rows, err := o.pool.Query(context.Background(), "SELECT payment_id, count(*), min(receipt) FROM "+o.table+" GROUP BY payment_id")
-	if err != nil {
-		t.Fatal(err)
-	}
-	type agg struct {
-		n       int64
-		receipt string
-	}
-	got := map[string]agg{}
-	var id, rc string
-	var n int64
-	if _, err := pgx.ForEachRow(rows, []any{&id, &n, &rc}, func() error { got[id] = agg{n, rc}; return nil }); err != nil {
-		t.Fatal(err)
-	}
-	for _, p := range want {
-		a, ok := got[p]
-		switch {
-		case !ok:
-			lost++
-		case a.n > 1:
-			extra += int(a.n - 1)
-		}
-		for _, r := range seen[p] {
-			if ok && r != a.receipt {
-				wrongReceipt++
-			}
-		}
-		delete(got, p)
-	}
-	return extra, lost, len(got), wrongReceipt
-}
-
-// check asserts exactly one charge per payment in want, no other charge, and
-// that every receipt a caller saw is that charge's receipt.
-func (o *oracle) check(t testing.TB, want []string, seen map[string][]string) {
-	t.Helper()
-	extra, lost, unexpected, wrong := o.tally(t, want, seen)
-	if extra != 0 || lost != 0 || unexpected != 0 || wrong != 0 {
-		t.Fatalf("oracle: %d payments, %d extra charges, %d lost, %d unexpected, %d callers with another receipt",
-			len(want), extra, lost, unexpected, wrong)
-	}
-	t.Logf("oracle: %d payments, 0 extra charges, 0 lost", len(want))
-}
-
-func receipt() string {
-	var b [6]byte
-	_, _ = rand.Read(b[:])
-	return "rcpt_" + hex.EncodeToString(b[:])
-}
-
 func sleepCtx(ctx context.Context, d time.Duration) error {
 	select {
 	case <-ctx.Done():
@@ -122,15 +48,15 @@ func sleepCtx(ctx context.Context, d time.Duration) error {
 // (pgtable, or twolevel in front of it).
 type txPayments struct {
 	store dedup.TxStore[pgx.Tx]
-	o     *oracle
+	o     *testenv.Charges
 }
 
 func (p *txPayments) charge(ctx context.Context, id string, amount int64, gateway time.Duration) (string, error) {
 	key := dedup.NewKey("payments/charge", id, []byte(fmt.Sprint(amount)))
 	for {
 		res, err := p.store.Process(ctx, key, func(ctx context.Context, tx pgx.Tx) ([]byte, error) {
-			r := receipt()
-			if _, err := tx.Exec(ctx, fmt.Sprintf(insertCharge, p.o.table), id, r, amount); err != nil {
+			r := testenv.Receipt()
+			if _, err := tx.Exec(ctx, p.o.Insert(), id, r, amount); err != nil {
 				return nil, err
 			}
 			if err := sleepCtx(ctx, gateway); err != nil { // a slow gateway
@@ -155,7 +81,7 @@ func (p *txPayments) charge(ctx context.Context, id string, amount int64, gatewa
 // it) under a lease: redisnx or pgtable's lease mode.
 type leasePayments struct {
 	store dedup.LeaseStore
-	o     *oracle
+	o     *testenv.Charges
 }
 
 func (p *leasePayments) charge(ctx context.Context, id string, amount int64, gateway time.Duration) (string, error) {
@@ -174,12 +100,12 @@ func (p *leasePayments) charge(ctx context.Context, id string, amount int64, gat
 		if err != nil {
 			return "", err
 		}
-		r := receipt()
+		r := testenv.Receipt()
 		if err := sleepCtx(ctx, gateway); err != nil {
 			_ = p.store.Release(context.WithoutCancel(ctx), l)
 			return "", err
 		}
-		if _, err := p.o.pool.Exec(ctx, fmt.Sprintf(insertCharge, p.o.table), id, r, amount); err != nil {
+		if _, err := p.o.Pool.Exec(ctx, p.o.Insert(), id, r, amount); err != nil {
 			_ = p.store.Release(context.WithoutCancel(ctx), l)
 			return "", err
 		}
@@ -194,7 +120,7 @@ func (p *leasePayments) charge(ctx context.Context, id string, amount int64, gat
 // client, as two servers behind a load balancer have) over the same stores.
 type backend struct {
 	name string
-	make func(t *testing.T, schema, prefix string, o *oracle) (payments, payments)
+	make func(t *testing.T, schema, prefix string, o *testenv.Charges) (payments, payments)
 }
 
 func newPool(t *testing.T) *pgxpool.Pool { return testenv.Pool(t, 12) }
@@ -221,16 +147,16 @@ func redisStore(t *testing.T, prefix string) *redisnx.Store {
 }
 
 var backends = []backend{
-	{"pgtable", func(t *testing.T, schema, _ string, o *oracle) (payments, payments) {
+	{"pgtable", func(t *testing.T, schema, _ string, o *testenv.Charges) (payments, payments) {
 		return &txPayments{pgStore(t, schema), o}, &txPayments{pgStore(t, schema), o}
 	}},
-	{"pgtable_lease", func(t *testing.T, schema, _ string, o *oracle) (payments, payments) {
+	{"pgtable_lease", func(t *testing.T, schema, _ string, o *testenv.Charges) (payments, payments) {
 		return &leasePayments{pgStore(t, schema).Lease(), o}, &leasePayments{pgStore(t, schema).Lease(), o}
 	}},
-	{"redisnx", func(t *testing.T, _, prefix string, o *oracle) (payments, payments) {
+	{"redisnx", func(t *testing.T, _, prefix string, o *testenv.Charges) (payments, payments) {
 		return &leasePayments{redisStore(t, prefix), o}, &leasePayments{redisStore(t, prefix), o}
 	}},
-	{"twolevel", func(t *testing.T, schema, prefix string, o *oracle) (payments, payments) {
+	{"twolevel", func(t *testing.T, schema, prefix string, o *testenv.Charges) (payments, payments) {
 		mk := func() payments {
 			s, err := twolevel.New(redisStore(t, prefix), pgStore(t, schema), twolevel.Options{})
 			if err != nil {
@@ -244,7 +170,7 @@ var backends = []backend{
 
 type env struct {
 	a, b payments
-	o    *oracle
+	o    *testenv.Charges
 }
 
 func forEachBackend(t *testing.T, fn func(t *testing.T, e env)) {
@@ -252,7 +178,7 @@ func forEachBackend(t *testing.T, fn func(t *testing.T, e env)) {
 		t.Run(b.name, func(t *testing.T) {
 			admin := testenv.Pool(t, 3)
 			schema := testenv.Schema(t, admin)
-			o := newOracle(t, admin, schema)
+			o := testenv.NewCharges(t, admin, schema)
 			prefix := testenv.Name("idemseed")
 			a, bb := b.make(t, schema, prefix, o)
 			fn(t, env{a: a, b: bb, o: o})
@@ -320,7 +246,7 @@ func TestRetryAfterClientTimeout(t *testing.T) {
 		if timeouts.Load() == 0 {
 			t.Fatal("no client timed out: the scenario did not happen")
 		}
-		e.o.check(t, ids, c.seen)
+		e.o.Check(t, ids, c.seen)
 	})
 }
 
@@ -337,7 +263,7 @@ func TestDoubleClick(t *testing.T) {
 				t.Fatalf("%d of %d clicks got a receipt", len(c.seen[id]), clicks)
 			}
 		}
-		e.o.check(t, ids, c.seen)
+		e.o.Check(t, ids, c.seen)
 	})
 }
 
@@ -363,14 +289,14 @@ func doubleClick(t *testing.T, p payments, id string, clicks int, c *collector) 
 
 // naivePayments charges with no idem at all: the control that shows the
 // oracle catches duplicates.
-type naivePayments struct{ o *oracle }
+type naivePayments struct{ o *testenv.Charges }
 
 func (p *naivePayments) charge(ctx context.Context, id string, amount int64, gateway time.Duration) (string, error) {
-	r := receipt()
+	r := testenv.Receipt()
 	if err := sleepCtx(ctx, gateway); err != nil {
 		return "", err
 	}
-	_, err := p.o.pool.Exec(ctx, fmt.Sprintf(insertCharge, p.o.table), id, r, amount)
+	_, err := p.o.Pool.Exec(ctx, p.o.Insert(), id, r, amount)
 	return r, err
 }
 
@@ -379,10 +305,10 @@ func (p *naivePayments) charge(ctx context.Context, id string, amount int64, gat
 // prove nothing.
 func TestOracleCatchesNaive(t *testing.T) {
 	admin := testenv.Pool(t, 10)
-	o := newOracle(t, admin, testenv.Schema(t, admin))
+	o := testenv.NewCharges(t, admin, testenv.Schema(t, admin))
 	var c collector
 	doubleClick(t, &naivePayments{o}, "pay-naive", 10, &c)
-	extra, lost, _, wrong := o.tally(t, []string{"pay-naive"}, c.seen)
+	extra, lost, _, wrong := o.Tally(t, []string{"pay-naive"}, c.seen)
 	if extra != 9 || lost != 0 || wrong != 9 {
 		t.Fatalf("naive double click: oracle counted %d extra charges and %d wrong receipts, want 9 and 9", extra, wrong)
 	}
@@ -426,7 +352,7 @@ func TestLoadBalancerRetry(t *testing.T) {
 				t.Fatalf("payment %s: %d answers, want 2", id, len(c.seen[id]))
 			}
 		}
-		e.o.check(t, ids, c.seen)
+		e.o.Check(t, ids, c.seen)
 	})
 }
 
@@ -451,8 +377,8 @@ func TestQueueRedeliveryAfterCrash(t *testing.T) {
 			var err error
 			h, err = consumer.Transactional(p.store, consumer.TxOptions{Scope: "payments/charge", MeterProvider: mp},
 				func(ctx context.Context, tx pgx.Tx, msg *consumer.Message) error {
-					r := receipt()
-					if _, err := tx.Exec(ctx, fmt.Sprintf(insertCharge, p.o.table), msg.ID, r, 100); err != nil {
+					r := testenv.Receipt()
+					if _, err := tx.Exec(ctx, p.o.Insert(), msg.ID, r, 100); err != nil {
 						return err
 					}
 					if chance(0.2) { // crash after the effect, before commit
@@ -471,8 +397,8 @@ func TestQueueRedeliveryAfterCrash(t *testing.T) {
 				t.Fatal(err)
 			}
 			h = consumer.Chain(consumer.HandlerFunc(func(ctx context.Context, msg *consumer.Message) error {
-				r := receipt()
-				_, err := p.o.pool.Exec(ctx, fmt.Sprintf(insertCharge, p.o.table), msg.ID, r, 100)
+				r := testenv.Receipt()
+				_, err := p.o.Pool.Exec(ctx, p.o.Insert(), msg.ID, r, 100)
 				consumer.SetResult(ctx, []byte(r))
 				return err
 			}), consumer.Recover(), mw)
@@ -525,7 +451,7 @@ func TestQueueRedeliveryAfterCrash(t *testing.T) {
 		}
 		t.Logf("%d acked, %d redeliveries, %d acked as duplicates, %d crashes inside the transaction",
 			acked.Load(), redelivered.Load(), duplicates.Load(), midTxCrashes.Load())
-		e.o.check(t, ids, nil)
+		e.o.Check(t, ids, nil)
 
 		scope := telemetry.AttrScope.String("payments/charge")
 		claims := func(outcome string) int64 {
