@@ -5,13 +5,38 @@
 //
 // Marks live in the process: a restart forgets them. Use dedup/pgtable for
 // anything that must survive one.
+//
+// # Keys are stored as 128-bit hashes
+//
+// The store does not keep a key's scope and id. It keeps a 128-bit hash of
+// them: two 64-bit hash/maphash values of the length-prefixed scope followed
+// by the id, under two independent random seeds chosen at New. Each shard is
+// an open-addressing table of fixed-size slots without pointers (hash, state,
+// owner's token number, expiry, fingerprint), which a claim reads and writes
+// in one probe and the garbage collector does not scan. The result of a
+// result-bearing Complete is kept in a separate map, only when non-empty.
+//
+// Two different keys with the same 128-bit hash would share one mark: the
+// second would be reported as a duplicate (or in flight, or a fingerprint
+// mismatch) of the first and its message dropped. Treating maphash under a
+// random seed as a random function, the chance that any two of n keys
+// claimed by one Store collide is at most n²/2¹²⁹ (the birthday bound):
+// about 1.5·10⁻²⁷ for a million keys, 1.5·10⁻²¹ for 10⁹ keys. maphash is not
+// a cryptographic hash and promises no collision resistance; the bound is
+// for keys not chosen to attack it. Its seeds are secret (they never leave
+// the process), which is what keeps keys from being chosen to collide.
+//
+// The token numbers of a Store's leases must stay below 2⁶¹, that is fewer
+// than 2⁶¹ claims in its lifetime.
 package memstore
 
 import (
 	"context"
 	"crypto/rand"
+	"encoding/binary"
 	"encoding/hex"
 	"fmt"
+	"hash/maphash"
 	"strconv"
 	"strings"
 	"sync"
@@ -38,27 +63,50 @@ type Options struct {
 	SweepInterval time.Duration
 }
 
+// shardCount is a power of two: the top bits of a key's hash pick its shard.
 const shardCount = 64
 
-// mapKey is a key without its fingerprint: the map is keyed by (scope, id).
-type mapKey struct{ scope, id string }
+// shardShift leaves the top log2(shardCount) bits of h1.
+const shardShift = 64 - 6
+
+// hkey is a key's 128-bit hash, without its fingerprint.
+type hkey [2]uint64
 
 type shard struct {
-	mu      sync.Mutex
-	entries map[mapKey]entry // by value: one allocation less per claim
+	mu sync.Mutex
+	t  table
+	// results holds the non-empty results of done keys (slot metaResult).
+	// Allocated on first use.
+	results map[hkey]string
 }
 
-func (s *Store) shardOf(scope, id string) *shard {
-	// FNV-1a over scope, a separator, and id.
-	h := uint32(2166136261)
-	for i := 0; i < len(scope); i++ {
-		h = (h ^ uint32(scope[i])) * 16777619
+// hash is the 128-bit hash of (scope, id), and the shard that holds it.
+func (s *Store) hash(scope, id string) (*shard, hkey) {
+	var h hkey
+	var buf [128]byte
+	if n := 8 + len(scope) + len(id); n <= len(buf) {
+		binary.LittleEndian.PutUint64(buf[:8], uint64(len(scope)))
+		copy(buf[8:], scope)
+		copy(buf[8+len(scope):], id)
+		// maphash.Bytes(seed, b) is, by its documentation, the Hash of
+		// b under seed, so short and long keys hash alike.
+		h = hkey{maphash.Bytes(s.seeds[0], buf[:n]), maphash.Bytes(s.seeds[1], buf[:n])}
+	} else {
+		h = hkey{hashLong(s.seeds[0], scope, id), hashLong(s.seeds[1], scope, id)}
 	}
-	h = (h ^ 0xff) * 16777619
-	for i := 0; i < len(id); i++ {
-		h = (h ^ uint32(id[i])) * 16777619
-	}
-	return &s.shards[h%shardCount]
+	return &s.shards[h[1]>>shardShift], h
+}
+
+// hashLong hashes the same bytes as Store.hash, without a buffer.
+func hashLong(seed maphash.Seed, scope, id string) uint64 {
+	var h maphash.Hash
+	h.SetSeed(seed)
+	var n [8]byte
+	binary.LittleEndian.PutUint64(n[:], uint64(len(scope)))
+	_, _ = h.Write(n[:])
+	_, _ = h.WriteString(scope)
+	_, _ = h.WriteString(id)
+	return h.Sum64()
 }
 
 type state uint8
@@ -67,20 +115,6 @@ const (
 	inFlight state = iota + 1
 	done
 )
-
-// entry is kept by value in its shard's map, and small: a map that holds
-// every completed key for its TTL grows by copying its slots, and the
-// collector scans them. The owner's token is its sequence number (the
-// Lease's Token is the store's prefix and that number), times are offsets
-// from the store's creation (monotonic with the system clock), and a result
-// is a string only a result-bearing key (an HTTP response) pays for.
-type entry struct {
-	state   state
-	seq     uint64 // the owner's token number while in flight
-	expires int64  // lease expiry while in flight, retention end when done (Store.at)
-	fp      dedup.Fingerprint
-	result  string
-}
 
 // Store is an in-memory LeaseStore. It is safe for concurrent use. Close stops
 // its sweeper.
@@ -93,6 +127,7 @@ type Store struct {
 	closeMu sync.Mutex
 	closed  atomic.Bool
 	shards  [shardCount]shard
+	seeds   [2]maphash.Seed
 
 	stop chan struct{}
 	wg   sync.WaitGroup
@@ -103,7 +138,7 @@ type Store struct {
 	base time.Time
 }
 
-// at is t as an entry time: its offset from s.base.
+// at is t as a slot time: its offset from s.base.
 func (s *Store) at(t time.Time) int64 { return int64(t.Sub(s.base)) }
 
 var (
@@ -137,8 +172,9 @@ func New(opts Options) (*Store, error) {
 	var p [8]byte
 	_, _ = rand.Read(p[:])
 	s := &Store{opts: opts, stop: make(chan struct{}), tokenPrefix: hex.EncodeToString(p[:]) + "-", base: opts.Clock.Now()}
+	s.seeds = [2]maphash.Seed{maphash.MakeSeed(), maphash.MakeSeed()}
 	for i := range s.shards {
-		s.shards[i].entries = make(map[mapKey]entry)
+		s.shards[i].t.homeMask = ^uint64(0)
 	}
 	if opts.SweepInterval > 0 {
 		s.wg.Add(1)
@@ -159,7 +195,8 @@ func (s *Store) Close() error {
 	for i := range s.shards {
 		sh := &s.shards[i]
 		sh.mu.Lock()
-		sh.entries = nil
+		sh.t = table{homeMask: sh.t.homeMask}
+		sh.results = nil
 		sh.mu.Unlock()
 	}
 	s.closeMu.Unlock()
@@ -175,7 +212,7 @@ func (s *Store) Len() int {
 	for i := range s.shards {
 		sh := &s.shards[i]
 		sh.mu.Lock()
-		n += len(sh.entries)
+		n += sh.t.n
 		sh.mu.Unlock()
 	}
 	return n
@@ -194,15 +231,32 @@ func (s *Store) sweep() {
 			for i := range s.shards {
 				sh := &s.shards[i]
 				sh.mu.Lock()
-				for k, e := range sh.entries {
-					if now >= e.expires {
-						delete(sh.entries, k)
-					}
-				}
+				sh.removeExpired(now)
 				sh.mu.Unlock()
 			}
 		}
 	}
+}
+
+// removeExpired removes the slots whose expiry is at or before now, and
+// shrinks the table if that leaves it mostly empty. The caller holds sh.mu.
+func (sh *shard) removeExpired(now int64) {
+	t := &sh.t
+	for i := 0; i < len(t.slots); {
+		sl := &t.slots[i]
+		if sl.empty() || now < sl.expires {
+			i++
+			continue
+		}
+		if sl.hasResult() {
+			delete(sh.results, hkey{sl.h0, sl.h1})
+		}
+		// remove shifts a later slot of the chain into i, if any: look
+		// at i again. A slot shifted from the start of the table past
+		// its end was already kept, and is only looked at twice.
+		t.remove(i)
+	}
+	t.shrink()
 }
 
 // newToken returns a token unique within the store: a random prefix chosen
@@ -236,32 +290,46 @@ func (s *Store) Claim(ctx context.Context, key dedup.Key) (*dedup.Lease, error) 
 	if err := dedup.ValidateKey(key, s.opts.MaxKeyLen); err != nil {
 		return nil, err
 	}
-	sh := s.shardOf(key.Scope, key.ID)
+	sh, h := s.hash(key.Scope, key.ID)
 	sh.mu.Lock()
 	defer sh.mu.Unlock()
 	if s.closed.Load() {
 		return nil, dedup.ErrClosed
 	}
-	return s.claimLocked(sh, key)
+	return s.claimLocked(sh, h, key)
 }
 
-// claimLocked claims key in sh, whose lock the caller holds.
-func (s *Store) claimLocked(sh *shard, key dedup.Key) (*dedup.Lease, error) {
+// claimLocked claims key, whose hash is h, in sh, whose lock the caller
+// holds. One probe finds the key's slot or the empty slot it takes.
+func (s *Store) claimLocked(sh *shard, h hkey, key dedup.Key) (*dedup.Lease, error) {
 	now := s.opts.Clock.Now()
-	id := mapKey{key.Scope, key.ID}
 	t := s.at(now)
-	if e, ok := sh.entries[id]; ok && t < e.expires {
-		if !key.Fingerprint.Matches(e.fp) {
-			return nil, dedup.Mismatch(key)
+	i, ok := sh.t.find(h[0], h[1])
+	if ok {
+		e := &sh.t.slots[i]
+		if t < e.expires {
+			if !key.Fingerprint.Matches(e.fp) {
+				return nil, dedup.Mismatch(key)
+			}
+			if e.state() == done {
+				return nil, dedup.Duplicate(key, sh.result(e, h))
+			}
+			return nil, dedup.InFlight(key, time.Duration(e.expires-t))
 		}
-		if e.state == done {
-			return nil, dedup.Duplicate(key, resultBytes(e))
+		// Expired: the key is claimed afresh in its old slot.
+		if e.hasResult() {
+			delete(sh.results, h)
 		}
-		return nil, dedup.InFlight(key, time.Duration(e.expires-t))
+	} else if i < 0 || (sh.t.n+1)*4 > len(sh.t.slots)*3 {
+		sh.t.reserve()
+		i, _ = sh.t.find(h[0], h[1])
+	}
+	if !ok {
+		sh.t.n++
 	}
 	token, seq := s.newToken()
 	l := &dedup.Lease{Key: key, Token: token, TTL: s.opts.Lease}
-	sh.entries[id] = entry{state: inFlight, seq: seq, fp: key.Fingerprint, expires: t + int64(s.opts.Lease)}
+	sh.t.slots[i] = slot{h0: h[0], h1: h[1], meta: inFlightMeta(seq), fp: key.Fingerprint, expires: t + int64(s.opts.Lease)}
 	return l, nil
 }
 
@@ -279,39 +347,43 @@ func (s *Store) ClaimBatch(ctx context.Context, keys []dedup.Key) ([]dedup.Batch
 			out[i].Err = err
 			continue
 		}
-		sh := s.shardOf(k.Scope, k.ID)
+		sh, h := s.hash(k.Scope, k.ID)
 		sh.mu.Lock()
 		if s.closed.Load() {
 			sh.mu.Unlock()
 			return nil, dedup.ErrClosed
 		}
-		out[i].Lease, out[i].Err = s.claimLocked(sh, k)
+		out[i].Lease, out[i].Err = s.claimLocked(sh, h, k)
 		sh.mu.Unlock()
 	}
 	return out, nil
 }
 
-// owned locks the shard of l's key and returns it with the entry l owns and
-// the time. On success the caller must unlock the shard, and store the entry
-// back if it changed it.
-func (s *Store) owned(l *dedup.Lease) (*shard, entry, int64, error) {
+// owned locks the shard of l's key and returns it with the index of the slot
+// l owns, the key's hash and the time. On success the caller must unlock the
+// shard.
+func (s *Store) owned(l *dedup.Lease) (*shard, int, hkey, int64, error) {
 	if l == nil {
-		return nil, entry{}, 0, fmt.Errorf("memstore: nil lease: %w", dedup.ErrLeaseLost)
+		return nil, 0, hkey{}, 0, fmt.Errorf("memstore: nil lease: %w", dedup.ErrLeaseLost)
 	}
 	seq := s.seqOf(l.Token)
-	sh := s.shardOf(l.Key.Scope, l.Key.ID)
+	sh, h := s.hash(l.Key.Scope, l.Key.ID)
 	sh.mu.Lock()
 	if s.closed.Load() {
 		sh.mu.Unlock()
-		return nil, entry{}, 0, dedup.ErrClosed
+		return nil, 0, hkey{}, 0, dedup.ErrClosed
 	}
 	now := s.at(s.opts.Clock.Now())
-	e, ok := sh.entries[mapKey{l.Key.Scope, l.Key.ID}]
-	if !ok || e.state != inFlight || seq == 0 || e.seq != seq || now >= e.expires {
+	i, ok := sh.t.find(h[0], h[1])
+	if !ok {
 		sh.mu.Unlock()
-		return nil, entry{}, 0, fmt.Errorf("memstore: key %s: %w", l.Key, dedup.ErrLeaseLost)
+		return nil, 0, hkey{}, 0, fmt.Errorf("memstore: key %s: %w", l.Key, dedup.ErrLeaseLost)
 	}
-	return sh, e, now, nil
+	if e := &sh.t.slots[i]; e.state() != inFlight || seq == 0 || e.seq() != seq || now >= e.expires {
+		sh.mu.Unlock()
+		return nil, 0, hkey{}, 0, fmt.Errorf("memstore: key %s: %w", l.Key, dedup.ErrLeaseLost)
+	}
+	return sh, i, h, now, nil
 }
 
 // Extend implements dedup.LeaseStore.
@@ -319,13 +391,12 @@ func (s *Store) Extend(ctx context.Context, l *dedup.Lease) error {
 	if err := ctx.Err(); err != nil {
 		return err
 	}
-	sh, e, now, err := s.owned(l)
+	sh, i, _, now, err := s.owned(l)
 	if err != nil {
 		return err
 	}
 	defer sh.mu.Unlock()
-	e.expires = now + int64(s.opts.Lease)
-	sh.entries[mapKey{l.Key.Scope, l.Key.ID}] = e
+	sh.t.slots[i].expires = now + int64(s.opts.Lease)
 	return nil
 }
 
@@ -334,16 +405,21 @@ func (s *Store) Complete(ctx context.Context, l *dedup.Lease, result []byte) err
 	if err := ctx.Err(); err != nil {
 		return err
 	}
-	sh, e, now, err := s.owned(l)
+	sh, i, h, now, err := s.owned(l)
 	if err != nil {
 		return err
 	}
 	defer sh.mu.Unlock()
-	e.state = done
-	e.seq = 0
-	e.result = string(result)
+	e := &sh.t.slots[i]
+	e.meta = uint64(done)
 	e.expires = now + int64(s.opts.TTL)
-	sh.entries[mapKey{l.Key.Scope, l.Key.ID}] = e
+	if len(result) > 0 {
+		if sh.results == nil {
+			sh.results = make(map[hkey]string)
+		}
+		sh.results[h] = string(result)
+		e.meta |= metaResult
+	}
 	return nil
 }
 
@@ -352,20 +428,21 @@ func (s *Store) Release(ctx context.Context, l *dedup.Lease) error {
 	if err := ctx.Err(); err != nil {
 		return err
 	}
-	sh, _, _, err := s.owned(l)
+	sh, i, _, _, err := s.owned(l)
 	if err != nil {
 		return err
 	}
 	defer sh.mu.Unlock()
-	delete(sh.entries, mapKey{l.Key.Scope, l.Key.ID})
+	// An in-flight slot has no result.
+	sh.t.remove(i)
 	return nil
 }
 
-// resultBytes is the stored result of a done entry: nil when Complete got
-// nil or an empty result.
-func resultBytes(e entry) []byte {
-	if e.result == "" {
+// result is the stored result of a done slot: nil when Complete got nil or
+// an empty result.
+func (sh *shard) result(e *slot, h hkey) []byte {
+	if !e.hasResult() {
 		return nil
 	}
-	return []byte(e.result)
+	return []byte(sh.results[h])
 }
