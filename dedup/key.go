@@ -5,7 +5,9 @@ import (
 	"encoding/binary"
 	"encoding/hex"
 	"fmt"
+	"hash"
 	"log/slog"
+	"sync"
 	"unicode/utf8"
 )
 
@@ -20,34 +22,31 @@ type Fingerprint [sha256.Size]byte
 // FingerprintOf returns the SHA-256 of the parts, each prefixed with its
 // length so that ("ab","c") and ("a","bc") differ.
 func FingerprintOf(parts ...[]byte) Fingerprint {
-	// Small content (most messages) is framed in a buffer on the stack and
-	// hashed in one call, which allocates nothing; larger content streams
-	// through a hash.Hash. Both give the same digest.
-	const small = 256
-	total := 0
+	// A pooled digest with its buffers: no allocation per call, and a
+	// small stack frame, which matters to a handler that runs on a new
+	// goroutine (Watermill's router starts one per message, and a large
+	// frame would make it copy its stack every time).
+	d := digests.Get().(*digest)
+	d.h.Reset()
 	for _, p := range parts {
-		total += 8 + len(p)
+		binary.LittleEndian.PutUint64(d.n[:], uint64(len(p)))
+		d.h.Write(d.n[:])
+		d.h.Write(p)
 	}
-	if total <= small {
-		var buf [small]byte
-		b := buf[:0]
-		for _, p := range parts {
-			b = binary.LittleEndian.AppendUint64(b, uint64(len(p)))
-			b = append(b, p...)
-		}
-		return sha256.Sum256(b)
-	}
-	h := sha256.New()
-	var n [8]byte
-	for _, p := range parts {
-		binary.LittleEndian.PutUint64(n[:], uint64(len(p)))
-		h.Write(n[:])
-		h.Write(p)
-	}
-	var f Fingerprint
-	copy(f[:], h.Sum(nil))
+	f := Fingerprint(d.h.Sum(d.sum[:0]))
+	digests.Put(d)
 	return f
 }
+
+// digest is a reusable SHA-256 state and the buffers FingerprintOf passes
+// to it (on the heap with it, so passing them does not allocate).
+type digest struct {
+	h   hash.Hash
+	n   [8]byte
+	sum [sha256.Size]byte
+}
+
+var digests = sync.Pool{New: func() any { return &digest{h: sha256.New()} }}
 
 // IsZero reports whether f is the zero (absent) fingerprint.
 func (f Fingerprint) IsZero() bool { return f == Fingerprint{} }

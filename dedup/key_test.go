@@ -35,9 +35,9 @@ func TestKeyNeverPrintsRaw(t *testing.T) {
 }
 
 // TestFingerprintFraming pins FingerprintOf to its definition, SHA-256 over
-// each part prefixed with its length as 8 little-endian bytes, on both sides
-// of the size where it switches from a stack buffer to a streaming hash:
-// stored fingerprints must not change with the implementation.
+// each part prefixed with its length as 8 little-endian bytes, for parts of
+// many sizes and a reused (pooled) digest: stored fingerprints must not
+// change with the implementation.
 func TestFingerprintFraming(t *testing.T) {
 	for _, sizes := range [][]int{{}, {0}, {1}, {31}, {248}, {249}, {120, 120}, {120, 121}, {4096}, {0, 0, 3}} {
 		var parts [][]byte

@@ -2,13 +2,9 @@ package watermill
 
 import (
 	"context"
-	"crypto/sha256"
-	"encoding/binary"
 	"errors"
 	"fmt"
-	"hash"
 	"log/slog"
-	"sync"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill/message"
@@ -259,7 +255,7 @@ func (b *keyBuilder) build(msg *message.Message) (dedup.Key, error) {
 	if b.fingerprint != nil {
 		k.Fingerprint = b.fingerprint(msg)
 	} else {
-		k.Fingerprint = payloadFingerprint(msg.Payload)
+		k.Fingerprint = dedup.FingerprintOf(msg.Payload)
 	}
 	if err := dedup.ValidateKey(k, b.maxLen); err != nil {
 		return dedup.Key{}, b.invalid(scope, err)
@@ -290,29 +286,4 @@ func (b *keyBuilder) invalid(scope string, err error) error {
 		where = fmt.Sprintf("metadata %q", b.keyMetadata)
 	}
 	return &PoisonError{Reason: consumer.ReasonInvalidKey, Err: fmt.Errorf("watermill: message id from %s: %w", where, err)}
-}
-
-// fingerprintHash holds SHA-256 states for payloadFingerprint.
-var fingerprintHash = sync.Pool{New: func() any { return &fingerprinter{h: sha256.New()} }}
-
-type fingerprinter struct {
-	h   hash.Hash
-	n   [8]byte
-	sum []byte
-}
-
-// payloadFingerprint is dedup.FingerprintOf(payload) without its
-// allocations: SHA-256 of the payload's length (8 bytes, little endian)
-// followed by the payload, on a pooled hash. TestPayloadFingerprint checks
-// that both agree.
-func payloadFingerprint(payload []byte) (f dedup.Fingerprint) {
-	fp := fingerprintHash.Get().(*fingerprinter)
-	binary.LittleEndian.PutUint64(fp.n[:], uint64(len(payload)))
-	fp.h.Reset()
-	fp.h.Write(fp.n[:])
-	fp.h.Write(payload)
-	fp.sum = fp.h.Sum(fp.sum[:0])
-	copy(f[:], fp.sum)
-	fingerprintHash.Put(fp)
-	return f
 }
