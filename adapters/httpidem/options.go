@@ -121,8 +121,11 @@ type Options struct {
 	// whole seconds. Defaults to DefaultRetryAfter (1s).
 	RetryAfter time.Duration
 	// ExtendEvery is how often a lease is extended while the handler runs.
-	// Defaults to a third of the lease's TTL; negative disables it.
-	// Transactional stores have no lease.
+	// Defaults to a third of the lease's TTL; negative disables it. The
+	// first extension comes between ExtendEvery/2 and ExtendEvery after
+	// the claim, the later ones every ExtendEvery (one timer per
+	// middleware serves every request in flight). Transactional stores
+	// have no lease.
 	ExtendEvery time.Duration
 	// CancelWithClient gives the handler the request's own context, which
 	// net/http cancels when the client goes away. Defaults to false: the

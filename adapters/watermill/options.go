@@ -74,8 +74,10 @@ type Options struct {
 
 	// ExtendEvery is how often Dedup extends the lease while the handler
 	// runs. Defaults to a third of the lease's TTL (no heartbeat when the
-	// store reports no TTL). Negative disables the heartbeat. Not used by
-	// Transactional.
+	// store reports no TTL). Negative disables the heartbeat. The first
+	// extension comes between ExtendEvery/2 and ExtendEvery after the
+	// claim, the later ones every ExtendEvery (one timer per middleware
+	// serves every handler in flight). Not used by Transactional.
 	ExtendEvery time.Duration
 	// FinishTimeout bounds Dedup's Complete and Release calls, which run
 	// with context.WithoutCancel so that a handler that succeeded just as
