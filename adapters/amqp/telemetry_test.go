@@ -1,7 +1,6 @@
 package amqp
 
 import (
-	"bytes"
 	"context"
 	"errors"
 	"log/slog"
@@ -53,29 +52,6 @@ func telSpanAttr(s sdktrace.ReadOnlySpan, key attribute.Key) attribute.Value {
 	return attribute.Value{}
 }
 
-func telWaitSpans(t *testing.T, spans *telemetrytest.Spans, name string, n int) []sdktrace.ReadOnlySpan {
-	t.Helper()
-	consWaitFor(t, 30*time.Second, "spans "+name, func() bool { return len(spans.Named(name)) >= n })
-	return spans.Named(name)
-}
-
-type telBuffer struct {
-	mu sync.Mutex
-	b  bytes.Buffer
-}
-
-func (s *telBuffer) Write(p []byte) (int, error) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.Write(p)
-}
-
-func (s *telBuffer) String() string {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.String()
-}
-
 // A trace started before the outbox stored the message is the parent of the
 // consumer's span after a trip through the Publisher the relay uses and
 // RabbitMQ, on the first delivery and on the retried copy; the Dedup claim
@@ -119,7 +95,7 @@ func TestConsumerContinuesOutboxTrace(t *testing.T) {
 		t.Fatal(err)
 	}
 
-	got := telWaitSpans(t, spans, "process "+queue, 2)
+	got := spans.Wait(t, "process "+queue, 2)
 	pc := producer.SpanContext()
 	results := map[string]int{}
 	for _, cs := range got {
@@ -145,7 +121,7 @@ func TestConsumerContinuesOutboxTrace(t *testing.T) {
 	for _, cs := range got {
 		consumerSpans[cs.SpanContext().SpanID()] = true
 	}
-	claims := telWaitSpans(t, spans, "idem.claim", 2)
+	claims := spans.Wait(t, "idem.claim", 2)
 	for _, cl := range claims {
 		if !consumerSpans[cl.Parent().SpanID()] || cl.SpanContext().TraceID() != pc.TraceID() {
 			t.Errorf("idem.claim's parent = %v, not a consumer span", cl.Parent().SpanID())
@@ -178,7 +154,7 @@ func TestConsumerMetricsByVerdict(t *testing.T) {
 		}
 		return nil
 	}), consMemDedup(t, "test/verdicts"))
-	var logs telBuffer
+	var logs telemetrytest.LogBuffer
 	opts := consOpts(ConsumerOptions{RetryDelays: delays, MaxAttempts: 2, MeterProvider: mp})
 	opts.Logger = slog.New(slog.NewTextHandler(&logs, &slog.HandlerOptions{Level: slog.LevelDebug}))
 	c, err := NewConsumer(url, queue, h, opts)
@@ -256,7 +232,7 @@ func TestConsumerHostileTraceHeaders(t *testing.T) {
 		Headers: amqp091.Table{outbox.HeaderTraceParent: []byte(telValidTP)}})
 	consPublish(t, url, queue, msgs...)
 
-	got := telWaitSpans(t, spans, "process "+queue, len(msgs))
+	got := spans.Wait(t, "process "+queue, len(msgs))
 	var roots, parented int
 	for _, s := range got {
 		switch {

@@ -9,7 +9,6 @@ import (
 	"net/http/httptest"
 	"slices"
 	"strings"
-	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -427,24 +426,6 @@ func TestSpansUnderRequestSpan(t *testing.T) {
 	}
 }
 
-// syncBuffer is a log sink safe for concurrent writes.
-type syncBuffer struct {
-	mu sync.Mutex
-	b  bytes.Buffer
-}
-
-func (s *syncBuffer) Write(p []byte) (int, error) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.Write(p)
-}
-
-func (s *syncBuffer) String() string {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.String()
-}
-
 // completeFails is a lease store whose Complete fails.
 type completeFails struct{ dedup.LeaseStore }
 
@@ -455,7 +436,7 @@ func (completeFails) Complete(context.Context, *dedup.Lease, []byte) error {
 // TestLogsHoldNoKey: the warnings name the key by its hash, never the key
 // or the principal.
 func TestLogsHoldNoKey(t *testing.T) {
-	var logs syncBuffer
+	var logs telemetrytest.LogBuffer
 	logger := slog.New(slog.NewTextHandler(&logs, &slog.HandlerOptions{Level: slog.LevelDebug}))
 	down := newMem(t, memstore.Options{})
 	_ = down.Close()

@@ -1,12 +1,10 @@
 package kafka_test
 
 import (
-	"bytes"
 	"context"
 	"errors"
 	"log/slog"
 	"strings"
-	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -51,31 +49,6 @@ func spanAttr(s sdktrace.ReadOnlySpan, key attribute.Key) (attribute.Value, bool
 	return attribute.Value{}, false
 }
 
-// waitSpans waits until n spans called name ended and returns them.
-func waitSpans(t *testing.T, spans *telemetrytest.Spans, name string, n int) []sdktrace.ReadOnlySpan {
-	t.Helper()
-	eventually(t, 30*time.Second, "spans "+name, func() bool { return len(spans.Named(name)) >= n })
-	return spans.Named(name)
-}
-
-// syncBuffer is a bytes.Buffer safe for the Consumer's goroutines.
-type syncBuffer struct {
-	mu sync.Mutex
-	b  bytes.Buffer
-}
-
-func (s *syncBuffer) Write(p []byte) (int, error) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.Write(p)
-}
-
-func (s *syncBuffer) String() string {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.String()
-}
-
 // A trace started before the outbox stored the message is the parent of the
 // consumer's span after a trip through the Publisher the relay uses and
 // Kafka, and the Dedup claim runs under the consumer's span.
@@ -117,7 +90,7 @@ func TestConsumerContinuesOutboxTrace(t *testing.T) {
 	}
 	run(t, c)
 
-	cs := waitSpans(t, spans, "process "+topic, 1)[0]
+	cs := spans.Wait(t, "process "+topic, 1)[0]
 	pc := producer.SpanContext()
 	if cs.Parent().TraceID() != pc.TraceID() || cs.Parent().SpanID() != pc.SpanID() || !cs.Parent().IsRemote() {
 		t.Fatalf("consumer span's parent = %v/%v (remote %v), want the producer's %v/%v",
@@ -136,7 +109,7 @@ func TestConsumerContinuesOutboxTrace(t *testing.T) {
 	if v, ok := spanAttr(cs, "messaging.kafka.offset"); !ok || v.AsInt64() != 0 {
 		t.Errorf("span attribute messaging.kafka.offset = %v (%v), want 0", v.AsInt64(), ok)
 	}
-	claim := waitSpans(t, spans, "idem.claim", 1)[0]
+	claim := spans.Wait(t, "idem.claim", 1)[0]
 	if claim.Parent().SpanID() != cs.SpanContext().SpanID() || claim.SpanContext().TraceID() != pc.TraceID() {
 		t.Errorf("idem.claim's parent = %v, want the consumer span %v", claim.Parent().SpanID(), cs.SpanContext().SpanID())
 	}
@@ -170,7 +143,7 @@ func TestConsumerMetricsByVerdict(t *testing.T) {
 		}
 		return nil
 	})
-	var logs syncBuffer
+	var logs telemetrytest.LogBuffer
 	c, err := kafka.NewConsumer(k.readerConfig(testenv.Name("g"), topic), h, kafka.Options{
 		DeadLetterTopic: dlq,
 		MeterProvider:   mp,
@@ -312,7 +285,7 @@ func TestConsumerHostileTraceHeaders(t *testing.T) {
 		t.Fatal(err)
 	}
 	run(t, c)
-	got := waitSpans(t, spans, "process "+topic, 3)
+	got := spans.Wait(t, "process "+topic, 3)
 	if acked.Load() != 3 {
 		t.Errorf("acked %d records, want 3", acked.Load())
 	}

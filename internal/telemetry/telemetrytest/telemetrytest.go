@@ -4,10 +4,13 @@
 package telemetrytest
 
 import (
+	"bytes"
 	"context"
 	"sort"
 	"strings"
+	"sync"
 	"testing"
+	"time"
 
 	"go.opentelemetry.io/otel/attribute"
 	sdkmetric "go.opentelemetry.io/otel/sdk/metric"
@@ -203,4 +206,40 @@ func (s *Spans) Named(name string) []sdktrace.ReadOnlySpan {
 		}
 	}
 	return out
+}
+
+// Wait waits up to 30 seconds until at least n spans called name ended, and
+// returns them; the test fails if they do not.
+func (s *Spans) Wait(t testing.TB, name string, n int) []sdktrace.ReadOnlySpan {
+	t.Helper()
+	deadline := time.Now().Add(30 * time.Second)
+	for {
+		if got := s.Named(name); len(got) >= n {
+			return got
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("%d spans %q ended within 30s, want %d", len(s.Named(name)), name, n)
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+}
+
+// LogBuffer is a log sink safe for concurrent writes, for tests that read
+// what a component logged.
+type LogBuffer struct {
+	mu sync.Mutex
+	b  bytes.Buffer
+}
+
+func (l *LogBuffer) Write(p []byte) (int, error) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.b.Write(p)
+}
+
+// String returns everything written so far.
+func (l *LogBuffer) String() string {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.b.String()
 }
