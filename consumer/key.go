@@ -66,12 +66,6 @@ func (b *keyBuilder) build(msg *Message) (dedup.Key, error) {
 	return k, nil
 }
 
-// isVerdict reports whether err is a store's answer about a key another
-// claim holds: a duplicate, in flight, or with another fingerprint.
-func isVerdict(err error) bool {
-	return errors.Is(err, dedup.ErrDuplicate) || errors.Is(err, dedup.ErrInFlight) || errors.Is(err, dedup.ErrFingerprintMismatch)
-}
-
 // claimOutcome names the outcome of a claim that did not grant ownership.
 func claimOutcome(err error) string {
 	switch {

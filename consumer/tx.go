@@ -136,7 +136,7 @@ func Transactional[Tx any](store dedup.TxStore[Tx], opts TxOptions, h TxHandler[
 		case ran && hErr != nil:
 			outcome(ctx, msg, OutcomeReleased)
 			tel.Handled(ctx, OutcomeReleased, end.Sub(hStart))
-		case ran && isVerdict(err):
+		case ran && dedup.Held(err):
 			// h ran, but a claim that does not wait for this transaction
 			// (pgtable.Process against its lease mode or ClaimTx) took the
 			// key first: the transaction rolled back, and err is the

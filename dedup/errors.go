@@ -73,3 +73,12 @@ func StoredResult(err error) ([]byte, bool) {
 	}
 	return nil, errors.Is(err, ErrDuplicate)
 }
+
+// Held reports whether err is a store's answer that another claim holds
+// the key: ErrDuplicate, ErrInFlight or ErrFingerprintMismatch. A caller
+// acts on it like on the answer to its own claim, even when it came after
+// its handler ran (pgtable.Process losing to a claim that does not take the
+// key's lock).
+func Held(err error) bool {
+	return errors.Is(err, ErrDuplicate) || errors.Is(err, ErrInFlight) || errors.Is(err, ErrFingerprintMismatch)
+}

@@ -304,12 +304,6 @@ func isLockTimeout(err error) bool {
 	return errors.As(err, &pgErr) && pgErr.Code == "55P03"
 }
 
-// claimVerdict reports whether err is a store's answer about a key that
-// another claim holds: duplicate, in flight, or fingerprint mismatch.
-func claimVerdict(err error) bool {
-	return errors.Is(err, dedup.ErrDuplicate) || errors.Is(err, dedup.ErrInFlight) || errors.Is(err, dedup.ErrFingerprintMismatch)
-}
-
 func inFlight(err error) bool {
 	return errors.Is(err, dedup.ErrInFlight) || isLockTimeout(err)
 }
@@ -612,7 +606,7 @@ func (m *Middleware) serveTx(w http.ResponseWriter, r *http.Request, next http.H
 		cw.send(w)
 		status, _ := cw.final()
 		m.done(rq, r, OutcomeProcessed, status, waited)
-	case claimVerdict(err):
+	case dedup.Held(err):
 		// The handler ran, but a claim that does not wait for this
 		// transaction (pgtable's lease mode on the same table, an idem
 		// version that claimed at the start of the transaction) took the

@@ -142,7 +142,7 @@ func (t *txMiddleware) handle(dl *delivery, h message.HandlerFunc, msg *message.
 		tel.Handled(orig, consumer.OutcomeReleased, end.Sub(hStart))
 		t.outcome(msg, consumer.OutcomeReleased)
 		return nil, herr
-	case ran && isVerdict(err):
+	case ran && dedup.Held(err):
 		// The handler ran, but a claim that does not wait for this
 		// transaction (pgtable.Process against its lease mode or
 		// ClaimTx) took the key first: the transaction rolled back, and
@@ -197,10 +197,4 @@ func (t *txMiddleware) enqueue(ctx, msgCtx context.Context, tx pgx.Tx, out []*me
 		return fmt.Errorf("watermill: write %d returned messages to the outbox: %w", len(msgs), err)
 	}
 	return nil
-}
-
-// isVerdict reports whether err is a store's answer about a key another
-// claim holds: a duplicate, in flight, or with another fingerprint.
-func isVerdict(err error) bool {
-	return errors.Is(err, dedup.ErrDuplicate) || errors.Is(err, dedup.ErrInFlight) || errors.Is(err, dedup.ErrFingerprintMismatch)
 }

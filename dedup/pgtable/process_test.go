@@ -441,7 +441,7 @@ func TestProcessLosesToWritersWithoutTheLock(t *testing.T) {
 			time.Sleep(150 * time.Millisecond) // the lease runs out; its row stays
 			close(bp.cont)
 			r := <-bp.done
-			if !errors.Is(r.err, pgtable.ErrLostRace) || isVerdict(r.err) {
+			if !errors.Is(r.err, pgtable.ErrLostRace) || dedup.Held(r.err) {
 				t.Fatalf("Process = %v, want ErrLostRace (the winner's row expired before it was read)", r.err)
 			}
 			if got := w.count(t, key.ID); len(got) != 0 {
@@ -459,10 +459,6 @@ func TestProcessLosesToWritersWithoutTheLock(t *testing.T) {
 			}
 		})
 	}
-}
-
-func isVerdict(err error) bool {
-	return errors.Is(err, dedup.ErrDuplicate) || errors.Is(err, dedup.ErrInFlight) || errors.Is(err, dedup.ErrFingerprintMismatch)
 }
 
 // TestProcessPartitionedWritersWait: in the partitioned layout every writer
@@ -638,7 +634,7 @@ func TestProcessFailureWritesNothing(t *testing.T) {
 						}
 					}()
 					_, err := w.s.Process(ctx, key, func(ctx context.Context, tx pgx.Tx) ([]byte, error) { return fn(ctx, tx, key.ID) })
-					if err == nil || isVerdict(err) {
+					if err == nil || dedup.Held(err) {
 						t.Errorf("%s: Process = %v, want fn's failure", name, err)
 					}
 					if name == "error" && !errors.Is(err, boom) {
@@ -781,7 +777,7 @@ func TestProcessCancelledWhileWaiting(t *testing.T) {
 				return nil, nil
 			})
 			cancel()
-			if err == nil || isVerdict(err) {
+			if err == nil || dedup.Held(err) {
 				t.Fatalf("cancelled duplicate = %v, want a context error", err)
 			}
 			if d := time.Since(start); d > 5*time.Second {
