@@ -1,7 +1,7 @@
 # idem: build, test and lint entry points (GNU make).
 #
 #   make test    services up, every test with -race, then CHAOS_SCALE=small make chaos (the test command)
-#   make test-go services up, every test with -race (no chaos matrix)
+#   make test-go services up, every test with -race, the allocation tests without (no chaos matrix)
 #   make lint    gofmt, go vet, golangci-lint (installed on first use)
 #   make chaos   the reliability matrix (CHAOS_SCALE=small|full, CHAOS_SEED, CHAOS_ONLY)
 #   make bench   side-by-side benchmarks in interleaved rounds (ROUNDS, BENCHTIME)
@@ -50,6 +50,10 @@ test: test-go
 
 test-go: up
 	$(GO) test -race -count=1 -timeout 30m $(GOTESTFLAGS) $(PKGS)
+	@# The allocation ceilings (Test*Allocations) again without the race
+	@# detector, which makes sync.Pool drop items at random: some of them
+	@# only build without it (//go:build !race).
+	$(GO) test -count=1 -run 'Allocations$$' $(PKGS)
 
 # The reliability matrix (internal/chaos): built once, so the cells can
 # re-execute the binary as the consumers they SIGKILL.

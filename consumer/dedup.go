@@ -13,6 +13,7 @@ import (
 
 	"github.com/idemkit/idem/dedup"
 	"github.com/idemkit/idem/internal/leasekeep"
+	"github.com/idemkit/idem/internal/seat"
 	"github.com/idemkit/idem/internal/telemetry"
 )
 
@@ -152,8 +153,10 @@ func (d *dedupMiddleware) outcome(ctx context.Context, msg *Message, outcome str
 }
 
 // dedupRun is one message's state under a claim, allocated once: the
-// heartbeat's hold, the result slot and the context of Complete or Release.
+// handler's context, the heartbeat's hold, the result slot and the context
+// of Complete or Release.
 type dedupRun struct {
+	cctx leasekeep.HandlerCtx // the handler's, cancelled on a lost lease
 	hold leasekeep.Hold
 	slot resultSlot
 	hctx slotCtx
@@ -170,6 +173,12 @@ type slotCtx struct {
 func (c *slotCtx) Value(key any) any {
 	if _, ok := key.(resultKey); ok {
 		return c.slot
+	}
+	if seat.Hidden(key) {
+		// The delivery's handler slot is Dedup's to give away and take
+		// back: a Dedup inside the handler (in goroutines, say) must not
+		// move it.
+		return nil
 	}
 	return c.Context.Value(key)
 }
@@ -195,6 +204,10 @@ func (d *dedupMiddleware) handle(ctx context.Context, msg *Message, next Handler
 	if recording {
 		cctx, endClaim = telemetry.StartSpan(ctx, d.tel.Tracer, "idem.claim", d.tel.SpanAttrs(key.Hash())...)
 	}
+	// The claim's round trip need not hold a handler slot (internal/seat):
+	// another delivery's handler may run meanwhile.
+	st := seat.From(ctx)
+	st.Away()
 	lease, err := d.store.Claim(cctx, key)
 	if err == nil && lease == nil {
 		err = errors.New("the store returned neither a lease nor an error")
@@ -218,9 +231,9 @@ func (d *dedupMiddleware) handle(ctx context.Context, msg *Message, next Handler
 	}
 
 	run := &dedupRun{}
-	cancelable, cancel := context.WithCancelCause(ctx)
-	defer cancel(nil)
-	run.hctx = slotCtx{Context: cancelable, slot: &run.slot}
+	run.cctx.Init(ctx)
+	defer run.cctx.Cancel(nil)
+	run.hctx = slotCtx{Context: &run.cctx, slot: &run.slot}
 	var hctx context.Context = &run.hctx
 	every := d.opts.ExtendEvery
 	if every == 0 {
@@ -228,8 +241,25 @@ func (d *dedupMiddleware) handle(ctx context.Context, msg *Message, next Handler
 	}
 	// The heartbeat lives as long as the handler runs, not as long as ctx:
 	// a handler that finishes its work during a graceful stop keeps its
-	// lease.
-	d.keeper.Start(ctx, &run.hold, lease, every, cancel)
+	// lease. It starts before the wait for a handler slot, which may be
+	// long when every handler is busy.
+	d.keeper.Start(ctx, &run.hold, lease, every, &run.cctx)
+	if err := d.seatBack(&run.cctx, st, lease, every); err != nil {
+		// The lease was lost, the consumer stops, or the handler context
+		// ended, while this delivery waited for a handler slot: the
+		// handler never ran.
+		if lost := run.hold.Stop(); lost != nil {
+			d.tel.LeaseLost(ctx)
+			d.outcome(ctx, msg, OutcomeLeaseLost)
+			return fmt.Errorf("consumer: lease of %s lost while waiting for a handler slot: %w", key, lost)
+		}
+		d.release(ctx, run, lease, "the handler was not started: "+err.Error())
+		d.outcome(ctx, msg, OutcomeReleased)
+		return fmt.Errorf("consumer: waiting for a handler slot for %s: %w", key, err)
+	}
+	if timed && st != nil {
+		hstart = time.Now() // the handler's duration leaves the wait out
+	}
 	hctx, endHandle := telemetry.StartSpan(hctx, d.tel.Tracer, "idem.handle")
 	end := func(outcome string) {
 		d.tel.Handled(ctx, outcome, since(timed, hstart))
@@ -254,6 +284,7 @@ func (d *dedupMiddleware) handle(ctx context.Context, msg *Message, next Handler
 	herr := next.Handle(hctx, msg)
 	returned = true
 	endHandle(herr)
+	st.Away() // Complete or Release need no handler slot either
 
 	if lost := run.hold.Stop(); lost != nil {
 		end(OutcomeLeaseLost)
@@ -284,6 +315,26 @@ func (d *dedupMiddleware) handle(ctx context.Context, msg *Message, next Handler
 	}
 	end(OutcomeCompleted)
 	return nil
+}
+
+// errSeatWait is the error of a delivery whose lease has no heartbeat and
+// that waited half of it for a handler slot.
+var errSeatWait = errors.New("no handler slot was free within half of the lease, which has no heartbeat")
+
+// seatBack takes the delivery's handler slot back after the claim (see
+// internal/seat). Without a heartbeat nothing extends the lease while the
+// delivery waits: the wait is then bounded by half of the lease, so that
+// the handler never starts on a lease about to run out.
+func (d *dedupMiddleware) seatBack(ctx context.Context, st *seat.Seat, lease *dedup.Lease, every time.Duration) error {
+	if st == nil {
+		return nil
+	}
+	if every > 0 || lease.TTL <= 0 {
+		return st.Back(ctx)
+	}
+	wctx, cancel := context.WithTimeoutCause(ctx, lease.TTL/2, errSeatWait)
+	defer cancel()
+	return st.Back(wctx)
 }
 
 // since is the time since start, when timed.

@@ -9,6 +9,7 @@ import (
 	"go.opentelemetry.io/otel/trace"
 
 	"github.com/idemkit/idem/dedup"
+	"github.com/idemkit/idem/internal/seat"
 	"github.com/idemkit/idem/internal/telemetry"
 )
 
@@ -100,6 +101,9 @@ func Transactional[Tx any](store dedup.TxStore[Tx], opts TxOptions, h TxHandler[
 			start        = time.Now()
 			hStart, hEnd time.Time
 		)
+		// The handler keeps the delivery's handler slot (internal/seat)
+		// throughout; a Dedup it runs must not give it away.
+		ctx = seat.Hide(ctx)
 		_, err = store.Process(ctx, key, func(ctx context.Context, tx Tx) ([]byte, error) {
 			ran = true
 			hStart = time.Now()

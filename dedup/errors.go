@@ -67,6 +67,11 @@ func Mismatch(k Key) error {
 // StoredResult returns the result carried by a duplicate error, and whether
 // err is a duplicate at all.
 func StoredResult(err error) ([]byte, bool) {
+	// The answer every store gives a duplicate, as it is: no errors.As,
+	// which allocates, on the path of every replay.
+	if ce, ok := err.(*ClaimError); ok && ce.Err == ErrDuplicate { //nolint:errorlint // the fast path; wrapped errors take the general one below
+		return ce.Result, true
+	}
 	var ce *ClaimError
 	if errors.As(err, &ce) && errors.Is(ce.Err, ErrDuplicate) {
 		return ce.Result, true

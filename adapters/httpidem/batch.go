@@ -2,6 +2,7 @@ package httpidem
 
 import (
 	"context"
+	"slices"
 	"sync"
 	"time"
 
@@ -88,20 +89,19 @@ func (b *batcher) send(batch []*pendingClaim) {
 	// its copies get what claims sent one after the other would have got,
 	// the same duplicate or mismatch, or "in flight" when the first copy
 	// won the lease.
-	first := make(map[dedup.Key]int, len(batch))
-	keys := make([]dedup.Key, 0, len(batch))
-	slot := make([]int, len(batch))
-	for i, p := range batch {
-		j, seen := first[p.key]
-		if !seen {
-			j = len(keys)
-			first[p.key] = j
-			keys = append(keys, p.key)
-		}
-		slot[i] = j
+	keys, slot := distinctKeys(batch)
+	var (
+		res []dedup.BatchResult
+		err error
+	)
+	if len(keys) == 1 {
+		// One key, maybe many copies (the replays of one hot key): a
+		// plain claim gives the same answer at a lower cost.
+		lease, cerr := b.store.Claim(ctx, keys[0])
+		res = []dedup.BatchResult{{Lease: lease, Err: cerr}}
+	} else {
+		res, err = b.store.ClaimBatch(ctx, keys)
 	}
-	res, err := b.store.ClaimBatch(ctx, keys)
-	granted := make([]bool, len(keys))
 	for i, p := range batch {
 		j := slot[i]
 		switch {
@@ -110,10 +110,10 @@ func (b *batcher) send(batch []*pendingClaim) {
 		case j >= len(res):
 			// A store that answered fewer results than keys: the
 			// middleware answers "neither a lease nor an error".
-		case res[j].Lease != nil && granted[j]:
+		case res[j].Lease != nil && slices.Index(slot, j) != i:
+			// A later copy of the key whose first copy got the lease.
 			p.err = dedup.InFlight(p.key, res[j].Lease.TTL)
 		case res[j].Lease != nil:
-			granted[j] = true
 			p.lease = res[j].Lease
 		default:
 			p.err = res[j].Err
@@ -122,4 +122,36 @@ func (b *batcher) send(batch []*pendingClaim) {
 			close(p.wake)
 		}
 	}
+}
+
+// smallBatch is the batch size up to which distinctKeys finds copies by a
+// scan, cheaper than a map there.
+const smallBatch = 16
+
+// distinctKeys returns the batch's keys without copies, in the order of
+// their first copy, and for each claim of the batch the index of its key.
+func distinctKeys(batch []*pendingClaim) ([]dedup.Key, []int) {
+	keys := make([]dedup.Key, 0, len(batch))
+	slot := make([]int, len(batch))
+	var first map[dedup.Key]int
+	if len(batch) > smallBatch {
+		first = make(map[dedup.Key]int, len(batch))
+	}
+	for i, p := range batch {
+		j := -1
+		if first == nil {
+			j = slices.Index(keys, p.key)
+		} else if k, seen := first[p.key]; seen {
+			j = k
+		}
+		if j < 0 {
+			j = len(keys)
+			keys = append(keys, p.key)
+			if first != nil {
+				first[p.key] = j
+			}
+		}
+		slot[i] = j
+	}
+	return keys, slot
 }

@@ -22,11 +22,21 @@ type gatedStore struct {
 	once    sync.Once
 	mu      sync.Mutex
 	batches [][]dedup.Key
+	claims  []dedup.Key // single claims after the gated first one
 	fail    error
 }
 
 func (s *gatedStore) Claim(ctx context.Context, k dedup.Key) (*dedup.Lease, error) {
-	s.once.Do(func() { close(s.entered); <-s.gate })
+	first := false
+	s.once.Do(func() { first = true; close(s.entered); <-s.gate })
+	if !first {
+		s.mu.Lock()
+		s.claims = append(s.claims, k)
+		s.mu.Unlock()
+		if s.fail != nil {
+			return nil, s.fail
+		}
+	}
 	return s.Store.Claim(ctx, k)
 }
 
@@ -164,5 +174,63 @@ func TestBatcherUnderLoad(t *testing.T) {
 	wg.Wait()
 	if leases.Load() != 40 {
 		t.Fatalf("%d leases for 40 keys", leases.Load())
+	}
+}
+
+// A batch that holds one key only, however many copies (the replays of a
+// hot key), is sent as one plain Claim; its copies get what a batch would
+// have given them.
+func TestBatcherOneKeyIsOneClaim(t *testing.T) {
+	s := newGated(t)
+	b := &batcher{store: s, lanes: 1, timeout: 5 * time.Second}
+	hot := dedup.Key{Scope: "s", ID: "hot"}
+	leases, errs := queueClaims(t, b, s, []dedup.Key{hot, hot, hot, hot})
+	if len(s.batches) != 0 || len(s.claims) != 1 || s.claims[0] != hot {
+		t.Fatalf("batches %v, claims %v: want one Claim of the hot key", s.batches, s.claims)
+	}
+	checkCopies(t, []dedup.Key{hot, hot, hot, hot}, leases, errs)
+	// A failed claim fails every copy.
+	s2 := newGated(t)
+	s2.fail = errors.New("redis: connection refused")
+	b2 := &batcher{store: s2, lanes: 1, timeout: 5 * time.Second}
+	_, errs = queueClaims(t, b2, s2, []dedup.Key{hot, hot})
+	for _, err := range errs {
+		if !errors.Is(err, s2.fail) {
+			t.Fatalf("copy in a failed claim: %v", err)
+		}
+	}
+}
+
+// A small batch finds the copies of its keys by a scan: the same answers
+// as the map of a large one.
+func TestBatcherSmallBatchCopies(t *testing.T) {
+	s := newGated(t)
+	b := &batcher{store: s, lanes: 1, timeout: 5 * time.Second}
+	a, c := dedup.Key{Scope: "s", ID: "a"}, dedup.Key{Scope: "s", ID: "c"}
+	keys := []dedup.Key{a, c, a, c, a}
+	leases, errs := queueClaims(t, b, s, keys)
+	if len(s.batches) != 1 || len(s.batches[0]) != 2 || s.batches[0][0] == s.batches[0][1] {
+		t.Fatalf("batches %v: want one batch of a and c", s.batches)
+	}
+	checkCopies(t, keys, leases, errs)
+}
+
+// checkCopies checks the answers to claims of keys sent together: one lease
+// per distinct key, in flight for every other copy.
+func checkCopies(t *testing.T, keys []dedup.Key, leases []*dedup.Lease, errs []error) {
+	t.Helper()
+	won := map[dedup.Key]int{}
+	for i, k := range keys {
+		switch {
+		case errs[i] == nil && leases[i] != nil && leases[i].Key == k:
+			won[k]++
+		case leases[i] != nil || !errors.Is(errs[i], dedup.ErrInFlight):
+			t.Fatalf("claim %d of %s: %v, %v; want a lease or in flight", i, k, leases[i], errs[i])
+		}
+	}
+	for _, k := range keys {
+		if won[k] != 1 {
+			t.Fatalf("%s: %d leases, want 1", k, won[k])
+		}
 	}
 }

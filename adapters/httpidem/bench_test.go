@@ -349,3 +349,55 @@ func BenchmarkServeHTTP(b *testing.B) {
 		})
 	}
 }
+
+// BenchmarkServeHTTPStores is BenchmarkServeHTTP on the real stores, for
+// profiling the middleware's paths the targets of BenchmarkHTTPSideBySide
+// are about, without the loopback HTTP around them: redisnx_replay (one
+// completed key, read from Redis every time), and pgtable_tx_first (a new
+// key each, the handler inserting a payment through httpidem.Tx) beside
+// own_tx (the same insert in the handler's own transaction). Requests come
+// from 4 goroutines per CPU, so the store sees concurrent calls.
+//
+//	go test -run '^$' -bench ServeHTTPStores -cpuprofile cpu.out ./adapters/httpidem/
+func BenchmarkServeHTTPStores(b *testing.B) {
+	var named []benchVariant
+	for _, v := range benchVariants(b) {
+		switch v.name {
+		case "bare", "redisnx/replay", "own_tx", "pgtable_tx/first":
+			named = append(named, v)
+		}
+	}
+	for _, v := range named {
+		b.Run(strings.ReplaceAll(v.name, "/", "_"), func(b *testing.B) {
+			hot := testenv.Name("hot")
+			serve := func(key string) int {
+				r := httptest.NewRequest(http.MethodPost, "/payments", strings.NewReader(benchBody))
+				r.Header.Set("Content-Type", "application/json")
+				r.Header.Set(httpidem.HeaderKey, key)
+				w := httptest.NewRecorder()
+				v.h.ServeHTTP(w, r)
+				return w.Code
+			}
+			if v.replay {
+				if code := serve(hot); code != http.StatusCreated {
+					b.Fatalf("completing the replayed key: %d", code)
+				}
+			}
+			b.ReportAllocs()
+			b.SetParallelism(4)
+			b.ResetTimer()
+			b.RunParallel(func(pb *testing.PB) {
+				for pb.Next() {
+					key := hot
+					if !v.replay {
+						key = "k-" + strconv.FormatInt(benchSeq.Add(1), 36)
+					}
+					if code := serve(key); code != http.StatusCreated {
+						b.Errorf("status %d", code)
+						return
+					}
+				}
+			})
+		})
+	}
+}

@@ -99,15 +99,27 @@ func (c *capture) send(w http.ResponseWriter) {
 	}
 }
 
-// replay writes a stored response to w.
+// replay writes a stored response to w. The values of the fields it adds
+// share one slice: a replay is the hot path of a retry storm.
 func replay(w http.ResponseWriter, r *record) {
 	h := w.Header()
-	for _, f := range r.header {
-		h[f[0]] = append(h[f[0]], f[1])
+	vals := make([]string, 0, len(r.header)+2)
+	add := func(name, v string) {
+		vals = append(vals, v)
+		if old := h[name]; len(old) > 0 {
+			h[name] = append(old, v)
+			return
+		}
+		h[name] = vals[len(vals)-1 : len(vals) : len(vals)]
 	}
-	h.Set(HeaderReplayed, "true")
+	for _, f := range r.header {
+		add(f[0], f[1])
+	}
+	delete(h, HeaderReplayed)
+	add(HeaderReplayed, "true")
 	if bodyAllowed(r.status) {
-		h.Set("Content-Length", strconv.Itoa(len(r.body)))
+		delete(h, "Content-Length")
+		add("Content-Length", strconv.Itoa(len(r.body)))
 	}
 	w.WriteHeader(r.status)
 	if len(r.body) > 0 && bodyAllowed(r.status) {

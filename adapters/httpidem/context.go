@@ -7,6 +7,7 @@ import (
 	"github.com/jackc/pgx/v5"
 
 	"github.com/idemkit/idem/dedup"
+	"github.com/idemkit/idem/internal/leasekeep"
 )
 
 // call is what the middleware shares with the handler of one request
@@ -15,6 +16,13 @@ type call struct {
 	key      dedup.Key
 	tx       pgx.Tx
 	released atomic.Bool
+
+	// Under a lease: the handler's context (cancelled when the lease is
+	// lost), the heartbeat, and the context of Complete or Release, in
+	// the call's one allocation.
+	hctx leasekeep.HandlerCtx
+	hold leasekeep.Hold
+	fin  leasekeep.Finish
 }
 
 type callKey struct{}

@@ -3,11 +3,13 @@ package httpidem
 import (
 	"bytes"
 	"crypto/sha256"
+	"encoding/binary"
 	"encoding/json"
 	"errors"
 	"hash"
 	"io"
 	"net/http"
+	"sync"
 
 	"github.com/idemkit/idem/dedup"
 )
@@ -63,27 +65,49 @@ func CanonicalJSON(body []byte) ([]byte, bool) {
 }
 
 // fingerprint hashes the parts like dedup.FingerprintOf, without converting
-// the strings to byte slices.
+// the strings to byte slices and without allocating: it runs on every
+// request, replays included.
 func fingerprint(method, route, target string, body []byte) dedup.Fingerprint {
-	h := sha256.New()
-	writeLen(h, len(method))
-	_, _ = io.WriteString(h, method)
-	writeLen(h, len(route))
-	_, _ = io.WriteString(h, route)
-	writeLen(h, len(target))
-	_, _ = io.WriteString(h, target)
-	writeLen(h, len(body))
-	h.Write(body)
-	var f dedup.Fingerprint
-	h.Sum(f[:0])
+	d := digests.Get().(*digest)
+	d.h.Reset()
+	d.writeString(method)
+	d.writeString(route)
+	d.writeString(target)
+	d.writeLen(len(body))
+	d.h.Write(body)
+	f := dedup.Fingerprint(d.h.Sum(d.sum[:0]))
+	if cap(d.buf) > maxDigestBuf {
+		d.buf = nil // a huge route or target: do not keep its copy
+	}
+	digests.Put(d)
 	return f
 }
 
-func writeLen(h hash.Hash, n int) {
-	var b [8]byte
-	l := uint64(n)
-	for i := range b {
-		b[i] = byte(l >> (8 * i))
-	}
-	h.Write(b[:])
+// maxDigestBuf bounds the string buffer a pooled digest keeps.
+const maxDigestBuf = 4 << 10
+
+// digest is a reusable SHA-256 state with the buffers fingerprint passes to
+// it. They live on the heap with it: a hash.Hash takes byte slices through
+// an interface, so a buffer on the stack (or a string converted in place)
+// would be copied to the heap on every call.
+type digest struct {
+	h   hash.Hash
+	n   [8]byte
+	sum [sha256.Size]byte
+	buf []byte
+}
+
+var digests = sync.Pool{New: func() any { return &digest{h: sha256.New(), buf: make([]byte, 0, 256)} }}
+
+// writeLen writes n as the 8-byte little-endian length prefix.
+func (d *digest) writeLen(n int) {
+	binary.LittleEndian.PutUint64(d.n[:], uint64(n))
+	d.h.Write(d.n[:])
+}
+
+// writeString writes s with its length prefix, through d.buf.
+func (d *digest) writeString(s string) {
+	d.writeLen(len(s))
+	d.buf = append(d.buf[:0], s...)
+	d.h.Write(d.buf)
 }

@@ -161,7 +161,7 @@ func (m *Middleware) Check(r *http.Request) (dedup.Key, error) {
 	}, nil
 }
 
-// readBody reads the whole body, at most max bytes, and puts it back.
+// readBody reads the whole body, at most limit bytes, and puts it back.
 func readBody(r *http.Request, limit int64) ([]byte, *Problem) {
 	if r.Body == nil || r.Body == http.NoBody {
 		return nil, nil
@@ -173,13 +173,14 @@ func readBody(r *http.Request, limit int64) ([]byte, *Problem) {
 	if r.ContentLength > limit {
 		return nil, tooLarge()
 	}
+	// Room for the announced length and one byte more, so the read that
+	// finds the end needs no larger buffer; 512 bytes when unknown.
 	hint := int64(bytes.MinRead)
 	if r.ContentLength > 0 {
-		hint += r.ContentLength
+		hint = r.ContentLength + 1
 	}
-	buf := bytes.NewBuffer(make([]byte, 0, hint))
-	_, err := buf.ReadFrom(io.LimitReader(r.Body, limit+1))
-	if int64(buf.Len()) > limit {
+	data, err := readAtMost(r.Body, make([]byte, 0, hint), limit+1)
+	if int64(len(data)) > limit {
 		return nil, tooLarge()
 	}
 	if err != nil {
@@ -190,11 +191,47 @@ func readBody(r *http.Request, limit int64) ([]byte, *Problem) {
 		return nil, newProblem(http.StatusBadRequest, ProblemBodyUnreadable, "Request body unreadable", err.Error())
 	}
 	_ = r.Body.Close()
-	data := buf.Bytes()
-	r.Body = io.NopCloser(bytes.NewReader(data))
-	r.GetBody = func() (io.ReadCloser, error) { return io.NopCloser(bytes.NewReader(data)), nil }
+	r.Body = newBodyReader(data)
+	r.GetBody = func() (io.ReadCloser, error) { return newBodyReader(data), nil }
 	return data, nil
 }
+
+// readAtMost appends what src holds to buf until EOF, or until buf holds
+// limit bytes. A reader that ends with io.EOF is no error.
+func readAtMost(src io.Reader, buf []byte, limit int64) ([]byte, error) {
+	for int64(len(buf)) < limit {
+		if len(buf) == cap(buf) {
+			buf = slices.Grow(buf, int(min(limit-int64(len(buf)), int64(max(len(buf), bytes.MinRead)))))
+		}
+		free := buf[len(buf):cap(buf)]
+		if rest := limit - int64(len(buf)); int64(len(free)) > rest {
+			free = free[:rest]
+		}
+		n, err := src.Read(free)
+		buf = buf[:len(buf)+n]
+		if errors.Is(err, io.EOF) {
+			return buf, nil
+		}
+		if err != nil {
+			return buf, err
+		}
+	}
+	return buf, nil
+}
+
+// bodyReader is the request body put back after readBody: a bytes.Reader
+// that closes, in one allocation (io.NopCloser around a bytes.Reader takes
+// two).
+type bodyReader struct{ bytes.Reader }
+
+func newBodyReader(data []byte) *bodyReader {
+	b := new(bodyReader)
+	b.Reset(data)
+	return b
+}
+
+// Close does nothing: the body is in memory.
+func (*bodyReader) Close() error { return nil }
 
 func (m *Middleware) report(r *http.Request, o Outcome, status int, waited time.Duration) {
 	if m.opts.OnOutcome != nil {
@@ -353,10 +390,6 @@ func (m *Middleware) handlerCtx(ctx context.Context) context.Context {
 	return context.WithoutCancel(ctx)
 }
 
-func (m *Middleware) finishCtx(ctx context.Context) (context.Context, context.CancelFunc) {
-	return context.WithTimeout(context.WithoutCancel(ctx), m.opts.FinishTimeout)
-}
-
 // Handler outcomes (idem.outcome of idem.handler.duration).
 const (
 	handledCompleted      = "completed"
@@ -403,8 +436,8 @@ func (m *Middleware) serveLease(w http.ResponseWriter, r *http.Request, next htt
 
 	rq.hstart = time.Now()
 	c := &call{key: key}
-	hctx, cancel := context.WithCancelCause(withCall(m.handlerCtx(ctx), c))
-	defer cancel(nil)
+	c.hctx.Init(withCall(m.handlerCtx(ctx), c))
+	defer c.hctx.Cancel(nil)
 	every := m.opts.ExtendEvery
 	if every == 0 {
 		every = lease.TTL / 3
@@ -412,9 +445,9 @@ func (m *Middleware) serveLease(w http.ResponseWriter, r *http.Request, next htt
 	// The beats live as long as the handler runs, not as long as the
 	// request's context: a handler that finishes after its client went
 	// away keeps its lease until it returns.
-	hold := &leasekeep.Hold{}
-	m.keeper.Start(ctx, hold, lease, every, cancel)
-	hctx, endHandle := rq.startSpan(hctx, "idem.handle")
+	hold := &c.hold
+	m.keeper.Start(ctx, hold, lease, every, &c.hctx)
+	hctx, endHandle := rq.startSpan(&c.hctx, "idem.handle")
 	cw := newCapture(m.opts.MaxResponseBytes)
 	returned := false
 	defer func() {
@@ -425,7 +458,7 @@ func (m *Middleware) serveLease(w http.ResponseWriter, r *http.Request, next htt
 		// back so a retry runs, and let the panic go on to the server.
 		endSpan(endHandle, errPanicked)
 		if hold.Stop() == nil {
-			m.release(ctx, lease, "the handler panicked")
+			m.release(ctx, c, lease, "the handler panicked")
 			rq.handled(handledReleased)
 		} else {
 			rq.handled(handledLeaseLost)
@@ -449,17 +482,16 @@ func (m *Middleware) serveLease(w http.ResponseWriter, r *http.Request, next htt
 		m.done(rq, r, OutcomeLeaseLost, status, waited)
 	case cw.tooLarge:
 		p := tooLargeProblem(m.opts.MaxResponseBytes)
-		rq.handled(completion(m.complete(ctx, rq, lease, problemRecord(p).encode())))
+		rq.handled(completion(m.complete(ctx, rq, c, lease, problemRecord(p).encode())))
 		WriteProblem(w, p)
 		m.done(rq, r, OutcomeTooLarge, p.Status, waited)
 	case c.released.Load() || !m.opts.StoreResponse(status):
-		m.release(ctx, lease, "the response is not stored")
+		m.release(ctx, c, lease, "the response is not stored")
 		rq.handled(handledReleased)
 		cw.send(w)
 		m.done(rq, r, OutcomeNotStored, status, waited)
 	default:
-		rec := newRecord(status, header, m.opts.ReplayHeaders, cw.body)
-		rq.handled(completion(m.complete(ctx, rq, lease, rec.encode())))
+		rq.handled(completion(m.complete(ctx, rq, c, lease, encodeResponse(status, header, m.opts.ReplayHeaders, cw.body))))
 		cw.send(w)
 		m.done(rq, r, OutcomeProcessed, status, waited)
 	}
@@ -474,10 +506,10 @@ func completion(err error) string {
 }
 
 // complete stores the response, in an idem.complete span when traced.
-func (m *Middleware) complete(ctx context.Context, rq *request, lease *dedup.Lease, result []byte) error {
-	fctx, cancel := m.finishCtx(ctx)
-	defer cancel()
-	fctx, end := rq.startSpan(fctx, "idem.complete")
+func (m *Middleware) complete(ctx context.Context, rq *request, c *call, lease *dedup.Lease, result []byte) error {
+	c.fin.Init(ctx, m.opts.FinishTimeout)
+	defer c.fin.Close()
+	fctx, end := rq.startSpan(&c.fin, "idem.complete")
 	err := m.lease.Complete(fctx, lease, result)
 	endSpan(end, err)
 	if err != nil {
@@ -490,10 +522,10 @@ func (m *Middleware) complete(ctx context.Context, rq *request, lease *dedup.Lea
 	return err
 }
 
-func (m *Middleware) release(ctx context.Context, lease *dedup.Lease, why string) {
-	fctx, cancel := m.finishCtx(ctx)
-	defer cancel()
-	if err := m.lease.Release(fctx, lease); err != nil {
+func (m *Middleware) release(ctx context.Context, c *call, lease *dedup.Lease, why string) {
+	c.fin.Init(ctx, m.opts.FinishTimeout)
+	defer c.fin.Close()
+	if err := m.lease.Release(&c.fin, lease); err != nil {
 		m.opts.Logger.WarnContext(ctx, "httpidem: releasing the key failed; it stays claimed until its lease runs out",
 			slog.String("key_hash", lease.Key.Hash()), slog.String("why", why), slog.Any("error", err))
 	}
@@ -573,7 +605,7 @@ func (m *Middleware) serveTx(w http.ResponseWriter, r *http.Request, next http.H
 			return nil, errNotStored
 		}
 		stored = true
-		return newRecord(status, header, m.opts.ReplayHeaders, cw.body).encode(), nil
+		return encodeResponse(status, header, m.opts.ReplayHeaders, cw.body), nil
 	}
 	_, err := m.tx.Process(pctx, key, fn)
 	for !ran && err != nil && m.opts.Wait > 0 && inFlight(err) {

@@ -12,8 +12,11 @@ import (
 	"github.com/idemkit/idem/internal/telemetry"
 )
 
-// call is one message's lease, from the claim to Complete or Release,
-// allocated once per message.
+// call is one message's lease, from the claim to Complete or Release: the
+// one allocation the middleware makes per message it runs the handler for.
+// It holds everything that must outlive the claim's stack frame: the
+// message's delivery (telemetry), the handler's context, the heartbeat's
+// Hold and the context of Complete and Release.
 //
 // While the handler runs, the middleware's leasekeep.Keeper extends the
 // lease every `every` (a handler that returns before the first beat, most of
@@ -23,19 +26,25 @@ import (
 // that a handler that finishes its work while the router stops still gets
 // its key completed, bounded by FinishTimeout.
 type call struct {
+	dl    delivery
 	store dedup.LeaseStore
 	cfg   *config
 	lease *dedup.Lease
 
-	parent context.Context // the message's context
+	parent context.Context // the message's context, with the consumer span
 	msg    *message.Message
-	// onLost cancels the handler's context: with the lease-lost error
+	// hctx is the handler's context: cancelled with the lease-lost error
 	// when a beat finds the lease gone, with nil when the call ends.
-	onLost   context.CancelCauseFunc
+	hctx     leasekeep.HandlerCtx
 	returned bool // the handler returned (did not panic)
+	// out and herr are what the handler returned. They are kept here, not
+	// passed to settle, to keep the frame under the handler small.
+	out  []*message.Message
+	herr error
 
 	tel       *telemetry.Dedup
 	timed     bool      // the duration histograms record
+	recording bool      // parent holds a recording span
 	hstart    time.Time // the handler's start, when timed
 	endHandle spanEnd   // ends the idem.handle span
 
@@ -45,16 +54,13 @@ type call struct {
 	lost     error // the lease-lost error a beat saw
 }
 
-// startCall starts the heartbeat of lease. msgCtx is the message's context;
-// onLost cancels the handler's.
-func (d *leaseMiddleware) startCall(msgCtx context.Context, lease *dedup.Lease, onLost context.CancelCauseFunc) *call {
-	lc := &call{store: d.store, cfg: d.config, lease: lease, onLost: onLost, parent: msgCtx}
-	every := d.ExtendEvery
+// start starts the heartbeat of lc.lease.
+func (lc *call) start(keeper *leasekeep.Keeper) {
+	every := lc.cfg.ExtendEvery
 	if every == 0 {
-		every = lease.TTL / 3
+		every = lc.lease.TTL / 3
 	}
-	d.keeper.Start(msgCtx, &lc.hold, lease, every, onLost)
-	return lc
+	keeper.Start(lc.parent, &lc.hold, lc.lease, every, &lc.hctx)
 }
 
 // finish stops the beats, waits for one in progress, and starts the
@@ -77,7 +83,7 @@ func (lc *call) end() {
 
 // complete marks the key done, in an idem.complete span when traced.
 func (lc *call) complete() error {
-	if !telemetry.Recording(lc.parent) {
+	if !lc.recording {
 		return lc.store.Complete(&lc.fin, lc.lease, nil)
 	}
 	ctx, end := telemetry.StartSpan(&lc.fin, lc.tel.Tracer, "idem.complete")

@@ -8,6 +8,7 @@ import (
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill/message"
+	"go.opentelemetry.io/otel/attribute"
 
 	"github.com/idemkit/idem/consumer"
 	"github.com/idemkit/idem/dedup"
@@ -67,21 +68,21 @@ func Dedup(store dedup.LeaseStore, opts Options) (message.HandlerMiddleware, err
 	}
 	d := &leaseMiddleware{config: c, store: store, keeper: leasekeep.New(store, c.Logger, "watermill")}
 	return func(h message.HandlerFunc) message.HandlerFunc {
-		// The frames below the handler stay small: claim returns
-		// before, settle runs after the handler, so the handler's
-		// goroutine (a new one per message in Watermill's router) needs
-		// little more stack than without the middleware.
+		// The frame below the handler stays small: claim returns
+		// before, settle runs after the handler, and everything the
+		// message needs meanwhile is in the call, on the heap. The
+		// handler's goroutine (a new one per message in Watermill's
+		// router) then needs little more stack than without the
+		// middleware, and is not grown (copied) a second time.
 		return func(msg *message.Message) ([]*message.Message, error) {
-			dl := c.begin(msg)
-			defer dl.finish()
-			lc, out, err := d.claim(&dl, msg)
+			lc, out, err := d.claim(msg)
 			if lc == nil {
-				return dl.verdict(out, err)
+				return out, err
 			}
 			defer lc.cleanup()
-			out, err = h(msg)
+			lc.out, lc.herr = h(msg)
 			lc.returned = true
-			return dl.verdict(lc.settle(out, err))
+			return lc.settle()
 		}
 	}, nil
 }
@@ -92,12 +93,19 @@ type leaseMiddleware struct {
 	keeper *leasekeep.Keeper
 }
 
-// claim builds the key and claims it. It returns the call when the lease
-// was granted, else the middleware's answer.
-func (d *leaseMiddleware) claim(dl *delivery, msg *message.Message) (*call, []*message.Message, error) {
+// claim starts msg's delivery, builds the key and claims it. It returns the
+// call when the lease was granted (the call then owns the delivery); else
+// it returns the middleware's answer, with the verdict recorded.
+func (d *leaseMiddleware) claim(msg *message.Message) (lc *call, out []*message.Message, err error) {
+	dl := d.begin(msg)
+	defer func() {
+		if lc == nil {
+			dl.finish()
+		}
+	}()
 	key, err := d.keys.build(msg)
 	if err != nil {
-		out, err := d.rejectKey(dl, msg, err)
+		out, err = dl.verdict(d.rejectKey(&dl, msg, err))
 		return nil, out, err
 	}
 	tel := d.tel.Get(key.Scope)
@@ -109,20 +117,17 @@ func (d *leaseMiddleware) claim(dl *delivery, msg *message.Message) (*call, []*m
 	if timed {
 		start = time.Now()
 	}
-	cctx, end := startClaim(ctx, tel, key)
+	recording := telemetry.Recording(ctx)
+	cctx, end := ctx, spanEnd(nil)
+	if recording {
+		cctx, end = startClaim(ctx, tel, key)
+	}
 	lease, err := d.store.Claim(cctx, key)
 	if err == nil && lease == nil {
 		err = errors.New("the store returned neither a lease nor an error")
 	}
 	if err != nil {
-		o := claimOutcome(err)
-		var took time.Duration
-		if timed {
-			took = time.Since(start)
-		}
-		tel.Claimed(ctx, o, took)
-		endClaim(end, spanErr(err), o)
-		out, err := d.claimFailed(dl, msg, key, err)
+		out, err = dl.verdict(d.notGranted(&dl, msg, tel, key, err, timed, start, end))
 		return nil, out, err
 	}
 	var hstart time.Time
@@ -131,16 +136,44 @@ func (d *leaseMiddleware) claim(dl *delivery, msg *message.Message) (*call, []*m
 	}
 	tel.Claimed(ctx, telemetry.ClaimFirst, hstart.Sub(start))
 	endClaim(end, nil, telemetry.ClaimFirst)
-	hctx, cancel := context.WithCancelCause(ctx)
-	lc := d.startCall(ctx, lease, cancel)
-	lc.msg, lc.tel, lc.timed, lc.hstart = msg, tel, timed, hstart
-	hctx, lc.endHandle = telemetry.StartSpan(hctx, tel.Tracer, "idem.handle")
+	c := &call{dl: dl, store: d.store, cfg: d.config, lease: lease, parent: ctx, msg: msg,
+		tel: tel, timed: timed, recording: recording, hstart: hstart, endHandle: noEndHandle}
+	c.hctx.Init(ctx)
+	c.start(d.keeper)
+	var hctx context.Context = &c.hctx
+	if recording {
+		hctx, c.endHandle = telemetry.StartSpan(hctx, tel.Tracer, "idem.handle")
+	}
 	msg.SetContext(hctx)
-	return lc, nil, nil
+	// lc is set only now: a panic before this line leaves the delivery to
+	// the deferred finish above.
+	return c, nil, nil
 }
 
-// settle completes or releases the key after the handler returned.
-func (lc *call) settle(out []*message.Message, herr error) ([]*message.Message, error) {
+// notGranted records a claim that granted no lease and returns the
+// middleware's answer. It is apart from claim to keep claim's frame, the
+// deepest point of the path before the handler, small.
+func (d *leaseMiddleware) notGranted(dl *delivery, msg *message.Message, tel *telemetry.Dedup, key dedup.Key, err error, timed bool, start time.Time, end spanEnd) ([]*message.Message, error) {
+	o := claimOutcome(err)
+	var took time.Duration
+	if timed {
+		took = time.Since(start)
+	}
+	tel.Claimed(msg.Context(), o, took)
+	endClaim(end, spanErr(err), o)
+	return d.claimFailed(dl, msg, key, err)
+}
+
+func noEndHandle(error, ...attribute.KeyValue) {}
+
+// settle completes or releases the key after the handler returned lc.out
+// and lc.herr, and records the verdict.
+func (lc *call) settle() ([]*message.Message, error) {
+	return lc.dl.verdict(lc.answer(lc.out, lc.herr))
+}
+
+// answer completes or releases the key and returns the middleware's answer.
+func (lc *call) answer(out []*message.Message, herr error) ([]*message.Message, error) {
 	c, key := lc.cfg, lc.lease.Key
 	lc.endHandle(herr)
 	if lost := lc.finish(); lost != nil {
@@ -174,11 +207,12 @@ func (lc *call) handled(outcome string) {
 
 // cleanup runs after settle, or when the handler panicked: the message gets its
 // own context back (so that a retry further out does not run with a
-// cancelled one); after a panic (or runtime.Goexit) the key is released so
-// that a redelivery can run, and the panic goes on.
+// cancelled one), and the handler's context is cancelled; after a panic (or
+// runtime.Goexit) the key is released so that a redelivery can run, the
+// delivery records a retry, and the panic goes on.
 func (lc *call) cleanup() {
 	lc.msg.SetContext(lc.parent)
-	lc.onLost(nil)
+	lc.hctx.Cancel(nil)
 	if !lc.returned {
 		lc.endHandle(errPanicked)
 		if lc.finish() != nil {
@@ -189,6 +223,7 @@ func (lc *call) cleanup() {
 		}
 	}
 	lc.end()
+	lc.dl.finish()
 }
 
 // lostError is the error for a handler that ran past its lease.

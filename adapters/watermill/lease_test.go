@@ -153,6 +153,80 @@ func TestDedupLeaseLost(t *testing.T) {
 	}
 }
 
+// TestDedupLeaseLostPolled: a handler that never waits on Done but polls
+// Err (the handler's context makes its cancel context only on demand) also
+// sees the lease loss, with dedup.ErrLeaseLost as the cause.
+func TestDedupLeaseLostPolled(t *testing.T) {
+	store := &leaseStore{LeaseStore: newMemstore(t), extend: func(context.Context, *dedup.Lease) error {
+		return dedup.ErrLeaseLost
+	}}
+	mw := must(idemwm.Dedup(store, idemwm.Options{Scope: "s", ExtendEvery: time.Millisecond}))
+	var herr, cause error
+	h := mw(func(m *message.Message) ([]*message.Message, error) {
+		ctx := m.Context()
+		deadline := time.Now().Add(10 * time.Second)
+		for ctx.Err() == nil && time.Now().Before(deadline) {
+			time.Sleep(time.Millisecond)
+		}
+		herr, cause = ctx.Err(), context.Cause(ctx)
+		return nil, nil
+	})
+	_, err := h(message.NewMessage(wm.NewUUID(), []byte("a")))
+	if !errors.Is(herr, context.Canceled) || !errors.Is(cause, dedup.ErrLeaseLost) {
+		t.Errorf("handler context: Err %v, cause %v; want canceled by the lease loss", herr, cause)
+	}
+	if !errors.Is(err, dedup.ErrLeaseLost) {
+		t.Errorf("err = %v, want a lease-lost error", err)
+	}
+}
+
+// TestDedupHandlerContextEnds: the handler's context, and any context
+// derived from it, is cancelled once the middleware returned (like a
+// context.WithCancel whose cancel function is deferred), and it carries the
+// message context's values and deadline meanwhile.
+func TestDedupHandlerContextEnds(t *testing.T) {
+	for _, derive := range []bool{false, true} {
+		mw := must(idemwm.Dedup(newMemstore(t), idemwm.Options{Scope: "s"}))
+		ctx, cancel := context.WithTimeout(context.WithValue(context.Background(), ctxKey{}, "v"), time.Hour)
+		t.Cleanup(cancel) // the message's context stays live: only the middleware cancels
+		wantDeadline, _ := ctx.Deadline()
+		var kept, child context.Context
+		var during error
+		_, err := mw(func(m *message.Message) ([]*message.Message, error) {
+			kept = m.Context()
+			if derive {
+				var stop context.CancelFunc
+				child, stop = context.WithCancel(kept)
+				t.Cleanup(stop)
+			}
+			during = kept.Err()
+			if kept.Value(ctxKey{}) != "v" {
+				t.Errorf("value %v", kept.Value(ctxKey{}))
+			}
+			if d, ok := kept.Deadline(); !ok || !d.Equal(wantDeadline) {
+				t.Errorf("deadline %v %v, want %v", d, ok, wantDeadline)
+			}
+			return nil, nil
+		})(message.NewMessageWithContext(ctx, wm.NewUUID(), []byte("a")))
+		if err != nil || during != nil {
+			t.Fatalf("derive %v: err %v, context while the handler ran: %v", derive, err, during)
+		}
+		if !errors.Is(kept.Err(), context.Canceled) || !errors.Is(context.Cause(kept), context.Canceled) {
+			t.Errorf("derive %v: after the middleware returned: Err %v, Cause %v", derive, kept.Err(), context.Cause(kept))
+		}
+		select {
+		case <-kept.Done():
+		default:
+			t.Errorf("derive %v: Done not closed after the middleware returned", derive)
+		}
+		if derive {
+			if child.Err() == nil {
+				t.Error("a context derived in the handler is not cancelled")
+			}
+		}
+	}
+}
+
 // TestDedupPanicReleases: a panicking handler's key is released and the
 // panic goes on; the redelivery runs the handler.
 func TestDedupPanicReleases(t *testing.T) {

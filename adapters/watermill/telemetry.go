@@ -74,7 +74,8 @@ type delivery struct {
 	orig   context.Context // the message's context as it came
 	ctx    context.Context // with the consumer span
 	topic  string
-	start  time.Time
+	timed  bool                           // messaging.process.duration records
+	start  time.Time                      // when timed
 	end    func(result string, err error) // ends the consumer span
 	poison consumer.Reason                // the middleware found msg poison
 	done   bool
@@ -83,10 +84,14 @@ type delivery struct {
 // begin starts msg's delivery: the consumer span, continuing the trace in
 // the metadata, becomes msg's context — unless the context already holds a
 // recording span, which then is the parent of idem's spans, or no tracer
-// provider is installed.
+// provider is installed. The clock is read only when a meter provider
+// records the process duration.
 func (c *config) begin(msg *message.Message) delivery {
 	ctx := msg.Context()
-	d := delivery{c: c, msg: msg, orig: ctx, ctx: ctx, topic: message.SubscribeTopicFromCtx(ctx), start: time.Now(), end: noEnd}
+	d := delivery{c: c, msg: msg, orig: ctx, ctx: ctx, topic: message.SubscribeTopicFromCtx(ctx), end: noEnd}
+	if d.timed = c.msgs.Timed(ctx); d.timed {
+		d.start = time.Now()
+	}
 	if c.tracing() && !trace.SpanFromContext(ctx).IsRecording() {
 		d.ctx, d.end = c.msgs.StartConsumer(ctx, c.Propagator, MetadataCarrier(msg.Metadata), d.topic)
 		msg.SetContext(d.ctx)
@@ -119,9 +124,17 @@ func (d *delivery) verdict(out []*message.Message, err error) ([]*message.Messag
 			result, reason = resultDeadLetter, r.Reason
 		}
 	}
-	d.c.msgs.Result(d.ctx, d.topic, result, string(reason), time.Since(d.start))
+	d.c.msgs.Result(d.ctx, d.topic, result, string(reason), d.took())
 	d.end(result, err)
 	return out, err
+}
+
+// took is the time since the delivery began, or 0 when not timed.
+func (d *delivery) took() time.Duration {
+	if !d.timed {
+		return 0
+	}
+	return time.Since(d.start)
 }
 
 // finish runs last (deferred): after a panic it records a retry (the
@@ -129,7 +142,7 @@ func (d *delivery) verdict(out []*message.Message, err error) ([]*message.Messag
 // gives the message its own context back.
 func (d *delivery) finish() {
 	if !d.done {
-		d.c.msgs.Result(d.ctx, d.topic, resultRetry, "", time.Since(d.start))
+		d.c.msgs.Result(d.ctx, d.topic, resultRetry, "", d.took())
 		d.end(resultRetry, errPanicked)
 	}
 	d.msg.SetContext(d.orig)
@@ -138,12 +151,10 @@ func (d *delivery) finish() {
 // spanEnd ends a span started by telemetry.StartSpan.
 type spanEnd = func(err error, more ...attribute.KeyValue)
 
-// startClaim starts the idem.claim span under a recording span in ctx. The
-// key's hash is only computed then. end is nil when there is no span.
+// startClaim starts the idem.claim span; call it only under a recording
+// span (telemetry.Recording), so that the key's hash and the attributes are
+// computed only then.
 func startClaim(ctx context.Context, tel *telemetry.Dedup, key dedup.Key) (context.Context, spanEnd) {
-	if !trace.SpanFromContext(ctx).IsRecording() {
-		return ctx, nil
-	}
 	return telemetry.StartSpan(ctx, tel.Tracer, "idem.claim", tel.SpanAttrs(key.Hash())...)
 }
 

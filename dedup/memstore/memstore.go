@@ -27,7 +27,8 @@
 // the process), which is what keeps keys from being chosen to collide.
 //
 // The token numbers of a Store's leases must stay below 2⁶¹, that is fewer
-// than 2⁶¹ claims in its lifetime.
+// than 2⁶¹ claims in its lifetime (a little fewer: each shard takes its
+// numbers 32 at a time).
 package memstore
 
 import (
@@ -37,7 +38,6 @@ import (
 	"encoding/hex"
 	"fmt"
 	"hash/maphash"
-	"strconv"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -78,6 +78,12 @@ type shard struct {
 	// results holds the non-empty results of done keys (slot metaResult).
 	// Allocated on first use.
 	results map[hkey]string
+	// leases and tokens are what is left of the shard's current block of
+	// leaseBlock leases and their tokens (see Store.lease); nextSeq is the
+	// token number of tokens' first token.
+	leases  []dedup.Lease
+	tokens  string
+	nextSeq uint64
 }
 
 // hash is the 128-bit hash of (scope, id), and the shard that holds it.
@@ -136,10 +142,24 @@ type Store struct {
 	tokenSeq    atomic.Uint64
 	// base is the time entry offsets count from.
 	base time.Time
+	// system: the clock is dedup.SystemClock, so the time since base is
+	// read from the monotonic clock alone (time.Since), which costs about
+	// half of time.Now on every claim and completion.
+	system bool
 }
 
 // at is t as a slot time: its offset from s.base.
 func (s *Store) at(t time.Time) int64 { return int64(t.Sub(s.base)) }
+
+// now is the current slot time. With the system clock, time.Since(s.base)
+// is what s.at(time.Now()) computes: both subtract s.base's monotonic
+// reading from the current one.
+func (s *Store) now() int64 {
+	if s.system {
+		return int64(time.Since(s.base))
+	}
+	return s.at(s.opts.Clock.Now())
+}
 
 var (
 	_ dedup.LeaseStore      = (*Store)(nil)
@@ -172,6 +192,7 @@ func New(opts Options) (*Store, error) {
 	var p [8]byte
 	_, _ = rand.Read(p[:])
 	s := &Store{opts: opts, stop: make(chan struct{}), tokenPrefix: hex.EncodeToString(p[:]) + "-", base: opts.Clock.Now()}
+	_, s.system = opts.Clock.(dedup.SystemClock)
 	s.seeds = [2]maphash.Seed{maphash.MakeSeed(), maphash.MakeSeed()}
 	for i := range s.shards {
 		s.shards[i].t.homeMask = ^uint64(0)
@@ -227,7 +248,7 @@ func (s *Store) sweep() {
 		case <-s.stop:
 			return
 		case <-t.C:
-			now := s.at(s.opts.Clock.Now())
+			now := s.now()
 			for i := range s.shards {
 				sh := &s.shards[i]
 				sh.mu.Lock()
@@ -259,25 +280,84 @@ func (sh *shard) removeExpired(now int64) {
 	t.shrink()
 }
 
-// newToken returns a token unique within the store: a random prefix chosen
-// at New and a counter. Tokens only need to tell owners apart, and a
-// counter is much cheaper per message than reading crypto/rand.
-func (s *Store) newToken() (string, uint64) {
-	seq := s.tokenSeq.Add(1)
-	var buf [48]byte
-	b := append(buf[:0], s.tokenPrefix...)
-	return string(strconv.AppendUint(b, seq, 36)), seq
+// leaseBlock is the number of leases, and of their tokens, a shard
+// allocates at a time.
+const leaseBlock = 32
+
+// tokenDigits is the width of a token's number: 16 hex digits, so that
+// every token of a store has the same length and a block of tokens is one
+// string cut in equal parts.
+const tokenDigits = 16
+
+// lease returns a new lease of key, with a token unique within the store: a
+// random prefix chosen at New and a token number, which the key's slot
+// keeps. The caller holds sh.mu.
+//
+// A claim is the store's only per-message allocation site, and it used to
+// make two allocations, the Lease and its token's string. Both now come
+// from blocks: leaseBlock leases in one slice, and their tokens in one
+// string, so a claim allocates nothing most of the time. A block stays
+// reachable while any of its leases (or tokens) is: at most leaseBlock-1
+// used leases and their keys' strings are kept alive a little longer.
+func (s *Store) lease(sh *shard, key dedup.Key) (*dedup.Lease, uint64) {
+	if len(sh.leases) == 0 {
+		sh.newBlock(s)
+	}
+	l := &sh.leases[0]
+	sh.leases = sh.leases[1:]
+	w := len(s.tokenPrefix) + tokenDigits
+	*l = dedup.Lease{Key: key, Token: sh.tokens[:w], TTL: s.opts.Lease}
+	sh.tokens = sh.tokens[w:]
+	seq := sh.nextSeq
+	sh.nextSeq++
+	return l, seq
 }
 
-// tokenSeq is the sequence number of a token of this store, or 0.
+// newBlock allocates the shard's next block of leases and tokens, taking
+// leaseBlock token numbers from the store's sequence. The caller holds
+// sh.mu.
+func (sh *shard) newBlock(s *Store) {
+	first := s.tokenSeq.Add(leaseBlock) - leaseBlock + 1
+	w := len(s.tokenPrefix) + tokenDigits
+	b := make([]byte, 0, leaseBlock*w)
+	for seq := first; seq < first+leaseBlock; seq++ {
+		b = append(b, s.tokenPrefix...)
+		b = appendHex(b, seq)
+	}
+	sh.leases = make([]dedup.Lease, leaseBlock)
+	sh.tokens = string(b)
+	sh.nextSeq = first
+}
+
+// appendHex appends seq as tokenDigits lower-case hex digits.
+func appendHex(b []byte, seq uint64) []byte {
+	const digits = "0123456789abcdef"
+	for shift := 4 * (tokenDigits - 1); shift >= 0; shift -= 4 {
+		b = append(b, digits[seq>>uint(shift)&0xf])
+	}
+	return b
+}
+
+// seqOf is the token number of a token of this store, or 0.
 func (s *Store) seqOf(token string) uint64 {
 	rest, ok := strings.CutPrefix(token, s.tokenPrefix)
-	if !ok {
+	if !ok || len(rest) != tokenDigits {
 		return 0
 	}
-	seq, err := strconv.ParseUint(rest, 36, 64)
-	if err != nil {
-		return 0
+	// Exactly the digits appendHex writes: ParseUint would also take
+	// upper-case ones, and a token that is not the one handed out must
+	// not own the key.
+	var seq uint64
+	for i := 0; i < len(rest); i++ {
+		c := rest[i]
+		switch {
+		case '0' <= c && c <= '9':
+			seq = seq<<4 | uint64(c-'0')
+		case 'a' <= c && c <= 'f':
+			seq = seq<<4 | uint64(c-'a'+10)
+		default:
+			return 0
+		}
 	}
 	return seq
 }
@@ -302,19 +382,12 @@ func (s *Store) Claim(ctx context.Context, key dedup.Key) (*dedup.Lease, error) 
 // claimLocked claims key, whose hash is h, in sh, whose lock the caller
 // holds. One probe finds the key's slot or the empty slot it takes.
 func (s *Store) claimLocked(sh *shard, h hkey, key dedup.Key) (*dedup.Lease, error) {
-	now := s.opts.Clock.Now()
-	t := s.at(now)
+	t := s.now()
 	i, ok := sh.t.find(h[0], h[1])
 	if ok {
 		e := &sh.t.slots[i]
 		if t < e.expires {
-			if !key.Fingerprint.Matches(e.fp) {
-				return nil, dedup.Mismatch(key)
-			}
-			if e.state() == done {
-				return nil, dedup.Duplicate(key, sh.result(e, h))
-			}
-			return nil, dedup.InFlight(key, time.Duration(e.expires-t))
+			return nil, sh.held(e, h, key, t)
 		}
 		// Expired: the key is claimed afresh in its old slot.
 		if e.hasResult() {
@@ -327,10 +400,23 @@ func (s *Store) claimLocked(sh *shard, h hkey, key dedup.Key) (*dedup.Lease, err
 	if !ok {
 		sh.t.n++
 	}
-	token, seq := s.newToken()
-	l := &dedup.Lease{Key: key, Token: token, TTL: s.opts.Lease}
+	l, seq := s.lease(sh, key)
 	sh.t.slots[i] = slot{h0: h[0], h1: h[1], meta: inFlightMeta(seq), fp: key.Fingerprint, expires: t + int64(s.opts.Lease)}
 	return l, nil
+}
+
+// held is the error for a claim of key, whose live slot is e: a fingerprint
+// mismatch, a duplicate, or in flight. It is apart from claimLocked, which
+// it would otherwise make use a frame twice as large for the common case,
+// a first claim.
+func (sh *shard) held(e *slot, h hkey, key dedup.Key, t int64) error {
+	if !key.Fingerprint.Matches(e.fp) {
+		return dedup.Mismatch(key)
+	}
+	if e.state() == done {
+		return dedup.Duplicate(key, sh.result(e, h))
+	}
+	return dedup.InFlight(key, time.Duration(e.expires-t))
 }
 
 // ClaimBatch implements dedup.BatchLeaseStore.
@@ -373,7 +459,7 @@ func (s *Store) owned(l *dedup.Lease) (*shard, int, hkey, int64, error) {
 		sh.mu.Unlock()
 		return nil, 0, hkey{}, 0, dedup.ErrClosed
 	}
-	now := s.at(s.opts.Clock.Now())
+	now := s.now()
 	i, ok := sh.t.find(h[0], h[1])
 	if !ok {
 		sh.mu.Unlock()

@@ -73,10 +73,22 @@ type txRun struct {
 	release func()
 }
 
-// endCtx bounds the statements that end a transaction. They outlive ctx, so
-// a cancelled caller does not leave a connection in a transaction.
-func endCtx(ctx context.Context) (context.Context, context.CancelFunc) {
-	return context.WithTimeout(context.WithoutCancel(ctx), 5*time.Second)
+// rollback rolls tx back, bounded by 5s. It outlives ctx, so a cancelled
+// caller does not leave a connection in a transaction.
+func rollback(ctx context.Context, tx pgx.Tx) error {
+	rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 5*time.Second)
+	defer cancel()
+	return tx.Rollback(rctx)
+}
+
+// lostRace ends r, whose insert of the key's row lost to a writer that
+// does not take the key's lock: it rolls back, then reads the winner's
+// row through q and returns the verdict on it.
+func (s *Store) lostRace(ctx context.Context, r *txRun, key dedup.Key, q querier) error {
+	if err := rollback(ctx, r.tx); err != nil {
+		return fmt.Errorf("pgtable: commit %s: roll back: %w", key, err)
+	}
+	return s.settleLost(ctx, q, key)
 }
 
 func (s *Store) lockSQL() string {
@@ -114,13 +126,50 @@ func (s *Store) begin(ctx context.Context, key dedup.Key) (*txRun, error) {
 }
 
 func (s *Store) fastBegin(ctx context.Context, conn *pgx.Conn, key dedup.Key) (*txRun, error) {
-	var b pgx.Batch
+	b := pgx.Batch{QueuedQueries: make([]*pgx.QueuedQuery, 0, 3)}
 	b.BeginTx(pgx.TxOptions{})
-	b.Queue(s.lockSQL(), key.Scope, key.ID)
-	b.Queue(s.sql.lookup, key.Scope, key.ID)
+	s.queueLockAndRead(&b, key)
 	br := conn.SendBatch(ctx, &b)
 	tx := br.Tx()
 	_, err := br.Exec() // BEGIN
+	row, err := readLockAndRow(ctx, br, tx, key, err)
+	if err != nil {
+		return nil, err
+	}
+	return &txRun{tx: tx, conn: conn, expired: row != nil}, nil
+}
+
+// boundBegin is step 1 on the bound path.
+func (s *Store) boundBegin(ctx context.Context, key dedup.Key) (*txRun, error) {
+	tx, err := s.db.Begin(ctx)
+	if err != nil {
+		return nil, fmt.Errorf("pgtable: begin: %w", err)
+	}
+	b := pgx.Batch{QueuedQueries: make([]*pgx.QueuedQuery, 0, 2)}
+	s.queueLockAndRead(&b, key)
+	row, err := readLockAndRow(ctx, tx.SendBatch(ctx, &b), tx, key, nil)
+	if err != nil {
+		return nil, err
+	}
+	return &txRun{tx: tx, expired: row != nil, release: func() {}}, nil
+}
+
+// queueLockAndRead queues the key's advisory lock, then the read of its
+// row: two statements, so that the read's snapshot is taken once the lock
+// is held.
+func (s *Store) queueLockAndRead(b *pgx.Batch, key dedup.Key) {
+	// The lock and the read share their arguments: pgx only reads them.
+	args := []any{key.Scope, key.ID}
+	b.Queue(s.lockSQL(), args...)
+	b.Queue(s.sql.lookup, args...)
+}
+
+// readLockAndRow reads the results of queueLockAndRead's statements from br
+// (err is that of what br answered before them) and closes br. It returns
+// the key's row when the caller may go on: none, or an expired one. Else
+// it rolls tx back and returns the claim's error, or the verdict on the
+// row found.
+func readLockAndRow(ctx context.Context, br pgx.BatchResults, tx pgx.Tx, key dedup.Key, err error) (*keyRow, error) {
 	if err == nil {
 		_, err = br.Exec() // the lock: waits for a concurrent Process
 	}
@@ -132,7 +181,7 @@ func (s *Store) fastBegin(ctx context.Context, conn *pgx.Conn, key dedup.Key) (*
 		err = cerr
 	}
 	if err == nil && (row == nil || row.expired) {
-		return &txRun{tx: tx, conn: conn, expired: row != nil}, nil
+		return row, nil
 	}
 	if err != nil {
 		err = fmt.Errorf("pgtable: claim %s: %w", key, err)
@@ -141,41 +190,7 @@ func (s *Store) fastBegin(ctx context.Context, conn *pgx.Conn, key dedup.Key) (*
 	}
 	// A closed tx (the batch failed before BEGIN) answers ErrTxClosed;
 	// a failed rollback closes the connection.
-	rctx, cancel := endCtx(ctx)
-	_ = tx.Rollback(rctx)
-	cancel()
-	return nil, err
-}
-
-// boundBegin is step 1 on the bound path.
-func (s *Store) boundBegin(ctx context.Context, key dedup.Key) (*txRun, error) {
-	tx, err := s.db.Begin(ctx)
-	if err != nil {
-		return nil, fmt.Errorf("pgtable: begin: %w", err)
-	}
-	var b pgx.Batch
-	b.Queue(s.lockSQL(), key.Scope, key.ID)
-	b.Queue(s.sql.lookup, key.Scope, key.ID)
-	br := tx.SendBatch(ctx, &b)
-	_, err = br.Exec()
-	var row *keyRow
-	if err == nil {
-		row, err = scanKeyRow(br.QueryRow())
-	}
-	if cerr := br.Close(); err == nil {
-		err = cerr
-	}
-	if err == nil && (row == nil || row.expired) {
-		return &txRun{tx: tx, expired: row != nil, release: func() {}}, nil
-	}
-	if err != nil {
-		err = fmt.Errorf("pgtable: claim %s: %w", key, err)
-	} else {
-		err = verdict(key, row.existing)
-	}
-	rctx, cancel := endCtx(ctx)
-	_ = tx.Rollback(rctx)
-	cancel()
+	_ = rollback(ctx, tx)
 	return nil, err
 }
 
@@ -186,9 +201,7 @@ func (r *txRun) abort(ctx context.Context) {
 		// not know about), or the connection is gone.
 		return
 	}
-	rctx, cancel := endCtx(ctx)
-	_ = r.tx.Rollback(rctx) // ErrTxClosed when the bound path committed
-	cancel()
+	_ = rollback(ctx, r.tx) // ErrTxClosed when the bound path committed
 }
 
 // queueWrite queues step 3's writes: the delete of an expired row when step
@@ -201,7 +214,7 @@ func (s *Store) queueWrite(b *pgx.Batch, r *txRun, key dedup.Key, result []byte)
 	if r.expired {
 		b.Queue(del, key.Scope, key.ID)
 	}
-	b.Queue(ins, key.Scope, key.ID, key.Fingerprint.Bytes(), millis(s.opts.Retention), result)
+	b.Queue(ins, key.Scope, key.ID, key.Fingerprint.Bytes(), s.retentionArg, result)
 }
 
 // execWrites reads the results of queueWrite's statements.
@@ -233,7 +246,7 @@ func (s *Store) finish(ctx context.Context, r *txRun, key dedup.Key, result []by
 		// the transaction itself ('I'): nothing of it can commit here.
 		return fmt.Errorf("pgtable: commit %s: the transaction is not open (status %q): %w", key, st, pgx.ErrTxCommitRollback)
 	}
-	var b pgx.Batch
+	b := pgx.Batch{QueuedQueries: make([]*pgx.QueuedQuery, 0, 3)}
 	s.queueWrite(&b, r, key, result)
 	b.Queue("COMMIT")
 	br := r.conn.SendBatch(ctx, &b)
@@ -251,13 +264,7 @@ func (s *Store) finish(ctx context.Context, r *txRun, key dedup.Key, result []by
 	switch {
 	case isUniqueViolation(werr):
 		// The insert lost; the COMMIT behind it did not run.
-		rctx, cancel := endCtx(ctx)
-		err := r.tx.Rollback(rctx)
-		cancel()
-		if err != nil {
-			return fmt.Errorf("pgtable: commit %s: roll back: %w", key, err)
-		}
-		return s.settleLost(ctx, r.conn, key)
+		return s.lostRace(ctx, r, key, r.conn)
 	case werr != nil:
 		return fmt.Errorf("pgtable: store %s: %w", key, werr)
 	case cerr != nil:
@@ -277,13 +284,7 @@ func (s *Store) boundFinish(ctx context.Context, r *txRun, key dedup.Key, result
 		err = cerr
 	}
 	if isUniqueViolation(err) {
-		rctx, cancel := endCtx(ctx)
-		rerr := r.tx.Rollback(rctx)
-		cancel()
-		if rerr != nil {
-			return fmt.Errorf("pgtable: commit %s: roll back: %w", key, rerr)
-		}
-		return s.settleLost(ctx, s.db, key)
+		return s.lostRace(ctx, r, key, s.db)
 	}
 	if err != nil {
 		return fmt.Errorf("pgtable: store %s: %w", key, err)
@@ -317,18 +318,20 @@ func (s *Store) settleLost(ctx context.Context, q querier, key dedup.Key) error 
 }
 
 func scanKeyRow(r pgx.Row) (*keyRow, error) {
-	var (
+	// One allocation for every scan target: Scan takes them as pointers
+	// in an interface, so each would otherwise be one of its own.
+	d := new(struct {
 		row keyRow
 		st  *int16
 		ms  *int64
-	)
-	err := r.Scan(&st, &row.fp, &row.result, &ms, &row.expired)
+	})
+	err := r.Scan(&d.st, &d.row.fp, &d.row.result, &d.ms, &d.row.expired)
 	if errors.Is(err, pgx.ErrNoRows) {
 		return nil, nil
 	}
 	if err != nil {
 		return nil, err
 	}
-	row.state, row.leaseMs = deref(st), deref(ms)
-	return &row, nil
+	d.row.state, d.row.leaseMs = deref(d.st), deref(d.ms)
+	return &d.row, nil
 }

@@ -68,6 +68,9 @@ type Store struct {
 	seed  int64  // of the keys' lock hash (keyHashSQL)
 	sql   statements
 	psql  partitionedStatements
+	// retentionArg is Options.Retention in milliseconds, boxed once: it is
+	// an argument of every row Process writes.
+	retentionArg any
 }
 
 var _ dedup.TxStore[pgx.Tx] = (*Store)(nil)
@@ -115,6 +118,7 @@ func New(db DB, opts Options) (*Store, error) {
 			"table", opts.Schema+"."+opts.Table, "retention", opts.Retention, "redelivery_horizon", opts.RedeliveryHorizon)
 	}
 	s := &Store{db: db, opts: opts, table: sqlname.Qualified(opts.Schema, opts.Table)}
+	s.retentionArg = millis(opts.Retention)
 	s.seed = lockSeed(opts.Schema + "." + opts.Table)
 	s.sql = buildStatements(s.table, s.seed)
 	if opts.Partitioned {

@@ -239,6 +239,9 @@ type claimOp struct {
 	script bool
 	// retryAfter is the PTTL of a key found in flight.
 	retryAfter time.Duration
+	// args holds SET NX GET's arguments: passed as a slice of it, they
+	// need no allocation of their own per claim.
+	args [7]any
 }
 
 func (s *Store) newClaimOp(op *claimOp, key dedup.Key) {
@@ -263,7 +266,8 @@ func (s *Store) send(ctx context.Context, c cmdable, op *claimOp, legacy bool) {
 	}
 	// SET NX GET: one atomic command that claims, or tells what is stored.
 	// It needs Redis 7.0.
-	op.cmd = c.Do(ctx, "set", op.rkey, op.rec, "px", s.leaseArg, "nx", "get")
+	op.args = [7]any{"set", op.rkey, op.rec, "px", s.leaseArg, "nx", "get"}
+	op.cmd = c.Do(ctx, op.args[:]...)
 }
 
 // claimAll claims the keys of ops: one command per key, all of them in one
@@ -445,8 +449,9 @@ func (s *Store) ClaimBatch(ctx context.Context, keys []dedup.Key) ([]dedup.Batch
 		return nil, fmt.Errorf("redisnx: claim batch: %w", err)
 	}
 	ops := make([]*claimOp, len(idx))
+	all := make([]claimOp, len(idx)) // one allocation for the batch
 	for j, i := range idx {
-		ops[j] = new(claimOp)
+		ops[j] = &all[j]
 		s.newClaimOp(ops[j], keys[i])
 	}
 	if err := s.claims.do(ctx, ops); err != nil {

@@ -84,7 +84,7 @@ type Hold struct {
 	lease   *dedup.Lease
 	ctx     context.Context // the message's: values and logs
 	timeout time.Duration   // bound of one Extend
-	onLost  func(error)
+	onLost  Canceler
 
 	// Guarded by t.mu.
 	prev, next *Hold
@@ -98,13 +98,28 @@ type Hold struct {
 	beats sync.WaitGroup
 }
 
+// Canceler is told that a lease was lost. An interface, not a func: a
+// method value of the per-message struct that holds the handler's context
+// would cost an allocation per message.
+type Canceler interface {
+	Cancel(cause error)
+}
+
+// CancelFunc adapts a function, such as a context.CancelCauseFunc, to
+// Canceler.
+type CancelFunc func(cause error)
+
+// Cancel calls f.
+func (f CancelFunc) Cancel(cause error) { f(cause) }
+
 // Start begins extending lease every `every` until Stop. every ≤ 0 disables
 // the beats (Stop then returns nil at once). ctx is the message's context:
 // beats run with its values but not its cancellation, so a handler that
 // finishes its work while the consumer stops keeps its lease. When the
-// store answers dedup.ErrLeaseLost, onLost is called once, with an error
-// wrapping it, and the beats end.
-func (k *Keeper) Start(ctx context.Context, h *Hold, lease *dedup.Lease, every time.Duration, onLost func(error)) {
+// store answers dedup.ErrLeaseLost, onLost.Cancel is called once, with an
+// error wrapping it, and the beats end. onLost is usually the handler's
+// HandlerCtx; CancelFunc adapts a function.
+func (k *Keeper) Start(ctx context.Context, h *Hold, lease *dedup.Lease, every time.Duration, onLost Canceler) {
 	if every <= 0 {
 		h.stopped = true
 		return
@@ -220,7 +235,7 @@ func (t *ticker) beat(ctx context.Context, h *Hold) {
 	case lost != nil:
 		t.k.logger.WarnContext(h.ctx, "idem: lease lost while the handler ran; cancelling it",
 			slog.String("key_hash", h.lease.Key.Hash()), slog.Any("error", err))
-		h.onLost(lost)
+		h.onLost.Cancel(lost)
 	case stopped:
 		// The handler returned; Stop cancelled the Extend.
 	default:
@@ -250,10 +265,12 @@ type Finish struct {
 
 var _ context.Context = (*Finish)(nil)
 
-// Init prepares f for a call bounded by timeout, with ctx's values.
+// Init prepares f for a call bounded by timeout, with ctx's values. It
+// starts afresh, so a Finish may be used for another call after Close —
+// once nothing holds the previous call's context any more (Init overwrites
+// its state, mutex included).
 func (f *Finish) Init(ctx context.Context, timeout time.Duration) {
-	f.parent = context.WithoutCancel(ctx)
-	f.timeout = timeout
+	*f = Finish{parent: context.WithoutCancel(ctx), timeout: timeout}
 }
 
 // startLocked fixes the deadline at the first use and reports whether it has

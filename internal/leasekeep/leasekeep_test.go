@@ -41,7 +41,7 @@ func TestHoldKeepsTheLease(t *testing.T) {
 
 	kept := claim(t, s, "kept")
 	var h Hold
-	k.Start(context.Background(), &h, kept, ttl/3, func(err error) { t.Errorf("lease lost: %v", err) })
+	k.Start(context.Background(), &h, kept, ttl/3, CancelFunc(func(err error) { t.Errorf("lease lost: %v", err) }))
 	control := claim(t, s, "control")
 
 	time.Sleep(4 * ttl)
@@ -68,10 +68,10 @@ func TestLostLease(t *testing.T) {
 	got := make(chan error, 1)
 	var h Hold
 	// Beats far apart: the lease expires before the first one.
-	k.Start(context.Background(), &h, l, 8*ttl, func(err error) {
+	k.Start(context.Background(), &h, l, 8*ttl, CancelFunc(func(err error) {
 		calls.Add(1)
 		got <- err
-	})
+	}))
 	time.Sleep(2 * ttl)
 	if _, err := s.Claim(context.Background(), l.Key); err != nil {
 		t.Fatalf("a new owner's claim after expiry: %v", err)
@@ -115,7 +115,7 @@ func TestStopCancelsABeat(t *testing.T) {
 	k := New(bs, nil, "test")
 	l := claim(t, s, "blocked")
 	var h Hold
-	k.Start(context.Background(), &h, l, 10*time.Millisecond, func(err error) { t.Errorf("lease lost: %v", err) })
+	k.Start(context.Background(), &h, l, 10*time.Millisecond, CancelFunc(func(err error) { t.Errorf("lease lost: %v", err) }))
 	select {
 	case <-bs.entered:
 	case <-time.After(5 * time.Second):
@@ -144,7 +144,7 @@ func TestBeatsOutliveTheMessageContext(t *testing.T) {
 	ctx, cancel := context.WithCancel(context.Background())
 	cancel()
 	var h Hold
-	k.Start(ctx, &h, l, ttl/3, func(err error) { t.Errorf("lease lost: %v", err) })
+	k.Start(ctx, &h, l, ttl/3, CancelFunc(func(err error) { t.Errorf("lease lost: %v", err) }))
 	time.Sleep(3 * ttl)
 	if err := h.Stop(); err != nil {
 		t.Fatal(err)
@@ -170,7 +170,7 @@ func TestManyHolds(t *testing.T) {
 				return
 			}
 			var h Hold
-			k.Start(context.Background(), &h, l, ttl/3, func(error) { failed.Add(1) })
+			k.Start(context.Background(), &h, l, ttl/3, CancelFunc(func(error) { failed.Add(1) }))
 			time.Sleep(time.Duration(i%4) * ttl)
 			if h.Stop() != nil || s.Complete(context.Background(), l, nil) != nil {
 				failed.Add(1)
@@ -294,4 +294,28 @@ func TestFinishClose(t *testing.T) {
 	if f.timer.Stop() {
 		t.Fatal("the timer still ran after Close")
 	}
+}
+
+// A Finish used again after Close starts afresh: not done, a new deadline.
+func TestFinishReuse(t *testing.T) {
+	var f Finish
+	f.Init(context.Background(), time.Hour)
+	_ = f.Done()
+	f.Close()
+	if !errors.Is(f.Err(), context.Canceled) {
+		t.Fatalf("Err after Close = %v, want Canceled", f.Err())
+	}
+	f.Init(context.Background(), time.Minute)
+	if err := f.Err(); err != nil {
+		t.Fatalf("Err after a second Init = %v, want nil", err)
+	}
+	select {
+	case <-f.Done():
+		t.Fatal("Done is closed after a second Init")
+	default:
+	}
+	if d, _ := f.Deadline(); time.Until(d) > time.Minute {
+		t.Fatalf("deadline %v away, want at most the second Init's minute", time.Until(d))
+	}
+	f.Close()
 }

@@ -137,6 +137,13 @@ func (d *Dedup) Handled(ctx context.Context, outcome string, took time.Duration)
 	}
 }
 
+// LeaseLost counts a lease lost before its handler ran (while the
+// delivery waited for a handler slot): idem.lease.lost without a handler
+// duration.
+func (d *Dedup) LeaseLost(ctx context.Context) {
+	d.lost.Add(ctx, 1, d.lostA...)
+}
+
 // Scope is the scope the instruments report.
 func (d *Dedup) Scope() string { return d.scope }
 

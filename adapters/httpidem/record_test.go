@@ -1,0 +1,164 @@
+package httpidem
+
+import (
+	"bytes"
+	"errors"
+	"io"
+	"net/http"
+	"net/http/httptest"
+	"strings"
+	"testing"
+	"testing/iotest"
+
+	"github.com/idemkit/idem/dedup"
+)
+
+// A stored response with more header fields than a record holds inline,
+// and several values of one field, decodes to what was encoded and replays
+// every value once, in order.
+func TestRecordManyFields(t *testing.T) {
+	h := http.Header{}
+	names := []string{"Content-Type", "Link", "Location", "Vary", "Etag"}
+	h.Set("Content-Type", "application/json")
+	h.Add("Link", "</a>; rel=a")
+	h.Add("Link", "</b>; rel=b")
+	h.Set("Location", "/payments/1")
+	h.Add("Vary", "Accept")
+	h.Add("Vary", "Origin")
+	h.Set("Etag", `"v1"`)
+	h.Set("X-Not-Kept", "1")
+	b := encodeResponse(http.StatusCreated, h, names, []byte(`{"id":1}`))
+	r, err := decodeRecord(b)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(r.header) != 7 || r.status != http.StatusCreated || string(r.body) != `{"id":1}` {
+		t.Fatalf("decoded %d fields, status %d, body %q", len(r.header), r.status, r.body)
+	}
+	if !bytes.Equal(r.encode(), b) {
+		t.Fatal("a decoded record encodes differently")
+	}
+	w := httptest.NewRecorder()
+	replay(w, r)
+	got := w.Result().Header
+	for _, name := range names {
+		if strings.Join(got[name], "|") != strings.Join(h[name], "|") {
+			t.Fatalf("%s replayed as %q, want %q", name, got[name], h[name])
+		}
+	}
+	if got.Get("X-Not-Kept") != "" || got.Get(HeaderReplayed) != "true" || got.Get("Content-Length") != "8" {
+		t.Fatalf("replayed header %v", got)
+	}
+}
+
+// Replaying onto a header that already has fields (set by a middleware in
+// front) adds the stored values after them, and replaces Content-Length
+// and Idempotent-Replayed.
+func TestReplayOntoExistingHeader(t *testing.T) {
+	h := http.Header{}
+	h.Set("Vary", "Accept")
+	r, err := decodeRecord(encodeResponse(http.StatusOK, h, []string{"Vary"}, []byte("hello")))
+	if err != nil {
+		t.Fatal(err)
+	}
+	w := httptest.NewRecorder()
+	w.Header().Set("Vary", "Origin")
+	w.Header().Set("Content-Length", "999")
+	w.Header().Set(HeaderReplayed, "false")
+	replay(w, r)
+	got := w.Result().Header
+	if v := got.Values("Vary"); len(v) != 2 || v[0] != "Origin" || v[1] != "Accept" {
+		t.Fatalf("Vary %q, want Origin then Accept", v)
+	}
+	if v := got.Values("Content-Length"); len(v) != 1 || v[0] != "5" {
+		t.Fatalf("Content-Length %q, want 5", v)
+	}
+	if v := got.Values(HeaderReplayed); len(v) != 1 || v[0] != "true" {
+		t.Fatalf("%s %q, want true", HeaderReplayed, v)
+	}
+	// The fields a replay added are distinct slices: appending to one
+	// does not change another.
+	w.Header()["Content-Length"] = append(w.Header()["Content-Length"], "x")
+	if got := w.Header().Values(HeaderReplayed); len(got) != 1 || got[0] != "true" {
+		t.Fatalf("%s changed to %q by an append to another field", HeaderReplayed, got)
+	}
+}
+
+// readBody reads bodies whatever their reader and announced length, up to
+// the limit exactly, and puts them back for Body and GetBody.
+func TestReadBody(t *testing.T) {
+	const limit = 1000
+	for _, tc := range []struct {
+		name     string
+		body     string
+		length   int64 // r.ContentLength
+		oneByte  bool  // the reader returns one byte per Read
+		tooLarge bool
+	}{
+		{name: "empty", body: "", length: 0},
+		{name: "announced", body: "abc", length: 3},
+		{name: "unknown length", body: strings.Repeat("x", 700), length: -1},
+		{name: "one byte per read", body: strings.Repeat("y", 600), length: -1, oneByte: true},
+		{name: "announced short", body: strings.Repeat("z", 900), length: 10},
+		{name: "at the limit", body: strings.Repeat("a", limit), length: -1},
+		{name: "at the limit, announced", body: strings.Repeat("a", limit), length: limit},
+		{name: "one past the limit", body: strings.Repeat("b", limit+1), length: -1, tooLarge: true},
+		{name: "one past, one byte per read", body: strings.Repeat("b", limit+1), length: -1, oneByte: true, tooLarge: true},
+		{name: "announced past the limit", body: "c", length: limit + 1, tooLarge: true},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			var src io.Reader = strings.NewReader(tc.body)
+			if tc.oneByte {
+				src = iotest.OneByteReader(src)
+			}
+			r := httptest.NewRequest(http.MethodPost, "/", nil)
+			r.Body, r.ContentLength = io.NopCloser(src), tc.length
+			data, p := readBody(r, limit)
+			if tc.tooLarge {
+				if p == nil || p.Status != http.StatusRequestEntityTooLarge {
+					t.Fatalf("problem %v, want 413", p)
+				}
+				return
+			}
+			if p != nil || string(data) != tc.body {
+				t.Fatalf("read %d bytes, problem %v; want %d bytes", len(data), p, len(tc.body))
+			}
+			for range 2 {
+				rc, err := r.GetBody()
+				if err != nil {
+					t.Fatal(err)
+				}
+				if b, err := io.ReadAll(rc); err != nil || string(b) != tc.body {
+					t.Fatalf("GetBody gave %d bytes, %v", len(b), err)
+				}
+			}
+			if b, err := io.ReadAll(r.Body); err != nil || string(b) != tc.body || r.Body.Close() != nil {
+				t.Fatalf("Body gave %d bytes, %v", len(b), err)
+			}
+		})
+	}
+	// A reader that fails is a 400, not a partial body.
+	r := httptest.NewRequest(http.MethodPost, "/", nil)
+	r.Body = io.NopCloser(io.MultiReader(strings.NewReader("abc"), iotest.ErrReader(errors.New("reset"))))
+	if _, p := readBody(r, limit); p == nil || p.Status != http.StatusBadRequest {
+		t.Fatalf("failing reader: %v, want 400", p)
+	}
+}
+
+// The pooled fingerprint agrees with dedup.FingerprintOf, for parts longer
+// than the buffer a pooled digest keeps too, and one call does not leak
+// into the next.
+func TestFingerprintPooled(t *testing.T) {
+	long := "/" + strings.Repeat("p", 3*maxDigestBuf)
+	for _, tc := range [][4]string{
+		{"POST", "/payments", "/payments", `{"amount":1}`},
+		{"POST", long, long + "?q=1", strings.Repeat("b", 5000)},
+		{"PATCH", "", "", ""},
+		{"POST", "/payments", "/payments", `{"amount":1}`},
+	} {
+		want := dedup.FingerprintOf([]byte(tc[0]), []byte(tc[1]), []byte(tc[2]), []byte(tc[3]))
+		if got := fingerprint(tc[0], tc[1], tc[2], []byte(tc[3])); got != want {
+			t.Fatalf("fingerprint of %.20q differs from dedup.FingerprintOf", tc)
+		}
+	}
+}
