@@ -16,6 +16,7 @@ import (
 
 	"github.com/idemkit/idem/consumer"
 	"github.com/idemkit/idem/dedup"
+	"github.com/idemkit/idem/internal/seat"
 	"github.com/idemkit/idem/internal/telemetry"
 )
 
@@ -65,6 +66,14 @@ import (
 // Stats.Acked, the span, the metrics and OnResult of a delivery are
 // recorded once its ack was written (OutcomeAcked) or given up
 // (OutcomeAbandoned).
+//
+// Concurrency bounds the handlers running at once, not the deliveries in
+// flight: with Concurrency above 1, InFlight workers (8 × Concurrency by
+// default) take deliveries, and consumer.Dedup gives its handler slot to
+// another delivery while it waits for the store's claim, Complete or
+// Release. A store a round trip away (redisnx) then keeps the handlers
+// busy instead of idle in the round trips. consumer.Transactional keeps its
+// slot: its handler runs inside the store's transaction.
 //
 // Topology is declared on every connect, idempotently: the work queue (with
 // QueueArgs and Bindings), one retry queue per distinct retry delay
@@ -400,6 +409,9 @@ func (c *Consumer) declare(ch *amqp091.Channel) error {
 // wg tracks them.
 func (c *Consumer) serve(ctx, hctx context.Context, s *consSession, wg *sync.WaitGroup) error {
 	tag := fmt.Sprintf("%s-%d", c.opts.ConnectionName, s.gen)
+	// A basic.cancel from the broker is announced here before the
+	// deliveries close (amqp091-go notifies, then closes).
+	cancelled := s.ch.NotifyCancel(make(chan string, 1))
 	deliveries, err := s.ch.Consume(c.queue, tag, false, false, false, false, nil)
 	if err != nil {
 		s.kill(err)
@@ -408,8 +420,21 @@ func (c *Consumer) serve(ctx, hctx context.Context, s *consSession, wg *sync.Wai
 	c.readyOnce.Do(func() { close(c.ready) })
 	a := newConsAcker(c, s)
 	wg.Go(a.loop)
+	// InFlight workers run the chain; when they outnumber Concurrency, a
+	// gate of Concurrency seats bounds the handlers among them (see
+	// ConsumerOptions.InFlight and internal/seat).
+	var gate *seat.Gate
+	if c.opts.InFlight > c.opts.Concurrency {
+		gate = seat.NewGate(c.opts.Concurrency)
+	}
+	// wctx tells the workers to stop starting deliveries: only once the
+	// broker confirmed the cancel, so that what they give back is not
+	// delivered to this consumer again (and counted again in
+	// x-delivery-count) while it stops. The workers of a session that
+	// died go on (their settlements fail and count as abandoned).
+	wctx, stopWorkers := context.WithCancel(context.WithoutCancel(ctx))
 	var workers sync.WaitGroup
-	for range c.opts.Concurrency {
+	for range c.opts.InFlight {
 		workers.Add(1)
 		wg.Go(func() {
 			defer workers.Done()
@@ -418,28 +443,74 @@ func (c *Consumer) serve(ctx, hctx context.Context, s *consSession, wg *sync.Wai
 				if !ok {
 					return
 				}
-				c.handle(ctx, hctx, s, a, d)
+				c.handle(wctx, hctx, s, a, gate, d)
 			}
 		})
 	}
+	// The deliveries close without ctx ending or the channel closing when
+	// the broker cancels the consumer (basic.cancel: the queue was
+	// deleted, or a quorum queue lost its leader): then the workers all
+	// return, and the session is given up so that Run redeclares the
+	// topology and consumes again.
+	drained := make(chan struct{})
+	wg.Go(func() { workers.Wait(); close(drained) })
 	select {
 	case <-ctx.Done():
-		// Stop the flow; the library then hands over what it buffered
-		// (requeued by handle, since ctx is done) and closes deliveries.
-		if err := s.ch.Cancel(tag, false); err != nil {
-			s.kill(err)
-		}
-		workers.Wait()
-		// Every handler returned: send the acks still waiting in the
-		// acker before the connection closes.
-		a.drain()
-		s.kill(amqp091.ErrClosed)
-		return nil
 	case <-s.dead:
+	case <-drained:
+		if ctx.Err() == nil && brokerCancelled(cancelled) {
+			a.drain()
+			stopWorkers()
+			s.kill(errBrokerCancel)
+			return errBrokerCancel
+		}
+		// Closed by the stop, or by the channel's death, whose close
+		// error (which may be fatal) comes through s.dead.
+		select {
+		case <-ctx.Done():
+		case <-s.dead:
+		}
+	}
+	if ctx.Err() == nil {
 		s.kill(s.deadErr)
+		// Nothing of this session can be settled any more: deliveries
+		// waiting for a handler slot give way instead of running.
+		gate.Stop()
+		wg.Go(func() { workers.Wait(); stopWorkers() })
 		return s.deadErr
 	}
+	// Stop the flow; the library then hands over what it buffered
+	// (requeued by handle, since wctx is done) and closes deliveries.
+	// Deliveries that claimed but wait for a handler slot give way too
+	// (their chain returns seat.ErrStopped; settle requeues them).
+	if err := s.ch.Cancel(tag, false); err != nil {
+		s.kill(err)
+	}
+	stopWorkers()
+	gate.Stop()
+	workers.Wait()
+	// Every handler returned: send the acks still waiting in the acker
+	// before the connection closes.
+	a.drain()
+	s.kill(amqp091.ErrClosed)
+	return nil
 }
+
+// brokerCancelled reports whether the broker cancelled the consumer: a
+// consumer tag came on the NotifyCancel channel (which is closed, not
+// written, when the channel closes).
+func brokerCancelled(cancelled <-chan string) bool {
+	select {
+	case _, ok := <-cancelled:
+		return ok
+	default:
+		return false
+	}
+}
+
+// errBrokerCancel is the error of a session whose consumer the broker
+// cancelled.
+var errBrokerCancel = errors.New("the broker cancelled the consumer (was the queue deleted?)")
 
 // handle runs the chain on one delivery and settles it on its own
 // generation: a delivery the chain acknowledges (ActionAck) goes to the
@@ -448,7 +519,14 @@ func (c *Consumer) serve(ctx, hctx context.Context, s *consSession, wg *sync.Wai
 // here, on its own tag, and reported at once. The chain runs in the
 // delivery's consumer span (see ConsumerOptions.TracerProvider), which ends
 // with the verdict.
-func (c *Consumer) handle(ctx, hctx context.Context, s *consSession, a *consAcker, d amqp091.Delivery) {
+func (c *Consumer) handle(ctx, hctx context.Context, s *consSession, a *consAcker, gate *seat.Gate, d amqp091.Delivery) {
+	var st *seat.Seat
+	if gate != nil && ctx.Err() == nil {
+		st = new(seat.Seat)
+		if gate.Take(ctx, st) == nil {
+			defer st.Leave()
+		}
+	}
 	if ctx.Err() != nil {
 		// Prefetched but not started before the stop: give it back.
 		out := c.requeue(s, &d)
@@ -463,6 +541,9 @@ func (c *Consumer) handle(ctx, hctx context.Context, s *consSession, a *consAcke
 	}
 	// mctx only adds values to hctx: it is cancelled with it.
 	mctx := context.WithValue(hctx, consDeliveryKey{}, &d)
+	if st != nil {
+		mctx = seat.With(mctx, st)
+	}
 	mctx, end := c.tel.StartConsumer(mctx, c.opts.Propagator, (*TableCarrier)(&d.Headers), c.queue)
 	var (
 		r   consumer.Result
@@ -554,9 +635,10 @@ func (c *Consumer) settle(hctx context.Context, s *consSession, d *amqp091.Deliv
 		return c.deadLetter(hctx, s, d, msg, r.Reason, r.Err)
 	}
 	// ActionRetry, and anything unknown.
-	if hctx.Err() != nil {
-		// The shutdown timeout cut the handler short: not the message's
-		// fault, so no attempt is spent; the broker redelivers it.
+	if hctx.Err() != nil || errors.Is(r.Err, seat.ErrStopped) {
+		// The shutdown timeout cut the handler short, or the stop came
+		// before the handler started: not the message's fault, so no
+		// attempt is spent; the broker redelivers it.
 		return c.requeue(s, d)
 	}
 	owned := r.Reason == consumer.ReasonInFlight || r.Reason == consumer.ReasonLeaseLost

@@ -21,7 +21,10 @@ const consBenchN = 5000
 // BenchmarkConsumer compares, side by side in interleaved rounds, a bare
 // amqp091-go consumer (one goroutine, manual ACK, prefetch 100) with the
 // idem Consumer (prefetch 100, 8 concurrent handlers, Dedup + Recover) on
-// memstore and on redisnx, and on redisnx with 32 handlers. Each round publishes consBenchN persistent
+// memstore and on redisnx (the default InFlight: 64 deliveries in store
+// round trips or handlers), on redisnx with 32 handlers, and on redisnx with
+// 8 handlers and InFlight 8 (each handler waits for its own store round
+// trips, as before InFlight). Each round publishes consBenchN persistent
 // messages per variant (untimed), then times each consumer from connecting
 // to its last ACK. It reports msgs/s per variant and the ratios to bare.
 // The bare loop acknowledges each message on its own, as issue 5 defines
@@ -37,9 +40,9 @@ func BenchmarkConsumer(b *testing.B) {
 		name string
 		run  func(b *testing.B, queue string) time.Duration
 	}
-	idem := func(store func(b *testing.B) consumer.Middleware, concurrency int) func(b *testing.B, queue string) time.Duration {
+	idem := func(store func(b *testing.B) consumer.Middleware, concurrency, inFlight int) func(b *testing.B, queue string) time.Duration {
 		return func(b *testing.B, queue string) time.Duration {
-			return consBenchIdem(b, url, queue, store(b), concurrency)
+			return consBenchIdem(b, url, queue, store(b), concurrency, inFlight)
 		}
 	}
 	mem := func(b *testing.B) consumer.Middleware { return consMemDedup(b, "bench/mem") }
@@ -56,11 +59,16 @@ func BenchmarkConsumer(b *testing.B) {
 	}
 	vs := []variant{
 		{"bare", func(b *testing.B, q string) time.Duration { return consBenchBare(b, url, q) }},
-		{"memstore", idem(mem, 8)},
-		{"redisnx", idem(rnx, 8)},
+		{"memstore", idem(mem, 8, 0)},
+		// 8 handlers, and the default InFlight of 64 deliveries in store
+		// round trips or handlers.
+		{"redisnx", idem(rnx, 8, 0)},
 		// A store a round trip away hides its latency behind more
 		// handlers; redisnx coalesces their calls into shared pipelines.
-		{"redisnx-32", idem(rnx, 32)},
+		{"redisnx-32", idem(rnx, 32, 0)},
+		// 8 handlers that hold their slot through the store's round
+		// trips, as before InFlight: what the handler-slot handoff buys.
+		{"redisnx-inflight8", idem(rnx, 8, 8)},
 	}
 	queues := make([]string, len(vs))
 	for i := range vs {
@@ -86,6 +94,7 @@ func BenchmarkConsumer(b *testing.B) {
 	b.ReportMetric(rate[1]/rate[0], "memstore/bare")
 	b.ReportMetric(rate[2]/rate[0], "redisnx/bare")
 	b.ReportMetric(rate[3]/rate[0], "redisnx-32/bare")
+	b.ReportMetric(rate[4]/rate[0], "redisnx-inflight8/bare")
 	b.ReportMetric(0, "ns/op")
 }
 
@@ -119,12 +128,12 @@ func consBenchBare(b *testing.B, url, queue string) time.Duration {
 	return time.Since(start)
 }
 
-func consBenchIdem(b *testing.B, url, queue string, dedupMW consumer.Middleware, concurrency int) time.Duration {
+func consBenchIdem(b *testing.B, url, queue string, dedupMW consumer.Middleware, concurrency, inFlight int) time.Duration {
 	var acked atomic.Int64
 	all := make(chan struct{})
 	h := consumer.Chain(consumer.HandlerFunc(func(context.Context, *consumer.Message) error { return nil }), consumer.Recover(), dedupMW)
 	c, err := NewConsumer(url, queue, h, ConsumerOptions{
-		Prefetch: 100, Concurrency: concurrency, Logger: consQuiet(), RetryDelays: []time.Duration{time.Second},
+		Prefetch: 100, Concurrency: concurrency, InFlight: inFlight, Logger: consQuiet(), RetryDelays: []time.Duration{time.Second},
 		OnResult: func(_ context.Context, _ *consumer.Message, _ consumer.Result, out ConsumerOutcome) {
 			if out == OutcomeAcked && acked.Add(1) == consBenchN {
 				close(all)

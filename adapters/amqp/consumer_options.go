@@ -84,8 +84,23 @@ type ConsumerOptions struct {
 	// of Prefetch.
 	Prefetch int
 	// Concurrency is how many handlers run at once. Defaults to 1, which
-	// keeps the queue's order (retries aside).
+	// keeps the queue's order (retries aside) unless InFlight is set above
+	// 1.
 	Concurrency int
+	// InFlight is how many deliveries the chain works on at once, counting
+	// those waiting on the dedup store. consumer.Dedup gives its handler
+	// slot to another delivery while it waits for its claim, Complete or
+	// Release, so a store a round trip away (redisnx) does not hold the
+	// Concurrency handlers idle: up to InFlight deliveries are in a store
+	// round trip or a handler, and at most Concurrency of them in a
+	// handler. Defaults to 8 × Concurrency (at most Prefetch) when
+	// Concurrency is above 1, else 1 (in queue order). It must lie between
+	// Concurrency and Prefetch; above 1, deliveries may finish out of
+	// order even with one handler.
+	//
+	// A consumer.Timeout outside Dedup also bounds the wait for a handler
+	// slot after the claim.
+	InFlight int
 
 	// IDHeader, when set, names an application header that carries the
 	// message id. A delivery with that header takes its id from it;
@@ -228,8 +243,8 @@ const (
 )
 
 func (o *ConsumerOptions) consSetDefaults(queue string) error {
-	if o.Prefetch < 0 || o.Concurrency < 0 || o.MaxAttempts < 0 {
-		return fmt.Errorf("amqp: ConsumerOptions: Prefetch (%d), Concurrency (%d) and MaxAttempts (%d) must not be negative", o.Prefetch, o.Concurrency, o.MaxAttempts)
+	if o.Prefetch < 0 || o.Concurrency < 0 || o.InFlight < 0 || o.MaxAttempts < 0 {
+		return fmt.Errorf("amqp: ConsumerOptions: Prefetch (%d), Concurrency (%d), InFlight (%d) and MaxAttempts (%d) must not be negative", o.Prefetch, o.Concurrency, o.InFlight, o.MaxAttempts)
 	}
 	switch {
 	case o.MaxDeliveries == 0:
@@ -254,6 +269,14 @@ func (o *ConsumerOptions) consSetDefaults(queue string) error {
 	}
 	if o.Concurrency == 0 {
 		o.Concurrency = 1
+	}
+	switch {
+	case o.InFlight == 0 && o.Concurrency > 1:
+		o.InFlight = min(8*o.Concurrency, max(o.Prefetch, o.Concurrency))
+	case o.InFlight == 0:
+		o.InFlight = 1
+	case o.InFlight < o.Concurrency || o.InFlight > max(o.Prefetch, o.Concurrency):
+		return fmt.Errorf("amqp: ConsumerOptions.InFlight is %d; it must lie between Concurrency (%d) and Prefetch (%d)", o.InFlight, o.Concurrency, o.Prefetch)
 	}
 	if o.MaxAttempts == 0 {
 		o.MaxAttempts = 5

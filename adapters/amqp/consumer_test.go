@@ -62,6 +62,18 @@ func TestNewConsumerValidates(t *testing.T) {
 			_, err := NewConsumer(testenv.AMQPURL(), "q", h, ConsumerOptions{RetryDelays: []time.Duration{0}})
 			return err
 		},
+		"in flight below concurrency": func() error {
+			_, err := NewConsumer(testenv.AMQPURL(), "q", h, ConsumerOptions{Concurrency: 4, InFlight: 2})
+			return err
+		},
+		"in flight above prefetch": func() error {
+			_, err := NewConsumer(testenv.AMQPURL(), "q", h, ConsumerOptions{Concurrency: 4, Prefetch: 10, InFlight: 11})
+			return err
+		},
+		"negative in flight": func() error {
+			_, err := NewConsumer(testenv.AMQPURL(), "q", h, ConsumerOptions{InFlight: -1})
+			return err
+		},
 		"backoff order": func() error {
 			_, err := NewConsumer(testenv.AMQPURL(), "q", h, ConsumerOptions{ReconnectBackoff: time.Minute, MaxReconnectBackoff: time.Second})
 			return err
@@ -483,5 +495,30 @@ func TestConsumerChildSIGKILL(t *testing.T) {
 	}
 	if rows != distinct {
 		t.Errorf("%d duplicate effects", rows-distinct)
+	}
+}
+
+// The broker cancels the consumer when its queue is deleted (basic.cancel):
+// the Consumer reconnects, declares the queue again and consumes what is
+// published to it afterwards, instead of idling until its context ends.
+func TestConsumerBrokerCancel(t *testing.T) {
+	url := testenv.AMQPURL()
+	q := consQueue(t, url, consTestDelays)
+	var handled atomic.Int64
+	h := consumer.HandlerFunc(func(context.Context, *consumer.Message) error { handled.Add(1); return nil })
+	c, err := NewConsumer(url, q, h, consOpts(ConsumerOptions{Concurrency: 2}))
+	if err != nil {
+		t.Fatal(err)
+	}
+	stop := consStart(t, c)
+	consPublish(t, url, q, consMsgs("before", 1)...)
+	consWaitFor(t, 30*time.Second, "the first message acked", func() bool { return c.Stats().Acked == 1 })
+	consAdmin(t, url, func(ch *amqp091.Channel) error { _, err := ch.QueueDelete(q, false, false, false); return err })
+	consWaitFor(t, 30*time.Second, "a reconnect after the broker cancelled the consumer", func() bool { return c.Stats().Connects >= 2 })
+	consPublish(t, url, q, consMsgs("after", 1)...)
+	consWaitFor(t, 30*time.Second, "the message published after the reconnect acked", func() bool { return c.Stats().Acked == 2 })
+	stop()
+	if n := handled.Load(); n != 2 {
+		t.Fatalf("handled %d messages, want 2", n)
 	}
 }
