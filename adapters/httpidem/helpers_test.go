@@ -13,6 +13,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/jackc/pgx/v5"
+
 	"github.com/idemkit/idem/adapters/httpidem"
 	"github.com/idemkit/idem/dedup"
 	"github.com/idemkit/idem/dedup/memstore"
@@ -158,13 +160,21 @@ func itoa(n int64) string {
 // hookStore wraps a LeaseStore and reports its calls.
 type hookStore struct {
 	dedup.LeaseStore
-	mu       sync.Mutex
-	onClaim  func(error)
-	extends  atomic.Int64
-	releases atomic.Int64
+	mu      sync.Mutex
+	onClaim func(error)
+	// beforeClaim, when set, runs before each Claim with its context.
+	beforeClaim func(context.Context)
+	extends     atomic.Int64
+	releases    atomic.Int64
 }
 
 func (s *hookStore) Claim(ctx context.Context, k dedup.Key) (*dedup.Lease, error) {
+	s.mu.Lock()
+	before := s.beforeClaim
+	s.mu.Unlock()
+	if before != nil {
+		before(ctx)
+	}
 	l, err := s.LeaseStore.Claim(ctx, k)
 	s.mu.Lock()
 	f := s.onClaim
@@ -186,6 +196,17 @@ func (s *hookStore) Extend(ctx context.Context, l *dedup.Lease) error {
 func (s *hookStore) Release(ctx context.Context, l *dedup.Lease) error {
 	s.releases.Add(1)
 	return s.LeaseStore.Release(ctx, l)
+}
+
+// hookTx wraps a transactional store and calls before ahead of each Process.
+type hookTx struct {
+	dedup.TxStore[pgx.Tx]
+	before func(context.Context)
+}
+
+func (s hookTx) Process(ctx context.Context, k dedup.Key, fn dedup.TxFunc[pgx.Tx]) ([]byte, error) {
+	s.before(ctx)
+	return s.TxStore.Process(ctx, k, fn)
 }
 
 // eventually polls cond until it holds or a generous deadline passes (a

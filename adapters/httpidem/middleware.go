@@ -345,6 +345,16 @@ func inFlight(err error) bool {
 	return errors.Is(err, dedup.ErrInFlight) || isLockTimeout(err)
 }
 
+// clientLeft reports whether a claim retried during a wait failed because
+// the request's context ended (the client went away) while it ran. Such a
+// wait counts as cancelled, as if the client had left during the pause.
+func clientLeft(ctx context.Context, err error) bool {
+	if err == nil || ctx.Err() == nil {
+		return false
+	}
+	return errors.Is(err, ctx.Err()) || errors.Is(err, context.Cause(ctx))
+}
+
 // pause sleeps for d or until ctx ends; it reports whether d passed.
 func pause(ctx context.Context, d time.Duration) bool {
 	t := time.NewTimer(d)
@@ -418,8 +428,16 @@ func (m *Middleware) serveLease(w http.ResponseWriter, r *http.Request, next htt
 			waited = time.Since(start)
 			break
 		}
-		lease, err = m.claim(cctx, key)
+		next, nerr := m.claim(cctx, key)
 		waited = time.Since(start)
+		if clientLeft(ctx, nerr) {
+			// The client went away during this claim rather than during
+			// the pause: the wait was cancelled, and the last answer
+			// (in flight) stands.
+			rq.wait = waitCancelled
+			break
+		}
+		lease, err = next, nerr
 	}
 	if err == nil && lease == nil {
 		err = errors.New("the store returned neither a lease nor an error")
@@ -619,8 +637,13 @@ func (m *Middleware) serveTx(w http.ResponseWriter, r *http.Request, next http.H
 			waited = time.Since(start)
 			break
 		}
-		_, err = m.tx.Process(pctx, key, fn)
+		_, nerr := m.tx.Process(pctx, key, fn)
 		waited = time.Since(start)
+		if !ran && clientLeft(ctx, nerr) {
+			rq.wait = waitCancelled
+			break
+		}
+		err = nerr
 	}
 	returned = true
 	end := time.Now()

@@ -256,6 +256,71 @@ func TestMetricsWebhook(t *testing.T) {
 	mp.NoValueContains("evt_")
 }
 
+// TestMetricsLeaseWaitClientLeavesDuringClaim: the client goes away while a
+// claim retried during Options.Wait runs, not during the pause between two
+// claims. The wait is cancelled and the last answer (in flight) stands; the
+// store's context error is not counted as a store failure.
+func TestMetricsLeaseWaitClientLeavesDuringClaim(t *testing.T) {
+	opts := httpidem.Options{Principal: byTenant, Wait: time.Minute, PollInterval: time.Millisecond}
+	gone := asTenant(req{key: "key-gone", body: `{}`})
+	// holdRetry runs before every claim (Claim or Process): the first
+	// retry signals retrying and waits until the client has gone.
+	var claims atomic.Int32
+	retrying := make(chan struct{})
+	holdRetry := func(ctx context.Context) {
+		if claims.Add(1) == 2 {
+			close(retrying)
+			<-ctx.Done()
+		}
+	}
+	for _, kind := range []struct {
+		name  string
+		setup func(t *testing.T, opts httpidem.Options) (*httpidem.Middleware, dedup.LeaseStore)
+	}{
+		{"memstore", func(t *testing.T, opts httpidem.Options) (*httpidem.Middleware, dedup.LeaseStore) {
+			mem := newMem(t, memstore.Options{})
+			return newMW(t, &hookStore{LeaseStore: mem, beforeClaim: holdRetry}, opts), mem
+		}},
+		{"pgtable", func(t *testing.T, opts httpidem.Options) (*httpidem.Middleware, dedup.LeaseStore) {
+			pool := testenv.Pool(t, 5)
+			s := pgStore(t, pool, testenv.Schema(t, pool))
+			return mustMW(t)(httpidem.NewTx(hookTx{TxStore: s, before: holdRetry}, opts)), s.Lease()
+		}},
+	} {
+		t.Run(kind.name, func(t *testing.T) {
+			claims.Store(0)
+			retrying = make(chan struct{})
+			mp := telemetrytest.NewMetrics(t)
+			o := opts
+			o.MeterProvider = mp
+			mw, holder := kind.setup(t, o)
+			srv := routed(t, mw.Handler(telHandler(nil, nil)))
+			if _, err := holder.Claim(context.Background(), keyOf(t, mw, gone)); err != nil {
+				t.Fatal(err)
+			}
+			ctx, cancel := context.WithCancel(context.Background())
+			go func() { <-retrying; cancel() }()
+			if _, err := send(ctx, nil, srv.URL, gone); !errors.Is(err, context.Canceled) {
+				t.Fatalf("cancelled wait: %v", err)
+			}
+			eventually(t, "the wait's metrics", func() bool {
+				return mp.Sum(telemetry.MetricLeaseWait) == 1
+			})
+			scope := telemetry.AttrScope.String(route)
+			for o, want := range map[string]float64{"cancelled": 1, "error": 0} {
+				if got := mp.Sum(telemetry.MetricLeaseWait, scope, telemetry.AttrWaitOutcome.String(o)); got != want {
+					t.Errorf("%s{%s} = %v, want %v", telemetry.MetricLeaseWait, o, got, want)
+				}
+			}
+			for o, want := range map[string]float64{"in_flight": 1, "error": 0} {
+				if got := mp.Sum(telemetry.MetricClaims, scope, telemetry.AttrOutcome.String(o)); got != want {
+					t.Errorf("claims{%s} = %v, want %v", o, got, want)
+				}
+			}
+		})
+	}
+}
+
 // TestMetricsLeaseWait: Options.Wait's waits are recorded by how they
 // ended: replayed (the first finished), acquired (it released the key),
 // timed out (409) and cancelled (the client left).
