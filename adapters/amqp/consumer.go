@@ -125,6 +125,9 @@ type Consumer struct {
 	stats     consStats
 	// consAckLinger and consAckDelay; tests change them.
 	ackLinger, ackDelay time.Duration
+	// workersStopped, when set (by tests), is called during a graceful
+	// stop once the workers start no more deliveries.
+	workersStopped func()
 }
 
 // ConsumerStats are counters since the Consumer was created.
@@ -488,6 +491,9 @@ func (c *Consumer) serve(ctx, hctx context.Context, s *consSession, wg *sync.Wai
 	}
 	stopWorkers()
 	gate.Stop()
+	if c.workersStopped != nil {
+		c.workersStopped()
+	}
 	workers.Wait()
 	// Every handler returned: send the acks still waiting in the acker
 	// before the connection closes.

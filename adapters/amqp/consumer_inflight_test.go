@@ -182,6 +182,8 @@ func TestConsumerInFlightGracefulStop(t *testing.T) {
 	}
 	const n = 12
 	consPublish(t, url, q, consMsgs("stop", n)...)
+	workersStopped := make(chan struct{})
+	c.workersStopped = func() { close(workersStopped) }
 	stop := consStart(t, c)
 	// 2 handlers running, 6 more deliveries claimed and waiting for a slot.
 	consWaitFor(t, 30*time.Second, "2 handlers running and 6 deliveries waiting for a slot", func() bool {
@@ -190,7 +192,7 @@ func TestConsumerInFlightGracefulStop(t *testing.T) {
 	stopping.Store(1)
 	stopped := make(chan struct{})
 	go func() { stop(); close(stopped) }()
-	time.Sleep(100 * time.Millisecond)
+	<-workersStopped
 	close(release)
 	<-stopped
 	st := c.Stats()

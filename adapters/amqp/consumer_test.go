@@ -387,13 +387,17 @@ func TestConsumerGracefulStop(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	workersStopped := make(chan struct{})
+	c.workersStopped = func() { close(workersStopped) }
 	stop := consStart(t, c)
 	consPublish(t, url, q, consMsgs("graceful", 5)...)
 	<-started
 	stopped := make(chan struct{})
 	go func() { stop(); close(stopped) }()
-	// Give the stop time to begin; Run must wait for the handler.
-	time.Sleep(200 * time.Millisecond)
+	// The stop has cancelled the consumer and stopped the workers; Run
+	// must still wait for the handler.
+	<-workersStopped
+	time.Sleep(100 * time.Millisecond)
 	select {
 	case <-stopped:
 		t.Fatal("Run returned while a handler was running")
