@@ -7,6 +7,7 @@ import (
 	"net/http"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -212,19 +213,32 @@ func TestTransportBounds(t *testing.T) {
 	if err != nil || resp.StatusCode != http.StatusTooManyRequests || len(s2.attempts()) != 1 {
 		t.Fatalf("%v %v, %d attempts", resp, err, len(s2.attempts()))
 	}
-	// The context ends the wait.
+	// The context ends the wait. The cancel comes from the first answer's
+	// body, which the Transport drains and closes once it has chosen to
+	// retry and before it waits the 30s Retry-After: it lands during the
+	// wait, never before the Transport looked at the answer. A wait that
+	// ignored the context would send a second attempt, or return only
+	// after the 30s.
 	s3 := &script{steps: []func(http.ResponseWriter){status(http.StatusServiceUnavailable, "Retry-After", "30")}}
 	srv3 := quietServer(t, s3)
 	ctx, cancel := context.WithCancel(context.Background())
-	go func() {
-		for len(s3.attempts()) == 0 {
-			time.Sleep(time.Millisecond)
+	defer cancel()
+	base3 := &http.Transport{}
+	t.Cleanup(base3.CloseIdleConnections)
+	var sent atomic.Int64
+	cancelOnClose := roundTripFunc(func(r *http.Request) (*http.Response, error) {
+		sent.Add(1)
+		resp, err := base3.RoundTrip(r)
+		if err == nil {
+			resp.Body = &closeHook{ReadCloser: resp.Body, onClose: cancel}
 		}
-		cancel()
-	}()
-	_, err = roundTrip(ctx, t, fastTransport(t, httpidem.TransportOptions{MaxElapsed: time.Minute}), http.MethodPost, srv3.URL, "{}")
-	if !errors.Is(err, context.Canceled) {
-		t.Fatalf("cancelled during the backoff: %v", err)
+		return resp, err
+	})
+	tr3 := fastTransport(t, httpidem.TransportOptions{Base: cancelOnClose, MaxElapsed: time.Minute})
+	start := time.Now()
+	_, err = roundTrip(ctx, t, tr3, http.MethodPost, srv3.URL, "{}")
+	if took := time.Since(start); !errors.Is(err, context.Canceled) || sent.Load() != 1 || took >= 30*time.Second {
+		t.Fatalf("cancelled during the backoff: %v after %d attempts and %v", err, sent.Load(), took)
 	}
 	// Retries run out on network errors too.
 	s4 := &script{steps: []func(http.ResponseWriter){hangUp}}
@@ -232,6 +246,22 @@ func TestTransportBounds(t *testing.T) {
 	if _, err := roundTrip(context.Background(), t, fastTransport(t, httpidem.TransportOptions{MaxAttempts: 4}), http.MethodPost, srv4.URL, "{}"); err == nil || len(s4.attempts()) != 4 {
 		t.Fatalf("hang-ups: %v after %d attempts", err, len(s4.attempts()))
 	}
+}
+
+// roundTripFunc adapts a function to http.RoundTripper.
+type roundTripFunc func(*http.Request) (*http.Response, error)
+
+func (f roundTripFunc) RoundTrip(r *http.Request) (*http.Response, error) { return f(r) }
+
+// closeHook is a body that calls onClose when it is closed.
+type closeHook struct {
+	io.ReadCloser
+	onClose func()
+}
+
+func (c *closeHook) Close() error {
+	c.onClose()
+	return c.ReadCloser.Close()
 }
 
 func TestTransportNeedsReplayableBody(t *testing.T) {

@@ -469,16 +469,48 @@ func TestResponseTooLargeLease(t *testing.T) {
 	}
 }
 
+// stampedStore is a lease store that records when, on its clock, its
+// latest successful Extend began: the lease runs from that time or later.
+type stampedStore struct {
+	dedup.LeaseStore
+	clock dedup.Clock
+	mu    sync.Mutex
+	from  time.Time
+}
+
+func (s *stampedStore) Extend(ctx context.Context, l *dedup.Lease) error {
+	began := s.clock.Now()
+	err := s.LeaseStore.Extend(ctx, l)
+	if err == nil {
+		s.mu.Lock()
+		if began.After(s.from) {
+			s.from = began
+		}
+		s.mu.Unlock()
+	}
+	return err
+}
+
+// extendedFrom is the clock's time when the latest successful Extend began.
+func (s *stampedStore) extendedFrom() time.Time {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.from
+}
+
 func TestLeaseIsExtendedWhileHandlerRuns(t *testing.T) {
 	clock := dedup.NewManualClock(time.Unix(1_700_000_000, 0))
 	mem := newMem(t, memstore.Options{Clock: clock, Lease: 30 * time.Second})
-	store := &hookStore{LeaseStore: mem}
+	store := &stampedStore{LeaseStore: mem, clock: clock}
 	h := http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		// 5 × 20s of store time: far past the 30s lease, which survives
-		// only because the middleware extends it.
+		// only because the middleware extends it. Each step waits for an
+		// Extend that began at the current time (an Extend that began
+		// before the last Advance, and returned after it, may have read
+		// the old time: its lease would end before the next Advance).
 		for range 5 {
-			n := store.extends.Load()
-			eventually(t, "an extension", func() bool { return store.extends.Load() > n })
+			now := clock.Now()
+			eventually(t, "an extension", func() bool { return !store.extendedFrom().Before(now) })
 			clock.Advance(20 * time.Second)
 		}
 		w.WriteHeader(http.StatusCreated)

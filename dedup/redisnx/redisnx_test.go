@@ -621,12 +621,22 @@ func mentions(cmds []redis.Cmder, s string) bool {
 }
 
 // A caller queued behind a slow round trip leaves when its own context
-// ends, and the store goes on working after the slow call returns.
+// ends, and the store goes on working after the slow call returns. The slow
+// round trip is held in the client's hook until the queued caller has
+// returned, so the verdict does not depend on how fast either goroutine is
+// scheduled: a caller that waited for the round trip instead of its context
+// would not return at all while it is held.
 func TestGroupedCallerHonoursItsContext(t *testing.T) {
 	s, c := newStore(t, redisnx.Options{})
+	started := make(chan struct{}) // the slow claim reached the client
+	release := make(chan struct{}) // lets the slow claim go on
+	var startOnce, releaseOnce sync.Once
+	letGo := func() { releaseOnce.Do(func() { close(release) }) }
+	t.Cleanup(letGo) // runs before newStore's cleanup, which goes through the hook too
 	c.AddHook(hookFunc(func(cmds []redis.Cmder) {
 		if mentions(cmds, "slow-one") {
-			time.Sleep(time.Second)
+			startOnce.Do(func() { close(started) })
+			<-release
 		}
 	}))
 	slowDone := make(chan error, 1)
@@ -634,17 +644,28 @@ func TestGroupedCallerHonoursItsContext(t *testing.T) {
 		_, err := s.Claim(t.Context(), dedup.NewKey("group", "slow-one", nil))
 		slowDone <- err
 	}()
-	time.Sleep(100 * time.Millisecond) // the slow claim is in flight
+	select {
+	case <-started: // the slow claim leads its round trip: the next one queues
+	case <-time.After(10 * time.Second):
+		t.Fatal("the slow claim never reached the client")
+	}
 	ctx, cancel := context.WithTimeout(t.Context(), 50*time.Millisecond)
 	defer cancel()
-	start := time.Now()
-	_, err := s.Claim(ctx, dedup.NewKey("group", "impatient", nil))
-	if !errors.Is(err, context.DeadlineExceeded) {
-		t.Fatalf("queued claim with a 50ms deadline = %v, want DeadlineExceeded", err)
+	impatient := make(chan error, 1)
+	go func() {
+		_, err := s.Claim(ctx, dedup.NewKey("group", "impatient", nil))
+		impatient <- err
+	}()
+	select {
+	case err := <-impatient:
+		if !errors.Is(err, context.DeadlineExceeded) {
+			t.Fatalf("queued claim with a 50ms deadline = %v, want DeadlineExceeded", err)
+		}
+	case <-time.After(10 * time.Second):
+		letGo()
+		t.Fatal("queued claim did not return when its context ended: it waited for the slow round trip")
 	}
-	if waited := time.Since(start); waited > 600*time.Millisecond {
-		t.Fatalf("queued claim returned after %v, not when its context ended", waited)
-	}
+	letGo()
 	if err := <-slowDone; err != nil {
 		t.Fatalf("slow claim: %v", err)
 	}

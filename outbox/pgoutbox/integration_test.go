@@ -428,6 +428,10 @@ func TestPostgresSessionsTerminatedMidBatch(t *testing.T) {
 			case <-time.After(150 * time.Millisecond):
 			}
 			mu.Lock()
+			if len(pids) == 0 { // no session connected yet: nothing to kill this round
+				mu.Unlock()
+				continue
+			}
 			pid := pids[rand.IntN(len(pids))]
 			mu.Unlock()
 			terminate(pid)

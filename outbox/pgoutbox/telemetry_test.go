@@ -3,6 +3,7 @@ package pgoutbox_test
 import (
 	"context"
 	"errors"
+	"fmt"
 	"testing"
 	"time"
 
@@ -81,34 +82,40 @@ func TestRelayMetrics(t *testing.T) {
 		return gauge(t, mp, telemetry.MetricOutboxBacklog, table) == 0
 	})
 
+	// The relay counts a batch's messages (the counters and the
+	// outbox.Metrics hook) after its COMMIT, which the database state above
+	// may show first: the exact values are checked once they settled.
 	orders, payments := telemetry.AttrDestination.String("orders"), telemetry.AttrDestination.String("payments")
-	for _, c := range []struct {
-		metric string
-		attrs  []attribute.KeyValue
-		want   float64
-	}{
-		{telemetry.MetricOutboxPublished, []attribute.KeyValue{table, orders}, 2},
-		{telemetry.MetricOutboxPublished, []attribute.KeyValue{table, payments}, 0},
-		{telemetry.MetricOutboxRetried, []attribute.KeyValue{table, orders}, 2},
-		{telemetry.MetricOutboxRetried, []attribute.KeyValue{table, payments}, 2},
-		{telemetry.MetricOutboxDead, []attribute.KeyValue{table, payments}, 1},
-		{telemetry.MetricOutboxDead, []attribute.KeyValue{table, orders}, 0},
-		{telemetry.MetricOutboxDelay, []attribute.KeyValue{table}, 2}, // one per confirmed message
-	} {
-		if got := mp.Sum(c.metric, c.attrs...); got != c.want {
-			t.Errorf("%s%v = %v, want %v", c.metric, c.attrs, got, c.want)
+	settled(t, 20*time.Second, func() (mismatches []string) {
+		for _, c := range []struct {
+			metric string
+			attrs  []attribute.KeyValue
+			want   float64
+		}{
+			{telemetry.MetricOutboxPublished, []attribute.KeyValue{table, orders}, 2},
+			{telemetry.MetricOutboxPublished, []attribute.KeyValue{table, payments}, 0},
+			{telemetry.MetricOutboxRetried, []attribute.KeyValue{table, orders}, 2},
+			{telemetry.MetricOutboxRetried, []attribute.KeyValue{table, payments}, 2},
+			{telemetry.MetricOutboxDead, []attribute.KeyValue{table, payments}, 1},
+			{telemetry.MetricOutboxDead, []attribute.KeyValue{table, orders}, 0},
+			{telemetry.MetricOutboxDelay, []attribute.KeyValue{table}, 2}, // one per confirmed message
+		} {
+			if got := mp.Sum(c.metric, c.attrs...); got != c.want {
+				mismatches = append(mismatches, fmt.Sprintf("%s%v = %v, want %v", c.metric, c.attrs, got, c.want))
+			}
 		}
-	}
-	// Every Publish call is timed: ok only for the batches nothing failed in.
-	okBatches := mp.Sum(telemetry.MetricOutboxPublishDuration, table, telemetry.AttrResult.String("ok"))
-	errBatches := mp.Sum(telemetry.MetricOutboxPublishDuration, table, telemetry.AttrResult.String("error"))
-	if calls := float64(pub.callCount()); okBatches+errBatches != calls || errBatches < 2 {
-		t.Errorf("publish duration: %v ok + %v error, want %v calls in all, at least 2 failed", okBatches, errBatches, calls)
-	}
-	// The older hook saw the same counters.
-	if p, re, d := hook.snapshot(); p != 2 || re != 4 || d != 1 {
-		t.Errorf("outbox.Metrics hook: published %d, retried %d, dead %d; want 2, 4, 1", p, re, d)
-	}
+		// Every Publish call is timed: ok only for the batches nothing failed in.
+		okBatches := mp.Sum(telemetry.MetricOutboxPublishDuration, table, telemetry.AttrResult.String("ok"))
+		errBatches := mp.Sum(telemetry.MetricOutboxPublishDuration, table, telemetry.AttrResult.String("error"))
+		if calls := float64(pub.callCount()); okBatches+errBatches != calls || errBatches < 2 {
+			mismatches = append(mismatches, fmt.Sprintf("publish duration: %v ok + %v error, want %v calls in all, at least 2 failed", okBatches, errBatches, calls))
+		}
+		// The older hook saw the same counters.
+		if p, re, d := hook.snapshot(); p != 2 || re != 4 || d != 1 {
+			mismatches = append(mismatches, fmt.Sprintf("outbox.Metrics hook: published %d, retried %d, dead %d; want 2, 4, 1", p, re, d))
+		}
+		return mismatches
+	})
 	eventually(t, 10*time.Second, "the outbox.Metrics hook's backlog sample at 0", func() bool {
 		hook.mu.Lock()
 		defer hook.mu.Unlock()
@@ -120,6 +127,27 @@ func TestRelayMetrics(t *testing.T) {
 	rr.stop(t)
 	if pts := mp.Points(telemetry.MetricOutboxBacklog); len(pts) != 0 {
 		t.Errorf("backlog gauge after Run returned: %v", pts)
+	}
+}
+
+// settled waits, up to timeout, until check finds no mismatch, and reports
+// the mismatches of its last run if it never does. For exact values that
+// the relay records after the state the test waited for became visible.
+func settled(t *testing.T, timeout time.Duration, check func() []string) {
+	t.Helper()
+	deadline := time.Now().Add(timeout)
+	for {
+		mismatches := check()
+		if len(mismatches) == 0 {
+			return
+		}
+		if time.Now().After(deadline) {
+			for _, m := range mismatches {
+				t.Errorf("after %v: %s", timeout, m)
+			}
+			return
+		}
+		time.Sleep(10 * time.Millisecond)
 	}
 }
 
