@@ -126,7 +126,9 @@ type Consumer struct {
 	// consAckLinger and consAckDelay; tests change them.
 	ackLinger, ackDelay time.Duration
 	// workersStopped, when set (by tests), is called during a graceful
-	// stop once the workers start no more deliveries.
+	// stop once the broker confirmed the cancel and the workers were told
+	// to stop (a worker past that check with a free seat may still start
+	// its delivery's handler).
 	workersStopped func()
 }
 

@@ -314,8 +314,7 @@ func TestConsumerAckShutdownFlush(t *testing.T) {
 		t.Fatal(err)
 	}
 	c.ackLinger, c.ackDelay = time.Hour, time.Hour
-	workersStopped := make(chan struct{})
-	c.workersStopped = func() { close(workersStopped) }
+	workersStopped := consWorkersStopped(t, c)
 	stop := consStart(t, c)
 	consWaitFor(t, 30*time.Second, "5 handled and 2 handlers blocked", func() bool { return runs.total() == quick+2 && blocked.Load() == 2 })
 	consWaitFor(t, 30*time.Second, "all 20 delivered and unacknowledged", func() bool {
@@ -327,7 +326,7 @@ func TestConsumerAckShutdownFlush(t *testing.T) {
 	}
 	stopped := make(chan struct{})
 	go func() { stop(); close(stopped) }()
-	<-workersStopped
+	workersStopped(stopped)
 	close(release)
 	<-stopped
 	st := c.Stats()

@@ -241,6 +241,24 @@ func consWaitFor(t testing.TB, d time.Duration, what string, cond func() bool) {
 	}
 }
 
+// consWorkersStopped installs c's workersStopped hook. The returned wait
+// blocks until a graceful stop has stopped the workers; it fails the test
+// if Run returned first (stopped closed) or a minute passed.
+func consWorkersStopped(t testing.TB, c *Consumer) (wait func(stopped <-chan struct{})) {
+	hook := make(chan struct{})
+	c.workersStopped = func() { close(hook) }
+	return func(stopped <-chan struct{}) {
+		t.Helper()
+		select {
+		case <-hook:
+		case <-stopped:
+			t.Fatal("Run returned without a graceful stop of its workers")
+		case <-time.After(time.Minute):
+			t.Fatal("the graceful stop did not stop the workers within a minute")
+		}
+	}
+}
+
 // consStart runs c until the returned stop is called (or the test ends)
 // and waits for it to consume.
 func consStart(t testing.TB, c *Consumer) (stop func()) {

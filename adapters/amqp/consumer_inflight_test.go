@@ -182,8 +182,7 @@ func TestConsumerInFlightGracefulStop(t *testing.T) {
 	}
 	const n = 12
 	consPublish(t, url, q, consMsgs("stop", n)...)
-	workersStopped := make(chan struct{})
-	c.workersStopped = func() { close(workersStopped) }
+	workersStopped := consWorkersStopped(t, c)
 	stop := consStart(t, c)
 	// 2 handlers running, 6 more deliveries claimed and waiting for a slot.
 	consWaitFor(t, 30*time.Second, "2 handlers running and 6 deliveries waiting for a slot", func() bool {
@@ -192,7 +191,7 @@ func TestConsumerInFlightGracefulStop(t *testing.T) {
 	stopping.Store(1)
 	stopped := make(chan struct{})
 	go func() { stop(); close(stopped) }()
-	<-workersStopped
+	workersStopped(stopped)
 	close(release)
 	<-stopped
 	st := c.Stats()

@@ -387,8 +387,7 @@ func TestConsumerGracefulStop(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	workersStopped := make(chan struct{})
-	c.workersStopped = func() { close(workersStopped) }
+	workersStopped := consWorkersStopped(t, c)
 	stop := consStart(t, c)
 	consPublish(t, url, q, consMsgs("graceful", 5)...)
 	<-started
@@ -396,7 +395,7 @@ func TestConsumerGracefulStop(t *testing.T) {
 	go func() { stop(); close(stopped) }()
 	// The stop has cancelled the consumer and stopped the workers; Run
 	// must still wait for the handler.
-	<-workersStopped
+	workersStopped(stopped)
 	time.Sleep(100 * time.Millisecond)
 	select {
 	case <-stopped:

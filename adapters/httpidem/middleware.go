@@ -428,7 +428,7 @@ func (m *Middleware) serveLease(w http.ResponseWriter, r *http.Request, next htt
 			waited = time.Since(start)
 			break
 		}
-		next, nerr := m.claim(cctx, key)
+		l, nerr := m.claim(cctx, key)
 		waited = time.Since(start)
 		if clientLeft(ctx, nerr) {
 			// The client went away during this claim rather than during
@@ -437,7 +437,7 @@ func (m *Middleware) serveLease(w http.ResponseWriter, r *http.Request, next htt
 			rq.wait = waitCancelled
 			break
 		}
-		lease, err = next, nerr
+		lease, err = l, nerr
 	}
 	if err == nil && lease == nil {
 		err = errors.New("the store returned neither a lease nor an error")
@@ -639,7 +639,9 @@ func (m *Middleware) serveTx(w http.ResponseWriter, r *http.Request, next http.H
 		}
 		_, nerr := m.tx.Process(pctx, key, fn)
 		waited = time.Since(start)
-		if !ran && clientLeft(ctx, nerr) {
+		// pctx ends with context.Canceled when the client leaves, whatever
+		// ended ctx (phase 2: the claim had not been won).
+		if !ran && (clientLeft(ctx, nerr) || phase.Load() == 2 && errors.Is(nerr, context.Canceled)) {
 			rq.wait = waitCancelled
 			break
 		}

@@ -256,15 +256,16 @@ func TestMetricsWebhook(t *testing.T) {
 	mp.NoValueContains("evt_")
 }
 
-// TestMetricsLeaseWaitClientLeavesDuringClaim: the client goes away while a
+// TestMetricsLeaseWaitEndsDuringClaim: the request's context ends while a
 // claim retried during Options.Wait runs, not during the pause between two
-// claims. The wait is cancelled and the last answer (in flight) stands; the
+// claims: the client goes away, or a deadline an outer handler set passes.
+// The wait is cancelled and the last answer (in flight) stands; the
 // store's context error is not counted as a store failure.
-func TestMetricsLeaseWaitClientLeavesDuringClaim(t *testing.T) {
+func TestMetricsLeaseWaitEndsDuringClaim(t *testing.T) {
 	opts := httpidem.Options{Principal: byTenant, Wait: time.Minute, PollInterval: time.Millisecond}
 	gone := asTenant(req{key: "key-gone", body: `{}`})
 	// holdRetry runs before every claim (Claim or Process): the first
-	// retry signals retrying and waits until the client has gone.
+	// retry signals retrying and waits until the request's context ended.
 	var claims atomic.Int32
 	retrying := make(chan struct{})
 	holdRetry := func(ctx context.Context) {
@@ -273,7 +274,7 @@ func TestMetricsLeaseWaitClientLeavesDuringClaim(t *testing.T) {
 			<-ctx.Done()
 		}
 	}
-	for _, kind := range []struct {
+	kinds := []struct {
 		name  string
 		setup func(t *testing.T, opts httpidem.Options) (*httpidem.Middleware, dedup.LeaseStore)
 	}{
@@ -286,38 +287,62 @@ func TestMetricsLeaseWaitClientLeavesDuringClaim(t *testing.T) {
 			s := pgStore(t, pool, testenv.Schema(t, pool))
 			return mustMW(t)(httpidem.NewTx(hookTx{TxStore: s, before: holdRetry}, opts)), s.Lease()
 		}},
-	} {
-		t.Run(kind.name, func(t *testing.T) {
-			claims.Store(0)
-			retrying = make(chan struct{})
-			mp := telemetrytest.NewMetrics(t)
-			o := opts
-			o.MeterProvider = mp
-			mw, holder := kind.setup(t, o)
-			srv := routed(t, mw.Handler(telHandler(nil, nil)))
-			if _, err := holder.Claim(context.Background(), keyOf(t, mw, gone)); err != nil {
-				t.Fatal(err)
+	}
+	for _, kind := range kinds {
+		for _, deadline := range []bool{false, true} {
+			name := kind.name + "/client_leaves"
+			if deadline {
+				name = kind.name + "/deadline"
 			}
-			ctx, cancel := context.WithCancel(context.Background())
-			go func() { <-retrying; cancel() }()
-			if _, err := send(ctx, nil, srv.URL, gone); !errors.Is(err, context.Canceled) {
-				t.Fatalf("cancelled wait: %v", err)
-			}
-			eventually(t, "the wait's metrics", func() bool {
-				return mp.Sum(telemetry.MetricLeaseWait) == 1
+			t.Run(name, func(t *testing.T) {
+				claims.Store(0)
+				retrying = make(chan struct{})
+				mp := telemetrytest.NewMetrics(t)
+				o := opts
+				o.MeterProvider = mp
+				mw, holder := kind.setup(t, o)
+				h := mw.Handler(telHandler(nil, nil))
+				if deadline {
+					// The deadline passes while the retry is held (the
+					// first claim comes well before it).
+					inner := h
+					h = http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+						ctx, cancel := context.WithTimeout(r.Context(), 2*time.Second)
+						defer cancel()
+						inner.ServeHTTP(w, r.WithContext(ctx))
+					})
+				}
+				srv := routed(t, h)
+				if _, err := holder.Claim(context.Background(), keyOf(t, mw, gone)); err != nil {
+					t.Fatal(err)
+				}
+				if deadline {
+					if r, err := send(context.Background(), nil, srv.URL, gone); err != nil || r.status != http.StatusConflict {
+						t.Fatalf("deadline during the wait: %v, %v; want 409", r.status, err)
+					}
+				} else {
+					ctx, cancel := context.WithCancel(context.Background())
+					go func() { <-retrying; cancel() }()
+					if _, err := send(ctx, nil, srv.URL, gone); !errors.Is(err, context.Canceled) {
+						t.Fatalf("cancelled wait: %v", err)
+					}
+				}
+				eventually(t, "the wait's metrics", func() bool {
+					return mp.Sum(telemetry.MetricLeaseWait) == 1
+				})
+				scope := telemetry.AttrScope.String(route)
+				for o, want := range map[string]float64{"cancelled": 1, "error": 0} {
+					if got := mp.Sum(telemetry.MetricLeaseWait, scope, telemetry.AttrWaitOutcome.String(o)); got != want {
+						t.Errorf("%s{%s} = %v, want %v", telemetry.MetricLeaseWait, o, got, want)
+					}
+				}
+				for o, want := range map[string]float64{"in_flight": 1, "error": 0} {
+					if got := mp.Sum(telemetry.MetricClaims, scope, telemetry.AttrOutcome.String(o)); got != want {
+						t.Errorf("claims{%s} = %v, want %v", o, got, want)
+					}
+				}
 			})
-			scope := telemetry.AttrScope.String(route)
-			for o, want := range map[string]float64{"cancelled": 1, "error": 0} {
-				if got := mp.Sum(telemetry.MetricLeaseWait, scope, telemetry.AttrWaitOutcome.String(o)); got != want {
-					t.Errorf("%s{%s} = %v, want %v", telemetry.MetricLeaseWait, o, got, want)
-				}
-			}
-			for o, want := range map[string]float64{"in_flight": 1, "error": 0} {
-				if got := mp.Sum(telemetry.MetricClaims, scope, telemetry.AttrOutcome.String(o)); got != want {
-					t.Errorf("claims{%s} = %v, want %v", o, got, want)
-				}
-			}
-		})
+		}
 	}
 }
 
