@@ -382,10 +382,16 @@ func TestPostgresSessionsTerminatedMidBatch(t *testing.T) {
 		pids []uint32
 	)
 	killed := atomic.Int32{}
+	// dead: the sessions terminated (pg_terminate_backend reports true
+	// for a backend still exiting, so two kills can hit one session).
+	dead := map[uint32]bool{}
 	terminate := func(pid uint32) {
 		var ok bool
 		if err := pool.QueryRow(context.Background(), "SELECT pg_terminate_backend($1)", int32(pid)).Scan(&ok); err == nil && ok {
 			killed.Add(1)
+			mu.Lock()
+			dead[pid] = true
+			mu.Unlock()
 		}
 	}
 	var batches atomic.Int32
@@ -457,11 +463,22 @@ func TestPostgresSessionsTerminatedMidBatch(t *testing.T) {
 		arrivals = append(arrivals, arrival{id: m.ID, key: string(m.Key), body: m.Payload})
 	}
 	_, _, violations, examples := orderReport(t, pool, ob, arrivals)
-	t.Logf("%d messages, %d sessions terminated, %d re-published (duplicates), 0 lost, %d order violations",
-		total, killed.Load(), dups, violations)
+	mu.Lock()
+	nDead := len(dead)
+	mu.Unlock()
+	t.Logf("%d messages, %d kills of %d sessions, %d re-published (duplicates), 0 lost, %d order violations",
+		total, killed.Load(), nDead, dups, violations)
 	if killed.Load() == 0 {
 		t.Error("no session was terminated")
 	}
+	// Every terminated session was replaced: 2 relays × 2 sessions, plus
+	// one connect per session terminated (the killer has stopped; one
+	// killed by the last batches' hook may still be reconnecting).
+	eventually(t, 30*time.Second, "every terminated session to reconnect", func() bool {
+		mu.Lock()
+		defer mu.Unlock()
+		return len(pids) >= 4+len(dead)
+	})
 	if violations > 0 {
 		t.Errorf("%d per-key order violations, e.g. %s", violations, strings.Join(examples, "; "))
 	}
