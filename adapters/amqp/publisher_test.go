@@ -10,6 +10,7 @@ import (
 	"net/url"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -315,6 +316,7 @@ type pubProxy struct {
 	stall  bool
 	resume chan struct{}
 	wg     sync.WaitGroup
+	up     atomic.Int64 // bytes forwarded from clients to the broker
 }
 
 func pubNewProxy(t *testing.T, target string) *pubProxy {
@@ -366,6 +368,9 @@ func (px *pubProxy) pipe(src, dst net.Conn, downstream bool) {
 		if n > 0 {
 			if _, werr := dst.Write(buf[:n]); werr != nil {
 				return
+			}
+			if !downstream {
+				px.up.Add(int64(n))
 			}
 		}
 		if err != nil {
@@ -485,11 +490,31 @@ func TestPublisherReconnects(t *testing.T) {
 		for j := range 200 {
 			batch = append(batch, pubMsg(x, "k", fmt.Sprint(i, "-", j)))
 		}
+		var err error
 		if i == 5 {
-			// Cut while the batch is in flight.
-			go func() { time.Sleep(time.Millisecond); px.cut() }()
+			// Cut while the batch is in flight: confirms are held back, the
+			// batch has reached the broker (bytes went up), then the cut.
+			px.setStall(true)
+			sent := px.up.Load()
+			errc := make(chan error, 1)
+			go func() { errc <- p.Publish(ctx, batch) }()
+			for deadline := time.Now().Add(30 * time.Second); px.up.Load() == sent; time.Sleep(time.Millisecond) {
+				if time.Now().After(deadline) {
+					t.Fatal("batch 5 sent nothing within 30s")
+				}
+			}
+			px.cut()
+			px.setStall(false)
+			err = <-errc
+			if err == nil {
+				t.Fatal("batch 5: Publish succeeded although the connection was cut before any confirm")
+			}
+		} else {
+			// After the cut before batch 1, Publish either finds the
+			// connection lost (a plain error) or, having noticed the close
+			// already, reconnects first and succeeds.
+			err = p.Publish(ctx, batch)
 		}
-		err := p.Publish(ctx, batch)
 		var pe *outbox.PublishError
 		switch {
 		case err == nil:

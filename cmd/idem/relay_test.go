@@ -78,8 +78,21 @@ func TestRelay(t *testing.T) {
 	enqueue(0, n/2)
 	stop := startRelay()
 	enqueue(n/2, n)
-	time.Sleep(200 * time.Millisecond)
-	stop() // mid-stream, perhaps
+	// Stop it once it has published something: mid-stream, perhaps, but
+	// never before it connected (a stop during start-up exits 1).
+	for deadline := time.Now().Add(30 * time.Second); ; time.Sleep(10 * time.Millisecond) {
+		pending, _, err := ob.Backlog(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if pending < n {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("the relay published nothing within 30s")
+		}
+	}
+	stop()
 	stop = startRelay()
 	defer stop()
 
