@@ -245,13 +245,15 @@ func TestDedupPanicReleasesAndRecoverConverts(t *testing.T) {
 // else gets in. No time is asserted, only that Extend was called and that no
 // second owner got the key.
 func TestDedupHeartbeatExtends(t *testing.T) {
-	store := newStore(t, memstore.Options{Lease: 300 * time.Millisecond})
+	// A lease of a second against beats every 20ms: a pause of most of a
+	// second (not of 280ms, under -race on a loaded machine) would lose it.
+	store := newStore(t, memstore.Options{Lease: time.Second})
 	cs := &countingStore{LeaseStore: store}
 	key := dedup.NewKey("s", "slow", []byte("p"))
 	handlerDone := make(chan struct{})
 	h := consumer.Chain(consumer.HandlerFunc(func(ctx context.Context, m *consumer.Message) error {
 		defer close(handlerDone)
-		time.Sleep(700 * time.Millisecond) // more than two leases
+		time.Sleep(2200 * time.Millisecond) // more than two leases
 		return ctx.Err()
 	}), mustDedup(t, cs, consumer.DedupOptions{Scope: "s", ExtendEvery: 20 * time.Millisecond}))
 

@@ -434,9 +434,12 @@ func TestConsumerCloseAllConnections(t *testing.T) {
 		t.Fatal(err)
 	}
 	stop := consStart(t, c)
-	for _, at := range []int{2000, 6000} {
+	for i, at := range []int{2000, 6000} {
 		consWaitFor(t, 120*time.Second, "progress", func() bool { _, d := o.counts(t); return d >= at })
 		ctl("close_all_connections", "--vhost", vh, "idem test: connection kill mid-run")
+		// The consumer reconnects even if the run finished while
+		// rabbitmqctl started (a close on an idle connection).
+		consWaitFor(t, 60*time.Second, "a reconnect", func() bool { return c.Stats().Connects >= int64(i+2) })
 	}
 	consWaitFor(t, 150*time.Second, "every message applied", func() bool { _, d := o.counts(t); return d >= n })
 	consWaitFor(t, 30*time.Second, "the queue to drain", func() bool { return consDepth(t, url, q) == 0 })

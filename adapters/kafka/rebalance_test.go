@@ -109,12 +109,20 @@ func TestRebalance(t *testing.T) {
 		t.Logf("%s at %d effects", what, total.Load())
 	}
 
+	// handles waits until member i got partitions and handled a record:
+	// the next join or leave then rebalances a group it is part of.
+	handles := func(i int) {
+		t.Helper()
+		eventually(t, 60*time.Second, fmt.Sprintf("member %d to handle a record", i), func() bool { return perMember[i].Load() > 0 })
+	}
 	_, r1 := member(0)
 	progress(300, "second member joins")
 	_, r2 := member(1)
 	progress(900, "third member joins")
+	handles(1)
 	_, r3 := member(2)
 	progress(1500, "first member leaves")
+	handles(2)
 	r1.stop(t)
 	progress(2100, "second member leaves")
 	r2.stop(t)

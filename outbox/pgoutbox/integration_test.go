@@ -418,7 +418,12 @@ func TestPostgresSessionsTerminatedMidBatch(t *testing.T) {
 				mineMu.Lock()
 				pid := mine[len(mine)-1]
 				mineMu.Unlock()
-				terminate(pid)
+				mu.Lock()
+				gone := dead[pid]
+				mu.Unlock()
+				if !gone {
+					terminate(pid)
+				}
 			}
 		})
 		start(t, r)
@@ -433,14 +438,20 @@ func TestPostgresSessionsTerminatedMidBatch(t *testing.T) {
 				return
 			case <-time.After(150 * time.Millisecond):
 			}
+			// A live session: a terminated backend's pid may be reused
+			// by another test's backend.
 			mu.Lock()
-			if len(pids) == 0 { // no session connected yet: nothing to kill this round
-				mu.Unlock()
+			var live []uint32
+			for _, p := range pids {
+				if !dead[p] {
+					live = append(live, p)
+				}
+			}
+			mu.Unlock()
+			if len(live) == 0 { // no session connected yet: nothing to kill this round
 				continue
 			}
-			pid := pids[rand.IntN(len(pids))]
-			mu.Unlock()
-			terminate(pid)
+			terminate(live[rand.IntN(len(live))])
 		}
 	}()
 	const total = 3000
