@@ -346,8 +346,9 @@ func inFlight(err error) bool {
 }
 
 // clientLeft reports whether a claim retried during a wait failed because
-// the request's context ended (the client went away) while it ran. Such a
-// wait counts as cancelled, as if the client had left during the pause.
+// the request's context ended (the client went away, or a deadline set
+// around the middleware passed) while it ran. Such a wait counts as
+// cancelled, as if the context had ended during the pause.
 func clientLeft(ctx context.Context, err error) bool {
 	if err == nil || ctx.Err() == nil {
 		return false
@@ -431,9 +432,9 @@ func (m *Middleware) serveLease(w http.ResponseWriter, r *http.Request, next htt
 		l, nerr := m.claim(cctx, key)
 		waited = time.Since(start)
 		if clientLeft(ctx, nerr) {
-			// The client went away during this claim rather than during
-			// the pause: the wait was cancelled, and the last answer
-			// (in flight) stands.
+			// The request's context ended during this claim rather than
+			// during the pause: the wait was cancelled, and the last
+			// answer (in flight) stands.
 			rq.wait = waitCancelled
 			break
 		}
