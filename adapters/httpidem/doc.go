@@ -107,7 +107,8 @@
 //	idem.lease.wait.duration        Options.Wait's waits, by idem.wait.outcome:
 //	                                replayed, acquired (the first released the
 //	                                key), timed_out (409), cancelled (the client
-//	                                left), error
+//	                                left, or the request's deadline passed),
+//	                                error
 //	idem.messages (idem.result)     ack: the answer is stored (processed,
 //	                                replayed; a lease store's stored 500)
 //	                                retry: nothing is stored, the same request

@@ -31,7 +31,7 @@ const (
 	waitReplayed  = "replayed"  // the first request finished: its response was replayed
 	waitAcquired  = "acquired"  // the first request released the key: this one ran the handler
 	waitTimedOut  = "timed_out" // Options.Wait ran out: 409
-	waitCancelled = "cancelled" // the client went away
+	waitCancelled = "cancelled" // the client went away or the request's deadline passed
 	waitError     = "error"     // the store failed, or anything else
 )
 
