@@ -324,11 +324,7 @@ func TestConsumerAckShutdownFlush(t *testing.T) {
 	if st := c.Stats(); st.Acked != 0 {
 		t.Fatalf("Acked = %d before the stop; the acks should wait (linger of an hour)", st.Acked)
 	}
-	stopped := make(chan struct{})
-	go func() { stop(); close(stopped) }()
-	workersStopped(stopped)
-	close(release)
-	<-stopped
+	consStopThenRelease(stop, workersStopped, release)
 	st := c.Stats()
 	t.Logf("stats %+v", st)
 	if st.Acked != quick+2 || st.Requeued != n-quick-2 || st.Abandoned != 0 || st.Delivered != quick+2 {

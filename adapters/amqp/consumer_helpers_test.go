@@ -259,6 +259,18 @@ func consWorkersStopped(t testing.TB, c *Consumer) (wait func(stopped <-chan str
 	}
 }
 
+// consStopThenRelease stops a consumer whose handlers are blocked on
+// release: once the stop has stopped the workers (waitWorkers, from
+// consWorkersStopped), it releases the handlers and waits for Run to
+// return.
+func consStopThenRelease(stop func(), waitWorkers func(stopped <-chan struct{}), release chan struct{}) {
+	stopped := make(chan struct{})
+	go func() { stop(); close(stopped) }()
+	waitWorkers(stopped)
+	close(release)
+	<-stopped
+}
+
 // consStart runs c until the returned stop is called (or the test ends)
 // and waits for it to consume.
 func consStart(t testing.TB, c *Consumer) (stop func()) {

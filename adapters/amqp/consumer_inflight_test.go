@@ -189,11 +189,7 @@ func TestConsumerInFlightGracefulStop(t *testing.T) {
 		return started.Load() == 2 && cs.held.Load() == 8
 	})
 	stopping.Store(1)
-	stopped := make(chan struct{})
-	go func() { stop(); close(stopped) }()
-	workersStopped(stopped)
-	close(release)
-	<-stopped
+	consStopThenRelease(stop, workersStopped, release)
 	st := c.Stats()
 	t.Logf("stats %+v", st)
 	if started.Load() != 2 || st.Acked != 2 || st.Requeued != n-2 || st.Abandoned != 0 {
