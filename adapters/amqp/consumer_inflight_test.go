@@ -58,6 +58,23 @@ func (p *peakCounter) max() int {
 	return p.peak
 }
 
+// slowDedup is consumer.Dedup in scope over a slowStore whose calls take
+// 20ms, on a memstore closed with the test.
+func slowDedup(t *testing.T, scope string) (*slowStore, consumer.Middleware) {
+	t.Helper()
+	mem, err := memstore.New(memstore.Options{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = mem.Close() })
+	store := &slowStore{LeaseStore: mem, delay: 20 * time.Millisecond}
+	dd, err := consumer.Dedup(store, consumer.DedupOptions{Scope: scope})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return store, dd
+}
+
 // slowStore is a real memstore whose claims and completes take a while, as
 // a store a round trip away does.
 type slowStore struct {
@@ -104,16 +121,7 @@ func TestConsumerInFlightBoundsHandlersNotStoreCalls(t *testing.T) {
 	url := testenv.AMQPURL()
 	q := consQueue(t, url, consTestDelays)
 	o := consNewOracle(t, 4)
-	mem, err := memstore.New(memstore.Options{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { _ = mem.Close() })
-	store := &slowStore{LeaseStore: mem, delay: 20 * time.Millisecond}
-	dd, err := consumer.Dedup(store, consumer.DedupOptions{Scope: "inflight"})
-	if err != nil {
-		t.Fatal(err)
-	}
+	store, dd := slowDedup(t, "inflight")
 	var handlers peakCounter
 	var handled atomic.Int64
 	h := consumer.Chain(o.handler(t, func(context.Context, *consumer.Message) error {
@@ -151,18 +159,9 @@ func TestConsumerInFlightBoundsHandlersNotStoreCalls(t *testing.T) {
 func TestConsumerInFlightGracefulStop(t *testing.T) {
 	url := testenv.AMQPURL()
 	q := consQueue(t, url, consTestDelays)
-	mem, err := memstore.New(memstore.Options{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { _ = mem.Close() })
 	// Claims that take a while: while one runs, its seat is free for
 	// the next delivery to start its own, so all 8 claim.
-	cs := &slowStore{LeaseStore: mem, delay: 20 * time.Millisecond}
-	dd, err := consumer.Dedup(cs, consumer.DedupOptions{Scope: "stop"})
-	if err != nil {
-		t.Fatal(err)
-	}
+	cs, dd := slowDedup(t, "stop")
 	var started, stopping atomic.Int64
 	release := make(chan struct{})
 	h := consumer.Chain(consumer.HandlerFunc(func(ctx context.Context, _ *consumer.Message) error {
