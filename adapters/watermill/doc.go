@@ -115,10 +115,19 @@
 // Logs (Options.Logger, discarded by default) name keys by their hash,
 // dedup.Key.Hash, never by the raw id.
 //
-// # Repositories for the Deduplicator
+// # Moving from Watermill's Deduplicator
 //
-// RedisKeyRepository and PostgresKeyRepository implement Watermill's
-// middleware.ExpiringKeyRepository, for users who keep the Deduplicator but
-// run more than one instance. They share the Deduplicator's mark-before
-// limitation; RedisKeyRepository's documentation says how to move to Dedup.
+// The swap is one line: where the router had
+//
+//	router.AddMiddleware(retry.Middleware, (&middleware.Deduplicator{...}).Middleware)
+//
+// it takes
+//
+//	router.AddMiddleware(retry.Middleware, mw) // mw, _ := watermill.Dedup(store, watermill.Options{})
+//
+// with store a lease store (redisnx.New on the same Redis, shared by every
+// instance). Dedup keys on msg.UUID, scopes keys per handler, completes the
+// key only when the handler succeeded and releases it when the handler
+// failed, so Watermill's Retry runs the handler again instead of dropping
+// the message.
 package watermill

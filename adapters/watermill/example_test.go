@@ -12,7 +12,6 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message/router/middleware"
 	"github.com/ThreeDotsLabs/watermill/pubsub/gochannel"
 	"github.com/jackc/pgx/v5/pgxpool"
-	"github.com/redis/go-redis/v9"
 
 	idemwm "github.com/idemkit/idem/adapters/watermill"
 	"github.com/idemkit/idem/consumer"
@@ -220,29 +219,4 @@ func ExampleTransactional() {
 	}
 	go func() { _ = relay.Run(ctx) }()
 	_ = router.Run(ctx)
-}
-
-// Keeping Watermill's Deduplicator, with its marks in Redis so that every
-// instance shares them. The Deduplicator still marks before the handler runs:
-// a failed attempt's retry is dropped (see RedisKeyRepository). Set Timeout:
-// its zero value is 5ms.
-func ExampleNewRedisKeyRepository() {
-	client := redis.NewClient(&redis.Options{Addr: "127.0.0.1:6379"})
-	defer client.Close()
-	repo, err := idemwm.NewRedisKeyRepository(client, idemwm.RedisKeyRepositoryOptions{Window: time.Hour})
-	if err != nil {
-		fmt.Println(err)
-		return
-	}
-	dedup := &middleware.Deduplicator{
-		KeyFactory: func(m *message.Message) (string, error) { return m.UUID, nil },
-		Repository: repo,
-		Timeout:    time.Second,
-	}
-	router, err := message.NewRouter(message.RouterConfig{}, wm.NopLogger{})
-	if err != nil {
-		fmt.Println(err)
-		return
-	}
-	router.AddMiddleware(dedup.Middleware)
 }

@@ -328,14 +328,6 @@ func TestOptionsValidation(t *testing.T) {
 			return err
 		}, "need Options.Outbox"},
 		{"nil publisher", func() error { _, err := idemwm.NewPublisher(nil); return err }, "pub is nil"},
-		{"nil redis", func() error {
-			_, err := idemwm.NewRedisKeyRepository(nil, idemwm.RedisKeyRepositoryOptions{})
-			return err
-		}, "client is nil"},
-		{"nil postgres", func() error {
-			_, err := idemwm.NewPostgresKeyRepository(nil, idemwm.PostgresKeyRepositoryOptions{})
-			return err
-		}, "db is nil"},
 	}
 	for _, c := range cases {
 		if err := c.err(); err == nil || !strings.Contains(err.Error(), c.hint) {
