@@ -55,12 +55,12 @@ test-go: up
 	@# only build without it (//go:build !race).
 	$(GO) test -count=1 -run 'Allocations$$' $(PKGS)
 
-# The reliability matrix (internal/chaos): built once, so the cells can
+# The reliability matrix (test/chaos): built once, so the cells can
 # re-execute the binary as the consumers they SIGKILL.
 CHAOS_SCALE ?= full
 chaos: up
 	@bin=$$(mktemp -d)/chaos; trap 'rm -rf "$$(dirname $$bin)"' EXIT; \
-	$(GO) build -o $$bin ./internal/chaos/cmd/chaos && \
+	$(GO) build -o $$bin ./test/chaos/cmd/chaos && \
 	CHAOS_SCALE=$(CHAOS_SCALE) $$bin
 
 # All three checks run; lint fails at the end if any of them failed.

@@ -15,7 +15,7 @@ import (
 	"github.com/idemkit/idem/dedup"
 	"github.com/idemkit/idem/dedup/memstore"
 	"github.com/idemkit/idem/internal/telemetry"
-	"github.com/idemkit/idem/internal/telemetry/telemetrytest"
+	"github.com/idemkit/idem/internal/testkit/telemetrytest"
 )
 
 // Every claim outcome and every way a handler ends lands on its own

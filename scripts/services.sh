@@ -19,7 +19,7 @@
 #   4. else it says which service is missing and what to do, and exits 1.
 # With PostgreSQL up, the test database is created if it is missing.
 #
-# Addresses, the same variables the tests read (internal/testenv):
+# Addresses, the same variables the tests read (internal/testkit/testenv):
 #   IDEM_TEST_POSTGRES_URL   postgres://postgres@127.0.0.1:5432/test?sslmode=disable
 #   IDEM_TEST_REDIS_ADDR     127.0.0.1:6379
 #   IDEM_TEST_AMQP_URL       amqp://guest:guest@127.0.0.1:5672/

@@ -18,7 +18,7 @@ import (
 
 	"github.com/idemkit/idem/adapters/httpidem"
 	"github.com/idemkit/idem/dedup/pgtable"
-	"github.com/idemkit/idem/internal/testenv"
+	"github.com/idemkit/idem/internal/testkit/testenv"
 )
 
 // pgWorld is a transactional middleware on a fresh schema.

@@ -20,8 +20,8 @@ import (
 	"github.com/idemkit/idem/dedup"
 	"github.com/idemkit/idem/dedup/memstore"
 	"github.com/idemkit/idem/internal/telemetry"
-	"github.com/idemkit/idem/internal/telemetry/telemetrytest"
-	"github.com/idemkit/idem/internal/testenv"
+	"github.com/idemkit/idem/internal/testkit/telemetrytest"
+	"github.com/idemkit/idem/internal/testkit/testenv"
 )
 
 // principal is the tenant of the telemetry tests' requests: part of every

@@ -13,7 +13,7 @@ import (
 	"github.com/idemkit/idem/adapters/httpidem"
 	"github.com/idemkit/idem/dedup"
 	"github.com/idemkit/idem/dedup/memstore"
-	"github.com/idemkit/idem/internal/testenv"
+	"github.com/idemkit/idem/internal/testkit/testenv"
 )
 
 var (

@@ -12,7 +12,7 @@ import (
 
 	kafkago "github.com/segmentio/kafka-go"
 
-	"github.com/idemkit/idem/internal/kafkatest"
+	"github.com/idemkit/idem/internal/testkit/kafkatest"
 	"github.com/idemkit/idem/outbox"
 )
 

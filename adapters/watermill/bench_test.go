@@ -15,7 +15,7 @@ import (
 
 	idemwm "github.com/idemkit/idem/adapters/watermill"
 	"github.com/idemkit/idem/dedup/redisnx"
-	"github.com/idemkit/idem/internal/testenv"
+	"github.com/idemkit/idem/internal/testkit/testenv"
 )
 
 // benchLanes is the number of handlers (one topic each) the messages are

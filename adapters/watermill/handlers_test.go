@@ -9,7 +9,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message/router/middleware"
 
 	idemwm "github.com/idemkit/idem/adapters/watermill"
-	"github.com/idemkit/idem/internal/testenv"
+	"github.com/idemkit/idem/internal/testkit/testenv"
 )
 
 // twoHandlers runs the handlers "audit" and "charge" on one topic behind mw

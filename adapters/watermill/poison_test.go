@@ -14,7 +14,7 @@ import (
 	idemwm "github.com/idemkit/idem/adapters/watermill"
 	"github.com/idemkit/idem/consumer"
 	"github.com/idemkit/idem/dedup"
-	"github.com/idemkit/idem/internal/testenv"
+	"github.com/idemkit/idem/internal/testkit/testenv"
 )
 
 // TestPoisonQueueOption: with Options.PoisonQueue, a forged message (a known

@@ -10,7 +10,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message/router/middleware"
 
 	idemwm "github.com/idemkit/idem/adapters/watermill"
-	"github.com/idemkit/idem/internal/testenv"
+	"github.com/idemkit/idem/internal/testkit/testenv"
 )
 
 // How a failed attempt comes back: the broker redelivers the nacked message

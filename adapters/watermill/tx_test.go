@@ -19,7 +19,7 @@ import (
 
 	idemwm "github.com/idemkit/idem/adapters/watermill"
 	"github.com/idemkit/idem/dedup"
-	"github.com/idemkit/idem/internal/testenv"
+	"github.com/idemkit/idem/internal/testkit/testenv"
 	"github.com/idemkit/idem/outbox"
 	"github.com/idemkit/idem/outbox/pgoutbox"
 )

@@ -6,7 +6,7 @@ import (
 	"sync"
 	"testing"
 
-	"github.com/idemkit/idem/internal/testenv"
+	"github.com/idemkit/idem/internal/testkit/testenv"
 )
 
 func TestMigrate(t *testing.T) {

@@ -6,7 +6,7 @@ import (
 	"os"
 	"testing"
 
-	"github.com/idemkit/idem/internal/testenv"
+	"github.com/idemkit/idem/internal/testkit/testenv"
 )
 
 func TestWorker(t *testing.T) {

@@ -5,7 +5,7 @@ import (
 	"net/url"
 	"testing"
 
-	"github.com/idemkit/idem/internal/testenv"
+	"github.com/idemkit/idem/internal/testkit/testenv"
 )
 
 // TestExample runs the program as the README shows it, on its own schema and

@@ -4,7 +4,7 @@ import (
 	"context"
 	"testing"
 
-	"github.com/idemkit/idem/internal/testenv"
+	"github.com/idemkit/idem/internal/testkit/testenv"
 )
 
 func TestQuickstartInMemory(t *testing.T) {

@@ -1,5 +1,5 @@
 // Package childproc runs the child processes that idem's crash runs
-// SIGKILL: the chaos matrix's consumers and relays (internal/chaos) and the
+// SIGKILL: the chaos matrix's consumers and relays (test/chaos) and the
 // demo's consumer (cmd/idem). It starts a command with pipes, hands each
 // line the child writes to stdout to a callback, keeps the end of its
 // stderr for error messages, reaps it, and tells a SIGKILL from any other
@@ -34,7 +34,7 @@ type Proc struct {
 // gets SIGKILL when the parent dies, so no child outlives a runner or demo
 // that was itself killed.
 func Start(cmd *exec.Cmd, stderrMax int, line func(string)) (*Proc, error) {
-	setDeathSignal(cmd)
+	SetDeathSignal(cmd, syscall.SIGKILL)
 	p := &Proc{Cmd: cmd, stderr: &tail{max: stderrMax}, exited: make(chan struct{})}
 	cmd.Stderr = p.stderr
 	out, err := cmd.StdoutPipe()

@@ -2,7 +2,10 @@
 
 package childproc
 
-import "os/exec"
+import (
+	"os/exec"
+	"syscall"
+)
 
-// setDeathSignal does nothing where there is no parent-death signal.
-func setDeathSignal(*exec.Cmd) {}
+// SetDeathSignal does nothing where there is no parent-death signal.
+func SetDeathSignal(*exec.Cmd, syscall.Signal) {}

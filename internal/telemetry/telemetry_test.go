@@ -11,7 +11,7 @@ import (
 	"go.opentelemetry.io/otel/trace/noop"
 
 	"github.com/idemkit/idem/internal/telemetry"
-	"github.com/idemkit/idem/internal/telemetry/telemetrytest"
+	"github.com/idemkit/idem/internal/testkit/telemetrytest"
 )
 
 // README's "Operating idem" section lists every metric idem declares.

@@ -11,7 +11,7 @@ import (
 	"github.com/jackc/pgx/v5"
 	kafkago "github.com/segmentio/kafka-go"
 
-	"github.com/idemkit/idem/internal/testenv"
+	"github.com/idemkit/idem/internal/testkit/testenv"
 	"github.com/idemkit/idem/outbox"
 	"github.com/idemkit/idem/outbox/pgoutbox"
 )

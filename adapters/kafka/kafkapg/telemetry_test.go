@@ -12,8 +12,8 @@ import (
 	"github.com/idemkit/idem/consumer"
 	"github.com/idemkit/idem/dedup/pgtable"
 	"github.com/idemkit/idem/internal/telemetry"
-	"github.com/idemkit/idem/internal/telemetry/telemetrytest"
-	"github.com/idemkit/idem/internal/testenv"
+	"github.com/idemkit/idem/internal/testkit/telemetrytest"
+	"github.com/idemkit/idem/internal/testkit/testenv"
 )
 
 // Batch counts each message's claim by outcome and each handler run by how

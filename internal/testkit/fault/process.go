@@ -11,6 +11,8 @@ import (
 	"strings"
 	"syscall"
 	"time"
+
+	"github.com/idemkit/idem/internal/childproc"
 )
 
 // Pause stops p with SIGSTOP: it keeps its sockets and memory but runs no
@@ -28,19 +30,6 @@ func Resume(p *os.Process) error {
 		return fmt.Errorf("fault: SIGCONT %d: %w", p.Pid, err)
 	}
 	return nil
-}
-
-// DieWithParent makes cmd's process get SIGKILL when the calling process
-// dies, where the system has a parent-death signal (Linux; elsewhere it does
-// nothing). A child that is killed with its parent cannot be left behind
-// stopped by Pause. (The kernel ties the signal to the OS thread that
-// starts the process; Go keeps its threads unless a goroutine exits while
-// locked to one.)
-func DieWithParent(cmd *exec.Cmd) {
-	if cmd.SysProcAttr == nil {
-		cmd.SysProcAttr = &syscall.SysProcAttr{}
-	}
-	setDeathSignal(cmd.SysProcAttr, syscall.SIGKILL)
 }
 
 // owned is a child process whose exit is waited for by a goroutine of its
@@ -61,7 +50,7 @@ func startOwned(cmd *exec.Cmd, deathSig syscall.Signal) (*owned, error) {
 		cmd.SysProcAttr = &syscall.SysProcAttr{}
 	}
 	cmd.SysProcAttr.Setpgid = true
-	setDeathSignal(cmd.SysProcAttr, deathSig)
+	childproc.SetDeathSignal(cmd, deathSig)
 	o := &owned{cmd: cmd, done: make(chan struct{})}
 	started := make(chan error, 1)
 	go func() {

@@ -19,7 +19,7 @@
 // binary itself with IDEM_CHAOS_CHILD set to the name of a function
 // registered with RegisterChild; main calls ChildMain first thing.
 //
-// The command lives in internal/chaos/cmd/chaos and is run by `make chaos`
+// The command lives in test/chaos/cmd/chaos and is run by `make chaos`
 // (CHAOS_SCALE=small for the quick run inside the test command).
 package chaos
 

@@ -2,7 +2,7 @@
 
 package chaos
 
-// pg/ cells: a throwaway PostgreSQL (internal/fault) crashed with
+// pg/ cells: a throwaway PostgreSQL (internal/testkit/fault) crashed with
 // `pg_ctl stop -m immediate` and restarted (crash recovery replays the WAL;
 // fsync is on), or whose sessions are killed with pg_terminate_backend,
 // while a workload runs on it.
@@ -32,7 +32,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/idemkit/idem/consumer"
-	"github.com/idemkit/idem/internal/fault"
+	"github.com/idemkit/idem/internal/testkit/fault"
 	"github.com/idemkit/idem/outbox"
 	"github.com/idemkit/idem/outbox/pgoutbox"
 )

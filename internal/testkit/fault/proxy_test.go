@@ -9,7 +9,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/idemkit/idem/internal/fault"
+	"github.com/idemkit/idem/internal/testkit/fault"
 )
 
 // echoServer answers every chunk it reads with the same bytes and keeps a

@@ -1,5 +1,5 @@
 // Package fault holds the server-side fault injectors of idem's reliability
-// matrix (internal/chaos) and of tests that need a server to misbehave:
+// matrix (test/chaos) and of tests that need a server to misbehave:
 //
 //   - Postgres: a throwaway PostgreSQL cluster (initdb in a temporary
 //     directory, fsync on) on a free port, that can be crashed with

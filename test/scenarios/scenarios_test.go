@@ -22,8 +22,8 @@ import (
 	"github.com/idemkit/idem/dedup/redisnx"
 	"github.com/idemkit/idem/dedup/twolevel"
 	"github.com/idemkit/idem/internal/telemetry"
-	"github.com/idemkit/idem/internal/telemetry/telemetrytest"
-	"github.com/idemkit/idem/internal/testenv"
+	"github.com/idemkit/idem/internal/testkit/telemetrytest"
+	"github.com/idemkit/idem/internal/testkit/testenv"
 )
 
 func TestMain(m *testing.M) { goleak.VerifyTestMain(m, testenv.LeakOptions()...) }

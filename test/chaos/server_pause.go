@@ -3,7 +3,7 @@
 package chaos
 
 // pause/ cells: a consumer process frozen with SIGSTOP past its lease, then
-// resumed (internal/fault.Pause and Resume). A child process (this binary,
+// resumed (internal/testkit/fault.Pause and Resume). A child process (this binary,
 // RegisterChild "server-pause-worker") consumes messages with consumer.Dedup
 // on a lease store; the parent hands it messages, and a delivery it does not
 // answer within srvPauseTimeout goes to a local consumer in the parent, like
@@ -39,6 +39,7 @@ import (
 	"strings"
 	"sync"
 	"sync/atomic"
+	"syscall"
 	"time"
 
 	"github.com/jackc/pgx/v5/pgxpool"
@@ -48,7 +49,8 @@ import (
 	"github.com/idemkit/idem/dedup"
 	"github.com/idemkit/idem/dedup/pgtable"
 	"github.com/idemkit/idem/dedup/redisnx"
-	"github.com/idemkit/idem/internal/fault"
+	"github.com/idemkit/idem/internal/childproc"
+	"github.com/idemkit/idem/internal/testkit/fault"
 )
 
 const (
@@ -383,7 +385,7 @@ func srvPause(ctx context.Context, env *Env, name, kind string) (res Result, err
 	}
 	cmd := exec.Command(env.Exe)
 	cmd.Env = append(os.Environ(), ChildEnv+"="+srvPauseChildName, srvPauseEnv+"="+string(js))
-	fault.DieWithParent(cmd) // never left behind stopped
+	childproc.SetDeathSignal(cmd, syscall.SIGKILL) // never left behind stopped
 	var stderr bytes.Buffer
 	cmd.Stderr = &stderr
 	stdin, err := cmd.StdinPipe()

@@ -15,7 +15,7 @@ import (
 )
 
 // rabbitCtl runs the broker's CLI, rabbitmqctl, which works only on the
-// broker's own machine (like internal/testenv.Rabbitmqctl, without a
+// broker's own machine (like internal/testkit/testenv.Rabbitmqctl, without a
 // testing.TB).
 type rabbitCtl struct {
 	bin string

@@ -15,8 +15,8 @@ import (
 
 	"github.com/jackc/pgx/v5"
 
-	"github.com/idemkit/idem/internal/fault"
-	"github.com/idemkit/idem/internal/testenv"
+	"github.com/idemkit/idem/internal/testkit/fault"
+	"github.com/idemkit/idem/internal/testkit/testenv"
 )
 
 func startPostgres(t *testing.T) *fault.Postgres {

@@ -16,9 +16,9 @@ import (
 	"github.com/idemkit/idem/adapters/kafka"
 	"github.com/idemkit/idem/consumer"
 	"github.com/idemkit/idem/dedup/memstore"
-	"github.com/idemkit/idem/internal/kafkatest"
-	"github.com/idemkit/idem/internal/telemetry/telemetrytest"
-	"github.com/idemkit/idem/internal/testenv"
+	"github.com/idemkit/idem/internal/testkit/kafkatest"
+	"github.com/idemkit/idem/internal/testkit/telemetrytest"
+	"github.com/idemkit/idem/internal/testkit/testenv"
 	"github.com/idemkit/idem/outbox"
 	"github.com/idemkit/idem/outbox/pgoutbox"
 )

@@ -1,5 +1,5 @@
 // Command chaos runs idem's reliability matrix (see package
-// internal/chaos). `make chaos` builds and runs it; CHAOS_SCALE=small makes
+// test/chaos). `make chaos` builds and runs it; CHAOS_SCALE=small makes
 // the quick run that the test command includes.
 //
 //	chaos [-scale small|full] [-seed N] [-only REGEXP] [-v]
@@ -15,8 +15,8 @@ import (
 	"syscall"
 	"time"
 
-	"github.com/idemkit/idem/internal/chaos"
-	"github.com/idemkit/idem/internal/testenv"
+	"github.com/idemkit/idem/internal/testkit/testenv"
+	"github.com/idemkit/idem/test/chaos"
 )
 
 func main() {

@@ -2,7 +2,7 @@
 
 package chaos
 
-// proxy/ cells: a TCP proxy (internal/fault) between a client and its
+// proxy/ cells: a TCP proxy (internal/testkit/fault) between a client and its
 // server that, in short bursts, delays every chunk, resets the connections,
 // or cuts a connection after the request reached the server and before the
 // reply reaches the client (the ambiguous acknowledgement).
@@ -46,7 +46,7 @@ import (
 	"github.com/idemkit/idem/consumer"
 	"github.com/idemkit/idem/dedup/pgtable"
 	"github.com/idemkit/idem/dedup/redisnx"
-	"github.com/idemkit/idem/internal/fault"
+	"github.com/idemkit/idem/internal/testkit/fault"
 	"github.com/idemkit/idem/outbox/pgoutbox"
 )
 

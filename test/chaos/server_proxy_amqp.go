@@ -26,7 +26,7 @@ import (
 
 	"github.com/idemkit/idem/adapters/amqp"
 	"github.com/idemkit/idem/consumer"
-	"github.com/idemkit/idem/internal/fault"
+	"github.com/idemkit/idem/internal/testkit/fault"
 	"github.com/idemkit/idem/outbox/pgoutbox"
 )
 

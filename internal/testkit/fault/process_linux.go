@@ -4,12 +4,7 @@ import (
 	"fmt"
 	"os"
 	"strings"
-	"syscall"
 )
-
-// setDeathSignal asks the kernel to send sig to the child when the thread
-// that started it dies.
-func setDeathSignal(attr *syscall.SysProcAttr, sig syscall.Signal) { attr.Pdeathsig = sig }
 
 // State returns the scheduler state of process pid from /proc (Linux): 'R'
 // running, 'S' sleeping, 'T' stopped, 'Z' zombie, ...

@@ -2,7 +2,7 @@
 
 package chaos
 
-// redis/ cells: a throwaway redis-server without persistence (internal/fault)
+// redis/ cells: a throwaway redis-server without persistence (internal/testkit/fault)
 // SIGKILLed and restarted empty, and CLIENT KILL of its connections, while
 // consumers dedup on it. The broker delivers some acknowledged messages again
 // up to 2s later, across the restarts.
@@ -32,7 +32,7 @@ import (
 	"github.com/idemkit/idem/consumer"
 	"github.com/idemkit/idem/dedup/redisnx"
 	"github.com/idemkit/idem/dedup/twolevel"
-	"github.com/idemkit/idem/internal/fault"
+	"github.com/idemkit/idem/internal/testkit/fault"
 )
 
 func init() {
