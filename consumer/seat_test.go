@@ -13,6 +13,7 @@ import (
 	"github.com/idemkit/idem/dedup"
 	"github.com/idemkit/idem/dedup/memstore"
 	"github.com/idemkit/idem/internal/seat"
+	"github.com/idemkit/idem/internal/testkit/testenv"
 )
 
 // hookStore runs a hook before each Claim and Complete it passes on.
@@ -42,18 +43,6 @@ func takeWithin(t *testing.T, g *seat.Gate, s *seat.Seat, what string) {
 	defer cancel()
 	if err := g.Take(ctx, s); err != nil {
 		t.Fatalf("%s: the only seat was not free: %v", what, err)
-	}
-}
-
-// waitFor polls cond for up to five seconds.
-func waitFor(t *testing.T, what string, cond func() bool) {
-	t.Helper()
-	deadline := time.Now().Add(5 * time.Second)
-	for !cond() {
-		if time.Now().After(deadline) {
-			t.Fatalf("no %s after 5s", what)
-		}
-		time.Sleep(time.Millisecond)
 	}
 }
 
@@ -146,7 +135,7 @@ func waitForSeat(ctx context.Context, t *testing.T, store dedup.LeaseStore, opts
 	takeWithin(t, g, &w.other, "during the claim")
 	t.Cleanup(w.other.Leave)
 	close(claimGo)
-	waitFor(t, "the claim", func() bool { return w.cs.claims.Load() > 0 })
+	testenv.Eventually(t, 5*time.Second, "the claim", func() bool { return w.cs.claims.Load() > 0 })
 	return w
 }
 
@@ -161,7 +150,7 @@ func TestDedupSeatWaitKeepsTheLease(t *testing.T) {
 		store := newStore(t, memstore.Options{Lease: time.Second, Clock: clock})
 		w := waitForSeat(t.Context(), t, store, consumer.DedupOptions{Scope: "s", ExtendEvery: 2 * time.Millisecond})
 		// Let a few beats pass: the lease must be kept while waiting.
-		waitFor(t, "three heartbeats while waiting for the seat", func() bool { return w.cs.extends.Load() >= 3 })
+		testenv.Eventually(t, 5*time.Second, "three heartbeats while waiting for the seat", func() bool { return w.cs.extends.Load() >= 3 })
 		clock.Advance(2 * time.Second)
 		second, err := store.Claim(t.Context(), dedup.NewKey("s", "m1", []byte("p")))
 		if err != nil {

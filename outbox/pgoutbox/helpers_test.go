@@ -123,19 +123,6 @@ func (rr *running) stop(t testing.TB) {
 	}
 }
 
-// eventually polls cond until it holds; the timeout only keeps a broken test
-// from hanging.
-func eventually(t testing.TB, timeout time.Duration, what string, cond func() bool) {
-	t.Helper()
-	deadline := time.Now().Add(timeout)
-	for !cond() {
-		if time.Now().After(deadline) {
-			t.Fatalf("gave up after %v waiting for %s", timeout, what)
-		}
-		time.Sleep(10 * time.Millisecond)
-	}
-}
-
 // memPublisher records what it publishes. fail, when set, fails single
 // messages; down, when set, fails whole batches.
 type memPublisher struct {

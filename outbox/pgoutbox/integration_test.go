@@ -127,12 +127,12 @@ func TestRelayKilledBetweenPublishAndMark(t *testing.T) {
 			t.Fatalf("row %s after the kill: %+v, want pending", id, ri)
 		}
 	}
-	eventually(t, 30*time.Second, "the first publish consumed", func() bool { return col.distinct() == len(ids) })
+	testenv.Eventually(t, 30*time.Second, "the first publish consumed", func() bool { return col.distinct() == len(ids) })
 
 	if err := childCommand(ctx, schema, rb.url, childDrainEnv+"=1").Run(); err != nil {
 		t.Fatalf("restarted relay child: %v", err)
 	}
-	eventually(t, 30*time.Second, "every message delivered twice", func() bool {
+	testenv.Eventually(t, 30*time.Second, "every message delivered twice", func() bool {
 		for _, id := range ids {
 			if col.count(id) < 2 {
 				return false
@@ -286,23 +286,23 @@ func TestThreeRelaysKeepPerKeyOrder(t *testing.T) {
 		defer close(produced)
 		ids = enqueueStream(t, pool, ob, rb.exchange, total, keys, 4, 10, 2*time.Millisecond)
 	}()
-	eventually(t, 60*time.Second, "a third delivered", func() bool { return col.distinct() >= total/3 })
+	testenv.Eventually(t, 60*time.Second, "a third delivered", func() bool { return col.distinct() >= total/3 })
 	runs[1].stop(t)
-	eventually(t, 60*time.Second, "half delivered", func() bool { return col.distinct() >= total/2 })
+	testenv.Eventually(t, 60*time.Second, "half delivered", func() bool { return col.distinct() >= total/2 })
 	// Relay 0 loses its session (and with it its shards) abruptly, most
 	// likely with a batch in flight.
 	if _, err := pool.Exec(context.Background(), "SELECT pg_terminate_backend($1)", int32(lastPID.Load())); err != nil {
 		t.Fatal(err)
 	}
-	eventually(t, 60*time.Second, "two thirds delivered", func() bool { return col.distinct() >= 2*total/3 })
+	testenv.Eventually(t, 60*time.Second, "two thirds delivered", func() bool { return col.distinct() >= 2*total/3 })
 	runs[1] = start(t, relays[1])
 	<-produced
 	if len(ids) != total {
 		t.Fatalf("enqueued %d, want %d", len(ids), total)
 	}
-	eventually(t, 120*time.Second, "every message delivered", func() bool { return col.distinct() == total })
+	testenv.Eventually(t, 120*time.Second, "every message delivered", func() bool { return col.distinct() == total })
 	// The last batches' rows are marked right after their confirms.
-	eventually(t, 30*time.Second, "every row marked published", func() bool { return countState(t, pool, ob, 1) == total })
+	testenv.Eventually(t, 30*time.Second, "every row marked published", func() bool { return countState(t, pool, ob, 1) == total })
 	distinct, dups, violations, examples := orderReport(t, pool, ob, col.snapshot())
 	t.Logf("3 relays, %d messages on %d keys: %d delivered, 0 lost, %d duplicates, %d order violations",
 		total, keys, distinct, dups, violations)
@@ -351,9 +351,9 @@ func TestShardsOwnedOnceAndHandedOver(t *testing.T) {
 		}
 		runs = append(runs, start(t, r))
 	}
-	eventually(t, 20*time.Second, "every shard owned once by 4 sessions", covered)
+	testenv.Eventually(t, 20*time.Second, "every shard owned once by 4 sessions", covered)
 	runs[0].stop(t)
-	eventually(t, 20*time.Second, "every shard owned once after a relay stopped", covered)
+	testenv.Eventually(t, 20*time.Second, "every shard owned once after a relay stopped", covered)
 
 	// A relay with another shard count makes the others give up their
 	// shards, and takes none itself, until it is gone.
@@ -362,9 +362,9 @@ func TestShardsOwnedOnceAndHandedOver(t *testing.T) {
 		t.Fatal(err)
 	}
 	rbad := start(t, bad)
-	eventually(t, 20*time.Second, "no shard owned while shard counts differ", func() bool { return len(owners()) == 0 })
+	testenv.Eventually(t, 20*time.Second, "no shard owned while shard counts differ", func() bool { return len(owners()) == 0 })
 	rbad.stop(t)
-	eventually(t, 20*time.Second, "shards owned again", covered)
+	testenv.Eventually(t, 20*time.Second, "shards owned again", covered)
 }
 
 // The relays' PostgreSQL sessions are terminated (pg_terminate_backend)
@@ -456,7 +456,7 @@ func TestPostgresSessionsTerminatedMidBatch(t *testing.T) {
 	}()
 	const total = 3000
 	ids := enqueueStream(t, pool, ob, "t", total, 50, 3, 10, 0)
-	eventually(t, 90*time.Second, "every message published", func() bool { return countState(t, pool, ob, 1) == total })
+	testenv.Eventually(t, 90*time.Second, "every message published", func() bool { return countState(t, pool, ob, 1) == total })
 	close(stopKiller)
 	<-killerDone
 	got := pub.publishedIDs()
@@ -485,7 +485,7 @@ func TestPostgresSessionsTerminatedMidBatch(t *testing.T) {
 	// Every terminated session was replaced: 2 relays × 2 sessions, plus
 	// one connect per session terminated (the killer has stopped; one
 	// killed by the last batches' hook may still be reconnecting).
-	eventually(t, 30*time.Second, "every terminated session to reconnect", func() bool {
+	testenv.Eventually(t, 30*time.Second, "every terminated session to reconnect", func() bool {
 		mu.Lock()
 		defer mu.Unlock()
 		return len(pids) >= 4+len(dead)
@@ -531,12 +531,12 @@ func TestRabbitMQConnectionsClosedMidStream(t *testing.T) {
 		}
 	}()
 	for _, at := range []int{total / 4, total / 2} {
-		eventually(t, 60*time.Second, fmt.Sprint(at, " delivered"), func() bool { return col.distinct() >= at })
+		testenv.Eventually(t, 60*time.Second, fmt.Sprint(at, " delivered"), func() bool { return col.distinct() >= at })
 		ctl("close_all_connections", "--vhost", strings.TrimPrefix(vurlPath(t, vurl), "/"), "idem test: connection kill mid-stream")
 	}
 	<-produced
-	eventually(t, 90*time.Second, "every message delivered", func() bool { return col.distinct() == total })
-	eventually(t, 30*time.Second, "every row marked published", func() bool { return countState(t, pool, ob, 1) == total })
+	testenv.Eventually(t, 90*time.Second, "every message delivered", func() bool { return col.distinct() == total })
+	testenv.Eventually(t, 30*time.Second, "every row marked published", func() bool { return countState(t, pool, ob, 1) == total })
 	// The consumer's connection is closed too, and its unacknowledged
 	// deliveries come back: the broker's redelivery may reorder them, so
 	// the order is reported, not asserted, here.

@@ -262,9 +262,9 @@ func TestRelayToKafka(t *testing.T) {
 		}
 		return n
 	}
-	eventually(t, 60*time.Second, "every row marked published", func() bool { return countState(t, pool, ob, 1) == total })
+	testenv.Eventually(t, 60*time.Second, "every row marked published", func() bool { return countState(t, pool, ob, 1) == total })
 	relayed := time.Since(began)
-	eventually(t, 60*time.Second, "every message applied downstream", func() bool { return applied() >= total })
+	testenv.Eventually(t, 60*time.Second, "every message applied downstream", func() bool { return applied() >= total })
 	consumed := time.Since(began)
 	relay.stop(t)
 	stopConsumer()

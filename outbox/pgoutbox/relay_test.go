@@ -143,7 +143,7 @@ func TestRolledBackNeverCommittedAlways(t *testing.T) {
 	}
 	// A rolled-back transaction that held a key's lock does not block the
 	// key, and its sequence numbers leave gaps the relay does not wait on.
-	eventually(t, 30*time.Second, "every committed message published and marked", func() bool {
+	testenv.Eventually(t, 30*time.Second, "every committed message published and marked", func() bool {
 		got := pub.publishedIDs()
 		for _, id := range committed {
 			if got[id] == 0 {
@@ -203,7 +203,7 @@ func TestSameKeyEnqueuesSerializeUntilCommit(t *testing.T) {
 	}()
 	// The second transaction waits on the key's advisory lock, held by the
 	// first.
-	eventually(t, 20*time.Second, "second Enqueue blocked on the key lock", func() bool {
+	testenv.Eventually(t, 20*time.Second, "second Enqueue blocked on the key lock", func() bool {
 		var n int
 		err := pool.QueryRow(ctx, `SELECT count(*) FROM pg_locks w JOIN pg_locks h
 			ON h.locktype = 'advisory' AND w.locktype = 'advisory' AND h.objid = w.objid AND h.classid = w.classid
@@ -256,7 +256,7 @@ func TestEnqueueIDsHeadersAndTrace(t *testing.T) {
 	if ids[1] != own {
 		t.Errorf("id of a message with its own ID = %s, want %s", ids[1], own)
 	}
-	eventually(t, 20*time.Second, "2 messages published", func() bool { return len(pub.published()) == 2 })
+	testenv.Eventually(t, 20*time.Second, "2 messages published", func() bool { return len(pub.published()) == 2 })
 	got := pub.published()
 	if got[0].ID != ids[0] || got[1].ID != ids[1] {
 		t.Fatalf("published %s, %s; want %v in order", got[0].ID, got[1].ID, ids)
@@ -331,7 +331,7 @@ func TestPoisonMessageEndsDeadWhileOthersFlow(t *testing.T) {
 	for i := range 200 {
 		others = append(others, enqueue(t, pool, ob, msg("t", keyOf(i, 20), fmt.Sprint(i)))...)
 	}
-	eventually(t, 30*time.Second, "the poison message dead and everything else published", func() bool {
+	testenv.Eventually(t, 30*time.Second, "the poison message dead and everything else published", func() bool {
 		return countState(t, pool, ob, 2) == 1 && countState(t, pool, ob, 0) == 0
 	})
 	rows := rowsByID(t, pool, ob)
@@ -353,7 +353,7 @@ func TestPoisonMessageEndsDeadWhileOthersFlow(t *testing.T) {
 			t.Fatalf("message %s: %+v, want published at the first attempt", id, rows[id])
 		}
 	}
-	eventually(t, 10*time.Second, "metrics", func() bool {
+	testenv.Eventually(t, 10*time.Second, "metrics", func() bool {
 		p, rt, d := m.snapshot()
 		return p == 201 && rt == maxAttempts-1 && d == 1
 	})
@@ -369,7 +369,7 @@ func TestPoisonMessageEndsDeadWhileOthersFlow(t *testing.T) {
 	if err != nil || n != 1 {
 		t.Fatalf("RequeueDead = %d, %v", n, err)
 	}
-	eventually(t, 30*time.Second, "the requeued message dead again", func() bool {
+	testenv.Eventually(t, 30*time.Second, "the requeued message dead again", func() bool {
 		return countState(t, pool, ob, 2) == 1 && countState(t, pool, ob, 0) == 0
 	})
 	if got := seenPoison.Load(); got != 2*maxAttempts {
@@ -407,14 +407,14 @@ func TestBrokerDownCountsNoAttemptAndNoHotLoop(t *testing.T) {
 	for i := range 10 {
 		ids = append(ids, enqueue(t, pool, ob, msg("t", keyOf(i, 3), "x"))...)
 	}
-	eventually(t, 20*time.Second, "several failed batches", func() bool { return pub.callCount() >= 5 })
+	testenv.Eventually(t, 20*time.Second, "several failed batches", func() bool { return pub.callCount() >= 5 })
 	for id, ri := range rowsByID(t, pool, ob) {
 		if ri.state != 0 || ri.attempts != 0 {
 			t.Fatalf("message %s: %+v while the broker is down, want pending with 0 attempts", id, ri)
 		}
 	}
 	down.Store(false)
-	eventually(t, 20*time.Second, "all published after the broker came back", func() bool {
+	testenv.Eventually(t, 20*time.Second, "all published after the broker came back", func() bool {
 		return countState(t, pool, ob, 1) == len(ids)
 	})
 
@@ -444,7 +444,7 @@ func TestAllFailingEndsQuiet(t *testing.T) {
 	for i := range n {
 		enqueue(t, pool, ob, msg("t", keyOf(i, 10), "x"))
 	}
-	eventually(t, 30*time.Second, "all dead", func() bool { return countState(t, pool, ob, 2) == n })
+	testenv.Eventually(t, 30*time.Second, "all dead", func() bool { return countState(t, pool, ob, 2) == n })
 	b := batches.Load()
 	// Each message is tried maxAttempts times; a batch holds at least one.
 	if b > n*maxAttempts {
@@ -470,7 +470,7 @@ func TestCleanupAndDeletePublished(t *testing.T) {
 	for i := range 30 {
 		enqueue(t, pool, ob, msg("t", keyOf(i, 5), "x"))
 	}
-	eventually(t, 20*time.Second, "all published", func() bool { return countState(t, pool, ob, 1) == 30 })
+	testenv.Eventually(t, 20*time.Second, "all published", func() bool { return countState(t, pool, ob, 1) == 30 })
 	rr.stop(t)
 	n, err := ob.Cleanup(context.Background())
 	if err != nil || n != 30 {
@@ -485,8 +485,8 @@ func TestCleanupAndDeletePublished(t *testing.T) {
 	}
 	start(t, r2)
 	enqueue(t, pool, ob2, msg("t", "a", "1"), msg("t", "a", "2"), msg("t", "", "3"))
-	eventually(t, 20*time.Second, "all published", func() bool { return len(pub2.published()) == 3 })
-	eventually(t, 20*time.Second, "rows deleted", func() bool {
+	testenv.Eventually(t, 20*time.Second, "all published", func() bool { return len(pub2.published()) == 3 })
+	testenv.Eventually(t, 20*time.Second, "rows deleted", func() bool {
 		var c int
 		_ = pool.QueryRow(context.Background(), "SELECT count(*) FROM "+ob2.Table()).Scan(&c)
 		return c == 0
@@ -508,11 +508,11 @@ func TestNotifyWakesRelayAndPollingCatchesTheRest(t *testing.T) {
 	pgoutbox.SetOnConnect(r, func(uint32) { sessions.Add(1) })
 	rr := start(t, r)
 	// Let the session connect, take its shards and go idle.
-	eventually(t, 20*time.Second, "the session connected", func() bool { return sessions.Load() == 1 })
+	testenv.Eventually(t, 20*time.Second, "the session connected", func() bool { return sessions.Load() == 1 })
 	time.Sleep(200 * time.Millisecond)
 	for i := range 3 {
 		enqueue(t, pool, ob, msg("t", keyOf(i, 2), fmt.Sprint(i)))
-		eventually(t, 20*time.Second, "the message published on the notification", func() bool { return len(pub.published()) == i+1 })
+		testenv.Eventually(t, 20*time.Second, "the message published on the notification", func() bool { return len(pub.published()) == i+1 })
 	}
 	rr.stop(t)
 
@@ -527,7 +527,7 @@ func TestNotifyWakesRelayAndPollingCatchesTheRest(t *testing.T) {
 		" (id, topic, key, key_hash, payload) VALUES ('0190a0b0-0000-7000-8000-0000000000aa', 't', 'silent', 7, 'x')"); err != nil {
 		t.Fatal(err)
 	}
-	eventually(t, 20*time.Second, "the silent row published by the poll", func() bool { return len(pub.published()) == 4 })
+	testenv.Eventually(t, 20*time.Second, "the silent row published by the poll", func() bool { return len(pub.published()) == 4 })
 }
 
 func TestRunWithoutMigrateFails(t *testing.T) {
@@ -575,7 +575,7 @@ func TestDeadRetention(t *testing.T) {
 	}
 	rr := start(t, r)
 	enqueue(t, pool, ob, msg("t", "a", "1"), msg("t", "b", "2"))
-	eventually(t, 20*time.Second, "both dead", func() bool { return countState(t, pool, ob, 2) == 2 })
+	testenv.Eventually(t, 20*time.Second, "both dead", func() bool { return countState(t, pool, ob, 2) == 2 })
 	rr.stop(t)
 	time.Sleep(5 * time.Millisecond)
 	if n, err := ob.Cleanup(context.Background()); err != nil || n != 2 {

@@ -64,7 +64,7 @@ func TestRelayMetrics(t *testing.T) {
 	table := telemetry.AttrTable.String(ob.Options().Schema + ".events_out")
 	// The broker is down: the backlog holds the three messages, and the
 	// failed batches are recorded as publish errors.
-	eventually(t, 30*time.Second, "a failed publish and the backlog gauge at 3", func() bool {
+	testenv.Eventually(t, 30*time.Second, "a failed publish and the backlog gauge at 3", func() bool {
 		return mp.Sum(telemetry.MetricOutboxPublishDuration, table, telemetry.AttrResult.String("error")) > 0 &&
 			gauge(t, mp, telemetry.MetricOutboxBacklog, table) == 3
 	})
@@ -75,10 +75,10 @@ func TestRelayMetrics(t *testing.T) {
 	pub.mu.Lock()
 	pub.down = nil
 	pub.mu.Unlock()
-	eventually(t, 30*time.Second, "two published, one dead", func() bool {
+	testenv.Eventually(t, 30*time.Second, "two published, one dead", func() bool {
 		return countState(t, pool, ob, 1) == 2 && countState(t, pool, ob, 2) == 1
 	})
-	eventually(t, 30*time.Second, "the backlog gauge at 0", func() bool {
+	testenv.Eventually(t, 30*time.Second, "the backlog gauge at 0", func() bool {
 		return gauge(t, mp, telemetry.MetricOutboxBacklog, table) == 0
 	})
 
@@ -116,7 +116,7 @@ func TestRelayMetrics(t *testing.T) {
 		}
 		return mismatches
 	})
-	eventually(t, 10*time.Second, "the outbox.Metrics hook's backlog sample at 0", func() bool {
+	testenv.Eventually(t, 10*time.Second, "the outbox.Metrics hook's backlog sample at 0", func() bool {
 		hook.mu.Lock()
 		defer hook.mu.Unlock()
 		return hook.backlogs > 0 && hook.lastBacklog == 0
@@ -175,9 +175,9 @@ func TestRelayBacklogSampledOncePerInterval(t *testing.T) {
 	}
 	start(t, r)
 	table := telemetry.AttrTable.String(ob.Options().Schema + ".outbox")
-	eventually(t, 10*time.Second, "a backlog sample", func() bool { return gauge(t, mp, telemetry.MetricOutboxBacklog, table) == 0 })
+	testenv.Eventually(t, 10*time.Second, "a backlog sample", func() bool { return gauge(t, mp, telemetry.MetricOutboxBacklog, table) == 0 })
 	enqueue(t, pool, ob, msg("t", "", "a"), msg("t", "", "b"))
-	eventually(t, 30*time.Second, "the messages published", func() bool { return countState(t, pool, ob, 1) == 2 })
+	testenv.Eventually(t, 30*time.Second, "the messages published", func() bool { return countState(t, pool, ob, 1) == 2 })
 	// Published, but the sample is the hour-long interval's first one.
 	for range 5 {
 		if got := gauge(t, mp, telemetry.MetricOutboxBacklog, table); got != 0 {
@@ -205,7 +205,7 @@ func TestRelayTraceContext(t *testing.T) {
 	span.End()
 	sc := span.SpanContext()
 
-	eventually(t, 30*time.Second, "the message published", func() bool { return len(pub.published()) == 1 })
+	testenv.Eventually(t, 30*time.Second, "the message published", func() bool { return len(pub.published()) == 1 })
 	h := pub.published()[0].Headers
 	want := "00-" + sc.TraceID().String() + "-" + sc.SpanID().String() + "-01"
 	if h[outbox.HeaderTraceParent] != want {
@@ -216,7 +216,7 @@ func TestRelayTraceContext(t *testing.T) {
 		t.Fatalf("published span context %v, want trace %s parent %s", got, sc.TraceID(), sc.SpanID())
 	}
 
-	eventually(t, 10*time.Second, "the publish span", func() bool { return len(tp.Named("publish orders")) == 1 })
+	testenv.Eventually(t, 10*time.Second, "the publish span", func() bool { return len(tp.Named("publish orders")) == 1 })
 	ps := tp.Named("publish orders")[0]
 	if ps.SpanKind() != trace.SpanKindProducer {
 		t.Errorf("publish span kind %v, want producer", ps.SpanKind())

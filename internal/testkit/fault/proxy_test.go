@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/idemkit/idem/internal/testkit/fault"
+	"github.com/idemkit/idem/internal/testkit/testenv"
 )
 
 // echoServer answers every chunk it reads with the same bytes and keeps a
@@ -115,17 +116,6 @@ func roundTrip(c net.Conn, msg string) (string, error) {
 	return string(buf), err
 }
 
-func waitFor(t *testing.T, what string, cond func() bool) {
-	t.Helper()
-	deadline := time.Now().Add(5 * time.Second)
-	for !cond() {
-		if time.Now().After(deadline) {
-			t.Fatalf("timed out waiting for %s", what)
-		}
-		time.Sleep(5 * time.Millisecond)
-	}
-}
-
 func TestProxyPass(t *testing.T) {
 	e := newEcho(t)
 	p := newProxy(t, e.ln.Addr().String())
@@ -188,7 +178,7 @@ func TestProxyReset(t *testing.T) {
 	}
 	// The reset is counted once both sockets are closed, which the client
 	// may see first.
-	waitFor(t, "the reset to be counted", func() bool { return p.Stats().Resets == 1 })
+	testenv.Eventually(t, 5*time.Second, "the reset to be counted", func() bool { return p.Stats().Resets == 1 })
 	// New connections are reset too while the mode holds; Pass heals.
 	c2 := dial(t, p.Addr())
 	if _, err := roundTrip(c2, "lost2"); err == nil {
@@ -218,8 +208,8 @@ func TestProxyCutAfterRequest(t *testing.T) {
 	if !errors.Is(err, io.EOF) && !errors.Is(err, io.ErrUnexpectedEOF) {
 		t.Logf("client error: %v", err)
 	}
-	waitFor(t, "the server to receive the request", func() bool { return e.received() == "ok;commit;" })
-	waitFor(t, "the cut to be counted", func() bool { return p.Stats().Cuts == 1 })
+	testenv.Eventually(t, 5*time.Second, "the server to receive the request", func() bool { return e.received() == "ok;commit;" })
+	testenv.Eventually(t, 5*time.Second, "the cut to be counted", func() bool { return p.Stats().Cuts == 1 })
 }
 
 // ResetAll resets idle connections at once, whatever the mode.

@@ -188,7 +188,7 @@ func TestPauseResume(t *testing.T) {
 	defer func() { _ = cmd.Process.Kill(); _ = cmd.Wait() }()
 	waitState := func(want byte) {
 		t.Helper()
-		waitFor(t, "state "+string(want), func() bool {
+		testenv.Eventually(t, 5*time.Second, "state "+string(want), func() bool {
 			s, err := fault.State(cmd.Process.Pid)
 			return err == nil && s == want
 		})

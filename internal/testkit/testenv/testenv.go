@@ -171,3 +171,19 @@ func LeakOptions() []goleak.Option {
 		goleak.IgnoreAnyFunction("github.com/redis/go-redis/v9/internal/pool.(*ConnPool).tryDial"),
 	}
 }
+
+// Eventually polls cond every few milliseconds until it holds, and fails the
+// test when it still does not after timeout. The timeout bounds a broken
+// test's hang; it is not a timing assertion, so make it generous.
+func Eventually(t testing.TB, timeout time.Duration, what string, cond func() bool) {
+	t.Helper()
+	deadline := time.Now().Add(timeout)
+	tick := time.NewTicker(5 * time.Millisecond)
+	defer tick.Stop()
+	for !cond() {
+		if time.Now().After(deadline) {
+			t.Fatalf("gave up after %v waiting for %s", timeout, what)
+		}
+		<-tick.C
+	}
+}
