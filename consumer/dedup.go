@@ -152,15 +152,13 @@ func (d *dedupMiddleware) outcome(ctx context.Context, msg *Message, outcome str
 	}
 }
 
-// dedupRun is one message's state under a claim, allocated once: the
-// handler's context, the heartbeat's hold, the result slot and the context
-// of Complete or Release.
+// dedupRun is one message's state under a claim, allocated once: the lease
+// flow (the handler's context, the heartbeat, Complete or Release) and the
+// result slot.
 type dedupRun struct {
-	cctx leasekeep.HandlerCtx // the handler's, cancelled on a lost lease
-	hold leasekeep.Hold
+	leasekeep.Run
 	slot resultSlot
 	hctx slotCtx
-	fin  leasekeep.Finish
 }
 
 // slotCtx is the handler's context: its parent with the result slot as the
@@ -231,10 +229,6 @@ func (d *dedupMiddleware) handle(ctx context.Context, msg *Message, next Handler
 	}
 
 	run := &dedupRun{}
-	run.cctx.Init(ctx)
-	defer run.cctx.Cancel(nil)
-	run.hctx = slotCtx{Context: &run.cctx, slot: &run.slot}
-	var hctx context.Context = &run.hctx
 	every := d.opts.ExtendEvery
 	if every == 0 {
 		every = lease.TTL / 3
@@ -243,17 +237,20 @@ func (d *dedupMiddleware) handle(ctx context.Context, msg *Message, next Handler
 	// a handler that finishes its work during a graceful stop keeps its
 	// lease. It starts before the wait for a handler slot, which may be
 	// long when every handler is busy.
-	d.keeper.Start(ctx, &run.hold, lease, every, &run.cctx)
-	if err := d.seatBack(&run.cctx, st, lease, every); err != nil {
+	d.keeper.Begin(ctx, nil, &run.Run, lease, every, d.opts.FinishTimeout)
+	defer run.End()
+	run.hctx = slotCtx{Context: &run.Ctx, slot: &run.slot}
+	var hctx context.Context = &run.hctx
+	if err := d.seatBack(&run.Ctx, st, lease, every); err != nil {
 		// The lease was lost, the consumer stops, or the handler context
 		// ended, while this delivery waited for a handler slot: the
 		// handler never ran.
-		if lost := run.hold.Stop(); lost != nil {
+		if lost := run.Stop(); lost != nil {
 			d.tel.LeaseLost(ctx)
 			d.outcome(ctx, msg, OutcomeLeaseLost)
 			return fmt.Errorf("consumer: lease of %s lost while waiting for a handler slot: %w", key, lost)
 		}
-		d.release(ctx, run, lease, "the handler was not started: "+err.Error())
+		run.Release("the handler was not started: " + err.Error())
 		d.outcome(ctx, msg, OutcomeReleased)
 		return fmt.Errorf("consumer: waiting for a handler slot for %s: %w", key, err)
 	}
@@ -268,53 +265,25 @@ func (d *dedupMiddleware) handle(ctx context.Context, msg *Message, next Handler
 
 	returned := false
 	defer func() {
-		if returned {
-			return
+		if !returned {
+			// The handler panicked (or called runtime.Goexit). Give the
+			// key back so a redelivery can run; the panic goes on to
+			// Recover.
+			endHandle(leasekeep.ErrPanicked)
+			end(run.Abandon())
 		}
-		// The handler panicked (or called runtime.Goexit). Give the key
-		// back so a redelivery can run; the panic goes on to Recover.
-		endHandle(errors.New("the handler panicked"))
-		if run.hold.Stop() != nil {
-			end(OutcomeLeaseLost)
-			return
-		}
-		d.release(ctx, run, lease, "the handler panicked")
-		end(OutcomeReleased)
 	}()
 	herr := next.Handle(hctx, msg)
 	returned = true
 	endHandle(herr)
 	st.Away() // Complete or Release need no handler slot either
-
-	if lost := run.hold.Stop(); lost != nil {
-		end(OutcomeLeaseLost)
-		if herr != nil {
-			return fmt.Errorf("consumer: handler for %s failed after its lease was lost: %w; handler error: %w", key, lost, herr)
-		}
-		return fmt.Errorf("consumer: handler for %s finished after its lease was lost; it cannot be completed: %w", key, lost)
-	}
-	if herr != nil {
-		d.release(ctx, run, lease, "the handler failed")
-		end(OutcomeReleased)
-		return herr
-	}
-	run.fin.Init(ctx, d.opts.FinishTimeout)
-	var fctx context.Context = &run.fin
-	endComplete := noEnd
+	var tracer trace.Tracer
 	if recording {
-		fctx, endComplete = telemetry.StartSpan(fctx, d.tel.Tracer, "idem.complete")
+		tracer = d.tel.Tracer
 	}
-	err = d.store.Complete(fctx, lease, run.slot.get())
-	run.fin.Close()
-	endComplete(err)
-	if err != nil {
-		end(OutcomeCompleteFailed)
-		d.opts.Logger.WarnContext(ctx, "idem: completing the key failed after the handler succeeded; the message will be retried once the lease expires",
-			slog.String("key_hash", key.Hash()), slog.Any("error", err))
-		return fmt.Errorf("consumer: complete %s: %w", key, err)
-	}
-	end(OutcomeCompleted)
-	return nil
+	o, err := run.Settle(herr, run.slot.get(), tracer)
+	end(o)
+	return err
 }
 
 // errSeatWait is the error of a delivery whose lease has no heartbeat and
@@ -347,13 +316,3 @@ func since(timed bool, start time.Time) time.Duration {
 
 // noEnd ends no span.
 func noEnd(error, ...attribute.KeyValue) {}
-
-func (d *dedupMiddleware) release(ctx context.Context, run *dedupRun, lease *dedup.Lease, why string) {
-	run.fin.Init(ctx, d.opts.FinishTimeout)
-	err := d.store.Release(&run.fin, lease)
-	run.fin.Close()
-	if err != nil {
-		d.opts.Logger.WarnContext(ctx, "idem: releasing the key failed; it stays claimed until its lease expires",
-			slog.String("key_hash", lease.Key.Hash()), slog.String("why", why), slog.Any("error", err))
-	}
-}

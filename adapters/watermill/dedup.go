@@ -3,14 +3,11 @@ package watermill
 import (
 	"context"
 	"errors"
-	"fmt"
-	"log/slog"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill/message"
 	"go.opentelemetry.io/otel/attribute"
 
-	"github.com/idemkit/idem/consumer"
 	"github.com/idemkit/idem/dedup"
 	"github.com/idemkit/idem/internal/leasekeep"
 	"github.com/idemkit/idem/internal/telemetry"
@@ -136,11 +133,14 @@ func (d *leaseMiddleware) claim(msg *message.Message) (lc *call, out []*message.
 	}
 	tel.Claimed(ctx, telemetry.ClaimFirst, hstart.Sub(start))
 	endClaim(end, nil, telemetry.ClaimFirst)
-	c := &call{dl: dl, store: d.store, cfg: d.config, lease: lease, parent: ctx, msg: msg,
+	c := &call{dl: dl, cfg: d.config, parent: ctx, msg: msg,
 		tel: tel, timed: timed, recording: recording, hstart: hstart, endHandle: noEndHandle}
-	c.hctx.Init(ctx)
-	c.start(d.keeper)
-	var hctx context.Context = &c.hctx
+	every := d.ExtendEvery
+	if every == 0 {
+		every = lease.TTL / 3
+	}
+	d.keeper.Begin(ctx, nil, &c.Run, lease, every, d.FinishTimeout)
+	var hctx context.Context = &c.Ctx
 	if recording {
 		hctx, c.endHandle = telemetry.StartSpan(hctx, tel.Tracer, "idem.handle")
 	}
@@ -174,25 +174,16 @@ func (lc *call) settle() ([]*message.Message, error) {
 
 // answer completes or releases the key and returns the middleware's answer.
 func (lc *call) answer(out []*message.Message, herr error) ([]*message.Message, error) {
-	c, key := lc.cfg, lc.lease.Key
 	lc.endHandle(herr)
-	if lost := lc.finish(); lost != nil {
-		lc.handled(consumer.OutcomeLeaseLost)
-		return nil, lostError(key, lost, herr)
-	}
-	if herr != nil {
-		lc.release("the handler failed")
-		lc.handled(consumer.OutcomeReleased)
+	o, err := lc.Settle(herr, nil, lc.tracer())
+	lc.handled(o)
+	switch o {
+	case telemetry.HandledCompleted:
+		return out, nil
+	case telemetry.HandledReleased:
 		return out, herr
 	}
-	if err := lc.complete(); err != nil {
-		lc.handled(consumer.OutcomeCompleteFailed)
-		c.Logger.WarnContext(lc.parent, "idem: completing the key failed after the handler succeeded; the message is nacked and runs again once the lease expires",
-			slog.String("key_hash", key.Hash()), slog.Any("error", err))
-		return nil, fmt.Errorf("watermill: complete %s: %w", key, err)
-	}
-	lc.handled(consumer.OutcomeCompleted)
-	return out, nil
+	return nil, err
 }
 
 // handled reports how the handler's run under the lease ended.
@@ -212,24 +203,10 @@ func (lc *call) handled(outcome string) {
 // delivery records a retry, and the panic goes on.
 func (lc *call) cleanup() {
 	lc.msg.SetContext(lc.parent)
-	lc.hctx.Cancel(nil)
 	if !lc.returned {
-		lc.endHandle(errPanicked)
-		if lc.finish() != nil {
-			lc.handled(consumer.OutcomeLeaseLost)
-		} else {
-			lc.release("the handler panicked")
-			lc.handled(consumer.OutcomeReleased)
-		}
+		lc.endHandle(leasekeep.ErrPanicked)
+		lc.handled(lc.Abandon())
 	}
-	lc.end()
+	lc.End()
 	lc.dl.finish()
-}
-
-// lostError is the error for a handler that ran past its lease.
-func lostError(key dedup.Key, lost, herr error) error {
-	if herr != nil {
-		return fmt.Errorf("watermill: handler for %s failed after its lease was lost: %w; handler error: %w", key, lost, herr)
-	}
-	return fmt.Errorf("watermill: handler for %s finished after its lease was lost; it cannot be completed: %w", key, lost)
 }

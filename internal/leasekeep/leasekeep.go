@@ -1,9 +1,11 @@
-// Package leasekeep keeps the leases of running handlers alive and bounds
-// the calls that finish them, for every idem middleware that claims through
-// a dedup.LeaseStore (consumer.Dedup, the Watermill and HTTP middleware).
+// Package leasekeep is the lease flow of every idem middleware that claims
+// through a dedup.LeaseStore (consumer.Dedup, the Watermill and HTTP
+// middleware), written once: Run holds a claimed key from the claim to
+// Complete or Release, with the handler's context and a heartbeat that keeps
+// the lease while the handler runs.
 //
-// Both parts exist to make the common case free. Most handlers return long
-// before their lease needs extending, so a per-message timer, armed and
+// The parts are built to make the common case free. Most handlers return
+// long before their lease needs extending, so a per-message timer, armed and
 // stopped again, was most of what a heartbeat cost. Here one timer per
 // middleware (a Keeper) serves every handler in flight: starting and
 // stopping a Hold links and unlinks a list node under a mutex, with no

@@ -78,18 +78,18 @@ func claimIndex(outcome string) int {
 
 // handledOutcomes are how a handler under a claim ends, in handledIndex
 // order.
-var handledOutcomes = [...]string{"completed", "released", "lease_lost", "complete_failed"}
+var handledOutcomes = [...]string{HandledCompleted, HandledReleased, HandledLeaseLost, HandledCompleteFailed}
 
 // handledIndex is outcome's place in handledOutcomes, or -1.
 func handledIndex(outcome string) int {
 	switch outcome {
-	case "completed":
+	case HandledCompleted:
 		return 0
-	case "released":
+	case HandledReleased:
 		return 1
-	case "lease_lost":
+	case HandledLeaseLost:
 		return 2
-	case "complete_failed":
+	case HandledCompleteFailed:
 		return 3
 	}
 	return -1

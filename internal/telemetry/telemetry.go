@@ -105,6 +105,15 @@ const (
 	ClaimError               = "error"
 )
 
+// Handler outcomes (AttrOutcome of MetricHandlerDuration): how a handler
+// that ran under a claim ended.
+const (
+	HandledCompleted      = "completed"       // the key was completed (or the transaction committed)
+	HandledReleased       = "released"        // the handler failed; the key was released (or rolled back)
+	HandledLeaseLost      = "lease_lost"      // the lease ran out while the handler ran
+	HandledCompleteFailed = "complete_failed" // Complete (or the commit) failed after the handler succeeded
+)
+
 // durations are histograms in seconds with buckets from 0.5 ms to 60 s.
 var durationBuckets = []float64{0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60}
 
