@@ -212,9 +212,9 @@ func (d *dedupMiddleware) handle(ctx context.Context, msg *Message, next Handler
 	}
 	if err != nil {
 		o := claimOutcome(err)
-		d.tel.Claimed(ctx, telemetryClaim(o), since(timed, start))
+		d.tel.Claimed(ctx, telemetry.ClaimOutcome(err), since(timed, start))
 		if recording {
-			endClaim(spanErr(err), telemetry.AttrOutcome.String(telemetryClaim(o)))
+			endClaim(telemetry.SpanErr(err), telemetry.AttrOutcome.String(telemetry.ClaimOutcome(err)))
 		}
 		d.outcome(ctx, msg, o)
 		return fmt.Errorf("consumer: claim %s: %w", key, err)

@@ -7,7 +7,6 @@ import (
 	"sync"
 
 	"github.com/idemkit/idem/dedup"
-	"github.com/idemkit/idem/internal/telemetry"
 )
 
 // keyBuilder turns a Message into a dedup.Key. Dedup and Transactional share
@@ -146,27 +145,3 @@ const (
 	// The handler succeeded but marking the key done failed.
 	OutcomeCompleteFailed = "complete_failed"
 )
-
-// telemetryClaim maps a claim's Outcome to the idem.claims outcome.
-func telemetryClaim(outcome string) string {
-	switch outcome {
-	case OutcomeDuplicate:
-		return telemetry.ClaimDuplicate
-	case OutcomeInFlight:
-		return telemetry.ClaimInFlight
-	case OutcomeFingerprintMismatch:
-		return telemetry.ClaimFingerprintMismatch
-	case OutcomeInvalidKey:
-		return telemetry.ClaimInvalidKey
-	}
-	return telemetry.ClaimError
-}
-
-// spanErr is the error a claim span records: none for a duplicate or a key
-// in flight, which are answers, not failures.
-func spanErr(err error) error {
-	if errors.Is(err, dedup.ErrDuplicate) || errors.Is(err, dedup.ErrInFlight) {
-		return nil
-	}
-	return err
-}

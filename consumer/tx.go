@@ -3,7 +3,6 @@ package consumer
 import (
 	"context"
 	"errors"
-	"time"
 
 	"go.opentelemetry.io/otel/metric"
 	"go.opentelemetry.io/otel/trace"
@@ -11,11 +10,8 @@ import (
 	"github.com/idemkit/idem/dedup"
 	"github.com/idemkit/idem/internal/seat"
 	"github.com/idemkit/idem/internal/telemetry"
+	"github.com/idemkit/idem/internal/txflow"
 )
-
-// errHandlerPanicked is what the handle span records when the handler
-// panicked; the panic itself goes on to Recover.
-var errHandlerPanicked = errors.New("consumer: the handler panicked")
 
 // TxHandler processes a message inside the transaction that holds its
 // claim. With dedup/pgtable, Tx is a pgx.Tx: write the business rows (and the
@@ -95,71 +91,21 @@ func Transactional[Tx any](store dedup.TxStore[Tx], opts TxOptions, h TxHandler[
 			tel.Claimed(ctx, telemetry.ClaimInvalidKey, 0)
 			return err
 		}
-		var (
-			ran          bool
-			hErr         error
-			start        = time.Now()
-			hStart, hEnd time.Time
-		)
 		// The handler keeps the delivery's handler slot (internal/seat)
 		// throughout; a Dedup it runs must not give it away.
 		ctx = seat.Hide(ctx)
-		_, err = store.Process(ctx, key, func(ctx context.Context, tx Tx) ([]byte, error) {
-			ran = true
-			hStart = time.Now()
-			tel.Claimed(ctx, telemetry.ClaimFirst, hStart.Sub(start))
-			if telemetry.Recording(ctx) {
-				telemetry.RecordSpan(ctx, tel.Tracer, "idem.claim", start, hStart, nil,
-					append(tel.SpanAttrs(key.Hash()), telemetry.AttrOutcome.String(telemetry.ClaimFirst))...)
-			}
-			ctx, endHandle := telemetry.StartSpan(ctx, tel.Tracer, "idem.handle")
-			ended := false
-			defer func() {
-				if !ended { // h panicked: the span ends with it
-					endHandle(errHandlerPanicked)
-				}
-			}()
+		r := txflow.Process(ctx, store, key, tel, func(ctx context.Context, tx Tx) ([]byte, error) {
 			ctx, slot := withResultSlot(ctx)
-			hErr = h(ctx, tx, msg)
-			ended = true
-			endHandle(hErr)
-			hEnd = time.Now()
-			if hErr != nil {
-				return nil, hErr
+			if err := h(ctx, tx, msg); err != nil {
+				return nil, err
 			}
 			return slot.get(), nil
 		})
-		end := time.Now()
-		if ran && hErr == nil {
-			telemetry.RecordSpan(ctx, tel.Tracer, "idem.commit", hEnd, end, err)
+		if v := r.Verdict(); v != nil {
+			outcome(ctx, msg, claimOutcome(v))
+		} else {
+			outcome(ctx, msg, r.Handled())
 		}
-		switch {
-		case err == nil:
-			outcome(ctx, msg, OutcomeCompleted)
-			tel.Handled(ctx, OutcomeCompleted, end.Sub(hStart))
-		case ran && hErr != nil:
-			outcome(ctx, msg, OutcomeReleased)
-			tel.Handled(ctx, OutcomeReleased, end.Sub(hStart))
-		case ran && dedup.Held(err):
-			// h ran, but a claim that does not wait for this transaction
-			// (pgtable.Process against its lease mode or ClaimTx) took the
-			// key first: the transaction rolled back, and err is the
-			// verdict on that claim, acted on like any claim's.
-			tel.Handled(ctx, OutcomeReleased, end.Sub(hStart))
-			outcome(ctx, msg, claimOutcome(err))
-		case ran:
-			// h succeeded but the commit failed.
-			outcome(ctx, msg, OutcomeCompleteFailed)
-			tel.Handled(ctx, OutcomeCompleteFailed, end.Sub(hStart))
-		default:
-			o := claimOutcome(err)
-			outcome(ctx, msg, o)
-			tel.Claimed(ctx, telemetryClaim(o), end.Sub(start))
-			if telemetry.Recording(ctx) {
-				telemetry.RecordSpan(ctx, tel.Tracer, "idem.claim", start, end, spanErr(err),
-					append(tel.SpanAttrs(key.Hash()), telemetry.AttrOutcome.String(telemetryClaim(o)))...)
-			}
-		}
-		return err
+		return r.Err
 	}), nil
 }

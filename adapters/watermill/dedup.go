@@ -154,13 +154,13 @@ func (d *leaseMiddleware) claim(msg *message.Message) (lc *call, out []*message.
 // middleware's answer. It is apart from claim to keep claim's frame, the
 // deepest point of the path before the handler, small.
 func (d *leaseMiddleware) notGranted(dl *delivery, msg *message.Message, tel *telemetry.Dedup, key dedup.Key, err error, timed bool, start time.Time, end spanEnd) ([]*message.Message, error) {
-	o := claimOutcome(err)
+	o := telemetry.ClaimOutcome(err)
 	var took time.Duration
 	if timed {
 		took = time.Since(start)
 	}
 	tel.Claimed(msg.Context(), o, took)
-	endClaim(end, spanErr(err), o)
+	endClaim(end, telemetry.SpanErr(err), o)
 	return d.claimFailed(dl, msg, key, err)
 }
 

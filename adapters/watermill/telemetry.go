@@ -164,36 +164,3 @@ func endClaim(end spanEnd, err error, outcome string) {
 		end(err, telemetry.AttrOutcome.String(outcome))
 	}
 }
-
-// recordClaim records a claim span that already happened (Transactional).
-func recordClaim(ctx context.Context, tel *telemetry.Dedup, key dedup.Key, start, end time.Time, outcome string, err error) {
-	if !trace.SpanFromContext(ctx).IsRecording() {
-		return
-	}
-	telemetry.RecordSpan(ctx, tel.Tracer, "idem.claim", start, end, err,
-		append(tel.SpanAttrs(key.Hash()), telemetry.AttrOutcome.String(outcome))...)
-}
-
-// claimOutcome maps a claim's error to the idem.claims outcome.
-func claimOutcome(err error) string {
-	switch {
-	case errors.Is(err, dedup.ErrDuplicate):
-		return telemetry.ClaimDuplicate
-	case errors.Is(err, dedup.ErrInFlight):
-		return telemetry.ClaimInFlight
-	case errors.Is(err, dedup.ErrFingerprintMismatch):
-		return telemetry.ClaimFingerprintMismatch
-	case errors.Is(err, dedup.ErrInvalidKey):
-		return telemetry.ClaimInvalidKey
-	}
-	return telemetry.ClaimError
-}
-
-// spanErr is the error a claim span records: none for a duplicate or a key
-// in flight, which are answers, not failures.
-func spanErr(err error) error {
-	if errors.Is(err, dedup.ErrDuplicate) || errors.Is(err, dedup.ErrInFlight) {
-		return nil
-	}
-	return err
-}

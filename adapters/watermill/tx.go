@@ -5,15 +5,14 @@ import (
 	"errors"
 	"fmt"
 	"maps"
-	"time"
 
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5"
 
-	"github.com/idemkit/idem/consumer"
 	"github.com/idemkit/idem/dedup"
 	"github.com/idemkit/idem/internal/telemetry"
+	"github.com/idemkit/idem/internal/txflow"
 	"github.com/idemkit/idem/outbox"
 )
 
@@ -88,78 +87,42 @@ func (t *txMiddleware) handle(dl *delivery, h message.HandlerFunc, msg *message.
 	tel := t.tel.Get(key.Scope)
 	orig := msg.Context()
 	var (
-		out          []*message.Message
-		ran          bool
-		herr         error
-		settled      bool // the handler returned (no panic)
-		start        = time.Now()
-		hStart, hEnd time.Time
-		endHandle    spanEnd
+		out      []*message.Message
+		returned bool // the handler returned (no panic)
 	)
 	defer func() {
-		if !settled && ran {
-			// The handler panicked: Process rolled back.
-			if endHandle != nil { // nil when the panic came before the span
-				endHandle(errPanicked)
-			}
-			tel.Handled(orig, consumer.OutcomeReleased, time.Since(hStart))
-			t.outcome(msg, consumer.OutcomeReleased)
+		if !returned {
+			// The handler panicked: Process rolled back (and recorded
+			// the run as released).
+			t.outcome(msg, telemetry.HandledReleased)
 		}
 	}()
-	_, err = t.store.Process(orig, key, func(ctx context.Context, tx pgx.Tx) ([]byte, error) {
-		ran = true
-		hStart = time.Now()
-		tel.Claimed(ctx, telemetry.ClaimFirst, hStart.Sub(start))
-		recordClaim(ctx, tel, key, start, hStart, telemetry.ClaimFirst, nil)
-		var hctx context.Context
-		hctx, endHandle = telemetry.StartSpan(context.WithValue(ctx, txKey{}, tx), tel.Tracer, "idem.handle")
+	r := txflow.Process(orig, t.store, key, tel, func(ctx context.Context, tx pgx.Tx) ([]byte, error) {
+		hctx := context.WithValue(ctx, txKey{}, tx)
 		msg.SetContext(hctx)
 		defer msg.SetContext(orig)
+		var herr error
 		out, herr = h(msg)
-		settled = true
 		if herr == nil && t.Outbox != nil && len(out) > 0 {
 			if herr = t.enqueue(hctx, orig, tx, out); herr == nil {
 				out = nil
 			}
 		}
-		endHandle(herr)
-		hEnd = time.Now()
-		if herr != nil {
-			return nil, herr
-		}
-		return nil, nil
-	})
-	end := time.Now()
-	if ran && herr == nil {
-		telemetry.RecordSpan(orig, tel.Tracer, "idem.commit", hEnd, end, err)
-	}
-	switch {
-	case err == nil:
-		tel.Handled(orig, consumer.OutcomeCompleted, end.Sub(hStart))
-		t.outcome(msg, consumer.OutcomeCompleted)
-		return out, nil
-	case ran && herr != nil:
-		tel.Handled(orig, consumer.OutcomeReleased, end.Sub(hStart))
-		t.outcome(msg, consumer.OutcomeReleased)
 		return nil, herr
-	case ran && dedup.Held(err):
-		// The handler ran, but a claim that does not wait for this
-		// transaction (pgtable.Process against its lease mode or
-		// ClaimTx) took the key first: the transaction rolled back, and
-		// err is the verdict on that claim, answered like any claim's (a
-		// duplicate is acknowledged).
-		tel.Handled(orig, consumer.OutcomeReleased, end.Sub(hStart))
-		return t.claimFailed(dl, msg, key, err)
-	case ran:
-		// The handler succeeded but the commit failed: nothing happened.
-		tel.Handled(orig, consumer.OutcomeCompleteFailed, end.Sub(hStart))
-		t.outcome(msg, consumer.OutcomeCompleteFailed)
-		return nil, fmt.Errorf("watermill: commit %s: %w", key, err)
+	})
+	returned = true
+	if v := r.Verdict(); v != nil {
+		return t.claimFailed(dl, msg, key, v)
 	}
-	o := claimOutcome(err)
-	tel.Claimed(orig, o, end.Sub(start))
-	recordClaim(orig, tel, key, start, end, o, spanErr(err))
-	return t.claimFailed(dl, msg, key, err)
+	t.outcome(msg, r.Handled())
+	switch {
+	case r.Err == nil:
+		return out, nil
+	case r.HandlerErr != nil:
+		return nil, r.HandlerErr
+	}
+	// The handler succeeded but the commit failed: nothing happened.
+	return nil, fmt.Errorf("watermill: commit %s: %w", key, r.Err)
 }
 
 // enqueue writes the handler's messages to the outbox in tx.
