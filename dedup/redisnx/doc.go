@@ -34,6 +34,45 @@
 // returned wrapped and never as a duplicate or in-flight answer, so callers
 // fail closed: the message is not acknowledged and is delivered again.
 //
+// Concurrent calls share round trips, as a group commit does: a call that
+// finds none in flight is sent at once, and the calls that arrive meanwhile
+// go together in one pipeline when it returns. On a Redis Cluster the calls
+// are grouped per master node, so a dead or slow node delays only the keys
+// of its own slots.
+//
+// # Redis Cluster
+//
+// Pass a *redis.ClusterClient (or redis.NewUniversalClient with several
+// addresses). Each key and its whole state live in one slot (see the key
+// layout), so no command spans slots. go-redis learns that a master has
+// been replaced from a MOVED reply or by reloading its slot map every
+// ClusterStateReloadInterval (60s by default), and a dead master sends no
+// MOVED. So when a call cannot reach its key's node, the Store asks the
+// client to reload the slot map (ClusterClient.ReloadState) and tries again
+// every 100ms, for up to Options.FailoverWait (2s by default) within the
+// call's ctx; meanwhile it fails closed, returning the error and never an
+// answer about the key. A failed-over shard's keys are served again within
+// a few hundred milliseconds of the replica's promotion, whatever the
+// reload interval.
+//
+// Settings that matter on the servers and the client:
+//
+//   - cluster-require-full-coverage no on every node: otherwise the whole
+//     cluster refuses all keys (CLUSTERDOWN) while one shard has no master,
+//     and a dead shard stops the healthy ones.
+//   - cluster-node-timeout: a master is failed over after about this long
+//     plus an election (15s by default); claims on its slots fail until
+//     then. A smaller value heals sooner and risks failovers on short
+//     network hiccups.
+//   - ClusterOptions.ReadOnly and RouteByLatency/RouteRandomly must stay
+//     off (the default): claims are writes and must reach the master.
+//   - ClusterOptions.DialTimeout, ReadTimeout and WriteTimeout bound how
+//     long a call waits for a node that is unreachable without refusing
+//     connections (a host that went away); keep them short (the defaults are
+//     5s each) so such calls fail closed quickly.
+//   - ClusterOptions.ClusterStateReloadInterval may stay at its default;
+//     the Store reloads the slot map itself when a node is unreachable.
+//
 // # Key layout
 //
 //	<Prefix>:v1:{<tag>}:<len(scope)>:<scope>:<id>

@@ -10,6 +10,7 @@ import (
 	"reflect"
 	"strconv"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"time"
 
@@ -23,7 +24,13 @@ const (
 	DefaultLease  = 30 * time.Second
 	DefaultTTL    = 24 * time.Hour
 	DefaultPrefix = "idem"
+	// DefaultFailoverWait is the default of Options.FailoverWait.
+	DefaultFailoverWait = 2 * time.Second
 )
+
+// failoverRetryEvery is the pause between two tries of a call that could
+// not reach its Redis Cluster node (the slot map is reloaded meanwhile).
+const failoverRetryEvery = 100 * time.Millisecond
 
 // maxPrefixLen limits Options.Prefix.
 const maxPrefixLen = 64
@@ -45,6 +52,17 @@ type Options struct {
 	// MaxKeyLen limits scope and id, in bytes. Defaults to
 	// dedup.DefaultMaxKeyLen.
 	MaxKeyLen int
+	// FailoverWait applies to a *redis.ClusterClient only: it bounds how
+	// long a call keeps trying a key whose node it cannot reach. On such
+	// an error the Store asks the client to reload the slot map
+	// (ClusterClient.ReloadState) and tries again every 100ms, so a call
+	// made while a replica takes over from a dead master succeeds as soon
+	// as the new master is known, whatever the client's
+	// ClusterStateReloadInterval. Meanwhile the call waits, and after
+	// FailoverWait (or when its ctx ends) it returns the error: it never
+	// answers as if the key were absent. A negative value returns the
+	// error at once (the slot map is still reloaded). Defaults to 2s.
+	FailoverWait time.Duration
 }
 
 // Store is a lease store on Redis. It is safe for concurrent use. It holds no
@@ -66,8 +84,23 @@ type Store struct {
 	// scripts unknown to the server to exercise the NOSCRIPT path.
 	claim, extend, complete, release *redis.Script
 
-	// claims and calls coalesce concurrent claims and token scripts
-	// into shared pipelines (see group).
+	// cluster is the client when it is a Redis Cluster client: calls
+	// are then grouped per master node, and a call that cannot reach its
+	// node reloads the slot map and tries again for up to failoverWait.
+	cluster      *redis.ClusterClient
+	failoverWait time.Duration
+
+	// single holds the groups of a client that is not a cluster client;
+	// nodes those of each master of a cluster, by address.
+	single  *node
+	nodesMu sync.Mutex
+	nodes   map[string]*node
+}
+
+// node coalesces the concurrent claims and token scripts of the keys of
+// one Redis node into shared pipelines (see group). Grouping per node keeps
+// a node that is down or slow from delaying the keys of the others.
+type node struct {
 	claims *group[*claimOp]
 	calls  *group[*scriptCall]
 }
@@ -105,6 +138,10 @@ func New(client redis.UniversalClient, opts Options) (*Store, error) {
 	case maxKeyLen == 0:
 		maxKeyLen = dedup.DefaultMaxKeyLen
 	}
+	failoverWait := opts.FailoverWait
+	if failoverWait == 0 {
+		failoverWait = DefaultFailoverWait
+	}
 	s := &Store{
 		client:    client,
 		lease:     lease,
@@ -117,24 +154,114 @@ func New(client redis.UniversalClient, opts Options) (*Store, error) {
 		extend:    extendScript,
 		complete:  completeScript,
 		release:   releaseScript,
+
+		failoverWait: failoverWait,
+		nodes:        map[string]*node{},
 	}
-	s.claims = &group[*claimOp]{run: s.claimAll, errOf: func(ops []*claimOp, batchErr error) error {
-		for _, op := range ops {
-			if err := transportErr(op.cmd, batchErr); err != nil {
-				return err
-			}
-		}
-		return nil
-	}}
-	s.calls = &group[*scriptCall]{run: s.runScripts, errOf: func(calls []*scriptCall, batchErr error) error {
-		for _, c := range calls {
-			if err := transportErr(c.cmd, batchErr); err != nil {
-				return err
-			}
-		}
-		return nil
-	}}
+	s.cluster, _ = client.(*redis.ClusterClient)
+	s.single = s.newNode()
 	return s, nil
+}
+
+func (s *Store) newNode() *node {
+	return &node{
+		claims: &group[*claimOp]{
+			run: func(ctx context.Context, ops []*claimOp) error {
+				return retryFailover(ctx, s, ops, s.claimAll, func(op *claimOp) *redis.Cmd { return op.cmd })
+			},
+			errOf: func(ops []*claimOp, batchErr error) error {
+				for _, op := range ops {
+					if err := transportErr(op.cmd, batchErr); err != nil {
+						return err
+					}
+				}
+				return nil
+			},
+		},
+		calls: &group[*scriptCall]{
+			run: func(ctx context.Context, calls []*scriptCall) error {
+				return retryFailover(ctx, s, calls, s.runScripts, func(c *scriptCall) *redis.Cmd { return c.cmd })
+			},
+			errOf: func(calls []*scriptCall, batchErr error) error {
+				for _, c := range calls {
+					if err := transportErr(c.cmd, batchErr); err != nil {
+						return err
+					}
+				}
+				return nil
+			},
+		},
+	}
+}
+
+// nodeOf returns the groups of the node that holds rkey: the one group of a
+// client that is not a cluster client, else the groups of the key's master
+// in the client's slot map.
+func (s *Store) nodeOf(ctx context.Context, rkey string) (*node, error) {
+	if s.cluster == nil {
+		return s.single, nil
+	}
+	master, err := s.cluster.MasterForKey(ctx, rkey)
+	if err != nil {
+		s.cluster.ReloadState(ctx)
+		return nil, err
+	}
+	addr := master.Options().Addr
+	s.nodesMu.Lock()
+	defer s.nodesMu.Unlock()
+	n := s.nodes[addr]
+	if n == nil {
+		n = s.newNode()
+		s.nodes[addr] = n
+	}
+	return n, nil
+}
+
+// retryFailover runs items through run and, on a Redis Cluster, tries the
+// items that could not reach their node again (see Options.FailoverWait):
+// it asks the client to reload its slot map, waits a moment and sends them
+// again, until they get answers, FailoverWait has passed or ctx ends. An
+// item answered once is never sent again. Resending a claim is safe: the
+// claim finds its own token and is granted (see result).
+func retryFailover[T any](ctx context.Context, s *Store, items []T, run func(context.Context, []T) error, cmdOf func(T) *redis.Cmd) error {
+	err := run(ctx, items)
+	if err == nil || s.cluster == nil || !retryable(err) {
+		return err
+	}
+	var deadline time.Time
+	for {
+		s.cluster.ReloadState(ctx)
+		if deadline.IsZero() {
+			deadline = time.Now().Add(s.failoverWait)
+		}
+		var todo []T
+		for _, it := range items {
+			if transportErr(cmdOf(it), err) != nil {
+				todo = append(todo, it)
+			}
+		}
+		if len(todo) == 0 || time.Until(deadline) < failoverRetryEvery {
+			return err
+		}
+		t := time.NewTimer(failoverRetryEvery)
+		select {
+		case <-ctx.Done():
+			t.Stop()
+			return err
+		case <-t.C:
+		}
+		items = todo
+		if err = run(ctx, items); err == nil || !retryable(err) {
+			return err
+		}
+	}
+}
+
+// retryable reports whether err is a failure to reach a Redis node that a
+// new slot map may cure: not a context's end, nor a closed client.
+func retryable(err error) bool {
+	return !errors.Is(err, context.Canceled) && !errors.Is(err, context.DeadlineExceeded) &&
+		!errors.Is(err, redis.ErrClosed) && !isReplyError(err)
 }
 
 // isNil reports whether client is nil, including a typed nil pointer such as
@@ -415,7 +542,11 @@ func (s *Store) Claim(ctx context.Context, key dedup.Key) (*dedup.Lease, error) 
 	}
 	op := new(claimOp)
 	s.newClaimOp(op, key)
-	if err := s.claims.do(ctx, []*claimOp{op}); err != nil {
+	n, err := s.nodeOf(ctx, op.rkey)
+	if err == nil {
+		err = n.claims.do(ctx, []*claimOp{op})
+	}
+	if err != nil {
 		return nil, fmt.Errorf("redisnx: claim %s: %w", key, err)
 	}
 	return s.result(op)
@@ -423,12 +554,13 @@ func (s *Store) Claim(ctx context.Context, key dedup.Key) (*dedup.Lease, error) 
 
 // ClaimBatch implements dedup.BatchLeaseStore: the claims of all valid keys
 // go to Redis in one pipeline (one round trip, plus one for the RetryAfter
-// of keys found in flight). Invalid keys get dedup.ErrInvalidKey without
-// I/O. A key repeated in the batch is claimed once; its later copies see
+// of keys found in flight); on a Redis Cluster, one pipeline per master,
+// side by side. Invalid keys get dedup.ErrInvalidKey without I/O. A key repeated in the batch is claimed once; its later copies see
 // dedup.ErrInFlight.
 //
-// When Redis cannot be reached (or ctx ends) ClaimBatch returns a nil slice
-// and the error: no lease is handed out. Claims of that batch that reached
+// When Redis (on a cluster: the master of one of the keys) cannot be
+// reached, or ctx ends, ClaimBatch returns a nil slice and the error: no
+// lease is handed out. Claims of that batch that reached
 // Redis before the failure stay in flight until their lease runs out, as
 // after a crashed worker. An error that Redis returns for one key only (such
 // as a refused write under maxmemory) is that key's BatchResult.Err.
@@ -454,13 +586,48 @@ func (s *Store) ClaimBatch(ctx context.Context, keys []dedup.Key) ([]dedup.Batch
 		ops[j] = &all[j]
 		s.newClaimOp(ops[j], keys[i])
 	}
-	if err := s.claims.do(ctx, ops); err != nil {
+	if err := s.claimOnNodes(ctx, ops); err != nil {
 		return nil, fmt.Errorf("redisnx: claim batch of %d keys: %w", len(keys), err)
 	}
 	for j, i := range idx {
 		out[i].Lease, out[i].Err = s.result(ops[j])
 	}
 	return out, nil
+}
+
+// claimOnNodes claims ops through the groups of their nodes, the nodes side
+// by side, and returns the first node's error, if any.
+func (s *Store) claimOnNodes(ctx context.Context, ops []*claimOp) error {
+	if s.cluster == nil {
+		return s.single.claims.do(ctx, ops)
+	}
+	byNode := map[*node][]*claimOp{}
+	var order []*node
+	for _, op := range ops {
+		n, err := s.nodeOf(ctx, op.rkey)
+		if err != nil {
+			return err
+		}
+		if byNode[n] == nil {
+			order = append(order, n)
+		}
+		byNode[n] = append(byNode[n], op)
+	}
+	if len(order) == 1 {
+		return order[0].claims.do(ctx, ops)
+	}
+	errs := make([]error, len(order))
+	var wg sync.WaitGroup
+	for i, n := range order {
+		wg.Go(func() { errs[i] = n.claims.do(ctx, byNode[n]) })
+	}
+	wg.Wait()
+	for _, err := range errs {
+		if err != nil {
+			return err
+		}
+	}
+	return nil
 }
 
 // transportErr is the error of one command of a batch that failed with
@@ -495,7 +662,10 @@ func (s *Store) owned(ctx context.Context, op string, sc *redis.Script, l *dedup
 		return fmt.Errorf("redisnx: %s %s: %w", op, l.Key, err)
 	}
 	call := &scriptCall{script: sc, key: s.RedisKey(l.Key), args: args}
-	err := s.calls.do(ctx, []*scriptCall{call})
+	nd, err := s.nodeOf(ctx, call.key)
+	if err == nil {
+		err = nd.calls.do(ctx, []*scriptCall{call})
+	}
 	var n int64
 	if err == nil {
 		n, err = call.cmd.Int64()

@@ -21,7 +21,7 @@ import (
 	"github.com/idemkit/idem/internal/testenv"
 )
 
-func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
+func TestMain(m *testing.M) { goleak.VerifyTestMain(m, testenv.LeakOptions()...) }
 
 // newStore returns a Store with its own prefix on the test Redis, and deletes
 // the prefix's keys when the test ends.

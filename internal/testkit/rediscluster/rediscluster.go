@@ -176,7 +176,12 @@ func (c *Cluster) ready(ctx context.Context, masters int) error {
 	if len(shards) != masters {
 		return fmt.Errorf("%d shards, want %d", len(shards), masters)
 	}
-	return c.InSync(ctx)
+	for _, s := range shards {
+		if err := c.InSync(ctx, s.Master); err != nil {
+			return err
+		}
+	}
+	return nil
 }
 
 // pause waits a moment between two polls of the cluster's state.
@@ -254,44 +259,41 @@ func (c *Cluster) Shards(ctx context.Context) ([]Shard, error) {
 	return out, nil
 }
 
-// InSync reports an error unless every replica is online and has the
-// replication offset of its master: no write a master acknowledged is
-// missing on its replicas. (Redis replicates asynchronously; a master
-// killed before its replica caught up loses its last writes.)
-func (c *Cluster) InSync(ctx context.Context) error {
-	addr, err := c.live()
+// InSync reports an error unless every replica of the master at addr is
+// online and has the master's replication offset (INFO replication on the
+// master): no write the master acknowledged is missing on its replicas.
+// (Redis replicates asynchronously; a master killed before its replicas
+// caught up loses its last writes.)
+func (c *Cluster) InSync(ctx context.Context, master string) error {
+	info, err := c.command(ctx, master, "INFO", "replication")
 	if err != nil {
-		return err
+		return fmt.Errorf("INFO replication on %s: %w", master, err)
 	}
-	n := redis.NewClient(&redis.Options{Addr: addr, MaxRetries: -1})
-	defer func() { _ = n.Close() }()
-	raw, err := n.ClusterShards(ctx).Result()
-	if err != nil {
-		return fmt.Errorf("CLUSTER SHARDS on %s: %w", addr, err)
-	}
-	for _, rs := range raw {
-		var master int64 = -1
-		for _, node := range rs.Nodes {
-			if node.Role == "master" && node.Health == "online" {
-				master = node.ReplicationOffset
-			}
+	var offset string
+	var replicas []string
+	for _, line := range strings.Split(info, "\r\n") {
+		switch k, v, _ := strings.Cut(line, ":"); {
+		case k == "master_repl_offset":
+			offset = v
+		case strings.HasPrefix(k, "slave") && strings.Contains(v, "offset="):
+			replicas = append(replicas, v)
 		}
-		for _, node := range rs.Nodes {
-			if node.Role != "replica" {
-				continue
-			}
-			if node.Health != "online" || node.ReplicationOffset != master {
-				return fmt.Errorf("replica %s:%d is %s at offset %d, master at %d", node.IP, node.Port, node.Health, node.ReplicationOffset, master)
-			}
+	}
+	if len(replicas) == 0 {
+		return fmt.Errorf("master %s has no replica: %s", master, info)
+	}
+	for _, r := range replicas {
+		if !strings.Contains(r, "state=online") || !strings.Contains(r+",", ",offset="+offset+",") {
+			return fmt.Errorf("master %s at offset %s, replica %s", master, offset, r)
 		}
 	}
 	return nil
 }
 
-// WaitInSync waits until InSync reports no error.
-func (c *Cluster) WaitInSync(ctx context.Context) error {
+// WaitInSync waits until InSync(master) reports no error.
+func (c *Cluster) WaitInSync(ctx context.Context, master string) error {
 	for {
-		err := c.InSync(ctx)
+		err := c.InSync(ctx, master)
 		if err == nil {
 			return nil
 		}
