@@ -270,3 +270,111 @@ func TestClusterMasterKilledUnderLoad(t *testing.T) {
 		t.Fatalf("%d of %d completed marks lost", lost, len(l.completed))
 	}
 }
+
+// sentHook calls sent the first time the client sends a command (alone or
+// in a pipeline) that names key.
+type sentHook struct {
+	key  string
+	once sync.Once
+	sent chan struct{}
+}
+
+func (h *sentHook) saw(cmds []redis.Cmder) {
+	for _, cmd := range cmds {
+		for _, a := range cmd.Args() {
+			if a == h.key {
+				h.once.Do(func() { close(h.sent) })
+				return
+			}
+		}
+	}
+}
+
+func (h *sentHook) DialHook(next redis.DialHook) redis.DialHook { return next }
+func (h *sentHook) ProcessHook(next redis.ProcessHook) redis.ProcessHook {
+	return func(ctx context.Context, cmd redis.Cmder) error {
+		h.saw([]redis.Cmder{cmd})
+		return next(ctx, cmd)
+	}
+}
+func (h *sentHook) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.ProcessPipelineHook {
+	return func(ctx context.Context, cmds []redis.Cmder) error {
+		h.saw(cmds)
+		return next(ctx, cmds)
+	}
+}
+
+// TestClusterFrozenMasterDelaysOnlyItsKeys: while a claim waits on a master
+// that answers nothing (SIGSTOP), claims and completes of keys on the other
+// masters go through: the Store's group commit does not make them wait
+// for the frozen node.
+func TestClusterFrozenMasterDelaysOnlyItsKeys(t *testing.T) {
+	c := rediscluster.Start(t, rediscluster.Options{Args: []string{"--cluster-replica-no-failover", "yes"}})
+	// Long timeouts: the frozen node's claim stays in flight until the
+	// node is resumed.
+	client := c.Client(t, redis.ClusterOptions{ReadTimeout: 2 * time.Minute, WriteTimeout: 2 * time.Minute})
+	s, err := redisnx.New(client, redisnx.Options{Prefix: testenv.Name("redisnx")})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx := deduptest.Ctx(t)
+	shards, err := c.Shards(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	l := &shardLoad{s: s, shards: shards}
+	for i := range shards { // connections to every master
+		if _, err := s.Claim(ctx, l.key(i)); err != nil {
+			t.Fatal(err)
+		}
+	}
+
+	frozen := l.key(0)
+	hook := &sentHook{key: s.RedisKey(frozen), sent: make(chan struct{})}
+	client.AddHook(hook)
+	if err := c.Pause(ctx, shards[0].Master); err != nil {
+		t.Fatal(err)
+	}
+	resumed := false
+	defer func() {
+		if !resumed {
+			_ = c.Resume(context.Background(), shards[0].Master)
+		}
+	}()
+	frozenDone := make(chan error, 1)
+	go func() {
+		_, err := s.Claim(ctx, frozen)
+		frozenDone <- err
+	}()
+	select {
+	case <-hook.sent:
+	case err := <-frozenDone:
+		t.Fatalf("the claim on the frozen master returned %v before it was sent", err)
+	}
+
+	for i := 1; i < len(shards); i++ {
+		for range 10 {
+			k := l.key(i)
+			lease, err := s.Claim(ctx, k)
+			if err != nil {
+				t.Fatalf("claim on a healthy master while another is frozen: %v", err)
+			}
+			if err := s.Complete(ctx, lease, nil); err != nil {
+				t.Fatalf("complete on a healthy master while another is frozen: %v", err)
+			}
+		}
+	}
+	select {
+	case err := <-frozenDone:
+		t.Fatalf("the claim on the frozen master returned (%v) before the healthy masters' claims: they waited for it", err)
+	default:
+	}
+
+	resumed = true
+	if err := c.Resume(ctx, shards[0].Master); err != nil {
+		t.Fatal(err)
+	}
+	if err := <-frozenDone; err != nil {
+		t.Fatalf("the claim on the resumed master: %v", err)
+	}
+}

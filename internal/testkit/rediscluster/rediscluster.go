@@ -25,6 +25,7 @@ import (
 	"slices"
 	"strconv"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -54,6 +55,9 @@ type Options struct {
 type Cluster struct {
 	nodes map[string]*fault.Redis // by address
 	addrs []string
+
+	mu     sync.Mutex
+	paused map[string]*os.Process // by address
 }
 
 // Shard is one master with its replicas and its slots.
@@ -100,8 +104,11 @@ func Start(t testing.TB, opts Options) *Cluster {
 	ctx, cancel := context.WithTimeout(context.Background(), opts.StartTimeout)
 	defer cancel()
 
-	c := &Cluster{nodes: map[string]*fault.Redis{}}
+	c := &Cluster{nodes: map[string]*fault.Redis{}, paused: map[string]*os.Process{}}
 	t.Cleanup(func() {
+		for addr := range c.paused {
+			_ = c.Resume(context.Background(), addr)
+		}
 		for _, n := range c.nodes {
 			_ = n.Close()
 		}
@@ -310,6 +317,55 @@ func (c *Cluster) Kill(addr string) error {
 		return fmt.Errorf("rediscluster: no node %s", addr)
 	}
 	return n.Kill()
+}
+
+// Pause stops the node at addr with SIGSTOP: it keeps its connections but
+// answers nothing, like a frozen host, until Resume.
+func (c *Cluster) Pause(ctx context.Context, addr string) error {
+	p, err := c.process(ctx, addr)
+	if err != nil {
+		return err
+	}
+	return fault.Pause(p)
+}
+
+// Resume continues a node stopped by Pause.
+func (c *Cluster) Resume(ctx context.Context, addr string) error {
+	c.mu.Lock()
+	p := c.paused[addr]
+	delete(c.paused, addr)
+	c.mu.Unlock()
+	if p == nil {
+		return fmt.Errorf("rediscluster: %s is not paused", addr)
+	}
+	return fault.Resume(p)
+}
+
+// process finds the node's process (INFO server's process_id) and records
+// it as paused, so that Resume and the cleanup find it without asking the
+// stopped node.
+func (c *Cluster) process(ctx context.Context, addr string) (*os.Process, error) {
+	info, err := c.command(ctx, addr, "INFO", "server")
+	if err != nil {
+		return nil, fmt.Errorf("rediscluster: INFO server on %s: %w", addr, err)
+	}
+	for _, line := range strings.Split(info, "\r\n") {
+		if v, ok := strings.CutPrefix(line, "process_id:"); ok {
+			pid, err := strconv.Atoi(v)
+			if err != nil {
+				return nil, fmt.Errorf("rediscluster: process_id %q", v)
+			}
+			p, err := os.FindProcess(pid)
+			if err != nil {
+				return nil, err
+			}
+			c.mu.Lock()
+			c.paused[addr] = p
+			c.mu.Unlock()
+			return p, nil
+		}
+	}
+	return nil, fmt.Errorf("rediscluster: no process_id in INFO server of %s", addr)
 }
 
 // ConfigSet runs CONFIG SET on the node at addr.
