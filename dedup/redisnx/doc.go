@@ -15,7 +15,8 @@
 //
 // Claim is one round trip: SET key record NX GET PX lease, which sets the
 // key if it is absent and otherwise returns what is stored, atomically and
-// without a script. From the stored record Claim answers
+// without a script (with a GET of the key's previous layout in the same
+// pipeline; see Key layout). From the stored record Claim answers
 // dedup.ErrFingerprintMismatch when both fingerprints are present and
 // differ, dedup.ErrDuplicate with the stored result when the key is done,
 // and dedup.ErrInFlight when another owner holds it (then one more round
@@ -75,21 +76,35 @@
 //
 // # Key layout
 //
-//	<Prefix>:v1:{<tag>}:<len(scope)>:<scope>:<id>
+//	<Prefix>:2{<tag>}<rest>
 //
-// "v1" versions the layout and the record format. The tag is the first 8
-// bytes of SHA-256(scope, 0x00, id) in hex: a Redis Cluster hash tag, so
-// the key's slot depends on the tag alone and keys spread evenly over the
-// cluster; Prefix may not contain braces, so the tag is always the first
-// {...} of the key whatever the scope and id contain. The scope follows with
-// its length in bytes, which makes the key unambiguous: two different
-// (scope, id) pairs never share a key, even when they contain ':' or braces.
-// Store.RedisKey returns the key of a dedup.Key, for operators.
+// "2" versions the layout and the record format. Tag and rest are the first
+// 16 bytes of SHA-256(scope, 0x00, id): the tag the first 8 in hex, a Redis
+// Cluster hash tag, so the key's slot depends on the tag alone and keys
+// spread evenly over the cluster; the rest the next 8 in unpadded
+// base64url. Prefix may not contain braces, so the tag is always the first
+// {...} of the key. With the default prefix a key is 35 bytes whatever the
+// scope and id; two (scope, id) pairs share a key only if 128 bits of
+// SHA-256 collide. Store.RedisKey returns the key of a dedup.Key, for
+// operators (the key does not reveal the scope and id: look a message up
+// by computing its key).
 //
-// The value is a binary record: one state byte ('L' in flight, 'D' done),
-// the 32-byte fingerprint (all zeros when absent), then the owner's token
-// while in flight or the stored result once done. The key's expiry is the
-// lease while in flight and the retention (TTL) once done.
+// The value is a binary record: one state byte, the 32-byte fingerprint
+// only when the key has one ('L' in flight, 'D' done; without a
+// fingerprint 'l' and 'd'), then the owner's token while in flight or the
+// result, if any, once done. A done mark without fingerprint and result is
+// the single byte "d". The key's expiry is the lease while in flight and
+// the retention (TTL) once done.
+//
+// The previous layout, <Prefix>:v1:{<tag>}:<len(scope)>:<scope>:<id> with
+// the same tag and a record that always holds 32 fingerprint bytes, is
+// still read: each claim also reads that key (same slot, same pipeline)
+// and, when a record is there, answers from it (a duplicate, in flight or a
+// fingerprint mismatch) and releases the claim it may have just made. So
+// marks written before an upgrade are honoured until they expire. Stores of
+// both layouts do not see each other's in-flight claims atomically: during
+// a rolling upgrade a message delivered twice at the same moment to an old
+// and a new process may run twice.
 //
 // # Durability
 //

@@ -216,7 +216,12 @@ func TestClaimResult(t *testing.T) {
 		{name: "done", key: key, stored: done(fpA, "r"), want: dedup.ErrDuplicate, result: "r"},
 		{name: "done, claim without fingerprint", key: dedup.Key{Scope: "s", ID: "1"}, stored: done(fpB, "r"), want: dedup.ErrDuplicate, result: "r"},
 		{name: "done, other content", key: key, stored: done(fpB, "r"), want: dedup.ErrFingerprintMismatch},
+		{name: "no fingerprint, another owner", key: key, stored: string(inFlightRecord(dedup.Fingerprint{}, "other")), want: dedup.ErrInFlight},
+		{name: "no fingerprint, our own record", key: dedup.Key{Scope: "s", ID: "1"}, stored: string(inFlightRecord(dedup.Fingerprint{}, "tok")), granted: true},
+		{name: "no fingerprint, done", key: key, stored: "dr", want: dedup.ErrDuplicate, result: "r"},
+		{name: "no fingerprint, done, no result", key: key, stored: "d", want: dedup.ErrDuplicate},
 		{name: "foreign short value", key: key, stored: "hello"},
+		{name: "foreign short record", key: key, stored: "D" + string(make([]byte, 10))},
 		{name: "foreign state byte", key: key, stored: "X" + string(make([]byte, 40))},
 	} {
 		t.Run(tc.name, func(t *testing.T) {

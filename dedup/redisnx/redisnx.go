@@ -4,6 +4,7 @@ import (
 	"context"
 	"crypto/rand"
 	"crypto/sha256"
+	"encoding/base64"
 	"encoding/hex"
 	"errors"
 	"fmt"
@@ -71,7 +72,8 @@ type Store struct {
 	client    redis.UniversalClient
 	lease     time.Duration
 	ttl       time.Duration
-	prefix    string // Prefix + ":v1:{"
+	prefix    string // Prefix + ":2{"
+	oldPrefix string // Prefix + ":v1:{", the previous layout
 	maxKeyLen int
 	leaseArg  any // lease in milliseconds, as a script argument
 	ttlArg    any // TTL in milliseconds, as a script argument
@@ -146,7 +148,8 @@ func New(client redis.UniversalClient, opts Options) (*Store, error) {
 		client:    client,
 		lease:     lease,
 		ttl:       ttl,
-		prefix:    prefix + ":v1:{",
+		prefix:    prefix + ":2{",
+		oldPrefix: prefix + ":v1:{",
 		maxKeyLen: maxKeyLen,
 		leaseArg:  strconv.FormatInt(lease.Milliseconds(), 10),
 		ttlArg:    strconv.FormatInt(ttl.Milliseconds(), 10),
@@ -307,18 +310,25 @@ func validPrefix(p string) error {
 // RedisKey returns the Redis key that holds k, for operators and tests. The
 // fingerprint is not part of the key. See the package doc for the layout.
 func (s *Store) RedisKey(k dedup.Key) string {
-	var stack [2*dedup.DefaultMaxKeyLen + 1]byte
-	in := append(stack[:0], k.Scope...)
-	in = append(in, 0)
-	in = append(in, k.ID...)
-	sum := sha256.Sum256(in)
+	sum := digest(k)
+	var b [16 + 1 + 11]byte
+	hex.Encode(b[:16], sum[:8])
+	b[16] = '}'
+	base64.RawURLEncoding.Encode(b[17:], sum[8:16])
+	return s.prefix + string(b[:])
+}
+
+// oldKey returns the key of k in the previous layout, which Claim still
+// reads (see the package doc). It shares RedisKey's hash tag, so both keys
+// live in the same slot.
+func (s *Store) oldKey(k dedup.Key) string {
+	sum := digest(k)
 	var tag [16]byte
 	hex.Encode(tag[:], sum[:8])
-
 	n := strconv.Itoa(len(k.Scope))
 	var b strings.Builder
-	b.Grow(len(s.prefix) + len(tag) + 2 + len(n) + 1 + len(k.Scope) + 1 + len(k.ID))
-	b.WriteString(s.prefix)
+	b.Grow(len(s.oldPrefix) + len(tag) + 2 + len(n) + 1 + len(k.Scope) + 1 + len(k.ID))
+	b.WriteString(s.oldPrefix)
 	b.Write(tag[:])
 	b.WriteString("}:")
 	b.WriteString(n)
@@ -329,28 +339,55 @@ func (s *Store) RedisKey(k dedup.Key) string {
 	return b.String()
 }
 
+// digest is SHA-256(scope, 0x00, id).
+func digest(k dedup.Key) [sha256.Size]byte {
+	var stack [2*dedup.DefaultMaxKeyLen + 1]byte
+	in := append(stack[:0], k.Scope...)
+	in = append(in, 0)
+	in = append(in, k.ID...)
+	return sha256.Sum256(in)
+}
+
 func newToken() string {
 	var b [16]byte
 	_, _ = rand.Read(b[:]) // never fails (crypto/rand, Go 1.24+)
 	return hex.EncodeToString(b[:])
 }
 
-// inFlightRecord is the value a claim sets.
+// inFlightRecord is the value a claim sets: the fingerprint only when the
+// key has one.
 func inFlightRecord(fp dedup.Fingerprint, token string) []byte {
-	rec := make([]byte, 0, headerLen+len(token))
+	if fp.IsZero() {
+		return append([]byte{stateInFlightNF}, token...)
+	}
+	rec := make([]byte, 0, 1+fpLen+len(token))
 	rec = append(rec, stateInFlight)
 	rec = append(rec, fp[:]...)
 	return append(rec, token...)
 }
 
-// parseRecord splits a stored record. ok is false when the value is not a
-// record (idem does not share its prefix, but someone may write there).
+// parseRecord splits a stored record, of this layout or the previous one
+// (which always has a fingerprint, all zeros when absent). state is
+// stateInFlight or stateDone whether or not the record holds a fingerprint;
+// ok is false when the value is not a record (idem does not share its
+// prefix, but someone may write there).
 func parseRecord(v string) (state byte, fp dedup.Fingerprint, rest string, ok bool) {
-	if len(v) < headerLen || (v[0] != stateInFlight && v[0] != stateDone) {
+	if v == "" {
 		return 0, fp, "", false
 	}
-	copy(fp[:], v[1:headerLen])
-	return v[0], fp, v[headerLen:], true
+	switch v[0] {
+	case stateInFlightNF:
+		return stateInFlight, fp, v[1:], true
+	case stateDoneNF:
+		return stateDone, fp, v[1:], true
+	case stateInFlight, stateDone:
+		if len(v) < 1+fpLen {
+			return 0, fp, "", false
+		}
+		copy(fp[:], v[1:1+fpLen])
+		return v[0], fp, v[1+fpLen:], true
+	}
+	return 0, fp, "", false
 }
 
 // claimOp is one key's claim on its way to Redis and back.
@@ -364,6 +401,10 @@ type claimOp struct {
 	// else {stored record, PTTL}).
 	cmd    *redis.Cmd
 	script bool
+	// old reads the key's record in the previous layout (oldKey); when
+	// there is one, it answers the claim (see claimAll).
+	oldKey string
+	old    *redis.StringCmd
 	// retryAfter is the PTTL of a key found in flight.
 	retryAfter time.Duration
 	// args holds SET NX GET's arguments: passed as a slice of it, they
@@ -374,6 +415,7 @@ type claimOp struct {
 func (s *Store) newClaimOp(op *claimOp, key dedup.Key) {
 	op.key = key
 	op.rkey = s.RedisKey(key)
+	op.oldKey = s.oldKey(key)
 	op.token = newToken()
 	op.rec = inFlightRecord(key.Fingerprint, op.token)
 }
@@ -384,22 +426,57 @@ type cmdable interface {
 	Do(ctx context.Context, args ...any) *redis.Cmd
 }
 
-// send issues op's command on c.
-func (s *Store) send(ctx context.Context, c cmdable, op *claimOp, legacy bool) {
+// send issues op's commands on p: the claim, and the read of the previous
+// layout's key (same slot, same node).
+func (s *Store) send(ctx context.Context, p redis.Pipeliner, op *claimOp, legacy bool) {
 	op.script = legacy
 	if legacy {
-		op.cmd = s.claim.EvalSha(ctx, c, []string{op.rkey}, op.rec, s.leaseArg)
-		return
+		op.cmd = s.claim.EvalSha(ctx, p, []string{op.rkey}, op.rec, s.leaseArg)
+	} else {
+		// SET NX GET: one atomic command that claims, or tells what is
+		// stored. It needs Redis 7.0.
+		op.args = [7]any{"set", op.rkey, op.rec, "px", s.leaseArg, "nx", "get"}
+		op.cmd = p.Do(ctx, op.args[:]...)
 	}
-	// SET NX GET: one atomic command that claims, or tells what is stored.
-	// It needs Redis 7.0.
-	op.args = [7]any{"set", op.rkey, op.rec, "px", s.leaseArg, "nx", "get"}
-	op.cmd = c.Do(ctx, op.args[:]...)
+	op.old = p.Get(ctx, op.oldKey)
 }
 
-// claimAll claims the keys of ops: one command per key, all of them in one
-// pipeline (one round trip). It returns an error only when Redis could not
-// be reached; an error that Redis returns for one key stays in that op.
+// granted reports whether op's claim set the key (or found it set by
+// itself: the client resent the command after losing the first reply).
+func (op *claimOp) granted() bool {
+	if op.script {
+		if n, err := op.cmd.Int64(); err == nil {
+			return n == 0
+		}
+		arr, _ := op.cmd.Val().([]any)
+		if len(arr) == 2 {
+			v, _ := arr[0].(string)
+			state, _, rest, ok := parseRecord(v)
+			return ok && state == stateInFlight && rest == op.token
+		}
+		return false
+	}
+	v, err := op.cmd.Text()
+	if errors.Is(err, redis.Nil) {
+		return true
+	}
+	state, _, rest, ok := parseRecord(v)
+	return err == nil && ok && state == stateInFlight && rest == op.token
+}
+
+// oldRecord returns the record op found under the previous layout's key.
+func (op *claimOp) oldRecord() (string, bool) {
+	if op.old == nil {
+		return "", false
+	}
+	v, err := op.old.Result()
+	return v, err == nil
+}
+
+// claimAll claims the keys of ops: two commands per key (the claim and the
+// read of the previous layout's key), all of them in one pipeline (one
+// round trip). It returns an error only when Redis could not be reached; an
+// error that Redis returns for one key stays in that op.
 //
 // Two answers make it send some claims again, each of which had no effect:
 // a Redis older than 7.0 refuses SET NX GET as a syntax error (the store
@@ -407,22 +484,21 @@ func (s *Store) send(ctx context.Context, c cmdable, op *claimOp, legacy bool) {
 // script (a restart, SCRIPT FLUSH, a new cluster node) answers NOSCRIPT to
 // EVALSHA (the script is then loaded).
 //
-// Keys found in flight get their PTTL, as the RetryAfter hint, in one more
-// round trip; it is only a hint, so a failure there leaves it at zero.
+// A record under the previous layout's key answers the claim; a claim that
+// was granted meanwhile is released. Keys found in flight get their PTTL,
+// as the RetryAfter hint. Both go in one more round trip, which only these
+// cases need; the PTTL is only a hint, so a failure there leaves it at
+// zero, and a failed release leaves a lease that runs out.
 func (s *Store) claimAll(ctx context.Context, ops []*claimOp) error {
 	todo := ops
 	for attempt := 0; attempt < 3 && len(todo) > 0; attempt++ {
 		legacy := s.legacy.Load()
-		if len(todo) == 1 {
-			s.send(ctx, s.client, todo[0], legacy)
-		} else {
-			_, _ = s.client.Pipelined(ctx, func(p redis.Pipeliner) error {
-				for _, op := range todo {
-					s.send(ctx, p, op, legacy)
-				}
-				return nil
-			})
-		}
+		_, _ = s.client.Pipelined(ctx, func(p redis.Pipeliner) error {
+			for _, op := range todo {
+				s.send(ctx, p, op, legacy)
+			}
+			return nil
+		})
 		var again []*claimOp
 		load := false
 		for _, op := range todo {
@@ -449,37 +525,65 @@ func (s *Store) claimAll(ctx context.Context, ops []*claimOp) error {
 		todo = again
 	}
 
-	var waiting []*claimOp
+	type pttl struct {
+		op  *claimOp
+		cmd *redis.DurationCmd
+	}
+	var waiting []pttl
+	var undo []*claimOp
 	for _, op := range ops {
+		if v, ok := op.oldRecord(); ok {
+			if op.granted() {
+				undo = append(undo, op)
+			}
+			if state, fp, _, ok := parseRecord(v); ok && state == stateInFlight && op.key.Fingerprint.Matches(fp) {
+				waiting = append(waiting, pttl{op: op})
+			}
+			continue
+		}
 		if op.script {
 			continue // the script answered the PTTL
 		}
 		if v, err := op.cmd.Text(); err == nil {
 			if state, fp, token, ok := parseRecord(v); ok && state == stateInFlight && token != op.token && op.key.Fingerprint.Matches(fp) {
-				waiting = append(waiting, op)
+				waiting = append(waiting, pttl{op: op})
 			}
 		}
 	}
-	if len(waiting) == 0 {
+	if len(waiting) == 0 && len(undo) == 0 {
 		return nil
 	}
-	ttls := make([]*redis.DurationCmd, len(waiting))
 	_, _ = s.client.Pipelined(ctx, func(p redis.Pipeliner) error {
-		for i, op := range waiting {
-			ttls[i] = p.PTTL(ctx, op.rkey)
+		for i, w := range waiting {
+			key := w.op.rkey
+			if _, ok := w.op.oldRecord(); ok {
+				key = w.op.oldKey
+			}
+			waiting[i].cmd = p.PTTL(ctx, key)
+		}
+		for _, op := range undo {
+			s.release.Eval(ctx, p, []string{op.rkey}, op.token)
 		}
 		return nil
 	})
-	for i, op := range waiting {
-		if d, err := ttls[i].Result(); err == nil && d > 0 {
-			op.retryAfter = d
+	for _, w := range waiting {
+		if d, err := w.cmd.Result(); err == nil && d > 0 {
+			w.op.retryAfter = d
 		}
 	}
 	return nil
 }
 
-// result turns op's reply into a lease or the claim error.
+// result turns op's replies into a lease or the claim error.
 func (s *Store) result(op *claimOp) (*dedup.Lease, error) {
+	if op.old != nil {
+		if err := op.old.Err(); err != nil && !errors.Is(err, redis.Nil) {
+			return nil, fmt.Errorf("redisnx: claim %s: %w", op.key, err)
+		}
+		if v, ok := op.oldRecord(); ok {
+			return s.answer(op, v)
+		}
+	}
 	var stored string
 	if !op.script { // SET NX GET
 		v, err := op.cmd.Text()
@@ -510,7 +614,11 @@ func (s *Store) result(op *claimOp) (*dedup.Lease, error) {
 		}
 		op.retryAfter = time.Duration(ms) * time.Millisecond
 	}
+	return s.answer(op, stored)
+}
 
+// answer is the claim's answer when it found the record stored.
+func (s *Store) answer(op *claimOp, stored string) (*dedup.Lease, error) {
 	state, fp, rest, ok := parseRecord(stored)
 	switch {
 	case ok && state == stateInFlight && rest == op.token:
