@@ -93,7 +93,9 @@
 // only when the key has one ('L' in flight, 'D' done; without a
 // fingerprint 'l' and 'd'), then the owner's token while in flight or the
 // result, if any, once done. A done mark without fingerprint and result is
-// the single byte "d". The key's expiry is the lease while in flight and
+// "1", which Redis keeps as a shared integer object: with the default
+// prefix it takes about as much memory as a bare SET of a UUID key to "1"
+// (see TestMarkMemory for the figures). The key's expiry is the lease while in flight and
 // the retention (TTL) once done.
 //
 // The previous layout, <Prefix>:v1:{<tag>}:<len(scope)>:<scope>:<id> with

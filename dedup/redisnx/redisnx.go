@@ -375,6 +375,9 @@ func parseRecord(v string) (state byte, fp dedup.Fingerprint, rest string, ok bo
 	if v == "" {
 		return 0, fp, "", false
 	}
+	if v == doneBare {
+		return stateDone, fp, "", true
+	}
 	switch v[0] {
 	case stateInFlightNF:
 		return stateInFlight, fp, v[1:], true

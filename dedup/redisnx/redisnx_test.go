@@ -786,3 +786,36 @@ func TestReadsPreviousLayout(t *testing.T) {
 		}
 	}
 }
+
+// TestRecordsWithoutFingerprint: a key without fingerprint stores none, and
+// a done record holds the result only when there is one.
+func TestRecordsWithoutFingerprint(t *testing.T) {
+	s, c := newStore(t, redisnx.Options{})
+	ctx := deduptest.Ctx(t)
+	for _, result := range []string{"", "r"} {
+		key := dedup.Key{Scope: deduptest.UniqueID("s"), ID: deduptest.UniqueID("id")}
+		l, err := s.Claim(ctx, key)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if v := c.Get(ctx, s.RedisKey(key)).Val(); v != "l"+l.Token {
+			t.Fatalf("in-flight record %q, want %q", v, "l"+l.Token)
+		}
+		if err := s.Complete(ctx, l, []byte(result)); err != nil {
+			t.Fatal(err)
+		}
+		want := "d" + result
+		if result == "" {
+			want = "1"
+		}
+		if v := c.Get(ctx, s.RedisKey(key)).Val(); v != want {
+			t.Fatalf("done record %q, want %q", v, want)
+		}
+		for _, k := range []dedup.Key{key, {Scope: key.Scope, ID: key.ID, Fingerprint: dedup.FingerprintOf([]byte("p"))}} {
+			_, err = s.Claim(ctx, k)
+			if r, ok := dedup.StoredResult(err); !ok || string(r) != result {
+				t.Fatalf("claim again = %v (result %q), want a duplicate with %q", err, r, result)
+			}
+		}
+	}
+}

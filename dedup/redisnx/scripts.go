@@ -11,6 +11,9 @@ const (
 	stateInFlightNF = 'l' // in flight, no fingerprint
 	stateDoneNF     = 'd' // done, no fingerprint
 	fpLen           = 32
+	// doneBare is the done record without fingerprint and result: an
+	// integer, which Redis stores as a shared object (no allocation).
+	doneBare = "1"
 )
 
 // claimScript is the claim on Redis before 7.0, which refuses SET NX GET:
@@ -61,15 +64,19 @@ return 1
 
 // completeScript: ARGV[1] token, ARGV[2] result, ARGV[3] retention in
 // milliseconds. The done record keeps the fingerprint, if any, and drops the
-// token.
+// token; without fingerprint and result it is doneBare.
 var completeScript = redis.NewScript(completeSrc)
 
 const completeSrc = ownedCheck + `
-local done = 'd'
+local done
 if s == 'L' then
-  done = 'D'
+  done = 'D' .. string.sub(v, 2, h) .. ARGV[2]
+elseif ARGV[2] == '' then
+  done = '1'
+else
+  done = 'd' .. ARGV[2]
 end
-redis.call('SET', KEYS[1], done .. string.sub(v, 2, h) .. ARGV[2], 'PX', ARGV[3])
+redis.call('SET', KEYS[1], done, 'PX', ARGV[3])
 return 1
 `
 
