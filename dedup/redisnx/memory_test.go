@@ -28,7 +28,7 @@ func uuid() string {
 }
 
 // usedMemory is INFO memory's used_memory.
-func usedMemory(t testing.TB, ctx context.Context, c *redis.Client) int64 {
+func usedMemory(ctx context.Context, t testing.TB, c *redis.Client) int64 {
 	t.Helper()
 	info, err := c.Info(ctx, "memory").Result()
 	if err != nil {
@@ -71,12 +71,12 @@ func TestMarkMemory(t *testing.T) {
 		if err := c.FlushAll(ctx).Err(); err != nil {
 			t.Fatal(err)
 		}
-		before := usedMemory(t, ctx, c)
+		before := usedMemory(ctx, t, c)
 		write()
 		if got := c.DBSize(ctx).Val(); got != n {
 			t.Fatalf("%s: %d keys, want %d", name, got, n)
 		}
-		b := float64(usedMemory(t, ctx, c)-before) / n
+		b := float64(usedMemory(ctx, t, c)-before) / n
 		t.Logf("%s: %.1f bytes of used_memory per key", name, b)
 		return b
 	}
