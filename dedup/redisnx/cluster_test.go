@@ -53,11 +53,13 @@ func TestClusterConformance(t *testing.T) {
 // with a few workers per shard, and keeps count.
 type shardLoad struct {
 	s      *redisnx.Store
+	client *redis.ClusterClient
 	shards []rediscluster.Shard
 
 	// victim gates the workers of one shard: they hold it for reading
 	// during each claim and complete, so taking it for writing waits until
-	// none of that shard's writes is in flight and holds them back.
+	// none of that shard's writes is in flight and holds them back
+	// (victimShard -1: no shard).
 	victim      sync.RWMutex
 	victimShard int
 
@@ -68,6 +70,26 @@ type shardLoad struct {
 	mu        sync.Mutex
 	completed []dedup.Key
 	wrong     []string // answers that must never happen on fresh keys
+}
+
+// newClusterLoad starts a cluster of three masters with one replica each,
+// whose replicas do not take over on their own
+// (cluster-replica-no-failover), and returns it with a shardLoad on a Store
+// on a client with clientOpts.
+func newClusterLoad(t *testing.T, clientOpts redis.ClusterOptions) (*rediscluster.Cluster, *shardLoad) {
+	t.Helper()
+	c := rediscluster.Start(t, rediscluster.Options{Args: []string{"--cluster-replica-no-failover", "yes"}})
+	client := c.Client(t, clientOpts)
+	s, err := redisnx.New(client, redisnx.Options{Prefix: testenv.Name("redisnx")})
+	if err != nil {
+		t.Fatal(err)
+	}
+	shards, err := c.Shards(deduptest.Ctx(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	return c, &shardLoad{s: s, client: client, shards: shards, victimShard: -1,
+		ok: make([]atomic.Int64, len(shards)), failed: make([]atomic.Int64, len(shards)), firstOK: make([]atomic.Int64, len(shards))}
 }
 
 // key returns a fresh key whose slot the shard owns.
@@ -151,23 +173,10 @@ func waitFor(t *testing.T, what string, cond func() bool) {
 // dead shard's claims succeed again after the promotion, and every
 // completed mark is still there at the end.
 func TestClusterMasterKilledUnderLoad(t *testing.T) {
-	c := rediscluster.Start(t, rediscluster.Options{
-		NodeTimeout: time.Second,
-		Args:        []string{"--cluster-replica-no-failover", "yes"},
-	})
-	client := c.Client(t, redis.ClusterOptions{ClusterStateReloadInterval: time.Hour})
-	s, err := redisnx.New(client, redisnx.Options{Prefix: testenv.Name("redisnx")})
-	if err != nil {
-		t.Fatal(err)
-	}
-	ctx := deduptest.Ctx(t)
-	shards, err := c.Shards(ctx)
-	if err != nil {
-		t.Fatal(err)
-	}
+	c, l := newClusterLoad(t, redis.ClusterOptions{ClusterStateReloadInterval: time.Hour})
+	s, shards, ctx := l.s, l.shards, deduptest.Ctx(t)
 	const victim, perShard = 0, 4
-	l := &shardLoad{s: s, shards: shards, victimShard: victim,
-		ok: make([]atomic.Int64, len(shards)), failed: make([]atomic.Int64, len(shards)), firstOK: make([]atomic.Int64, len(shards))}
+	l.victimShard = victim
 	healthy := func() (n int64) {
 		for i := range shards {
 			if i != victim {
@@ -309,20 +318,10 @@ func (h *sentHook) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.Pro
 // masters go through: the Store's group commit does not make them wait
 // for the frozen node.
 func TestClusterFrozenMasterDelaysOnlyItsKeys(t *testing.T) {
-	c := rediscluster.Start(t, rediscluster.Options{Args: []string{"--cluster-replica-no-failover", "yes"}})
 	// Long timeouts: the frozen node's claim stays in flight until the
 	// node is resumed.
-	client := c.Client(t, redis.ClusterOptions{ReadTimeout: 2 * time.Minute, WriteTimeout: 2 * time.Minute})
-	s, err := redisnx.New(client, redisnx.Options{Prefix: testenv.Name("redisnx")})
-	if err != nil {
-		t.Fatal(err)
-	}
-	ctx := deduptest.Ctx(t)
-	shards, err := c.Shards(ctx)
-	if err != nil {
-		t.Fatal(err)
-	}
-	l := &shardLoad{s: s, shards: shards}
+	c, l := newClusterLoad(t, redis.ClusterOptions{ReadTimeout: 2 * time.Minute, WriteTimeout: 2 * time.Minute})
+	s, shards, ctx, client := l.s, l.shards, deduptest.Ctx(t), l.client
 	for i := range shards { // connections to every master
 		if _, err := s.Claim(ctx, l.key(i)); err != nil {
 			t.Fatal(err)

@@ -52,9 +52,9 @@
 // client to reload the slot map (ClusterClient.ReloadState) and tries again
 // every 100ms, for up to Options.FailoverWait (2s by default) within the
 // call's ctx; meanwhile it fails closed, returning the error and never an
-// answer about the key. A failed-over shard's keys are served again within
-// a few hundred milliseconds of the replica's promotion, whatever the
-// reload interval.
+// answer about the key. A failed-over shard's keys are served again about
+// a second after the replica's promotion (the time for a try against the
+// dead node to fail and a reload to land), whatever the reload interval.
 //
 // Settings that matter on the servers and the client:
 //
