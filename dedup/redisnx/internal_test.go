@@ -265,3 +265,35 @@ func TestClaimResult(t *testing.T) {
 		})
 	}
 }
+
+// TestLegacyReadsPreviousLayout: on the claim script's path too, a record
+// of the previous layout answers the claim and the claim leaves no key.
+func TestLegacyReadsPreviousLayout(t *testing.T) {
+	s, c := legacyStore(t, Options{})
+	ctx := deduptest.Ctx(t)
+	fp := dedup.FingerprintOf([]byte("p"))
+	done := dedup.Key{Scope: deduptest.UniqueID("s"), ID: "done", Fingerprint: fp}
+	busy := dedup.Key{Scope: done.Scope, ID: "busy"}
+	if err := c.Set(ctx, s.oldKey(done), string(append(append([]byte{stateDone}, fp[:]...), "r"...)), time.Hour).Err(); err != nil {
+		t.Fatal(err)
+	}
+	if err := c.Set(ctx, s.oldKey(busy), string(inFlightRecord(fp, "other")), time.Minute).Err(); err != nil {
+		t.Fatal(err)
+	}
+	res, err := s.ClaimBatch(ctx, []dedup.Key{done, busy})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if r, ok := dedup.StoredResult(res[0].Err); !ok || string(r) != "r" {
+		t.Fatalf("claim of a done key of the previous layout = %v", res[0].Err)
+	}
+	var ce *dedup.ClaimError
+	if !errors.As(res[1].Err, &ce) || !errors.Is(ce, dedup.ErrInFlight) || ce.RetryAfter <= 0 || ce.RetryAfter > time.Minute {
+		t.Fatalf("claim of an in-flight key of the previous layout = %v, want ErrInFlight with its PTTL", res[1].Err)
+	}
+	for _, k := range []dedup.Key{done, busy} {
+		if n := c.Exists(ctx, s.RedisKey(k)).Val(); n != 0 {
+			t.Fatalf("the claim of %s left its key behind", k)
+		}
+	}
+}
