@@ -103,10 +103,11 @@
 // still read: each claim also reads that key (same slot, same pipeline)
 // and, when a record is there, answers from it (a duplicate, in flight or a
 // fingerprint mismatch) and releases the claim it may have just made. So
-// marks written before an upgrade are honoured until they expire. Stores of
-// both layouts do not see each other's in-flight claims atomically: during
-// a rolling upgrade a message delivered twice at the same moment to an old
-// and a new process may run twice.
+// marks written before an upgrade are honoured until they expire;
+// Options.SkipPreviousLayout turns the read off once none is left. Stores
+// of both layouts do not see each other's in-flight claims atomically:
+// during a rolling upgrade a message delivered twice at the same moment to
+// an old and a new process may run twice.
 //
 // # Durability
 //

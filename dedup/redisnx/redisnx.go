@@ -64,6 +64,12 @@ type Options struct {
 	// answers as if the key were absent. A negative value returns the
 	// error at once (the slot map is still reloaded). Defaults to 2s.
 	FailoverWait time.Duration
+	// SkipPreviousLayout stops claims from reading the key of the
+	// previous key layout (see the package doc), which saves one GET per
+	// claim. Set it only when no mark of that layout can still be
+	// live: a TTL after the last process that wrote them stopped.
+	// Defaults to false (read it).
+	SkipPreviousLayout bool
 }
 
 // Store is a lease store on Redis. It is safe for concurrent use. It holds no
@@ -73,7 +79,7 @@ type Store struct {
 	lease     time.Duration
 	ttl       time.Duration
 	prefix    string // Prefix + ":2{"
-	oldPrefix string // Prefix + ":v1:{", the previous layout
+	oldPrefix string // Prefix + ":v1:{", the previous layout; "" to skip it
 	maxKeyLen int
 	leaseArg  any // lease in milliseconds, as a script argument
 	ttlArg    any // TTL in milliseconds, as a script argument
@@ -160,6 +166,9 @@ func New(client redis.UniversalClient, opts Options) (*Store, error) {
 
 		failoverWait: failoverWait,
 		nodes:        map[string]*node{},
+	}
+	if opts.SkipPreviousLayout {
+		s.oldPrefix = ""
 	}
 	s.cluster, _ = client.(*redis.ClusterClient)
 	s.single = s.newNode()
@@ -418,7 +427,9 @@ type claimOp struct {
 func (s *Store) newClaimOp(op *claimOp, key dedup.Key) {
 	op.key = key
 	op.rkey = s.RedisKey(key)
-	op.oldKey = s.oldKey(key)
+	if s.oldPrefix != "" {
+		op.oldKey = s.oldKey(key)
+	}
 	op.token = newToken()
 	op.rec = inFlightRecord(key.Fingerprint, op.token)
 }
@@ -441,7 +452,9 @@ func (s *Store) send(ctx context.Context, p redis.Pipeliner, op *claimOp, legacy
 		op.args = [7]any{"set", op.rkey, op.rec, "px", s.leaseArg, "nx", "get"}
 		op.cmd = p.Do(ctx, op.args[:]...)
 	}
-	op.old = p.Get(ctx, op.oldKey)
+	if op.oldKey != "" {
+		op.old = p.Get(ctx, op.oldKey)
+	}
 }
 
 // granted reports whether op's claim set the key (or found it set by

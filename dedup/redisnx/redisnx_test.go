@@ -785,6 +785,19 @@ func TestReadsPreviousLayout(t *testing.T) {
 			})
 		}
 	}
+
+	// With SkipPreviousLayout the old record is not read.
+	skip, err := redisnx.New(c, redisnx.Options{Prefix: prefix, SkipPreviousLayout: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	key := dedup.Key{Scope: scope, ID: "skipped"}
+	if err := c.Set(ctx, previousKey(prefix, key), previousRecord('D', dedup.Fingerprint{}, ""), time.Hour).Err(); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := skip.Claim(ctx, key); err != nil {
+		t.Fatalf("claim with SkipPreviousLayout = %v, want a lease", err)
+	}
 }
 
 // TestRecordsWithoutFingerprint: a key without fingerprint stores none, and
