@@ -15,7 +15,8 @@
 //
 // Claim is one round trip: SET key record NX GET PX lease, which sets the
 // key if it is absent and otherwise returns what is stored, atomically and
-// without a script. From the stored record Claim answers
+// without a script (with a GET of the key's previous layout in the same
+// pipeline; see Key layout). From the stored record Claim answers
 // dedup.ErrFingerprintMismatch when both fingerprints are present and
 // differ, dedup.ErrDuplicate with the stored result when the key is done,
 // and dedup.ErrInFlight when another owner holds it (then one more round
@@ -34,23 +35,79 @@
 // returned wrapped and never as a duplicate or in-flight answer, so callers
 // fail closed: the message is not acknowledged and is delivered again.
 //
+// Concurrent calls share round trips, as a group commit does: a call that
+// finds none in flight is sent at once, and the calls that arrive meanwhile
+// go together in one pipeline when it returns. On a Redis Cluster the calls
+// are grouped per master node, so a dead or slow node delays only the keys
+// of its own slots.
+//
+// # Redis Cluster
+//
+// Pass a *redis.ClusterClient (or redis.NewUniversalClient with several
+// addresses). Each key and its whole state live in one slot (see the key
+// layout), so no command spans slots. go-redis learns that a master has
+// been replaced from a MOVED reply or by reloading its slot map every
+// ClusterStateReloadInterval (60s by default), and a dead master sends no
+// MOVED. So when a call cannot reach its key's node, the Store asks the
+// client to reload the slot map (ClusterClient.ReloadState) and tries again
+// every 100ms, for up to Options.FailoverWait (2s by default) within the
+// call's ctx; meanwhile it fails closed, returning the error and never an
+// answer about the key. A failed-over shard's keys are served again about
+// a second after the replica's promotion (the time for a try against the
+// dead node to fail and a reload to land), whatever the reload interval.
+//
+// Settings that matter on the servers and the client:
+//
+//   - cluster-require-full-coverage no on every node: otherwise the whole
+//     cluster refuses all keys (CLUSTERDOWN) while one shard has no master,
+//     and a dead shard stops the healthy ones.
+//   - cluster-node-timeout: a master is failed over after about this long
+//     plus an election (15s by default); claims on its slots fail until
+//     then. A smaller value heals sooner and risks failovers on short
+//     network hiccups.
+//   - ClusterOptions.ReadOnly and RouteByLatency/RouteRandomly must stay
+//     off (the default): claims are writes and must reach the master.
+//   - ClusterOptions.DialTimeout, ReadTimeout and WriteTimeout bound how
+//     long a call waits for a node that is unreachable without refusing
+//     connections (a host that went away); keep them short (the defaults are
+//     5s each) so such calls fail closed quickly.
+//   - ClusterOptions.ClusterStateReloadInterval may stay at its default;
+//     the Store reloads the slot map itself when a node is unreachable.
+//
 // # Key layout
 //
-//	<Prefix>:v1:{<tag>}:<len(scope)>:<scope>:<id>
+//	<Prefix>:2{<tag>}<rest>
 //
-// "v1" versions the layout and the record format. The tag is the first 8
-// bytes of SHA-256(scope, 0x00, id) in hex: a Redis Cluster hash tag, so
-// the key's slot depends on the tag alone and keys spread evenly over the
-// cluster; Prefix may not contain braces, so the tag is always the first
-// {...} of the key whatever the scope and id contain. The scope follows with
-// its length in bytes, which makes the key unambiguous: two different
-// (scope, id) pairs never share a key, even when they contain ':' or braces.
-// Store.RedisKey returns the key of a dedup.Key, for operators.
+// "2" versions the layout and the record format. Tag and rest are the first
+// 16 bytes of SHA-256(scope, 0x00, id): the tag the first 8 in hex, a Redis
+// Cluster hash tag, so the key's slot depends on the tag alone and keys
+// spread evenly over the cluster; the rest the next 8 in unpadded
+// base64url. Prefix may not contain braces, so the tag is always the first
+// {...} of the key. With the default prefix a key is 35 bytes whatever the
+// scope and id; two (scope, id) pairs share a key only if 128 bits of
+// SHA-256 collide. Store.RedisKey returns the key of a dedup.Key, for
+// operators (the key does not reveal the scope and id: look a message up
+// by computing its key).
 //
-// The value is a binary record: one state byte ('L' in flight, 'D' done),
-// the 32-byte fingerprint (all zeros when absent), then the owner's token
-// while in flight or the stored result once done. The key's expiry is the
-// lease while in flight and the retention (TTL) once done.
+// The value is a binary record: one state byte, the 32-byte fingerprint
+// only when the key has one ('L' in flight, 'D' done; without a
+// fingerprint 'l' and 'd'), then the owner's token while in flight or the
+// result, if any, once done. A done mark without fingerprint and result is
+// "1", which Redis keeps as a shared integer object: with the default
+// prefix it takes about as much memory as a bare SET of a UUID key to "1"
+// (see TestMarkMemory for the figures). The key's expiry is the lease while in flight and
+// the retention (TTL) once done.
+//
+// The previous layout, <Prefix>:v1:{<tag>}:<len(scope)>:<scope>:<id> with
+// the same tag and a record that always holds 32 fingerprint bytes, is
+// still read: each claim also reads that key (same slot, same pipeline)
+// and, when a record is there, answers from it (a duplicate, in flight or a
+// fingerprint mismatch) and releases the claim it may have just made. So
+// marks written before an upgrade are honoured until they expire;
+// Options.SkipPreviousLayout turns the read off once none is left. Stores
+// of both layouts do not see each other's in-flight claims atomically:
+// during a rolling upgrade a message delivered twice at the same moment to
+// an old and a new process may run twice.
 //
 // # Durability
 //

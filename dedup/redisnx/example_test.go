@@ -94,3 +94,27 @@ func ExampleStore_Release() {
 	// first owner completes: true
 	// second owner completes: true
 }
+
+// On a Redis Cluster, pass a cluster client. The Store groups calls per
+// master and, when a master is unreachable, reloads the slot map and tries
+// again for up to FailoverWait. The servers need
+// cluster-require-full-coverage no, so that a shard without a master stops
+// only its own keys.
+func ExampleNew_cluster() {
+	client := redis.NewClusterClient(&redis.ClusterOptions{
+		Addrs: []string{"10.0.0.1:6379", "10.0.0.2:6379", "10.0.0.3:6379"},
+		// Claims are writes: keep ReadOnly, RouteByLatency and
+		// RouteRandomly off (the default). Short timeouts make a call to
+		// a host that went away fail closed quickly.
+		DialTimeout:  2 * time.Second,
+		ReadTimeout:  2 * time.Second,
+		WriteTimeout: 2 * time.Second,
+	})
+	defer client.Close()
+	store, err := redisnx.New(client, redisnx.Options{FailoverWait: 3 * time.Second})
+	if err != nil {
+		fmt.Println(err)
+		return
+	}
+	_ = store // Claim, Complete and Release as with a single Redis.
+}

@@ -216,7 +216,12 @@ func TestClaimResult(t *testing.T) {
 		{name: "done", key: key, stored: done(fpA, "r"), want: dedup.ErrDuplicate, result: "r"},
 		{name: "done, claim without fingerprint", key: dedup.Key{Scope: "s", ID: "1"}, stored: done(fpB, "r"), want: dedup.ErrDuplicate, result: "r"},
 		{name: "done, other content", key: key, stored: done(fpB, "r"), want: dedup.ErrFingerprintMismatch},
+		{name: "no fingerprint, another owner", key: key, stored: string(inFlightRecord(dedup.Fingerprint{}, "other")), want: dedup.ErrInFlight},
+		{name: "no fingerprint, our own record", key: dedup.Key{Scope: "s", ID: "1"}, stored: string(inFlightRecord(dedup.Fingerprint{}, "tok")), granted: true},
+		{name: "no fingerprint, done", key: key, stored: "dr", want: dedup.ErrDuplicate, result: "r"},
+		{name: "no fingerprint, done, no result", key: key, stored: "d", want: dedup.ErrDuplicate},
 		{name: "foreign short value", key: key, stored: "hello"},
+		{name: "foreign short record", key: key, stored: "D" + string(make([]byte, 10))},
 		{name: "foreign state byte", key: key, stored: "X" + string(make([]byte, 40))},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
@@ -258,5 +263,37 @@ func TestClaimResult(t *testing.T) {
 				t.Fatalf("RetryAfter = %v, want the PTTL", ce.RetryAfter)
 			}
 		})
+	}
+}
+
+// TestLegacyReadsPreviousLayout: on the claim script's path too, a record
+// of the previous layout answers the claim and the claim leaves no key.
+func TestLegacyReadsPreviousLayout(t *testing.T) {
+	s, c := legacyStore(t, Options{})
+	ctx := deduptest.Ctx(t)
+	fp := dedup.FingerprintOf([]byte("p"))
+	done := dedup.Key{Scope: deduptest.UniqueID("s"), ID: "done", Fingerprint: fp}
+	busy := dedup.Key{Scope: done.Scope, ID: "busy"}
+	if err := c.Set(ctx, s.oldKey(done), string(append(append([]byte{stateDone}, fp[:]...), "r"...)), time.Hour).Err(); err != nil {
+		t.Fatal(err)
+	}
+	if err := c.Set(ctx, s.oldKey(busy), string(inFlightRecord(fp, "other")), time.Minute).Err(); err != nil {
+		t.Fatal(err)
+	}
+	res, err := s.ClaimBatch(ctx, []dedup.Key{done, busy})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if r, ok := dedup.StoredResult(res[0].Err); !ok || string(r) != "r" {
+		t.Fatalf("claim of a done key of the previous layout = %v", res[0].Err)
+	}
+	var ce *dedup.ClaimError
+	if !errors.As(res[1].Err, &ce) || !errors.Is(ce, dedup.ErrInFlight) || ce.RetryAfter <= 0 || ce.RetryAfter > time.Minute {
+		t.Fatalf("claim of an in-flight key of the previous layout = %v, want ErrInFlight with its PTTL", res[1].Err)
+	}
+	for _, k := range []dedup.Key{done, busy} {
+		if n := c.Exists(ctx, s.RedisKey(k)).Val(); n != 0 {
+			t.Fatalf("the claim of %s left its key behind", k)
+		}
 	}
 }

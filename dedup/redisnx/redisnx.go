@@ -4,12 +4,14 @@ import (
 	"context"
 	"crypto/rand"
 	"crypto/sha256"
+	"encoding/base64"
 	"encoding/hex"
 	"errors"
 	"fmt"
 	"reflect"
 	"strconv"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"time"
 
@@ -23,7 +25,13 @@ const (
 	DefaultLease  = 30 * time.Second
 	DefaultTTL    = 24 * time.Hour
 	DefaultPrefix = "idem"
+	// DefaultFailoverWait is the default of Options.FailoverWait.
+	DefaultFailoverWait = 2 * time.Second
 )
+
+// failoverRetryEvery is the pause between two tries of a call that could
+// not reach its Redis Cluster node (the slot map is reloaded meanwhile).
+const failoverRetryEvery = 100 * time.Millisecond
 
 // maxPrefixLen limits Options.Prefix.
 const maxPrefixLen = 64
@@ -45,6 +53,23 @@ type Options struct {
 	// MaxKeyLen limits scope and id, in bytes. Defaults to
 	// dedup.DefaultMaxKeyLen.
 	MaxKeyLen int
+	// FailoverWait applies to a *redis.ClusterClient only: it bounds how
+	// long a call keeps trying a key whose node it cannot reach. On such
+	// an error the Store asks the client to reload the slot map
+	// (ClusterClient.ReloadState) and tries again every 100ms, so a call
+	// made while a replica takes over from a dead master succeeds as soon
+	// as the new master is known, whatever the client's
+	// ClusterStateReloadInterval. Meanwhile the call waits, and after
+	// FailoverWait (or when its ctx ends) it returns the error: it never
+	// answers as if the key were absent. A negative value returns the
+	// error at once (the slot map is still reloaded). Defaults to 2s.
+	FailoverWait time.Duration
+	// SkipPreviousLayout stops claims from reading the key of the
+	// previous key layout (see the package doc), which saves one GET per
+	// claim. Set it only when no mark of that layout can still be
+	// live: a TTL after the last process that wrote them stopped.
+	// Defaults to false (read it).
+	SkipPreviousLayout bool
 }
 
 // Store is a lease store on Redis. It is safe for concurrent use. It holds no
@@ -53,7 +78,8 @@ type Store struct {
 	client    redis.UniversalClient
 	lease     time.Duration
 	ttl       time.Duration
-	prefix    string // Prefix + ":v1:{"
+	prefix    string // Prefix + ":2{"
+	oldPrefix string // Prefix + ":v1:{", the previous layout; "" to skip it
 	maxKeyLen int
 	leaseArg  any // lease in milliseconds, as a script argument
 	ttlArg    any // TTL in milliseconds, as a script argument
@@ -66,8 +92,23 @@ type Store struct {
 	// scripts unknown to the server to exercise the NOSCRIPT path.
 	claim, extend, complete, release *redis.Script
 
-	// claims and calls coalesce concurrent claims and token scripts
-	// into shared pipelines (see group).
+	// cluster is the client when it is a Redis Cluster client: calls
+	// are then grouped per master node, and a call that cannot reach its
+	// node reloads the slot map and tries again for up to failoverWait.
+	cluster      *redis.ClusterClient
+	failoverWait time.Duration
+
+	// single holds the groups of a client that is not a cluster client;
+	// nodes those of each master of a cluster, by address.
+	single  *node
+	nodesMu sync.Mutex
+	nodes   map[string]*node
+}
+
+// node coalesces the concurrent claims and token scripts of the keys of
+// one Redis node into shared pipelines (see group). Grouping per node keeps
+// a node that is down or slow from delaying the keys of the others.
+type node struct {
 	claims *group[*claimOp]
 	calls  *group[*scriptCall]
 }
@@ -105,11 +146,16 @@ func New(client redis.UniversalClient, opts Options) (*Store, error) {
 	case maxKeyLen == 0:
 		maxKeyLen = dedup.DefaultMaxKeyLen
 	}
+	failoverWait := opts.FailoverWait
+	if failoverWait == 0 {
+		failoverWait = DefaultFailoverWait
+	}
 	s := &Store{
 		client:    client,
 		lease:     lease,
 		ttl:       ttl,
-		prefix:    prefix + ":v1:{",
+		prefix:    prefix + ":2{",
+		oldPrefix: prefix + ":v1:{",
 		maxKeyLen: maxKeyLen,
 		leaseArg:  strconv.FormatInt(lease.Milliseconds(), 10),
 		ttlArg:    strconv.FormatInt(ttl.Milliseconds(), 10),
@@ -117,24 +163,117 @@ func New(client redis.UniversalClient, opts Options) (*Store, error) {
 		extend:    extendScript,
 		complete:  completeScript,
 		release:   releaseScript,
+
+		failoverWait: failoverWait,
+		nodes:        map[string]*node{},
 	}
-	s.claims = &group[*claimOp]{run: s.claimAll, errOf: func(ops []*claimOp, batchErr error) error {
-		for _, op := range ops {
-			if err := transportErr(op.cmd, batchErr); err != nil {
-				return err
-			}
-		}
-		return nil
-	}}
-	s.calls = &group[*scriptCall]{run: s.runScripts, errOf: func(calls []*scriptCall, batchErr error) error {
-		for _, c := range calls {
-			if err := transportErr(c.cmd, batchErr); err != nil {
-				return err
-			}
-		}
-		return nil
-	}}
+	if opts.SkipPreviousLayout {
+		s.oldPrefix = ""
+	}
+	s.cluster, _ = client.(*redis.ClusterClient)
+	s.single = s.newNode()
 	return s, nil
+}
+
+func (s *Store) newNode() *node {
+	return &node{
+		claims: &group[*claimOp]{
+			run: func(ctx context.Context, ops []*claimOp) error {
+				return retryFailover(ctx, s, ops, s.claimAll, func(op *claimOp) *redis.Cmd { return op.cmd })
+			},
+			errOf: func(ops []*claimOp, batchErr error) error {
+				for _, op := range ops {
+					if err := transportErr(op.cmd, batchErr); err != nil {
+						return err
+					}
+				}
+				return nil
+			},
+		},
+		calls: &group[*scriptCall]{
+			run: func(ctx context.Context, calls []*scriptCall) error {
+				return retryFailover(ctx, s, calls, s.runScripts, func(c *scriptCall) *redis.Cmd { return c.cmd })
+			},
+			errOf: func(calls []*scriptCall, batchErr error) error {
+				for _, c := range calls {
+					if err := transportErr(c.cmd, batchErr); err != nil {
+						return err
+					}
+				}
+				return nil
+			},
+		},
+	}
+}
+
+// nodeOf returns the groups of the node that holds rkey: the one group of a
+// client that is not a cluster client, else the groups of the key's master
+// in the client's slot map.
+func (s *Store) nodeOf(ctx context.Context, rkey string) (*node, error) {
+	if s.cluster == nil {
+		return s.single, nil
+	}
+	master, err := s.cluster.MasterForKey(ctx, rkey)
+	if err != nil {
+		s.cluster.ReloadState(ctx)
+		return nil, err
+	}
+	addr := master.Options().Addr
+	s.nodesMu.Lock()
+	defer s.nodesMu.Unlock()
+	n := s.nodes[addr]
+	if n == nil {
+		n = s.newNode()
+		s.nodes[addr] = n
+	}
+	return n, nil
+}
+
+// retryFailover runs items through run and, on a Redis Cluster, tries the
+// items that could not reach their node again (see Options.FailoverWait):
+// it asks the client to reload its slot map, waits a moment and sends them
+// again, until they get answers, FailoverWait has passed or ctx ends. An
+// item answered once is never sent again. Resending a claim is safe: the
+// claim finds its own token and is granted (see result).
+func retryFailover[T any](ctx context.Context, s *Store, items []T, run func(context.Context, []T) error, cmdOf func(T) *redis.Cmd) error {
+	err := run(ctx, items)
+	if err == nil || s.cluster == nil || !retryable(err) {
+		return err
+	}
+	var deadline time.Time
+	for {
+		s.cluster.ReloadState(ctx)
+		if deadline.IsZero() {
+			deadline = time.Now().Add(s.failoverWait)
+		}
+		var todo []T
+		for _, it := range items {
+			if transportErr(cmdOf(it), err) != nil {
+				todo = append(todo, it)
+			}
+		}
+		if len(todo) == 0 || time.Until(deadline) < failoverRetryEvery {
+			return err
+		}
+		t := time.NewTimer(failoverRetryEvery)
+		select {
+		case <-ctx.Done():
+			t.Stop()
+			return err
+		case <-t.C:
+		}
+		items = todo
+		if err = run(ctx, items); err == nil || !retryable(err) {
+			return err
+		}
+	}
+}
+
+// retryable reports whether err is a failure to reach a Redis node that a
+// new slot map may cure: not a context's end, nor a closed client.
+func retryable(err error) bool {
+	return !errors.Is(err, context.Canceled) && !errors.Is(err, context.DeadlineExceeded) &&
+		!errors.Is(err, redis.ErrClosed) && !isReplyError(err)
 }
 
 // isNil reports whether client is nil, including a typed nil pointer such as
@@ -180,18 +319,25 @@ func validPrefix(p string) error {
 // RedisKey returns the Redis key that holds k, for operators and tests. The
 // fingerprint is not part of the key. See the package doc for the layout.
 func (s *Store) RedisKey(k dedup.Key) string {
-	var stack [2*dedup.DefaultMaxKeyLen + 1]byte
-	in := append(stack[:0], k.Scope...)
-	in = append(in, 0)
-	in = append(in, k.ID...)
-	sum := sha256.Sum256(in)
+	sum := digest(k)
+	var b [16 + 1 + 11]byte
+	hex.Encode(b[:16], sum[:8])
+	b[16] = '}'
+	base64.RawURLEncoding.Encode(b[17:], sum[8:16])
+	return s.prefix + string(b[:])
+}
+
+// oldKey returns the key of k in the previous layout, which Claim still
+// reads (see the package doc). It shares RedisKey's hash tag, so both keys
+// live in the same slot.
+func (s *Store) oldKey(k dedup.Key) string {
+	sum := digest(k)
 	var tag [16]byte
 	hex.Encode(tag[:], sum[:8])
-
 	n := strconv.Itoa(len(k.Scope))
 	var b strings.Builder
-	b.Grow(len(s.prefix) + len(tag) + 2 + len(n) + 1 + len(k.Scope) + 1 + len(k.ID))
-	b.WriteString(s.prefix)
+	b.Grow(len(s.oldPrefix) + len(tag) + 2 + len(n) + 1 + len(k.Scope) + 1 + len(k.ID))
+	b.WriteString(s.oldPrefix)
 	b.Write(tag[:])
 	b.WriteString("}:")
 	b.WriteString(n)
@@ -202,28 +348,58 @@ func (s *Store) RedisKey(k dedup.Key) string {
 	return b.String()
 }
 
+// digest is SHA-256(scope, 0x00, id).
+func digest(k dedup.Key) [sha256.Size]byte {
+	var stack [2*dedup.DefaultMaxKeyLen + 1]byte
+	in := append(stack[:0], k.Scope...)
+	in = append(in, 0)
+	in = append(in, k.ID...)
+	return sha256.Sum256(in)
+}
+
 func newToken() string {
 	var b [16]byte
 	_, _ = rand.Read(b[:]) // never fails (crypto/rand, Go 1.24+)
 	return hex.EncodeToString(b[:])
 }
 
-// inFlightRecord is the value a claim sets.
+// inFlightRecord is the value a claim sets: the fingerprint only when the
+// key has one.
 func inFlightRecord(fp dedup.Fingerprint, token string) []byte {
-	rec := make([]byte, 0, headerLen+len(token))
+	if fp.IsZero() {
+		return append([]byte{stateInFlightNF}, token...)
+	}
+	rec := make([]byte, 0, 1+fpLen+len(token))
 	rec = append(rec, stateInFlight)
 	rec = append(rec, fp[:]...)
 	return append(rec, token...)
 }
 
-// parseRecord splits a stored record. ok is false when the value is not a
-// record (idem does not share its prefix, but someone may write there).
+// parseRecord splits a stored record, of this layout or the previous one
+// (which always has a fingerprint, all zeros when absent). state is
+// stateInFlight or stateDone whether or not the record holds a fingerprint;
+// ok is false when the value is not a record (idem does not share its
+// prefix, but someone may write there).
 func parseRecord(v string) (state byte, fp dedup.Fingerprint, rest string, ok bool) {
-	if len(v) < headerLen || (v[0] != stateInFlight && v[0] != stateDone) {
+	if v == "" {
 		return 0, fp, "", false
 	}
-	copy(fp[:], v[1:headerLen])
-	return v[0], fp, v[headerLen:], true
+	if v == doneBare {
+		return stateDone, fp, "", true
+	}
+	switch v[0] {
+	case stateInFlightNF:
+		return stateInFlight, fp, v[1:], true
+	case stateDoneNF:
+		return stateDone, fp, v[1:], true
+	case stateInFlight, stateDone:
+		if len(v) < 1+fpLen {
+			return 0, fp, "", false
+		}
+		copy(fp[:], v[1:1+fpLen])
+		return v[0], fp, v[1+fpLen:], true
+	}
+	return 0, fp, "", false
 }
 
 // claimOp is one key's claim on its way to Redis and back.
@@ -237,6 +413,10 @@ type claimOp struct {
 	// else {stored record, PTTL}).
 	cmd    *redis.Cmd
 	script bool
+	// old reads the key's record in the previous layout (oldKey); when
+	// there is one, it answers the claim (see claimAll).
+	oldKey string
+	old    *redis.StringCmd
 	// retryAfter is the PTTL of a key found in flight.
 	retryAfter time.Duration
 	// args holds SET NX GET's arguments: passed as a slice of it, they
@@ -247,6 +427,9 @@ type claimOp struct {
 func (s *Store) newClaimOp(op *claimOp, key dedup.Key) {
 	op.key = key
 	op.rkey = s.RedisKey(key)
+	if s.oldPrefix != "" {
+		op.oldKey = s.oldKey(key)
+	}
 	op.token = newToken()
 	op.rec = inFlightRecord(key.Fingerprint, op.token)
 }
@@ -257,22 +440,59 @@ type cmdable interface {
 	Do(ctx context.Context, args ...any) *redis.Cmd
 }
 
-// send issues op's command on c.
-func (s *Store) send(ctx context.Context, c cmdable, op *claimOp, legacy bool) {
+// send issues op's commands on p: the claim, and the read of the previous
+// layout's key (same slot, same node).
+func (s *Store) send(ctx context.Context, p redis.Pipeliner, op *claimOp, legacy bool) {
 	op.script = legacy
 	if legacy {
-		op.cmd = s.claim.EvalSha(ctx, c, []string{op.rkey}, op.rec, s.leaseArg)
-		return
+		op.cmd = s.claim.EvalSha(ctx, p, []string{op.rkey}, op.rec, s.leaseArg)
+	} else {
+		// SET NX GET: one atomic command that claims, or tells what is
+		// stored. It needs Redis 7.0.
+		op.args = [7]any{"set", op.rkey, op.rec, "px", s.leaseArg, "nx", "get"}
+		op.cmd = p.Do(ctx, op.args[:]...)
 	}
-	// SET NX GET: one atomic command that claims, or tells what is stored.
-	// It needs Redis 7.0.
-	op.args = [7]any{"set", op.rkey, op.rec, "px", s.leaseArg, "nx", "get"}
-	op.cmd = c.Do(ctx, op.args[:]...)
+	if op.oldKey != "" {
+		op.old = p.Get(ctx, op.oldKey)
+	}
 }
 
-// claimAll claims the keys of ops: one command per key, all of them in one
-// pipeline (one round trip). It returns an error only when Redis could not
-// be reached; an error that Redis returns for one key stays in that op.
+// granted reports whether op's claim set the key (or found it set by
+// itself: the client resent the command after losing the first reply).
+func (op *claimOp) granted() bool {
+	if op.script {
+		if n, err := op.cmd.Int64(); err == nil {
+			return n == 0
+		}
+		arr, _ := op.cmd.Val().([]any)
+		if len(arr) == 2 {
+			v, _ := arr[0].(string)
+			state, _, rest, ok := parseRecord(v)
+			return ok && state == stateInFlight && rest == op.token
+		}
+		return false
+	}
+	v, err := op.cmd.Text()
+	if errors.Is(err, redis.Nil) {
+		return true
+	}
+	state, _, rest, ok := parseRecord(v)
+	return err == nil && ok && state == stateInFlight && rest == op.token
+}
+
+// oldRecord returns the record op found under the previous layout's key.
+func (op *claimOp) oldRecord() (string, bool) {
+	if op.old == nil {
+		return "", false
+	}
+	v, err := op.old.Result()
+	return v, err == nil
+}
+
+// claimAll claims the keys of ops: two commands per key (the claim and the
+// read of the previous layout's key), all of them in one pipeline (one
+// round trip). It returns an error only when Redis could not be reached; an
+// error that Redis returns for one key stays in that op.
 //
 // Two answers make it send some claims again, each of which had no effect:
 // a Redis older than 7.0 refuses SET NX GET as a syntax error (the store
@@ -280,22 +500,21 @@ func (s *Store) send(ctx context.Context, c cmdable, op *claimOp, legacy bool) {
 // script (a restart, SCRIPT FLUSH, a new cluster node) answers NOSCRIPT to
 // EVALSHA (the script is then loaded).
 //
-// Keys found in flight get their PTTL, as the RetryAfter hint, in one more
-// round trip; it is only a hint, so a failure there leaves it at zero.
+// A record under the previous layout's key answers the claim; a claim that
+// was granted meanwhile is released. Keys found in flight get their PTTL,
+// as the RetryAfter hint. Both go in one more round trip, which only these
+// cases need; the PTTL is only a hint, so a failure there leaves it at
+// zero, and a failed release leaves a lease that runs out.
 func (s *Store) claimAll(ctx context.Context, ops []*claimOp) error {
 	todo := ops
 	for attempt := 0; attempt < 3 && len(todo) > 0; attempt++ {
 		legacy := s.legacy.Load()
-		if len(todo) == 1 {
-			s.send(ctx, s.client, todo[0], legacy)
-		} else {
-			_, _ = s.client.Pipelined(ctx, func(p redis.Pipeliner) error {
-				for _, op := range todo {
-					s.send(ctx, p, op, legacy)
-				}
-				return nil
-			})
-		}
+		_, _ = s.client.Pipelined(ctx, func(p redis.Pipeliner) error {
+			for _, op := range todo {
+				s.send(ctx, p, op, legacy)
+			}
+			return nil
+		})
 		var again []*claimOp
 		load := false
 		for _, op := range todo {
@@ -322,37 +541,65 @@ func (s *Store) claimAll(ctx context.Context, ops []*claimOp) error {
 		todo = again
 	}
 
-	var waiting []*claimOp
+	type pttl struct {
+		op  *claimOp
+		cmd *redis.DurationCmd
+	}
+	var waiting []pttl
+	var undo []*claimOp
 	for _, op := range ops {
+		if v, ok := op.oldRecord(); ok {
+			if op.granted() {
+				undo = append(undo, op)
+			}
+			if state, fp, _, ok := parseRecord(v); ok && state == stateInFlight && op.key.Fingerprint.Matches(fp) {
+				waiting = append(waiting, pttl{op: op})
+			}
+			continue
+		}
 		if op.script {
 			continue // the script answered the PTTL
 		}
 		if v, err := op.cmd.Text(); err == nil {
 			if state, fp, token, ok := parseRecord(v); ok && state == stateInFlight && token != op.token && op.key.Fingerprint.Matches(fp) {
-				waiting = append(waiting, op)
+				waiting = append(waiting, pttl{op: op})
 			}
 		}
 	}
-	if len(waiting) == 0 {
+	if len(waiting) == 0 && len(undo) == 0 {
 		return nil
 	}
-	ttls := make([]*redis.DurationCmd, len(waiting))
 	_, _ = s.client.Pipelined(ctx, func(p redis.Pipeliner) error {
-		for i, op := range waiting {
-			ttls[i] = p.PTTL(ctx, op.rkey)
+		for i, w := range waiting {
+			key := w.op.rkey
+			if _, ok := w.op.oldRecord(); ok {
+				key = w.op.oldKey
+			}
+			waiting[i].cmd = p.PTTL(ctx, key)
+		}
+		for _, op := range undo {
+			s.release.Eval(ctx, p, []string{op.rkey}, op.token)
 		}
 		return nil
 	})
-	for i, op := range waiting {
-		if d, err := ttls[i].Result(); err == nil && d > 0 {
-			op.retryAfter = d
+	for _, w := range waiting {
+		if d, err := w.cmd.Result(); err == nil && d > 0 {
+			w.op.retryAfter = d
 		}
 	}
 	return nil
 }
 
-// result turns op's reply into a lease or the claim error.
+// result turns op's replies into a lease or the claim error.
 func (s *Store) result(op *claimOp) (*dedup.Lease, error) {
+	if op.old != nil {
+		if err := op.old.Err(); err != nil && !errors.Is(err, redis.Nil) {
+			return nil, fmt.Errorf("redisnx: claim %s: %w", op.key, err)
+		}
+		if v, ok := op.oldRecord(); ok {
+			return s.answer(op, v)
+		}
+	}
 	var stored string
 	if !op.script { // SET NX GET
 		v, err := op.cmd.Text()
@@ -383,7 +630,11 @@ func (s *Store) result(op *claimOp) (*dedup.Lease, error) {
 		}
 		op.retryAfter = time.Duration(ms) * time.Millisecond
 	}
+	return s.answer(op, stored)
+}
 
+// answer is the claim's answer when it found the record stored.
+func (s *Store) answer(op *claimOp, stored string) (*dedup.Lease, error) {
 	state, fp, rest, ok := parseRecord(stored)
 	switch {
 	case ok && state == stateInFlight && rest == op.token:
@@ -415,7 +666,11 @@ func (s *Store) Claim(ctx context.Context, key dedup.Key) (*dedup.Lease, error) 
 	}
 	op := new(claimOp)
 	s.newClaimOp(op, key)
-	if err := s.claims.do(ctx, []*claimOp{op}); err != nil {
+	n, err := s.nodeOf(ctx, op.rkey)
+	if err == nil {
+		err = n.claims.do(ctx, []*claimOp{op})
+	}
+	if err != nil {
 		return nil, fmt.Errorf("redisnx: claim %s: %w", key, err)
 	}
 	return s.result(op)
@@ -423,12 +678,13 @@ func (s *Store) Claim(ctx context.Context, key dedup.Key) (*dedup.Lease, error) 
 
 // ClaimBatch implements dedup.BatchLeaseStore: the claims of all valid keys
 // go to Redis in one pipeline (one round trip, plus one for the RetryAfter
-// of keys found in flight). Invalid keys get dedup.ErrInvalidKey without
-// I/O. A key repeated in the batch is claimed once; its later copies see
+// of keys found in flight); on a Redis Cluster, one pipeline per master,
+// side by side. Invalid keys get dedup.ErrInvalidKey without I/O. A key repeated in the batch is claimed once; its later copies see
 // dedup.ErrInFlight.
 //
-// When Redis cannot be reached (or ctx ends) ClaimBatch returns a nil slice
-// and the error: no lease is handed out. Claims of that batch that reached
+// When Redis (on a cluster: the master of one of the keys) cannot be
+// reached, or ctx ends, ClaimBatch returns a nil slice and the error: no
+// lease is handed out. Claims of that batch that reached
 // Redis before the failure stay in flight until their lease runs out, as
 // after a crashed worker. An error that Redis returns for one key only (such
 // as a refused write under maxmemory) is that key's BatchResult.Err.
@@ -454,13 +710,48 @@ func (s *Store) ClaimBatch(ctx context.Context, keys []dedup.Key) ([]dedup.Batch
 		ops[j] = &all[j]
 		s.newClaimOp(ops[j], keys[i])
 	}
-	if err := s.claims.do(ctx, ops); err != nil {
+	if err := s.claimOnNodes(ctx, ops); err != nil {
 		return nil, fmt.Errorf("redisnx: claim batch of %d keys: %w", len(keys), err)
 	}
 	for j, i := range idx {
 		out[i].Lease, out[i].Err = s.result(ops[j])
 	}
 	return out, nil
+}
+
+// claimOnNodes claims ops through the groups of their nodes, the nodes side
+// by side, and returns the first node's error, if any.
+func (s *Store) claimOnNodes(ctx context.Context, ops []*claimOp) error {
+	if s.cluster == nil {
+		return s.single.claims.do(ctx, ops)
+	}
+	byNode := map[*node][]*claimOp{}
+	var order []*node
+	for _, op := range ops {
+		n, err := s.nodeOf(ctx, op.rkey)
+		if err != nil {
+			return err
+		}
+		if byNode[n] == nil {
+			order = append(order, n)
+		}
+		byNode[n] = append(byNode[n], op)
+	}
+	if len(order) == 1 {
+		return order[0].claims.do(ctx, ops)
+	}
+	errs := make([]error, len(order))
+	var wg sync.WaitGroup
+	for i, n := range order {
+		wg.Go(func() { errs[i] = n.claims.do(ctx, byNode[n]) })
+	}
+	wg.Wait()
+	for _, err := range errs {
+		if err != nil {
+			return err
+		}
+	}
+	return nil
 }
 
 // transportErr is the error of one command of a batch that failed with
@@ -495,7 +786,10 @@ func (s *Store) owned(ctx context.Context, op string, sc *redis.Script, l *dedup
 		return fmt.Errorf("redisnx: %s %s: %w", op, l.Key, err)
 	}
 	call := &scriptCall{script: sc, key: s.RedisKey(l.Key), args: args}
-	err := s.calls.do(ctx, []*scriptCall{call})
+	nd, err := s.nodeOf(ctx, call.key)
+	if err == nil {
+		err = nd.calls.do(ctx, []*scriptCall{call})
+	}
 	var n int64
 	if err == nil {
 		n, err = call.cmd.Int64()

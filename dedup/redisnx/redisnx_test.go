@@ -21,7 +21,7 @@ import (
 	"github.com/idemkit/idem/internal/testkit/testenv"
 )
 
-func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
+func TestMain(m *testing.M) { goleak.VerifyTestMain(m, testenv.LeakOptions()...) }
 
 // newStore returns a Store with its own prefix on the test Redis, and deletes
 // the prefix's keys when the test ends.
@@ -164,8 +164,8 @@ func TestDefaults(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if k := def.RedisKey(l.Key); !strings.HasPrefix(k, "idem:v1:{") {
-		t.Fatalf("default key %q does not start with idem:v1:{", k)
+	if k := def.RedisKey(l.Key); !strings.HasPrefix(k, "idem:2{") || len(k) != 35 {
+		t.Fatalf("default key %q does not start with idem:2{ or is not 35 bytes", k)
 	}
 }
 
@@ -315,7 +315,7 @@ func TestHashTag(t *testing.T) {
 	slots := map[int]bool{}
 	for i, k := range collisionKeys {
 		rk := s.RedisKey(k)
-		if !strings.HasPrefix(rk, "app.prod:dedup-1:v1:{") {
+		if !strings.HasPrefix(rk, "app.prod:dedup-1:2{") {
 			t.Fatalf("key %q does not start with the prefix and version", rk)
 		}
 		sum := sha256.Sum256([]byte(k.Scope + "\x00" + k.ID))
@@ -703,5 +703,132 @@ func TestGroupSurvivesPanickingHook(t *testing.T) {
 		}
 	case <-time.After(10 * time.Second):
 		t.Fatal("the store is stuck after a panic in the client")
+	}
+}
+
+// previousKey is a key in the previous layout, which the Store still reads:
+// <prefix>:v1:{<tag>}:<len(scope)>:<scope>:<id>.
+func previousKey(prefix string, k dedup.Key) string {
+	sum := sha256.Sum256([]byte(k.Scope + "\x00" + k.ID))
+	return fmt.Sprintf("%s:v1:{%s}:%d:%s:%s", prefix, hex.EncodeToString(sum[:8]), len(k.Scope), k.Scope, k.ID)
+}
+
+// previousRecord is a record of the previous layout: the state, 32
+// fingerprint bytes (zeros when absent), then the token or the result.
+func previousRecord(state byte, fp dedup.Fingerprint, rest string) string {
+	return string(state) + string(fp[:]) + rest
+}
+
+// TestReadsPreviousLayout: marks and leases written in the previous key
+// layout answer claims, single and batched, and the claim leaves no key of
+// its own behind.
+func TestReadsPreviousLayout(t *testing.T) {
+	prefix := testenv.Name("redisnx")
+	s, c := newStore(t, redisnx.Options{Prefix: prefix})
+	ctx := deduptest.Ctx(t)
+	scope := deduptest.UniqueID("billing/charge")
+	fpA := dedup.FingerprintOf([]byte("a"))
+	fpB := dedup.FingerprintOf([]byte("b"))
+	type tc struct {
+		name   string
+		key    dedup.Key
+		stored string
+		ttl    time.Duration
+		want   error
+		result string
+	}
+	cases := []tc{
+		{name: "done with result", key: dedup.Key{Scope: scope, ID: "1", Fingerprint: fpA}, stored: previousRecord('D', fpA, "r1"), ttl: time.Hour, want: dedup.ErrDuplicate, result: "r1"},
+		{name: "done without fingerprint", key: dedup.Key{Scope: scope, ID: "2", Fingerprint: fpA}, stored: previousRecord('D', dedup.Fingerprint{}, ""), ttl: time.Hour, want: dedup.ErrDuplicate},
+		{name: "done, other content", key: dedup.Key{Scope: scope, ID: "3", Fingerprint: fpA}, stored: previousRecord('D', fpB, ""), ttl: time.Hour, want: dedup.ErrFingerprintMismatch},
+		{name: "in flight", key: dedup.Key{Scope: scope, ID: "4"}, stored: previousRecord('L', fpA, "0123456789abcdef0123456789abcdef"), ttl: 20 * time.Second, want: dedup.ErrInFlight},
+	}
+	for _, batch := range []bool{false, true} {
+		for _, tc := range cases {
+			t.Run(fmt.Sprintf("%s/batch=%v", tc.name, batch), func(t *testing.T) {
+				old := previousKey(prefix, tc.key)
+				if slot(old) != slot(s.RedisKey(tc.key)) {
+					t.Fatalf("%q and %q are in different slots", old, s.RedisKey(tc.key))
+				}
+				if err := c.Set(ctx, old, tc.stored, tc.ttl).Err(); err != nil {
+					t.Fatal(err)
+				}
+				var err error
+				if batch {
+					res, berr := s.ClaimBatch(ctx, []dedup.Key{tc.key, dedup.NewKey(scope, deduptest.UniqueID("fresh"), nil)})
+					if berr != nil {
+						t.Fatal(berr)
+					}
+					if res[1].Err != nil {
+						t.Fatalf("a fresh key in the batch: %v", res[1].Err)
+					}
+					err = res[0].Err
+				} else {
+					_, err = s.Claim(ctx, tc.key)
+				}
+				if !errors.Is(err, tc.want) {
+					t.Fatalf("claim = %v, want %v", err, tc.want)
+				}
+				var ce *dedup.ClaimError
+				if !errors.As(err, &ce) || string(ce.Result) != tc.result {
+					t.Fatalf("claim = %#v, want the result %q", err, tc.result)
+				}
+				if tc.want == dedup.ErrInFlight && (ce.RetryAfter <= 0 || ce.RetryAfter > tc.ttl) {
+					t.Fatalf("RetryAfter = %v, want the old lease's PTTL", ce.RetryAfter)
+				}
+				if n := c.Exists(ctx, s.RedisKey(tc.key)).Val(); n != 0 {
+					t.Fatalf("the claim left its key %q behind", s.RedisKey(tc.key))
+				}
+				if err := c.Del(ctx, old).Err(); err != nil {
+					t.Fatal(err)
+				}
+			})
+		}
+	}
+
+	// With SkipPreviousLayout the old record is not read.
+	skip, err := redisnx.New(c, redisnx.Options{Prefix: prefix, SkipPreviousLayout: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	key := dedup.Key{Scope: scope, ID: "skipped"}
+	if err := c.Set(ctx, previousKey(prefix, key), previousRecord('D', dedup.Fingerprint{}, ""), time.Hour).Err(); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := skip.Claim(ctx, key); err != nil {
+		t.Fatalf("claim with SkipPreviousLayout = %v, want a lease", err)
+	}
+}
+
+// TestRecordsWithoutFingerprint: a key without fingerprint stores none, and
+// a done record holds the result only when there is one.
+func TestRecordsWithoutFingerprint(t *testing.T) {
+	s, c := newStore(t, redisnx.Options{})
+	ctx := deduptest.Ctx(t)
+	for _, result := range []string{"", "r"} {
+		key := dedup.Key{Scope: deduptest.UniqueID("s"), ID: deduptest.UniqueID("id")}
+		l, err := s.Claim(ctx, key)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if v := c.Get(ctx, s.RedisKey(key)).Val(); v != "l"+l.Token {
+			t.Fatalf("in-flight record %q, want %q", v, "l"+l.Token)
+		}
+		if err := s.Complete(ctx, l, []byte(result)); err != nil {
+			t.Fatal(err)
+		}
+		want := "d" + result
+		if result == "" {
+			want = "1"
+		}
+		if v := c.Get(ctx, s.RedisKey(key)).Val(); v != want {
+			t.Fatalf("done record %q, want %q", v, want)
+		}
+		for _, k := range []dedup.Key{key, {Scope: key.Scope, ID: key.ID, Fingerprint: dedup.FingerprintOf([]byte("p"))}} {
+			_, err = s.Claim(ctx, k)
+			if r, ok := dedup.StoredResult(err); !ok || string(r) != result {
+				t.Fatalf("claim again = %v (result %q), want a duplicate with %q", err, r, result)
+			}
+		}
 	}
 }

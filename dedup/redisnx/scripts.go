@@ -2,13 +2,18 @@ package redisnx
 
 import "github.com/redis/go-redis/v9"
 
-// Record layout (see the package doc): byte 1 is the state, bytes 2..33 the
-// fingerprint, bytes 34.. the token (in flight) or the result (done).
+// Record layout (see the package doc): byte 1 is the state; with the states
+// that carry a fingerprint ('L', 'D') bytes 2..33 are the fingerprint; the
+// rest is the token (in flight) or the result (done).
 const (
-	stateInFlight = 'L'
-	stateDone     = 'D'
-	fpLen         = 32
-	headerLen     = 1 + fpLen
+	stateInFlight   = 'L' // in flight, with a fingerprint
+	stateDone       = 'D' // done, with a fingerprint
+	stateInFlightNF = 'l' // in flight, no fingerprint
+	stateDoneNF     = 'd' // done, no fingerprint
+	fpLen           = 32
+	// doneBare is the done record without fingerprint and result: an
+	// integer, which Redis stores as a shared object (no allocation).
+	doneBare = "1"
 )
 
 // claimScript is the claim on Redis before 7.0, which refuses SET NX GET:
@@ -28,10 +33,23 @@ return {v, redis.call('PTTL', KEYS[1])}
 `
 
 // ownedCheck is the prologue of the three token scripts: it leaves the record
-// in v and returns 0 unless the key is in flight under the token ARGV[1].
+// in v, the length of its header (state and fingerprint) in h, and returns 0
+// unless the key is in flight under the token ARGV[1].
 const ownedCheck = `
 local v = redis.call('GET', KEYS[1])
-if not v or string.len(v) < 33 or string.sub(v, 1, 1) ~= 'L' or string.sub(v, 34) ~= ARGV[1] then
+if not v then
+  return 0
+end
+local s = string.sub(v, 1, 1)
+local h
+if s == 'L' then
+  h = 33
+elseif s == 'l' then
+  h = 1
+else
+  return 0
+end
+if string.len(v) < h or string.sub(v, h + 1) ~= ARGV[1] then
   return 0
 end
 `
@@ -45,11 +63,20 @@ return 1
 `
 
 // completeScript: ARGV[1] token, ARGV[2] result, ARGV[3] retention in
-// milliseconds. The done record keeps the fingerprint and drops the token.
+// milliseconds. The done record keeps the fingerprint, if any, and drops the
+// token; without fingerprint and result it is doneBare.
 var completeScript = redis.NewScript(completeSrc)
 
 const completeSrc = ownedCheck + `
-redis.call('SET', KEYS[1], 'D' .. string.sub(v, 2, 33) .. ARGV[2], 'PX', ARGV[3])
+local done
+if s == 'L' then
+  done = 'D' .. string.sub(v, 2, h) .. ARGV[2]
+elseif ARGV[2] == '' then
+  done = '1'
+else
+  done = 'd' .. ARGV[2]
+end
+redis.call('SET', KEYS[1], done, 'PX', ARGV[3])
 return 1
 `
 

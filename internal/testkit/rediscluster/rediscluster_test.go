@@ -1,0 +1,54 @@
+//go:build unix
+
+package rediscluster_test
+
+import (
+	"context"
+	"fmt"
+	"testing"
+
+	"github.com/redis/go-redis/v9"
+	"go.uber.org/goleak"
+
+	"github.com/idemkit/idem/internal/testenv"
+	"github.com/idemkit/idem/internal/testkit/rediscluster"
+)
+
+func TestMain(m *testing.M) { goleak.VerifyTestMain(m, testenv.LeakOptions()...) }
+
+// TestStart: three masters with one replica each, every slot covered, and
+// a client that reaches every shard.
+func TestStart(t *testing.T) {
+	c := rediscluster.Start(t, rediscluster.Options{})
+	ctx := t.Context()
+	shards, err := c.Shards(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(shards) != 3 {
+		t.Fatalf("%d shards, want 3", len(shards))
+	}
+	covered := 0
+	for _, s := range shards {
+		if s.Master == "" || len(s.Replicas) != 1 {
+			t.Fatalf("shard %+v, want one master and one replica", s)
+		}
+		for _, r := range s.Slots {
+			covered += int(r.End - r.Start + 1)
+		}
+	}
+	if covered != 16384 {
+		t.Fatalf("%d slots covered, want 16384", covered)
+	}
+	cc := c.Client(t, redis.ClusterOptions{})
+	for i := range 100 {
+		if err := cc.Set(ctx, fmt.Sprintf("%s-%d", t.Name(), i), "v", 0).Err(); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := cc.ForEachMaster(ctx, func(ctx context.Context, n *redis.Client) error {
+		return n.Ping(ctx).Err()
+	}); err != nil {
+		t.Fatal(err)
+	}
+}
