@@ -9,7 +9,9 @@ import (
 // Cleanup deletes expired rows (completed keys past their retention, leases
 // that ran out) in batches of Options.CleanupBatch, one statement per batch,
 // until a batch comes back short. It returns the number of rows deleted.
-// Rows a running claim holds locked are skipped.
+// Rows a running claim holds locked are skipped. Each batch takes the rows
+// that expired before the call began, in expires_at order, through the
+// expires_at index, so its cost does not grow with the table.
 //
 // With Options.Partitioned, Cleanup drops the partitions of past days
 // instead, and deletes in batches only from the default partition.
@@ -17,9 +19,15 @@ func (s *Store) Cleanup(ctx context.Context) (int64, error) {
 	if s.opts.Partitioned {
 		return s.cleanupPartitioned(ctx)
 	}
+	// One cutoff for the whole call: rows that expire while it runs wait
+	// for the next call, so a call's work is bounded.
+	var cutoff time.Time
+	if err := s.db.QueryRow(ctx, "SELECT clock_timestamp()").Scan(&cutoff); err != nil {
+		return 0, fmt.Errorf("pgtable: cleanup %s: %w", s.table, err)
+	}
 	var total int64
 	for {
-		tag, err := s.db.Exec(ctx, s.sql.cleanup, s.opts.CleanupBatch)
+		tag, err := s.db.Exec(ctx, s.sql.cleanup, s.opts.CleanupBatch, cutoff)
 		if err != nil {
 			return total, fmt.Errorf("pgtable: cleanup %s: %w", s.table, err)
 		}
