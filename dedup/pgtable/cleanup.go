@@ -13,8 +13,11 @@ import (
 // that expired before the call began, in expires_at order, through the
 // expires_at index, so its cost does not grow with the table.
 //
-// With Options.Partitioned, Cleanup drops the partitions of past days
-// instead, and deletes in batches only from the default partition.
+// With Options.Partitioned, Cleanup detaches the partitions whose time range
+// has passed, concurrently and under Options.PartitionLockTimeout, and drops
+// them; claims never wait for it. A partition still read by a transaction
+// older than the detach is finished by a later call. It needs a
+// *pgxpool.Pool or *pgx.Conn then, not a pgx.Tx.
 func (s *Store) Cleanup(ctx context.Context) (int64, error) {
 	if s.opts.Partitioned {
 		return s.cleanupPartitioned(ctx)

@@ -3,10 +3,12 @@ package pgtable_test
 import (
 	"context"
 	"errors"
+	"slices"
 	"testing"
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/idemkit/idem/dedup"
 	"github.com/idemkit/idem/dedup/deduptest"
@@ -55,45 +57,64 @@ func TestConformancePartitionedLease(t *testing.T) {
 	})
 }
 
-// TestPartitionedCleanupDropsPastDays: rows of past days go with their
-// partition; today's rows stay; the default partition is emptied of
-// expired rows in batches.
+// partitionNames lists the partitions of s's table, sorted.
+func partitionNames(t testing.TB, pool *pgxpool.Pool, s *pgtable.Store) []string {
+	t.Helper()
+	rows, err := pool.Query(context.Background(), `SELECT c.relname FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid
+		WHERE i.inhparent = $1::regclass ORDER BY 1`, s.Table())
+	if err != nil {
+		t.Fatal(err)
+	}
+	names, err := pgx.CollectRows(rows, pgx.RowTo[string])
+	if err != nil {
+		t.Fatal(err)
+	}
+	return names
+}
+
+// addPastPartition attaches the partition [from, to) to s's table, as if
+// the store had run then, with n expired rows in it, and analyzes it.
+func addPastPartition(t testing.TB, pool *pgxpool.Pool, s *pgtable.Store, suffix, from, to string, n int) {
+	t.Helper()
+	ctx := context.Background()
+	o := s.Options()
+	col, key := "part_day", "(e AT TIME ZONE 'UTC')::date"
+	if o.PartitionWidth < 24*time.Hour {
+		col, key = "part_hour", "date_trunc('hour', e AT TIME ZONE 'UTC')"
+	}
+	part := `"` + o.Schema + `"."` + o.Table + `_p` + suffix + `"`
+	if _, err := pool.Exec(ctx, `CREATE TABLE `+part+` PARTITION OF `+s.Table()+` FOR VALUES FROM ('`+from+`') TO ('`+to+`')`); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := pool.Exec(ctx, `INSERT INTO `+s.Table()+` (scope, id, state, created_at, expires_at, `+col+`)
+		SELECT 's', 'old-' || g, 2, e, e, `+key+` FROM generate_series(1, $2) g, (SELECT $1::timestamptz AS e) x`,
+		from+"Z", n); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := pool.Exec(ctx, "ANALYZE "+part); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// TestPartitionedCleanupDropsPastDays: the partitions of past days go with
+// their rows; the current partitions and their rows stay.
 func TestPartitionedCleanupDropsPastDays(t *testing.T) {
 	pool := testenv.Pool(t, 4)
-	s := newStore(t, pool, pgtable.Options{Partitioned: true, Retention: 24 * time.Hour, CleanupBatch: 3})
+	s := newStore(t, pool, pgtable.Options{Partitioned: true, Retention: 24 * time.Hour})
 	ctx := deduptest.Ctx(t)
-	sch := s.Options().Schema
-	partitions := func() int {
-		var n int
-		if err := pool.QueryRow(ctx, `SELECT count(*) FROM pg_inherits i JOIN pg_class p ON p.oid = i.inhparent
-			JOIN pg_namespace ns ON ns.oid = p.relnamespace WHERE ns.nspname = $1 AND p.relname = 'processed_events'`, sch).Scan(&n); err != nil {
-			t.Fatal(err)
-		}
-		return n
+	// Migrate made today .. today+3: the retention and a margin of two
+	// days.
+	today := time.Now().UTC()
+	var want []string
+	for d := range 4 {
+		want = append(want, "processed_events_p"+today.AddDate(0, 0, d).Format("20060102"))
 	}
-	// Migrate made today .. today+1+2 plus the default partition.
-	if got := partitions(); got != 5 {
-		t.Fatalf("%d partitions after Migrate, want 5 (4 days and the default)", got)
+	if got := partitionNames(t, pool, s); !slices.Equal(got, want) {
+		t.Fatalf("partitions after Migrate %v, want %v", got, want)
 	}
-	// Two past days, as if the store had run then.
 	for _, d := range []int{-2, -1} {
-		day := time.Now().UTC().AddDate(0, 0, d).Format("20060102")
-		from := time.Now().UTC().AddDate(0, 0, d).Format(time.DateOnly)
-		to := time.Now().UTC().AddDate(0, 0, d+1).Format(time.DateOnly)
-		if _, err := pool.Exec(ctx, `CREATE TABLE "`+sch+`".processed_events_p`+day+` PARTITION OF `+s.Table()+
-			` FOR VALUES FROM ('`+from+`') TO ('`+to+`')`); err != nil {
-			t.Fatal(err)
-		}
-	}
-	insert := `INSERT INTO ` + s.Table() + ` (scope, id, state, created_at, expires_at, part_day)
-		SELECT 's', $1 || g, 2, now(), $2::timestamptz, ($2::timestamptz AT TIME ZONE 'UTC')::date FROM generate_series(1, $3) g`
-	past := time.Now().UTC().AddDate(0, 0, -1).Truncate(24 * time.Hour).Add(time.Hour)
-	if _, err := pool.Exec(ctx, insert, "old-", past, 10); err != nil {
-		t.Fatal(err)
-	}
-	// Far in the past: lands in the default partition, expired.
-	if _, err := pool.Exec(ctx, insert, "ancient-", time.Now().AddDate(-1, 0, 0), 7); err != nil {
-		t.Fatal(err)
+		day := today.AddDate(0, 0, d)
+		addPastPartition(t, pool, s, day.Format("20060102"), day.Format(time.DateOnly), day.AddDate(0, 0, 1).Format(time.DateOnly), 5)
 	}
 	// Live rows of today's claims.
 	if err := pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
@@ -106,11 +127,11 @@ func TestPartitionedCleanupDropsPastDays(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if n != 17 {
-		t.Fatalf("Cleanup removed %d rows, want 17 (10 in dropped partitions, 7 from the default)", n)
+	if n != 10 {
+		t.Fatalf("Cleanup removed %d rows, want the 10 of the two dropped partitions", n)
 	}
-	if got := partitions(); got != 5 {
-		t.Fatalf("%d partitions after Cleanup, want the 2 past ones dropped (5 left)", got)
+	if got := partitionNames(t, pool, s); !slices.Equal(got, want) {
+		t.Fatalf("partitions after Cleanup %v, want %v", got, want)
 	}
 	var left int
 	if err := pool.QueryRow(ctx, "SELECT count(*) FROM "+s.Table()).Scan(&left); err != nil || left != 2 {
@@ -122,5 +143,8 @@ func TestPartitionedCleanupDropsPastDays(t *testing.T) {
 	}
 	if err := s.EnsurePartitions(ctx); err != nil {
 		t.Fatalf("EnsurePartitions again: %v", err)
+	}
+	if n, err := s.Cleanup(ctx); err != nil || n != 0 {
+		t.Fatalf("Cleanup again = %d, %v; want nothing to drop", n, err)
 	}
 }
