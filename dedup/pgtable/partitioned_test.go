@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"slices"
+	"strings"
 	"testing"
 	"time"
 
@@ -146,5 +147,154 @@ func TestPartitionedCleanupDropsPastDays(t *testing.T) {
 	}
 	if n, err := s.Cleanup(ctx); err != nil || n != 0 {
 		t.Fatalf("Cleanup again = %d, %v; want nothing to drop", n, err)
+	}
+}
+
+func TestConformancePartitionedHourlyTx(t *testing.T) {
+	pool := testenv.Pool(t, 20)
+	deduptest.RunTx(t, deduptest.TxHarness[pgx.Tx]{
+		New: func(t testing.TB) dedup.TxStore[pgx.Tx] {
+			return newStore(t, pool, pgtable.Options{Partitioned: true, PartitionWidth: time.Hour, Retention: 3 * time.Hour})
+		},
+		Down: func(t testing.TB) dedup.TxStore[pgx.Tx] {
+			s, err := pgtable.New(downPool(t), pgtable.Options{Partitioned: true, PartitionWidth: time.Hour})
+			if err != nil {
+				t.Fatal(err)
+			}
+			return s
+		},
+		Expire: func(t testing.TB, s dedup.TxStore[pgx.Tx]) {
+			if _, err := pool.Exec(context.Background(), "UPDATE "+s.(*pgtable.Store).Table()+
+				" SET expires_at = clock_timestamp() - interval '1 second'"); err != nil {
+				t.Fatal(err)
+			}
+		},
+	})
+}
+
+// TestPartitionedHourly: with hourly partitions, Migrate makes the
+// partitions from the current hour to the retention horizon plus the
+// margin, claims land in the hour of their expiry, and Cleanup drops the
+// partitions of past hours only.
+func TestPartitionedHourly(t *testing.T) {
+	pool := testenv.Pool(t, 4)
+	ctx := deduptest.Ctx(t)
+	dbHour := func() time.Time {
+		var now time.Time
+		if err := pool.QueryRow(ctx, "SELECT clock_timestamp()").Scan(&now); err != nil {
+			t.Fatal(err)
+		}
+		return now.UTC().Truncate(time.Hour)
+	}
+	// The current hour, 3 hours of retention and 6 of margin: from the
+	// hour Migrate ran in, which is one of these two.
+	wantFrom := func(hour time.Time) (want []string) {
+		for h := range 10 {
+			want = append(want, "processed_events_p"+hour.Add(time.Duration(h)*time.Hour).Format("2006010215"))
+		}
+		return want
+	}
+	before := dbHour()
+	s := newStore(t, pool, pgtable.Options{Partitioned: true, PartitionWidth: time.Hour, Retention: 3 * time.Hour})
+	hour := dbHour()
+	want := wantFrom(hour)
+	if got := partitionNames(t, pool, s); !slices.Equal(got, want) {
+		if want = wantFrom(before); !slices.Equal(got, want) {
+			t.Fatalf("partitions after Migrate %v, want %v", got, wantFrom(hour))
+		}
+	}
+	for _, h := range []int{-2, -1} {
+		from := hour.Add(time.Duration(h) * time.Hour)
+		addPastPartition(t, pool, s, from.Format("2006010215"), from.Format(time.DateTime), from.Add(time.Hour).Format(time.DateTime), 4)
+	}
+	if err := pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
+		return s.ClaimTx(ctx, tx, dedup.Key{Scope: "s", ID: "live"})
+	}); err != nil {
+		t.Fatal(err)
+	}
+	var (
+		part    string
+		expires time.Time
+	)
+	if err := pool.QueryRow(ctx, "SELECT tableoid::regclass::text, expires_at FROM "+s.Table()+" WHERE id = 'live'").Scan(&part, &expires); err != nil {
+		t.Fatal(err)
+	}
+	if wantPart := "processed_events_p" + expires.UTC().Format("2006010215"); !strings.HasSuffix(part, wantPart) {
+		t.Fatalf("a claim expiring at %v is in %s, want %s", expires, part, wantPart)
+	}
+	if n, err := s.Cleanup(ctx); err != nil || n != 8 {
+		t.Fatalf("Cleanup = %d, %v; want the 8 rows of the two past hours", n, err)
+	}
+	if got := partitionNames(t, pool, s); !slices.Equal(got, want) {
+		t.Fatalf("partitions after Cleanup %v, want %v", got, want)
+	}
+	if _, err := s.Process(ctx, dedup.Key{Scope: "s", ID: "live"}, func(context.Context, pgx.Tx) ([]byte, error) { return nil, nil }); !errors.Is(err, dedup.ErrDuplicate) {
+		t.Fatalf("live key after cleanup: %v, want ErrDuplicate", err)
+	}
+}
+
+// TestPartitionWidthIsPartOfTheLayout: a table made with daily partitions
+// refuses hourly ones, with a message that says why.
+func TestPartitionWidthIsPartOfTheLayout(t *testing.T) {
+	pool := testenv.Pool(t, 4)
+	daily := newStore(t, pool, pgtable.Options{Partitioned: true})
+	hourly, err := pgtable.New(pool, pgtable.Options{Schema: daily.Options().Schema, Partitioned: true, PartitionWidth: time.Hour})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx := deduptest.Ctx(t)
+	for name, f := range map[string]func(context.Context) error{"Migrate": hourly.Migrate, "EnsurePartitions": hourly.EnsurePartitions} {
+		if err := f(ctx); err == nil || !strings.Contains(err.Error(), "partitioned by part_day") {
+			t.Errorf("%s of an hourly store on a daily table = %v, want an error naming part_day", name, err)
+		}
+	}
+}
+
+// TestMigrateFoldsDefaultPartition: a partitioned table with a default
+// partition (the layout's first form) loses it on Migrate; the default
+// partition's live rows keep answering as duplicates, its expired rows go.
+func TestMigrateFoldsDefaultPartition(t *testing.T) {
+	pool := testenv.Pool(t, 4)
+	schema := testenv.Schema(t, pool)
+	ctx := deduptest.Ctx(t)
+	tbl := `"` + schema + `".processed_events`
+	if _, err := pool.Exec(ctx, `
+CREATE TABLE `+tbl+` (
+    scope text NOT NULL, id text NOT NULL, fingerprint bytea, state smallint NOT NULL, token text,
+    lease_until timestamptz, result bytea, created_at timestamptz NOT NULL, completed_at timestamptz,
+    expires_at timestamptz NOT NULL, part_day date NOT NULL,
+    PRIMARY KEY (scope, id, part_day), CHECK (state IN (1, 2))
+) PARTITION BY RANGE (part_day);
+CREATE TABLE `+tbl+`_pdefault PARTITION OF `+tbl+` DEFAULT;
+CREATE INDEX processed_events_expires_at_idx ON `+tbl+` (expires_at);
+CREATE TABLE `+tbl+`_migrations (version text PRIMARY KEY, applied_at timestamptz NOT NULL DEFAULT clock_timestamp());
+INSERT INTO `+tbl+`_migrations (version) VALUES ('0001_processed_events');
+INSERT INTO `+tbl+` (scope, id, state, created_at, expires_at, part_day)
+SELECT 's', 'live-' || g, 2, now(), e, (e AT TIME ZONE 'UTC')::date
+FROM generate_series(1, 3) g, LATERAL (SELECT now() + g * interval '1 day' AS e) x;
+INSERT INTO `+tbl+` (scope, id, state, created_at, expires_at, part_day)
+SELECT 's', 'old-' || g, 2, now(), now() - interval '1 year', ((now() - interval '1 year') AT TIME ZONE 'UTC')::date
+FROM generate_series(1, 4) g`); err != nil {
+		t.Fatal(err)
+	}
+	s := newStore(t, pool, pgtable.Options{Schema: schema, Partitioned: true, Retention: 24 * time.Hour})
+	if got := partitionNames(t, pool, s); slices.Contains(got, "processed_events_pdefault") {
+		t.Fatalf("partitions after Migrate %v still hold the default partition", got)
+	}
+	var ids []string
+	rows, err := pool.Query(ctx, "SELECT id FROM "+s.Table()+" ORDER BY id")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if ids, err = pgx.CollectRows(rows, pgx.RowTo[string]); err != nil || strings.Join(ids, ",") != "live-1,live-2,live-3" {
+		t.Fatalf("rows after Migrate %v (%v), want the three live ones", ids, err)
+	}
+	for _, id := range ids {
+		if _, err := s.Process(ctx, dedup.Key{Scope: "s", ID: id}, func(context.Context, pgx.Tx) ([]byte, error) { return nil, nil }); !errors.Is(err, dedup.ErrDuplicate) {
+			t.Fatalf("key %s after Migrate: %v, want ErrDuplicate", id, err)
+		}
+	}
+	if st, err := s.MigrationStatus(ctx); err != nil || len(st) != 2 {
+		t.Fatalf("migration status %v, %v; want two versions", st, err)
 	}
 }
