@@ -216,7 +216,7 @@ func (s *Store) claimPartitioned(ctx context.Context, q pgx.Tx, stmt string, key
 		ms  *int64
 	)
 	if err := br.QueryRow().Scan(&won, &st, &e.fp, &e.result, &ms); err != nil {
-		return fmt.Errorf("pgtable: claim %s: %w", key, err)
+		return fmt.Errorf("pgtable: claim %s: %w", key, partitionHint(err))
 	}
 	if err := br.Close(); err != nil {
 		return fmt.Errorf("pgtable: claim %s: %w", key, err)
@@ -250,7 +250,7 @@ func (s *Store) claimBatchPartitioned(ctx context.Context, tx pgx.Tx, scopes, id
 	won := make([]bool, len(scopes))
 	var ord int64
 	if _, err := pgx.ForEachRow(rows, []any{&ord}, func() error { won[ord-1] = true; return nil }); err != nil {
-		return nil, fmt.Errorf("pgtable: batch claim: %w", err)
+		return nil, fmt.Errorf("pgtable: batch claim: %w", partitionHint(err))
 	}
 	if err := br.Close(); err != nil {
 		return nil, fmt.Errorf("pgtable: batch claim: %w", err)
@@ -446,6 +446,15 @@ func (s *Store) maintenanceConn(ctx context.Context) (*pgx.Conn, func(), error) 
 
 func (s *Store) cleanupLockKey() int64 {
 	return pgmigrate.LockKey("idem:pgtable:cleanup:" + s.opts.Schema + "." + s.opts.Table)
+}
+
+// partitionHint says what to do about a row that no partition covers.
+func partitionHint(err error) error {
+	var pgErr *pgconn.PgError
+	if errors.As(err, &pgErr) && pgErr.Code == "23514" && strings.HasPrefix(pgErr.Message, "no partition of relation") {
+		return fmt.Errorf("%w (no partition covers the row's expiry: run CleanupLoop, or EnsurePartitions on a schedule)", err)
+	}
+	return err
 }
 
 // isLockTimeout reports a statement cancelled by lock_timeout.

@@ -298,3 +298,30 @@ FROM generate_series(1, 4) g`); err != nil {
 		t.Fatalf("migration status %v, %v; want two versions", st, err)
 	}
 }
+
+// TestPartitionedClaimWithoutPartition: a claim whose expiry no partition
+// covers fails, and says what to run.
+func TestPartitionedClaimWithoutPartition(t *testing.T) {
+	pool := testenv.Pool(t, 4)
+	s := newStore(t, pool, pgtable.Options{Partitioned: true, PartitionWidth: time.Hour, Retention: time.Hour})
+	ctx := deduptest.Ctx(t)
+	for _, p := range partitionNames(t, pool, s) {
+		if _, err := pool.Exec(ctx, `DROP TABLE "`+s.Options().Schema+`".`+p); err != nil {
+			t.Fatal(err)
+		}
+	}
+	err := pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error { return s.ClaimTx(ctx, tx, dedup.Key{Scope: "s", ID: "1"}) })
+	if err == nil || !strings.Contains(err.Error(), "EnsurePartitions") {
+		t.Fatalf("claim without a partition = %v, want an error naming EnsurePartitions", err)
+	}
+	_, err = s.Process(ctx, dedup.Key{Scope: "s", ID: "2"}, func(context.Context, pgx.Tx) ([]byte, error) { return nil, nil })
+	if err == nil || !strings.Contains(err.Error(), "EnsurePartitions") {
+		t.Fatalf("Process without a partition = %v, want an error naming EnsurePartitions", err)
+	}
+	if err := s.EnsurePartitions(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if err := pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error { return s.ClaimTx(ctx, tx, dedup.Key{Scope: "s", ID: "1"}) }); err != nil {
+		t.Fatalf("claim after EnsurePartitions: %v", err)
+	}
+}
