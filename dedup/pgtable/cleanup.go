@@ -24,8 +24,8 @@ func (s *Store) Cleanup(ctx context.Context) (int64, error) {
 	}
 	// One cutoff for the whole call: rows that expire while it runs wait
 	// for the next call, so a call's work is bounded.
-	var cutoff time.Time
-	if err := s.db.QueryRow(ctx, "SELECT clock_timestamp()").Scan(&cutoff); err != nil {
+	cutoff, err := dbNow(ctx, s.db)
+	if err != nil {
 		return 0, fmt.Errorf("pgtable: cleanup %s: %w", s.table, err)
 	}
 	var total int64

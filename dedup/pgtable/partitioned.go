@@ -409,8 +409,12 @@ func (s *Store) EnsurePartitions(ctx context.Context) error {
 			continue
 		}
 		err := pgx.BeginFunc(ctx, s.db, func(tx pgx.Tx) error {
-			if _, err := tx.Exec(ctx, fmt.Sprintf("SET LOCAL lock_timeout = %d", s.opts.PartitionLockTimeout.Milliseconds())); err != nil {
-				return err
+			// Not on a store made on a pgx.Tx: SET LOCAL would outlast
+			// this savepoint, into the caller's transaction.
+			if _, onTx := s.db.(pgx.Tx); !onTx {
+				if _, err := tx.Exec(ctx, fmt.Sprintf("SET LOCAL lock_timeout = %d", s.opts.PartitionLockTimeout.Milliseconds())); err != nil {
+					return err
+				}
 			}
 			if _, err := tx.Exec(ctx, "SELECT pg_advisory_xact_lock($1)", s.lockKey()); err != nil {
 				return err
@@ -537,19 +541,20 @@ func (s *Store) cleanupPartitioned(ctx context.Context) (int64, error) {
 			stmts = append(stmts, "ALTER TABLE "+s.table+" DETACH PARTITION "+name+" CONCURRENTLY")
 		}
 		stmts = append(stmts, "DROP TABLE "+name)
+		var failed string
 		for _, stmt := range stmts {
-			_, err = conn.Exec(ctx, stmt)
-			if err != nil {
+			if _, err = conn.Exec(ctx, stmt); err != nil {
+				failed = stmt
 				break
 			}
 		}
 		if isLockTimeout(err) {
 			s.opts.Logger.Info("pgtable: cleanup: a partition is still in use; the next cleanup retries",
-				"table", s.table, "partition", p.name, "err", err)
+				"table", s.table, "partition", p.name, "statement", failed, "err", err)
 			continue
 		}
 		if err != nil {
-			return total, fmt.Errorf("pgtable: cleanup %s: drop partition %s: %w", s.table, name, err)
+			return total, fmt.Errorf("pgtable: cleanup %s: %s: %w", s.table, failed, err)
 		}
 		total += max(p.rows, 0)
 	}
