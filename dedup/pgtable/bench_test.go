@@ -127,3 +127,43 @@ func BenchmarkClaimBatch(b *testing.B) {
 		b.ReportMetric(float64(b.N*batch)/b.Elapsed().Seconds(), "ids/s")
 	})
 }
+
+// BenchmarkCleanup times Cleanup on a table of b.N expired rows scattered
+// among live ones (expired_50pct: as many live rows as expired ones;
+// expired_10pct and expired_1pct: 9 and 99 times as many), with expiries
+// spread over two days and rows in random order, and reports the rows it
+// deletes per second. Compare with the rate claims insert rows, in the same
+// run:
+//
+//	go test -run '^$' -bench 'Cleanup' -benchtime 10000x ./dedup/pgtable/ && \
+//	go test -run '^$' -bench 'ClaimBatch|ClaimTx/durable' -benchtime 3s ./dedup/pgtable/
+func BenchmarkCleanup(b *testing.B) {
+	for _, c := range []struct {
+		name string
+		live int // live rows per expired row
+	}{{"expired_50pct", 1}, {"expired_10pct", 9}, {"expired_1pct", 99}} {
+		b.Run(c.name, func(b *testing.B) { benchCleanup(b, c.live) })
+	}
+}
+
+func benchCleanup(b *testing.B, live int) {
+	pool := testenv.Pool(b, 2)
+	s := newStore(b, pool, pgtable.Options{})
+	ctx := context.Background()
+	if _, err := pool.Exec(ctx, `INSERT INTO `+s.Table()+` (scope, id, fingerprint, state, created_at, completed_at, expires_at)
+		SELECT 'bench', md5(g::text), '\x00', 2, now(), now(),
+		       CASE WHEN g % $2::int = 0 THEN now() - random() * interval '1 day' ELSE now() + interval '1 hour' + random() * interval '1 day' END
+		FROM generate_series(1, $1::int * $2::int) g ORDER BY random()`, b.N, live+1); err != nil {
+		b.Fatal(err)
+	}
+	if _, err := pool.Exec(ctx, "VACUUM ANALYZE "+s.Table()); err != nil {
+		b.Fatal(err)
+	}
+	b.ResetTimer()
+	n, err := s.Cleanup(ctx)
+	b.StopTimer()
+	if err != nil || n != int64(b.N) {
+		b.Fatalf("Cleanup = %d, %v; want %d rows", n, err, b.N)
+	}
+	b.ReportMetric(float64(n)/b.Elapsed().Seconds(), "rows/s")
+}

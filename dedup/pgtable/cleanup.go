@@ -9,17 +9,28 @@ import (
 // Cleanup deletes expired rows (completed keys past their retention, leases
 // that ran out) in batches of Options.CleanupBatch, one statement per batch,
 // until a batch comes back short. It returns the number of rows deleted.
-// Rows a running claim holds locked are skipped.
+// Rows a running claim holds locked are skipped. Each batch takes the rows
+// that expired before the call began, in expires_at order, through the
+// expires_at index, so its cost does not grow with the table.
 //
-// With Options.Partitioned, Cleanup drops the partitions of past days
-// instead, and deletes in batches only from the default partition.
+// With Options.Partitioned, Cleanup detaches the partitions whose time range
+// has passed, concurrently and under Options.PartitionLockTimeout, and drops
+// them; claims never wait for it. A partition still read by a transaction
+// older than the detach is finished by a later call. It needs a
+// *pgxpool.Pool or *pgx.Conn then, not a pgx.Tx.
 func (s *Store) Cleanup(ctx context.Context) (int64, error) {
 	if s.opts.Partitioned {
 		return s.cleanupPartitioned(ctx)
 	}
+	// One cutoff for the whole call: rows that expire while it runs wait
+	// for the next call, so a call's work is bounded.
+	cutoff, err := dbNow(ctx, s.db)
+	if err != nil {
+		return 0, fmt.Errorf("pgtable: cleanup %s: %w", s.table, err)
+	}
 	var total int64
 	for {
-		tag, err := s.db.Exec(ctx, s.sql.cleanup, s.opts.CleanupBatch)
+		tag, err := s.db.Exec(ctx, s.sql.cleanup, s.opts.CleanupBatch, cutoff)
 		if err != nil {
 			return total, fmt.Errorf("pgtable: cleanup %s: %w", s.table, err)
 		}

@@ -68,7 +68,24 @@
 // Rows carry expires_at (Options.Retention after completion). A row must
 // outlive every redelivery of its message: broker retention, relay retry
 // horizon. Cleanup deletes expired rows in bounded batches and CleanupLoop runs
-// it until its context ends.
+// it until its context ends. Each batch (Options.CleanupBatch rows) takes the
+// rows that expired before the call began in expires_at order, a range scan
+// of the expires_at index, and skips rows a claim holds locked: claims never
+// wait for it.
+//
+// With Options.Partitioned the table is partitioned by expires_at in ranges
+// of Options.PartitionWidth (a day by default; down to an hour for high
+// volumes), so a row outlives its retention by at most one width. Cleanup
+// detaches the partitions whose range has passed with ALTER TABLE ... DETACH
+// PARTITION ... CONCURRENTLY and drops them, and EnsurePartitions creates the
+// partitions ahead as plain tables attached with ATTACH PARTITION: neither
+// takes a lock that claims wait for. Both run under
+// Options.PartitionLockTimeout; a detach that runs out of it, behind a
+// transaction still reading the partition, is finished by a later Cleanup
+// (DETACH PARTITION ... FINALIZE). The table has no default partition
+// (PostgreSQL does not detach concurrently beside one), so a claim whose
+// expiry no partition covers fails: run CleanupLoop, or EnsurePartitions on
+// a schedule. The partitioned layout needs PostgreSQL 14 or later.
 //
 // # Connections
 //

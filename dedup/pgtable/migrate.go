@@ -19,7 +19,19 @@ type Migration = pgmigrate.Migration
 
 type tmplData struct {
 	schema, table string
+	part          partitioning
 }
+
+// PartColumn and PartType are the partition key of a partitioned table.
+func (d tmplData) PartColumn() string { return d.part.column }
+
+func (d tmplData) PartType() string { return d.part.typ }
+
+// Schema and TableName are the unquoted names, for string literals of SQL
+// that builds names (both passed the allow-list).
+func (d tmplData) Schema() string { return d.schema }
+
+func (d tmplData) TableName() string { return d.table }
 
 func (d tmplData) Table() string { return sqlname.Qualified(d.schema, d.table) }
 
@@ -35,7 +47,7 @@ func (s *Store) Migrations() ([]Migration, error) {
 	if s.opts.Partitioned {
 		dir = "migrations_partitioned"
 	}
-	return pgmigrate.Render("pgtable", migrationFS, dir, tmplData{schema: s.opts.Schema, table: s.opts.Table})
+	return pgmigrate.Render("pgtable", migrationFS, dir, tmplData{schema: s.opts.Schema, table: s.opts.Table, part: s.part})
 }
 
 // SQL returns every migration as one script, with the schema creation, for
@@ -60,7 +72,8 @@ func (s *Store) lockKey() int64 {
 // transaction under a transaction-scoped advisory lock, so several processes
 // may call it at once: one applies, the others wait and find nothing to do.
 // Applied versions are recorded in <table>_migrations. With
-// Options.Partitioned it also creates the daily partitions ahead.
+// Options.Partitioned it also creates the partitions ahead (see
+// EnsurePartitions).
 func (s *Store) Migrate(ctx context.Context) error {
 	ms, err := s.Migrations()
 	if err != nil {

@@ -5,12 +5,16 @@ import (
 	"errors"
 	"fmt"
 	"hash/fnv"
+	"slices"
 	"strings"
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/idemkit/idem/dedup"
+	"github.com/idemkit/idem/internal/pgmigrate"
 	"github.com/idemkit/idem/internal/sqlname"
 )
 
@@ -30,11 +34,64 @@ type partitionedStatements struct {
 	lock, lockMany, deleteExpired, deleteExpiredMany string
 	claimTx, claimBatch, leaseClaim, insertDone      string
 	leaseExtend, leaseComplete                       string
-	listPartitions, cleanupDefault                   string
+	listPartitions                                   string
 }
 
-// partDay is the partition key of a row expiring at expr.
-func partDay(expr string) string { return "((" + expr + ") AT TIME ZONE 'UTC')::date" }
+// partitioning is the partition layout of a Partitioned table.
+type partitioning struct {
+	width  time.Duration
+	column string // the partition key column
+	typ    string // its type
+	suffix string // time layout of a partition name's suffix: the range's start
+}
+
+// newPartitioning returns the layout for a width checkPartitionOptions
+// accepted. Daily partitions are keyed by the UTC day of expires_at (a
+// date), shorter ones by its UTC hour (a timestamp without time zone, so
+// the session's time zone never shifts a row's partition).
+func newPartitioning(width time.Duration) partitioning {
+	if width == 24*time.Hour {
+		return partitioning{width: width, column: "part_day", typ: "date", suffix: "20060102"}
+	}
+	return partitioning{width: width, column: "part_hour", typ: "timestamp", suffix: "2006010215"}
+}
+
+// key is the SQL expression of the partition key of a row expiring at expr.
+func (p partitioning) key(expr string) string {
+	if p.typ == "date" {
+		return "((" + expr + ") AT TIME ZONE 'UTC')::date"
+	}
+	return "date_trunc('hour', (" + expr + ") AT TIME ZONE 'UTC')"
+}
+
+// bound is the SQL literal of a range bound at t, a multiple of the width.
+func (p partitioning) bound(t time.Time) string {
+	if p.typ == "date" {
+		return "'" + t.UTC().Format(time.DateOnly) + "'"
+	}
+	return "'" + t.UTC().Format(time.DateTime) + "'"
+}
+
+// checkPartitionOptions checks the partition options and fills in their
+// defaults.
+func checkPartitionOptions(opts *Options) error {
+	if !opts.Partitioned {
+		if opts.PartitionWidth != 0 || opts.PartitionLockTimeout != 0 {
+			return errors.New("pgtable: Options.PartitionWidth and Options.PartitionLockTimeout apply to a partitioned table: set Options.Partitioned or leave them zero")
+		}
+		return nil
+	}
+	if opts.PartitionWidth == 0 {
+		opts.PartitionWidth = 24 * time.Hour
+	}
+	if w := opts.PartitionWidth; w < time.Hour || w%time.Hour != 0 || (24*time.Hour)%w != 0 {
+		return fmt.Errorf("pgtable: Options.PartitionWidth is %v; use a whole number of hours that divides a day: 1h, 2h, 3h, 4h, 6h, 8h, 12h or 24h", w)
+	}
+	if opts.PartitionLockTimeout == 0 {
+		opts.PartitionLockTimeout = time.Second
+	}
+	return nil
+}
 
 func lockSeed(name string) int64 {
 	h := fnv.New64a()
@@ -50,9 +107,10 @@ func keyHashSQL(scope, id string, seed int64) string {
 	return fmt.Sprintf("hashtextextended(length(%s)::text || ':' || %s || %s, %d)", scope, scope, id, seed)
 }
 
-func buildPartitionedStatements(table, quotedBase string, seed int64) partitionedStatements {
+func buildPartitionedStatements(table string, p partitioning, seed int64) partitionedStatements {
 	keyHash := func(scope, id string) string { return keyHashSQL(scope, id, seed) }
-	r := strings.NewReplacer("{{T}}", table, "{{EXPIRED}}", expiredRow)
+	r := strings.NewReplacer("{{T}}", table, "{{EXPIRED}}", expiredRow, "{{P}}", p.column)
+	partKey := p.key
 	exp := "clock_timestamp() + $4 * interval '1 millisecond'"
 	leaseExp := "clock_timestamp() + $5 * interval '1 millisecond'"
 	return partitionedStatements{
@@ -69,8 +127,8 @@ WITH cur AS (
            GREATEST(0, (extract(epoch FROM (e.lease_until - clock_timestamp())) * 1000)::bigint) AS lease_ms
     FROM {{T}} e WHERE e.scope = $1 AND e.id = $2 LIMIT 1
 ), ins AS (
-    INSERT INTO {{T}} (scope, id, fingerprint, state, created_at, completed_at, expires_at, part_day)
-    SELECT $1, $2, $3, 2, clock_timestamp(), clock_timestamp(), ` + exp + `, ` + partDay(exp) + `
+    INSERT INTO {{T}} (scope, id, fingerprint, state, created_at, completed_at, expires_at, {{P}})
+    SELECT $1, $2, $3, 2, clock_timestamp(), clock_timestamp(), ` + exp + `, ` + partKey(exp) + `
     WHERE NOT EXISTS (SELECT 1 FROM cur)
     RETURNING 1
 )
@@ -82,8 +140,8 @@ SELECT false, state, fingerprint, result, lease_ms FROM cur`),
 		// after deleteExpired. Every writer of a partitioned table takes
 		// that lock, so no live row of the key can be there.
 		insertDone: r.Replace(`
-INSERT INTO {{T}} (scope, id, fingerprint, state, result, created_at, completed_at, expires_at, part_day)
-VALUES ($1, $2, $3, 2, $5, now(), clock_timestamp(), ` + exp + `, ` + partDay(exp) + `)`),
+INSERT INTO {{T}} (scope, id, fingerprint, state, result, created_at, completed_at, expires_at, {{P}})
+VALUES ($1, $2, $3, 2, $5, now(), clock_timestamp(), ` + exp + `, ` + partKey(exp) + `)`),
 		// $1 scopes, $2 ids, $3 fingerprints, $4 retention ms.
 		claimBatch: r.Replace(`
 WITH input AS (
@@ -92,8 +150,8 @@ WITH input AS (
 ), firsts AS (
     SELECT DISTINCT ON (scope, id) scope, id, fp, ord FROM input ORDER BY scope, id, ord
 ), ins AS (
-    INSERT INTO {{T}} (scope, id, fingerprint, state, created_at, completed_at, expires_at, part_day)
-    SELECT f.scope, f.id, f.fp, 2, clock_timestamp(), clock_timestamp(), ` + exp + `, ` + partDay(exp) + `
+    INSERT INTO {{T}} (scope, id, fingerprint, state, created_at, completed_at, expires_at, {{P}})
+    SELECT f.scope, f.id, f.fp, 2, clock_timestamp(), clock_timestamp(), ` + exp + `, ` + partKey(exp) + `
     FROM firsts f
     WHERE NOT EXISTS (SELECT 1 FROM {{T}} e WHERE e.scope = f.scope AND e.id = f.id)
     RETURNING scope, id
@@ -106,8 +164,8 @@ WITH cur AS (
            GREATEST(0, (extract(epoch FROM (e.lease_until - clock_timestamp())) * 1000)::bigint) AS lease_ms
     FROM {{T}} e WHERE e.scope = $1 AND e.id = $2 LIMIT 1
 ), ins AS (
-    INSERT INTO {{T}} (scope, id, fingerprint, state, token, lease_until, created_at, expires_at, part_day)
-    SELECT $1, $2, $3, 1, $4, ` + leaseExp + `, clock_timestamp(), ` + leaseExp + `, ` + partDay(leaseExp) + `
+    INSERT INTO {{T}} (scope, id, fingerprint, state, token, lease_until, created_at, expires_at, {{P}})
+    SELECT $1, $2, $3, 1, $4, ` + leaseExp + `, clock_timestamp(), ` + leaseExp + `, ` + partKey(leaseExp) + `
     WHERE NOT EXISTS (SELECT 1 FROM cur)
     RETURNING 1
 )
@@ -117,21 +175,23 @@ SELECT false, state, fingerprint, result, lease_ms FROM cur`),
 		leaseExtend: r.Replace(`
 UPDATE {{T}} e SET lease_until = clock_timestamp() + $4 * interval '1 millisecond',
                    expires_at = clock_timestamp() + $4 * interval '1 millisecond',
-                   part_day = ` + partDay("clock_timestamp() + $4 * interval '1 millisecond'") + `
+                   {{P}} = ` + partKey("clock_timestamp() + $4 * interval '1 millisecond'") + `
 WHERE e.scope = $1 AND e.id = $2 AND e.state = 1 AND e.token = $3 AND e.lease_until > clock_timestamp()`),
 		leaseComplete: r.Replace(`
 UPDATE {{T}} e SET state = 2, token = NULL, lease_until = NULL, result = $5, completed_at = clock_timestamp(),
                    expires_at = clock_timestamp() + $4 * interval '1 millisecond',
-                   part_day = ` + partDay("clock_timestamp() + $4 * interval '1 millisecond'") + `
+                   {{P}} = ` + partKey("clock_timestamp() + $4 * interval '1 millisecond'") + `
 WHERE e.scope = $1 AND e.id = $2 AND e.state = 1 AND e.token = $3 AND e.lease_until > clock_timestamp()`),
+		// $1 schema, $2 name prefix, $3 the table. The table's partitions,
+		// and tables named like one but attached to no table (a partition
+		// detached by a Cleanup that could not drop it).
 		listPartitions: `
-SELECT c.relname FROM pg_inherits i
-JOIN pg_class c ON c.oid = i.inhrelid
-JOIN pg_class p ON p.oid = i.inhparent
-JOIN pg_namespace n ON n.oid = p.relnamespace
-WHERE n.nspname = $1 AND p.relname = $2`,
-		cleanupDefault: `DELETE FROM {{D}} WHERE ctid = ANY (ARRAY(
-    SELECT d.ctid FROM {{D}} d WHERE d.expires_at <= clock_timestamp() LIMIT $1 FOR UPDATE SKIP LOCKED))`,
+SELECT c.relname, i.inhrelid IS NOT NULL, coalesce(i.inhdetachpending, false), c.reltuples::bigint
+FROM pg_class c
+JOIN pg_namespace n ON n.oid = c.relnamespace
+LEFT JOIN pg_inherits i ON i.inhrelid = c.oid
+WHERE n.nspname = $1 AND c.relkind = 'r' AND left(c.relname, length($2)) = $2
+  AND (i.inhparent = $3::regclass OR (i.inhrelid IS NULL AND NOT c.relispartition))`,
 	}
 }
 
@@ -156,7 +216,7 @@ func (s *Store) claimPartitioned(ctx context.Context, q pgx.Tx, stmt string, key
 		ms  *int64
 	)
 	if err := br.QueryRow().Scan(&won, &st, &e.fp, &e.result, &ms); err != nil {
-		return fmt.Errorf("pgtable: claim %s: %w", key, err)
+		return fmt.Errorf("pgtable: claim %s: %w", key, partitionHint(err))
 	}
 	if err := br.Close(); err != nil {
 		return fmt.Errorf("pgtable: claim %s: %w", key, err)
@@ -190,7 +250,7 @@ func (s *Store) claimBatchPartitioned(ctx context.Context, tx pgx.Tx, scopes, id
 	won := make([]bool, len(scopes))
 	var ord int64
 	if _, err := pgx.ForEachRow(rows, []any{&ord}, func() error { won[ord-1] = true; return nil }); err != nil {
-		return nil, fmt.Errorf("pgtable: batch claim: %w", err)
+		return nil, fmt.Errorf("pgtable: batch claim: %w", partitionHint(err))
 	}
 	if err := br.Close(); err != nil {
 		return nil, fmt.Errorf("pgtable: batch claim: %w", err)
@@ -215,108 +275,288 @@ func (s *Store) leaseClaimPartitioned(ctx context.Context, key dedup.Key, token 
 	return nil
 }
 
-const partitionDays = 2 // partitions kept ready beyond the retention horizon
+// partitionMargin is how far beyond the retention horizon partitions are
+// made ahead, at least: claims keep working that long without
+// EnsurePartitions. Two partitions are made ahead when that is longer.
+const partitionMargin = 6 * time.Hour
 
-func partitionSuffix(day time.Time) string { return day.Format("20060102") }
+// partitionName is the unquoted name of the partition whose range starts
+// at from.
+func (s *Store) partitionName(from time.Time) string {
+	return s.opts.Table + "_p" + from.UTC().Format(s.part.suffix)
+}
 
-// ensurePartitions creates the daily partitions from today (UTC) up to the
-// retention horizon plus a margin. Run inside a transaction that holds the
-// migration lock.
-func (s *Store) ensurePartitions(ctx context.Context, tx pgx.Tx) error {
-	today := time.Now().UTC().Truncate(24 * time.Hour)
-	var dbToday time.Time
-	if err := tx.QueryRow(ctx, "SELECT (clock_timestamp() AT TIME ZONE 'UTC')::date").Scan(&dbToday); err == nil {
-		today = dbToday
+// partitionStart parses a partition name; ok is false for any other name.
+func (s *Store) partitionStart(name string) (from time.Time, ok bool) {
+	suffix, found := strings.CutPrefix(name, s.opts.Table+"_p")
+	if !found || len(suffix) != len(s.part.suffix) {
+		return time.Time{}, false
 	}
-	days := int(s.opts.Retention/(24*time.Hour)) + partitionDays
-	for i := 0; i <= days; i++ {
-		from := today.AddDate(0, 0, i)
-		to := from.AddDate(0, 0, 1)
-		part := sqlname.Qualified(s.opts.Schema, s.opts.Table+"_p"+partitionSuffix(from))
-		sql := fmt.Sprintf("CREATE TABLE IF NOT EXISTS %s PARTITION OF %s FOR VALUES FROM ('%s') TO ('%s')",
-			part, s.table, from.Format(time.DateOnly), to.Format(time.DateOnly))
-		if _, err := tx.Exec(ctx, "SAVEPOINT idem_part"); err != nil {
-			return err
-		}
-		if _, err := tx.Exec(ctx, sql); err != nil {
-			// Rows for that day already sit in the default partition:
-			// leave them there (Cleanup deletes them in batches).
-			if _, rerr := tx.Exec(ctx, "ROLLBACK TO SAVEPOINT idem_part"); rerr != nil {
-				return errors.Join(err, rerr)
-			}
-			s.opts.Logger.Warn("pgtable: could not create a partition; its rows stay in the default partition",
-				"partition", part, "err", err)
-			continue
-		}
-		if _, err := tx.Exec(ctx, "RELEASE SAVEPOINT idem_part"); err != nil {
+	from, err := time.Parse(s.part.suffix, suffix)
+	return from, err == nil
+}
+
+// wantedPartitions returns the starts of the partitions that must exist at
+// now: from the one holding now up to the retention (or lease) horizon plus
+// the margin.
+func (s *Store) wantedPartitions(now time.Time) []time.Time {
+	w := s.part.width
+	ahead := max(s.opts.Retention, s.opts.Lease) + max(partitionMargin, 2*w)
+	var out []time.Time
+	for from := now.UTC().Truncate(w); !from.After(now.Add(ahead)); from = from.Add(w) {
+		out = append(out, from)
+	}
+	return out
+}
+
+// dbNow reads the database clock, which every expiry comes from.
+func dbNow(ctx context.Context, q interface {
+	QueryRow(context.Context, string, ...any) pgx.Row
+}) (time.Time, error) {
+	var now time.Time
+	err := q.QueryRow(ctx, "SELECT clock_timestamp()").Scan(&now)
+	return now, err
+}
+
+// checkLayout fails when the table is partitioned by another key than the
+// options' PartitionWidth uses.
+func (s *Store) checkLayout(ctx context.Context, tx pgx.Tx) error {
+	var col string
+	err := tx.QueryRow(ctx, `SELECT a.attname FROM pg_partitioned_table p
+JOIN pg_attribute a ON a.attrelid = p.partrelid AND a.attnum = p.partattrs[0]
+WHERE p.partrelid = $1::regclass`, s.table).Scan(&col)
+	if err != nil {
+		return fmt.Errorf("pgtable: %s is not a partitioned table (run Migrate with Options.Partitioned): %w", s.table, err)
+	}
+	if col != s.part.column {
+		return fmt.Errorf("pgtable: %s is partitioned by %s, but Options.PartitionWidth %v needs a table partitioned by %s: "+
+			"keep the width the table was made with, or use a new Options.Table", s.table, col, s.opts.PartitionWidth, s.part.column)
+	}
+	return nil
+}
+
+// createPartition creates the partition starting at from unless a table of
+// its name exists. It creates a plain table and attaches it: ATTACH
+// PARTITION takes a SHARE UPDATE EXCLUSIVE lock on the parent, which claims
+// do not wait for, where CREATE TABLE ... PARTITION OF would take an ACCESS
+// EXCLUSIVE one and queue every claim behind the longest transaction. Run
+// inside a transaction.
+func (s *Store) createPartition(ctx context.Context, tx pgx.Tx, from time.Time) error {
+	name := sqlname.Qualified(s.opts.Schema, s.partitionName(from))
+	var exists bool
+	if err := tx.QueryRow(ctx, "SELECT to_regclass($1) IS NOT NULL", name).Scan(&exists); err != nil || exists {
+		return err
+	}
+	if _, err := tx.Exec(ctx, "CREATE TABLE "+name+" (LIKE "+s.table+" INCLUDING ALL)"); err != nil {
+		return fmt.Errorf("pgtable: create partition %s: %w", name, err)
+	}
+	if _, err := tx.Exec(ctx, fmt.Sprintf("ALTER TABLE %s ATTACH PARTITION %s FOR VALUES FROM (%s) TO (%s)",
+		s.table, name, s.part.bound(from), s.part.bound(from.Add(s.part.width)))); err != nil {
+		return fmt.Errorf("pgtable: attach partition %s: %w", name, err)
+	}
+	return nil
+}
+
+// ensurePartitions creates the partitions from the current one up to the
+// retention horizon plus a margin, in tx. Migrate runs it in its
+// transaction, under the migration lock.
+func (s *Store) ensurePartitions(ctx context.Context, tx pgx.Tx) error {
+	if err := s.checkLayout(ctx, tx); err != nil {
+		return err
+	}
+	now, err := dbNow(ctx, tx)
+	if err != nil {
+		return fmt.Errorf("pgtable: partitions: %w", err)
+	}
+	for _, from := range s.wantedPartitions(now) {
+		if err := s.createPartition(ctx, tx, from); err != nil {
 			return err
 		}
 	}
 	return nil
 }
 
-// EnsurePartitions creates the daily partitions of a partitioned store ahead
-// of time. Migrate calls it; CleanupLoop calls it on every tick. Safe to run
+// EnsurePartitions creates the partitions of a partitioned store ahead of
+// time: from the current one up to Options.Retention plus a margin (6 hours
+// or two partitions, whichever is longer). Migrate calls it; CleanupLoop
+// calls it on every tick; a store that does not run CleanupLoop must call
+// it on a schedule, since a claim whose expiry no partition covers fails.
+// Each partition is created and attached in a transaction of its own under
+// Options.PartitionLockTimeout. Claims do not wait for it. Safe to run
 // concurrently.
 func (s *Store) EnsurePartitions(ctx context.Context) error {
 	if !s.opts.Partitioned {
 		return nil
 	}
-	return pgx.BeginFunc(ctx, s.db, func(tx pgx.Tx) error {
-		if _, err := tx.Exec(ctx, "SELECT pg_advisory_xact_lock($1)", s.lockKey()); err != nil {
-			return err
-		}
-		return s.ensurePartitions(ctx, tx)
-	})
-}
-
-// cleanupPartitioned drops the partitions of days before today (UTC): all
-// their rows expired before today began. Rows in the default partition are
-// deleted in bounded batches. Expired rows in today's partition stay until
-// tomorrow; claims already treat them as absent.
-func (s *Store) cleanupPartitioned(ctx context.Context) (int64, error) {
-	rows, err := s.db.Query(ctx, s.psql.listPartitions, s.opts.Schema, s.opts.Table)
+	now, err := dbNow(ctx, s.db)
 	if err != nil {
-		return 0, fmt.Errorf("pgtable: cleanup: list partitions: %w", err)
+		return fmt.Errorf("pgtable: partitions: %w", err)
 	}
-	names, err := pgx.CollectRows(rows, pgx.RowTo[string])
+	var names []string
+	for _, from := range s.wantedPartitions(now) {
+		names = append(names, sqlname.Qualified(s.opts.Schema, s.partitionName(from)))
+	}
+	rows, err := s.db.Query(ctx, "SELECT n FROM unnest($1::text[]) n WHERE to_regclass(n) IS NULL", names)
 	if err != nil {
-		return 0, fmt.Errorf("pgtable: cleanup: list partitions: %w", err)
+		return fmt.Errorf("pgtable: partitions: %w", err)
 	}
-	var today time.Time
-	if err := s.db.QueryRow(ctx, "SELECT (clock_timestamp() AT TIME ZONE 'UTC')::date").Scan(&today); err != nil {
-		return 0, fmt.Errorf("pgtable: cleanup: %w", err)
+	missing, err := pgx.CollectRows(rows, pgx.RowTo[string])
+	if err != nil {
+		return fmt.Errorf("pgtable: partitions: %w", err)
 	}
-	var total int64
-	prefix := s.opts.Table + "_p"
-	for _, name := range names {
-		day, err := time.Parse("20060102", strings.TrimPrefix(name, prefix))
-		if err != nil || !strings.HasPrefix(name, prefix) || !day.Before(today) {
-			continue // the default partition, or a current one
+	for i, from := range s.wantedPartitions(now) {
+		if !slices.Contains(missing, names[i]) {
+			continue
 		}
-		part := sqlname.Qualified(s.opts.Schema, name)
-		var n int64
-		err = pgx.BeginFunc(ctx, s.db, func(tx pgx.Tx) error {
-			if err := tx.QueryRow(ctx, "SELECT count(*) FROM "+part).Scan(&n); err != nil {
+		err := pgx.BeginFunc(ctx, s.db, func(tx pgx.Tx) error {
+			// Not on a store made on a pgx.Tx: SET LOCAL would outlast
+			// this savepoint, into the caller's transaction.
+			if _, onTx := s.db.(pgx.Tx); !onTx {
+				if _, err := tx.Exec(ctx, fmt.Sprintf("SET LOCAL lock_timeout = %d", s.opts.PartitionLockTimeout.Milliseconds())); err != nil {
+					return err
+				}
+			}
+			if _, err := tx.Exec(ctx, "SELECT pg_advisory_xact_lock($1)", s.lockKey()); err != nil {
 				return err
 			}
-			_, err := tx.Exec(ctx, "DROP TABLE "+part)
-			return err
+			if err := s.checkLayout(ctx, tx); err != nil {
+				return err
+			}
+			return s.createPartition(ctx, tx, from)
 		})
 		if err != nil {
-			return total, fmt.Errorf("pgtable: cleanup: drop %s: %w", part, err)
+			return fmt.Errorf("pgtable: partitions of %s: %w", s.table, err)
 		}
-		total += n
 	}
-	def := strings.ReplaceAll(s.psql.cleanupDefault, "{{D}}", sqlname.Qualified(s.opts.Schema, s.opts.Table+"_pdefault"))
-	for {
-		tag, err := s.db.Exec(ctx, def, s.opts.CleanupBatch)
+	return nil
+}
+
+// maintenanceConn returns a connection of its own for statements that
+// cannot run in a transaction block, and a function that gives it back.
+func (s *Store) maintenanceConn(ctx context.Context) (*pgx.Conn, func(), error) {
+	switch db := s.db.(type) {
+	case *pgxpool.Pool:
+		c, err := db.Acquire(ctx)
 		if err != nil {
-			return total, fmt.Errorf("pgtable: cleanup default partition: %w", err)
+			return nil, nil, err
 		}
-		total += tag.RowsAffected()
-		if tag.RowsAffected() < int64(s.opts.CleanupBatch) {
-			return total, nil
-		}
+		return c.Conn(), c.Release, nil
+	case *pgx.Conn:
+		return db, func() {}, nil
 	}
+	return nil, nil, fmt.Errorf("pgtable: cleanup of a partitioned table runs ALTER TABLE ... DETACH PARTITION ... CONCURRENTLY, "+
+		"which needs a connection outside any transaction: give New a *pgxpool.Pool or *pgx.Conn, not a %T", s.db)
+}
+
+func (s *Store) cleanupLockKey() int64 {
+	return pgmigrate.LockKey("idem:pgtable:cleanup:" + s.opts.Schema + "." + s.opts.Table)
+}
+
+// partitionHint says what to do about a row that no partition covers.
+func partitionHint(err error) error {
+	var pgErr *pgconn.PgError
+	if errors.As(err, &pgErr) && pgErr.Code == "23514" && strings.HasPrefix(pgErr.Message, "no partition of relation") {
+		return fmt.Errorf("%w (no partition covers the row's expiry: run CleanupLoop, or EnsurePartitions on a schedule)", err)
+	}
+	return err
+}
+
+// isLockTimeout reports a statement cancelled by lock_timeout.
+func isLockTimeout(err error) bool {
+	var pgErr *pgconn.PgError
+	return errors.As(err, &pgErr) && pgErr.Code == "55P03"
+}
+
+// cleanupPartitioned detaches and drops the partitions whose range has
+// passed: all their rows expired. Expired rows in the current partition stay
+// until its range has passed; claims already treat them as absent.
+//
+// A partition is detached with DETACH PARTITION ... CONCURRENTLY, which
+// takes no lock that claims wait for, then waits for the transactions that
+// may still read it. Every statement runs under Options.PartitionLockTimeout:
+// a detach that runs out of time stays pending and the next call finishes it
+// (DETACH PARTITION ... FINALIZE) and drops the table. The count of a dropped
+// partition's rows is the planner's estimate (pg_class.reltuples, 0 for a
+// table never analyzed): counting them would read the whole partition.
+func (s *Store) cleanupPartitioned(ctx context.Context) (int64, error) {
+	conn, release, err := s.maintenanceConn(ctx)
+	if err != nil {
+		return 0, err
+	}
+	defer release()
+	if _, err := conn.Exec(ctx, fmt.Sprintf("SET lock_timeout = %d", s.opts.PartitionLockTimeout.Milliseconds())); err != nil {
+		return 0, fmt.Errorf("pgtable: cleanup %s: %w", s.table, err)
+	}
+	defer func() {
+		if _, err := conn.Exec(context.WithoutCancel(ctx), "RESET lock_timeout"); err != nil {
+			_ = conn.Close(context.WithoutCancel(ctx)) // a pool drops a closed connection
+		}
+	}()
+	// One cleanup at a time per table: a second one would find the
+	// first one's detach pending and try to finish it.
+	var locked bool
+	if err := conn.QueryRow(ctx, "SELECT pg_try_advisory_lock($1)", s.cleanupLockKey()).Scan(&locked); err != nil {
+		return 0, fmt.Errorf("pgtable: cleanup %s: %w", s.table, err)
+	}
+	if !locked {
+		return 0, nil
+	}
+	defer func() {
+		if _, err := conn.Exec(context.WithoutCancel(ctx), "SELECT pg_advisory_unlock($1)", s.cleanupLockKey()); err != nil {
+			_ = conn.Close(context.WithoutCancel(ctx))
+		}
+	}()
+	now, err := dbNow(ctx, conn)
+	if err != nil {
+		return 0, fmt.Errorf("pgtable: cleanup %s: %w", s.table, err)
+	}
+	type partition struct {
+		name              string
+		attached, pending bool
+		rows              int64
+	}
+	rows, err := conn.Query(ctx, s.psql.listPartitions, s.opts.Schema, s.opts.Table+"_p", s.table)
+	if err != nil {
+		return 0, fmt.Errorf("pgtable: cleanup %s: list partitions: %w", s.table, err)
+	}
+	parts, err := pgx.CollectRows(rows, func(r pgx.CollectableRow) (p partition, err error) {
+		err = r.Scan(&p.name, &p.attached, &p.pending, &p.rows)
+		return p, err
+	})
+	if err != nil {
+		return 0, fmt.Errorf("pgtable: cleanup %s: list partitions: %w", s.table, err)
+	}
+	var total int64
+	for _, p := range parts {
+		from, ok := s.partitionStart(p.name)
+		if !ok || from.Add(s.part.width).After(now) {
+			continue // not a partition of this layout, or its range has not passed
+		}
+		name := sqlname.Qualified(s.opts.Schema, p.name)
+		var stmts []string
+		switch {
+		case p.pending:
+			stmts = append(stmts, "ALTER TABLE "+s.table+" DETACH PARTITION "+name+" FINALIZE")
+		case p.attached:
+			stmts = append(stmts, "ALTER TABLE "+s.table+" DETACH PARTITION "+name+" CONCURRENTLY")
+		}
+		stmts = append(stmts, "DROP TABLE "+name)
+		var failed string
+		for _, stmt := range stmts {
+			if _, err = conn.Exec(ctx, stmt); err != nil {
+				failed = stmt
+				break
+			}
+		}
+		if isLockTimeout(err) {
+			s.opts.Logger.Info("pgtable: cleanup: a partition is still in use; the next cleanup retries",
+				"table", s.table, "partition", p.name, "statement", failed, "err", err)
+			continue
+		}
+		if err != nil {
+			return total, fmt.Errorf("pgtable: cleanup %s: %s: %w", s.table, failed, err)
+		}
+		total += max(p.rows, 0)
+	}
+	return total, nil
 }

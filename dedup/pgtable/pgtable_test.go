@@ -120,6 +120,14 @@ func TestOptionErrors(t *testing.T) {
 		{"negative lease", pool, pgtable.Options{Lease: -time.Second}, "Options.Lease"},
 		{"sub-millisecond lease", pool, pgtable.Options{Lease: time.Microsecond}, "Options.Lease"},
 		{"negative batch", pool, pgtable.Options{CleanupBatch: -1}, "Options.CleanupBatch"},
+		{"width without partitions", pool, pgtable.Options{PartitionWidth: time.Hour}, "Options.Partitioned"},
+		{"lock timeout without partitions", pool, pgtable.Options{PartitionLockTimeout: time.Second}, "Options.Partitioned"},
+		{"width of 90m", pool, pgtable.Options{Partitioned: true, PartitionWidth: 90 * time.Minute}, "Options.PartitionWidth"},
+		{"width of 5h", pool, pgtable.Options{Partitioned: true, PartitionWidth: 5 * time.Hour}, "Options.PartitionWidth"},
+		{"width of 2 days", pool, pgtable.Options{Partitioned: true, PartitionWidth: 48 * time.Hour}, "Options.PartitionWidth"},
+		{"width of 30m", pool, pgtable.Options{Partitioned: true, PartitionWidth: 30 * time.Minute}, "Options.PartitionWidth"},
+		{"negative width", pool, pgtable.Options{Partitioned: true, PartitionWidth: -time.Hour}, "Options.PartitionWidth"},
+		{"negative lock timeout", pool, pgtable.Options{Partitioned: true, PartitionLockTimeout: -time.Second}, "Options.PartitionLockTimeout"},
 	}
 	for _, c := range cases {
 		_, err := pgtable.New(c.db, c.opts)

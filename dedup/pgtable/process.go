@@ -225,7 +225,7 @@ func execWrites(br pgx.BatchResults, r *txRun) error {
 		}
 	}
 	_, err := br.Exec()
-	return err
+	return partitionHint(err)
 }
 
 func isUniqueViolation(err error) bool {

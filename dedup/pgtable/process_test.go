@@ -574,8 +574,9 @@ func TestProcessExpiredRowRunsAgain(t *testing.T) {
 			w.backdate(t, ckey)
 			err := run(ckey, "second", func() {
 				if v.partitioned {
-					// Cleanup leaves today's partition alone; delete
-					// the way it does in the default partition.
+					// Cleanup leaves the current partition alone;
+					// delete the row as a batch of the plain layout's
+					// cleanup would.
 					_, err := w.pool.Exec(context.Background(), "DELETE FROM "+w.s.Table()+" WHERE scope = $1 AND id = $2", ckey.Scope, ckey.ID)
 					if err != nil {
 						t.Error(err)

@@ -130,12 +130,16 @@ WHERE e.scope = $1 AND e.id = $2 AND e.state = 1 AND e.token = $3 AND e.lease_un
 DELETE FROM {{T}} e
 WHERE e.scope = $1 AND e.id = $2 AND e.state = 1 AND e.token = $3 AND e.lease_until > clock_timestamp()`),
 
-		// $1 batch size. Deletes at most $1 expired rows, skipping rows a
-		// claim holds locked.
+		// $1 batch size, $2 cutoff. Deletes at most $1 rows that expired
+		// by $2, oldest first, skipping rows a claim holds locked. The
+		// cutoff is a parameter (not clock_timestamp(), which is volatile
+		// and would be evaluated per row) and the rows are taken in
+		// expires_at order, so each batch is a range scan of the
+		// expires_at index, not a scan of the table.
 		cleanup: r.Replace(`
 DELETE FROM {{T}} WHERE ctid = ANY (ARRAY(
-    SELECT e.ctid FROM {{T}} e WHERE e.expires_at <= clock_timestamp()
-    LIMIT $1 FOR UPDATE SKIP LOCKED))`),
+    SELECT e.ctid FROM {{T}} e WHERE e.expires_at <= $2
+    ORDER BY e.expires_at LIMIT $1 FOR UPDATE SKIP LOCKED))`),
 
 		backdateForTestsOnly: r.Replace(`UPDATE {{T}} SET expires_at = clock_timestamp() - interval '1 second'`),
 	}

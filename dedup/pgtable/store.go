@@ -49,15 +49,34 @@ type Options struct {
 	CleanupBatch int
 	// Logger receives warnings. Defaults to slog.Default().
 	Logger *slog.Logger
-	// Partitioned lays the table out partitioned by day of expires_at
-	// (UTC), so Cleanup drops whole partitions instead of deleting rows.
-	// A unique index cannot span partitions, so every claim (ClaimTx,
-	// ClaimBatchTx, the lease mode, Process) first takes a
-	// transaction-scoped advisory lock on its key, pg_advisory_xact_lock's
-	// single-bigint form, in the same round trip as the claim. Migrate
-	// creates the partitions ahead; CleanupLoop keeps creating them.
-	// Defaults to false.
+	// Partitioned lays the table out partitioned by expires_at (UTC), in
+	// ranges of PartitionWidth, so Cleanup detaches and drops whole
+	// partitions instead of deleting rows. A unique index cannot span
+	// partitions, so every claim (ClaimTx, ClaimBatchTx, the lease mode,
+	// Process) first takes a transaction-scoped advisory lock on its key,
+	// pg_advisory_xact_lock's single-bigint form, in the same round trip
+	// as the claim. Migrate creates the partitions ahead; CleanupLoop (or
+	// EnsurePartitions on a schedule) must keep creating them: a claim
+	// whose expiry no partition covers fails. Needs PostgreSQL 14 or
+	// later. Defaults to false.
 	Partitioned bool
+	// PartitionWidth is the time range of one partition of a Partitioned
+	// table: a whole number of hours that divides a day (1h, 2h, 3h, 4h,
+	// 6h, 8h, 12h or 24h), aligned to midnight UTC. A row stays until its
+	// partition's range has passed, so rows outlive Retention by at most
+	// one width: hourly partitions suit high volumes. The width is part of
+	// the table's layout: a table made with 24h (partition key part_day, a
+	// date) cannot take a shorter width, and one made with a shorter width
+	// (partition key part_hour, a UTC timestamp) cannot take 24h; Migrate
+	// says so. Only with Partitioned. Defaults to 24h.
+	PartitionWidth time.Duration
+	// PartitionLockTimeout bounds how long partition maintenance
+	// (EnsurePartitions, and Cleanup detaching and dropping partitions)
+	// waits for a lock, as lock_timeout. None of those statements takes a
+	// lock that claims wait for; the timeout keeps them from waiting on
+	// long transactions: a detach that runs out of time is finished by a
+	// later Cleanup. Only with Partitioned. Defaults to 1s.
+	PartitionLockTimeout time.Duration
 }
 
 // Store is the PostgreSQL store. It is safe for concurrent use when its DB is.
@@ -68,6 +87,7 @@ type Store struct {
 	seed  int64  // of the keys' lock hash (keyHashSQL)
 	sql   statements
 	psql  partitionedStatements
+	part  partitioning // of a Partitioned table
 	// retentionArg is Options.Retention in milliseconds, boxed once: it is
 	// an argument of every row Process writes.
 	retentionArg any
@@ -87,7 +107,8 @@ func New(db DB, opts Options) (*Store, error) {
 	for _, d := range []struct {
 		name string
 		v    time.Duration
-	}{{"Retention", opts.Retention}, {"Lease", opts.Lease}, {"RedeliveryHorizon", opts.RedeliveryHorizon}} {
+	}{{"Retention", opts.Retention}, {"Lease", opts.Lease}, {"RedeliveryHorizon", opts.RedeliveryHorizon},
+		{"PartitionLockTimeout", opts.PartitionLockTimeout}} {
 		if d.v < 0 {
 			return nil, fmt.Errorf("pgtable: Options.%s is %v; it must not be negative (zero means the default)", d.name, d.v)
 		}
@@ -97,6 +118,9 @@ func New(db DB, opts Options) (*Store, error) {
 	}
 	if opts.CleanupBatch < 0 {
 		return nil, fmt.Errorf("pgtable: Options.CleanupBatch is %d; it must not be negative", opts.CleanupBatch)
+	}
+	if err := checkPartitionOptions(&opts); err != nil {
+		return nil, err
 	}
 	if opts.Retention == 0 {
 		opts.Retention = 7 * 24 * time.Hour
@@ -122,7 +146,8 @@ func New(db DB, opts Options) (*Store, error) {
 	s.seed = lockSeed(opts.Schema + "." + opts.Table)
 	s.sql = buildStatements(s.table, s.seed)
 	if opts.Partitioned {
-		s.psql = buildPartitionedStatements(s.table, sqlname.Quote(opts.Table), s.seed)
+		s.part = newPartitioning(opts.PartitionWidth)
+		s.psql = buildPartitionedStatements(s.table, s.part, s.seed)
 	}
 	return s, nil
 }
