@@ -8,7 +8,7 @@ import (
 
 	"github.com/idemkit/idem/dedup/deduptest"
 	"github.com/idemkit/idem/dedup/pgtable"
-	"github.com/idemkit/idem/internal/testenv"
+	"github.com/idemkit/idem/internal/testkit/testenv"
 )
 
 // planNode is the part of EXPLAIN (FORMAT JSON) output the tests read.

@@ -16,8 +16,8 @@ import (
 	"github.com/idemkit/idem/dedup"
 	"github.com/idemkit/idem/dedup/deduptest"
 	"github.com/idemkit/idem/dedup/redisnx"
-	"github.com/idemkit/idem/internal/testenv"
 	"github.com/idemkit/idem/internal/testkit/rediscluster"
+	"github.com/idemkit/idem/internal/testkit/testenv"
 )
 
 // TestClusterConformance runs the suite on a Redis Cluster of three masters

@@ -16,8 +16,8 @@ import (
 
 	"github.com/idemkit/idem/dedup"
 	"github.com/idemkit/idem/dedup/redisnx"
-	"github.com/idemkit/idem/internal/fault"
-	"github.com/idemkit/idem/internal/testenv"
+	"github.com/idemkit/idem/internal/testkit/fault"
+	"github.com/idemkit/idem/internal/testkit/testenv"
 )
 
 // uuid returns a random UUID in its 36-character text form.

@@ -1,13 +1,13 @@
 //go:build unix
 
 // Package rediscluster starts a throwaway Redis Cluster for tests: masters
-// with replicas, each a redis-server process (internal/fault) on free ports
+// with replicas, each a redis-server process (internal/testkit/fault) on free ports
 // on 127.0.0.1, in temporary directories, joined by `redis-cli --cluster
 // create`. The cluster is stopped and its directories removed when the test
 // ends. Nothing in the library imports this package.
 //
 // When redis-server or redis-cli is missing the test is skipped, or fails
-// under CI=true (internal/testenv). The binaries are $IDEM_REDIS_SERVER
+// under CI=true (internal/testkit/testenv). The binaries are $IDEM_REDIS_SERVER
 // (else redis-server on $PATH) and $IDEM_REDIS_CLI (else redis-cli on
 // $PATH).
 //
@@ -31,8 +31,8 @@ import (
 
 	"github.com/redis/go-redis/v9"
 
-	"github.com/idemkit/idem/internal/fault"
-	"github.com/idemkit/idem/internal/testenv"
+	"github.com/idemkit/idem/internal/testkit/fault"
+	"github.com/idemkit/idem/internal/testkit/testenv"
 )
 
 // Options configure a cluster. The zero value is usable.
