@@ -444,11 +444,12 @@ func (c *Consumer) serve(ctx, hctx context.Context, s *consSession, wg *sync.Wai
 		wg.Go(func() {
 			defer workers.Done()
 			for {
-				d, ok := a.next(deliveries)
+				d, excl, ok := a.take(deliveries, c.alone)
 				if !ok {
 					return
 				}
-				c.handle(wctx, hctx, s, a, gate, d)
+				c.handle(wctx, hctx, s, a, gate, d, excl)
+				a.untake(excl)
 			}
 		})
 	}
@@ -527,7 +528,12 @@ var errBrokerCancel = errors.New("the broker cancelled the consumer (was the que
 // here, on its own tag, and reported at once. The chain runs in the
 // delivery's consumer span (see ConsumerOptions.TracerProvider), which ends
 // with the verdict.
-func (c *Consumer) handle(ctx, hctx context.Context, s *consSession, a *consAcker, gate *seat.Gate, d amqp091.Delivery) {
+//
+// A delivery that runs alone (excl, see alone) holds the session's
+// isolation lock exclusively: before its chain runs, the acks of the
+// deliveries finished before it are written and their receipt confirmed;
+// its own ack is written at once, not coalesced, and confirmed too.
+func (c *Consumer) handle(ctx, hctx context.Context, s *consSession, a *consAcker, gate *seat.Gate, d amqp091.Delivery, excl bool) {
 	var st *seat.Seat
 	if gate != nil && ctx.Err() == nil {
 		st = new(seat.Seat)
@@ -542,7 +548,7 @@ func (c *Consumer) handle(ctx, hctx context.Context, s *consSession, a *consAcke
 		return
 	}
 	start := time.Now()
-	msg := c.message(&d, s.gen)
+	msg, merr := c.message(&d, s.gen)
 	c.stats.delivered.Add(1)
 	if d.Redelivered {
 		c.stats.redelivered.Add(1)
@@ -557,23 +563,67 @@ func (c *Consumer) handle(ctx, hctx context.Context, s *consSession, a *consAcke
 		r   consumer.Result
 		out ConsumerOutcome
 	)
-	if n, ok := c.overDelivered(&d); ok {
-		// Poison: every earlier delivery died unsettled (a crash, a closed
-		// channel). Running the handler again would only kill another
+	switch n, over := c.overDelivered(&d); {
+	case over && d.DeliveryTag == 1:
+		// Poison: every earlier delivery died unsettled (a crash, a
+		// closed channel), and this one is the first the new channel
+		// took, the one that was running alone when the last one died
+		// (see alone). Running the handler again would only kill another
 		// worker.
 		r = consumer.Result{Action: consumer.ActionDeadLetter, Reason: ReasonRedeliveryLimit,
 			Err: fmt.Errorf("delivered %d times without being settled (MaxDeliveries %d)", n+1, c.opts.MaxDeliveries)}
 		out = c.deadLetter(mctx, s, &d, msg, r.Reason, r.Err)
-	} else {
+	case merr != nil:
+		r = consumer.Result{Action: consumer.ActionDeadLetter, Reason: consumer.ReasonInvalidKey, Err: merr}
+		out = c.deadLetter(mctx, s, &d, msg, r.Reason, r.Err)
+	default:
+		if excl {
+			a.flushAll()
+			c.confirmAcks(s)
+		}
 		r = consumer.Process(mctx, c.h, msg)
 		if r.Action == consumer.ActionAck {
-			a.finished(&consDone{tag: d.DeliveryTag, at: time.Now(), start: start, ctx: mctx, msg: msg, r: r, end: end})
-			return
+			if !excl {
+				a.finished(&consDone{tag: d.DeliveryTag, at: time.Now(), start: start, ctx: mctx, msg: msg, r: r, end: end})
+				return
+			}
+			if out = c.ack(s, &d); out == OutcomeAcked {
+				c.confirmAcks(s)
+				c.stats.acked.Add(1)
+				if r.Duplicate {
+					c.stats.duplicates.Add(1)
+				}
+			}
+			break
 		}
 		out = c.settle(mctx, s, &d, msg, r)
 	}
 	a.settled(d.DeliveryTag, out == OutcomeAbandoned)
 	c.report(mctx, msg, r, out, start, end)
+}
+
+// alone reports whether d must run alone on its channel: it carries an
+// x-delivery-count (a quorum queue returned it unsettled before: a worker
+// died or its channel closed while it was delivered, or it was requeued).
+// Such deliveries run one at a time, each acknowledged at once, so that
+// when one of them kills the worker every time, the deliveries before it
+// are settled first, it is the first delivery of the next channel, and it
+// alone is dead-lettered once it reaches MaxDeliveries (see handle); its
+// neighbours, counted with it, run and are acknowledged.
+func (c *Consumer) alone(d *amqp091.Delivery) bool {
+	n, ok := consHeaderInt(d.Headers[HeaderDeliveryCount])
+	return ok && n > 0
+}
+
+// confirmAcks waits until the broker processed every frame written on s's
+// consuming channel so far, acks included: a synchronous method (basic.qos
+// with the channel's settings, which changes nothing) is answered only
+// after the frames before it. A worker that dies after confirmAcks
+// returned leaves those deliveries settled.
+func (c *Consumer) confirmAcks(s *consSession) {
+	if !s.isDead() {
+		_ = s.ch.Qos(c.opts.Prefetch, 0, false)
+	}
 }
 
 // reportDone counts and reports a delivery the acker acknowledged
@@ -824,54 +874,12 @@ func (c *Consumer) abandon() ConsumerOutcome {
 	return OutcomeAbandoned
 }
 
-// message maps a delivery to a consumer.Message.
-func (c *Consumer) message(d *amqp091.Delivery, gen uint64) *consumer.Message {
-	id := d.MessageId
-	if c.opts.IDHeader != "" {
-		if v, ok := consHeaderString(d.Headers[c.opts.IDHeader]); ok && v != "" {
-			id = v
-		}
-	}
-	attempt := 1
-	if n, ok := consHeaderInt(d.Headers[HeaderAttempt]); ok && n > 1 {
-		attempt = int(min(n, 1<<30))
-	}
-	exchange, key := d.Exchange, d.RoutingKey
-	if v, ok := consHeaderString(d.Headers[HeaderExchange]); ok {
-		exchange = v
-		if k, ok := consHeaderString(d.Headers[HeaderRoutingKey]); ok {
-			key = k
-		}
-	}
-	var headers map[string]string
-	if len(d.Headers) > 0 {
-		headers = make(map[string]string, len(d.Headers))
-		for k, v := range d.Headers {
-			if s, ok := consHeaderString(v); ok {
-				headers[k] = s
-			} else if n, ok := consHeaderInt(v); ok {
-				headers[k] = strconv.FormatInt(n, 10)
-			}
-		}
-	}
-	return &consumer.Message{
-		ID:      id,
-		Key:     []byte(key),
-		Payload: d.Body,
-		Headers: headers,
-		Topic:   c.queue,
-		Metadata: map[string]string{
-			"exchange":           exchange,
-			"routing_key":        key,
-			"delivery_tag":       strconv.FormatUint(d.DeliveryTag, 10),
-			"consumer_tag":       d.ConsumerTag,
-			"channel_generation": strconv.FormatUint(gen, 10),
-			"redelivered":        strconv.FormatBool(d.Redelivered),
-		},
-		Attempt:     attempt,
-		Redelivered: d.Redelivered,
-		Time:        d.Timestamp,
-	}
+// message maps a delivery to a consumer.Message (see NewMessage), with the
+// connection generation in its Metadata; err is NewMessage's.
+func (c *Consumer) message(d *amqp091.Delivery, gen uint64) (*consumer.Message, error) {
+	msg, err := NewMessage(d, MessageOptions{IDHeader: c.opts.IDHeader, Queue: c.queue})
+	msg.Metadata["channel_generation"] = strconv.FormatUint(gen, 10)
+	return msg, err
 }
 
 func consHeaderString(v any) (string, bool) {
