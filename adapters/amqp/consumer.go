@@ -32,9 +32,11 @@ import (
 //     queue whose messages expire after the delay and are dead-lettered by
 //     the broker back to the work queue; then the delivery is acknowledged.
 //     The copy carries the attempt in HeaderAttempt. Nothing is requeued
-//     in a hot loop. After MaxAttempts the message is dead-lettered with
-//     reason retries_exhausted instead — unless the key is owned elsewhere
-//     (in_flight, lease_lost), which is never poison.
+//     in a hot loop. After MaxAttempts failed attempts the message is
+//     dead-lettered with reason retries_exhausted instead. A key owned
+//     elsewhere (in_flight, lease_lost) is a wait, not a failed attempt:
+//     the copy keeps its HeaderAttempt and counts the wait in HeaderWaits,
+//     bounded by MaxWaits (reason wait_limit).
 //   - ActionDeadLetter (Permanent, a panic, a fingerprint mismatch, an
 //     invalid key such as a message without id): a copy with HeaderReason,
 //     HeaderAttempt and HeaderError is published to the dead-letter
@@ -668,6 +670,9 @@ func verdictOf(r consumer.Result, out ConsumerOutcome) (result, reason string) {
 		return "ack", ""
 	case OutcomeDeadLettered:
 		if r.Action == consumer.ActionRetry {
+			if consOwned(r) {
+				return "dead_letter", string(ReasonWaitLimit)
+			}
 			return "dead_letter", string(consumer.ReasonRetriesExhausted)
 		}
 		return "dead_letter", string(r.Reason)
@@ -699,17 +704,32 @@ func (c *Consumer) settle(hctx context.Context, s *consSession, d *amqp091.Deliv
 		// attempt is spent; the broker redelivers it.
 		return c.requeue(s, d)
 	}
-	owned := r.Reason == consumer.ReasonInFlight || r.Reason == consumer.ReasonLeaseLost
-	if msg.Attempt >= c.opts.MaxAttempts && !owned {
-		err := r.Err
-		if err == nil {
-			err = errors.New("retry requested")
+	var p amqp091.Publishing
+	var delay time.Duration
+	if consOwned(r) {
+		// Another owner holds the key: the handler did not fail, so no
+		// attempt is spent; the waits are bounded on their own.
+		waits, _ := consHeaderInt(d.Headers[HeaderWaits])
+		if c.opts.MaxWaits > 0 && waits >= int64(c.opts.MaxWaits) {
+			return c.deadLetter(hctx, s, d, msg, ReasonWaitLimit,
+				fmt.Errorf("the key was held by another owner on %d deliveries (MaxWaits %d): %w", waits+1, c.opts.MaxWaits, r.Err))
 		}
-		return c.deadLetter(hctx, s, d, msg, consumer.ReasonRetriesExhausted,
-			&consumer.RetriesExhaustedError{Attempts: msg.Attempt, Err: err})
+		waits = min(max(waits, 0)+1, 1<<30)
+		delay = c.retryDelay(int(waits), r.RetryAfter)
+		p = c.copyOf(d, msg.Attempt)
+		p.Headers[HeaderWaits] = int32(waits)
+	} else {
+		if msg.Attempt >= c.opts.MaxAttempts {
+			err := r.Err
+			if err == nil {
+				err = errors.New("retry requested")
+			}
+			return c.deadLetter(hctx, s, d, msg, consumer.ReasonRetriesExhausted,
+				&consumer.RetriesExhaustedError{Attempts: msg.Attempt, Err: err})
+		}
+		delay = c.retryDelay(msg.Attempt, r.RetryAfter)
+		p = c.copyOf(d, msg.Attempt+1)
 	}
-	delay := c.retryDelay(msg.Attempt, r.RetryAfter)
-	p := c.copyOf(d, msg.Attempt+1)
 	p.Expiration = strconv.FormatInt(delay.Milliseconds(), 10)
 	if r.Err != nil {
 		p.Headers[HeaderError] = consTruncate(r.Err.Error())
@@ -726,6 +746,12 @@ func (c *Consumer) settle(hctx context.Context, s *consSession, d *amqp091.Deliv
 		return OutcomeRetried
 	}
 	return out
+}
+
+// consOwned reports whether r retries a message because another owner
+// holds its key (in_flight, lease_lost): a wait, not a failure.
+func consOwned(r consumer.Result) bool {
+	return r.Reason == consumer.ReasonInFlight || r.Reason == consumer.ReasonLeaseLost
 }
 
 // retryDelay is the delay before the attempt after attempt: the configured

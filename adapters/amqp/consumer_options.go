@@ -23,7 +23,8 @@ import (
 const (
 	// HeaderAttempt is the delivery attempt, 1-based, of the copy: absent
 	// on a message as the producer sent it (attempt 1), then 2, 3, ... on
-	// each copy sent through a retry queue. It is what Message.Attempt
+	// each copy of a failed attempt sent through a retry queue (a wait for
+	// a key another owner holds is counted in HeaderWaits instead). It is what Message.Attempt
 	// reports and what ConsumerOptions.MaxAttempts bounds. RabbitMQ's own
 	// x-death header is not used for this: it counts per queue and per
 	// reason, so with several retry queues no single entry is the attempt.
@@ -34,6 +35,12 @@ const (
 	// consumer.Reason such as "permanent", "invalid_key",
 	// "fingerprint_mismatch" or "retries_exhausted".
 	HeaderReason = "x-idem-reason"
+	// HeaderWaits counts the retries of a message whose key another owner
+	// held (in_flight, lease_lost): absent on a message as the producer
+	// sent it, then 1, 2, ... on each such copy. It is what
+	// ConsumerOptions.MaxWaits bounds; those retries leave HeaderAttempt
+	// alone.
+	HeaderWaits = "x-idem-waits"
 	// HeaderError is the handler's error text (at most 1 KiB) on a
 	// dead-lettered message, or on a retried one the last error.
 	HeaderError = "x-idem-error"
@@ -58,6 +65,12 @@ const (
 // than ConsumerOptions.MaxDeliveries times without it being settled: it
 // crashed or stalled every worker that took it.
 const ReasonRedeliveryLimit consumer.Reason = "redelivery_limit"
+
+// ReasonWaitLimit is the HeaderReason (and the verdict's idem.reason) of a
+// message dead-lettered because its key was held by another owner
+// (in_flight, lease_lost) on more than ConsumerOptions.MaxWaits
+// deliveries.
+const ReasonWaitLimit consumer.Reason = "wait_limit"
 
 // ConsumerBinding binds the work queue to an exchange. The exchange must
 // exist (it is the producer's); the binding is declared on every connect.
@@ -163,10 +176,24 @@ type ConsumerOptions struct {
 	RetryDelays []time.Duration
 	// MaxAttempts bounds the attempts of a message that keeps failing with
 	// a transient error, the first included; the next failure
-	// dead-letters it with reason retries_exhausted. Messages retried
-	// because another owner holds their key (in_flight, lease_lost) are
-	// not bounded: they are not poison. Defaults to 5; 1 means no retry.
+	// dead-letters it with reason retries_exhausted. Only the deliveries
+	// whose handler ran and failed count (HeaderAttempt): a delivery
+	// retried because another owner holds its key (in_flight,
+	// lease_lost) did not fail, and counts toward MaxWaits instead.
+	// Defaults to 5; 1 means no retry.
 	MaxAttempts int
+	// MaxWaits bounds the retries of a message whose key another owner
+	// holds (in_flight: a copy still running elsewhere, or a lease a
+	// dead worker left until it expires; lease_lost). They wait in the
+	// retry queues (the delay is RetryDelays' by wait count, or longer
+	// when the store says how long the lease has left) and are counted in
+	// HeaderWaits; once a message waited MaxWaits times, the next wait
+	// dead-letters it with reason wait_limit (ReasonWaitLimit) and the
+	// other owner's error. A key held that long is a stuck owner, not a
+	// busy one: the dead letter says so instead of the message circling
+	// forever. Defaults to 20 (with the default RetryDelays, more than 30
+	// minutes); -1 means no bound.
+	MaxWaits int
 
 	// DeadLetterExchange and DeadLetterQueue receive dead messages.
 	// Defaults to "<queue>.dlx" (a direct exchange) and "<queue>.dlq"
@@ -280,6 +307,12 @@ func (o *ConsumerOptions) consSetDefaults(queue string) error {
 	}
 	if o.MaxAttempts == 0 {
 		o.MaxAttempts = 5
+	}
+	switch {
+	case o.MaxWaits == 0:
+		o.MaxWaits = 20
+	case o.MaxWaits < -1:
+		return fmt.Errorf("amqp: ConsumerOptions.MaxWaits is %d; it must be positive, 0 (the default) or -1 (no bound)", o.MaxWaits)
 	}
 	for _, d := range []struct {
 		name string
