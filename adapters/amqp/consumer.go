@@ -2,6 +2,8 @@ package amqp
 
 import (
 	"context"
+	"crypto/sha256"
+	"encoding/hex"
 	"errors"
 	"fmt"
 	"log/slog"
@@ -774,6 +776,7 @@ func (c *Consumer) retryDelay(attempt int, hint time.Duration) time.Duration {
 
 func (c *Consumer) deadLetter(hctx context.Context, s *consSession, d *amqp091.Delivery, msg *consumer.Message, reason consumer.Reason, cause error) ConsumerOutcome {
 	p := c.copyOf(d, msg.Attempt)
+	p.MessageId = c.deadLetterID(d, msg)
 	p.Headers[HeaderReason] = string(reason)
 	if cause != nil {
 		p.Headers[HeaderError] = consTruncate(cause.Error())
@@ -793,6 +796,34 @@ func (c *Consumer) deadLetter(hctx context.Context, s *consSession, d *amqp091.D
 		return OutcomeDeadLettered
 	}
 	return out
+}
+
+// deadLetterID is the message id of d's dead letter, the same for every
+// delivery of the same message: d's message-id; else the id it was
+// handled under (from IDHeader); else "idem-dl-" and a digest of the work
+// queue and of what the producer sent (exchange, routing key, properties,
+// headers but the broker's delivery count, body).
+func (c *Consumer) deadLetterID(d *amqp091.Delivery, msg *consumer.Message) string {
+	if d.MessageId != "" {
+		return d.MessageId
+	}
+	if msg.ID != "" && len(msg.ID) <= 255 {
+		return msg.ID
+	}
+	h := sha256.New()
+	headers := make(amqp091.Table, len(d.Headers))
+	for k, v := range d.Headers {
+		if k != HeaderDeliveryCount {
+			headers[k] = v
+		}
+	}
+	// fmt prints maps sorted by key: the same table, the same text.
+	fmt.Fprintf(h, "%q\x00%q\x00%q\x00%q %q %q %q %q %q %q %d %d\x00%v\x00", c.queue,
+		msg.Metadata["exchange"], msg.Metadata["routing_key"],
+		d.ContentType, d.ContentEncoding, d.CorrelationId, d.ReplyTo, d.Type, d.AppId, d.UserId,
+		d.Priority, d.Timestamp.UnixNano(), headers)
+	h.Write(d.Body)
+	return "idem-dl-" + hex.EncodeToString(h.Sum(nil)[:16])
 }
 
 // publishFailed handles a copy that was not confirmed: the delivery goes
