@@ -114,11 +114,13 @@ import (
 // messaging.process.duration, with messaging.system "rabbitmq" and the queue
 // as messaging.destination.name: never an id or a key.
 type Consumer struct {
-	url    string
+	// dial opens a connection: amqp091.DialConfig, ConsumerOptions.Dial,
+	// or the caller's connection (NewConsumerConn, shared set).
+	dial   func(ctx context.Context) (*amqp091.Connection, error)
+	shared bool
 	queue  string
 	h      consumer.Handler
 	opts   ConsumerOptions
-	cfg    amqp091.Config
 	delays []time.Duration // distinct retry delays, ascending
 	tel    *telemetry.Adapter
 
@@ -160,25 +162,74 @@ type consStats struct {
 }
 
 // NewConsumer returns a Consumer of queue on the broker at url (amqp:// or
-// amqps://) that runs h on each delivery. It does not connect: Run does.
+// amqps://) that runs h on each delivery. It does not connect: Run does,
+// and it owns its connections: it redials one that fails and closes it
+// when Run returns. With ConsumerOptions.Dial set, url is not used (it
+// may be empty) and Dial opens the connections instead.
 func NewConsumer(url, queue string, h consumer.Handler, opts ConsumerOptions) (*Consumer, error) {
-	if _, err := amqp091.ParseURI(url); err != nil {
-		return nil, fmt.Errorf("amqp: NewConsumer: %w", err)
+	var dial func(context.Context) (*amqp091.Connection, error)
+	if opts.Dial == nil {
+		if _, err := amqp091.ParseURI(url); err != nil {
+			return nil, fmt.Errorf("amqp: NewConsumer: %w (or set ConsumerOptions.Dial)", err)
+		}
+		cfg := dialConfig(opts.Config, opts.ConnectionName)
+		dial = func(context.Context) (*amqp091.Connection, error) { return amqp091.DialConfig(url, cfg) }
 	}
+	return newConsumer("NewConsumer", dial, false, queue, h, opts)
+}
+
+// ErrConnectionClosed is returned by Run (wrapped) when the connection a
+// Consumer was given by NewConsumerConn closed: the Consumer cannot redial
+// a connection it does not own.
+var ErrConnectionClosed = errors.New("amqp: the connection given to the consumer is closed")
+
+// NewConsumerConn returns a Consumer of queue, like NewConsumer, that runs
+// on conn, a connection the caller opened and owns (a service hands over
+// the connection it already has). Run opens its two channels on conn
+// (consuming, and publishing with confirms) and closes only them, never
+// conn: the caller closes conn, after Run returned.
+//
+// When a channel of the Consumer closes (a channel error, the broker
+// cancelling the consumer) while conn stays open, Run opens new channels
+// on conn, with the same backoff as a reconnect. When conn itself closes,
+// Run returns an error wrapping ErrConnectionClosed: reconnecting is the
+// owner's job; make a new Consumer on the new connection (the
+// deliveries of the dead one come back from the broker, and the dedup
+// store decides). ConsumerOptions.Dial, Config and ConnectionName do not
+// apply.
+func NewConsumerConn(conn *amqp091.Connection, queue string, h consumer.Handler, opts ConsumerOptions) (*Consumer, error) {
+	if conn == nil {
+		return nil, errors.New("amqp: NewConsumerConn: conn is nil")
+	}
+	if opts.Dial != nil {
+		return nil, errors.New("amqp: NewConsumerConn: ConsumerOptions.Dial is set; use NewConsumer for a Consumer that dials")
+	}
+	dial := func(context.Context) (*amqp091.Connection, error) {
+		if conn.IsClosed() {
+			return nil, ErrConnectionClosed
+		}
+		return conn, nil
+	}
+	return newConsumer("NewConsumerConn", dial, true, queue, h, opts)
+}
+
+func newConsumer(name string, dial func(context.Context) (*amqp091.Connection, error), shared bool, queue string, h consumer.Handler, opts ConsumerOptions) (*Consumer, error) {
 	if queue == "" {
-		return nil, errors.New("amqp: NewConsumer: queue is required (server-named queues would change on every reconnect)")
+		return nil, fmt.Errorf("amqp: %s: queue is required (server-named queues would change on every reconnect)", name)
 	}
 	if h == nil {
-		return nil, errors.New("amqp: NewConsumer: handler is nil")
+		return nil, fmt.Errorf("amqp: %s: handler is nil", name)
 	}
 	if err := opts.consSetDefaults(queue); err != nil {
 		return nil, err
 	}
-	cfg := dialConfig(opts.Config, opts.ConnectionName)
+	if dial == nil {
+		dial = opts.Dial
+	}
 	delays := slices.Clone(opts.RetryDelays)
 	slices.Sort(delays)
 	delays = slices.Compact(delays)
-	return &Consumer{url: url, queue: queue, h: h, opts: opts, cfg: cfg, delays: delays, ready: make(chan struct{}),
+	return &Consumer{dial: dial, shared: shared, queue: queue, h: h, opts: opts, delays: delays, ready: make(chan struct{}),
 		tel: telemetry.NewAdapter(opts.MeterProvider, opts.TracerProvider, system), ackLinger: consAckLinger, ackDelay: consAckDelay}, nil
 }
 
@@ -252,9 +303,9 @@ func (c *Consumer) Run(ctx context.Context) error {
 	defer wg.Wait()
 	delay := time.Duration(0)
 	for ctx.Err() == nil {
-		s, err := c.connect(&wg)
+		s, err := c.connect(ctx, &wg)
 		if err != nil {
-			if consFatal(err) {
+			if consFatal(err) || errors.Is(err, ErrConnectionClosed) {
 				return fmt.Errorf("amqp: consumer of %q: %w", c.queue, err)
 			}
 			if delay == 0 {
@@ -296,10 +347,11 @@ func consFatal(err error) bool {
 // channel, and the confirm-mode channel retried and dead-lettered copies
 // are published on. dead is closed as soon as any of them closes.
 type consSession struct {
-	gen  uint64
-	conn *amqp091.Connection
-	ch   *amqp091.Channel
-	pub  *amqp091.Channel
+	gen    uint64
+	conn   *amqp091.Connection
+	shared bool // conn is the caller's: close only the channels
+	ch     *amqp091.Channel
+	pub    *amqp091.Channel
 
 	dead     chan struct{}
 	deadOnce sync.Once
@@ -320,43 +372,69 @@ func (s *consSession) kill(err error) {
 		s.deadErr = err
 		close(s.dead)
 	})
-	_ = s.conn.CloseDeadline(time.Now().Add(2 * time.Second))
+	s.close()
 }
 
-func (c *Consumer) connect(wg *sync.WaitGroup) (*consSession, error) {
-	conn, err := amqp091.DialConfig(c.url, c.cfg)
+// close closes the connection, or only the session's channels when the
+// connection is the caller's.
+func (s *consSession) close() {
+	if !s.shared {
+		_ = s.conn.CloseDeadline(time.Now().Add(2 * time.Second))
+		return
+	}
+	for _, ch := range []*amqp091.Channel{s.ch, s.pub} {
+		if ch != nil {
+			_ = ch.Close()
+		}
+	}
+}
+
+func (c *Consumer) connect(ctx context.Context, wg *sync.WaitGroup) (*consSession, error) {
+	conn, err := c.dial(ctx)
 	if err != nil {
 		return nil, fmt.Errorf("dial: %w", err)
 	}
+	if conn == nil {
+		return nil, errors.New("dial: ConsumerOptions.Dial returned no connection and no error")
+	}
+	s := &consSession{conn: conn, shared: c.shared, dead: make(chan struct{})}
 	ok := false
 	defer func() {
 		if !ok {
-			_ = conn.CloseDeadline(time.Now().Add(2 * time.Second))
+			s.close()
 		}
 	}()
-	ch, err := conn.Channel()
-	if err != nil {
+	if s.ch, err = conn.Channel(); err != nil {
 		return nil, fmt.Errorf("open channel: %w", err)
 	}
-	if err := c.declare(ch); err != nil {
+	if c.opts.NoDeclare {
+		err = c.check(s.ch)
+	} else {
+		err = c.declare(s.ch)
+	}
+	if err != nil {
 		return nil, err
 	}
-	if err := ch.Qos(c.opts.Prefetch, 0, false); err != nil {
+	if err := s.ch.Qos(c.opts.Prefetch, 0, false); err != nil {
 		return nil, fmt.Errorf("qos: %w", err)
 	}
-	pub, err := conn.Channel()
-	if err != nil {
+	if s.pub, err = conn.Channel(); err != nil {
 		return nil, fmt.Errorf("open channel: %w", err)
 	}
-	if err := pub.Confirm(false); err != nil {
+	if err := s.pub.Confirm(false); err != nil {
 		return nil, fmt.Errorf("confirm mode: %w", err)
 	}
-	s := &consSession{gen: c.gen.Add(1), conn: conn, ch: ch, pub: pub, dead: make(chan struct{})}
+	s.gen = c.gen.Add(1)
 	// Buffered: the library sends at most one error on each, then closes
-	// them all when the connection shuts down.
-	connCloses := conn.NotifyClose(make(chan *amqp091.Error, 1))
-	chCloses := ch.NotifyClose(make(chan *amqp091.Error, 1))
-	pubCloses := pub.NotifyClose(make(chan *amqp091.Error, 1))
+	// them all when the connection (or the channel) shuts down. A
+	// connection the caller owns is not watched: its death closes the
+	// channels, which are.
+	var connCloses chan *amqp091.Error
+	if !s.shared {
+		connCloses = conn.NotifyClose(make(chan *amqp091.Error, 1))
+	}
+	chCloses := s.ch.NotifyClose(make(chan *amqp091.Error, 1))
+	pubCloses := s.pub.NotifyClose(make(chan *amqp091.Error, 1))
 	wg.Go(func() {
 		var e *amqp091.Error
 		select {
@@ -369,8 +447,15 @@ func (c *Consumer) connect(wg *sync.WaitGroup) (*consSession, error) {
 			err = e
 		}
 		s.kill(err)
-		// Wait for the connection to be gone, so the watcher outlives no
-		// library goroutine of it.
+		// Wait for the connection (or the channels) to be gone, so the
+		// watcher outlives no library goroutine of it.
+		if s.shared {
+			for range chCloses {
+			}
+			for range pubCloses {
+			}
+			return
+		}
 		for range connCloses {
 		}
 	})
@@ -378,6 +463,33 @@ func (c *Consumer) connect(wg *sync.WaitGroup) (*consSession, error) {
 	c.stats.connects.Add(1)
 	return s, nil
 }
+
+// check verifies, passively, that the topology Run uses exists when it is
+// declared elsewhere (ConsumerOptions.NoDeclare): the work queue, each
+// retry queue and the dead-letter exchange. The first one missing fails
+// with NOT_FOUND, which closes ch and makes Run return.
+func (c *Consumer) check(ch *amqp091.Channel) error {
+	type need struct{ what, name, hint string }
+	needs := []need{{"work queue", c.queue, ""}}
+	for _, d := range c.delays {
+		needs = append(needs, need{"retry queue", consRetryQueue(c.queue, d), fmt.Sprintf(
+			" (declare it with x-dead-letter-exchange \"\" and x-dead-letter-routing-key %q, and optionally x-message-ttl %d)", c.queue, d.Milliseconds())})
+	}
+	for _, n := range needs {
+		if _, err := ch.QueueDeclarePassive(n.name, false, false, false, false, nil); err != nil {
+			return fmt.Errorf("%w: %s %q: %w%s", ErrTopologyMissing, n.what, n.name, err, n.hint)
+		}
+	}
+	if err := ch.ExchangeDeclarePassive(c.opts.DeadLetterExchange, amqp091.ExchangeDirect, false, false, false, false, nil); err != nil {
+		return fmt.Errorf("%w: dead-letter exchange %q: %w (it must route routing key %q to a queue)", ErrTopologyMissing, c.opts.DeadLetterExchange, err, c.queue)
+	}
+	return nil
+}
+
+// ErrTopologyMissing is the cause of Run's error when
+// ConsumerOptions.NoDeclare is set and a queue or exchange it needs does
+// not exist.
+var ErrTopologyMissing = errors.New("amqp: topology declared elsewhere is missing (NoDeclare)")
 
 // declare declares the topology; every call is idempotent.
 func (c *Consumer) declare(ch *amqp091.Channel) error {

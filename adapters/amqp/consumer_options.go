@@ -88,6 +88,16 @@ type ConsumerOptions struct {
 	// ConnectionName is the connection_name client property. Defaults to
 	// "idem-consumer".
 	ConnectionName string
+	// Dial, when set, opens the Consumer's connections instead of
+	// amqp091.DialConfig with the URL, Config and ConnectionName: for a
+	// service that builds its connections itself (its TLS, its
+	// credentials provider, its dialer). Run calls it for the first
+	// connection and for each reconnect, with Run's context; the
+	// connections it returns are the Consumer's, which closes them when
+	// they fail and when Run returns, so return a new connection each
+	// time. To run on one connection the service keeps, use
+	// NewConsumerConn. Defaults to nil: NewConsumer's url is dialled.
+	Dial func(ctx context.Context) (*amqp091.Connection, error)
 
 	// Prefetch is the channel's QoS prefetch count: how many unacknowledged
 	// deliveries the broker hands over at once. Defaults to 100. It also
@@ -167,6 +177,22 @@ type ConsumerOptions struct {
 	MaxDeliveries int
 	// Bindings bind the work queue to the producer's exchanges.
 	Bindings []ConsumerBinding
+	// NoDeclare says the topology is declared elsewhere (by the service's
+	// own code, a definitions file, an operator): Run declares nothing —
+	// no queue, retry queue, exchange or binding, so QueueArgs,
+	// QuorumQueue, Bindings, NotDurable's effect on the queues and
+	// DeadLetterQueue are not used for that — and instead checks, with
+	// passive declares on each connect, that the work queue, each retry
+	// queue ("<queue>.retry.<ms>ms", one per distinct RetryDelays entry)
+	// and DeadLetterExchange exist. If one does not, Run returns an
+	// error wrapping ErrTopologyMissing that names it. What the Consumer
+	// needs of them: each retry queue dead-letters expired messages to
+	// the default exchange with the work queue's name as routing key
+	// (x-dead-letter-exchange "", x-dead-letter-routing-key <queue>; the
+	// copies carry their own per-message expiration), and
+	// DeadLetterExchange routes the work queue's name to a queue, or the
+	// dead letters are dropped. Defaults to false: Run declares it all.
+	NoDeclare bool
 
 	// RetryDelays are the delays before the 2nd, 3rd, ... attempt; the last
 	// one repeats. Each distinct delay gets its own retry queue
