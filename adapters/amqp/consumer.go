@@ -41,8 +41,10 @@ import (
 //     bounded by MaxWaits (reason wait_limit).
 //   - ActionDeadLetter (Permanent, a panic, a fingerprint mismatch, an
 //     invalid key such as a message without id): a copy with HeaderReason,
-//     HeaderAttempt and HeaderError is published to the dead-letter
-//     exchange, confirmed, and then the delivery is acknowledged.
+//     HeaderAttempt and HeaderError, and a deterministic message id (see
+//     the package documentation, "Dead letters"), is published to the
+//     dead-letter exchange, confirmed, and then the delivery is
+//     acknowledged.
 //
 // A delivery is never acknowledged before its copy is confirmed; if the
 // copy cannot be published the delivery is nacked with requeue after a
@@ -82,11 +84,16 @@ import (
 // Topology is declared on every connect, idempotently: the work queue (with
 // QueueArgs and Bindings), one retry queue per distinct retry delay
 // (x-message-ttl, dead-lettering to the default exchange with the work
-// queue's name as routing key), the dead-letter exchange and queue.
+// queue's name as routing key), the dead-letter exchange and queue. With
+// ConsumerOptions.NoDeclare, nothing is declared: Run checks passively
+// that what it needs exists and fails at start if not.
 //
 // Reconnect: the connection and both channels (consuming, and publishing in
 // confirm mode) are watched with NotifyClose; when one closes, the
-// connection is closed and redialled with exponential backoff and jitter.
+// connection is closed and redialled (ConsumerOptions.Dial) with
+// exponential backoff and jitter. On a connection the caller owns
+// (NewConsumerConn) only the channels are closed and reopened; when that
+// connection closes, Run returns ErrConnectionClosed.
 // Each connection is a generation: a handler still running on a dead
 // generation settles nothing (its delivery tag died with the channel and is
 // never used on the new one); the broker redelivers the message, and the
@@ -98,10 +105,13 @@ import (
 //
 // Crash redeliveries (a message that kills the worker process, or whose
 // channel closes, every time) are bounded only on quorum queues
-// (ConsumerOptions.QuorumQueue): the broker counts them in x-delivery-count,
-// and a delivery past ConsumerOptions.MaxDeliveries is dead-lettered with
-// reason redelivery_limit before the handler runs. A classic queue keeps no
-// such count, and there such a message is redelivered forever.
+// (ConsumerOptions.QuorumQueue): the broker counts them in x-delivery-count.
+// A returned delivery runs alone and is acknowledged at once, and the first
+// delivery of a channel past ConsumerOptions.MaxDeliveries is dead-lettered
+// with reason redelivery_limit before the handler runs, so that the
+// message's neighbours are not (see the package documentation, "A message
+// that crashes the worker every time"). A classic queue keeps no such
+// count, and there such a message is redelivered forever.
 //
 // Telemetry: each delivery has an OpenTelemetry consumer span, "process
 // <queue>", whose parent is the trace context in the delivery's headers (the

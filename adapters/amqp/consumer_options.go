@@ -161,7 +161,12 @@ type ConsumerOptions struct {
 	// closed channel or a nack with requeue) of MaxDeliveries or more —
 	// that is, the (MaxDeliveries+1)th delivery — is dead-lettered with
 	// reason redelivery_limit (ReasonRedeliveryLimit) without running the
-	// handler. Defaults to 10; -1 means no bound.
+	// handler when it is the first delivery of its channel, where the
+	// message that killed the previous worker lands. Any other returned
+	// delivery (x-delivery-count above 0) runs alone on its channel and is
+	// acknowledged at once, so that the neighbours of such a message,
+	// counted with it, are settled instead of dead-lettered (see the
+	// package documentation). Defaults to 10; -1 means no bound.
 	//
 	// Classic queues do not count deliveries: on a classic queue a message
 	// that kills every worker that takes it is redelivered forever (the
