@@ -37,8 +37,8 @@ import (
 //     in a hot loop. After MaxAttempts failed attempts the message is
 //     dead-lettered with reason retries_exhausted instead. A key owned
 //     elsewhere (in_flight, lease_lost) is a wait, not a failed attempt:
-//     the copy keeps its HeaderAttempt and counts the wait in HeaderWaits,
-//     bounded by MaxWaits (reason wait_limit).
+//     the copy keeps its HeaderAttempt and counts the wait in HeaderWaits;
+//     the waits are bounded in time by MaxWait (reason wait_limit).
 //   - ActionDeadLetter (Permanent, a panic, a fingerprint mismatch, an
 //     invalid key such as a message without id): a copy with HeaderReason,
 //     HeaderAttempt and HeaderError, and a deterministic message id (see
@@ -833,15 +833,22 @@ func (c *Consumer) settle(hctx context.Context, s *consSession, d *amqp091.Deliv
 	if consOwned(r) {
 		// Another owner holds the key: the handler did not fail, so no
 		// attempt is spent; the waits are bounded on their own.
+		now := time.Now()
 		waits, _ := consHeaderInt(d.Headers[HeaderWaits])
-		if c.opts.MaxWaits > 0 && waits >= int64(c.opts.MaxWaits) {
+		since, ok := consHeaderInt(d.Headers[HeaderWaitingSince])
+		if !ok || waits <= 0 {
+			since = now.UnixMilli()
+		}
+		if waited := now.Sub(time.UnixMilli(since)); c.opts.MaxWait > 0 && waited > c.opts.MaxWait {
 			return c.deadLetter(hctx, s, d, msg, ReasonWaitLimit,
-				fmt.Errorf("the key was held by another owner on %d deliveries (MaxWaits %d): %w", waits+1, c.opts.MaxWaits, r.Err))
+				fmt.Errorf("the key was held by another owner for %v, on %d deliveries (MaxWait %v): %w",
+					waited.Round(time.Millisecond), waits+1, c.opts.MaxWait, r.Err))
 		}
 		waits = min(max(waits, 0)+1, 1<<30)
 		delay = c.retryDelay(int(waits), r.RetryAfter)
 		p = c.copyOf(d, msg.Attempt)
 		p.Headers[HeaderWaits] = int32(waits)
+		p.Headers[HeaderWaitingSince] = since
 	} else {
 		if msg.Attempt >= c.opts.MaxAttempts {
 			err := r.Err

@@ -37,10 +37,11 @@ const (
 	HeaderReason = "x-idem-reason"
 	// HeaderWaits counts the retries of a message whose key another owner
 	// held (in_flight, lease_lost): absent on a message as the producer
-	// sent it, then 1, 2, ... on each such copy. It is what
-	// ConsumerOptions.MaxWaits bounds; those retries leave HeaderAttempt
-	// alone.
-	HeaderWaits = "x-idem-waits"
+	// sent it, then 1, 2, ... on each such copy; those retries leave
+	// HeaderAttempt alone. HeaderWaitingSince is when the first of them
+	// happened (Unix milliseconds): what ConsumerOptions.MaxWait bounds.
+	HeaderWaits        = "x-idem-waits"
+	HeaderWaitingSince = "x-idem-waiting-since"
 	// HeaderError is the handler's error text (at most 1 KiB) on a
 	// dead-lettered message, or on a retried one the last error.
 	HeaderError = "x-idem-error"
@@ -68,8 +69,7 @@ const ReasonRedeliveryLimit consumer.Reason = "redelivery_limit"
 
 // ReasonWaitLimit is the HeaderReason (and the verdict's idem.reason) of a
 // message dead-lettered because its key was held by another owner
-// (in_flight, lease_lost) on more than ConsumerOptions.MaxWaits
-// deliveries.
+// (in_flight, lease_lost) for longer than ConsumerOptions.MaxWait.
 const ReasonWaitLimit consumer.Reason = "wait_limit"
 
 // ConsumerBinding binds the work queue to an exchange. The exchange must
@@ -210,21 +210,23 @@ type ConsumerOptions struct {
 	// dead-letters it with reason retries_exhausted. Only the deliveries
 	// whose handler ran and failed count (HeaderAttempt): a delivery
 	// retried because another owner holds its key (in_flight,
-	// lease_lost) did not fail, and counts toward MaxWaits instead.
+	// lease_lost) did not fail: MaxWait bounds those.
 	// Defaults to 5; 1 means no retry.
 	MaxAttempts int
-	// MaxWaits bounds the retries of a message whose key another owner
-	// holds (in_flight: a copy still running elsewhere, or a lease a
-	// dead worker left until it expires; lease_lost). They wait in the
-	// retry queues (the delay is RetryDelays' by wait count, or longer
-	// when the store says how long the lease has left) and are counted in
-	// HeaderWaits; once a message waited MaxWaits times, the next wait
-	// dead-letters it with reason wait_limit (ReasonWaitLimit) and the
-	// other owner's error. A key held that long is a stuck owner, not a
-	// busy one: the dead letter says so instead of the message circling
-	// forever. Defaults to 20 (with the default RetryDelays, more than 30
-	// minutes); -1 means no bound.
-	MaxWaits int
+	// MaxWait bounds how long a message may wait for a key another owner
+	// holds (in_flight: a copy still running elsewhere, or a lease a dead
+	// worker left until it expires; lease_lost). Such a message waits in
+	// the retry queues (the delay is RetryDelays' by wait count, or longer
+	// when the store says how long the lease has left), without spending
+	// attempts; it counts its waits in HeaderWaits and the time of the
+	// first in HeaderWaitingSince. A wait more than MaxWait after the
+	// first dead-letters the message instead, with reason wait_limit
+	// (ReasonWaitLimit) and the other owner's error: a key held that long
+	// is a stuck owner, not a busy one, and the dead letter says so
+	// instead of the message circling forever. Keep it well above the
+	// store's lease. It is compared across workers' clocks. Defaults to
+	// 1h; negative means no bound.
+	MaxWait time.Duration
 
 	// DeadLetterExchange and DeadLetterQueue receive dead messages.
 	// Defaults to "<queue>.dlx" (a direct exchange) and "<queue>.dlq"
@@ -339,11 +341,8 @@ func (o *ConsumerOptions) consSetDefaults(queue string) error {
 	if o.MaxAttempts == 0 {
 		o.MaxAttempts = 5
 	}
-	switch {
-	case o.MaxWaits == 0:
-		o.MaxWaits = 20
-	case o.MaxWaits < -1:
-		return fmt.Errorf("amqp: ConsumerOptions.MaxWaits is %d; it must be positive, 0 (the default) or -1 (no bound)", o.MaxWaits)
+	if o.MaxWait == 0 {
+		o.MaxWait = time.Hour
 	}
 	for _, d := range []struct {
 		name string
