@@ -730,15 +730,16 @@ func (c *Consumer) handle(ctx, hctx context.Context, s *consSession, a *consAcke
 
 // alone reports whether d must run alone on its channel: it carries an
 // x-delivery-count (a quorum queue returned it unsettled before: a worker
-// died or its channel closed while it was delivered, or it was requeued).
+// died or its channel closed while it was delivered, or it was requeued),
+// or it is a copy that waited for a held key and carries such a count in
+// HeaderReturns.
 // Such deliveries run one at a time, each acknowledged at once, so that
 // when one of them kills the worker every time, the deliveries before it
 // are settled first, it is the first delivery of the next channel, and it
 // alone is dead-lettered once it reaches MaxDeliveries (see handle); its
 // neighbours, counted with it, run and are acknowledged.
 func (c *Consumer) alone(d *amqp091.Delivery) bool {
-	n, ok := consHeaderInt(d.Headers[HeaderDeliveryCount])
-	return ok && n > 0
+	return consReturns(d) > 0
 }
 
 // confirmAcks waits until the broker processed every frame written on s's
@@ -810,8 +811,17 @@ func (c *Consumer) overDelivered(d *amqp091.Delivery) (int64, bool) {
 	if c.opts.MaxDeliveries < 0 {
 		return 0, false
 	}
-	n, ok := consHeaderInt(d.Headers[HeaderDeliveryCount])
-	return n, ok && n >= int64(c.opts.MaxDeliveries)
+	n := consReturns(d)
+	return n, n > 0 && n >= int64(c.opts.MaxDeliveries)
+}
+
+// consReturns is how many deliveries of d's message were returned
+// unsettled: its x-delivery-count, plus those of the earlier copies that
+// waited for a held key (HeaderReturns).
+func consReturns(d *amqp091.Delivery) int64 {
+	n, _ := consHeaderInt(d.Headers[HeaderDeliveryCount])
+	carried, _ := consHeaderInt(d.Headers[HeaderReturns])
+	return max(n, 0) + max(carried, 0)
 }
 
 // settle settles a delivery whose chain did not return ActionAck (those go
@@ -849,6 +859,14 @@ func (c *Consumer) settle(hctx context.Context, s *consSession, d *amqp091.Deliv
 		p = c.copyOf(d, msg.Attempt)
 		p.Headers[HeaderWaits] = int32(waits)
 		p.Headers[HeaderWaitingSince] = since
+		// A worker that died holding the key (its lease runs until it
+		// expires) is what this copy may be waiting for: it keeps the
+		// count of such deaths, or a message that kills every worker
+		// would start from zero after each wait and never reach
+		// MaxDeliveries.
+		if n := consReturns(d); n > 0 {
+			p.Headers[HeaderReturns] = n
+		}
 	} else {
 		if msg.Attempt >= c.opts.MaxAttempts {
 			err := r.Err
@@ -1006,6 +1024,7 @@ func (c *Consumer) copyOf(d *amqp091.Delivery, attempt int) amqp091.Publishing {
 	// message there (and a replayed dead letter must not come back
 	// poisoned).
 	delete(h, HeaderDeliveryCount)
+	delete(h, HeaderReturns)
 	h[HeaderAttempt] = int32(min(attempt, 1<<30))
 	h[HeaderQueue] = c.queue
 	if _, ok := h[HeaderExchange]; !ok {

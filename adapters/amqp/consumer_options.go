@@ -59,6 +59,15 @@ const (
 	// Consumer reads it (ConsumerOptions.MaxDeliveries) and strips it from
 	// the copies it publishes.
 	HeaderDeliveryCount = "x-delivery-count"
+	// HeaderReturns carries, on a copy retried because another owner held
+	// the key (in_flight, lease_lost), the x-delivery-count of the
+	// delivery it copies plus its own HeaderReturns: the deliveries of
+	// the message returned unsettled so far. MaxDeliveries bounds their
+	// sum with the copy's own x-delivery-count, so a message that kills
+	// its worker while holding a lease (the next delivery waits for the
+	// lease, on a fresh copy) is still bounded. Copies for other reasons
+	// drop it.
+	HeaderReturns = "x-idem-returns"
 )
 
 // ReasonRedeliveryLimit is the HeaderReason (and the Result.Reason passed to
@@ -178,7 +187,8 @@ type ConsumerOptions struct {
 	// delivery requeued by a graceful stop, or one requeued because its
 	// retry or dead-letter copy could not be published. Retried copies
 	// start again at zero (the consumer strips x-delivery-count from the
-	// copies it publishes).
+	// copies it publishes), except those that waited for a key another
+	// owner held, which carry the count over in HeaderReturns.
 	MaxDeliveries int
 	// Bindings bind the work queue to the producer's exchanges.
 	Bindings []ConsumerBinding

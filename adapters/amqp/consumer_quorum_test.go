@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"syscall"
 	"testing"
@@ -13,6 +14,7 @@ import (
 	amqp091 "github.com/rabbitmq/amqp091-go"
 
 	"github.com/idemkit/idem/consumer"
+	"github.com/idemkit/idem/dedup/memstore"
 	"github.com/idemkit/idem/internal/childproc"
 	"github.com/idemkit/idem/internal/testenv"
 )
@@ -209,5 +211,72 @@ func TestConsumerQuorumCrashLoopSparesNeighbours(t *testing.T) {
 				t.Errorf("%d messages left in the queue", n)
 			}
 		})
+	}
+}
+
+// A message that "kills" its worker while holding a dedup lease (the
+// handler closes its channel and never returns, and the lease has no
+// heartbeat, as a dead process's lease): its next delivery finds the key
+// in flight and waits on a fresh copy. The copies carry the count of
+// deaths (HeaderReturns), so the message still reaches MaxDeliveries and is
+// dead-lettered, instead of starting from zero after each wait.
+func TestConsumerQuorumRedeliveryLimitAcrossWaits(t *testing.T) {
+	url := testenv.AMQPURL()
+	q := consQueueArgs(t, url, consTestDelays, amqp091.Table{"x-queue-type": "quorum"})
+	const maxDeliveries = 3
+	mem, err := memstore.New(memstore.Options{Lease: 300 * time.Millisecond})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer mem.Close()
+	dd, err := consumer.Dedup(mem, consumer.DedupOptions{Scope: "test/returns", ExtendEvery: -1})
+	if err != nil {
+		t.Fatal(err)
+	}
+	release := make(chan struct{})
+	var runs atomic.Int32
+	h := consumer.Chain(consumer.HandlerFunc(func(ctx context.Context, _ *consumer.Message) error {
+		runs.Add(1)
+		d, ok := DeliveryFrom(ctx)
+		if !ok {
+			return errors.New("no delivery in the context")
+		}
+		_ = d.Acknowledger.(*amqp091.Channel).Close()
+		<-release // a dead worker's handler never returns
+		return nil
+	}), consumer.Recover(), dd)
+	var waits atomic.Int32
+	c, err := NewConsumer(url, q, h, consOpts(ConsumerOptions{
+		QuorumQueue: true, MaxDeliveries: maxDeliveries, Prefetch: 1,
+		OnResult: func(_ context.Context, _ *consumer.Message, r consumer.Result, _ ConsumerOutcome) {
+			if r.Reason == consumer.ReasonInFlight {
+				waits.Add(1)
+			}
+		},
+	}))
+	if err != nil {
+		t.Fatal(err)
+	}
+	stop := consStart(t, c)
+	var once sync.Once
+	unblock := func() { once.Do(func() { close(release) }) }
+	t.Cleanup(unblock) // before stop, which waits for the handlers
+	consPublish(t, url, q, consMsgs("poison", 1)...)
+	consWaitFor(t, 30*time.Second, "the poison message to be dead-lettered", func() bool { return c.Stats().DeadLettered >= 1 })
+	unblock()
+	stop()
+	t.Logf("%d handler runs, %d waits; stats %+v", runs.Load(), waits.Load(), c.Stats())
+	if n := runs.Load(); n != maxDeliveries {
+		t.Errorf("the handler ran %d times, want MaxDeliveries = %d", n, maxDeliveries)
+	}
+	if waits.Load() == 0 {
+		t.Error("no delivery waited for the held key: the test did not test the waits")
+	}
+	dead := consGetAll(t, url, q+".dlq")
+	if len(dead) != 1 || dead[0].Headers[HeaderReason] != string(ReasonRedeliveryLimit) {
+		t.Fatalf("%d dead letters, want poison-0 with %s", len(dead), ReasonRedeliveryLimit)
+	}
+	if _, ok := dead[0].Headers[HeaderReturns]; ok {
+		t.Errorf("the dead letter kept %s: %v", HeaderReturns, dead[0].Headers)
 	}
 }
