@@ -704,7 +704,7 @@ func (c *Consumer) handle(ctx, hctx context.Context, s *consSession, a *consAcke
 		out = c.deadLetter(mctx, s, &d, msg, r.Reason, r.Err)
 	default:
 		if excl {
-			a.flushAll()
+			a.flushAll(false)
 			c.confirmAcks(s)
 		}
 		r = consumer.Process(mctx, c.h, msg)
@@ -965,7 +965,7 @@ func (c *Consumer) deadLetterID(d *amqp091.Delivery, msg *consumer.Message) stri
 		}
 	}
 	// fmt prints maps sorted by key: the same table, the same text.
-	fmt.Fprintf(h, "%q\x00%q\x00%q\x00%q %q %q %q %q %q %q %d %d\x00%v\x00", c.queue,
+	_, _ = fmt.Fprintf(h, "%q\x00%q\x00%q\x00%q %q %q %q %q %q %q %d %d\x00%v\x00", c.queue,
 		msg.Metadata["exchange"], msg.Metadata["routing_key"],
 		d.ContentType, d.ContentEncoding, d.CorrelationId, d.ReplyTo, d.Type, d.AppId, d.UserId,
 		d.Priority, d.Timestamp.UnixNano(), headers)

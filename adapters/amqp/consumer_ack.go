@@ -189,15 +189,16 @@ func (a *consAcker) untake(excl bool) {
 
 // flushAll writes the acks of every finished delivery now. Called by a
 // delivery that runs alone, before its handler: no delivery below it is
-// in flight then, so the finished ones form one run.
-func (a *consAcker) flushAll() {
+// in flight then, so the finished ones form one run. With final (drain),
+// everything finished later goes at once too.
+func (a *consAcker) flushAll(final bool) {
 	a.mu.Lock()
 	for a.flushing {
 		a.idle.Wait()
 	}
 	a.draining = true
 	a.flushLocked()
-	a.draining = false
+	a.draining = final
 	a.mu.Unlock()
 }
 
@@ -441,13 +442,7 @@ func (a *consAcker) loop() {
 // on a graceful stop once no handler of the session runs any more, before
 // the connection is closed.
 func (a *consAcker) drain() {
-	a.mu.Lock()
-	for a.flushing {
-		a.idle.Wait()
-	}
 	// No delivery is in flight now: the finished ones form one run.
-	a.draining = true
-	a.flushLocked()
-	a.mu.Unlock()
+	a.flushAll(true)
 	close(a.stop)
 }

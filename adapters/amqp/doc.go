@@ -63,7 +63,10 @@
 // death per delivery of the poison message, MaxDeliveries in all (plus
 // one for each worker it reaches while that worker is running), and the
 // throughput of one handler while returned deliveries are worked off.
-// What this cannot tell apart: several workers crash-looping at once may
+// A message that dies holding a dedup lease (consumer.Dedup over
+// redisnx, say) finds its key in flight on the next delivery and waits on
+// a fresh copy; the copy carries the count in HeaderReturns, so the bound
+// holds across the waits. What this cannot tell apart: several workers crash-looping at once may
 // hand a neighbour that waited behind the poison message through
 // MaxDeliveries deaths to a freshly started worker as its first
 // delivery; it is then dead-lettered with redelivery_limit, and a replay
