@@ -2,6 +2,8 @@ package amqp
 
 import (
 	"context"
+	"crypto/sha256"
+	"encoding/hex"
 	"errors"
 	"fmt"
 	"log/slog"
@@ -32,13 +34,17 @@ import (
 //     queue whose messages expire after the delay and are dead-lettered by
 //     the broker back to the work queue; then the delivery is acknowledged.
 //     The copy carries the attempt in HeaderAttempt. Nothing is requeued
-//     in a hot loop. After MaxAttempts the message is dead-lettered with
-//     reason retries_exhausted instead — unless the key is owned elsewhere
-//     (in_flight, lease_lost), which is never poison.
+//     in a hot loop. After MaxAttempts failed attempts the message is
+//     dead-lettered with reason retries_exhausted instead. A key owned
+//     elsewhere (in_flight, lease_lost) is a wait, not a failed attempt:
+//     the copy keeps its HeaderAttempt and counts the wait in HeaderWaits;
+//     the waits are bounded in time by MaxWait (reason wait_limit).
 //   - ActionDeadLetter (Permanent, a panic, a fingerprint mismatch, an
 //     invalid key such as a message without id): a copy with HeaderReason,
-//     HeaderAttempt and HeaderError is published to the dead-letter
-//     exchange, confirmed, and then the delivery is acknowledged.
+//     HeaderAttempt and HeaderError, and a deterministic message id (see
+//     the package documentation, "Dead letters"), is published to the
+//     dead-letter exchange, confirmed, and then the delivery is
+//     acknowledged.
 //
 // A delivery is never acknowledged before its copy is confirmed; if the
 // copy cannot be published the delivery is nacked with requeue after a
@@ -78,11 +84,16 @@ import (
 // Topology is declared on every connect, idempotently: the work queue (with
 // QueueArgs and Bindings), one retry queue per distinct retry delay
 // (x-message-ttl, dead-lettering to the default exchange with the work
-// queue's name as routing key), the dead-letter exchange and queue.
+// queue's name as routing key), the dead-letter exchange and queue. With
+// ConsumerOptions.NoDeclare, nothing is declared: Run checks passively
+// that what it needs exists and fails at start if not.
 //
 // Reconnect: the connection and both channels (consuming, and publishing in
 // confirm mode) are watched with NotifyClose; when one closes, the
-// connection is closed and redialled with exponential backoff and jitter.
+// connection is closed and redialled (ConsumerOptions.Dial) with
+// exponential backoff and jitter. On a connection the caller owns
+// (NewConsumerConn) only the channels are closed and reopened; when that
+// connection closes, Run returns ErrConnectionClosed.
 // Each connection is a generation: a handler still running on a dead
 // generation settles nothing (its delivery tag died with the channel and is
 // never used on the new one); the broker redelivers the message, and the
@@ -94,10 +105,13 @@ import (
 //
 // Crash redeliveries (a message that kills the worker process, or whose
 // channel closes, every time) are bounded only on quorum queues
-// (ConsumerOptions.QuorumQueue): the broker counts them in x-delivery-count,
-// and a delivery past ConsumerOptions.MaxDeliveries is dead-lettered with
-// reason redelivery_limit before the handler runs. A classic queue keeps no
-// such count, and there such a message is redelivered forever.
+// (ConsumerOptions.QuorumQueue): the broker counts them in x-delivery-count.
+// A returned delivery runs alone and is acknowledged at once, and the first
+// delivery of a channel past ConsumerOptions.MaxDeliveries is dead-lettered
+// with reason redelivery_limit before the handler runs, so that the
+// message's neighbours are not (see the package documentation, "A message
+// that crashes the worker every time"). A classic queue keeps no such
+// count, and there such a message is redelivered forever.
 //
 // Telemetry: each delivery has an OpenTelemetry consumer span, "process
 // <queue>", whose parent is the trace context in the delivery's headers (the
@@ -110,11 +124,13 @@ import (
 // messaging.process.duration, with messaging.system "rabbitmq" and the queue
 // as messaging.destination.name: never an id or a key.
 type Consumer struct {
-	url    string
+	// dial opens a connection: amqp091.DialConfig, ConsumerOptions.Dial,
+	// or the caller's connection (NewConsumerConn, shared set).
+	dial   func(ctx context.Context) (*amqp091.Connection, error)
+	shared bool
 	queue  string
 	h      consumer.Handler
 	opts   ConsumerOptions
-	cfg    amqp091.Config
 	delays []time.Duration // distinct retry delays, ascending
 	tel    *telemetry.Adapter
 
@@ -156,25 +172,74 @@ type consStats struct {
 }
 
 // NewConsumer returns a Consumer of queue on the broker at url (amqp:// or
-// amqps://) that runs h on each delivery. It does not connect: Run does.
+// amqps://) that runs h on each delivery. It does not connect: Run does,
+// and it owns its connections: it redials one that fails and closes it
+// when Run returns. With ConsumerOptions.Dial set, url is not used (it
+// may be empty) and Dial opens the connections instead.
 func NewConsumer(url, queue string, h consumer.Handler, opts ConsumerOptions) (*Consumer, error) {
-	if _, err := amqp091.ParseURI(url); err != nil {
-		return nil, fmt.Errorf("amqp: NewConsumer: %w", err)
+	var dial func(context.Context) (*amqp091.Connection, error)
+	if opts.Dial == nil {
+		if _, err := amqp091.ParseURI(url); err != nil {
+			return nil, fmt.Errorf("amqp: NewConsumer: %w (or set ConsumerOptions.Dial)", err)
+		}
+		cfg := dialConfig(opts.Config, opts.ConnectionName)
+		dial = func(context.Context) (*amqp091.Connection, error) { return amqp091.DialConfig(url, cfg) }
 	}
+	return newConsumer("NewConsumer", dial, false, queue, h, opts)
+}
+
+// ErrConnectionClosed is returned by Run (wrapped) when the connection a
+// Consumer was given by NewConsumerConn closed: the Consumer cannot redial
+// a connection it does not own.
+var ErrConnectionClosed = errors.New("amqp: the connection given to the consumer is closed")
+
+// NewConsumerConn returns a Consumer of queue, like NewConsumer, that runs
+// on conn, a connection the caller opened and owns (a service hands over
+// the connection it already has). Run opens its two channels on conn
+// (consuming, and publishing with confirms) and closes only them, never
+// conn: the caller closes conn, after Run returned.
+//
+// When a channel of the Consumer closes (a channel error, the broker
+// cancelling the consumer) while conn stays open, Run opens new channels
+// on conn, with the same backoff as a reconnect. When conn itself closes,
+// Run returns an error wrapping ErrConnectionClosed: reconnecting is the
+// owner's job; make a new Consumer on the new connection (the
+// deliveries of the dead one come back from the broker, and the dedup
+// store decides). ConsumerOptions.Dial, Config and ConnectionName do not
+// apply.
+func NewConsumerConn(conn *amqp091.Connection, queue string, h consumer.Handler, opts ConsumerOptions) (*Consumer, error) {
+	if conn == nil {
+		return nil, errors.New("amqp: NewConsumerConn: conn is nil")
+	}
+	if opts.Dial != nil {
+		return nil, errors.New("amqp: NewConsumerConn: ConsumerOptions.Dial is set; use NewConsumer for a Consumer that dials")
+	}
+	dial := func(context.Context) (*amqp091.Connection, error) {
+		if conn.IsClosed() {
+			return nil, ErrConnectionClosed
+		}
+		return conn, nil
+	}
+	return newConsumer("NewConsumerConn", dial, true, queue, h, opts)
+}
+
+func newConsumer(name string, dial func(context.Context) (*amqp091.Connection, error), shared bool, queue string, h consumer.Handler, opts ConsumerOptions) (*Consumer, error) {
 	if queue == "" {
-		return nil, errors.New("amqp: NewConsumer: queue is required (server-named queues would change on every reconnect)")
+		return nil, fmt.Errorf("amqp: %s: queue is required (server-named queues would change on every reconnect)", name)
 	}
 	if h == nil {
-		return nil, errors.New("amqp: NewConsumer: handler is nil")
+		return nil, fmt.Errorf("amqp: %s: handler is nil", name)
 	}
 	if err := opts.consSetDefaults(queue); err != nil {
 		return nil, err
 	}
-	cfg := dialConfig(opts.Config, opts.ConnectionName)
+	if dial == nil {
+		dial = opts.Dial
+	}
 	delays := slices.Clone(opts.RetryDelays)
 	slices.Sort(delays)
 	delays = slices.Compact(delays)
-	return &Consumer{url: url, queue: queue, h: h, opts: opts, cfg: cfg, delays: delays, ready: make(chan struct{}),
+	return &Consumer{dial: dial, shared: shared, queue: queue, h: h, opts: opts, delays: delays, ready: make(chan struct{}),
 		tel: telemetry.NewAdapter(opts.MeterProvider, opts.TracerProvider, system), ackLinger: consAckLinger, ackDelay: consAckDelay}, nil
 }
 
@@ -248,9 +313,9 @@ func (c *Consumer) Run(ctx context.Context) error {
 	defer wg.Wait()
 	delay := time.Duration(0)
 	for ctx.Err() == nil {
-		s, err := c.connect(&wg)
+		s, err := c.connect(ctx, &wg)
 		if err != nil {
-			if consFatal(err) {
+			if consFatal(err) || errors.Is(err, ErrConnectionClosed) {
 				return fmt.Errorf("amqp: consumer of %q: %w", c.queue, err)
 			}
 			if delay == 0 {
@@ -292,10 +357,11 @@ func consFatal(err error) bool {
 // channel, and the confirm-mode channel retried and dead-lettered copies
 // are published on. dead is closed as soon as any of them closes.
 type consSession struct {
-	gen  uint64
-	conn *amqp091.Connection
-	ch   *amqp091.Channel
-	pub  *amqp091.Channel
+	gen    uint64
+	conn   *amqp091.Connection
+	shared bool // conn is the caller's: close only the channels
+	ch     *amqp091.Channel
+	pub    *amqp091.Channel
 
 	dead     chan struct{}
 	deadOnce sync.Once
@@ -316,43 +382,69 @@ func (s *consSession) kill(err error) {
 		s.deadErr = err
 		close(s.dead)
 	})
-	_ = s.conn.CloseDeadline(time.Now().Add(2 * time.Second))
+	s.close()
 }
 
-func (c *Consumer) connect(wg *sync.WaitGroup) (*consSession, error) {
-	conn, err := amqp091.DialConfig(c.url, c.cfg)
+// close closes the connection, or only the session's channels when the
+// connection is the caller's.
+func (s *consSession) close() {
+	if !s.shared {
+		_ = s.conn.CloseDeadline(time.Now().Add(2 * time.Second))
+		return
+	}
+	for _, ch := range []*amqp091.Channel{s.ch, s.pub} {
+		if ch != nil {
+			_ = ch.Close()
+		}
+	}
+}
+
+func (c *Consumer) connect(ctx context.Context, wg *sync.WaitGroup) (*consSession, error) {
+	conn, err := c.dial(ctx)
 	if err != nil {
 		return nil, fmt.Errorf("dial: %w", err)
 	}
+	if conn == nil {
+		return nil, errors.New("dial: ConsumerOptions.Dial returned no connection and no error")
+	}
+	s := &consSession{conn: conn, shared: c.shared, dead: make(chan struct{})}
 	ok := false
 	defer func() {
 		if !ok {
-			_ = conn.CloseDeadline(time.Now().Add(2 * time.Second))
+			s.close()
 		}
 	}()
-	ch, err := conn.Channel()
-	if err != nil {
+	if s.ch, err = conn.Channel(); err != nil {
 		return nil, fmt.Errorf("open channel: %w", err)
 	}
-	if err := c.declare(ch); err != nil {
+	if c.opts.NoDeclare {
+		err = c.check(s.ch)
+	} else {
+		err = c.declare(s.ch)
+	}
+	if err != nil {
 		return nil, err
 	}
-	if err := ch.Qos(c.opts.Prefetch, 0, false); err != nil {
+	if err := s.ch.Qos(c.opts.Prefetch, 0, false); err != nil {
 		return nil, fmt.Errorf("qos: %w", err)
 	}
-	pub, err := conn.Channel()
-	if err != nil {
+	if s.pub, err = conn.Channel(); err != nil {
 		return nil, fmt.Errorf("open channel: %w", err)
 	}
-	if err := pub.Confirm(false); err != nil {
+	if err := s.pub.Confirm(false); err != nil {
 		return nil, fmt.Errorf("confirm mode: %w", err)
 	}
-	s := &consSession{gen: c.gen.Add(1), conn: conn, ch: ch, pub: pub, dead: make(chan struct{})}
+	s.gen = c.gen.Add(1)
 	// Buffered: the library sends at most one error on each, then closes
-	// them all when the connection shuts down.
-	connCloses := conn.NotifyClose(make(chan *amqp091.Error, 1))
-	chCloses := ch.NotifyClose(make(chan *amqp091.Error, 1))
-	pubCloses := pub.NotifyClose(make(chan *amqp091.Error, 1))
+	// them all when the connection (or the channel) shuts down. A
+	// connection the caller owns is not watched: its death closes the
+	// channels, which are.
+	var connCloses chan *amqp091.Error
+	if !s.shared {
+		connCloses = conn.NotifyClose(make(chan *amqp091.Error, 1))
+	}
+	chCloses := s.ch.NotifyClose(make(chan *amqp091.Error, 1))
+	pubCloses := s.pub.NotifyClose(make(chan *amqp091.Error, 1))
 	wg.Go(func() {
 		var e *amqp091.Error
 		select {
@@ -365,8 +457,15 @@ func (c *Consumer) connect(wg *sync.WaitGroup) (*consSession, error) {
 			err = e
 		}
 		s.kill(err)
-		// Wait for the connection to be gone, so the watcher outlives no
-		// library goroutine of it.
+		// Wait for the connection (or the channels) to be gone, so the
+		// watcher outlives no library goroutine of it.
+		if s.shared {
+			for range chCloses {
+			}
+			for range pubCloses {
+			}
+			return
+		}
 		for range connCloses {
 		}
 	})
@@ -374,6 +473,33 @@ func (c *Consumer) connect(wg *sync.WaitGroup) (*consSession, error) {
 	c.stats.connects.Add(1)
 	return s, nil
 }
+
+// check verifies, passively, that the topology Run uses exists when it is
+// declared elsewhere (ConsumerOptions.NoDeclare): the work queue, each
+// retry queue and the dead-letter exchange. The first one missing fails
+// with NOT_FOUND, which closes ch and makes Run return.
+func (c *Consumer) check(ch *amqp091.Channel) error {
+	type need struct{ what, name, hint string }
+	needs := []need{{"work queue", c.queue, ""}}
+	for _, d := range c.delays {
+		needs = append(needs, need{"retry queue", consRetryQueue(c.queue, d), fmt.Sprintf(
+			" (declare it with x-dead-letter-exchange \"\" and x-dead-letter-routing-key %q, and optionally x-message-ttl %d)", c.queue, d.Milliseconds())})
+	}
+	for _, n := range needs {
+		if _, err := ch.QueueDeclarePassive(n.name, false, false, false, false, nil); err != nil {
+			return fmt.Errorf("%w: %s %q: %w%s", ErrTopologyMissing, n.what, n.name, err, n.hint)
+		}
+	}
+	if err := ch.ExchangeDeclarePassive(c.opts.DeadLetterExchange, amqp091.ExchangeDirect, false, false, false, false, nil); err != nil {
+		return fmt.Errorf("%w: dead-letter exchange %q: %w (it must route routing key %q to a queue)", ErrTopologyMissing, c.opts.DeadLetterExchange, err, c.queue)
+	}
+	return nil
+}
+
+// ErrTopologyMissing is the cause of Run's error when
+// ConsumerOptions.NoDeclare is set and a queue or exchange it needs does
+// not exist.
+var ErrTopologyMissing = errors.New("amqp: topology declared elsewhere is missing (NoDeclare)")
 
 // declare declares the topology; every call is idempotent.
 func (c *Consumer) declare(ch *amqp091.Channel) error {
@@ -444,11 +570,12 @@ func (c *Consumer) serve(ctx, hctx context.Context, s *consSession, wg *sync.Wai
 		wg.Go(func() {
 			defer workers.Done()
 			for {
-				d, ok := a.next(deliveries)
+				d, excl, ok := a.take(deliveries, c.alone)
 				if !ok {
 					return
 				}
-				c.handle(wctx, hctx, s, a, gate, d)
+				c.handle(wctx, hctx, s, a, gate, d, excl)
+				a.untake(excl)
 			}
 		})
 	}
@@ -527,7 +654,12 @@ var errBrokerCancel = errors.New("the broker cancelled the consumer (was the que
 // here, on its own tag, and reported at once. The chain runs in the
 // delivery's consumer span (see ConsumerOptions.TracerProvider), which ends
 // with the verdict.
-func (c *Consumer) handle(ctx, hctx context.Context, s *consSession, a *consAcker, gate *seat.Gate, d amqp091.Delivery) {
+//
+// A delivery that runs alone (excl, see alone) holds the session's
+// isolation lock exclusively: before its chain runs, the acks of the
+// deliveries finished before it are written and their receipt confirmed;
+// its own ack is written at once, not coalesced, and confirmed too.
+func (c *Consumer) handle(ctx, hctx context.Context, s *consSession, a *consAcker, gate *seat.Gate, d amqp091.Delivery, excl bool) {
 	var st *seat.Seat
 	if gate != nil && ctx.Err() == nil {
 		st = new(seat.Seat)
@@ -542,7 +674,7 @@ func (c *Consumer) handle(ctx, hctx context.Context, s *consSession, a *consAcke
 		return
 	}
 	start := time.Now()
-	msg := c.message(&d, s.gen)
+	msg, merr := c.message(&d, s.gen)
 	c.stats.delivered.Add(1)
 	if d.Redelivered {
 		c.stats.redelivered.Add(1)
@@ -557,23 +689,68 @@ func (c *Consumer) handle(ctx, hctx context.Context, s *consSession, a *consAcke
 		r   consumer.Result
 		out ConsumerOutcome
 	)
-	if n, ok := c.overDelivered(&d); ok {
-		// Poison: every earlier delivery died unsettled (a crash, a closed
-		// channel). Running the handler again would only kill another
+	switch n, over := c.overDelivered(&d); {
+	case over && d.DeliveryTag == 1:
+		// Poison: every earlier delivery died unsettled (a crash, a
+		// closed channel), and this one is the first the new channel
+		// took, the one that was running alone when the last one died
+		// (see alone). Running the handler again would only kill another
 		// worker.
 		r = consumer.Result{Action: consumer.ActionDeadLetter, Reason: ReasonRedeliveryLimit,
 			Err: fmt.Errorf("delivered %d times without being settled (MaxDeliveries %d)", n+1, c.opts.MaxDeliveries)}
 		out = c.deadLetter(mctx, s, &d, msg, r.Reason, r.Err)
-	} else {
+	case merr != nil:
+		r = consumer.Result{Action: consumer.ActionDeadLetter, Reason: consumer.ReasonInvalidKey, Err: merr}
+		out = c.deadLetter(mctx, s, &d, msg, r.Reason, r.Err)
+	default:
+		if excl {
+			a.flushAll(false)
+			c.confirmAcks(s)
+		}
 		r = consumer.Process(mctx, c.h, msg)
 		if r.Action == consumer.ActionAck {
-			a.finished(&consDone{tag: d.DeliveryTag, at: time.Now(), start: start, ctx: mctx, msg: msg, r: r, end: end})
-			return
+			if !excl {
+				a.finished(&consDone{tag: d.DeliveryTag, at: time.Now(), start: start, ctx: mctx, msg: msg, r: r, end: end})
+				return
+			}
+			if out = c.ack(s, &d); out == OutcomeAcked {
+				c.confirmAcks(s)
+				c.stats.acked.Add(1)
+				if r.Duplicate {
+					c.stats.duplicates.Add(1)
+				}
+			}
+			break
 		}
 		out = c.settle(mctx, s, &d, msg, r)
 	}
 	a.settled(d.DeliveryTag, out == OutcomeAbandoned)
 	c.report(mctx, msg, r, out, start, end)
+}
+
+// alone reports whether d must run alone on its channel: it carries an
+// x-delivery-count (a quorum queue returned it unsettled before: a worker
+// died or its channel closed while it was delivered, or it was requeued),
+// or it is a copy that waited for a held key and carries such a count in
+// HeaderReturns.
+// Such deliveries run one at a time, each acknowledged at once, so that
+// when one of them kills the worker every time, the deliveries before it
+// are settled first, it is the first delivery of the next channel, and it
+// alone is dead-lettered once it reaches MaxDeliveries (see handle); its
+// neighbours, counted with it, run and are acknowledged.
+func (c *Consumer) alone(d *amqp091.Delivery) bool {
+	return consReturns(d) > 0
+}
+
+// confirmAcks waits until the broker processed every frame written on s's
+// consuming channel so far, acks included: a synchronous method (basic.qos
+// with the channel's settings, which changes nothing) is answered only
+// after the frames before it. A worker that dies after confirmAcks
+// returned leaves those deliveries settled.
+func (c *Consumer) confirmAcks(s *consSession) {
+	if !s.isDead() {
+		_ = s.ch.Qos(c.opts.Prefetch, 0, false)
+	}
 }
 
 // reportDone counts and reports a delivery the acker acknowledged
@@ -618,6 +795,9 @@ func verdictOf(r consumer.Result, out ConsumerOutcome) (result, reason string) {
 		return "ack", ""
 	case OutcomeDeadLettered:
 		if r.Action == consumer.ActionRetry {
+			if consOwned(r) {
+				return "dead_letter", string(ReasonWaitLimit)
+			}
 			return "dead_letter", string(consumer.ReasonRetriesExhausted)
 		}
 		return "dead_letter", string(r.Reason)
@@ -631,8 +811,17 @@ func (c *Consumer) overDelivered(d *amqp091.Delivery) (int64, bool) {
 	if c.opts.MaxDeliveries < 0 {
 		return 0, false
 	}
-	n, ok := consHeaderInt(d.Headers[HeaderDeliveryCount])
-	return n, ok && n >= int64(c.opts.MaxDeliveries)
+	n := consReturns(d)
+	return n, n > 0 && n >= int64(c.opts.MaxDeliveries)
+}
+
+// consReturns is how many deliveries of d's message were returned
+// unsettled: its x-delivery-count, plus those of the earlier copies that
+// waited for a held key (HeaderReturns).
+func consReturns(d *amqp091.Delivery) int64 {
+	n, _ := consHeaderInt(d.Headers[HeaderDeliveryCount])
+	carried, _ := consHeaderInt(d.Headers[HeaderReturns])
+	return max(n, 0) + max(carried, 0)
 }
 
 // settle settles a delivery whose chain did not return ActionAck (those go
@@ -649,17 +838,47 @@ func (c *Consumer) settle(hctx context.Context, s *consSession, d *amqp091.Deliv
 		// attempt is spent; the broker redelivers it.
 		return c.requeue(s, d)
 	}
-	owned := r.Reason == consumer.ReasonInFlight || r.Reason == consumer.ReasonLeaseLost
-	if msg.Attempt >= c.opts.MaxAttempts && !owned {
-		err := r.Err
-		if err == nil {
-			err = errors.New("retry requested")
+	var p amqp091.Publishing
+	var delay time.Duration
+	if consOwned(r) {
+		// Another owner holds the key: the handler did not fail, so no
+		// attempt is spent; the waits are bounded on their own.
+		now := time.Now()
+		waits, _ := consHeaderInt(d.Headers[HeaderWaits])
+		since, ok := consHeaderInt(d.Headers[HeaderWaitingSince])
+		if !ok || waits <= 0 {
+			since = now.UnixMilli()
 		}
-		return c.deadLetter(hctx, s, d, msg, consumer.ReasonRetriesExhausted,
-			&consumer.RetriesExhaustedError{Attempts: msg.Attempt, Err: err})
+		if waited := now.Sub(time.UnixMilli(since)); c.opts.MaxWait > 0 && waited > c.opts.MaxWait {
+			return c.deadLetter(hctx, s, d, msg, ReasonWaitLimit,
+				fmt.Errorf("the key was held by another owner for %v, on %d deliveries (MaxWait %v): %w",
+					waited.Round(time.Millisecond), waits+1, c.opts.MaxWait, r.Err))
+		}
+		waits = min(max(waits, 0)+1, 1<<30)
+		delay = c.retryDelay(int(waits), r.RetryAfter)
+		p = c.copyOf(d, msg.Attempt)
+		p.Headers[HeaderWaits] = int32(waits)
+		p.Headers[HeaderWaitingSince] = since
+		// A worker that died holding the key (its lease runs until it
+		// expires) is what this copy may be waiting for: it keeps the
+		// count of such deaths, or a message that kills every worker
+		// would start from zero after each wait and never reach
+		// MaxDeliveries.
+		if n := consReturns(d); n > 0 {
+			p.Headers[HeaderReturns] = n
+		}
+	} else {
+		if msg.Attempt >= c.opts.MaxAttempts {
+			err := r.Err
+			if err == nil {
+				err = errors.New("retry requested")
+			}
+			return c.deadLetter(hctx, s, d, msg, consumer.ReasonRetriesExhausted,
+				&consumer.RetriesExhaustedError{Attempts: msg.Attempt, Err: err})
+		}
+		delay = c.retryDelay(msg.Attempt, r.RetryAfter)
+		p = c.copyOf(d, msg.Attempt+1)
 	}
-	delay := c.retryDelay(msg.Attempt, r.RetryAfter)
-	p := c.copyOf(d, msg.Attempt+1)
 	p.Expiration = strconv.FormatInt(delay.Milliseconds(), 10)
 	if r.Err != nil {
 		p.Headers[HeaderError] = consTruncate(r.Err.Error())
@@ -676,6 +895,12 @@ func (c *Consumer) settle(hctx context.Context, s *consSession, d *amqp091.Deliv
 		return OutcomeRetried
 	}
 	return out
+}
+
+// consOwned reports whether r retries a message because another owner
+// holds its key (in_flight, lease_lost): a wait, not a failure.
+func consOwned(r consumer.Result) bool {
+	return r.Reason == consumer.ReasonInFlight || r.Reason == consumer.ReasonLeaseLost
 }
 
 // retryDelay is the delay before the attempt after attempt: the configured
@@ -698,6 +923,7 @@ func (c *Consumer) retryDelay(attempt int, hint time.Duration) time.Duration {
 
 func (c *Consumer) deadLetter(hctx context.Context, s *consSession, d *amqp091.Delivery, msg *consumer.Message, reason consumer.Reason, cause error) ConsumerOutcome {
 	p := c.copyOf(d, msg.Attempt)
+	p.MessageId = c.deadLetterID(d, msg)
 	p.Headers[HeaderReason] = string(reason)
 	if cause != nil {
 		p.Headers[HeaderError] = consTruncate(cause.Error())
@@ -717,6 +943,34 @@ func (c *Consumer) deadLetter(hctx context.Context, s *consSession, d *amqp091.D
 		return OutcomeDeadLettered
 	}
 	return out
+}
+
+// deadLetterID is the message id of d's dead letter, the same for every
+// delivery of the same message: d's message-id; else the id it was
+// handled under (from IDHeader); else "idem-dl-" and a digest of the work
+// queue and of what the producer sent (exchange, routing key, properties,
+// headers but the broker's delivery count, body).
+func (c *Consumer) deadLetterID(d *amqp091.Delivery, msg *consumer.Message) string {
+	if d.MessageId != "" {
+		return d.MessageId
+	}
+	if msg.ID != "" && len(msg.ID) <= 255 {
+		return msg.ID
+	}
+	h := sha256.New()
+	headers := make(amqp091.Table, len(d.Headers))
+	for k, v := range d.Headers {
+		if k != HeaderDeliveryCount {
+			headers[k] = v
+		}
+	}
+	// fmt prints maps sorted by key: the same table, the same text.
+	_, _ = fmt.Fprintf(h, "%q\x00%q\x00%q\x00%q %q %q %q %q %q %q %d %d\x00%v\x00", c.queue,
+		msg.Metadata["exchange"], msg.Metadata["routing_key"],
+		d.ContentType, d.ContentEncoding, d.CorrelationId, d.ReplyTo, d.Type, d.AppId, d.UserId,
+		d.Priority, d.Timestamp.UnixNano(), headers)
+	h.Write(d.Body)
+	return "idem-dl-" + hex.EncodeToString(h.Sum(nil)[:16])
 }
 
 // publishFailed handles a copy that was not confirmed: the delivery goes
@@ -770,6 +1024,7 @@ func (c *Consumer) copyOf(d *amqp091.Delivery, attempt int) amqp091.Publishing {
 	// message there (and a replayed dead letter must not come back
 	// poisoned).
 	delete(h, HeaderDeliveryCount)
+	delete(h, HeaderReturns)
 	h[HeaderAttempt] = int32(min(attempt, 1<<30))
 	h[HeaderQueue] = c.queue
 	if _, ok := h[HeaderExchange]; !ok {
@@ -824,54 +1079,12 @@ func (c *Consumer) abandon() ConsumerOutcome {
 	return OutcomeAbandoned
 }
 
-// message maps a delivery to a consumer.Message.
-func (c *Consumer) message(d *amqp091.Delivery, gen uint64) *consumer.Message {
-	id := d.MessageId
-	if c.opts.IDHeader != "" {
-		if v, ok := consHeaderString(d.Headers[c.opts.IDHeader]); ok && v != "" {
-			id = v
-		}
-	}
-	attempt := 1
-	if n, ok := consHeaderInt(d.Headers[HeaderAttempt]); ok && n > 1 {
-		attempt = int(min(n, 1<<30))
-	}
-	exchange, key := d.Exchange, d.RoutingKey
-	if v, ok := consHeaderString(d.Headers[HeaderExchange]); ok {
-		exchange = v
-		if k, ok := consHeaderString(d.Headers[HeaderRoutingKey]); ok {
-			key = k
-		}
-	}
-	var headers map[string]string
-	if len(d.Headers) > 0 {
-		headers = make(map[string]string, len(d.Headers))
-		for k, v := range d.Headers {
-			if s, ok := consHeaderString(v); ok {
-				headers[k] = s
-			} else if n, ok := consHeaderInt(v); ok {
-				headers[k] = strconv.FormatInt(n, 10)
-			}
-		}
-	}
-	return &consumer.Message{
-		ID:      id,
-		Key:     []byte(key),
-		Payload: d.Body,
-		Headers: headers,
-		Topic:   c.queue,
-		Metadata: map[string]string{
-			"exchange":           exchange,
-			"routing_key":        key,
-			"delivery_tag":       strconv.FormatUint(d.DeliveryTag, 10),
-			"consumer_tag":       d.ConsumerTag,
-			"channel_generation": strconv.FormatUint(gen, 10),
-			"redelivered":        strconv.FormatBool(d.Redelivered),
-		},
-		Attempt:     attempt,
-		Redelivered: d.Redelivered,
-		Time:        d.Timestamp,
-	}
+// message maps a delivery to a consumer.Message (see NewMessage), with the
+// connection generation in its Metadata; err is NewMessage's.
+func (c *Consumer) message(d *amqp091.Delivery, gen uint64) (*consumer.Message, error) {
+	msg, err := NewMessage(d, MessageOptions{IDHeader: c.opts.IDHeader, Queue: c.queue})
+	msg.Metadata["channel_generation"] = strconv.FormatUint(gen, 10)
+	return msg, err
 }
 
 func consHeaderString(v any) (string, bool) {

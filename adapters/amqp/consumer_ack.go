@@ -82,6 +82,9 @@ type consAcker struct {
 	// recv serializes receive-and-register, so tags register in the
 	// order the broker delivered them.
 	recv sync.Mutex
+	// iso is held shared by each delivery in the chain, exclusively by
+	// one that runs alone (see Consumer.alone).
+	iso sync.RWMutex
 
 	mu       sync.Mutex
 	idle     sync.Cond   // on mu; broadcast when a flush ends
@@ -144,15 +147,59 @@ func newConsAcker(c *Consumer, s *consSession) *consAcker {
 // next receives the next delivery and registers it in flight; false when
 // deliveries is closed.
 func (a *consAcker) next(deliveries <-chan amqp091.Delivery) (amqp091.Delivery, bool) {
+	d, _, ok := a.take(deliveries, nil)
+	return d, ok
+}
+
+// take is next that also takes the session's isolation lock (see
+// Consumer.alone) when alone is set: exclusively when alone(d) says d must
+// run alone, shared otherwise. It is taken in the order the deliveries
+// arrived, so a delivery that must run alone waits for every earlier one
+// to be settled, and no later one starts before it is. The caller
+// releases it with untake.
+func (a *consAcker) take(deliveries <-chan amqp091.Delivery, alone func(*amqp091.Delivery) bool) (d amqp091.Delivery, excl, ok bool) {
 	a.recv.Lock()
 	defer a.recv.Unlock()
-	d, ok := <-deliveries
-	if ok {
-		a.mu.Lock()
-		a.register(d.DeliveryTag)
-		a.mu.Unlock()
+	d, ok = <-deliveries
+	if !ok {
+		return d, false, false
 	}
-	return d, ok
+	a.mu.Lock()
+	a.register(d.DeliveryTag)
+	a.mu.Unlock()
+	if alone != nil {
+		excl = alone(&d)
+		if excl {
+			a.iso.Lock()
+		} else {
+			a.iso.RLock()
+		}
+	}
+	return d, excl, true
+}
+
+// untake releases the isolation lock take took.
+func (a *consAcker) untake(excl bool) {
+	if excl {
+		a.iso.Unlock()
+	} else {
+		a.iso.RUnlock()
+	}
+}
+
+// flushAll writes the acks of every finished delivery now. Called by a
+// delivery that runs alone, before its handler: no delivery below it is
+// in flight then, so the finished ones form one run. With final (drain),
+// everything finished later goes at once too.
+func (a *consAcker) flushAll(final bool) {
+	a.mu.Lock()
+	for a.flushing {
+		a.idle.Wait()
+	}
+	a.draining = true
+	a.flushLocked()
+	a.draining = final
+	a.mu.Unlock()
 }
 
 func (a *consAcker) register(tag uint64) {
@@ -395,13 +442,7 @@ func (a *consAcker) loop() {
 // on a graceful stop once no handler of the session runs any more, before
 // the connection is closed.
 func (a *consAcker) drain() {
-	a.mu.Lock()
-	for a.flushing {
-		a.idle.Wait()
-	}
 	// No delivery is in flight now: the finished ones form one run.
-	a.draining = true
-	a.flushLocked()
-	a.mu.Unlock()
+	a.flushAll(true)
 	close(a.stop)
 }

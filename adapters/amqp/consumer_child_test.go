@@ -6,24 +6,45 @@ import (
 	"os"
 	"os/exec"
 	"os/signal"
+	"strconv"
+	"strings"
 	"syscall"
 	"time"
 
 	"github.com/jackc/pgx/v5/pgxpool"
 
+	"github.com/idemkit/idem/consumer"
 	"github.com/idemkit/idem/internal/testkit/testenv"
 )
 
 // The worker child process: the test binary re-executed with consChildEnv
-// set runs a Consumer (TestMain dispatches to consRunChild) with the
+// set to "worker" runs a Consumer (TestMain dispatches to consRunChild) with the
 // pgtable oracle of the schema and the queue named by the other variables,
 // until SIGKILL — or SIGTERM, on which it stops gracefully and exits 0.
+// Set to "poison", it runs the worker of consPoisonChildCommand.
 const (
-	consChildEnv       = "IDEM_AMQP_CONSUMER_CHILD" // "worker"
+	consChildEnv       = "IDEM_AMQP_CONSUMER_CHILD" // "worker" or "poison"
 	consChildURLEnv    = "IDEM_AMQP_CONSUMER_URL"
 	consChildQueueEnv  = "IDEM_AMQP_CONSUMER_QUEUE"
 	consChildSchemaEnv = "IDEM_AMQP_CONSUMER_SCHEMA"
+	// consChildConcEnv, for the "poison" child, is its Concurrency.
+	consChildConcEnv = "IDEM_AMQP_CONSUMER_CONCURRENCY"
 )
+
+// consPoisonMaxDeliveries is the "poison" child's MaxDeliveries.
+const consPoisonMaxDeliveries = 3
+
+// consPoisonChildCommand returns the command that runs the "poison" child:
+// a worker of the quorum queue queue (Prefetch 50, MaxDeliveries
+// consPoisonMaxDeliveries) whose handler panics, without Recover, on a
+// message whose id starts with "poison", so that the process dies.
+func consPoisonChildCommand(rawURL, queue, schema string, concurrency int) *exec.Cmd {
+	cmd := consChildCommand(rawURL, queue, schema)
+	cmd.Env = append(cmd.Env, consChildEnv+"=poison", consChildConcEnv+"="+strconv.Itoa(concurrency))
+	cmd.Stdout = nil
+	cmd.Stderr = nil
+	return cmd
+}
 
 // consChildCommand returns the command that runs the worker child.
 func consChildCommand(rawURL, queue, schema string) *exec.Cmd {
@@ -58,13 +79,25 @@ func consRunChild() int {
 	if err != nil {
 		return fail(err)
 	}
-	h, err := o.txHandler(nil)
+	opts := ConsumerOptions{Concurrency: 4, Prefetch: 50, Logger: consQuiet(), RetryDelays: consTestDelays}
+	var before func(context.Context, *consumer.Message) error
+	if os.Getenv(consChildEnv) == "poison" {
+		opts.QuorumQueue, opts.MaxDeliveries = true, consPoisonMaxDeliveries
+		if opts.Concurrency, err = strconv.Atoi(os.Getenv(consChildConcEnv)); err != nil {
+			return fail(err)
+		}
+		before = func(_ context.Context, msg *consumer.Message) error {
+			if strings.HasPrefix(msg.ID, "poison") {
+				panic("poison message " + msg.ID)
+			}
+			return nil
+		}
+	}
+	h, err := o.txHandler(before)
 	if err != nil {
 		return fail(err)
 	}
-	c, err := NewConsumer(os.Getenv(consChildURLEnv), os.Getenv(consChildQueueEnv), h, ConsumerOptions{
-		Concurrency: 4, Prefetch: 50, Logger: consQuiet(), RetryDelays: consTestDelays,
-	})
+	c, err := NewConsumer(os.Getenv(consChildURLEnv), os.Getenv(consChildQueueEnv), h, opts)
 	if err != nil {
 		return fail(err)
 	}

@@ -136,3 +136,88 @@ func deleteExampleTopology(url, queue string) {
 	}
 	_ = ch.ExchangeDelete(queue+".dlx", false, false)
 }
+
+// A loop of one's own over amqp091-go deliveries, keeping its own Ack:
+// NewMessage maps each delivery, consumer.Process runs the dedup chain, and
+// the Result's Action says whether to ack. The producer publishes order-1
+// twice and a message without id: the second order-1 is a duplicate,
+// acknowledged without charging again; the message without id cannot be
+// deduplicated and is dead-lettered (here only printed).
+func ExampleNewMessage() {
+	const url = "amqp://guest:guest@127.0.0.1:5672/"
+	queue := "idem-example-loop-" + strings.ToLower(rand.Text()[:8])
+
+	store, err := memstore.New(memstore.Options{})
+	if err != nil {
+		fmt.Println(err)
+		return
+	}
+	defer store.Close()
+	dedupMW, err := consumer.Dedup(store, consumer.DedupOptions{Scope: "billing/charge"})
+	if err != nil {
+		fmt.Println(err)
+		return
+	}
+	h := consumer.Chain(consumer.HandlerFunc(func(ctx context.Context, msg *consumer.Message) error {
+		fmt.Printf("charged %s: %s\n", msg.ID, msg.Payload)
+		return nil
+	}), consumer.Recover(), dedupMW)
+
+	conn, err := amqp091.Dial(url)
+	if err != nil {
+		fmt.Println(err)
+		return
+	}
+	defer conn.Close()
+	ch, err := conn.Channel()
+	if err != nil {
+		fmt.Println(err)
+		return
+	}
+	// A throw-away queue for the example: deleted when its consumer goes.
+	if _, err := ch.QueueDeclare(queue, false, true, false, false, nil); err != nil {
+		fmt.Println(err)
+		return
+	}
+	deliveries, err := ch.Consume(queue, "", false, false, false, false, nil)
+	if err != nil {
+		fmt.Println(err)
+		return
+	}
+	if err := publishExample(url, queue,
+		amqp091.Publishing{MessageId: "order-1", Body: []byte("42.00 EUR")},
+		amqp091.Publishing{MessageId: "order-1", Body: []byte("42.00 EUR")},
+		amqp091.Publishing{Body: []byte("no id")},
+	); err != nil {
+		fmt.Println(err)
+		return
+	}
+
+	ctx := context.Background()
+	for range 3 {
+		d := <-deliveries
+		// What idem needs in the loop:
+		msg, err := amqp.NewMessage(&d, amqp.MessageOptions{Queue: queue})
+		r := consumer.Decide(err) // an id header that is not a string: dead-letter it
+		if err == nil {
+			r = consumer.Process(ctx, h, msg)
+		}
+		switch r.Action {
+		case consumer.ActionAck:
+			if r.Duplicate {
+				fmt.Printf("duplicate %s acknowledged\n", msg.ID)
+			}
+			_ = d.Ack(false)
+		case consumer.ActionDeadLetter:
+			// Publish it to a dead-letter queue (with confirms), then ack.
+			fmt.Printf("dead letter: %s\n", r.Reason)
+			_ = d.Ack(false)
+		default: // ActionRetry: back to the queue (better: a delayed retry)
+			_ = d.Nack(false, true)
+		}
+	}
+	// Output:
+	// charged order-1: 42.00 EUR
+	// duplicate order-1 acknowledged
+	// dead letter: invalid_key
+}

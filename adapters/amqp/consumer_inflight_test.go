@@ -2,10 +2,14 @@ package amqp
 
 import (
 	"context"
+	"errors"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
+
+	amqp091 "github.com/rabbitmq/amqp091-go"
 
 	"github.com/idemkit/idem/consumer"
 	"github.com/idemkit/idem/dedup"
@@ -201,5 +205,134 @@ func TestConsumerInFlightGracefulStop(t *testing.T) {
 	// redeliveries run at once.
 	if f := cs.held.Load(); f != 0 {
 		t.Errorf("%d keys still in flight after the stop, want 0", f)
+	}
+}
+
+// heldKey returns a memstore, Dedup in scope over it, and the lease of a
+// claim on (scope, id, body) that another owner holds until release is
+// called.
+func heldKey(t *testing.T, scope, id string, body []byte) (mw consumer.Middleware, release func()) {
+	t.Helper()
+	mem, err := memstore.New(memstore.Options{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = mem.Close() })
+	l, err := mem.Claim(context.Background(), dedup.NewKey(scope, id, body))
+	if err != nil {
+		t.Fatal(err)
+	}
+	mw, err = consumer.Dedup(mem, consumer.DedupOptions{Scope: scope})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var once sync.Once
+	return mw, func() {
+		once.Do(func() {
+			if err := mem.Release(context.Background(), l); err != nil {
+				t.Error(err)
+			}
+		})
+	}
+}
+
+// A message whose key another owner holds waits in the retry queues
+// without spending its attempts: after three in_flight retries the key is
+// released, and the handler, which always fails, still runs MaxAttempts
+// times before the message is dead-lettered with retries_exhausted. The
+// dead letter counts the waits in HeaderWaits.
+func TestConsumerWaitsDoNotSpendAttempts(t *testing.T) {
+	url := testenv.AMQPURL()
+	q := consQueue(t, url, consTestDelays)
+	body := []byte("charge 10 EUR")
+	dd, release := heldKey(t, "test/wait", "held", body)
+	var (
+		mu       sync.Mutex
+		attempts []int
+	)
+	h := consumer.Chain(consumer.HandlerFunc(func(_ context.Context, msg *consumer.Message) error {
+		mu.Lock()
+		attempts = append(attempts, msg.Attempt)
+		mu.Unlock()
+		return errors.New("downstream unavailable")
+	}), consumer.Recover(), dd)
+	var waits atomic.Int64
+	c, err := NewConsumer(url, q, h, consOpts(ConsumerOptions{MaxAttempts: 3,
+		OnResult: func(_ context.Context, _ *consumer.Message, r consumer.Result, out ConsumerOutcome) {
+			if r.Reason == consumer.ReasonInFlight && out == OutcomeRetried && waits.Add(1) == 3 {
+				release()
+			}
+		}}))
+	if err != nil {
+		t.Fatal(err)
+	}
+	stop := consStart(t, c)
+	consPublish(t, url, q, amqp091.Publishing{MessageId: "held", Body: body})
+	consWaitFor(t, 30*time.Second, "the dead letter", func() bool { return c.Stats().DeadLettered >= 1 })
+	stop()
+	mu.Lock()
+	defer mu.Unlock()
+	if !equalInts(attempts, []int{1, 2, 3}) {
+		t.Errorf("handler attempts %v after %d waits, want [1 2 3] (MaxAttempts)", attempts, waits.Load())
+	}
+	dead := consGetAll(t, url, q+".dlq")
+	if len(dead) != 1 {
+		t.Fatalf("%d dead letters, want 1", len(dead))
+	}
+	d := dead[0]
+	n, _ := consHeaderInt(d.Headers[HeaderAttempt])
+	w, _ := consHeaderInt(d.Headers[HeaderWaits])
+	if d.Headers[HeaderReason] != string(consumer.ReasonRetriesExhausted) || n != 3 || w != 3 {
+		t.Errorf("dead letter: %s %v, %s %d, %s %d; want retries_exhausted, 3, 3", HeaderReason, d.Headers[HeaderReason], HeaderAttempt, n, HeaderWaits, w)
+	}
+}
+
+// The waits for a key another owner holds are bounded by MaxWait: with a
+// key held all along and a MaxWait shorter than the retry delay, the first
+// wait goes through the retry queue and the second dead-letters the
+// message with reason wait_limit, without its handler running, and the
+// dead letter says why.
+func TestConsumerMaxWait(t *testing.T) {
+	url := testenv.AMQPURL()
+	q := consQueue(t, url, consTestDelays)
+	body := []byte("charge 10 EUR")
+	dd, _ := heldKey(t, "test/maxwaits", "stuck", body)
+	var ran atomic.Int64
+	h := consumer.Chain(consumer.HandlerFunc(func(context.Context, *consumer.Message) error {
+		ran.Add(1)
+		return nil
+	}), consumer.Recover(), dd)
+	var verdict atomic.Value
+	c, err := NewConsumer(url, q, h, consOpts(ConsumerOptions{MaxWait: time.Millisecond,
+		OnResult: func(_ context.Context, _ *consumer.Message, r consumer.Result, out ConsumerOutcome) {
+			if out == OutcomeDeadLettered {
+				res, reason := verdictOf(r, out)
+				verdict.Store(res + " " + reason)
+			}
+		}}))
+	if err != nil {
+		t.Fatal(err)
+	}
+	stop := consStart(t, c)
+	consPublish(t, url, q, amqp091.Publishing{MessageId: "stuck", Body: body})
+	consWaitFor(t, 30*time.Second, "the dead letter", func() bool { return c.Stats().DeadLettered >= 1 })
+	stop()
+	if st := c.Stats(); st.Retried != 1 || ran.Load() != 0 {
+		t.Errorf("%d waits, handler ran %d times; want 1 and 0 (stats %+v)", st.Retried, ran.Load(), st)
+	}
+	if v := verdict.Load(); v != "dead_letter "+string(ReasonWaitLimit) {
+		t.Errorf("verdict %v, want dead_letter %s", v, ReasonWaitLimit)
+	}
+	dead := consGetAll(t, url, q+".dlq")
+	if len(dead) != 1 {
+		t.Fatalf("%d dead letters, want 1", len(dead))
+	}
+	d := dead[0]
+	e, _ := d.Headers[HeaderError].(string)
+	if d.Headers[HeaderReason] != string(ReasonWaitLimit) || !strings.Contains(e, "MaxWait 1ms") || !strings.Contains(e, "in flight") {
+		t.Errorf("dead letter: %s %v, %s %q", HeaderReason, d.Headers[HeaderReason], HeaderError, e)
+	}
+	if n, _ := consHeaderInt(d.Headers[HeaderAttempt]); n > 1 {
+		t.Errorf("dead letter %s = %d; waits must not count as attempts", HeaderAttempt, n)
 	}
 }

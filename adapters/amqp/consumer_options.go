@@ -23,7 +23,8 @@ import (
 const (
 	// HeaderAttempt is the delivery attempt, 1-based, of the copy: absent
 	// on a message as the producer sent it (attempt 1), then 2, 3, ... on
-	// each copy sent through a retry queue. It is what Message.Attempt
+	// each copy of a failed attempt sent through a retry queue (a wait for
+	// a key another owner holds is counted in HeaderWaits instead). It is what Message.Attempt
 	// reports and what ConsumerOptions.MaxAttempts bounds. RabbitMQ's own
 	// x-death header is not used for this: it counts per queue and per
 	// reason, so with several retry queues no single entry is the attempt.
@@ -34,6 +35,13 @@ const (
 	// consumer.Reason such as "permanent", "invalid_key",
 	// "fingerprint_mismatch" or "retries_exhausted".
 	HeaderReason = "x-idem-reason"
+	// HeaderWaits counts the retries of a message whose key another owner
+	// held (in_flight, lease_lost): absent on a message as the producer
+	// sent it, then 1, 2, ... on each such copy; those retries leave
+	// HeaderAttempt alone. HeaderWaitingSince is when the first of them
+	// happened (Unix milliseconds): what ConsumerOptions.MaxWait bounds.
+	HeaderWaits        = "x-idem-waits"
+	HeaderWaitingSince = "x-idem-waiting-since"
 	// HeaderError is the handler's error text (at most 1 KiB) on a
 	// dead-lettered message, or on a retried one the last error.
 	HeaderError = "x-idem-error"
@@ -51,6 +59,15 @@ const (
 	// Consumer reads it (ConsumerOptions.MaxDeliveries) and strips it from
 	// the copies it publishes.
 	HeaderDeliveryCount = "x-delivery-count"
+	// HeaderReturns carries, on a copy retried because another owner held
+	// the key (in_flight, lease_lost), the x-delivery-count of the
+	// delivery it copies plus its own HeaderReturns: the deliveries of
+	// the message returned unsettled so far. MaxDeliveries bounds their
+	// sum with the copy's own x-delivery-count, so a message that kills
+	// its worker while holding a lease (the next delivery waits for the
+	// lease, on a fresh copy) is still bounded. Copies for other reasons
+	// drop it.
+	HeaderReturns = "x-idem-returns"
 )
 
 // ReasonRedeliveryLimit is the HeaderReason (and the Result.Reason passed to
@@ -58,6 +75,11 @@ const (
 // than ConsumerOptions.MaxDeliveries times without it being settled: it
 // crashed or stalled every worker that took it.
 const ReasonRedeliveryLimit consumer.Reason = "redelivery_limit"
+
+// ReasonWaitLimit is the HeaderReason (and the verdict's idem.reason) of a
+// message dead-lettered because its key was held by another owner
+// (in_flight, lease_lost) for longer than ConsumerOptions.MaxWait.
+const ReasonWaitLimit consumer.Reason = "wait_limit"
 
 // ConsumerBinding binds the work queue to an exchange. The exchange must
 // exist (it is the producer's); the binding is declared on every connect.
@@ -75,6 +97,16 @@ type ConsumerOptions struct {
 	// ConnectionName is the connection_name client property. Defaults to
 	// "idem-consumer".
 	ConnectionName string
+	// Dial, when set, opens the Consumer's connections instead of
+	// amqp091.DialConfig with the URL, Config and ConnectionName: for a
+	// service that builds its connections itself (its TLS, its
+	// credentials provider, its dialer). Run calls it for the first
+	// connection and for each reconnect, with Run's context; the
+	// connections it returns are the Consumer's, which closes them when
+	// they fail and when Run returns, so return a new connection each
+	// time. To run on one connection the service keeps, use
+	// NewConsumerConn. Defaults to nil: NewConsumer's url is dialled.
+	Dial func(ctx context.Context) (*amqp091.Connection, error)
 
 	// Prefetch is the channel's QoS prefetch count: how many unacknowledged
 	// deliveries the broker hands over at once. Defaults to 100. It also
@@ -138,7 +170,12 @@ type ConsumerOptions struct {
 	// closed channel or a nack with requeue) of MaxDeliveries or more —
 	// that is, the (MaxDeliveries+1)th delivery — is dead-lettered with
 	// reason redelivery_limit (ReasonRedeliveryLimit) without running the
-	// handler. Defaults to 10; -1 means no bound.
+	// handler when it is the first delivery of its channel, where the
+	// message that killed the previous worker lands. Any other returned
+	// delivery (x-delivery-count above 0) runs alone on its channel and is
+	// acknowledged at once, so that the neighbours of such a message,
+	// counted with it, are settled instead of dead-lettered (see the
+	// package documentation). Defaults to 10; -1 means no bound.
 	//
 	// Classic queues do not count deliveries: on a classic queue a message
 	// that kills every worker that takes it is redelivered forever (the
@@ -150,10 +187,27 @@ type ConsumerOptions struct {
 	// delivery requeued by a graceful stop, or one requeued because its
 	// retry or dead-letter copy could not be published. Retried copies
 	// start again at zero (the consumer strips x-delivery-count from the
-	// copies it publishes).
+	// copies it publishes), except those that waited for a key another
+	// owner held, which carry the count over in HeaderReturns.
 	MaxDeliveries int
 	// Bindings bind the work queue to the producer's exchanges.
 	Bindings []ConsumerBinding
+	// NoDeclare says the topology is declared elsewhere (by the service's
+	// own code, a definitions file, an operator): Run declares nothing —
+	// no queue, retry queue, exchange or binding, so QueueArgs,
+	// QuorumQueue, Bindings, NotDurable's effect on the queues and
+	// DeadLetterQueue are not used for that — and instead checks, with
+	// passive declares on each connect, that the work queue, each retry
+	// queue ("<queue>.retry.<ms>ms", one per distinct RetryDelays entry)
+	// and DeadLetterExchange exist. If one does not, Run returns an
+	// error wrapping ErrTopologyMissing that names it. What the Consumer
+	// needs of them: each retry queue dead-letters expired messages to
+	// the default exchange with the work queue's name as routing key
+	// (x-dead-letter-exchange "", x-dead-letter-routing-key <queue>; the
+	// copies carry their own per-message expiration), and
+	// DeadLetterExchange routes the work queue's name to a queue, or the
+	// dead letters are dropped. Defaults to false: Run declares it all.
+	NoDeclare bool
 
 	// RetryDelays are the delays before the 2nd, 3rd, ... attempt; the last
 	// one repeats. Each distinct delay gets its own retry queue
@@ -163,10 +217,26 @@ type ConsumerOptions struct {
 	RetryDelays []time.Duration
 	// MaxAttempts bounds the attempts of a message that keeps failing with
 	// a transient error, the first included; the next failure
-	// dead-letters it with reason retries_exhausted. Messages retried
-	// because another owner holds their key (in_flight, lease_lost) are
-	// not bounded: they are not poison. Defaults to 5; 1 means no retry.
+	// dead-letters it with reason retries_exhausted. Only the deliveries
+	// whose handler ran and failed count (HeaderAttempt): a delivery
+	// retried because another owner holds its key (in_flight,
+	// lease_lost) did not fail: MaxWait bounds those.
+	// Defaults to 5; 1 means no retry.
 	MaxAttempts int
+	// MaxWait bounds how long a message may wait for a key another owner
+	// holds (in_flight: a copy still running elsewhere, or a lease a dead
+	// worker left until it expires; lease_lost). Such a message waits in
+	// the retry queues (the delay is RetryDelays' by wait count, or longer
+	// when the store says how long the lease has left), without spending
+	// attempts; it counts its waits in HeaderWaits and the time of the
+	// first in HeaderWaitingSince. A wait more than MaxWait after the
+	// first dead-letters the message instead, with reason wait_limit
+	// (ReasonWaitLimit) and the other owner's error: a key held that long
+	// is a stuck owner, not a busy one, and the dead letter says so
+	// instead of the message circling forever. Keep it well above the
+	// store's lease. It is compared across workers' clocks. Defaults to
+	// 1h; negative means no bound.
+	MaxWait time.Duration
 
 	// DeadLetterExchange and DeadLetterQueue receive dead messages.
 	// Defaults to "<queue>.dlx" (a direct exchange) and "<queue>.dlq"
@@ -280,6 +350,9 @@ func (o *ConsumerOptions) consSetDefaults(queue string) error {
 	}
 	if o.MaxAttempts == 0 {
 		o.MaxAttempts = 5
+	}
+	if o.MaxWait == 0 {
+		o.MaxWait = time.Hour
 	}
 	for _, d := range []struct {
 		name string

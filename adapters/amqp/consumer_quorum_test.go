@@ -3,14 +3,19 @@ package amqp
 import (
 	"context"
 	"errors"
+	"fmt"
 	"strings"
+	"sync"
 	"sync/atomic"
+	"syscall"
 	"testing"
 	"time"
 
 	amqp091 "github.com/rabbitmq/amqp091-go"
 
 	"github.com/idemkit/idem/consumer"
+	"github.com/idemkit/idem/dedup/memstore"
+	"github.com/idemkit/idem/internal/childproc"
 	"github.com/idemkit/idem/internal/testkit/testenv"
 )
 
@@ -131,5 +136,147 @@ func TestConsumerQuorumRedeliveryLimit(t *testing.T) {
 	t.Logf("dead letter: reason %v, error %q", d.Headers[HeaderReason], d.Headers[HeaderError])
 	if n := consDepth(t, url, q); n != 0 {
 		t.Errorf("%d messages left in the queue", n)
+	}
+}
+
+// A message that kills its worker process every time (a panic without
+// Recover) on a quorum queue, between neighbours: ok-c before it, ok-d and
+// ok-e after it, all prefetched with it. The worker is restarted after each
+// death. Only the poison message is dead-lettered (redelivery_limit); every
+// neighbour is applied exactly once and acknowledged, ok-c included, whose
+// effect may have committed before the first death left its ack unsent.
+func TestConsumerQuorumCrashLoopSparesNeighbours(t *testing.T) {
+	for _, conc := range []int{1, 4} {
+		t.Run(fmt.Sprintf("concurrency %d", conc), func(t *testing.T) {
+			url := testenv.AMQPURL()
+			q := consQueueArgs(t, url, consTestDelays, amqp091.Table{"x-queue-type": "quorum"})
+			o := consNewOracle(t, 2)
+			var msgs []amqp091.Publishing
+			for _, id := range []string{"ok-c", "poison", "ok-d", "ok-e"} {
+				msgs = append(msgs, amqp091.Publishing{MessageId: id, Body: []byte("body of " + id)})
+			}
+			consPublish(t, url, q, msgs...)
+			// Settled: the neighbours applied, or more than the poison
+			// dead-lettered (the outcome this test rejects).
+			settled := func() bool {
+				_, distinct := o.counts(t)
+				return consDepth(t, url, q) == 0 && consDepth(t, url, q+".dlq") >= 1 && (distinct == 3 || consDepth(t, url, q+".dlq") >= 2)
+			}
+			deaths := 0
+			for {
+				p, err := childproc.Start(consPoisonChildCommand(url, q, o.schema, conc), 8<<10, nil)
+				if err != nil {
+					t.Fatal(err)
+				}
+				died := false
+				consWaitFor(t, 60*time.Second, "the worker to die or the messages to be settled", func() bool {
+					select {
+					case <-p.Exited():
+						died = true
+						return true
+					default:
+						return settled()
+					}
+				})
+				if !died {
+					_ = p.Cmd.Process.Signal(syscall.SIGTERM)
+					<-p.Exited()
+					if err := p.Err(); err != nil {
+						t.Fatalf("the last worker: %v%s", err, p.StderrTail())
+					}
+					break
+				}
+				if !strings.Contains(p.StderrTail(), "panic: poison message poison") {
+					t.Fatalf("the worker died of something else: %v%s", p.ExitErr(), p.StderrTail())
+				}
+				deaths++
+				if deaths > 2*consPoisonMaxDeliveries {
+					t.Fatalf("the worker died %d times; MaxDeliveries is %d", deaths, consPoisonMaxDeliveries)
+				}
+			}
+			dead := consGetAll(t, url, q+".dlq")
+			var ids []string
+			for _, d := range dead {
+				ids = append(ids, fmt.Sprintf("%s (%v)", d.MessageId, d.Headers[HeaderReason]))
+			}
+			t.Logf("%d deaths; dead letters: %v", deaths, ids)
+			if len(dead) != 1 || dead[0].MessageId != "poison" || dead[0].Headers[HeaderReason] != string(ReasonRedeliveryLimit) {
+				t.Errorf("dead letters %v, want only poison (%s)", ids, ReasonRedeliveryLimit)
+			}
+			rows, distinct := o.counts(t)
+			if rows != 3 || distinct != 3 {
+				t.Errorf("effects: %d rows for %d ids, want ok-c, ok-d and ok-e once each", rows, distinct)
+			}
+			if n := consDepth(t, url, q); n != 0 {
+				t.Errorf("%d messages left in the queue", n)
+			}
+		})
+	}
+}
+
+// A message that "kills" its worker while holding a dedup lease (the
+// handler closes its channel and never returns, and the lease has no
+// heartbeat, as a dead process's lease): its next delivery finds the key
+// in flight and waits on a fresh copy. The copies carry the count of
+// deaths (HeaderReturns), so the message still reaches MaxDeliveries and is
+// dead-lettered, instead of starting from zero after each wait.
+func TestConsumerQuorumRedeliveryLimitAcrossWaits(t *testing.T) {
+	url := testenv.AMQPURL()
+	q := consQueueArgs(t, url, consTestDelays, amqp091.Table{"x-queue-type": "quorum"})
+	const maxDeliveries = 3
+	mem, err := memstore.New(memstore.Options{Lease: 300 * time.Millisecond})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer mem.Close()
+	dd, err := consumer.Dedup(mem, consumer.DedupOptions{Scope: "test/returns", ExtendEvery: -1})
+	if err != nil {
+		t.Fatal(err)
+	}
+	release := make(chan struct{})
+	var runs atomic.Int32
+	h := consumer.Chain(consumer.HandlerFunc(func(ctx context.Context, _ *consumer.Message) error {
+		runs.Add(1)
+		d, ok := DeliveryFrom(ctx)
+		if !ok {
+			return errors.New("no delivery in the context")
+		}
+		_ = d.Acknowledger.(*amqp091.Channel).Close()
+		<-release // a dead worker's handler never returns
+		return nil
+	}), consumer.Recover(), dd)
+	var waits atomic.Int32
+	c, err := NewConsumer(url, q, h, consOpts(ConsumerOptions{
+		QuorumQueue: true, MaxDeliveries: maxDeliveries, Prefetch: 1,
+		OnResult: func(_ context.Context, _ *consumer.Message, r consumer.Result, _ ConsumerOutcome) {
+			if r.Reason == consumer.ReasonInFlight {
+				waits.Add(1)
+			}
+		},
+	}))
+	if err != nil {
+		t.Fatal(err)
+	}
+	stop := consStart(t, c)
+	var once sync.Once
+	unblock := func() { once.Do(func() { close(release) }) }
+	t.Cleanup(unblock) // before stop, which waits for the handlers
+	consPublish(t, url, q, consMsgs("poison", 1)...)
+	consWaitFor(t, 30*time.Second, "the poison message to be dead-lettered", func() bool { return c.Stats().DeadLettered >= 1 })
+	unblock()
+	stop()
+	t.Logf("%d handler runs, %d waits; stats %+v", runs.Load(), waits.Load(), c.Stats())
+	if n := runs.Load(); n != maxDeliveries {
+		t.Errorf("the handler ran %d times, want MaxDeliveries = %d", n, maxDeliveries)
+	}
+	if waits.Load() == 0 {
+		t.Error("no delivery waited for the held key: the test did not test the waits")
+	}
+	dead := consGetAll(t, url, q+".dlq")
+	if len(dead) != 1 || dead[0].Headers[HeaderReason] != string(ReasonRedeliveryLimit) {
+		t.Fatalf("%d dead letters, want poison-0 with %s", len(dead), ReasonRedeliveryLimit)
+	}
+	if _, ok := dead[0].Headers[HeaderReturns]; ok {
+		t.Errorf("the dead letter kept %s: %v", HeaderReturns, dead[0].Headers)
 	}
 }

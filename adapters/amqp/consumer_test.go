@@ -351,6 +351,86 @@ func TestConsumerNoMessageID(t *testing.T) {
 	}
 }
 
+// An IDHeader whose value is not a string is not an id: the message is
+// dead-lettered with reason invalid_key and an error naming the header,
+// without falling back to the message-id property and without running the
+// handler.
+func TestConsumerIDHeaderNotString(t *testing.T) {
+	url := testenv.AMQPURL()
+	q := consQueue(t, url, consTestDelays)
+	var ran atomic.Int64
+	h := consumer.Chain(consumer.HandlerFunc(func(context.Context, *consumer.Message) error {
+		ran.Add(1)
+		return nil
+	}), consumer.Recover(), consMemDedup(t, "test/idheader"))
+	c, err := NewConsumer(url, q, h, consOpts(ConsumerOptions{IDHeader: "x-request-id"}))
+	if err != nil {
+		t.Fatal(err)
+	}
+	stop := consStart(t, c)
+	consPublish(t, url, q,
+		amqp091.Publishing{MessageId: "fallback", Headers: amqp091.Table{"x-request-id": int32(42)}, Body: []byte("1")},
+		amqp091.Publishing{MessageId: "fallback-2", Headers: amqp091.Table{"x-request-id": ""}, Body: []byte("2")})
+	consWaitFor(t, 30*time.Second, "2 settled deliveries", func() bool {
+		st := c.Stats()
+		return st.DeadLettered+st.Acked >= 2
+	})
+	stop()
+	if n := ran.Load(); n != 0 {
+		t.Errorf("the handler ran %d times, want 0", n)
+	}
+	dead := consGetAll(t, url, q+".dlq")
+	if len(dead) != 2 {
+		t.Fatalf("%d dead letters, want 2", len(dead))
+	}
+	for i, want := range []string{`header "x-request-id" holds a int32, not a string`, `header "x-request-id" is empty`} {
+		d := dead[i]
+		e, _ := d.Headers[HeaderError].(string)
+		if d.Headers[HeaderReason] != string(consumer.ReasonInvalidKey) || !strings.Contains(e, want) {
+			t.Errorf("dead letter %s: %s %v, %s %q; want invalid_key, %q", d.MessageId, HeaderReason, d.Headers[HeaderReason], HeaderError, e, want)
+		}
+	}
+}
+
+// Every dead letter carries a message id that is the same for every
+// delivery of the same message, so a reader of the dead-letter queue can
+// deduplicate on it: the message-id when there is one, the IDHeader id,
+// else one derived from the queue and the content. Two identical
+// deliveries without id (as a redelivery after a worker died between the
+// dead letter's confirm and its ack would be) get the same id; another
+// message a different one.
+func TestConsumerDeadLetterID(t *testing.T) {
+	url := testenv.AMQPURL()
+	q := consQueue(t, url, consTestDelays)
+	h := consumer.Chain(consumer.HandlerFunc(func(context.Context, *consumer.Message) error {
+		return consumer.Permanent(errors.New("cannot parse the payload"))
+	}), consumer.Recover(), consMemDedup(t, "test/dlid"))
+	c, err := NewConsumer(url, q, h, consOpts(ConsumerOptions{IDHeader: "x-request-id"}))
+	if err != nil {
+		t.Fatal(err)
+	}
+	stop := consStart(t, c)
+	noID := amqp091.Publishing{Body: []byte("who am I"), Headers: amqp091.Table{"tenant": "t1"}}
+	consPublish(t, url, q, noID, noID,
+		amqp091.Publishing{Body: []byte("who am I"), Headers: amqp091.Table{"tenant": "t2"}},
+		amqp091.Publishing{MessageId: "p-1", Body: []byte("p")},
+		amqp091.Publishing{Headers: amqp091.Table{"x-request-id": "h-1"}, Body: []byte("h")})
+	consWaitFor(t, 30*time.Second, "5 dead letters", func() bool { return c.Stats().DeadLettered >= 5 })
+	stop()
+	dead := consGetAll(t, url, q+".dlq")
+	if len(dead) != 5 {
+		t.Fatalf("%d dead letters, want 5", len(dead))
+	}
+	var ids []string
+	for _, d := range dead {
+		ids = append(ids, d.MessageId)
+	}
+	t.Logf("dead-letter ids %q", ids)
+	if ids[0] == "" || ids[0] != ids[1] || ids[2] == "" || ids[2] == ids[0] || ids[3] != "p-1" || ids[4] != "h-1" {
+		t.Errorf("dead-letter ids %q: want the first two equal and not empty, a third one, p-1 and h-1", ids)
+	}
+}
+
 func equalStrings(a, b []string) bool {
 	if len(a) != len(b) {
 		return false

@@ -1,8 +1,3 @@
-// Package amqp is idem's RabbitMQ adapter, on amqp091-go.
-//
-// The outbox publisher (NewPublisher) sends an outbox relay's messages with
-// publisher confirms: a message counts as published only when the broker
-// confirmed it.
 package amqp
 
 import (
