@@ -232,16 +232,25 @@ func (c *Consumer) setDeadLetter(cfg kafkago.ReaderConfig) error {
 	return nil
 }
 
-// Run joins the group and consumes until ctx is done, then stops fetching,
-// gives the handlers running ShutdownTimeout to finish, commits what is done
-// and leaves the group. It returns nil after such a stop; it keeps retrying
-// when the brokers are unreachable (kafka-go backs off between attempts to
-// join). Run may be called once.
+// Run checks that the dead-letter topic exists, joins the group and
+// consumes until ctx is done, then stops fetching, gives the handlers
+// running ShutdownTimeout to finish, commits what is done and leaves the
+// group. It returns nil after such a stop; it keeps retrying when the
+// brokers are unreachable (kafka-go backs off between attempts to join). It
+// returns an error wrapping ErrDeadLetterTopicMissing, before consuming
+// anything, when the brokers answer that the dead-letter topic does not
+// exist. Run may be called once.
 func (c *Consumer) Run(ctx context.Context) error {
 	if !c.started.CompareAndSwap(false, true) {
 		return errors.New("kafka: Consumer.Run called twice; make a new Consumer")
 	}
 	defer c.closeDeadLetter()
+	if err := c.checkDeadLetterTopic(ctx); err != nil {
+		if ctx.Err() != nil {
+			return nil
+		}
+		return err
+	}
 	cg, err := kafkago.NewConsumerGroup(c.groupCfg)
 	if err != nil {
 		return fmt.Errorf("kafka: consumer group: %w", err)

@@ -73,7 +73,7 @@ func TestKeyWorkers(t *testing.T) {
 	c, err := kafka.NewConsumer(k.readerConfig(group, topic), h, kafka.Options{
 		Workers:         4,
 		CommitInterval:  20 * time.Millisecond,
-		DeadLetterTopic: topic + "_dlq",
+		DeadLetterTopic: k.dlq(t, topic),
 		Logger:          testLogger(t),
 	})
 	if err != nil {

@@ -41,6 +41,7 @@ func TestRebalance(t *testing.T) {
 	}
 	const partitions, n = 6, 3000
 	topic := k.topic(t, "rebalance", partitions)
+	dlq := k.dlq(t, topic)
 	group := testenv.Name("g")
 	all := ids("r", n)
 
@@ -89,7 +90,7 @@ func TestRebalance(t *testing.T) {
 		c, err := kafka.NewConsumer(k.readerConfig(group, topic), h, kafka.Options{
 			CommitEvery:     20,
 			CommitInterval:  50 * time.Millisecond,
-			DeadLetterTopic: topic + "_dlq",
+			DeadLetterTopic: dlq,
 			Logger:          testLogger(t),
 			OnResult: func(_ context.Context, _ *consumer.Message, r consumer.Result) {
 				if r.Action == consumer.ActionAck && !r.Duplicate {
