@@ -51,6 +51,9 @@ type hooks struct {
 	afterEffect func(msg *consumer.Message)
 	// beforeCommit and afterCommit run around each offset commit.
 	beforeCommit, afterCommit func(offsets map[string]map[int]int64)
+	// queued runs when a fetched record was handed to the workers
+	// (several workers, or a BatchHandler).
+	queued func(km *kafkago.Message)
 }
 
 // NewConsumer returns a Consumer that runs h on every record of the topics

@@ -302,6 +302,9 @@ func TestPoisonToDeadLetter(t *testing.T) {
 			t.Errorf("%q: position headers %s/%s/%s, want %s/%d/%d", b.rec.Value,
 				hs[kafka.HeaderTopic], hs[kafka.HeaderPartition], hs[kafka.HeaderOffset], topic, o.Partition, o.Offset)
 		}
+		if want := fmt.Sprintf("%s/%d/%d", topic, o.Partition, o.Offset); hs[kafka.HeaderID] != want {
+			t.Errorf("%q: dead-letter id %q, want %q", b.rec.Value, hs[kafka.HeaderID], want)
+		}
 		if hs[kafka.HeaderError] == "" || hs[kafka.HeaderGroup] != group || string(m.Key) != string(b.rec.Key) {
 			t.Errorf("%q: error %q, group %q, key %q", b.rec.Value, hs[kafka.HeaderError], hs[kafka.HeaderGroup], m.Key)
 		}

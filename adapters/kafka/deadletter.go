@@ -37,6 +37,16 @@ const (
 	HeaderAttempts = "idem-dlq-attempts"
 	// HeaderGroup is the consumer group that dead-lettered the record.
 	HeaderGroup = "idem-dlq-group"
+	// HeaderID is the dead letter's own message id,
+	// "topic/partition/offset" of the original record: the same each time
+	// that record is dead-lettered. A record can be dead-lettered twice
+	// (a crash or a rebalance after the dead-letter write and before the
+	// offset commit), so a consumer of the dead-letter topic deduplicates
+	// with idem on this id: a Consumer with Options.IDHeader set to
+	// HeaderID. (Two groups that dead-letter the same record to one topic
+	// share the id; give each group its own dead-letter topic, or add
+	// HeaderGroup to the id with Options.IDFunc.)
+	HeaderID = "idem-dlq-id"
 )
 
 const maxErrorHeader = 4 << 10
@@ -100,7 +110,7 @@ func deadLetterAttempts(attempts int, r consumer.Result) int {
 }
 
 func (c *Consumer) deadLetterRecord(km *kafkago.Message, attempts int, r consumer.Result) kafkago.Message {
-	hs := make([]kafkago.Header, 0, len(km.Headers)+7)
+	hs := make([]kafkago.Header, 0, len(km.Headers)+8)
 	for _, h := range km.Headers {
 		if !strings.HasPrefix(h.Key, HeaderDeadLetter) {
 			hs = append(hs, h)
@@ -125,6 +135,7 @@ func (c *Consumer) deadLetterRecord(km *kafkago.Message, attempts int, r consume
 		kafkago.Header{Key: HeaderOffset, Value: []byte(strconv.FormatInt(km.Offset, 10))},
 		kafkago.Header{Key: HeaderAttempts, Value: []byte(strconv.Itoa(attempts))},
 		kafkago.Header{Key: HeaderGroup, Value: []byte(c.group)},
+		kafkago.Header{Key: HeaderID, Value: []byte(offsetID(km.Topic, km.Partition, km.Offset))},
 	)
 	out := kafkago.Message{Key: km.Key, Value: km.Value, Headers: hs}
 	if c.dlq.Topic == "" {

@@ -45,10 +45,21 @@
 //     consumer.Recover, fingerprint mismatches, invalid ids, exhausted
 //     retries): the record is published to the dead-letter topic, with its
 //     key, value and headers and the headers HeaderReason, HeaderError,
-//     HeaderTopic, HeaderPartition, HeaderOffset, HeaderAttempts and
-//     HeaderGroup. Only once the write is confirmed (all in-sync replicas) is
-//     the record done; until then the partition retries the write. A poison
-//     record never stops its partition.
+//     HeaderTopic, HeaderPartition, HeaderOffset, HeaderAttempts,
+//     HeaderGroup and HeaderID. Only once the write is confirmed (all
+//     in-sync replicas) is the record done; until then the partition retries
+//     the write. A poison record never stops its partition. The dead-letter
+//     topic must exist: Run checks it before it consumes.
+//
+// A crash or a rebalance between the dead-letter write and the offset
+// commit dead-letters the record again. Every dead letter of one record
+// carries the same HeaderID, "topic/partition/offset" of the record, so
+// the consumer of the dead-letter topic deduplicates them with idem itself:
+// a Consumer on the dead-letter topic with Options.IDHeader set to HeaderID
+// and a consumer.Dedup (or Transactional) in its chain handles each poison
+// record once. A BatchHandler's records without a valid id are
+// dead-lettered after their batch, so a rebalance that cancels the batch
+// does not dead-letter them twice.
 //
 // # Message ids
 //
