@@ -32,6 +32,7 @@ type Consumer struct {
 	bh BatchHandler
 
 	opts     Options
+	msgOpts  MessageOptions
 	log      *slog.Logger
 	tel      *telemetry.Adapter
 	dlq      *kafkago.Writer
@@ -181,6 +182,7 @@ func newConsumer(cfg kafkago.ReaderConfig, opts Options) (*Consumer, error) {
 		return nil, err
 	}
 	c.opts = opts
+	c.msgOpts = opts.messageOptions(c.group)
 	c.log = opts.Logger
 	c.tel = telemetry.NewAdapter(opts.MeterProvider, opts.TracerProvider, system)
 	if err := c.setDeadLetter(cfg); err != nil {

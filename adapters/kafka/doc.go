@@ -75,6 +75,22 @@
 // topic and timestamp in consumer.Message, the partition, offset and group in
 // Message.Metadata (MetadataPartition, MetadataOffset, MetadataGroup).
 //
+// # Your own kafka-go loop
+//
+// An application that keeps its own Reader loop uses MessageFrom (the same
+// mapping and id rules as the Consumer, set by MessageOptions) and
+// consumer.Process, and commits a record only once it is done:
+//
+//	km, err := r.FetchMessage(ctx)
+//	msg, err := kafka.MessageFrom(&km, kafka.MessageOptions{Group: "billing"})
+//	res := consumer.Process(ctx, h, msg) // if err is nil; else dead-letter the record
+//	// ActionAck: r.CommitMessages(ctx, km). ActionRetry: run it again.
+//	// ActionDeadLetter: publish it to a dead-letter topic, then commit.
+//
+// See the MessageFrom example. A group Reader's commits do not know about
+// rebalances (next section): a record may come back after one, and the
+// dedup claim drops it.
+//
 // # Rebalances and shutdown: why ConsumerGroup, not Reader
 //
 // kafka-go offers two ways to consume a group. A Reader with GroupID hides
