@@ -113,11 +113,13 @@ func ExampleMessageFrom() {
 	defer transport.CloseIdleConnections()
 	w := &kafkago.Writer{Addr: kafkago.TCP(brokers...), Topic: "orders", RequiredAcks: kafkago.RequireAll, Transport: transport}
 	defer w.Close()
-	id := func(v string) []kafkago.Header { return []kafkago.Header{{Key: outbox.HeaderMessageID, Value: []byte(v)}} }
+	id := func(v string) []kafkago.Header {
+		return []kafkago.Header{{Key: outbox.HeaderMessageID, Value: []byte(v)}}
+	}
 	err = w.WriteMessages(ctx,
 		kafkago.Message{Value: []byte("10.00"), Headers: id("order-1")},
 		kafkago.Message{Value: []byte("10.00"), Headers: id("order-1")}, // re-published
-		kafkago.Message{Value: []byte("??")},                             // no id
+		kafkago.Message{Value: []byte("??")},                            // no id
 		kafkago.Message{Value: []byte("7.50"), Headers: id("order-2")},
 	)
 	if err != nil {
