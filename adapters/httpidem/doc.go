@@ -49,7 +49,10 @@
 //	                           headers and Idempotent-Replayed: true
 //	500 Internal Server Error  the response passed MaxResponseBytes (see Options)      lease: yes
 //	503 Service Unavailable    the store failed, or the transaction did not commit;    no
-//	                           with Retry-After; nothing happened (fail closed)
+//	                           with Retry-After; nothing happened (fail closed),
+//	                           unless the detail says the outcome is unknown
+//	                           (PostgreSQL unreachable after a broken COMMIT):
+//	                           a retry with the key then replays or runs
 //
 // # Stores
 //
