@@ -357,8 +357,15 @@ func TestTxStoreFailureAnswers503(t *testing.T) {
 // between the store and PostgreSQL forwards the commit and swallows the
 // reply. The middleware reads how the transaction ended on a new connection
 // and replays the committed payment instead of answering 503 ("nothing
-// happened"), and the payment is charged once.
+// happened"), and the payment is charged once. When PostgreSQL cannot be
+// reached for that read either, the 503 says the outcome is unknown, and a
+// retry replays the payment.
 func TestTxCommitReplyLostReplaysCommitted(t *testing.T) {
+	t.Run("read", func(t *testing.T) { lostCommitReply(t, true) })
+	t.Run("unreachable", func(t *testing.T) { lostCommitReply(t, false) })
+}
+
+func lostCommitReply(t *testing.T, readable bool) {
 	direct := testenv.Pool(t, 2)
 	schema := testenv.Schema(t, direct)
 	o := testenv.NewCharges(t, direct, schema)
@@ -377,8 +384,9 @@ func TestTxCommitReplyLostReplaysCommitted(t *testing.T) {
 	cfg.MaxConns = 1 // the outcome is read on a new connection
 	var cutting atomic.Bool
 	cfg.BeforeConnect = func(context.Context, *pgx.ConnConfig) error {
-		// The connection of the cut COMMIT is gone: a new one passes.
-		if cutting.CompareAndSwap(true, false) {
+		// The connection of the cut COMMIT is gone: a new one passes
+		// (or, unreadable, is cut too).
+		if cutting.CompareAndSwap(true, false) && readable {
 			px.SetMode(fault.Pass, 0)
 		}
 		return nil
@@ -414,7 +422,14 @@ func TestTxCommitReplyLostReplaysCommitted(t *testing.T) {
 	body := `{"id":"pay-1","amount":100}`
 	r1 := do(t, nil, srv.URL, req{key: "lost-commit", body: body})
 	// The proxy counts the cut once it closed the connection.
-	eventually(t, "the commit's reply to be cut", func() bool { return px.Stats().Cuts == 1 })
+	eventually(t, "the commit's reply to be cut", func() bool { return px.Stats().Cuts >= 1 })
+	if !readable {
+		if r1.status != http.StatusServiceUnavailable || !strings.Contains(r1.problem(t).Detail, "unknown") {
+			t.Fatalf("outcome unreadable: %d %s; want 503 saying the outcome is unknown", r1.status, r1.body)
+		}
+		px.SetMode(fault.Pass, 0)
+		r1 = do(t, nil, srv.URL, req{key: "lost-commit", body: body})
+	}
 	if r1.status != http.StatusCreated || !r1.replayed() {
 		t.Fatalf("after a commit whose reply was lost: %d %s (replayed %v); want the committed 201 replayed", r1.status, r1.body, r1.replayed())
 	}
