@@ -6,7 +6,7 @@ import (
 	"fmt"
 	"math/rand/v2"
 	"strconv"
-
+	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -218,16 +218,21 @@ func TestOffsetsInPostgresReachKafka(t *testing.T) {
 	// A's commit at the end of its generation waits until the group has
 	// gone on without A: Kafka then refuses it.
 	finalCommit, release := make(chan struct{}), make(chan struct{})
+	var blockOnce, releaseOnce sync.Once
 	kafka.SetCommitHooks(a, func(offs map[string]map[int]int64) {
 		for _, off := range offs[topic] {
 			if off > 0 {
-				close(finalCommit)
-				<-release
+				blockOnce.Do(func() {
+					close(finalCommit)
+					<-release
+				})
 				return
 			}
 		}
 	}, nil)
 	ra := run(t, a)
+	t.Cleanup(func() { releaseOnce.Do(func() { close(release) }) }) // before ra's stop
+
 	pgPositions := func() []int64 {
 		got, err := offsets.LoadOffsets(ctx, group, topic, []int{0, 1, 2})
 		if err != nil {
@@ -257,7 +262,7 @@ func TestOffsetsInPostgresReachKafka(t *testing.T) {
 		return err == nil && len(res.Groups) == 1 && res.Groups[0].GroupState == "Stable" && len(res.Groups[0].Members) == 1
 	})
 	ra.cancel()
-	close(release)
+	releaseOnce.Do(func() { close(release) })
 	ra.stop(t)
 
 	eventually(t, 30*time.Second, "Kafka's committed offsets to reach the PostgreSQL positions "+want, func() bool {
