@@ -49,7 +49,10 @@
 //	                           headers and Idempotent-Replayed: true
 //	500 Internal Server Error  the response passed MaxResponseBytes (see Options)      lease: yes
 //	503 Service Unavailable    the store failed, or the transaction did not commit;    no
-//	                           with Retry-After; nothing happened (fail closed)
+//	                           with Retry-After; nothing happened (fail closed),
+//	                           unless the detail says the outcome is unknown
+//	                           (PostgreSQL unreachable after a broken COMMIT):
+//	                           a retry with the key then replays or runs
 //
 // # Stores
 //
@@ -64,7 +67,12 @@
 // *twolevel.Store with Redis in front of it. The handler gets the
 // transaction with Tx(r.Context()); its writes, the key's row and the
 // stored response commit together or not at all, and the response is sent
-// after the commit. This is exact for effects in the database.
+// after the commit. This is exact for effects in the database. When the
+// commit fails with an unknown outcome (the connection broke during COMMIT),
+// the middleware claims the key again on a new connection before it
+// answers: a transaction that committed is answered with the replay of its
+// response, and 503 only means that it did not commit (or that PostgreSQL
+// cannot tell yet; a retry with the same key then replays or runs).
 //
 // pgtable begins the transaction with an advisory lock on the key and a read
 // of the key's row, runs the handler, and writes the key's row, with the

@@ -9,7 +9,10 @@ import (
 	"hash"
 	"io"
 	"net/http"
+	"strings"
 	"sync"
+	"unicode"
+	"unicode/utf8"
 
 	"github.com/idemkit/idem/dedup"
 )
@@ -34,7 +37,12 @@ func Fingerprint(r *http.Request, route string, body []byte) dedup.Fingerprint {
 // rebuilds its request (members in another order, other spacing) on a
 // retry is not refused with 422. Numbers are compared as written (1.0 and 1
 // differ); for duplicate member names the last one counts, as in
-// encoding/json. A body that is not valid JSON is hashed as it is.
+// encoding/json. A body that is not valid JSON is hashed as it is, and so
+// is one with an object whose member names differ only in case
+// ({"amount":1,"Amount":2}): encoding/json matches a struct field's name
+// without regard to case and keeps the last match, so the order of such
+// members decides what a Go handler reads, and sorting them would make two
+// different payments one.
 func FingerprintJSON(r *http.Request, route string, body []byte) dedup.Fingerprint {
 	if c, ok := CanonicalJSON(body); ok {
 		body = c
@@ -43,7 +51,9 @@ func FingerprintJSON(r *http.Request, route string, body []byte) dedup.Fingerpri
 }
 
 // CanonicalJSON returns the canonical form of body (see FingerprintJSON)
-// and true, or nil and false when body is not exactly one JSON value.
+// and true, or nil and false when body is not exactly one JSON value or has
+// an object whose member names are equal under case folding (then no
+// canonical form is safe: their order matters to encoding/json).
 // CanonicalJSON of a canonical form returns it unchanged.
 func CanonicalJSON(body []byte) ([]byte, bool) {
 	dec := json.NewDecoder(bytes.NewReader(body))
@@ -55,6 +65,9 @@ func CanonicalJSON(body []byte) ([]byte, bool) {
 	if _, err := dec.Token(); !errors.Is(err, io.EOF) {
 		return nil, false // trailing data
 	}
+	if foldedNames(v) {
+		return nil, false
+	}
 	var out bytes.Buffer
 	enc := json.NewEncoder(&out)
 	enc.SetEscapeHTML(false)
@@ -62,6 +75,66 @@ func CanonicalJSON(body []byte) ([]byte, bool) {
 		return nil, false
 	}
 	return bytes.TrimSuffix(out.Bytes(), []byte{'\n'}), true
+}
+
+// foldedNames reports whether an object in v has two member names that are
+// equal under Unicode case folding (strings.EqualFold, the rule by which
+// encoding/json matches struct fields). Members with the very same name are
+// one entry of the decoded map already: the last one, as encoding/json
+// keeps it.
+func foldedNames(v any) bool {
+	switch v := v.(type) {
+	case map[string]any:
+		var seen map[string]struct{}
+		for name, mv := range v {
+			if len(v) > 1 {
+				if seen == nil {
+					seen = make(map[string]struct{}, len(v))
+				}
+				f := foldName(name)
+				if _, dup := seen[f]; dup {
+					return true
+				}
+				seen[f] = struct{}{}
+			}
+			if foldedNames(mv) {
+				return true
+			}
+		}
+	case []any:
+		for _, e := range v {
+			if foldedNames(e) {
+				return true
+			}
+		}
+	}
+	return false
+}
+
+// foldName maps each rune of s to the smallest rune of its case-folding
+// orbit (unicode.SimpleFold), so that foldName(a) == foldName(b) exactly
+// when strings.EqualFold(a, b).
+func foldName(s string) string {
+	ascii := true
+	for i := 0; i < len(s) && ascii; i++ {
+		ascii = s[i] < utf8.RuneSelf
+	}
+	if ascii {
+		// An ASCII letter's orbit starts with its upper case (k and s
+		// have non-ASCII members too, the Kelvin sign and the long s,
+		// but above K and S).
+		return strings.ToUpper(s)
+	}
+	var b strings.Builder
+	b.Grow(len(s))
+	for _, r := range s {
+		m := r
+		for f := unicode.SimpleFold(r); f != r; f = unicode.SimpleFold(f) {
+			m = min(m, f)
+		}
+		b.WriteRune(m)
+	}
+	return b.String()
 }
 
 // fingerprint hashes the parts like dedup.FingerprintOf, without converting

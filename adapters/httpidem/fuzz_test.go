@@ -13,6 +13,7 @@ import (
 	"errors"
 	"net/http"
 	"net/http/httptest"
+	"reflect"
 	"strings"
 	"testing"
 	"time"
@@ -105,8 +106,9 @@ func FuzzParseSignature(f *testing.F) {
 
 // FuzzFingerprint checks the fingerprint's canonical form: it is
 // dedup.FingerprintOf over the parts (so stores and tools agree), two
-// different splits of the same bytes never collide, and FingerprintJSON
-// equals for JSON bodies that only differ in formatting.
+// different splits of the same bytes never collide, FingerprintJSON equals
+// for JSON bodies that only differ in formatting, and a body and its
+// canonical form decode to the same Go struct.
 func FuzzFingerprint(f *testing.F) {
 	for _, s := range [][4]string{
 		{"POST", "/payments", "/payments", `{"amount":100,"currency":"EUR"}`},
@@ -114,6 +116,7 @@ func FuzzFingerprint(f *testing.F) {
 		{"PATCH", "", "", ""},
 		{"POST", "/a", "/ab", "c"},
 		{"POST", "/a", "/a", `  [1.0, 2e3, "x\"y"]  `},
+		{"POST", "/payments", "/payments", `{"amount":100,"Amount":200,"to":{"Iban":"x","iban":"y"}}`},
 	} {
 		f.Add(s[0], s[1], s[2], []byte(s[3]))
 	}
@@ -136,10 +139,20 @@ func FuzzFingerprint(f *testing.F) {
 		// Canonical JSON: a fixed point, and blind to formatting.
 		c, ok := CanonicalJSON(body)
 		if !ok {
-			if json.Valid(body) {
+			var v any
+			if json.Valid(body) && json.Unmarshal(body, &v) == nil && !foldedNames(v) {
 				t.Fatalf("valid JSON %q was not canonicalised", body)
 			}
 			return
+		}
+		// What a Go handler reads from the body, it reads from the
+		// canonical form: the fingerprint never equates two bodies a
+		// handler reads differently.
+		var fromBody, fromCanonical fuzzPayment
+		if json.Unmarshal(body, &fromBody) == nil {
+			if err := json.Unmarshal(c, &fromCanonical); err != nil || !reflect.DeepEqual(fromBody, fromCanonical) {
+				t.Fatalf("%q decodes to %+v, its canonical form %q to %+v (%v)", body, fromBody, c, fromCanonical, err)
+			}
 		}
 		if c2, ok := CanonicalJSON(c); !ok || !bytes.Equal(c, c2) {
 			t.Fatalf("canonical form is not a fixed point: %q → %q", c, c2)
@@ -152,6 +165,14 @@ func FuzzFingerprint(f *testing.F) {
 			}
 		}
 	})
+}
+
+// fuzzPayment is a handler's request struct, for FuzzFingerprint.
+type fuzzPayment struct {
+	Amount json.Number
+	Kind   string
+	To     *struct{ Iban, Name any }
+	Tags   []any
 }
 
 // method2 returns a method httptest.NewRequest accepts.

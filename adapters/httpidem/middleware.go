@@ -685,17 +685,56 @@ func (m *Middleware) serveTx(w http.ResponseWriter, r *http.Request, next http.H
 		m.done(rq, r, OutcomeTooLarge, p.Status, waited)
 	default:
 		// Storing the response or the commit failed after the handler
-		// ran: nothing was committed (or, if the connection broke during
-		// COMMIT, a retry finds the key and replays).
+		// ran. When the connection broke during COMMIT, the transaction
+		// may have committed all the same: the key's row says.
+		detail := "the request's transaction did not commit; retry with the same key"
+		if stored && ctx.Err() == nil {
+			rerr := m.commitOutcome(ctx, key)
+			if dedup.Held(rerr) {
+				// Committed: its stored response is replayed. (Or,
+				// having rolled back, another request with the key got
+				// it since: answered as a duplicate of that one.)
+				if _, committed := dedup.StoredResult(rerr); committed {
+					rq.handled(handledCompleted)
+				} else {
+					rq.handled(handledCompleteFailed)
+				}
+				m.opts.Logger.WarnContext(ctx, "httpidem: the commit failed after the handler ran; the key's row shows how the request ended, answering from it",
+					slog.String("key_hash", key.Hash()), slog.Any("error", err))
+				m.answer(w, r, rq, key, rerr, waited)
+				return
+			}
+			if !errors.Is(rerr, errNotCommitted) {
+				detail = "the outcome of the request's transaction is unknown; retry with the same key: the response is replayed if it committed"
+			}
+		}
 		rq.handled(handledCompleteFailed)
 		if ctx.Err() == nil {
 			m.opts.Logger.WarnContext(ctx, "httpidem: the transaction failed after the handler ran; answering 503",
 				slog.String("key_hash", key.Hash()), slog.Any("error", err))
 		}
-		p := newProblem(http.StatusServiceUnavailable, ProblemStoreUnavailable, "Request not completed",
-			"the request's transaction did not commit; retry with the same key")
+		p := newProblem(http.StatusServiceUnavailable, ProblemStoreUnavailable, "Request not completed", detail)
 		p.RetryAfter = m.opts.RetryAfter
 		WriteProblem(w, p)
 		m.done(rq, r, OutcomeStoreError, p.Status, waited)
 	}
+}
+
+// errNotCommitted is returned by commitOutcome when the transaction of the
+// request did not commit.
+var errNotCommitted = errors.New("httpidem: the transaction did not commit")
+
+// commitOutcome finds out whether the transaction that ran the handler for
+// key committed although its commit failed (the connection broke during
+// COMMIT). It claims the key again, in a new transaction on a connection of
+// its own, without running the handler: the claim waits until the first
+// transaction has ended, then answers with the verdict on its row (a
+// duplicate with the stored response: it committed) or wins (it did not:
+// errNotCommitted, and the claim is rolled back). Any other error leaves
+// the outcome unknown.
+func (m *Middleware) commitOutcome(ctx context.Context, key dedup.Key) error {
+	_, err := m.tx.Process(ctx, key, func(context.Context, pgx.Tx) ([]byte, error) {
+		return nil, errNotCommitted
+	})
+	return err
 }

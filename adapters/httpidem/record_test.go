@@ -2,6 +2,7 @@ package httpidem
 
 import (
 	"bytes"
+	"encoding/json"
 	"errors"
 	"io"
 	"net/http"
@@ -159,6 +160,45 @@ func TestFingerprintPooled(t *testing.T) {
 		want := dedup.FingerprintOf([]byte(tc[0]), []byte(tc[1]), []byte(tc[2]), []byte(tc[3]))
 		if got := fingerprint(tc[0], tc[1], tc[2], []byte(tc[3])); got != want {
 			t.Fatalf("fingerprint of %.20q differs from dedup.FingerprintOf", tc)
+		}
+	}
+}
+
+// FingerprintJSON never equates two bodies that a Go handler decodes
+// differently: encoding/json matches member names to struct fields without
+// regard to case and keeps the last match, so {"amount":100,"Amount":200}
+// is a payment of 200 and {"Amount":200,"amount":100} one of 100. Such
+// bodies are hashed as they are; ordinary ones still canonically.
+func TestFingerprintJSONCaseFoldedNames(t *testing.T) {
+	type payment struct{ Amount int }
+	r := httptest.NewRequest(http.MethodPost, "/payments", nil)
+	for _, pair := range [][2]string{
+		{`{"amount":100,"Amount":200}`, `{"Amount":200,"amount":100}`},
+		{`{"to":{"amount":100,"AMOUNT":200}}`, `{"to":{"AMOUNT":200,"amount":100}}`},
+		{`[{"Kind":1,"kind":2}]`, `[{"kind":2,"Kind":1}]`},
+		{`{"k":1,"\u212a":2}`, `{"\u212a":2,"k":1}`}, // the Kelvin sign folds to k
+	} {
+		a, b := []byte(pair[0]), []byte(pair[1])
+		if FingerprintJSON(r, "/payments", a) == FingerprintJSON(r, "/payments", b) {
+			t.Errorf("%s and %s share a fingerprint", a, b)
+		}
+		if _, ok := CanonicalJSON(a); ok {
+			t.Errorf("CanonicalJSON(%s) gave a canonical form", a)
+		}
+	}
+	var p1, p2 payment
+	if err := errors.Join(json.Unmarshal([]byte(`{"amount":100,"Amount":200}`), &p1),
+		json.Unmarshal([]byte(`{"Amount":200,"amount":100}`), &p2)); err != nil || p1 == p2 {
+		t.Fatalf("encoding/json read %+v and %+v (%v): the premise of this test no longer holds", p1, p2, err)
+	}
+	// Members whose names differ other than in case are still sorted, and
+	// an exact repeat keeps the last value, as encoding/json does.
+	for _, pair := range [][2]string{
+		{`{"amount":100,"currency":"EUR"}`, `{ "currency":"EUR", "amount":100 }`},
+		{`{"amount":1,"amount":100}`, `{"amount":100}`},
+	} {
+		if FingerprintJSON(r, "/payments", []byte(pair[0])) != FingerprintJSON(r, "/payments", []byte(pair[1])) {
+			t.Errorf("%s and %s have different fingerprints", pair[0], pair[1])
 		}
 	}
 }

@@ -8,16 +8,22 @@ import (
 	"encoding/json"
 	"fmt"
 	"io"
+	"net"
 	"net/http"
 	"net/http/httptest"
+	"strconv"
 	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
 
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+
 	"github.com/idemkit/idem/adapters/httpidem"
 	"github.com/idemkit/idem/dedup/pgtable"
+	"github.com/idemkit/idem/internal/testkit/fault"
 	"github.com/idemkit/idem/internal/testkit/testenv"
 )
 
@@ -344,6 +350,98 @@ func TestTxStoreFailureAnswers503(t *testing.T) {
 	}
 	if w.keys(t) != 0 {
 		t.Fatal("a key was stored")
+	}
+}
+
+// The connection breaks during COMMIT after PostgreSQL committed: a proxy
+// between the store and PostgreSQL forwards the commit and swallows the
+// reply. The middleware reads how the transaction ended on a new connection
+// and replays the committed payment instead of answering 503 ("nothing
+// happened"), and the payment is charged once. When PostgreSQL cannot be
+// reached for that read either, the 503 says the outcome is unknown, and a
+// retry replays the payment.
+func TestTxCommitReplyLostReplaysCommitted(t *testing.T) {
+	t.Run("read", func(t *testing.T) { lostCommitReply(t, true) })
+	t.Run("unreachable", func(t *testing.T) { lostCommitReply(t, false) })
+}
+
+func lostCommitReply(t *testing.T, readable bool) {
+	direct := testenv.Pool(t, 2)
+	schema := testenv.Schema(t, direct)
+	o := testenv.NewCharges(t, direct, schema)
+	cfg, err := pgxpool.ParseConfig(testenv.PostgresURL())
+	if err != nil {
+		t.Fatal(err)
+	}
+	px, err := fault.NewProxy(net.JoinHostPort(cfg.ConnConfig.Host, strconv.Itoa(int(cfg.ConnConfig.Port))))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = px.Close() })
+	host, port, _ := net.SplitHostPort(px.Addr())
+	p, _ := strconv.ParseUint(port, 10, 16)
+	cfg.ConnConfig.Host, cfg.ConnConfig.Port = host, uint16(p)
+	cfg.MaxConns = 1 // the outcome is read on a new connection
+	var cutting atomic.Bool
+	cfg.BeforeConnect = func(context.Context, *pgx.ConnConfig) error {
+		// The connection of the cut COMMIT is gone: a new one passes
+		// (or, unreadable, is cut too).
+		if cutting.CompareAndSwap(true, false) && readable {
+			px.SetMode(fault.Pass, 0)
+		}
+		return nil
+	}
+	pool, err := pgxpool.NewWithConfig(context.Background(), cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(pool.Close)
+	pay := &payments{o: o}
+	var cutNext atomic.Bool
+	h := http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		pay.ServeHTTP(w, r) // the charge, in the request's transaction
+		if cutNext.CompareAndSwap(true, false) {
+			// The next bytes on the transaction's connection are the
+			// commit's: PostgreSQL gets them, the reply is lost.
+			cutting.Store(true)
+			px.SetMode(fault.Cut, 0)
+		}
+	})
+	mw, err := httpidem.NewTx(pgStore(t, pool, schema), httpidem.Options{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	srv := quietServer(t, mw.Handler(h))
+	// A first payment prepares the statements on the pool's connection,
+	// so that the next commit goes out as one write: its writes and
+	// COMMIT, nothing waiting for a reply before them.
+	if r := do(t, nil, srv.URL, req{key: "warm-up", body: `{"id":"pay-0","amount":1}`}); r.status != http.StatusCreated {
+		t.Fatalf("first payment: %d %s", r.status, r.body)
+	}
+	cutNext.Store(true)
+	body := `{"id":"pay-1","amount":100}`
+	r1 := do(t, nil, srv.URL, req{key: "lost-commit", body: body})
+	// The proxy counts the cut once it closed the connection.
+	eventually(t, "the commit's reply to be cut", func() bool { return px.Stats().Cuts >= 1 })
+	if !readable {
+		if r1.status != http.StatusServiceUnavailable || !strings.Contains(r1.problem(t).Detail, "unknown") {
+			t.Fatalf("outcome unreadable: %d %s; want 503 saying the outcome is unknown", r1.status, r1.body)
+		}
+		px.SetMode(fault.Pass, 0)
+		r1 = do(t, nil, srv.URL, req{key: "lost-commit", body: body})
+	}
+	if r1.status != http.StatusCreated || !r1.replayed() {
+		t.Fatalf("after a commit whose reply was lost: %d %s (replayed %v); want the committed 201 replayed", r1.status, r1.body, r1.replayed())
+	}
+	if n := o.Count(t); n != 2 {
+		t.Fatalf("%d charges, want 2 (pay-0 and pay-1 once)", n)
+	}
+	r2 := do(t, nil, srv.URL, req{key: "lost-commit", body: body})
+	if r2.status != http.StatusCreated || !r2.replayed() || string(r2.body) != string(r1.body) {
+		t.Fatalf("retry: %d %s, want the replay of %s", r2.status, r2.body, r1.body)
+	}
+	if n := pay.calls.Load(); n != 2 {
+		t.Fatalf("the handler ran %d times, want 2", n)
 	}
 }
 

@@ -50,6 +50,7 @@ const benchPartitions = 4
 func benchTopic(b *testing.B, k *kenv) string {
 	b.Helper()
 	topic := k.topic(b, "bench", benchPartitions)
+	k.dlq(b, topic)
 	recs := make([]kafkago.Message, b.N)
 	for i := range recs {
 		id := "b-" + strconv.Itoa(i)
@@ -63,7 +64,7 @@ func benchTopic(b *testing.B, k *kenv) string {
 func deleteTopic(b *testing.B, k *kenv, topic string) {
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
-	if _, err := k.client.DeleteTopics(ctx, &kafkago.DeleteTopicsRequest{Topics: []string{topic}}); err != nil {
+	if _, err := k.client.DeleteTopics(ctx, &kafkago.DeleteTopicsRequest{Topics: []string{topic, topic + "_dlq"}}); err != nil {
 		b.Logf("delete topic %s: %v", topic, err)
 	}
 }

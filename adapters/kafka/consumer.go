@@ -32,6 +32,7 @@ type Consumer struct {
 	bh BatchHandler
 
 	opts     Options
+	msgOpts  MessageOptions
 	log      *slog.Logger
 	tel      *telemetry.Adapter
 	dlq      *kafkago.Writer
@@ -51,6 +52,9 @@ type hooks struct {
 	afterEffect func(msg *consumer.Message)
 	// beforeCommit and afterCommit run around each offset commit.
 	beforeCommit, afterCommit func(offsets map[string]map[int]int64)
+	// queued runs when a fetched record was handed to the workers
+	// (several workers, or a BatchHandler).
+	queued func(km *kafkago.Message)
 }
 
 // NewConsumer returns a Consumer that runs h on every record of the topics
@@ -178,6 +182,7 @@ func newConsumer(cfg kafkago.ReaderConfig, opts Options) (*Consumer, error) {
 		return nil, err
 	}
 	c.opts = opts
+	c.msgOpts = opts.messageOptions(c.group)
 	c.log = opts.Logger
 	c.tel = telemetry.NewAdapter(opts.MeterProvider, opts.TracerProvider, system)
 	if err := c.setDeadLetter(cfg); err != nil {
@@ -232,16 +237,25 @@ func (c *Consumer) setDeadLetter(cfg kafkago.ReaderConfig) error {
 	return nil
 }
 
-// Run joins the group and consumes until ctx is done, then stops fetching,
-// gives the handlers running ShutdownTimeout to finish, commits what is done
-// and leaves the group. It returns nil after such a stop; it keeps retrying
-// when the brokers are unreachable (kafka-go backs off between attempts to
-// join). Run may be called once.
+// Run checks that the dead-letter topic exists, joins the group and
+// consumes until ctx is done, then stops fetching, gives the handlers
+// running ShutdownTimeout to finish, commits what is done and leaves the
+// group. It returns nil after such a stop; it keeps retrying when the
+// brokers are unreachable (kafka-go backs off between attempts to join). It
+// returns an error wrapping ErrDeadLetterTopicMissing, before consuming
+// anything, when the brokers answer that the dead-letter topic does not
+// exist. Run may be called once.
 func (c *Consumer) Run(ctx context.Context) error {
 	if !c.started.CompareAndSwap(false, true) {
 		return errors.New("kafka: Consumer.Run called twice; make a new Consumer")
 	}
 	defer c.closeDeadLetter()
+	if err := c.checkDeadLetterTopic(ctx); err != nil {
+		if ctx.Err() != nil {
+			return nil
+		}
+		return err
+	}
 	cg, err := kafkago.NewConsumerGroup(c.groupCfg)
 	if err != nil {
 		return fmt.Errorf("kafka: consumer group: %w", err)

@@ -70,7 +70,7 @@ func TestCommitOrder(t *testing.T) {
 		Workers:         8,
 		CommitEvery:     10,
 		CommitInterval:  20 * time.Millisecond,
-		DeadLetterTopic: topic + ".dlq",
+		DeadLetterTopic: k.dlq(t, topic),
 		Logger:          testLogger(t),
 	})
 	if err != nil {
@@ -147,7 +147,7 @@ func TestRetryInPlaceKeepsOrder(t *testing.T) {
 	c, err := kafka.NewConsumer(k.readerConfig(group, topic), h, kafka.Options{
 		RetryInitial:    time.Millisecond,
 		RetryMax:        5 * time.Millisecond,
-		DeadLetterTopic: topic + ".dlq",
+		DeadLetterTopic: k.dlq(t, topic),
 		Logger:          testLogger(t),
 		OnResult: func(_ context.Context, _ *consumer.Message, r consumer.Result) {
 			if r.Action == consumer.ActionRetry {
@@ -302,6 +302,9 @@ func TestPoisonToDeadLetter(t *testing.T) {
 			t.Errorf("%q: position headers %s/%s/%s, want %s/%d/%d", b.rec.Value,
 				hs[kafka.HeaderTopic], hs[kafka.HeaderPartition], hs[kafka.HeaderOffset], topic, o.Partition, o.Offset)
 		}
+		if want := fmt.Sprintf("%s/%d/%d", topic, o.Partition, o.Offset); hs[kafka.HeaderID] != want {
+			t.Errorf("%q: dead-letter id %q, want %q", b.rec.Value, hs[kafka.HeaderID], want)
+		}
 		if hs[kafka.HeaderError] == "" || hs[kafka.HeaderGroup] != group || string(m.Key) != string(b.rec.Key) {
 			t.Errorf("%q: error %q, group %q, key %q", b.rec.Value, hs[kafka.HeaderError], hs[kafka.HeaderGroup], m.Key)
 		}
@@ -315,6 +318,41 @@ func TestPoisonToDeadLetter(t *testing.T) {
 		if id := hs[outbox.HeaderMessageID]; len(b.rec.Headers) > 0 && id != string(b.rec.Headers[0].Value) {
 			t.Errorf("%q: the id header was not kept: %q", b.rec.Value, id)
 		}
+	}
+}
+
+// TestDeadLetterTopicMissing: Run checks the dead-letter topic before it
+// consumes anything. One that does not exist is an error naming it, at once,
+// not a partition that stalls at its first poison record.
+func TestDeadLetterTopicMissing(t *testing.T) {
+	k := newKafka(t)
+	topic := k.topic(t, "nodlq", 1)
+	k.produce(t, topic, rec(0, "k", "", "poison: no id"), rec(0, "k", "id-1", "v"))
+	missing := topic + "_missing_dlq"
+	var handled atomic.Int64
+	h := consumer.HandlerFunc(func(context.Context, *consumer.Message) error {
+		handled.Add(1)
+		return nil
+	})
+	for _, opts := range []kafka.Options{
+		{DeadLetterTopic: missing},
+		{DeadLetterWriter: &kafkago.Writer{Addr: kafkago.TCP(k.brokers...), Topic: missing, RequiredAcks: kafkago.RequireAll, Transport: k.tr}},
+	} {
+		opts.Logger = testLogger(t)
+		c, err := kafka.NewConsumer(k.readerConfig(testenv.Name("g"), topic), h, opts)
+		if err != nil {
+			t.Fatal(err)
+		}
+		ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+		err = c.Run(ctx)
+		cancel()
+		if !errors.Is(err, kafka.ErrDeadLetterTopicMissing) || !strings.Contains(err.Error(), strconv.Quote(missing)) {
+			t.Fatalf("Run = %v; want ErrDeadLetterTopicMissing naming %q", err, missing)
+		}
+		t.Log(err)
+	}
+	if n := handled.Load(); n != 0 {
+		t.Fatalf("%d records handled without a dead-letter topic", n)
 	}
 }
 
@@ -362,7 +400,7 @@ func TestProducerDuplicates(t *testing.T) {
 		return nil
 	}), dd)
 	c, err := kafka.NewConsumer(k.readerConfig(group, topic), h, kafka.Options{
-		DeadLetterTopic: topic + ".dlq",
+		DeadLetterTopic: k.dlq(t, topic),
 		Logger:          testLogger(t),
 		CommitInterval:  50 * time.Millisecond,
 		OnResult: func(_ context.Context, _ *consumer.Message, r consumer.Result) {
@@ -419,7 +457,7 @@ func TestMessageMapping(t *testing.T) {
 		got <- msg
 		return nil
 	})
-	c, err := kafka.NewConsumer(k.readerConfig(group, topic), h, kafka.Options{OffsetID: true, DeadLetterTopic: topic + ".dlq"})
+	c, err := kafka.NewConsumer(k.readerConfig(group, topic), h, kafka.Options{OffsetID: true, DeadLetterTopic: k.dlq(t, topic)})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -512,7 +550,7 @@ func TestShutdownCommitsDone(t *testing.T) {
 	c, err := kafka.NewConsumer(k.readerConfig(group, topic), h, kafka.Options{
 		CommitEvery:     1 << 30,
 		CommitInterval:  time.Hour,
-		DeadLetterTopic: topic + ".dlq",
+		DeadLetterTopic: k.dlq(t, topic),
 		Logger:          testLogger(t),
 	})
 	if err != nil {
@@ -600,7 +638,8 @@ func TestStartAtLastOffset(t *testing.T) {
 	})
 	cfg := k.readerConfig(group, topic)
 	cfg.StartOffset = kafkago.LastOffset
-	c, err := kafka.NewConsumer(cfg, h, kafka.Options{DeadLetterTopic: topic + "_dlq", CommitInterval: 20 * time.Millisecond, Logger: testLogger(t)})
+	dlq := k.dlq(t, topic)
+	c, err := kafka.NewConsumer(cfg, h, kafka.Options{DeadLetterTopic: dlq, CommitInterval: 20 * time.Millisecond, Logger: testLogger(t)})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -609,7 +648,7 @@ func TestStartAtLastOffset(t *testing.T) {
 	r.stop(t)
 	k.produce(t, topic, rec(0, "k", "new-1", "v"))
 
-	c2, err := kafka.NewConsumer(cfg, h, kafka.Options{DeadLetterTopic: topic + "_dlq", CommitInterval: 20 * time.Millisecond, Logger: testLogger(t)})
+	c2, err := kafka.NewConsumer(cfg, h, kafka.Options{DeadLetterTopic: dlq, CommitInterval: 20 * time.Millisecond, Logger: testLogger(t)})
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -456,6 +456,7 @@ func TestCrashSafety(t *testing.T) {
 	}
 	const partitions, n, producerDups = 4, 10000, 500
 	topic := k.topic(t, "crash", partitions)
+	k.dlq(t, topic)
 	all := ids("c", n)
 	recs := make([]kafkago.Message, 0, n+producerDups)
 	for i, id := range all {
@@ -522,6 +523,7 @@ func TestCrashSafetyOffsetsInPostgres(t *testing.T) {
 	}
 	const partitions, n = 3, 4000
 	topic := k.topic(t, "pgoff", partitions)
+	k.dlq(t, topic)
 	all := ids("o", n)
 	recs := make([]kafkago.Message, 0, n)
 	for i, id := range all {

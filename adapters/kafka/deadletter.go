@@ -3,6 +3,7 @@ package kafka
 import (
 	"context"
 	"errors"
+	"fmt"
 	"log/slog"
 	"strconv"
 	"strings"
@@ -36,9 +37,65 @@ const (
 	HeaderAttempts = "idem-dlq-attempts"
 	// HeaderGroup is the consumer group that dead-lettered the record.
 	HeaderGroup = "idem-dlq-group"
+	// HeaderID is the dead letter's own message id,
+	// "topic/partition/offset" of the original record: the same each time
+	// that record is dead-lettered. A record can be dead-lettered twice
+	// (a crash or a rebalance after the dead-letter write and before the
+	// offset commit), so a consumer of the dead-letter topic deduplicates
+	// with idem on this id: a Consumer with Options.IDHeader set to
+	// HeaderID. (Two groups that dead-letter the same record to one topic
+	// share the id; give each group its own dead-letter topic, or add
+	// HeaderGroup to the id with Options.IDFunc.)
+	HeaderID = "idem-dlq-id"
 )
 
 const maxErrorHeader = 4 << 10
+
+// ErrDeadLetterTopicMissing is wrapped by the error of Run when the brokers
+// answer that the dead-letter topic does not exist: a poison record could
+// not be parked and would stop its partition, so the Consumer does not
+// start. Create the topic, or name an existing one in
+// Options.DeadLetterTopic (or DeadLetterWriter.Topic). A DeadLetterWriter
+// with AllowAutoTopicCreation set is not checked.
+var ErrDeadLetterTopicMissing = errors.New("kafka: the dead-letter topic does not exist")
+
+// checkDeadLetterTopic asks the brokers, through the dead-letter Writer's
+// address and transport, whether the dead-letter topic exists. It retries
+// while they cannot be reached, until ctx is done.
+func (c *Consumer) checkDeadLetterTopic(ctx context.Context) error {
+	if c.dlq.AllowAutoTopicCreation {
+		return nil // the Writer creates it
+	}
+	cl := &kafkago.Client{Addr: c.dlq.Addr, Transport: c.dlq.Transport, Timeout: 10 * time.Second}
+	for n := 1; ; n++ {
+		md, err := cl.Metadata(ctx, &kafkago.MetadataRequest{Topics: []string{c.dlqTopic}})
+		if err == nil {
+			for _, t := range md.Topics {
+				switch {
+				case t.Name != c.dlqTopic:
+				case errors.Is(t.Error, kafkago.UnknownTopicOrPartition):
+					return fmt.Errorf("%w: %q: create it (kafka-topics.sh --create --topic %s) or set Options.DeadLetterTopic to a topic that exists; poison records of group %q are parked there: %w",
+						ErrDeadLetterTopicMissing, c.dlqTopic, c.dlqTopic, c.group, t.Error)
+				case t.Error != nil:
+					err = t.Error
+				default:
+					return nil
+				}
+			}
+			if err == nil {
+				err = fmt.Errorf("the brokers did not answer for topic %q", c.dlqTopic)
+			}
+		}
+		if ctx.Err() != nil {
+			return ctx.Err()
+		}
+		c.log.LogAttrs(ctx, slog.LevelWarn, "idem: checking the dead-letter topic failed; trying again",
+			slog.String("group", c.group), slog.String("dead_letter_topic", c.dlqTopic), slog.Int("try", n), slog.Any("error", err))
+		if !sleep(ctx, c.backoff(n, 0)) {
+			return ctx.Err()
+		}
+	}
+}
 
 // deadLetterTimeout bounds one dead-letter write.
 const deadLetterTimeout = 30 * time.Second
@@ -53,7 +110,7 @@ func deadLetterAttempts(attempts int, r consumer.Result) int {
 }
 
 func (c *Consumer) deadLetterRecord(km *kafkago.Message, attempts int, r consumer.Result) kafkago.Message {
-	hs := make([]kafkago.Header, 0, len(km.Headers)+7)
+	hs := make([]kafkago.Header, 0, len(km.Headers)+8)
 	for _, h := range km.Headers {
 		if !strings.HasPrefix(h.Key, HeaderDeadLetter) {
 			hs = append(hs, h)
@@ -78,6 +135,7 @@ func (c *Consumer) deadLetterRecord(km *kafkago.Message, attempts int, r consume
 		kafkago.Header{Key: HeaderOffset, Value: []byte(strconv.FormatInt(km.Offset, 10))},
 		kafkago.Header{Key: HeaderAttempts, Value: []byte(strconv.Itoa(attempts))},
 		kafkago.Header{Key: HeaderGroup, Value: []byte(c.group)},
+		kafkago.Header{Key: HeaderID, Value: []byte(offsetID(km.Topic, km.Partition, km.Offset))},
 	)
 	out := kafkago.Message{Key: km.Key, Value: km.Value, Headers: hs}
 	if c.dlq.Topic == "" {

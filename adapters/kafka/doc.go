@@ -45,10 +45,21 @@
 //     consumer.Recover, fingerprint mismatches, invalid ids, exhausted
 //     retries): the record is published to the dead-letter topic, with its
 //     key, value and headers and the headers HeaderReason, HeaderError,
-//     HeaderTopic, HeaderPartition, HeaderOffset, HeaderAttempts and
-//     HeaderGroup. Only once the write is confirmed (all in-sync replicas) is
-//     the record done; until then the partition retries the write. A poison
-//     record never stops its partition.
+//     HeaderTopic, HeaderPartition, HeaderOffset, HeaderAttempts,
+//     HeaderGroup and HeaderID. Only once the write is confirmed (all
+//     in-sync replicas) is the record done; until then the partition retries
+//     the write. A poison record never stops its partition. The dead-letter
+//     topic must exist: Run checks it before it consumes.
+//
+// A crash or a rebalance between the dead-letter write and the offset
+// commit dead-letters the record again. Every dead letter of one record
+// carries the same HeaderID, "topic/partition/offset" of the record, so
+// the consumer of the dead-letter topic deduplicates them with idem itself:
+// a Consumer on the dead-letter topic with Options.IDHeader set to HeaderID
+// and a consumer.Dedup (or Transactional) in its chain handles each poison
+// record once. A BatchHandler's records without a valid id are
+// dead-lettered after their batch, so a rebalance that cancels the batch
+// does not dead-letter them twice.
 //
 // # Message ids
 //
@@ -63,6 +74,22 @@
 // else in the record. The handler sees the key, value, headers,
 // topic and timestamp in consumer.Message, the partition, offset and group in
 // Message.Metadata (MetadataPartition, MetadataOffset, MetadataGroup).
+//
+// # Your own kafka-go loop
+//
+// An application that keeps its own Reader loop uses MessageFrom (the same
+// mapping and id rules as the Consumer, set by MessageOptions) and
+// consumer.Process, and commits a record only once it is done:
+//
+//	km, err := r.FetchMessage(ctx)
+//	msg, err := kafka.MessageFrom(&km, kafka.MessageOptions{Group: "billing"})
+//	res := consumer.Process(ctx, h, msg) // if err is nil; else dead-letter the record
+//	// ActionAck: r.CommitMessages(ctx, km). ActionRetry: run it again.
+//	// ActionDeadLetter: publish it to a dead-letter topic, then commit.
+//
+// See the MessageFrom example. A group Reader's commits do not know about
+// rebalances (next section): a record may come back after one, and the
+// dedup claim drops it.
 //
 // # Rebalances and shutdown: why ConsumerGroup, not Reader
 //

@@ -57,6 +57,15 @@ func (e *kenv) topic(t testing.TB, prefix string, partitions int) string {
 	return e.env.Topic(t, prefix, partitions)
 }
 
+// dlq creates topic's dead-letter topic, named topic + "_dlq", and returns
+// its name: a Consumer's Run checks that it exists.
+func (e *kenv) dlq(t testing.TB, topic string) string {
+	t.Helper()
+	name := topic + "_dlq"
+	e.env.CreateTopic(t, name, 1)
+	return name
+}
+
 // readerConfig is the ReaderConfig the tests give the Consumer.
 func (e *kenv) readerConfig(group, topic string) kafkago.ReaderConfig {
 	return kafkago.ReaderConfig{

@@ -96,3 +96,82 @@ func Example() {
 	// order-1 again: duplicate, acknowledged
 	// charged order-3: 7.50
 }
+
+// An application that keeps its own kafka-go loop (FetchMessage, then
+// CommitMessages) puts idem in it with MessageFrom and consumer.Process: the
+// offset is committed only when the Result says the record is done, and a
+// record the handler asks to retry is run again in place.
+func ExampleMessageFrom() {
+	cluster, err := kfake.NewCluster(kfake.NumBrokers(1), kfake.SeedTopics(1, "orders"))
+	if err != nil {
+		panic(err)
+	}
+	defer cluster.Close()
+	brokers := cluster.ListenAddrs()
+	ctx := context.Background()
+	transport := &kafkago.Transport{}
+	defer transport.CloseIdleConnections()
+	w := &kafkago.Writer{Addr: kafkago.TCP(brokers...), Topic: "orders", RequiredAcks: kafkago.RequireAll, Transport: transport}
+	defer w.Close()
+	id := func(v string) []kafkago.Header {
+		return []kafkago.Header{{Key: outbox.HeaderMessageID, Value: []byte(v)}}
+	}
+	err = w.WriteMessages(ctx,
+		kafkago.Message{Value: []byte("10.00"), Headers: id("order-1")},
+		kafkago.Message{Value: []byte("10.00"), Headers: id("order-1")}, // re-published
+		kafkago.Message{Value: []byte("??")},                            // no id
+		kafkago.Message{Value: []byte("7.50"), Headers: id("order-2")},
+	)
+	if err != nil {
+		panic(err)
+	}
+
+	store, err := memstore.New(memstore.Options{})
+	if err != nil {
+		panic(err)
+	}
+	defer store.Close()
+	dd, err := consumer.Dedup(store, consumer.DedupOptions{Scope: "billing/charge"})
+	if err != nil {
+		panic(err)
+	}
+	h := consumer.Chain(consumer.HandlerFunc(func(_ context.Context, msg *consumer.Message) error {
+		fmt.Printf("charged %s: %s\n", msg.ID, msg.Payload)
+		return nil
+	}), consumer.Recover(), dd)
+
+	// The application's loop.
+	r := kafkago.NewReader(kafkago.ReaderConfig{Brokers: brokers, GroupID: "billing", Topic: "orders", MaxWait: 100 * time.Millisecond})
+	defer r.Close()
+	for range 4 {
+		km, err := r.FetchMessage(ctx)
+		if err != nil {
+			panic(err)
+		}
+		msg, err := kafka.MessageFrom(&km, kafka.MessageOptions{Group: "billing"})
+		res := consumer.Result{Action: consumer.ActionDeadLetter, Reason: consumer.ReasonInvalidKey, Err: err}
+		for err == nil {
+			if res = consumer.Process(ctx, h, msg); res.Action != consumer.ActionRetry {
+				break
+			}
+			time.Sleep(100 * time.Millisecond) // transient: run it again
+		}
+		switch {
+		case res.Duplicate:
+			fmt.Printf("%s again: duplicate\n", msg.ID)
+		case res.Action == consumer.ActionDeadLetter:
+			// Publish the record to a dead-letter topic here.
+			fmt.Printf("offset %d dead-lettered: %s\n", km.Offset, res.Reason)
+		}
+		// Done: its effect committed, a duplicate, or dead-lettered.
+		if err := r.CommitMessages(ctx, km); err != nil {
+			panic(err)
+		}
+	}
+
+	// Output:
+	// charged order-1: 10.00
+	// order-1 again: duplicate
+	// offset 2 dead-lettered: invalid_key
+	// charged order-2: 7.50
+}

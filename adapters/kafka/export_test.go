@@ -1,6 +1,10 @@
 package kafka
 
-import "github.com/idemkit/idem/consumer"
+import (
+	kafkago "github.com/segmentio/kafka-go"
+
+	"github.com/idemkit/idem/consumer"
+)
 
 // Test seams for package kafka_test.
 
@@ -13,3 +17,7 @@ func SetAfterEffect(c *Consumer, f func(msg *consumer.Message)) { c.hooks.afterE
 func SetCommitHooks(c *Consumer, before, after func(offsets map[string]map[int]int64)) {
 	c.hooks.beforeCommit, c.hooks.afterCommit = before, after
 }
+
+// SetQueued sets a function called when a fetched record was handed to the
+// workers (several workers, or a BatchHandler). Call before Run.
+func SetQueued(c *Consumer, f func(km *kafkago.Message)) { c.hooks.queued = f }

@@ -78,10 +78,11 @@ type startPosition struct {
 }
 
 // startPositions returns where each assigned partition is consumed from: the
-// OffsetStore's position when there is one, else the group's committed
-// offset, else the StartOffset resolved to an absolute offset (and committed
-// at once, so that a LastOffset start does not skip records produced before
-// the next generation). ok is false when stop ended first.
+// OffsetStore's position when there is one (committed to Kafka at once when
+// Kafka's is behind it), else the group's committed offset, else the
+// StartOffset resolved to an absolute offset (and committed at once, so that
+// a LastOffset start does not skip records produced before the next
+// generation). ok is false when stop ended first.
 func (g *generation) startPositions(stop context.Context) (_ []startPosition, ok bool) {
 	c := g.c
 	topics := make([]string, 0, len(g.gen.Assignments))
@@ -113,6 +114,11 @@ func (g *generation) startPositions(stop context.Context) (_ []startPosition, ok
 			s := startPosition{topic: topic, partition: a.ID, offset: a.Offset}
 			if off, ok := stored[a.ID]; ok {
 				s.offset = off
+				// Kafka's committed offset is behind when a commit
+				// the OffsetStore saved was refused by Kafka (the
+				// generation had ended): bring it up now, so that
+				// Kafka's lag is not that of records long done.
+				s.commitStart = off > a.Offset
 			}
 			if s.offset < 0 {
 				err := retry(stop, c, "resolving the start offset", func() (err error) {
@@ -236,8 +242,11 @@ func (g *generation) commit(ctx context.Context) {
 			c.log.LogAttrs(ctx, slog.LevelWarn, "idem: storing offsets failed",
 				slog.String("group", c.group), slog.Any("offsets", offsets), slog.Any("error", serr))
 		}
-		// The OffsetStore is the position the group resumes from.
-		ok = serr == nil
+		// Both must have it: a commit Kafka refused is tried again with
+		// the next one (and, once the generation is over, the next
+		// owner commits the OffsetStore's position to Kafka when the
+		// partition is assigned to it).
+		ok = ok && serr == nil
 	}
 	if !ok {
 		return

@@ -10,6 +10,7 @@ import (
 
 	"github.com/idemkit/idem/consumer"
 	"github.com/idemkit/idem/dedup"
+	"github.com/idemkit/idem/outbox"
 )
 
 // Metadata keys the Consumer sets on consumer.Message.Metadata.
@@ -26,21 +27,78 @@ const (
 // adapter checks the id alone, the dedup middleware checks the whole key.
 const idScope = "kafka"
 
-// message turns a record into a consumer.Message. The error, when not nil,
-// wraps dedup.ErrInvalidKey: the record has no usable id and is dead-lettered
-// without reaching the handler.
+// MessageOptions configure MessageFrom: how a record's id is found, as the
+// Consumer's Options say. The zero value is usable.
+type MessageOptions struct {
+	// IDHeader names the header that carries the message id. Defaults to
+	// outbox.HeaderMessageID, which the outbox publishers set. (For
+	// records of the CloudEvents Kafka binding, set it to "ce_id".)
+	IDHeader string
+	// OffsetID gives a record without the IDHeader header the id
+	// "topic/partition/offset"; see Options.OffsetID for what such an id
+	// catches. Defaults to false: such a record is an error.
+	OffsetID bool
+	// IDFunc, if set, returns the id instead of IDHeader and OffsetID.
+	IDFunc func(km *kafkago.Message) (string, error)
+	// MaxIDLen limits the id, in bytes. Defaults to
+	// dedup.DefaultMaxKeyLen.
+	MaxIDLen int
+	// Group, if set, is stored in Metadata[MetadataGroup].
+	Group string
+}
+
+// MessageFrom turns a record fetched by the application's own kafka-go
+// loop into the consumer.Message that idem's handlers take, as the Consumer
+// does: key, value, topic, timestamp and headers (a repeated header: the
+// last one), the partition, offset and group in Metadata, and the id from
+// opts (by default the outbox.HeaderMessageID header).
+//
+// The error, when not nil, wraps dedup.ErrInvalidKey: the record has no
+// usable id (none, empty, too long, control bytes, or IDFunc failed). The
+// message is returned all the same, without an id, for the dead-letter
+// path: treat the record as consumer.ActionDeadLetter with
+// consumer.ReasonInvalidKey, never run the handler on it. See the example
+// for the loop around it.
+func MessageFrom(km *kafkago.Message, opts MessageOptions) (*consumer.Message, error) {
+	if opts.MaxIDLen < 0 {
+		return nil, fmt.Errorf("kafka: MessageOptions.MaxIDLen is %d; it must be positive (or zero for %d)", opts.MaxIDLen, dedup.DefaultMaxKeyLen)
+	}
+	if opts.IDHeader == "" {
+		opts.IDHeader = outbox.HeaderMessageID
+	}
+	if opts.MaxIDLen == 0 {
+		opts.MaxIDLen = dedup.DefaultMaxKeyLen
+	}
+	return toMessage(km, strconv.Itoa(km.Partition), &opts)
+}
+
+// messageOptions are the Consumer's MessageOptions (its Options with the
+// defaults filled in).
+func (o *Options) messageOptions(group string) MessageOptions {
+	return MessageOptions{IDHeader: o.IDHeader, OffsetID: o.OffsetID, IDFunc: o.IDFunc, MaxIDLen: o.MaxIDLen, Group: group}
+}
+
+// message turns a record of the partition into a consumer.Message; see
+// MessageFrom.
 func (p *partition) message(km *kafkago.Message) (*consumer.Message, error) {
-	c := p.c
+	return toMessage(km, p.partStr, &p.c.msgOpts)
+}
+
+// toMessage is MessageFrom with opts' defaults filled in; partStr is the
+// partition number in decimal.
+func toMessage(km *kafkago.Message, partStr string, opts *MessageOptions) (*consumer.Message, error) {
 	msg := &consumer.Message{
 		Key:     km.Key,
 		Payload: km.Value,
 		Topic:   km.Topic,
 		Time:    km.Time,
 		Metadata: map[string]string{
-			MetadataPartition: p.partStr,
+			MetadataPartition: partStr,
 			MetadataOffset:    strconv.FormatInt(km.Offset, 10),
-			MetadataGroup:     c.group,
 		},
+	}
+	if opts.Group != "" {
+		msg.Metadata[MetadataGroup] = opts.Group
 	}
 	if len(km.Headers) > 0 {
 		msg.Headers = make(map[string]string, len(km.Headers))
@@ -48,28 +106,28 @@ func (p *partition) message(km *kafkago.Message) (*consumer.Message, error) {
 			msg.Headers[h.Key] = string(h.Value) // a repeated header: the last one wins
 		}
 	}
-	if c.opts.IDFunc != nil {
-		id, err := c.opts.IDFunc(km)
+	if opts.IDFunc != nil {
+		id, err := opts.IDFunc(km)
 		if err != nil {
 			return msg, fmt.Errorf("kafka: record %s/%d@%d: IDFunc: %w (%w)", km.Topic, km.Partition, km.Offset, err, dedup.ErrInvalidKey)
 		}
 		msg.ID = id
-		if err := dedup.ValidateKey(dedup.Key{Scope: idScope, ID: id}, c.opts.MaxIDLen); err != nil {
+		if err := dedup.ValidateKey(dedup.Key{Scope: idScope, ID: id}, opts.MaxIDLen); err != nil {
 			return msg, fmt.Errorf("kafka: record %s/%d@%d: IDFunc: %w", km.Topic, km.Partition, km.Offset, err)
 		}
 		return msg, nil
 	}
-	id, ok := msg.Headers[c.opts.IDHeader]
-	if !ok && c.opts.OffsetID {
+	id, ok := msg.Headers[opts.IDHeader]
+	if !ok && opts.OffsetID {
 		id, ok = offsetID(km.Topic, km.Partition, km.Offset), true
 	}
 	if !ok {
 		return msg, fmt.Errorf("kafka: record %s/%d@%d has no %q header (the producer sets it; see Options.IDHeader and Options.OffsetID): %w",
-			km.Topic, km.Partition, km.Offset, c.opts.IDHeader, dedup.ErrInvalidKey)
+			km.Topic, km.Partition, km.Offset, opts.IDHeader, dedup.ErrInvalidKey)
 	}
 	msg.ID = id
-	if err := dedup.ValidateKey(dedup.Key{Scope: idScope, ID: id}, c.opts.MaxIDLen); err != nil {
-		return msg, fmt.Errorf("kafka: record %s/%d@%d: header %q: %w", km.Topic, km.Partition, km.Offset, c.opts.IDHeader, err)
+	if err := dedup.ValidateKey(dedup.Key{Scope: idScope, ID: id}, opts.MaxIDLen); err != nil {
+		return msg, fmt.Errorf("kafka: record %s/%d@%d: header %q: %w", km.Topic, km.Partition, km.Offset, opts.IDHeader, err)
 	}
 	return msg, nil
 }

@@ -2,6 +2,7 @@ package kafka
 
 import (
 	"errors"
+	"maps"
 	"testing"
 
 	kafkago "github.com/segmentio/kafka-go"
@@ -23,11 +24,16 @@ func FuzzMessage(f *testing.F) {
 		if err := opts.setDefaults(1, 1); err != nil {
 			t.Fatal(err)
 		}
-		p := &partition{c: &Consumer{group: "g", opts: opts}, partStr: "3"}
+		p := &partition{c: &Consumer{group: "g", opts: opts, msgOpts: opts.messageOptions("g")}, partStr: "3"}
 		km := &kafkago.Message{Topic: "t", Partition: 3, Offset: 9, Headers: []kafkago.Header{
 			{Key: k1, Value: []byte(v1)}, {Key: k2, Value: []byte(v2)},
 		}}
 		msg, err := p.message(km)
+		// MessageFrom, for an application's own loop, maps it the same.
+		own, ownErr := MessageFrom(km, MessageOptions{OffsetID: offsetID, Group: "g"})
+		if (err == nil) != (ownErr == nil) || own.ID != msg.ID || !maps.Equal(own.Metadata, msg.Metadata) || !maps.Equal(own.Headers, msg.Headers) {
+			t.Fatalf("MessageFrom = %+v, %v; the Consumer maps %+v, %v", own, ownErr, msg, err)
+		}
 		want, has := "", false
 		for _, h := range km.Headers {
 			if h.Key == outbox.HeaderMessageID {
@@ -52,8 +58,42 @@ func FuzzMessage(f *testing.F) {
 		if err := dedup.ValidateKey(dedup.Key{Scope: idScope, ID: msg.ID}, 0); err != nil {
 			t.Fatalf("accepted an invalid id %q: %v", msg.ID, err)
 		}
-		if msg.Metadata[MetadataPartition] != "3" || msg.Metadata[MetadataOffset] != "9" || msg.Topic != "t" {
+		if msg.Metadata[MetadataPartition] != "3" || msg.Metadata[MetadataOffset] != "9" || msg.Metadata[MetadataGroup] != "g" || msg.Topic != "t" {
 			t.Fatalf("metadata %v", msg.Metadata)
 		}
 	})
+}
+
+// MessageFrom's options: the id header, IDFunc, the length limit and the
+// group; a negative MaxIDLen is refused.
+func TestMessageFromOptions(t *testing.T) {
+	km := &kafkago.Message{Topic: "t", Partition: 1, Offset: 7, Key: []byte("k"), Value: []byte("v"),
+		Headers: []kafkago.Header{{Key: "ce_id", Value: []byte("evt-1")}, {Key: outbox.HeaderMessageID, Value: []byte("out-1")}}}
+	for _, tc := range []struct {
+		opts    MessageOptions
+		id      string
+		invalid bool
+	}{
+		{MessageOptions{}, "out-1", false},
+		{MessageOptions{IDHeader: "ce_id"}, "evt-1", false},
+		{MessageOptions{IDHeader: "absent"}, "", true},
+		{MessageOptions{IDHeader: "absent", OffsetID: true}, "t/1/7", false},
+		{MessageOptions{IDFunc: func(m *kafkago.Message) (string, error) { return string(m.Key) + "-x", nil }}, "k-x", false},
+		{MessageOptions{IDFunc: func(*kafkago.Message) (string, error) { return "", errors.New("no") }}, "", true},
+		{MessageOptions{MaxIDLen: 3}, "out-1", true},
+	} {
+		msg, err := MessageFrom(km, tc.opts)
+		if tc.invalid != (err != nil) || (err != nil && !errors.Is(err, dedup.ErrInvalidKey)) {
+			t.Errorf("%+v: error %v", tc.opts, err)
+		}
+		if !tc.invalid && (msg.ID != tc.id || string(msg.Payload) != "v" || string(msg.Key) != "k" || msg.Metadata[MetadataOffset] != "7") {
+			t.Errorf("%+v: %+v", tc.opts, msg)
+		}
+		if _, has := msg.Metadata[MetadataGroup]; has {
+			t.Errorf("%+v: a group without MessageOptions.Group", tc.opts)
+		}
+	}
+	if _, err := MessageFrom(km, MessageOptions{MaxIDLen: -1}); err == nil {
+		t.Error("MessageFrom accepted MaxIDLen -1")
+	}
 }

@@ -73,7 +73,7 @@ func TestKeyWorkers(t *testing.T) {
 	c, err := kafka.NewConsumer(k.readerConfig(group, topic), h, kafka.Options{
 		Workers:         4,
 		CommitInterval:  20 * time.Millisecond,
-		DeadLetterTopic: topic + "_dlq",
+		DeadLetterTopic: k.dlq(t, topic),
 		Logger:          testLogger(t),
 	})
 	if err != nil {
@@ -228,5 +228,104 @@ func TestBatchConsumer(t *testing.T) {
 func TestPositionAfterOutsideConsumer(t *testing.T) {
 	if _, ok := kafka.PositionAfter(context.Background()); ok {
 		t.Fatal("PositionAfter answered outside a Consumer")
+	}
+}
+
+// TestBatchDeadLettersOnce: records without an id in a batch that a
+// rebalance cuts short are dead-lettered once, by the member that finishes
+// the partition, not once by each member; and every dead letter carries
+// the id "topic/partition/offset" of its record.
+func TestBatchDeadLettersOnce(t *testing.T) {
+	k := newKafka(t)
+	topic := k.topic(t, "batchdl", 1)
+	dlq := k.dlq(t, topic)
+	group := testenv.Name("g")
+	const n = 10
+	invalid := map[int64]bool{5: true, 8: true}
+	var recs []kafkago.Message
+	for i := range n {
+		id := "id-" + strconv.Itoa(i)
+		if invalid[int64(i)] {
+			id = "" // no id header: dead-lettered without reaching the handler
+		}
+		recs = append(recs, rec(0, "k", id, "v"+strconv.Itoa(i)))
+	}
+	k.produce(t, topic, recs...)
+
+	// Member A: a batch without a record missing from its offsets waits
+	// until every record was queued (so that the next batch holds all the
+	// rest), and commits. A batch with a hole (a record without an id was
+	// in it) runs until the generation ends, as one a rebalance cuts
+	// short, and fails.
+	queued, cut := make(chan struct{}), make(chan struct{})
+	var cutOnce sync.Once
+	bhA := kafka.BatchHandlerFunc(func(ctx context.Context, msgs []*consumer.Message) error {
+		for i := 1; i < len(msgs); i++ {
+			if offsetOf(t, msgs[i]) != offsetOf(t, msgs[i-1])+1 {
+				cutOnce.Do(func() { close(cut) })
+				<-ctx.Done()
+				return ctx.Err()
+			}
+		}
+		select {
+		case <-queued:
+			return nil
+		case <-ctx.Done():
+			return ctx.Err()
+		}
+	})
+	opts := kafka.Options{
+		DeadLetterTopic: dlq,
+		CommitInterval:  20 * time.Millisecond,
+		ShutdownTimeout: 100 * time.Millisecond,
+		Logger:          testLogger(t),
+	}
+	a, err := kafka.NewBatchConsumer(k.readerConfig(group, topic), bhA, opts)
+	if err != nil {
+		t.Fatal(err)
+	}
+	kafka.SetQueued(a, func(km *kafkago.Message) {
+		if km.Offset == n-1 {
+			close(queued)
+		}
+	})
+	ra := run(t, a)
+	select {
+	case <-cut:
+	case <-time.After(30 * time.Second):
+		t.Fatal("no batch with a record without an id")
+	}
+	ra.stop(t)
+
+	// Member B finishes the partition.
+	var handled atomic.Int64
+	b, err := kafka.NewBatchConsumer(k.readerConfig(group, topic), kafka.BatchHandlerFunc(func(_ context.Context, msgs []*consumer.Message) error {
+		handled.Add(int64(len(msgs)))
+		return nil
+	}), opts)
+	if err != nil {
+		t.Fatal(err)
+	}
+	rb := run(t, b)
+	eventually(t, 30*time.Second, "all committed", func() bool { return k.committed(t, group, topic, 1)[0] == n })
+	rb.stop(t)
+
+	byOffset := map[string][]string{}
+	for _, m := range k.readAll(t, dlq, 1) {
+		hs := map[string]string{}
+		for _, h := range m.Headers {
+			hs[h.Key] = string(h.Value)
+		}
+		byOffset[hs[kafka.HeaderOffset]] = append(byOffset[hs[kafka.HeaderOffset]], hs[kafka.HeaderID])
+	}
+	for off := range invalid {
+		o := strconv.FormatInt(off, 10)
+		want := topic + "/0/" + o
+		if got := byOffset[o]; len(got) != 1 || got[0] != want {
+			t.Errorf("offset %d: dead letters with ids %q, want one with %q", off, got, want)
+		}
+	}
+	if len(byOffset) != len(invalid) {
+		t.Errorf("dead letters of offsets %v, want %v", byOffset, invalid)
 	}
 }

@@ -79,7 +79,8 @@ type Options struct {
 	// DeadLetterTopic receives poison records (consumer.ActionDeadLetter:
 	// permanent errors, panics, fingerprint mismatches, invalid ids,
 	// exhausted retries) with the Header* headers of this package added.
-	// Required unless DeadLetterWriter has its Topic set.
+	// Required unless DeadLetterWriter has its Topic set. The topic must
+	// exist: Run checks it before consuming (ErrDeadLetterTopicMissing).
 	DeadLetterTopic string
 	// DeadLetterWriter publishes dead letters. It must be synchronous
 	// (Async false) and wait for all in-sync replicas (RequiredAcks

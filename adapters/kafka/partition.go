@@ -144,6 +144,9 @@ func (p *partition) fetch(stop context.Context) {
 		} else {
 			p.ready <- it
 		}
+		if h := p.c.hooks.queued; h != nil {
+			h(&it.km)
+		}
 	}
 }
 
@@ -307,24 +310,56 @@ func (p *partition) markDone(it *item) {
 	}
 }
 
-// handleBatch runs a batch through the BatchHandler. Records without a valid
-// id are dead-lettered first; see BatchHandler for the outcomes.
+// handleBatch runs a batch through the BatchHandler; see BatchHandler for
+// the outcomes. Records without a valid id never reach it. They are
+// dead-lettered after the batch, one at a time in offset order together with
+// the records the batch leaves to run alone, and only while stop is not
+// done: every record of the batch before a dead-lettered one is then done,
+// so a rebalance that cancels the batch does not leave a dead-lettered
+// record behind the committed offset, to be dead-lettered again by the next
+// owner.
 func (p *partition) handleBatch(stop context.Context, rn *runner, batch []*item) {
 	valid := make([]*item, 0, len(batch))
 	for _, it := range batch {
-		if _, err := p.mapped(it); err != nil {
-			p.runOne(stop, rn, it, 1) // dead-letters it
-			continue
+		if _, err := p.mapped(it); err == nil {
+			valid = append(valid, it)
 		}
-		valid = append(valid, it)
 	}
-	if len(valid) == 0 || stop.Err() != nil {
+	if stop.Err() != nil {
 		return
 	}
-	if len(valid) == 1 {
-		p.runOne(stop, rn, valid[0], 1)
-		return
+	// alone holds the valid records to run one at a time after the batch:
+	// every one when there is no batch (one valid record, or none).
+	alone := map[*item]bool{}
+	attempt := 1
+	if len(valid) > 1 {
+		for _, it := range p.runBatchHandler(stop, rn, valid) {
+			alone[it] = true
+		}
+		attempt = 2 // the batch was their first run
+	} else {
+		for _, it := range valid {
+			alone[it] = true
+		}
 	}
+	for _, it := range batch {
+		if stop.Err() != nil {
+			return
+		}
+		switch {
+		case it.idErr != nil:
+			p.runOne(stop, rn, it, 1) // dead-letters it
+		case alone[it]:
+			p.runOne(stop, rn, it, attempt)
+		}
+	}
+}
+
+// runBatchHandler hands valid (two records or more) to the BatchHandler,
+// settles the records it reports done or poison, and returns those it leaves
+// to run one at a time: the ones to retry, or every one when nothing
+// committed.
+func (p *partition) runBatchHandler(stop context.Context, rn *runner, valid []*item) (again []*item) {
 	ctx, bt := p.startBatch(rn.batch(valid), valid)
 	// The records' verdicts are timed from the batch's start; the batch
 	// span is ended once, below.
@@ -344,9 +379,9 @@ func (p *partition) handleBatch(stop context.Context, rn *runner, batch []*item)
 			p.c.report(ctx, it.msg, r)
 			p.settle(stop, ctx, at, it, 1, r)
 		}
+		return nil
 	case errors.As(err, &be):
 		bt.end("", nil)
-		var again []*item
 		for i, it := range valid {
 			r := decide(ctx, be.Errs[i])
 			p.c.report(ctx, it.msg, r)
@@ -357,28 +392,17 @@ func (p *partition) handleBatch(stop context.Context, rn *runner, batch []*item)
 			}
 			p.settle(stop, ctx, at, it, 1, r)
 		}
-		for _, it := range again {
-			if stop.Err() != nil {
-				return
-			}
-			p.runOne(stop, rn, it, 2)
-		}
-	default:
-		// Nothing committed: each record's run ends in a retry. One at a
-		// time, a poison message is isolated.
-		bt.end(resultRetry, err)
-		for _, it := range valid {
-			p.c.verdict(ctx, it.km.Topic, at, consumer.Result{Action: consumer.ActionRetry, Err: err}, false)
-		}
-		p.c.log.LogAttrs(p.workCtx, slog.LevelDebug, "idem: batch failed; handling its records one at a time",
-			slog.String("topic", p.topic), slog.Int("partition", p.id), slog.Int("records", len(valid)), slog.Any("error", err))
-		for _, it := range valid {
-			if stop.Err() != nil {
-				return
-			}
-			p.runOne(stop, rn, it, 2) // the batch was its first run
-		}
+		return again
 	}
+	// Nothing committed: each record's run ends in a retry. One at a time,
+	// a poison message is isolated.
+	bt.end(resultRetry, err)
+	for _, it := range valid {
+		p.c.verdict(ctx, it.km.Topic, at, consumer.Result{Action: consumer.ActionRetry, Err: err}, false)
+	}
+	p.c.log.LogAttrs(p.workCtx, slog.LevelDebug, "idem: batch failed; handling its records one at a time",
+		slog.String("topic", p.topic), slog.Int("partition", p.id), slog.Int("records", len(valid)), slog.Any("error", err))
+	return valid
 }
 
 // keyScheduler lets several workers run a partition's records while records

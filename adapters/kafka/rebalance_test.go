@@ -2,10 +2,11 @@ package kafka_test
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"math/rand/v2"
 	"strconv"
-
+	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -14,6 +15,7 @@ import (
 	kafkago "github.com/segmentio/kafka-go"
 
 	"github.com/idemkit/idem/adapters/kafka"
+	"github.com/idemkit/idem/adapters/kafka/kafkapg"
 	"github.com/idemkit/idem/consumer"
 	"github.com/idemkit/idem/dedup/pgtable"
 	"github.com/idemkit/idem/internal/testkit/testenv"
@@ -41,6 +43,7 @@ func TestRebalance(t *testing.T) {
 	}
 	const partitions, n = 6, 3000
 	topic := k.topic(t, "rebalance", partitions)
+	dlq := k.dlq(t, topic)
 	group := testenv.Name("g")
 	all := ids("r", n)
 
@@ -89,7 +92,7 @@ func TestRebalance(t *testing.T) {
 		c, err := kafka.NewConsumer(k.readerConfig(group, topic), h, kafka.Options{
 			CommitEvery:     20,
 			CommitInterval:  50 * time.Millisecond,
-			DeadLetterTopic: topic + "_dlq",
+			DeadLetterTopic: dlq,
 			Logger:          testLogger(t),
 			OnResult: func(_ context.Context, _ *consumer.Message, r consumer.Result) {
 				if r.Action == consumer.ActionAck && !r.Duplicate {
@@ -150,5 +153,122 @@ func TestRebalance(t *testing.T) {
 		if perMember[i].Load() == 0 {
 			t.Errorf("member %d handled nothing: no rebalance happened", i)
 		}
+	}
+}
+
+// TestOffsetsInPostgresReachKafka: with the positions in PostgreSQL, a
+// member whose last Kafka commit is refused (it was expelled from the group
+// while it committed) leaves Kafka's committed offsets behind the positions
+// PostgreSQL holds. The next owner commits those positions to Kafka when
+// the partitions are assigned to it, without waiting for new records: lag
+// tools then show no lag on partitions that are fully processed.
+func TestOffsetsInPostgresReachKafka(t *testing.T) {
+	k := newKafka(t)
+	pool := testenv.Pool(t, 4)
+	schema := testenv.Schema(t, pool)
+	ctx := context.Background()
+	claims, err := pgtable.New(pool, pgtable.Options{Schema: schema})
+	if err != nil {
+		t.Fatal(err)
+	}
+	offsets, err := kafkapg.NewOffsets(pool, kafkapg.OffsetsOptions{Schema: schema})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := errors.Join(claims.Migrate(ctx), offsets.Migrate(ctx)); err != nil {
+		t.Fatal(err)
+	}
+	const partitions, perPartition = 3, 10
+	topic := k.topic(t, "pgkafka", partitions)
+	dlq := k.dlq(t, topic)
+	group := testenv.Name("g")
+	var recs []kafkago.Message
+	for i, id := range ids("p", partitions*perPartition) {
+		recs = append(recs, rec(i%partitions, id, id, "v"))
+	}
+	k.produce(t, topic, recs...)
+	h, err := kafkapg.Transactional(claims, offsets, consumer.TxOptions{Scope: "test/pgkafka"},
+		func(context.Context, pgx.Tx, *consumer.Message) error { return nil })
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg := k.readerConfig(group, topic)
+	// Short timeouts: the blocked member below is expelled when its
+	// session or the rebalance times out.
+	cfg.SessionTimeout, cfg.RebalanceTimeout, cfg.HeartbeatInterval = time.Second, 2*time.Second, 100*time.Millisecond
+	var acked atomic.Int64
+	opts := kafka.Options{
+		Offsets:         offsets,
+		DeadLetterTopic: dlq,
+		// No Kafka commit while records are handled: only the
+		// PostgreSQL positions move (in the handler's transaction).
+		CommitEvery:    1 << 20,
+		CommitInterval: time.Hour,
+		Logger:         testLogger(t),
+		OnResult: func(_ context.Context, _ *consumer.Message, r consumer.Result) {
+			if r.Action == consumer.ActionAck {
+				acked.Add(1)
+			}
+		},
+	}
+	a, err := kafka.NewConsumer(cfg, h, opts)
+	if err != nil {
+		t.Fatal(err)
+	}
+	// A's commit at the end of its generation waits until the group has
+	// gone on without A: Kafka then refuses it.
+	finalCommit, release := make(chan struct{}), make(chan struct{})
+	var blockOnce, releaseOnce sync.Once
+	kafka.SetCommitHooks(a, func(offs map[string]map[int]int64) {
+		for _, off := range offs[topic] {
+			if off > 0 {
+				blockOnce.Do(func() {
+					close(finalCommit)
+					<-release
+				})
+				return
+			}
+		}
+	}, nil)
+	ra := run(t, a)
+	t.Cleanup(func() { releaseOnce.Do(func() { close(release) }) }) // before ra's stop
+
+	pgPositions := func() []int64 {
+		got, err := offsets.LoadOffsets(ctx, group, topic, []int{0, 1, 2})
+		if err != nil {
+			t.Fatal(err)
+		}
+		out := make([]int64, partitions)
+		for p := range out {
+			out[p] = got[p]
+		}
+		return out
+	}
+	eventually(t, 30*time.Second, "every record handled", func() bool { return acked.Load() == partitions*perPartition })
+	want := fmt.Sprint([]int64{perPartition, perPartition, perPartition})
+	if got := fmt.Sprint(pgPositions()); got != want {
+		t.Fatalf("PostgreSQL positions %s, want %s", got, want)
+	}
+
+	opts.OnResult = nil
+	b, err := kafka.NewConsumer(cfg, h, opts)
+	if err != nil {
+		t.Fatal(err)
+	}
+	run(t, b)
+	<-finalCommit
+	eventually(t, 30*time.Second, "the group to go on with B alone", func() bool {
+		res, err := k.client.DescribeGroups(ctx, &kafkago.DescribeGroupsRequest{GroupIDs: []string{group}})
+		return err == nil && len(res.Groups) == 1 && res.Groups[0].GroupState == "Stable" && len(res.Groups[0].Members) == 1
+	})
+	ra.cancel()
+	releaseOnce.Do(func() { close(release) })
+	ra.stop(t)
+
+	eventually(t, 30*time.Second, "Kafka's committed offsets to reach the PostgreSQL positions "+want, func() bool {
+		return fmt.Sprint(k.committed(t, group, topic, partitions)) == want
+	})
+	if got := fmt.Sprint(pgPositions()); got != want {
+		t.Fatalf("PostgreSQL positions %s, want %s", got, want)
 	}
 }

@@ -81,7 +81,7 @@ func TestConsumerContinuesOutboxTrace(t *testing.T) {
 		return nil
 	}), dd)
 	c, err := kafka.NewConsumer(k.readerConfig(testenv.Name("g"), topic), h, kafka.Options{
-		DeadLetterTopic: topic + "_dlq",
+		DeadLetterTopic: k.dlq(t, topic),
 		TracerProvider:  spans,
 		Logger:          testLogger(t),
 	})
@@ -202,7 +202,7 @@ func TestBatchConsumerLinksTraces(t *testing.T) {
 		return nil
 	})
 	c, err := kafka.NewBatchConsumer(k.readerConfig(testenv.Name("g"), topic), bh, kafka.Options{
-		DeadLetterTopic: topic + "_dlq",
+		DeadLetterTopic: k.dlq(t, topic),
 		TracerProvider:  spans,
 		MeterProvider:   mp,
 		Logger:          testLogger(t),
@@ -272,7 +272,7 @@ func TestConsumerHostileTraceHeaders(t *testing.T) {
 	c, err := kafka.NewConsumer(k.readerConfig(testenv.Name("g"), topic),
 		consumer.HandlerFunc(func(context.Context, *consumer.Message) error { return nil }),
 		kafka.Options{
-			DeadLetterTopic: topic + "_dlq",
+			DeadLetterTopic: k.dlq(t, topic),
 			TracerProvider:  spans,
 			Logger:          testLogger(t),
 			OnResult: func(_ context.Context, _ *consumer.Message, r consumer.Result) {

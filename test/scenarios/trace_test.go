@@ -32,6 +32,8 @@ func TestTraceSurvivesOutboxRelayAndBroker(t *testing.T) {
 	t.Run("kafka", func(t *testing.T) {
 		k := kafkatest.New(t)
 		topic := k.Topic(t, "idemtrace", 1)
+		dlq := topic + "_dlq"
+		k.CreateTopic(t, dlq, 1)
 		w := &kafkago.Writer{Addr: kafkago.TCP(k.Brokers...), Transport: k.Transport,
 			RequiredAcks: kafkago.RequireAll, BatchTimeout: 10 * time.Millisecond}
 		t.Cleanup(func() { _ = w.Close() })
@@ -42,7 +44,7 @@ func TestTraceSurvivesOutboxRelayAndBroker(t *testing.T) {
 		traceTrip(t, topic, "", pub, func(h consumer.Handler, tp trace.TracerProvider) runner {
 			c, err := kafka.NewConsumer(kafkago.ReaderConfig{Brokers: k.Brokers, GroupID: testenv.Name("g"), Topic: topic,
 				Dialer: &kafkago.Dialer{Timeout: 10 * time.Second}, MaxWait: 50 * time.Millisecond},
-				h, kafka.Options{DeadLetterTopic: topic + "_dlq", TracerProvider: tp})
+				h, kafka.Options{DeadLetterTopic: dlq, TracerProvider: tp})
 			if err != nil {
 				t.Fatal(err)
 			}

@@ -27,6 +27,13 @@
 // the new owner then at worst reads a few records again and finds their
 // claims.
 //
+// The Consumer also commits every position to Kafka, so that lag tools that
+// read the group's committed offsets see the truth. A Kafka commit can fail
+// where PostgreSQL's succeeded (Unknown Member ID after a rebalance): the
+// Consumer tries it again with its next commit, and a member assigned a
+// partition whose stored position is ahead of Kafka's committed offset
+// commits that position to Kafka at once.
+//
 // # Batches
 //
 // Batch handles up to Options.BatchSize records of a partition in one

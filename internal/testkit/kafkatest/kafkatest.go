@@ -60,6 +60,14 @@ func New(t testing.TB) *Env {
 func (e *Env) Topic(t testing.TB, prefix string, partitions int) string {
 	t.Helper()
 	name := testenv.Name(prefix)
+	e.CreateTopic(t, name, partitions)
+	return name
+}
+
+// CreateTopic creates the topic name and waits until every partition has a
+// leader.
+func (e *Env) CreateTopic(t testing.TB, name string, partitions int) {
+	t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
 	res, err := e.Client.CreateTopics(ctx, &kafkago.CreateTopicsRequest{
@@ -79,7 +87,7 @@ func (e *Env) Topic(t testing.TB, prefix string, partitions int) string {
 				ok = ok && p.Error == nil && p.Leader.Host != ""
 			}
 			if ok {
-				return name
+				return
 			}
 		}
 		if ctx.Err() != nil {
