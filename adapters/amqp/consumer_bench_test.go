@@ -27,8 +27,8 @@ const consBenchN = 5000
 // trips, as before InFlight). Each round publishes consBenchN persistent
 // messages per variant (untimed), then times each consumer from connecting
 // to its last ACK. It reports msgs/s per variant and the ratios to bare.
-// The bare loop acknowledges each message on its own, as issue 5 defines
-// it; the idem Consumer coalesces its ACKs into multiple acks (see
+// The bare loop acknowledges each message on its own, as a hand-written
+// worker does; the idem Consumer coalesces its ACKs into multiple acks (see
 // Consumer), and its "last ACK" is the OnResult of the last delivery,
 // called once the ack covering it was written.
 //

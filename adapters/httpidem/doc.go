@@ -82,7 +82,7 @@
 // (up to the connection's lock_timeout, if set, then 409), then replays the
 // first response; it runs if the first rolled back. A claim that does not
 // take the lock (a New middleware on pgtable's lease mode and the same
-// table, an idem version that claimed at the start of the transaction) can
+// table) can
 // take the key while the handler runs: the transaction then rolls back, the
 // handler's response is dropped, and the request is answered as a
 // duplicate of that claim (a replay, 409 or 422).

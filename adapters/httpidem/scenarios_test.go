@@ -1,6 +1,7 @@
 package httpidem_test
 
-// The four scenarios of seed 002 over HTTP, against every store the
+// The four double-payment scenarios over HTTP (a retry after a client
+// timeout, a double click, a queue redelivery, a load balancer retry), against every store the
 // middleware runs on, each ending with the oracle: charges go to a table with
 // no unique constraint, so a duplicate effect shows up as a second row.
 

@@ -131,9 +131,8 @@ func TestWebhook(t *testing.T) {
 	})
 }
 
-// Seed 000: a forged request that reuses a real event id is refused without
-// a claim, so the real event, arriving after it, is processed. On Redis, as
-// the seed's example.
+// A forged request that reuses a real event id is refused without a claim,
+// so the real event, arriving after it, is processed. On Redis.
 func TestWebhookForgedIDDoesNotBlockRealEvent(t *testing.T) {
 	prefix := testenv.Name("httpidemwh")
 	env := newWebhookEnv(t, redisStore(t, prefix), nil)

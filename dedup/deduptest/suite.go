@@ -1,7 +1,7 @@
 // Package deduptest is the conformance suite every idem store runs. A store's
 // own test calls RunLease (lease stores) or RunTx (transactional stores) with
 // a harness that makes fresh, isolated instances; the suite then checks the
-// semantics of DESIGN.md §3: one owner among many concurrent claims, release
+// semantics every store promises: one owner among many concurrent claims, release
 // on failure, scopes, lease and retention expiry, fingerprints, key
 // validation, and failing closed when the backend is down.
 //

@@ -149,8 +149,7 @@ func (s *Store) SetResultTx(ctx context.Context, tx pgx.Tx, key dedup.Key, resul
 // (Commit, Rollback): Process commits it once fn returns.
 //
 // In the plain layout, a writer that does not take the lock — ClaimTx or
-// ClaimBatchTx in a transaction of its own, the lease mode, Process of an
-// idem version that claimed at the start of the transaction — can write the
+// ClaimBatchTx in a transaction of its own, the lease mode — can write the
 // key while fn runs (in the partitioned layout every writer takes it).
 // The commit's insert then loses to it: the transaction rolls back, fn's
 // writes with it, and Process returns the verdict on that writer's row (so

@@ -34,8 +34,7 @@
 // runs if the first rolled back. When fn fails or panics, nothing is
 // written.
 //
-// ClaimTx, ClaimBatchTx and the lease mode do not take the lock (nor does
-// Process of idem versions that claimed at the start of the transaction). If
+// ClaimTx, ClaimBatchTx and the lease mode do not take the lock. If
 // one of them writes the key while fn runs, the primary key makes step 3's
 // insert fail: the transaction rolls back with fn's writes, and Process
 // returns the verdict on the row that won (a duplicate replays its result),

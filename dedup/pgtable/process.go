@@ -39,8 +39,7 @@ import (
 // transaction committed (or none, if it rolled back).
 //
 // Writers that do not take the lock (ClaimTx and ClaimBatchTx in a
-// transaction of their own, the lease mode, Process of idem versions that
-// claimed at the start of the transaction) may write the key between steps
+// transaction of their own, the lease mode) may write the key between steps
 // 1 and 3. Step 3's INSERT then fails on the primary key (unique_violation;
 // a failed statement keeps the COMMIT queued after it from running), the
 // transaction rolls back with fn's writes, and Process reads the row that
@@ -297,8 +296,7 @@ func (s *Store) boundFinish(ctx context.Context, r *txRun, key dedup.Key, result
 
 // ErrLostRace is wrapped by the error of Process when fn ran but its
 // transaction rolled back because a writer that does not take the key's lock
-// (ClaimTx in a transaction of its own, the lease mode, an idem version that
-// claimed at the start of the transaction) wrote the key meanwhile, and that
+// (ClaimTx in a transaction of its own, the lease mode) wrote the key meanwhile, and that
 // row was gone or expired again when Process read it. Nothing was committed:
 // a retry runs fn again.
 var ErrLostRace = errors.New("pgtable: the key was written concurrently by a claim that does not take its lock; nothing was committed, retry")

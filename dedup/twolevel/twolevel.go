@@ -1,5 +1,5 @@
 // Package twolevel puts a fast lease store (dedup/redisnx, or memstore) in
-// front of dedup/pgtable, the two levels of seed 002: a cache answers hot
+// front of dedup/pgtable: a cache answers hot
 // duplicates and in-flight collisions without touching PostgreSQL, and the
 // claim in the business transaction decides.
 //

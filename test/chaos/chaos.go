@@ -11,7 +11,7 @@
 // ExpectDuplicates (Redis without persistence) prints its rate and does not
 // fail on duplicates.
 //
-// The oracle is the one of DESIGN.md: effects are written to a table with no
+// The oracle: effects are written to a table with no
 // unique constraint, duplicates are ids with more than one effect row, and
 // lost are acknowledged (or sent) inputs without an effect row.
 //

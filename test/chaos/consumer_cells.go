@@ -28,8 +28,8 @@ import (
 // effect an autocommit INSERT in PostgreSQL: a consumer killed after the
 // effect and before Complete leaves a lease that runs out, and the
 // redelivery runs the effect again. Nothing in idem can close that window
-// for an effect outside the store (DESIGN.md §3: at-least-once effects, with
-// duplicates made rare); the kills at after_effect make it happen on purpose,
+// for an effect outside the store (the lease guarantee: at-least-once
+// effects, with duplicates made rare); the kills at after_effect make it happen on purpose,
 // so the cells are marked ExpectDuplicates and print the rate.
 const redisNote = "redisnx lease, effect outside it: a kill between the effect and Complete repeats the effect once the lease runs out, so duplicates are expected (at-least-once); 0 lost promised"
 

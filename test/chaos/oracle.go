@@ -15,7 +15,7 @@ type Querier interface {
 	Exec(ctx context.Context, sql string, args ...any) (pgconn.CommandTag, error)
 }
 
-// Oracle is the effects table of DESIGN.md: one row per applied effect, no
+// Oracle is the effects table: one row per applied effect, no
 // unique constraint, in a schema of its own. It lives on the shared
 // PostgreSQL even when the store under test is another server, so a crash
 // of that server cannot erase the evidence.

@@ -1,4 +1,4 @@
-// Package scenarios holds the seed scenarios of DESIGN.md §9 as tests,
+// Package scenarios holds the double-payment scenarios as tests,
 // against real PostgreSQL and Redis: a retry after a client timeout while the
 // first attempt still runs, a double click (10 and 100 concurrent requests),
 // a queue redelivery after a crash before the ACK, and a load-balancer retry

@@ -370,7 +370,7 @@ func TestQueueRedeliveryAfterCrash(t *testing.T) {
 		}
 		var h consumer.Handler
 		var midTxCrashes atomic.Int64
-		// The metrics must agree with the oracle (issue 10).
+		// The metrics must agree with the oracle.
 		mp := telemetrytest.NewMetrics(t)
 		switch p := e.a.(type) {
 		case *txPayments:

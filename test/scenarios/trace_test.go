@@ -23,7 +23,7 @@ import (
 	"github.com/idemkit/idem/outbox/pgoutbox"
 )
 
-// The whole trip of issue 10: a span is open when the order is written and
+// The whole trip of a traced order: a span is open when the order is written and
 // outbox.Enqueue runs in its transaction; the pgoutbox relay publishes the
 // row through the real publisher; the consumer on the other side continues
 // the trace: its process span is the child of the enqueuing span, and the

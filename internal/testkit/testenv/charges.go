@@ -10,7 +10,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 )
 
-// Charges is the oracle of the seed scenarios (test/scenarios, the HTTP
+// Charges is the oracle of the double-payment scenarios (test/scenarios, the HTTP
 // ones in adapters/httpidem): a charges table with no unique constraint, so
 // a duplicate effect shows up as a second row of its payment.
 type Charges struct {
