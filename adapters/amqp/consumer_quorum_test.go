@@ -164,7 +164,7 @@ func TestConsumerQuorumCrashLoopSparesNeighbours(t *testing.T) {
 			}
 			deaths := 0
 			for {
-				p, err := childproc.Start(consPoisonChildCommand(url, q, o.schema, conc), 8<<10, nil)
+				p, err := childproc.Start(consPoisonChildCommand(url, q, o.schema, conc), 64<<10, nil)
 				if err != nil {
 					t.Fatal(err)
 				}
@@ -186,7 +186,7 @@ func TestConsumerQuorumCrashLoopSparesNeighbours(t *testing.T) {
 					}
 					break
 				}
-				if !strings.Contains(p.StderrTail(), "panic: poison message poison") {
+				if !strings.Contains(p.Stderr(), "panic: poison message poison") {
 					t.Fatalf("the worker died of something else: %v%s", p.ExitErr(), p.StderrTail())
 				}
 				deaths++

@@ -102,6 +102,13 @@ func (p *Proc) DiedOfSIGKILL() bool {
 	return false
 }
 
+// Stderr is what the child wrote to stderr, its last stderrMax bytes.
+func (p *Proc) Stderr() string {
+	p.stderr.mu.Lock()
+	defer p.stderr.mu.Unlock()
+	return string(p.stderr.b)
+}
+
 // StderrTail is the end of the child's stderr as a suffix for an error
 // message ("; its stderr ends with: ..."), or "" when it wrote nothing.
 func (p *Proc) StderrTail() string { return p.stderr.suffix() }
