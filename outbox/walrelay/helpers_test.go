@@ -282,6 +282,20 @@ func (p *memPublisher) wait(t testing.TB, what string, cond func() bool) {
 	}
 }
 
+// eventually polls cond until it holds, for states no hook reports (rows
+// the relay writes, gauges); the timeout only keeps a broken test from
+// hanging.
+func eventually(t testing.TB, what string, cond func() bool) {
+	t.Helper()
+	deadline := time.Now().Add(60 * time.Second)
+	for !cond() {
+		if time.Now().After(deadline) {
+			t.Fatalf("gave up after 60s waiting for %s", what)
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+}
+
 // waitIDs waits until every id was published at least once.
 func (p *memPublisher) waitIDs(t testing.TB, ids []string) {
 	t.Helper()
@@ -333,7 +347,7 @@ func confirmedPast(t testing.TB, pool *pgxpool.Pool, ob *walrelay.Outbox, lsn st
 func walEnd(t testing.TB, pool *pgxpool.Pool) string {
 	t.Helper()
 	var lsn string
-	if err := pool.QueryRow(context.Background(), "SELECT pg_current_wal_lsn()::text").Scan(&lsn); err != nil {
+	if err := pool.QueryRow(context.Background(), "SELECT pg_current_wal_insert_lsn()::text").Scan(&lsn); err != nil {
 		t.Fatal(err)
 	}
 	return lsn

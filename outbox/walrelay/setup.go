@@ -275,8 +275,8 @@ func (o *Outbox) Slot(ctx context.Context) (SlotInfo, error) {
 	err := o.pool.QueryRow(ctx, `
 SELECT slot_name::text, coalesce(plugin, ''), coalesce(database, ''), active, coalesce(active_pid, 0),
        coalesce(confirmed_flush_lsn::text, ''), coalesce(restart_lsn::text, ''),
-       coalesce(pg_wal_lsn_diff(pg_current_wal_lsn(), confirmed_flush_lsn), 0)::bigint,
-       coalesce(pg_wal_lsn_diff(pg_current_wal_lsn(), restart_lsn), 0)::bigint,
+       coalesce(pg_wal_lsn_diff(pg_current_wal_insert_lsn(), confirmed_flush_lsn), 0)::bigint,
+       coalesce(pg_wal_lsn_diff(pg_current_wal_insert_lsn(), restart_lsn), 0)::bigint,
        coalesce(wal_status, ''), coalesce(safe_wal_size, -1)
 FROM pg_replication_slots WHERE slot_name = $1`, o.opts.Slot).Scan(
 		&s.Name, &s.Plugin, &s.Database, &s.Active, &s.ActivePID, &s.ConfirmedLSN, &s.RestartLSN,
