@@ -2,6 +2,7 @@ package walrelay_test
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"slices"
 	"testing"
@@ -326,5 +327,52 @@ func TestSecondRelayTakesOver(t *testing.T) {
 	pubB.waitIDs(t, second)
 	if n := len(pubB.publishedIDs()); n != 1 {
 		t.Fatalf("the second relay published %d messages, want only the one committed after the hand-over (the first relay confirmed the others when it stopped)", n)
+	}
+}
+
+// QueueEnqueue rides in the caller's batch: published when the
+// transaction that sent the batch commits, never when it rolls back; it
+// needs the logical messages source.
+func TestQueueEnqueue(t *testing.T) {
+	pool := logicalPool(t)
+	ob := newWAL(t, pool, walrelay.Options{Source: walrelay.SourceMessages})
+	pub := newMemPublisher()
+	start(t, newRelay(t, ob, pub, walrelay.RelayOptions{}))
+	ctx := context.Background()
+	send := func(commit bool) []string {
+		tx, err := pool.Begin(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer func() { _ = tx.Rollback(ctx) }()
+		b := &pgx.Batch{}
+		b.Queue("SELECT 1")
+		ids, err := ob.QueueEnqueue(ctx, b, msg("t", "k", "batched"))
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := tx.SendBatch(ctx, b).Close(); err != nil {
+			t.Fatal(err)
+		}
+		if commit {
+			if err := tx.Commit(ctx); err != nil {
+				t.Fatal(err)
+			}
+		}
+		return ids
+	}
+	rolledBack := send(false)
+	committed := send(true)
+	sentinel := enqueue(t, pool, ob, msg("t", "k", "sentinel"))
+	pub.waitIDs(t, append(committed, sentinel...))
+	if n := pub.publishedIDs()[rolledBack[0]]; n != 0 {
+		t.Fatal("a message queued in a rolled-back transaction was published")
+	}
+	tob, err := walrelay.New(nil, walrelay.Options{Source: walrelay.SourceTable})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := tob.QueueEnqueue(ctx, &pgx.Batch{}, msg("t", "", "x")); !errors.Is(err, walrelay.ErrBatchNeedsMessages) {
+		t.Fatalf("QueueEnqueue with the table source: %v", err)
 	}
 }

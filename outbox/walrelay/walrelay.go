@@ -240,27 +240,67 @@ func (o *Outbox) Enqueue(ctx context.Context, tx pgx.Tx, msgs ...outbox.Message)
 	if o.table != nil {
 		return o.table.Enqueue(ctx, tx, msgs...)
 	}
+	payload, ids, err := o.encode(ctx, msgs)
+	if err != nil {
+		return nil, err
+	}
+	if _, err := tx.Exec(ctx, emitSQL, o.opts.Prefix, payload); err != nil {
+		return nil, fmt.Errorf("walrelay: Enqueue (logical message %q): %w", o.opts.Prefix, err)
+	}
+	return ids, nil
+}
+
+const emitSQL = "SELECT pg_logical_emit_message(true, $1::text, $2::bytea)"
+
+// ErrBatchNeedsMessages is returned by QueueEnqueue for an outbox whose
+// Source is not SourceMessages.
+var ErrBatchNeedsMessages = errors.New("walrelay: QueueEnqueue needs Source SourceMessages")
+
+// QueueEnqueue is Enqueue for a pgx.Batch the caller sends in its
+// transaction (tx.SendBatch): the messages' logical decoding message is
+// queued after the batch's statements queued so far, so the business
+// statements and the outbox write travel in one round trip. It works with
+// SourceMessages only (ErrBatchNeedsMessages otherwise). The messages are
+// written when the batch runs, and published if the transaction that ran
+// it commits; an error of the queued statement is the batch's error.
+func (o *Outbox) QueueEnqueue(ctx context.Context, b *pgx.Batch, msgs ...outbox.Message) ([]string, error) {
+	if o.opts.Source != SourceMessages {
+		return nil, ErrBatchNeedsMessages
+	}
+	if b == nil {
+		return nil, errors.New("walrelay: QueueEnqueue: batch is nil")
+	}
+	if len(msgs) == 0 {
+		return nil, nil
+	}
+	payload, ids, err := o.encode(ctx, msgs)
+	if err != nil {
+		return nil, err
+	}
+	b.Queue(emitSQL, o.opts.Prefix, payload)
+	return ids, nil
+}
+
+// encode gives each message its id and trace context, checks it, and
+// returns the payload of the logical decoding message.
+func (o *Outbox) encode(ctx context.Context, msgs []outbox.Message) ([]byte, []string, error) {
 	ids := make([]string, len(msgs))
 	enc := make([]*outbox.Message, len(msgs))
 	for i := range msgs {
 		m := msgs[i]
 		id, err := newID(m.ID)
 		if err != nil {
-			return nil, fmt.Errorf("walrelay: Enqueue: message %d: %w", i, err)
+			return nil, nil, fmt.Errorf("walrelay: Enqueue: message %d: %w", i, err)
 		}
 		m.ID = id.String()
 		m.Headers = outbox.InjectHeaders(ctx, o.opts.Propagator, m.Headers)
 		if err := checkMessage(&m); err != nil {
-			return nil, fmt.Errorf("walrelay: Enqueue: message %d (id #%s): %w", i, dedup.HashKey("", m.ID), err)
+			return nil, nil, fmt.Errorf("walrelay: Enqueue: message %d (id #%s): %w", i, dedup.HashKey("", m.ID), err)
 		}
 		ids[i] = m.ID
 		enc[i] = &m
 	}
-	payload := encodeMessages(enc)
-	if _, err := tx.Exec(ctx, "SELECT pg_logical_emit_message(true, $1::text, $2::bytea)", o.opts.Prefix, payload); err != nil {
-		return nil, fmt.Errorf("walrelay: Enqueue (logical message %q): %w", o.opts.Prefix, err)
-	}
-	return ids, nil
+	return encodeMessages(enc), ids, nil
 }
 
 func newID(s string) (uuid.UUID, error) {
