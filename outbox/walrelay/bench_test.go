@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"runtime"
 	"slices"
+	"sync"
 	"testing"
 	"time"
 
@@ -267,4 +268,93 @@ func BenchmarkEnqueue(b *testing.B) {
 		}
 	}
 	b.ReportMetric(0, "ns/op")
+}
+
+// latencyPublisher records when each message was confirmed.
+type latencyPublisher struct {
+	mu sync.Mutex
+	at map[string]time.Time
+}
+
+func (p *latencyPublisher) Publish(_ context.Context, msgs []*outbox.Message) error {
+	now := time.Now()
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	for _, m := range msgs {
+		if _, ok := p.at[m.ID]; !ok {
+			p.at[m.ID] = now
+		}
+	}
+	return nil
+}
+
+// BenchmarkCommitToPublish measures, at benchRate transactions of one
+// message per second for a few seconds, the time from Commit returning to
+// the relay's Publish call confirming the message (a publisher that
+// confirms at once, so the relay's own latency shows), per source. It
+// reports the median and the 99th percentile.
+//
+//	go test -run '^$' -bench CommitToPublish -benchtime 1x ./outbox/walrelay/
+func BenchmarkCommitToPublish(b *testing.B) {
+	const (
+		benchRate = 1000
+		total     = 3 * benchRate
+	)
+	pool := benchPool(b)
+	ctx := context.Background()
+	for _, src := range []walrelay.Source{walrelay.SourceMessages, walrelay.SourceTable} {
+		b.Run(src.String(), func(b *testing.B) {
+			var lat []float64
+			for b.Loop() {
+				ob := newWAL(b, pool, walrelay.Options{Source: src, Schema: testenv.Schema(b, pool)})
+				pub := &latencyPublisher{at: map[string]time.Time{}}
+				r, err := walrelay.NewRelay(ob, pub, walrelay.RelayOptions{CleanupInterval: -1, Logger: quiet()})
+				if err != nil {
+					b.Fatal(err)
+				}
+				streaming := make(chan struct{}, 1)
+				walrelay.SetOnStreaming(r, func() { streaming <- struct{}{} })
+				rctx, stop := context.WithCancel(ctx)
+				done := make(chan error, 1)
+				go func() { done <- r.Run(rctx) }()
+				<-streaming
+				committed := map[string]time.Time{}
+				tick := time.NewTicker(time.Second / benchRate)
+				for i := range total {
+					<-tick.C
+					var ids []string
+					err := pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
+						var err error
+						ids, err = ob.Enqueue(ctx, tx, outbox.Message{Topic: "t", Key: benchKey(i), Payload: benchPayload})
+						return err
+					})
+					if err != nil {
+						b.Fatal(err)
+					}
+					committed[ids[0]] = time.Now()
+				}
+				tick.Stop()
+				for {
+					pub.mu.Lock()
+					n := len(pub.at)
+					pub.mu.Unlock()
+					if n >= total {
+						break
+					}
+					time.Sleep(time.Millisecond)
+				}
+				stop()
+				if err := <-done; err != nil {
+					b.Fatal(err)
+				}
+				for id, c := range committed {
+					lat = append(lat, pub.at[id].Sub(c).Seconds()*1000)
+				}
+			}
+			slices.Sort(lat)
+			b.ReportMetric(lat[len(lat)/2], "p50-ms")
+			b.ReportMetric(lat[len(lat)*99/100], "p99-ms")
+			b.ReportMetric(0, "ns/op")
+		})
+	}
 }

@@ -77,6 +77,12 @@ func (e *engine) run(ctx context.Context, items <-chan item) error {
 	o := &e.r.opts
 	for {
 		if ctx.Err() != nil {
+			// Take the commits the reader passed before it stopped (it
+			// closes items), so that the final position covers the
+			// batch just confirmed. Nothing more is published.
+			for it := range items {
+				e.add(it)
+			}
 			return nil
 		}
 	intake:
@@ -101,13 +107,11 @@ func (e *engine) run(ctx context.Context, items <-chan item) error {
 			var pf *publishFailure
 			if errors.As(err, &pf) {
 				if ctx.Err() != nil {
-					return nil
+					continue
 				}
 				d := e.pubBackoff.next()
 				o.Logger.Warn("walrelay: publish failed; retrying the batch", "slot", e.r.ob.opts.Slot, "in", d, "err", pf.err)
-				if !sleep(ctx, d) {
-					return nil
-				}
+				sleep(ctx, d)
 			}
 			continue
 		}

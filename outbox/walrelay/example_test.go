@@ -103,7 +103,9 @@ func Example() {
 	if err != nil {
 		fmt.Println(err)
 		stop()
-		<-done
+		if err := <-done; err != nil {
+			fmt.Println(err)
+		}
 		return
 	}
 	select {

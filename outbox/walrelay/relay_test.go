@@ -128,7 +128,7 @@ func TestCommitOrderNotEnqueueOrder(t *testing.T) {
 		if err := first.Commit(ctx); err != nil {
 			t.Fatal(err)
 		}
-		want := append(early, late...)
+		want := slices.Concat(early, late)
 		pub.waitIDs(t, want)
 		var got []string
 		for _, m := range pub.published() {

@@ -258,7 +258,10 @@ func (rd *reader) statusIfDue(ctx context.Context) error {
 	return rd.s.report(ctx)
 }
 
-// hand gives it to the engine, reporting the position meanwhile.
+// hand gives it to the engine, reporting the position meanwhile. It does
+// not give up when ctx ends: the engine takes every item until the reader
+// closes items, so a commit received before a shutdown still counts for
+// the final position.
 func (rd *reader) hand(ctx context.Context, it item) error {
 	select {
 	case rd.items <- it:
@@ -271,10 +274,12 @@ func (rd *reader) hand(ctx context.Context, it item) error {
 		case rd.items <- it:
 			t.Stop()
 			return nil
-		case <-ctx.Done():
-			t.Stop()
-			return ctx.Err()
 		case <-t.C:
+			if ctx.Err() != nil {
+				// The engine finishes its batch, then drains.
+				rd.items <- it
+				return nil
+			}
 			if err := rd.statusIfDue(ctx); err != nil {
 				return err
 			}

@@ -65,8 +65,11 @@ func TestRelayMetrics(t *testing.T) {
 		}
 		return ps[0].Value
 	}
-	pub.wait(t, "the slot's lag in bytes and seconds while the broker is down", func() bool {
-		return gauge(walrelay.MetricSlotLag) > 0 && gauge(walrelay.MetricSlotRetained) > 0 && gauge(walrelay.MetricSlotLagAge) > 0
+	eventually(t, "the slot's lag in bytes and seconds, and the backlog, while the broker is down", func() bool {
+		hook.mu.Lock()
+		backlog := hook.maxBacklog
+		hook.mu.Unlock()
+		return backlog == 3 && gauge(walrelay.MetricSlotLag) > 0 && gauge(walrelay.MetricSlotRetained) > 0 && gauge(walrelay.MetricSlotLagAge) > 0
 	})
 	pub.setDown(nil)
 	pub.waitIDs(t, ids[:2])
