@@ -14,3 +14,7 @@ func SetOnSlotBusy(r *Relay, f func()) { r.hooks.slotBusy = f }
 // SetAfterPublish makes r call f after each Publish returned, before the
 // outcome is recorded and the position confirmed.
 func SetAfterPublish(r *Relay, f func(msgs []*outbox.Message, err error)) { r.hooks.afterPublish = f }
+
+// SetBeforeCommit makes r's reader call f after it handed a transaction's
+// messages to the publishing side and before it hands the commit.
+func SetBeforeCommit(r *Relay, f func()) { r.hooks.beforeCommit = f }

@@ -191,6 +191,9 @@ type hooks struct {
 	streaming func()
 	// slotBusy runs when the relay found the slot streamed by another.
 	slotBusy func()
+	// beforeCommit runs in the reader after it handed a transaction's
+	// messages to the engine and before it hands the commit.
+	beforeCommit func()
 	// afterPublish runs after Publish returned, before the results are
 	// recorded and the position confirmed.
 	afterPublish func(msgs []*outbox.Message, err error)

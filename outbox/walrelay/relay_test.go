@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"slices"
+	"sync"
 	"testing"
 	"time"
 
@@ -374,5 +375,48 @@ func TestQueueEnqueue(t *testing.T) {
 	}
 	if _, err := tob.QueueEnqueue(ctx, &pgx.Batch{}, msg("t", "", "x")); !errors.Is(err, walrelay.ErrBatchNeedsMessages) {
 		t.Fatalf("QueueEnqueue with the table source: %v", err)
+	}
+}
+
+// A clean stop confirms the batch that finished during the shutdown even
+// when the transaction's commit reached the publishing side only after the
+// stop began: the next relay publishes nothing of it again.
+func TestCleanStopConfirmsFinishedBatch(t *testing.T) {
+	pool := logicalPool(t)
+	ob := newWAL(t, pool, walrelay.Options{})
+	pubA := newMemPublisher()
+	ra := newRelay(t, ob, pubA, walrelay.RelayOptions{})
+	var (
+		publishedOnce, commitOnce sync.Once
+		published                 = make(chan struct{}) // the batch is confirmed by the broker
+		stopping                  = make(chan struct{}) // the relay was told to stop
+	)
+	// The reader holds the commit back until the batch was published and
+	// the relay told to stop; the engine records the batch only then.
+	walrelay.SetBeforeCommit(ra, func() { commitOnce.Do(func() { <-stopping }) })
+	walrelay.SetAfterPublish(ra, func(_ []*outbox.Message, err error) {
+		if err == nil {
+			publishedOnce.Do(func() {
+				close(published)
+				<-stopping
+			})
+		}
+	})
+	a := start(t, ra)
+	first := enqueue(t, pool, ob, msg("t", "k", "1"), msg("t", "j", "2"))
+	<-published
+	a.cancel()
+	close(stopping)
+	a.stop(t)
+	if got := pubA.publishedIDs(); len(got) != len(first) {
+		t.Fatalf("the first relay published %d messages, want %d", len(got), len(first))
+	}
+
+	pubB := newMemPublisher()
+	start(t, newRelay(t, ob, pubB, walrelay.RelayOptions{}))
+	second := enqueue(t, pool, ob, msg("t", "k", "3"))
+	pubB.waitIDs(t, second)
+	if got := pubB.publishedIDs(); len(got) != 1 {
+		t.Fatalf("the next relay published %d messages, want only the one committed after the stop: the stop did not confirm the finished batch", len(got))
 	}
 }

@@ -378,6 +378,9 @@ func (rd *reader) logical(ctx context.Context, xld pglogrepl.XLogData) error {
 		if err := rd.flush(ctx); err != nil {
 			return err
 		}
+		if h := s.r.hooks.beforeCommit; h != nil {
+			h()
+		}
 		tx := rd.tx
 		rd.tx = nil
 		if m.TransactionEndLSN > rd.marked {
