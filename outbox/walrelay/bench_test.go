@@ -3,6 +3,7 @@ package walrelay_test
 import (
 	"context"
 	"fmt"
+	"net/url"
 	"runtime"
 	"slices"
 	"sync"
@@ -11,8 +12,10 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
+	amqp091 "github.com/rabbitmq/amqp091-go"
 	kafkago "github.com/segmentio/kafka-go"
 
+	"github.com/idemkit/idem/adapters/amqp"
 	"github.com/idemkit/idem/adapters/kafka"
 	"github.com/idemkit/idem/internal/kafkatest"
 	"github.com/idemkit/idem/internal/testenv"
@@ -55,6 +58,58 @@ func benchPool(b *testing.B) *pgxpool.Pool {
 	}
 	b.Cleanup(pool.Close)
 	return pool
+}
+
+// benchOutbox returns a fresh outbox holding benchRound committed messages
+// to topic, in transactions of 1,000.
+func benchOutbox(b *testing.B, pool *pgxpool.Pool, src walrelay.Source, topic string) *walrelay.Outbox {
+	ctx := context.Background()
+	ob := newWAL(b, pool, walrelay.Options{Source: src, Schema: testenv.Schema(b, pool)})
+	for i := 0; i < benchRound; i += 1000 {
+		var msgs []outbox.Message
+		for j := i; j < min(i+1000, benchRound); j++ {
+			msgs = append(msgs, outbox.Message{Topic: topic, Key: benchKey(j), Payload: benchPayload})
+		}
+		if err := pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error { _, err := ob.Enqueue(ctx, tx, msgs...); return err }); err != nil {
+			b.Fatal(err)
+		}
+	}
+	return ob
+}
+
+// measureRelay runs a relay of ob through pub until it published
+// benchRound messages, and returns its rate from Run, and from the start of
+// streaming (without the relay's connection set-up, tens of milliseconds on
+// a loaded machine, a large part of a round).
+func measureRelay(b *testing.B, ob *walrelay.Outbox, pub outbox.Publisher, batch int) (float64, float64) {
+	m := &counters{}
+	r, err := walrelay.NewRelay(ob, pub, walrelay.RelayOptions{BatchSize: batch, Metrics: m, MetricsInterval: time.Hour, CleanupInterval: -1, Logger: quiet()})
+	if err != nil {
+		b.Fatal(err)
+	}
+	streaming := make(chan time.Time, 1)
+	walrelay.SetOnStreaming(r, func() { streaming <- time.Now() })
+	runtime.GC()
+	start := time.Now()
+	rctx, stop := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- r.Run(rctx) }()
+	streamed := <-streaming
+	for {
+		m.mu.Lock()
+		n := m.published
+		m.mu.Unlock()
+		if n >= benchRound {
+			break
+		}
+		time.Sleep(time.Millisecond)
+	}
+	end := time.Now()
+	stop()
+	if err := <-done; err != nil {
+		b.Fatal(err)
+	}
+	return benchRound / end.Sub(start).Seconds(), benchRound / end.Sub(streamed).Seconds()
 }
 
 // BenchmarkRelayToKafka compares, in one run, the WAL relay publishing
@@ -103,21 +158,9 @@ func BenchmarkRelayToKafka(b *testing.B) {
 		}
 		return benchRound / time.Since(start).Seconds()
 	}
-	// relay returns the rate from Run, and from the start of streaming
-	// (without the relay's connection set-up, tens of milliseconds on a
-	// loaded machine, a large part of a round).
 	relay := func(src walrelay.Source, noBroker bool) (float64, float64) {
 		topic := k.Topic(b, "idembench", partitions)
-		ob := newWAL(b, pool, walrelay.Options{Source: src, Schema: testenv.Schema(b, pool)})
-		for i := 0; i < benchRound; i += 1000 {
-			var msgs []outbox.Message
-			for j := i; j < min(i+1000, benchRound); j++ {
-				msgs = append(msgs, outbox.Message{Topic: topic, Key: benchKey(j), Payload: benchPayload})
-			}
-			if err := pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error { _, err := ob.Enqueue(ctx, tx, msgs...); return err }); err != nil {
-				b.Fatal(err)
-			}
-		}
+		ob := benchOutbox(b, pool, src, topic)
 		w := writer()
 		defer func() { _ = w.Close() }()
 		var pub outbox.Publisher = nopPublisher{}
@@ -128,34 +171,7 @@ func BenchmarkRelayToKafka(b *testing.B) {
 			}
 			pub = p
 		}
-		m := &counters{}
-		r, err := walrelay.NewRelay(ob, pub, walrelay.RelayOptions{BatchSize: batch, Metrics: m, MetricsInterval: time.Hour, CleanupInterval: -1, Logger: quiet()})
-		if err != nil {
-			b.Fatal(err)
-		}
-		streaming := make(chan time.Time, 1)
-		walrelay.SetOnStreaming(r, func() { streaming <- time.Now() })
-		runtime.GC()
-		start := time.Now()
-		rctx, stop := context.WithCancel(ctx)
-		done := make(chan error, 1)
-		go func() { done <- r.Run(rctx) }()
-		streamed := <-streaming
-		for {
-			m.mu.Lock()
-			n := m.published
-			m.mu.Unlock()
-			if n >= benchRound {
-				break
-			}
-			time.Sleep(time.Millisecond)
-		}
-		end := time.Now()
-		stop()
-		if err := <-done; err != nil {
-			b.Fatal(err)
-		}
-		return benchRound / end.Sub(start).Seconds(), benchRound / end.Sub(streamed).Seconds()
+		return measureRelay(b, ob, pub, batch)
 	}
 	variants := []struct {
 		name     string
@@ -367,4 +383,117 @@ func BenchmarkCommitToPublish(b *testing.B) {
 			b.ReportMetric(0, "ns/op")
 		})
 	}
+}
+
+// BenchmarkRelayToRabbitMQ compares, in one run, the WAL relay publishing
+// committed outbox messages to RabbitMQ through adapters/amqp's Publisher
+// (persistent, mandatory, publisher confirms, to a durable queue) with the
+// bare amqp091-go client publishing the same messages the same way in
+// windows of 500. Each round publishes benchRound messages bare, then
+// through the relay reading the logical messages, then the table; the
+// medians of the rounds are reported with the relay/bare ratios (from Run,
+// and from the start of streaming).
+//
+//	go test -run '^$' -bench RelayToRabbitMQ -benchtime 1x ./outbox/walrelay/
+func BenchmarkRelayToRabbitMQ(b *testing.B) {
+	const (
+		batch  = 500
+		rounds = 3
+	)
+	u, err := url.Parse(testenv.AMQPURL())
+	if err != nil {
+		b.Fatal(err)
+	}
+	testenv.RequireTCP(b, "RabbitMQ", u.Host)
+	conn, err := amqp091.Dial(testenv.AMQPURL())
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer conn.Close()
+	ch, err := conn.Channel()
+	if err != nil {
+		b.Fatal(err)
+	}
+	exchange, queue := testenv.Name("idembench_x"), testenv.Name("idembench_q")
+	if err := ch.ExchangeDeclare(exchange, amqp091.ExchangeTopic, true, false, false, false, nil); err != nil {
+		b.Fatal(err)
+	}
+	if _, err := ch.QueueDeclare(queue, true, false, false, false, nil); err != nil {
+		b.Fatal(err)
+	}
+	if err := ch.QueueBind(queue, "#", exchange, false, nil); err != nil {
+		b.Fatal(err)
+	}
+	defer func() {
+		_, _ = ch.QueueDelete(queue, false, false, false)
+		_ = ch.ExchangeDelete(exchange, false, false)
+	}()
+	if err := ch.Confirm(false); err != nil {
+		b.Fatal(err)
+	}
+	purge := func() {
+		if _, err := ch.QueuePurge(queue, false); err != nil {
+			b.Fatal(err)
+		}
+	}
+	pool := benchPool(b)
+	bare := func() float64 {
+		created := time.Now()
+		start := time.Now()
+		dcs := make([]*amqp091.DeferredConfirmation, 0, batch)
+		for i := 0; i < benchRound; i += batch {
+			dcs = dcs[:0]
+			for j := i; j < min(i+batch, benchRound); j++ {
+				dc, err := ch.PublishWithDeferredConfirm(exchange, string(benchKey(j)), true, false, amqp091.Publishing{
+					DeliveryMode: amqp091.Persistent, MessageId: fmt.Sprintf("00000000-0000-7000-8000-%012d", j), Timestamp: created, Body: benchPayload,
+				})
+				if err != nil {
+					b.Fatal(err)
+				}
+				dcs = append(dcs, dc)
+			}
+			for _, dc := range dcs {
+				if !dc.Wait() {
+					b.Fatal("nacked")
+				}
+			}
+		}
+		rate := benchRound / time.Since(start).Seconds()
+		purge()
+		return rate
+	}
+	relay := func(src walrelay.Source) (float64, float64) {
+		ob := benchOutbox(b, pool, src, exchange)
+		pub, err := amqp.NewPublisher(testenv.AMQPURL(), amqp.PublisherOptions{Logger: quiet()})
+		if err != nil {
+			b.Fatal(err)
+		}
+		defer pub.Close()
+		defer purge()
+		return measureRelay(b, ob, pub, batch)
+	}
+	srcs := []walrelay.Source{walrelay.SourceMessages, walrelay.SourceTable}
+	var bareR []float64
+	rates := make([][]float64, len(srcs))
+	ratios := make([][]float64, len(srcs))
+	steady := make([][]float64, len(srcs))
+	for b.Loop() {
+		for range rounds {
+			x := bare()
+			bareR = append(bareR, x)
+			for i, src := range srcs {
+				y, z := relay(src)
+				rates[i] = append(rates[i], y)
+				ratios[i] = append(ratios[i], y/x)
+				steady[i] = append(steady[i], z/x)
+			}
+		}
+	}
+	b.ReportMetric(median(bareR), "bare-msgs/s")
+	for i, src := range srcs {
+		b.ReportMetric(median(rates[i]), src.String()+"-msgs/s")
+		b.ReportMetric(median(ratios[i]), src.String()+"/bare")
+		b.ReportMetric(median(steady[i]), src.String()+"-streaming/bare")
+	}
+	b.ReportMetric(0, "ns/op")
 }
