@@ -158,3 +158,17 @@ func TestNewValidates(t *testing.T) {
 		t.Fatal("Enqueue accepted a nil tx")
 	}
 }
+
+func TestParseSource(t *testing.T) {
+	for _, src := range []walrelay.Source{walrelay.SourceMessages, walrelay.SourceTable} {
+		if got, err := walrelay.ParseSource(src.String()); err != nil || got != src {
+			t.Errorf("ParseSource(%q) = %v, %v", src.String(), got, err)
+		}
+	}
+	if got, err := walrelay.ParseSource(""); err != nil || got != walrelay.SourceDefault {
+		t.Errorf(`ParseSource("") = %v, %v`, got, err)
+	}
+	if _, err := walrelay.ParseSource("wal"); err == nil {
+		t.Error(`ParseSource("wal") accepted`)
+	}
+}

@@ -48,6 +48,21 @@ func (s Source) String() string {
 	return fmt.Sprintf("Source(%d)", int(s))
 }
 
+// ParseSource returns the Source named by s ("messages" or "table", as
+// Source.String writes them; "" is SourceDefault), for command lines and
+// configuration files.
+func ParseSource(s string) (Source, error) {
+	switch s {
+	case "":
+		return SourceDefault, nil
+	case "messages":
+		return SourceMessages, nil
+	case "table":
+		return SourceTable, nil
+	}
+	return 0, fmt.Errorf("walrelay: unknown source %q; use messages or table", s)
+}
+
 // Options configure an Outbox. The zero value is usable.
 type Options struct {
 	// Source is where messages are written and read. Defaults to
