@@ -2,8 +2,9 @@
 -- could not decode). The write-ahead log cannot skip a message silently, so
 -- a message the broker keeps refusing is copied here and the relay moves
 -- past it. id is the message id (for a logical message that could not be
--- decoded, a UUID derived from its LSN); lsn is the end of the transaction
--- that wrote it. RequeueDead enqueues a parked message again with its id.
+-- decoded, a UUID derived from its LSN); lsn is the commit LSN of the
+-- transaction that wrote it. RequeueDead enqueues a parked message again
+-- with its id.
 CREATE TABLE IF NOT EXISTS {{.Dead}} (
     id          uuid        PRIMARY KEY,
     topic       text        NOT NULL,
