@@ -51,7 +51,8 @@ type relayTelemetry struct {
 	errRec    []metric.RecordOption
 	tableRec  []metric.RecordOption
 	slotObs   []metric.ObserveOption
-	topics    sync.Map // topic -> []metric.AddOption
+	topics    sync.Map     // topic -> []metric.AddOption
+	ntopics   atomic.Int64 // entries in topics, at most maxTopicSets
 
 	// Gauge values: -1 until the first sample.
 	lagBytes, retainedBytes atomic.Int64
@@ -134,9 +135,15 @@ func (t *relayTelemetry) topicOpt(topic string) []metric.AddOption {
 		return v.([]metric.AddOption)
 	}
 	o := []metric.AddOption{metric.WithAttributeSet(attribute.NewSet(t.table, telemetry.AttrDestination.String(topic)))}
-	t.topics.Store(topic, o)
+	if t.ntopics.Add(1) <= maxTopicSets {
+		t.topics.Store(topic, o)
+	}
 	return o
 }
+
+// maxTopicSets bounds the cached attribute sets; past it they are built
+// for each record.
+const maxTopicSets = 1024
 
 // count adds n to c for topic, and to the Metrics hook through hook.
 func (t *relayTelemetry) count(ctx context.Context, c metric.Int64Counter, counts map[string]int, hook func(topic string, n int)) {
