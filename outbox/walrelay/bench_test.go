@@ -17,8 +17,8 @@ import (
 
 	"github.com/idemkit/idem/adapters/amqp"
 	"github.com/idemkit/idem/adapters/kafka"
-	"github.com/idemkit/idem/internal/kafkatest"
-	"github.com/idemkit/idem/internal/testenv"
+	"github.com/idemkit/idem/internal/testkit/kafkatest"
+	"github.com/idemkit/idem/internal/testkit/testenv"
 	"github.com/idemkit/idem/outbox"
 	"github.com/idemkit/idem/outbox/walrelay"
 )

@@ -11,8 +11,8 @@ import (
 
 	"go.uber.org/goleak"
 
-	"github.com/idemkit/idem/internal/fault"
-	"github.com/idemkit/idem/internal/testenv"
+	"github.com/idemkit/idem/internal/testkit/fault"
+	"github.com/idemkit/idem/internal/testkit/testenv"
 )
 
 // TestMain runs the tests under a goroutine leak check, and stops the
