@@ -1,0 +1,270 @@
+package walrelay_test
+
+import (
+	"context"
+	"fmt"
+	"runtime"
+	"slices"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+	kafkago "github.com/segmentio/kafka-go"
+
+	"github.com/idemkit/idem/adapters/kafka"
+	"github.com/idemkit/idem/internal/kafkatest"
+	"github.com/idemkit/idem/internal/testenv"
+	"github.com/idemkit/idem/outbox"
+	"github.com/idemkit/idem/outbox/walrelay"
+)
+
+var benchPayload = fmt.Appendf(nil, "%0256d", 0)
+
+const (
+	benchKeys  = 10000
+	benchRound = 20000
+)
+
+func benchKey(i int) []byte { return fmt.Appendf(nil, "key-%05d", i%benchKeys) }
+
+func median(xs []float64) float64 {
+	s := slices.Clone(xs)
+	slices.Sort(s)
+	return s[len(s)/2]
+}
+
+// nopPublisher confirms every message at once.
+type nopPublisher struct{}
+
+func (nopPublisher) Publish(context.Context, []*outbox.Message) error { return nil }
+
+// benchPool is a pool on the logical cluster with synchronous commit on
+// (the tests' sessions turn it off).
+func benchPool(b *testing.B) *pgxpool.Pool {
+	cfg, err := pgxpool.ParseConfig(logicalURL(b))
+	if err != nil {
+		b.Fatal(err)
+	}
+	cfg.MaxConns = 8
+	cfg.ConnConfig.RuntimeParams["synchronous_commit"] = "on"
+	pool, err := pgxpool.NewWithConfig(context.Background(), cfg)
+	if err != nil {
+		b.Fatal(err)
+	}
+	b.Cleanup(pool.Close)
+	return pool
+}
+
+// BenchmarkRelayToKafka compares, in one run, the WAL relay publishing
+// committed outbox messages to Kafka (kfake in process, or
+// IDEM_TEST_KAFKA_BROKERS) through adapters/kafka's Publisher with the bare
+// kafka-go Writer publishing the same messages the same way (synchronous
+// WriteMessages of 500, RequireAll, the outbox id header, a 4-partition
+// topic, BatchTimeout 1ms). Each round publishes benchRound messages on
+// benchKeys keys bare, then through the relay reading the table, then the
+// logical messages, then both again to a no-op publisher (the relay's own
+// ceiling); the medians of the rounds are reported with the relay/bare
+// ratios. The relay's time runs from Run to the last message confirmed;
+// the messages are committed before it starts and not timed.
+//
+//	go test -run '^$' -bench RelayToKafka -benchtime 1x ./outbox/walrelay/
+func BenchmarkRelayToKafka(b *testing.B) {
+	const (
+		batch      = 500
+		rounds     = 3
+		partitions = 4
+	)
+	k := kafkatest.New(b)
+	pool := benchPool(b)
+	ctx := context.Background()
+	writer := func() *kafkago.Writer {
+		return &kafkago.Writer{Addr: kafkago.TCP(k.Brokers...), Balancer: &kafkago.Hash{}, RequiredAcks: kafkago.RequireAll,
+			BatchSize: batch, BatchTimeout: time.Millisecond, Transport: k.Transport}
+	}
+	bare := func() float64 {
+		topic := k.Topic(b, "idembench", partitions)
+		w := writer()
+		defer func() { _ = w.Close() }()
+		runtime.GC()
+		start := time.Now()
+		recs := make([]kafkago.Message, 0, batch)
+		for i := 0; i < benchRound; i += batch {
+			recs = recs[:0]
+			for j := i; j < min(i+batch, benchRound); j++ {
+				recs = append(recs, kafkago.Message{Topic: topic, Key: benchKey(j), Value: benchPayload,
+					Headers: []kafkago.Header{{Key: outbox.HeaderMessageID, Value: fmt.Appendf(nil, "00000000-0000-7000-8000-%012d", j)}}})
+			}
+			if err := w.WriteMessages(ctx, recs...); err != nil {
+				b.Fatal(err)
+			}
+		}
+		return benchRound / time.Since(start).Seconds()
+	}
+	relay := func(src walrelay.Source, noBroker bool) float64 {
+		topic := k.Topic(b, "idembench", partitions)
+		ob := newWAL(b, pool, walrelay.Options{Source: src, Schema: testenv.Schema(b, pool)})
+		for i := 0; i < benchRound; i += 1000 {
+			var msgs []outbox.Message
+			for j := i; j < min(i+1000, benchRound); j++ {
+				msgs = append(msgs, outbox.Message{Topic: topic, Key: benchKey(j), Payload: benchPayload})
+			}
+			if err := pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error { _, err := ob.Enqueue(ctx, tx, msgs...); return err }); err != nil {
+				b.Fatal(err)
+			}
+		}
+		w := writer()
+		defer func() { _ = w.Close() }()
+		var pub outbox.Publisher = nopPublisher{}
+		if !noBroker {
+			p, err := kafka.NewPublisher(w, kafka.PublisherOptions{})
+			if err != nil {
+				b.Fatal(err)
+			}
+			pub = p
+		}
+		m := &counters{}
+		r, err := walrelay.NewRelay(ob, pub, walrelay.RelayOptions{BatchSize: batch, Metrics: m, MetricsInterval: time.Hour, CleanupInterval: -1, Logger: quiet()})
+		if err != nil {
+			b.Fatal(err)
+		}
+		runtime.GC()
+		start := time.Now()
+		rctx, stop := context.WithCancel(ctx)
+		done := make(chan error, 1)
+		go func() { done <- r.Run(rctx) }()
+		for {
+			m.mu.Lock()
+			n := m.published
+			m.mu.Unlock()
+			if n >= benchRound {
+				break
+			}
+			time.Sleep(time.Millisecond)
+		}
+		rate := benchRound / time.Since(start).Seconds()
+		stop()
+		if err := <-done; err != nil {
+			b.Fatal(err)
+		}
+		return rate
+	}
+	variants := []struct {
+		name     string
+		src      walrelay.Source
+		noBroker bool
+	}{
+		{"table", walrelay.SourceTable, false},
+		{"messages", walrelay.SourceMessages, false},
+		{"nobroker-table", walrelay.SourceTable, true},
+		{"nobroker-messages", walrelay.SourceMessages, true},
+	}
+	var bareR []float64
+	rates := make([][]float64, len(variants))
+	ratios := make([][]float64, len(variants))
+	for b.Loop() {
+		for range rounds {
+			x := bare()
+			bareR = append(bareR, x)
+			for i, v := range variants {
+				y := relay(v.src, v.noBroker)
+				rates[i] = append(rates[i], y)
+				ratios[i] = append(ratios[i], y/x)
+			}
+		}
+	}
+	b.ReportMetric(median(bareR), "bare-msgs/s")
+	for i, v := range variants {
+		b.ReportMetric(median(rates[i]), v.name+"-msgs/s")
+		b.ReportMetric(median(ratios[i]), v.name+"/bare")
+	}
+	b.ReportMetric(0, "ns/op")
+}
+
+// BenchmarkEnqueue measures the business transaction that enqueues one
+// message (an INSERT into a business table, the Enqueue, COMMIT with
+// synchronous commit on) with the table source, with the logical messages
+// (Enqueue, and QueueEnqueue in the business statement's round trip), and
+// the same transaction without any outbox write. The machine is shared
+// and a commit waits for fsync, so the three are measured in alternation:
+// each round runs benchTx transactions of each, and the medians of the
+// rounds' rates and ratios to "none" are reported.
+//
+//	go test -run '^$' -bench Enqueue -benchtime 1x ./outbox/walrelay/
+func BenchmarkEnqueue(b *testing.B) {
+	const (
+		rounds  = 7
+		benchTx = 300
+	)
+	pool := benchPool(b)
+	ctx := context.Background()
+	variants := []struct {
+		name    string
+		src     walrelay.Source
+		batched bool
+	}{{"none", 0, false}, {"table", walrelay.SourceTable, false}, {"messages", walrelay.SourceMessages, false}, {"messages-batched", walrelay.SourceMessages, true}}
+	obs := make([]*walrelay.Outbox, len(variants))
+	tables := make([]string, len(variants))
+	for i, v := range variants {
+		schema := testenv.Schema(b, pool)
+		if v.src != 0 {
+			obs[i] = newWAL(b, pool, walrelay.Options{Source: v.src, Schema: schema})
+		}
+		tables[i] = pgx.Identifier{schema, "orders"}.Sanitize()
+		if _, err := pool.Exec(ctx, "CREATE TABLE "+tables[i]+" (id bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY, total int NOT NULL)"); err != nil {
+			b.Fatal(err)
+		}
+	}
+	run := func(v int) float64 {
+		ob, orders := obs[v], tables[v]
+		start := time.Now()
+		for i := range benchTx {
+			err := pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
+				if variants[v].batched {
+					// The business statement and the outbox write in one
+					// round trip (QueueEnqueue).
+					batch := &pgx.Batch{}
+					batch.Queue("INSERT INTO "+orders+" (total) VALUES ($1)", i)
+					if _, err := ob.QueueEnqueue(ctx, batch, outbox.Message{Topic: "orders", Key: benchKey(i), Payload: benchPayload}); err != nil {
+						return err
+					}
+					return tx.SendBatch(ctx, batch).Close()
+				}
+				if _, err := tx.Exec(ctx, "INSERT INTO "+orders+" (total) VALUES ($1)", i); err != nil {
+					return err
+				}
+				if ob == nil {
+					return nil
+				}
+				_, err := ob.Enqueue(ctx, tx, outbox.Message{Topic: "orders", Key: benchKey(i), Payload: benchPayload})
+				return err
+			})
+			if err != nil {
+				b.Fatal(err)
+			}
+		}
+		return benchTx / time.Since(start).Seconds()
+	}
+	rates := make([][]float64, len(variants))
+	ratios := make([][]float64, len(variants))
+	for b.Loop() {
+		for range rounds {
+			var base float64
+			for i := range variants {
+				r := run(i)
+				if i == 0 {
+					base = r
+				}
+				rates[i] = append(rates[i], r)
+				ratios[i] = append(ratios[i], r/base)
+			}
+		}
+	}
+	for i, v := range variants {
+		b.ReportMetric(median(rates[i]), v.name+"-tx/s")
+		if i > 0 {
+			b.ReportMetric(median(ratios[i]), v.name+"/none")
+		}
+	}
+	b.ReportMetric(0, "ns/op")
+}

@@ -1,0 +1,393 @@
+package walrelay
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"strings"
+	"sync/atomic"
+	"time"
+
+	"github.com/jackc/pglogrepl"
+
+	"github.com/idemkit/idem/dedup"
+	"github.com/idemkit/idem/outbox"
+)
+
+// txn is a transaction of the stream, in commit order.
+type txn struct {
+	commit      time.Time     // commit time, server clock
+	localCommit time.Time     // the same moment by the local clock
+	final       pglogrepl.LSN // the commit record's position
+	end         pglogrepl.LSN // the transaction's end: what is confirmed
+	committed   bool          // its commit was received (end is set)
+	queued      bool          // in the engine's queue
+	pending     int           // messages neither published nor parked
+}
+
+// Entry states.
+const (
+	stateReady uint8 = iota // to publish, when due
+	statePark               // to park in the dead table, when due
+	stateDone               // published or parked
+)
+
+// entry is one message of the stream.
+type entry struct {
+	msg      *outbox.Message
+	key      string
+	tx       *txn
+	state    uint8
+	attempts int
+	due      time.Time // next attempt; zero: now
+	lastErr  error
+	corrupt  error // a logical message that could not be decoded
+}
+
+// engine publishes the stream's messages: at most one Publish call at a
+// time, each key's messages in commit order, and moves the confirmed
+// position past a transaction once every message of it and of the
+// transactions before it is published or parked. Only its goroutine
+// touches it.
+type engine struct {
+	r          *Relay
+	confirmed  *atomic.Uint64
+	txns       []*txn
+	win        []*entry // in commit order; done entries are dropped from the front
+	undone     int
+	parking    int
+	blocked    map[string]bool
+	perKey     map[string]int
+	pubBackoff backoff
+}
+
+func newEngine(r *Relay, confirmed *atomic.Uint64) *engine {
+	return &engine{r: r, confirmed: confirmed, blocked: map[string]bool{}, perKey: map[string]int{},
+		pubBackoff: backoff{min: r.opts.ReconnectBackoff, max: r.opts.MaxReconnectBackoff}}
+}
+
+// publishFailure is a Publish error for the whole batch: no attempt is
+// counted, the engine waits and sends the batch again.
+type publishFailure struct{ err error }
+
+func (e *publishFailure) Error() string { return "walrelay: publish: " + e.err.Error() }
+func (e *publishFailure) Unwrap() error { return e.err }
+
+func (e *engine) run(ctx context.Context, items <-chan item) error {
+	o := &e.r.opts
+	for {
+		if ctx.Err() != nil {
+			return nil
+		}
+	intake:
+		for e.undone < o.MaxInFlight {
+			select {
+			case it, ok := <-items:
+				if !ok {
+					return nil
+				}
+				e.add(it)
+			default:
+				break intake
+			}
+		}
+		now := time.Now()
+		if e.parking > 0 {
+			e.park(ctx, now)
+		}
+		batch, due := e.pick(now)
+		if len(batch) > 0 {
+			err := e.publish(ctx, batch)
+			var pf *publishFailure
+			if errors.As(err, &pf) {
+				if ctx.Err() != nil {
+					return nil
+				}
+				d := e.pubBackoff.next()
+				o.Logger.Warn("walrelay: publish failed; retrying the batch", "slot", e.r.ob.opts.Slot, "in", d, "err", pf.err)
+				if !sleep(ctx, d) {
+					return nil
+				}
+			}
+			continue
+		}
+		var in <-chan item
+		if e.undone < o.MaxInFlight {
+			in = items
+		}
+		var (
+			timer *time.Timer
+			fire  <-chan time.Time
+		)
+		if !due.IsZero() {
+			timer = time.NewTimer(time.Until(due))
+			fire = timer.C
+		}
+		select {
+		case it, ok := <-in:
+			if !ok {
+				return nil
+			}
+			e.add(it)
+		case <-fire:
+		case <-ctx.Done():
+		}
+		if timer != nil {
+			timer.Stop()
+		}
+	}
+}
+
+// add takes an item from the reader.
+func (e *engine) add(it item) {
+	t := it.tx
+	if !t.queued {
+		t.queued = true
+		e.txns = append(e.txns, t)
+	}
+	for _, en := range it.entries {
+		if en.corrupt != nil {
+			en.state = statePark
+			en.lastErr = en.corrupt
+			e.parking++
+		}
+		e.win = append(e.win, en)
+	}
+	t.pending += len(it.entries)
+	e.undone += len(it.entries)
+	if it.end != 0 {
+		t.end = it.end
+		t.committed = true
+	}
+	e.advance()
+}
+
+// advance moves the confirmed position past the leading transactions that
+// are done, and drops done entries from the front of the window.
+func (e *engine) advance() {
+	n := 0
+	for n < len(e.txns) && e.txns[n].committed && e.txns[n].pending == 0 {
+		if end := uint64(e.txns[n].end); end > e.confirmed.Load() {
+			e.confirmed.Store(end)
+		}
+		n++
+	}
+	if n > 0 {
+		clear(e.txns[:n])
+		e.txns = e.txns[n:]
+	}
+	var oldest int64
+	for _, t := range e.txns {
+		if !t.localCommit.IsZero() {
+			oldest = t.localCommit.UnixNano()
+			break
+		}
+	}
+	e.r.tel.oldestNanos.Store(oldest)
+	d := 0
+	for d < len(e.win) && e.win[d].state == stateDone {
+		d++
+	}
+	if d > 0 {
+		clear(e.win[:d])
+		e.win = e.win[d:]
+	}
+	e.r.tel.pending.Store(int64(e.undone))
+}
+
+// finish clears the gauges of a session that ended.
+func (e *engine) finish() {
+	e.r.tel.oldestNanos.Store(0)
+	e.r.tel.pending.Store(0)
+}
+
+func (e *engine) done(en *entry) {
+	en.state = stateDone
+	en.tx.pending--
+	e.undone--
+}
+
+// pick returns the next batch in commit order: at most BatchSize messages,
+// at most PerKeyBatch of a key, none of a key whose earlier message waits
+// (for a retry or to be parked). It also returns when the earliest waiting
+// message falls due (zero when none waits).
+func (e *engine) pick(now time.Time) ([]*entry, time.Time) {
+	o := &e.r.opts
+	clear(e.blocked)
+	clear(e.perKey)
+	var (
+		batch []*entry
+		due   time.Time
+	)
+	for _, en := range e.win {
+		if len(batch) >= o.BatchSize {
+			break
+		}
+		if en.state == stateDone || (en.key != "" && e.blocked[en.key]) {
+			continue
+		}
+		if en.state == statePark || en.due.After(now) {
+			if en.key != "" {
+				e.blocked[en.key] = true
+			}
+			if en.state == stateReady && (due.IsZero() || en.due.Before(due)) {
+				due = en.due
+			}
+			continue
+		}
+		batch = append(batch, en)
+		if en.key != "" {
+			e.perKey[en.key]++
+			if e.perKey[en.key] >= o.PerKeyBatch {
+				e.blocked[en.key] = true
+			}
+		}
+	}
+	if e.parking > 0 {
+		for _, en := range e.win {
+			if en.state == statePark && (due.IsZero() || en.due.Before(due)) {
+				due = en.due
+			}
+		}
+	}
+	return batch, due
+}
+
+// publish sends a batch and records the outcome of each message.
+func (e *engine) publish(ctx context.Context, batch []*entry) error {
+	o := &e.r.opts
+	tel := e.r.tel
+	msgs := make([]*outbox.Message, len(batch))
+	for i, en := range batch {
+		en.msg.Attempt = en.attempts + 1
+		msgs[i] = en.msg
+	}
+	// The batch in flight may finish after ctx ends, within
+	// ShutdownTimeout: its outcome is then confirmed before the relay
+	// stops.
+	pctx, cancel := context.WithCancel(context.WithoutCancel(ctx))
+	defer cancel()
+	stopGrace := context.AfterFunc(ctx, func() { time.AfterFunc(o.ShutdownTimeout, cancel) })
+	defer stopGrace()
+
+	sctx, endSpan := tel.startPublish(pctx, msgs)
+	start := time.Now()
+	err := e.r.pub.Publish(sctx, msgs)
+	took := time.Since(start)
+	endSpan(err)
+	if h := e.r.hooks.afterPublish; h != nil {
+		h(msgs, err)
+	}
+	var pe *outbox.PublishError
+	if err != nil && !errors.As(err, &pe) {
+		tel.publishD.Record(pctx, took.Seconds(), tel.errRec...)
+		return &publishFailure{err: err}
+	}
+	if err == nil {
+		tel.publishD.Record(pctx, took.Seconds(), tel.okRec...)
+	} else {
+		tel.publishD.Record(pctx, took.Seconds(), tel.errRec...)
+	}
+	e.pubBackoff.reset()
+	now := time.Now()
+	published, retried := map[string]int{}, map[string]int{}
+	for i, en := range batch {
+		var ferr error
+		failed := false
+		if pe != nil {
+			ferr, failed = pe.Failed[i]
+		}
+		if !failed {
+			e.done(en)
+			published[en.msg.Topic]++
+			if !en.tx.localCommit.IsZero() {
+				tel.delay.Record(pctx, max(now.Sub(en.tx.localCommit), 0).Seconds(), tel.tableRec...)
+			}
+			continue
+		}
+		if ferr == nil {
+			ferr = errors.New("not confirmed")
+		}
+		en.attempts++
+		en.lastErr = ferr
+		if en.attempts >= o.MaxAttempts {
+			en.state = statePark
+			en.due = now
+			e.parking++
+			continue
+		}
+		en.due = now.Add(o.retryDelay(en.attempts))
+		retried[en.msg.Topic]++
+	}
+	var hook outbox.Metrics = outbox.NopMetrics{}
+	if o.Metrics != nil {
+		hook = o.Metrics
+	}
+	tel.count(pctx, tel.published, published, hook.Published)
+	tel.count(pctx, tel.retried, retried, hook.Retried)
+	e.advance()
+	return nil
+}
+
+// park copies the messages due to be parked into the dead table and moves
+// on. A message the database does not take now is tried again later: it
+// is never dropped.
+func (e *engine) park(ctx context.Context, now time.Time) {
+	o := &e.r.opts
+	ob := e.r.ob
+	dead := map[string]int{}
+	for _, en := range e.win {
+		if en.state != statePark || en.due.After(now) || ctx.Err() != nil {
+			continue
+		}
+		m := en.msg
+		headers := "{}"
+		if len(m.Headers) > 0 {
+			if js, err := json.Marshal(m.Headers); err == nil {
+				headers = string(js)
+			}
+		}
+		var created *time.Time
+		if !m.CreatedAt.IsZero() {
+			created = &m.CreatedAt
+		}
+		key := m.Key
+		if key == nil {
+			key = []byte{}
+		}
+		qctx, cancel := context.WithTimeout(ctx, o.QueryTimeout)
+		_, err := ob.pool.Exec(qctx, ob.sqlDead, m.ID, m.Topic, key, m.Payload, headers, created,
+			en.tx.final.String(), en.attempts, truncate(en.lastErr.Error(), 2000))
+		cancel()
+		if err != nil {
+			en.due = now.Add(jitter(o.ReconnectBackoff))
+			if ctx.Err() == nil {
+				o.Logger.Warn("walrelay: cannot park a message in the dead table; trying again", "table", ob.deadQ,
+					"id_hash", dedup.HashKey("", m.ID), "err", err)
+			}
+			continue
+		}
+		o.Logger.Warn("walrelay: message parked as dead", "table", ob.deadQ, "id_hash", dedup.HashKey("", m.ID),
+			"topic", m.Topic, "attempts", en.attempts, "err", en.lastErr)
+		e.parking--
+		e.done(en)
+		dead[m.Topic]++
+	}
+	if len(dead) > 0 {
+		var hook func(string, int)
+		if o.Metrics != nil {
+			hook = o.Metrics.Dead
+		}
+		e.r.tel.count(ctx, e.r.tel.dead, dead, hook)
+		e.advance()
+	}
+}
+
+// truncate cuts an error text for the last_error column: at most n bytes,
+// valid UTF-8, no NUL.
+func truncate(s string, n int) string {
+	if len(s) > n {
+		s = s[:n]
+	}
+	return strings.ReplaceAll(strings.ToValidUTF8(s, ""), "\x00", "")
+}

@@ -1,0 +1,401 @@
+package walrelay
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"math/rand/v2"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/jackc/pgx/v5/pgconn"
+	"go.opentelemetry.io/otel/metric"
+	"go.opentelemetry.io/otel/trace"
+
+	"github.com/idemkit/idem/outbox"
+)
+
+// RelayOptions configure a Relay. The zero value is usable.
+type RelayOptions struct {
+	// BatchSize is the most messages one Publish call takes. Defaults to
+	// 500.
+	BatchSize int
+	// PerKeyBatch is the most messages of one key a batch takes. Defaults
+	// to 1: a key's next message is sent only after the previous one was
+	// confirmed, so a failure of the earlier one can never let a later
+	// one through. A larger value raises the throughput of a hot key; when
+	// the broker then rejects an earlier message of a key and confirms a
+	// later one of the same batch, the later one is out before the
+	// earlier one's retry.
+	PerKeyBatch int
+	// MaxInFlight is the most messages the relay holds received and not
+	// yet published (or parked); past it, it stops reading the stream
+	// until some are done. It bounds the relay's memory. Defaults to
+	// 10000.
+	MaxInFlight int
+	// MaxAttempts is the number of failed publish attempts after which a
+	// message is parked in the dead table. Only per-message failures count
+	// (an *outbox.PublishError naming the message); an error for the whole
+	// batch (the broker unreachable) counts no attempt. Defaults to 10.
+	MaxAttempts int
+	// Backoff is the delay before the second attempt of a failed message;
+	// it doubles with each further attempt up to MaxBackoff (±20%
+	// jitter). Defaults to 1s and 1m: with the default MaxAttempts a
+	// message that always fails is parked after about 4.5 minutes. The
+	// slot's position cannot pass a message until it is published or
+	// parked, so this is also the longest a poison message delays the
+	// confirmation of the others (they are published meanwhile).
+	Backoff, MaxBackoff time.Duration
+	// ReconnectBackoff is the first delay before the relay reconnects
+	// after losing its replication connection, or retries a batch whose
+	// Publish failed as a whole; it doubles up to MaxReconnectBackoff.
+	// Defaults to 100ms and 10s.
+	ReconnectBackoff, MaxReconnectBackoff time.Duration
+	// TakeoverInterval is how often a relay whose slot another relay
+	// streams tries again to stream it: the longest a standby relay takes
+	// to notice that the active one is gone. Defaults to 1s.
+	TakeoverInterval time.Duration
+	// StatusInterval is how often the relay reports its confirmed position
+	// to the server (a standby status update); the slot's confirmed
+	// position trails the broker's confirmations by up to this long, and
+	// a crash re-publishes what was confirmed in that time. Defaults to
+	// 1s.
+	StatusInterval time.Duration
+	// CleanupInterval is how often the relay runs Outbox.Cleanup
+	// (SourceTable). Negative disables it. Defaults to 1 minute.
+	CleanupInterval time.Duration
+	// LagWarnBytes is the WAL kept for the slot (MetricSlotRetained)
+	// past which the relay logs a warning at each sample. Defaults to
+	// 1 GiB.
+	LagWarnBytes int64
+	// MeterProvider receives the relay's OpenTelemetry metrics: the
+	// outbox counters and histograms of the poll relay
+	// (idem.outbox.published, .retried, .dead, .publish.duration,
+	// .delay), and the slot gauges MetricSlotLag, MetricSlotRetained
+	// (sampled every MetricsInterval) and MetricSlotLagAge. Defaults to
+	// otel.GetMeterProvider().
+	MeterProvider metric.MeterProvider
+	// TracerProvider starts a producer span per published batch, linked
+	// to the trace context each message carries from Enqueue. Defaults to
+	// otel.GetTracerProvider().
+	TracerProvider trace.TracerProvider
+	// Metrics receives the counters and, every MetricsInterval, the
+	// backlog: the messages received and not yet published, and the age
+	// of the oldest unconfirmed transaction. Defaults to none.
+	Metrics outbox.Metrics
+	// MetricsInterval is how often the slot's lag is sampled from the
+	// database, and the Metrics hook's backlog reported. Defaults to 15s.
+	MetricsInterval time.Duration
+	// ShutdownTimeout is how long the batch in flight when Run's context
+	// ends may take to finish before the relay reports its position and
+	// stops. Defaults to 10s.
+	ShutdownTimeout time.Duration
+	// QueryTimeout bounds each database round trip other than the
+	// stream. Defaults to 30s.
+	QueryTimeout time.Duration
+	// Logger receives warnings (connection lost, publish failures,
+	// messages parked, the slot's lag). Defaults to the Outbox's logger.
+	Logger *slog.Logger
+}
+
+func (o *RelayOptions) fill(ob *Outbox) error {
+	ints := []struct {
+		name     string
+		v        *int
+		def, max int
+	}{
+		{"BatchSize", &o.BatchSize, 500, 10000},
+		{"PerKeyBatch", &o.PerKeyBatch, 1, 10000},
+		{"MaxInFlight", &o.MaxInFlight, 10000, 1 << 24},
+		{"MaxAttempts", &o.MaxAttempts, 10, 1 << 20},
+	}
+	for _, f := range ints {
+		if *f.v < 0 {
+			return fmt.Errorf("walrelay: RelayOptions.%s is %d; it must not be negative (zero means the default)", f.name, *f.v)
+		}
+		if *f.v == 0 {
+			*f.v = f.def
+		}
+		if *f.v > f.max {
+			return fmt.Errorf("walrelay: RelayOptions.%s is %d; the most is %d", f.name, *f.v, f.max)
+		}
+	}
+	if o.MaxInFlight < o.BatchSize {
+		return fmt.Errorf("walrelay: RelayOptions.MaxInFlight %d is smaller than BatchSize %d", o.MaxInFlight, o.BatchSize)
+	}
+	durs := []struct {
+		name string
+		v    *time.Duration
+		def  time.Duration
+	}{
+		{"Backoff", &o.Backoff, time.Second},
+		{"MaxBackoff", &o.MaxBackoff, time.Minute},
+		{"ReconnectBackoff", &o.ReconnectBackoff, 100 * time.Millisecond},
+		{"MaxReconnectBackoff", &o.MaxReconnectBackoff, 10 * time.Second},
+		{"TakeoverInterval", &o.TakeoverInterval, time.Second},
+		{"StatusInterval", &o.StatusInterval, time.Second},
+		{"MetricsInterval", &o.MetricsInterval, 15 * time.Second},
+		{"ShutdownTimeout", &o.ShutdownTimeout, 10 * time.Second},
+		{"QueryTimeout", &o.QueryTimeout, 30 * time.Second},
+	}
+	for _, d := range durs {
+		if *d.v < 0 {
+			return fmt.Errorf("walrelay: RelayOptions.%s is %v; it must not be negative (zero means the default)", d.name, *d.v)
+		}
+		if *d.v == 0 {
+			*d.v = d.def
+		}
+		if *d.v < time.Millisecond {
+			return fmt.Errorf("walrelay: RelayOptions.%s is %v; use at least 1ms", d.name, *d.v)
+		}
+	}
+	if o.MaxBackoff < o.Backoff {
+		return fmt.Errorf("walrelay: RelayOptions.MaxBackoff %v is shorter than Backoff %v", o.MaxBackoff, o.Backoff)
+	}
+	if o.MaxReconnectBackoff < o.ReconnectBackoff {
+		return fmt.Errorf("walrelay: RelayOptions.MaxReconnectBackoff %v is shorter than ReconnectBackoff %v", o.MaxReconnectBackoff, o.ReconnectBackoff)
+	}
+	if o.CleanupInterval == 0 {
+		o.CleanupInterval = time.Minute
+	}
+	if o.LagWarnBytes < 0 {
+		return fmt.Errorf("walrelay: RelayOptions.LagWarnBytes is %d; it must not be negative", o.LagWarnBytes)
+	}
+	if o.LagWarnBytes == 0 {
+		o.LagWarnBytes = 1 << 30
+	}
+	if o.Logger == nil {
+		o.Logger = ob.opts.Logger
+	}
+	return nil
+}
+
+// Relay streams an Outbox's messages from its replication slot and
+// publishes them through a Publisher. Run one or more per outbox: one
+// streams the slot, the others wait and take over when it stops or dies.
+type Relay struct {
+	ob      *Outbox
+	pub     outbox.Publisher
+	opts    RelayOptions
+	connCfg *pgconn.Config
+	running atomic.Bool
+	tel     *relayTelemetry
+	hooks   hooks
+}
+
+// hooks are test seams (set through export_test.go).
+type hooks struct {
+	// streaming runs when the relay starts streaming the slot.
+	streaming func()
+	// slotBusy runs when the relay found the slot streamed by another.
+	slotBusy func()
+	// afterPublish runs after Publish returned, before the results are
+	// recorded and the position confirmed.
+	afterPublish func(msgs []*outbox.Message, err error)
+}
+
+// errFatal marks errors that stop Run: misconfiguration, not outages.
+var errFatal = errors.New("walrelay: relay cannot run")
+
+// NewRelay returns a relay for ob that publishes through pub. It does not
+// touch the database or the broker.
+func NewRelay(ob *Outbox, pub outbox.Publisher, opts RelayOptions) (*Relay, error) {
+	if ob == nil || ob.pool == nil {
+		return nil, errors.New("walrelay: NewRelay: outbox is nil or has no pool; create it with New(pool, ...)")
+	}
+	if pub == nil {
+		return nil, errors.New("walrelay: NewRelay: publisher is nil; pass an outbox.Publisher such as adapters/amqp's or adapters/kafka's")
+	}
+	if err := opts.fill(ob); err != nil {
+		return nil, err
+	}
+	cfg := ob.pool.Config().ConnConfig.Config.Copy()
+	return &Relay{ob: ob, pub: pub, opts: opts, connCfg: cfg,
+		tel: newRelayTelemetry(opts.MeterProvider, opts.TracerProvider, ob.opts.Schema+"."+ob.opts.Table, ob.opts.Slot)}, nil
+}
+
+// Options returns the relay's options with defaults filled in.
+func (r *Relay) Options() RelayOptions { return r.opts }
+
+// Run streams and publishes until ctx ends, then lets the batch in flight
+// finish (RelayOptions.ShutdownTimeout), reports the confirmed position to
+// the server, stops every goroutine it started and returns nil. It
+// returns an error without waiting for ctx when the relay cannot work at
+// all (the publication is missing: run Migrate; the slot was invalidated;
+// the server is not set up for logical replication), and when called while
+// already running.
+//
+// Run opens a replication connection (replication=database) with the
+// pool's connection settings, creates the slot if it does not exist yet
+// (a slot created now starts at the current end of the WAL), and streams
+// it. When another relay streams the slot, Run waits, trying again every
+// TakeoverInterval, and takes over once the other one is gone. Every
+// outage is retried with backoff, never returned: the database unreachable,
+// the connection killed, the broker down. After a reconnect the server
+// sends again everything after the confirmed position: the messages that
+// were in flight are published again with the same ids.
+//
+// The replication connection must reach PostgreSQL itself (or a pooler
+// that passes replication connections through); the relay's other
+// queries (the slot's lag, parking, Cleanup) use the pool.
+func (r *Relay) Run(ctx context.Context) error {
+	if !r.running.CompareAndSwap(false, true) {
+		return errors.New("walrelay: Relay.Run called while the relay is running")
+	}
+	defer r.running.Store(false)
+	unregister := r.tel.register()
+	defer unregister()
+
+	runCtx, stop := context.WithCancelCause(ctx)
+	defer stop(nil)
+	var wg sync.WaitGroup
+	wg.Go(func() { r.streamLoop(runCtx, stop) })
+	wg.Go(func() { r.sampleLoop(runCtx) })
+	if r.ob.table != nil && r.opts.CleanupInterval > 0 {
+		wg.Go(func() { r.cleanupLoop(runCtx) })
+	}
+	wg.Wait()
+	if cause := context.Cause(runCtx); errors.Is(cause, errFatal) {
+		return cause
+	}
+	return nil
+}
+
+// streamLoop runs streaming sessions, reconnecting with backoff and
+// waiting while another relay holds the slot, until ctx ends.
+func (r *Relay) streamLoop(ctx context.Context, stop context.CancelCauseFunc) {
+	bo := backoff{min: r.opts.ReconnectBackoff, max: r.opts.MaxReconnectBackoff}
+	waiting := false
+	for ctx.Err() == nil {
+		s := newSession(r)
+		err := s.run(ctx)
+		if ctx.Err() != nil {
+			return
+		}
+		var busy *slotBusyError
+		switch {
+		case errors.Is(err, errFatal):
+			r.opts.Logger.Error("walrelay: relay stopped", "slot", r.ob.opts.Slot, "err", err)
+			stop(err)
+			return
+		case errors.As(err, &busy):
+			if h := r.hooks.slotBusy; h != nil {
+				h()
+			}
+			if !waiting {
+				r.opts.Logger.Info("walrelay: another relay streams the slot; waiting to take over", "slot", r.ob.opts.Slot, "detail", busy.msg)
+				waiting = true
+			}
+			bo.reset()
+			if !sleep(ctx, jitter(r.opts.TakeoverInterval)) {
+				return
+			}
+			continue
+		}
+		waiting = false
+		if s.streamed {
+			bo.reset()
+		}
+		d := bo.next()
+		r.opts.Logger.Warn("walrelay: replication stream lost; reconnecting", "slot", r.ob.opts.Slot, "in", d, "err", err)
+		if !sleep(ctx, d) {
+			return
+		}
+	}
+}
+
+// sampleLoop samples the slot's lag every MetricsInterval, warns past
+// LagWarnBytes, and feeds the Metrics hook's backlog.
+func (r *Relay) sampleLoop(ctx context.Context) {
+	t := time.NewTicker(r.opts.MetricsInterval)
+	defer t.Stop()
+	for {
+		qctx, cancel := context.WithTimeout(ctx, r.opts.QueryTimeout)
+		s, err := r.ob.Slot(qctx)
+		cancel()
+		switch {
+		case err == nil:
+			r.tel.lagBytes.Store(s.LagBytes)
+			r.tel.retainedBytes.Store(s.RetainedBytes)
+			if s.RetainedBytes > r.opts.LagWarnBytes {
+				r.opts.Logger.Warn("walrelay: PostgreSQL keeps much WAL for the relay's slot; is the relay running and the broker up?",
+					"slot", s.Name, "retained_bytes", s.RetainedBytes, "lag_bytes", s.LagBytes, "active", s.Active, "wal_status", s.WALStatus)
+			}
+			if s.WALStatus == "lost" {
+				r.opts.Logger.Error("walrelay: the relay's slot was invalidated (max_slot_wal_keep_size): it cannot stream again; see the walrelay package documentation", "slot", s.Name)
+			}
+		case errors.Is(err, ErrNoSlot), ctx.Err() != nil:
+		default:
+			r.opts.Logger.Warn("walrelay: slot sample failed", "slot", r.ob.opts.Slot, "err", err)
+		}
+		if m := r.opts.Metrics; m != nil {
+			m.Backlog(r.tel.pending.Load(), r.tel.lagAge())
+		}
+		select {
+		case <-ctx.Done():
+			return
+		case <-t.C:
+		}
+	}
+}
+
+func (r *Relay) cleanupLoop(ctx context.Context) {
+	t := time.NewTicker(r.opts.CleanupInterval)
+	defer t.Stop()
+	for {
+		n, err := r.ob.Cleanup(ctx)
+		if err != nil && ctx.Err() == nil {
+			r.opts.Logger.Warn("walrelay: cleanup failed", "table", r.ob.tableQ, "err", err)
+		} else if n > 0 {
+			r.opts.Logger.Debug("walrelay: cleanup", "table", r.ob.tableQ, "deleted", n)
+		}
+		select {
+		case <-ctx.Done():
+			return
+		case <-t.C:
+		}
+	}
+}
+
+// backoff is an exponential delay with jitter.
+type backoff struct{ min, max, cur time.Duration }
+
+func (b *backoff) next() time.Duration {
+	if b.cur == 0 {
+		b.cur = b.min
+	} else {
+		b.cur = min(2*b.cur, b.max)
+	}
+	return jitter(b.cur)
+}
+
+func (b *backoff) reset() { b.cur = 0 }
+
+// jitter spreads d by ±20%.
+func jitter(d time.Duration) time.Duration {
+	return time.Duration(float64(d) * (0.8 + 0.4*rand.Float64()))
+}
+
+// retryDelay is the delay before the attempt after failed attempt n
+// (1-based): Backoff·2^(n-1), at most MaxBackoff, ±20%.
+func (o *RelayOptions) retryDelay(n int) time.Duration {
+	d := o.Backoff
+	for i := 1; i < n && d < o.MaxBackoff; i++ {
+		d *= 2
+	}
+	return jitter(min(d, o.MaxBackoff))
+}
+
+// sleep waits d or until ctx ends; it reports whether d passed.
+func sleep(ctx context.Context, d time.Duration) bool {
+	t := time.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-ctx.Done():
+		return false
+	case <-t.C:
+		return true
+	}
+}
