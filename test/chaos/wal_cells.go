@@ -21,6 +21,11 @@ package chaos
 //     while producers enqueue; the slot comes back at its last persisted
 //     position and the relay streams again from there. The broker is the
 //     consumer's handler chain itself (srvApplyPublisher).
+//   - wal/proxy/amqp: the relay in the runner publishes to RabbitMQ
+//     through the fault proxy (srvAMQPBroker, as proxy/outbox-amqp): a
+//     publish whose confirm is cut or whose connection is reset is
+//     unconfirmed, and the relay sends it again; the consumer (direct)
+//     finds the copies claimed.
 //
 // The producers of wal/pg/immediate and wal/proxy/amqp also write each
 // message's id into a table of the throwaway server in the same
@@ -50,6 +55,7 @@ func init() {
 	RegisterChild("wal-relay", walRelayChild)
 	Register(walAMQPKillCell("wal/amqp/sigkill"))
 	Register(Cell{Name: "wal/pg/immediate", Run: walPGImmediate})
+	Register(Cell{Name: "wal/proxy/amqp", Run: walProxyAMQP})
 }
 
 // walSchema holds the outbox's dead table and migrations, and the commits
@@ -94,14 +100,15 @@ func walMigratedOutbox(ctx context.Context, pool *pgxpool.Pool, logger *slog.Log
 // walRelayOptions are the relay settings of the cells: quick reconnects
 // and take-overs, so that the relay recovers within the cell's time, and a
 // poison message never parked (the consumer's transient failures under
-// faults are retried). The position is reported every StatusInterval (the
-// default, 1s): what the broker confirmed in the last second before a
-// crash is published again.
+// faults are retried). The position is reported every 200ms (a fifth of
+// the default), so that the slot moves on between the kills, which come
+// about every half second: what the broker confirmed since the last report
+// before a crash is published again.
 func walRelayOptions(logger *slog.Logger) walrelay.RelayOptions {
 	return walrelay.RelayOptions{
 		BatchSize: 64, MaxAttempts: 1000, Backoff: 50 * time.Millisecond, MaxBackoff: time.Second,
 		ReconnectBackoff: 50 * time.Millisecond, MaxReconnectBackoff: 500 * time.Millisecond,
-		TakeoverInterval: 100 * time.Millisecond, CleanupInterval: -1,
+		TakeoverInterval: 100 * time.Millisecond, StatusInterval: 200 * time.Millisecond, CleanupInterval: -1,
 		ShutdownTimeout: 5 * time.Second, QueryTimeout: 5 * time.Second, Logger: logger,
 	}
 }
@@ -324,14 +331,15 @@ func (c *walCommits) committed(ctx context.Context, pool *pgxpool.Pool) (ids []s
 }
 
 // walVerdict waits (up to the drain time) until every committed message
-// has an effect, then fills res from the oracle: Messages are the
-// committed messages (the acknowledged commits must be among them).
-func walVerdict(ctx context.Context, env *Env, pool *pgxpool.Pool, commits *walCommits, o *Oracle, prod *srvProducers, res *Result) (runErr, verr error) {
+// has an effect, stops the relay and the consumer (stop), then fills res
+// from the oracle: Messages are the committed messages (the acknowledged
+// commits must be among them).
+func walVerdict(ctx context.Context, env *Env, pool *pgxpool.Pool, commits *walCommits, o *Oracle, prod *srvProducers, stop func() error, res *Result) (runErr, verr error) {
 	committed, err := commits.committed(ctx, pool)
 	if err != nil {
-		return nil, err
+		return stop(), err
 	}
-	runErr = srvWaitEffects(ctx, o, committed, srvDrain(env))
+	runErr = errors.Join(srvWaitEffects(ctx, o, committed, srvDrain(env)), stop())
 	inTable := make(map[string]bool, len(committed))
 	for _, id := range committed {
 		inTable[id] = true
@@ -411,7 +419,7 @@ func walPGImmediate(ctx context.Context, env *Env) (res Result, err error) {
 	if err != nil {
 		return res, err
 	}
-	exited, stopRelay := srvStart(ctx, "wal relay", relay.Run)
+	_, stopRelay := srvStart(ctx, "wal relay", relay.Run)
 	stopRelay = srvStopAll(stopRelay)
 	defer func() { err = errors.Join(err, stopRelay()) }()
 
@@ -427,16 +435,69 @@ func walPGImmediate(ctx context.Context, env *Env) (res Result, err error) {
 	if err := srvEnsureUp(ctx, pg, &res); err != nil {
 		return res, errors.Join(runErr, err)
 	}
-	select {
-	case err := <-exited:
-		stopRelay = func() error { return nil }
-		return res, errors.Join(runErr, fmt.Errorf("the relay stopped on its own: %w", err))
-	default:
-	}
-	werr, verr := walVerdict(ctx, env, tpool, commits, o, prod, &res)
-	runErr = errors.Join(runErr, werr, stopRelay())
+	werr, verr := walVerdict(ctx, env, tpool, commits, o, prod, stopRelay, &res)
+	runErr = errors.Join(runErr, werr)
 	unique, extra := pub.republished()
 	res.Redeliveries = extra
 	res.Note += fmt.Sprintf("; %d published, %d re-published; %s", unique, extra, outcomes.String())
+	return res, errors.Join(runErr, verr)
+}
+
+// walProxyAMQP is wal/proxy/amqp.
+func walProxyAMQP(ctx context.Context, env *Env) (res Result, err error) {
+	const name = "wal/proxy/amqp"
+	n := env.Scale.Pick(800, 5000)
+	rounds := env.Scale.Pick(15, 100)
+	pg, tpool, err := walStartPG(ctx)
+	if err != nil {
+		return res, err
+	}
+	defer func() { err = errors.Join(err, pg.Close()) }()
+	defer tpool.Close()
+	shared, err := srvPool(ctx, env.PGURL, 6)
+	if err != nil {
+		return res, err
+	}
+	defer shared.Close()
+	o, err := NewOracle(ctx, shared, name, env.Seed)
+	if err != nil {
+		return res, err
+	}
+	defer func() { err = errors.Join(err, o.Drop(context.WithoutCancel(ctx))) }()
+	ob, err := walMigratedOutbox(ctx, tpool, srvQuiet)
+	if err != nil {
+		return res, err
+	}
+	commits, err := newWALCommits(ctx, tpool, ob)
+	if err != nil {
+		return res, err
+	}
+	br, err := srvStartAMQPBroker(ctx, env, name, shared, o)
+	if err != nil {
+		return res, err
+	}
+	defer func() { err = errors.Join(err, br.close()) }()
+	relay, err := walrelay.NewRelay(ob, br.pub, walRelayOptions(srvQuiet))
+	if err != nil {
+		return res, err
+	}
+	_, stopRelay := srvStart(ctx, "wal relay", relay.Run)
+	stopAll := srvStopAll(stopRelay, br.stopConsumer)
+	defer func() { err = errors.Join(err, stopAll()) }()
+
+	prod := &srvProducers{keys: 16}
+	bursts := &srvCounts{}
+	plan := time.Duration(rounds) * srvProxyCycle
+	pctx, pcancel := context.WithTimeout(ctx, plan+srvDrain(env))
+	defer pcancel()
+	var g srvGroup
+	g.Go("producers", func() error { return prod.run(pctx, tpool, commits, n, plan) })
+	faults := srvProxyFaults(br.px, rounds, srvRand(env), bursts, env)
+	g.Go("faults", func() error { return faults(pctx) })
+	runErr := g.Wait()
+	werr, verr := walVerdict(ctx, env, tpool, commits, o, prod, stopAll, &res)
+	runErr = errors.Join(runErr, werr)
+	verr = errors.Join(verr, br.verdict(&res))
+	res.Note += fmt.Sprintf("; %d messages consumed, %d of them re-published duplicates; %s", br.acks.Load(), br.dups.Load(), srvProxyNote(br.px, bursts))
 	return res, errors.Join(runErr, verr)
 }
