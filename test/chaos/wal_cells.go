@@ -190,7 +190,9 @@ func (w *walWorkload) produce(ctx context.Context, ids []string) error {
 func (w *walWorkload) close() {
 	if w.stop != nil {
 		w.stop()
-		<-w.done
+		if err := <-w.done; err != nil && !errors.Is(err, context.Canceled) {
+			w.b.env.Logf("producer: %v", err) // reported by progress, if it ran
+		}
 		w.stop = nil
 	}
 }
