@@ -145,10 +145,11 @@ func walRelayChild(ctx context.Context) error {
 }
 
 // walWorkload is the workload of a wal SIGKILL cell: the runner enqueues
-// the inputs on the throwaway server at relayRate, the relay children
+// the inputs on the throwaway server, evenly over span, the relay children
 // publish them, and progress is the consumer's distinct effects.
 type walWorkload struct {
 	b        *cellBase
+	span     time.Duration
 	url      string
 	pool     *pgxpool.Pool
 	ob       *walrelay.Outbox
@@ -173,9 +174,8 @@ func (w *walWorkload) config(int) childConfig {
 func (w *walWorkload) produce(ctx context.Context, ids []string) error {
 	ctx, w.stop = context.WithCancel(ctx)
 	w.done = make(chan error, 1)
-	span := time.Duration(len(ids)) * time.Second / relayRate
 	go func() {
-		w.done <- paced(ctx, ids, span, nil, func(ctx context.Context, batch []string) error {
+		w.done <- paced(ctx, ids, w.span, nil, func(ctx context.Context, batch []string) error {
 			if err := enqueue(ctx, w.pool, w.ob, w.sink.topic(), batch, &w.next); err != nil {
 				return err
 			}
@@ -263,10 +263,18 @@ func walAMQPKillCell(name string) Cell {
 	}
 }
 
+// walKillSpan is the time per kill the producer of a SIGKILL cell allows:
+// a kill, the restart of the relay child and its first publish take up to
+// about that long on a loaded machine. The WAL relay keeps up with any
+// producer, so the inputs done follow the enqueued ones; spread over less
+// time, the last kills would find a relay with nothing left to publish.
+const walKillSpan = 2500 * time.Millisecond
+
 // walKillCell runs the kill loop over w (one relay child at a time: every
 // kill hits the relay that streams the slot) and reports the copies the
 // broker confirmed more than once.
 func walKillCell(ctx context.Context, b *cellBase, w *walWorkload, kills int) (Result, error) {
+	w.span = max(time.Duration(len(b.ids))*time.Second/relayRate, time.Duration(kills)*walKillSpan)
 	ids, err := uuidIDs(len(b.ids))
 	if err != nil {
 		return Result{}, err
