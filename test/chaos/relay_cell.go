@@ -126,8 +126,14 @@ func (w *relayWorkload) config(int) childConfig {
 	return c
 }
 
+// enqueuer writes outbox messages in the caller's transaction:
+// pgoutbox.Outbox and walrelay.Outbox.
+type enqueuer interface {
+	Enqueue(ctx context.Context, tx pgx.Tx, msgs ...outbox.Message) ([]string, error)
+}
+
 // enqueue writes ids to the outbox, 100 per transaction.
-func enqueue(ctx context.Context, pool *pgxpool.Pool, ob *pgoutbox.Outbox, topic string, ids []string, next *int) error {
+func enqueue(ctx context.Context, pool *pgxpool.Pool, ob enqueuer, topic string, ids []string, next *int) error {
 	for len(ids) > 0 {
 		n := min(len(ids), 100)
 		msgs := make([]outbox.Message, n)
@@ -258,36 +264,49 @@ func relayChild(ctx context.Context) error {
 		return err
 	}
 	defer r.quit()
-	cfg := r.cfg
-	pool, err := childPool(r.ctx, cfg.PGURL, 3)
+	pool, err := childPool(r.ctx, r.cfg.PGURL, 3)
 	if err != nil {
 		return err
 	}
 	defer pool.Close()
-	ob, err := pgoutbox.New(pool, pgoutbox.Options{Schema: cfg.Schema, Logger: childLogger()})
+	ob, err := pgoutbox.New(pool, pgoutbox.Options{Schema: r.cfg.Schema, Logger: childLogger()})
 	if err != nil {
 		return err
 	}
-	var pub outbox.Publisher
-	switch {
-	case len(cfg.Brokers) > 0:
-		p, closer, err := relayKafkaPublisher(cfg)
-		if err != nil {
-			return err
-		}
-		defer closer()
-		pub = p
-	case cfg.Exchange != "":
-		p, closer, err := relayAMQPPublisher(cfg)
-		if err != nil {
-			return err
-		}
-		defer closer()
-		pub = p
-	default:
-		return errors.New("no broker configured")
+	pub, closer, err := killingPublisher(r)
+	if err != nil {
+		return err
 	}
-	killing := publisherFunc(func(ctx context.Context, msgs []*outbox.Message) error {
+	defer closer()
+	relay, err := pgoutbox.NewRelay(ob, pub, relayOptions(childLogger()))
+	if err != nil {
+		return err
+	}
+	r.ready()
+	return r.done(relay.Run(r.ctx))
+}
+
+// killingPublisher is a relay child's publisher: the broker's (Kafka or
+// AMQP, as configured), with the kill points around each batch and every
+// message the broker confirmed logged.
+func killingPublisher(r *childRun) (outbox.Publisher, func(), error) {
+	var (
+		pub    outbox.Publisher
+		closer func()
+		err    error
+	)
+	switch {
+	case len(r.cfg.Brokers) > 0:
+		pub, closer, err = relayKafkaPublisher(r.cfg)
+	case r.cfg.Exchange != "":
+		pub, closer, err = relayAMQPPublisher(r.cfg)
+	default:
+		err = errors.New("no broker configured")
+	}
+	if err != nil {
+		return nil, nil, err
+	}
+	return publisherFunc(func(ctx context.Context, msgs []*outbox.Message) error {
 		r.kill.at(pointBeforePub)
 		if err := pub.Publish(ctx, msgs); err != nil {
 			return err
@@ -297,13 +316,7 @@ func relayChild(ctx context.Context) error {
 		}
 		r.kill.at(pointAfterPub)
 		return nil
-	})
-	relay, err := pgoutbox.NewRelay(ob, killing, relayOptions(childLogger()))
-	if err != nil {
-		return err
-	}
-	r.ready()
-	return r.done(relay.Run(r.ctx))
+	}), closer, nil
 }
 
 // relayOptions are the options of every relay of the cells.

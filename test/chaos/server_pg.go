@@ -273,7 +273,7 @@ type srvProducers struct {
 	keys               int
 }
 
-func (p *srvProducers) run(ctx context.Context, pool *pgxpool.Pool, ob *pgoutbox.Outbox, n int, d time.Duration) error {
+func (p *srvProducers) run(ctx context.Context, pool *pgxpool.Pool, ob enqueuer, n int, d time.Duration) error {
 	idx := make(chan int)
 	var g srvGroup
 	for w := range 2 {
@@ -304,7 +304,7 @@ func (p *srvProducers) run(ctx context.Context, pool *pgxpool.Pool, ob *pgoutbox
 	return ctx.Err()
 }
 
-func (p *srvProducers) enqueue(ctx context.Context, pool *pgxpool.Pool, ob *pgoutbox.Outbox, i int) {
+func (p *srvProducers) enqueue(ctx context.Context, pool *pgxpool.Pool, ob enqueuer, i int) {
 	keys := max(p.keys, 1)
 	for attempt := 0; ctx.Err() == nil; attempt++ {
 		if attempt > 0 {
