@@ -68,6 +68,16 @@ const (
 	// confirmation, seconds: the relay latency users feel. Attribute:
 	// idem.outbox.table.
 	MetricOutboxDelay = "idem.outbox.delay"
+	// The WAL relay's replication slot (gauges). Attributes:
+	// idem.outbox.table, idem.outbox.slot. Lag is the WAL written since the
+	// slot's confirmed position, bytes: what the relay has not confirmed
+	// yet. Retained is the WAL PostgreSQL keeps for the slot, bytes: the
+	// disk a stopped relay costs. Lag age is the time since the commit of
+	// the oldest transaction the relay received and has not confirmed,
+	// seconds (0 when it confirmed everything it received).
+	MetricSlotLag      = "idem.outbox.slot.lag"
+	MetricSlotRetained = "idem.outbox.slot.retained"
+	MetricSlotLagAge   = "idem.outbox.slot.lag_age"
 )
 
 // Metrics lists every metric name above, for documentation checks.
@@ -76,7 +86,7 @@ var Metrics = []string{
 	MetricLeaseLost, MetricMessages, MetricProcessDuration,
 	MetricOutboxBacklog, MetricOutboxOldestAge, MetricOutboxPublished,
 	MetricOutboxRetried, MetricOutboxDead, MetricOutboxPublishDuration,
-	MetricOutboxDelay,
+	MetricOutboxDelay, MetricSlotLag, MetricSlotRetained, MetricSlotLagAge,
 }
 
 // Attribute keys. None of them ever carries a message id or a key.

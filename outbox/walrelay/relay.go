@@ -66,16 +66,16 @@ type RelayOptions struct {
 	// CleanupInterval is how often the relay runs Outbox.Cleanup
 	// (SourceTable). Negative disables it. Defaults to 1 minute.
 	CleanupInterval time.Duration
-	// LagWarnBytes is the WAL kept for the slot (MetricSlotRetained)
+	// LagWarnBytes is the WAL kept for the slot (idem.outbox.slot.retained)
 	// past which the relay logs a warning at each sample. Defaults to
 	// 1 GiB.
 	LagWarnBytes int64
 	// MeterProvider receives the relay's OpenTelemetry metrics: the
 	// outbox counters and histograms of the poll relay
 	// (idem.outbox.published, .retried, .dead, .publish.duration,
-	// .delay), and the slot gauges MetricSlotLag, MetricSlotRetained
-	// (sampled every MetricsInterval) and MetricSlotLagAge. Defaults to
-	// otel.GetMeterProvider().
+	// .delay), and the slot gauges idem.outbox.slot.lag and .retained
+	// (sampled every MetricsInterval) and idem.outbox.slot.lag_age.
+	// Defaults to otel.GetMeterProvider().
 	MeterProvider metric.MeterProvider
 	// TracerProvider starts a producer span per published batch, linked
 	// to the trace context each message carries from Enqueue. Defaults to

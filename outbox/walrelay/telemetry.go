@@ -16,23 +16,6 @@ import (
 	"github.com/idemkit/idem/outbox"
 )
 
-// The slot's metrics, besides the outbox counters the poll relay reports
-// too (telemetry.MetricOutboxPublished and the others).
-const (
-	// MetricSlotLag is the WAL written since the slot's confirmed
-	// position, bytes (gauge): what the relay has not confirmed yet.
-	// Attributes: idem.outbox.table, idem.outbox.slot.
-	MetricSlotLag = "idem.outbox.slot.lag"
-	// MetricSlotRetained is the WAL PostgreSQL keeps for the slot, bytes
-	// (gauge): the disk a stopped relay costs. Attributes as MetricSlotLag.
-	MetricSlotRetained = "idem.outbox.slot.retained"
-	// MetricSlotLagAge is the time since the commit of the oldest
-	// transaction the relay received and has not confirmed, seconds
-	// (gauge; 0 when it has confirmed everything it received). Reported
-	// by the relay that streams the slot. Attributes as MetricSlotLag.
-	MetricSlotLagAge = "idem.outbox.slot.lag_age"
-)
-
 // attrSlot names the replication slot on the slot gauges.
 const attrSlot = attribute.Key("idem.outbox.slot")
 
@@ -88,11 +71,11 @@ func newRelayTelemetry(mp metric.MeterProvider, tp trace.TracerProvider, table, 
 // register reports the slot gauges on collection. The returned function
 // unregisters them.
 func (t *relayTelemetry) register() func() {
-	lag, err1 := t.meter.Int64ObservableGauge(MetricSlotLag, metric.WithUnit("By"),
+	lag, err1 := t.meter.Int64ObservableGauge(telemetry.MetricSlotLag, metric.WithUnit("By"),
 		metric.WithDescription("WAL written since the replication slot's confirmed position (what the outbox relay has not confirmed)."))
-	retained, err2 := t.meter.Int64ObservableGauge(MetricSlotRetained, metric.WithUnit("By"),
+	retained, err2 := t.meter.Int64ObservableGauge(telemetry.MetricSlotRetained, metric.WithUnit("By"),
 		metric.WithDescription("WAL PostgreSQL keeps for the outbox relay's replication slot."))
-	age, err3 := t.meter.Float64ObservableGauge(MetricSlotLagAge, metric.WithUnit("s"),
+	age, err3 := t.meter.Float64ObservableGauge(telemetry.MetricSlotLagAge, metric.WithUnit("s"),
 		metric.WithDescription("Time since the commit of the oldest outbox transaction the relay received and has not confirmed."))
 	for _, err := range []error{err1, err2, err3} {
 		if err != nil {

@@ -69,7 +69,7 @@ func TestRelayMetrics(t *testing.T) {
 		hook.mu.Lock()
 		backlog := hook.maxBacklog
 		hook.mu.Unlock()
-		return backlog == 3 && gauge(walrelay.MetricSlotLag) > 0 && gauge(walrelay.MetricSlotRetained) > 0 && gauge(walrelay.MetricSlotLagAge) > 0
+		return backlog == 3 && gauge(telemetry.MetricSlotLag) > 0 && gauge(telemetry.MetricSlotRetained) > 0 && gauge(telemetry.MetricSlotLagAge) > 0
 	})
 	pub.setDown(nil)
 	pub.waitIDs(t, ids[:2])
@@ -78,7 +78,7 @@ func TestRelayMetrics(t *testing.T) {
 		defer hook.mu.Unlock()
 		return hook.dead == 1
 	})
-	if age := gauge(walrelay.MetricSlotLagAge); age != 0 {
+	if age := gauge(telemetry.MetricSlotLagAge); age != 0 {
 		t.Fatalf("lag age %v with everything confirmed", age)
 	}
 	hook.mu.Lock()
