@@ -362,6 +362,10 @@ type consSession struct {
 	shared bool // conn is the caller's: close only the channels
 	ch     *amqp091.Channel
 	pub    *amqp091.Channel
+	// rpc serialises the synchronous methods workers and the stop send on
+	// ch while deliveries run (basic.qos, basic.cancel): amqp091 matches a
+	// reply to whichever call reads it first.
+	rpc sync.Mutex
 
 	dead     chan struct{}
 	deadOnce sync.Once
@@ -615,7 +619,10 @@ func (c *Consumer) serve(ctx, hctx context.Context, s *consSession, wg *sync.Wai
 	// (requeued by handle, since wctx is done) and closes deliveries.
 	// Deliveries that claimed but wait for a handler slot give way too
 	// (their chain returns seat.ErrStopped; settle requeues them).
-	if err := s.ch.Cancel(tag, false); err != nil {
+	s.rpc.Lock()
+	err = s.ch.Cancel(tag, false)
+	s.rpc.Unlock()
+	if err != nil {
 		s.kill(err)
 	}
 	stopWorkers()
@@ -690,12 +697,14 @@ func (c *Consumer) handle(ctx, hctx context.Context, s *consSession, a *consAcke
 		out ConsumerOutcome
 	)
 	switch n, over := c.overDelivered(&d); {
-	case over && d.DeliveryTag == 1:
+	case over && (d.DeliveryTag == 1 || n >= 2*int64(c.opts.MaxDeliveries)):
 		// Poison: every earlier delivery died unsettled (a crash, a
 		// closed channel), and this one is the first the new channel
 		// took, the one that was running alone when the last one died
 		// (see alone). Running the handler again would only kill another
-		// worker.
+		// worker. Past twice the bound it is dead-lettered wherever it
+		// comes: with several workers on the queue a message that kills
+		// each of them may never be a channel's first delivery.
 		r = consumer.Result{Action: consumer.ActionDeadLetter, Reason: ReasonRedeliveryLimit,
 			Err: fmt.Errorf("delivered %d times without being settled (MaxDeliveries %d)", n+1, c.opts.MaxDeliveries)}
 		out = c.deadLetter(mctx, s, &d, msg, r.Reason, r.Err)
@@ -739,7 +748,7 @@ func (c *Consumer) handle(ctx, hctx context.Context, s *consSession, a *consAcke
 // alone is dead-lettered once it reaches MaxDeliveries (see handle); its
 // neighbours, counted with it, run and are acknowledged.
 func (c *Consumer) alone(d *amqp091.Delivery) bool {
-	return consReturns(d) > 0
+	return c.opts.MaxDeliveries >= 0 && consReturns(d) > 0
 }
 
 // confirmAcks waits until the broker processed every frame written on s's
@@ -748,6 +757,8 @@ func (c *Consumer) alone(d *amqp091.Delivery) bool {
 // after the frames before it. A worker that dies after confirmAcks
 // returned leaves those deliveries settled.
 func (c *Consumer) confirmAcks(s *consSession) {
+	s.rpc.Lock()
+	defer s.rpc.Unlock()
 	if !s.isDead() {
 		_ = s.ch.Qos(c.opts.Prefetch, 0, false)
 	}
@@ -1025,6 +1036,10 @@ func (c *Consumer) copyOf(d *amqp091.Delivery, attempt int) amqp091.Publishing {
 	// poisoned).
 	delete(h, HeaderDeliveryCount)
 	delete(h, HeaderReturns)
+	// A wait for a held key starts its clock afresh after a handler ran:
+	// only wait copies carry its start (set by settle). HeaderWaits goes
+	// on counting every wait of the message.
+	delete(h, HeaderWaitingSince)
 	h[HeaderAttempt] = int32(min(attempt, 1<<30))
 	h[HeaderQueue] = c.queue
 	if _, ok := h[HeaderExchange]; !ok {

@@ -171,7 +171,8 @@ type ConsumerOptions struct {
 	// that is, the (MaxDeliveries+1)th delivery — is dead-lettered with
 	// reason redelivery_limit (ReasonRedeliveryLimit) without running the
 	// handler when it is the first delivery of its channel, where the
-	// message that killed the previous worker lands. Any other returned
+	// message that killed the previous worker lands, and wherever it comes
+	// once it reaches twice MaxDeliveries. Any other returned
 	// delivery (x-delivery-count above 0) runs alone on its channel and is
 	// acknowledged at once, so that the neighbours of such a message,
 	// counted with it, are settled instead of dead-lettered (see the

@@ -59,10 +59,14 @@
 // the next worker's channel. Only the first delivery of a channel is
 // dead-lettered, with reason redelivery_limit and without running, once
 // its x-delivery-count reaches MaxDeliveries; a neighbour that reaches
-// the count behind it runs, alone, when its turn comes. The cost is one
-// death per delivery of the poison message, MaxDeliveries in all (plus
-// one for each worker it reaches while that worker is running), and the
-// throughput of one handler while returned deliveries are worked off.
+// the count behind it runs, alone, when its turn comes. With several
+// workers on the queue the poison message may keep reaching workers that
+// are already running, never as a first delivery: past twice MaxDeliveries
+// it is dead-lettered wherever it comes. The cost is one death per
+// delivery of the poison message, MaxDeliveries in all with one worker
+// and at most twice that with several, and the throughput of one handler
+// while returned deliveries are worked off. With MaxDeliveries -1 (no
+// bound) returned deliveries run as any other.
 // A message that dies holding a dedup lease (consumer.Dedup over
 // redisnx, say) finds its key in flight on the next delivery and waits on
 // a fresh copy; the copy carries the count in HeaderReturns, so the bound

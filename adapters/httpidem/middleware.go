@@ -666,8 +666,7 @@ func (m *Middleware) serveTx(w http.ResponseWriter, r *http.Request, next http.H
 		m.done(rq, r, OutcomeProcessed, status, waited)
 	case dedup.Held(err):
 		// The handler ran, but a claim that does not wait for this
-		// transaction (pgtable's lease mode on the same table, an idem
-		// version that claimed at the start of the transaction) took the
+		// transaction (pgtable's lease mode on the same table) took the
 		// key meanwhile: the transaction rolled back, and err is the
 		// verdict on that claim. It is answered as if it had come first:
 		// a replay of its response, 409 or 422.
@@ -731,8 +730,12 @@ var errNotCommitted = errors.New("httpidem: the transaction did not commit")
 // transaction has ended, then answers with the verdict on its row (a
 // duplicate with the stored response: it committed) or wins (it did not:
 // errNotCommitted, and the claim is rolled back). Any other error leaves
-// the outcome unknown.
+// the outcome unknown. The wait is bounded by FinishTimeout: a first
+// transaction whose backend the server still holds (a network partition)
+// must not hold the client for as long as TCP keepalive takes.
 func (m *Middleware) commitOutcome(ctx context.Context, key dedup.Key) error {
+	ctx, cancel := context.WithTimeout(ctx, m.opts.FinishTimeout)
+	defer cancel()
 	_, err := m.tx.Process(ctx, key, func(context.Context, pgx.Tx) ([]byte, error) {
 		return nil, errNotCommitted
 	})

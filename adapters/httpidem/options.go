@@ -146,7 +146,8 @@ type Options struct {
 	// Defaults to 1; negative sends every claim on its own.
 	BatchClaims int
 	// FinishTimeout bounds the store calls after the handler returned
-	// (Complete, Release); they run even if the client went away.
+	// (Complete, Release, and on pgtable the check of a commit whose reply
+	// was lost); they run even if the client went away.
 	// Defaults to DefaultFinishTimeout (10s).
 	FinishTimeout time.Duration
 	// Logger receives warnings: store failures, lost leases. Keys appear

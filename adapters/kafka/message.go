@@ -53,9 +53,10 @@ type MessageOptions struct {
 // last one), the partition, offset and group in Metadata, and the id from
 // opts (by default the outbox.HeaderMessageID header).
 //
-// The error, when not nil, wraps dedup.ErrInvalidKey: the record has no
-// usable id (none, empty, too long, control bytes, or IDFunc failed). The
-// message is returned all the same, without an id, for the dead-letter
+// A negative opts.MaxIDLen is a configuration error: MessageFrom then
+// returns a nil message. Otherwise the error, when not nil, wraps
+// dedup.ErrInvalidKey: the record has no usable id (none, empty, too long,
+// control bytes, or IDFunc failed). The message is returned all the same, without an id, for the dead-letter
 // path: treat the record as consumer.ActionDeadLetter with
 // consumer.ReasonInvalidKey, never run the handler on it. See the example
 // for the loop around it.

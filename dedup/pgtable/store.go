@@ -64,7 +64,10 @@ type Options struct {
 	// table: a whole number of hours that divides a day (1h, 2h, 3h, 4h,
 	// 6h, 8h, 12h or 24h), aligned to midnight UTC. A row stays until its
 	// partition's range has passed, so rows outlive Retention by at most
-	// one width: hourly partitions suit high volumes. The width is part of
+	// one width. A claim that misses (the common case) probes the primary
+	// key of every partition, Retention / PartitionWidth of them plus the
+	// ones made ahead: keep that to a few dozen (hourly partitions with a
+	// retention of a day or two, not the 7-day default). The width is part of
 	// the table's layout: a table made with 24h (partition key part_day, a
 	// date) cannot take a shorter width, and one made with a shorter width
 	// (partition key part_hour, a UTC timestamp) cannot take 24h; Migrate

@@ -93,10 +93,11 @@
 // only when the key has one ('L' in flight, 'D' done; without a
 // fingerprint 'l' and 'd'), then the owner's token while in flight or the
 // result, if any, once done. A done mark without fingerprint and result is
-// "1", which Redis keeps as a shared integer object: with the default
-// prefix it takes about as much memory as a bare SET of a UUID key to "1"
-// (see TestMarkMemory for the figures). The key's expiry is the lease while in flight and
-// the retention (TTL) once done.
+// "1", which Redis keeps as a shared integer object (unless maxmemory is
+// set with an LRU or LFU policy, which turns sharing off): with the
+// default prefix it then takes about as much memory as a bare SET of a
+// UUID key to "1" (see TestMarkMemory for the figures). The key's expiry is
+// the lease while in flight and the retention (TTL) once done.
 //
 // The previous layout, <Prefix>:v1:{<tag>}:<len(scope)>:<scope>:<id> with
 // the same tag and a record that always holds 32 fingerprint bytes, is
@@ -104,10 +105,13 @@
 // and, when a record is there, answers from it (a duplicate, in flight or a
 // fingerprint mismatch) and releases the claim it may have just made. So
 // marks written before an upgrade are honoured until they expire;
-// Options.SkipPreviousLayout turns the read off once none is left. Stores
-// of both layouts do not see each other's in-flight claims atomically:
-// during a rolling upgrade a message delivered twice at the same moment to
-// an old and a new process may run twice.
+// Options.SkipPreviousLayout turns the read off once none is left. A
+// process that writes only the previous layout reads nothing of this one:
+// during a rolling upgrade, a message completed by an upgraded process and
+// delivered again to one not yet upgraded (a rebalance during the
+// rollout), or delivered to both at the same moment, may run twice. Where
+// that matters, drain the consumers before the upgrade rather than rolling
+// it.
 //
 // # Durability
 //

@@ -1,6 +1,6 @@
-// Package leasekeep is the lease flow of every idem middleware that claims
-// through a dedup.LeaseStore (consumer.Dedup, the Watermill and HTTP
-// middleware), written once: Run holds a claimed key from the claim to
+// Package leasekeep is the lease flow of the idem middleware that claim
+// through a dedup.LeaseStore, written once: Run (used by consumer.Dedup and
+// the Watermill middleware) holds a claimed key from the claim to
 // Complete or Release, with the handler's context and a heartbeat that keeps
 // the lease while the handler runs.
 //

@@ -1,6 +1,6 @@
 // Package txflow is the transaction flow of every idem middleware that
-// claims through a dedup.TxStore (consumer.Transactional, the Watermill
-// transactional middleware, the HTTP middleware on pgtable), written once:
+// claims through a dedup.TxStore (consumer.Transactional and the Watermill
+// transactional middleware), written once:
 // the claim, the handler and the commit run in one store.Process, and the
 // claim, handler and commit telemetry is recorded the same way for all of
 // them. The middleware keep only what is theirs: building the key, the
@@ -42,7 +42,8 @@ func (r Result) Handled() string {
 }
 
 // Verdict is the claim's verdict for the middleware's answer: nil when the
-// handler's run committed or failed (HandlerErr then says how), else the
+// handler ran and its own run decided (committed when Err is nil; else
+// HandlerErr, or the commit failed), else the
 // error of the claim that lost (a duplicate, a key in flight, a
 // fingerprint mismatch, an invalid key or a store error). A handler that
 // ran and then found the key taken by a claim that does not wait for this
