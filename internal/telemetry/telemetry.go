@@ -86,8 +86,13 @@ var Metrics = []string{
 	MetricLeaseLost, MetricMessages, MetricProcessDuration,
 	MetricOutboxBacklog, MetricOutboxOldestAge, MetricOutboxPublished,
 	MetricOutboxRetried, MetricOutboxDead, MetricOutboxPublishDuration,
-	MetricOutboxDelay, MetricSlotLag, MetricSlotRetained, MetricSlotLagAge,
+	MetricOutboxDelay,
 }
+
+// SlotMetrics lists the WAL relay's slot gauges, for documentation checks;
+// they are apart from Metrics because only a relay streaming a logical
+// replication slot reports them.
+var SlotMetrics = []string{MetricSlotLag, MetricSlotRetained, MetricSlotLagAge}
 
 // Attribute keys. None of them ever carries a message id or a key.
 const (

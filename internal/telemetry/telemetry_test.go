@@ -29,7 +29,7 @@ func TestReadmeListsEveryMetric(t *testing.T) {
 	if end := strings.Index(section[3:], "\n## "); end >= 0 {
 		section = section[:end+3]
 	}
-	for _, m := range telemetry.Metrics {
+	for _, m := range append(telemetry.Metrics, telemetry.SlotMetrics...) {
 		if !strings.Contains(section, "`"+m+"`") {
 			t.Errorf("README's Operating idem section does not list %s", m)
 		}
