@@ -94,7 +94,7 @@ func runDemo(ctx context.Context, args []string, stdout, stderr io.Writer) error
 	fs.DurationVar(&cfg.timeout, "timeout", 2*time.Minute, "give up after this long")
 	fs.StringVar(&cfg.postgres, "postgres", envDefault("IDEM_POSTGRES_URL", ""), "PostgreSQL URL: dedup marks in pgtable, messages through a pgoutbox relay, charges in a table (drops and recreates the demo's demo_* tables in --schema; the default run takes about a minute)")
 	fs.StringVar(&cfg.schema, "schema", "idem_demo", "schema of the demo's tables with --postgres")
-	fs.StringVar(&cfg.redisURL, "redis", envDefault("IDEM_REDIS_URL", ""), "Redis URL (redis://host:port/db): dedup marks in Redis (redisnx) instead of memstore")
+	fs.StringVar(&cfg.redisURL, "redis", envDefault("IDEM_REDIS_URL", ""), "Redis URL (redis://[user:password@]host:port/db, rediss:// for TLS) or host:port: dedup marks in Redis (redisnx) instead of memstore")
 	fs.StringVar(&cfg.kafkaBrokers, "kafka", envDefault("IDEM_KAFKA_BROKERS", ""), "comma-separated Kafka brokers instead of the in-process kfake cluster")
 	fs.StringVar(&cfg.amqpURL, "amqp", envDefault("IDEM_AMQP_URL", ""), "RabbitMQ URL (amqp://user:password@host:port/vhost): the pipeline runs over RabbitMQ instead of Kafka, through a fanout exchange and a queue per consumer named after the run (deleted at the end)")
 	fs.StringVar(&cfg.progress, "progress", "auto", "progress display: auto (a bar on a terminal, plain lines otherwise), bar, plain or none")
@@ -148,6 +148,24 @@ func runDemo(ctx context.Context, args []string, stdout, stderr io.Writer) error
 	}
 	return nil
 }
+
+// redisOptions parses a Redis address the way every idem command takes it:
+// a URL (redis://[user:password@]host:port[/db], rediss:// for TLS) or a
+// bare host:port.
+func redisOptions(s string) (*redis.Options, error) {
+	if !strings.Contains(s, "://") {
+		s = "redis://" + s
+	}
+	return redis.ParseURL(s)
+}
+
+// quietRedis drops go-redis's own log lines (a failed dial of its pool, for
+// one): the commands report Redis errors themselves, on one line.
+type quietRedis struct{}
+
+func (quietRedis) Printf(context.Context, string, ...any) {}
+
+func init() { redis.SetLogger(quietRedis{}) }
 
 func isRate(f float64) bool { return f >= 0 && f <= 1 && !math.IsNaN(f) }
 
@@ -370,7 +388,7 @@ func demo(ctx context.Context, cfg demoConfig, stdout io.Writer) (*demoResult, e
 		store = ms
 		res.store = "dedup marks in memory (memstore)"
 	default:
-		opt, err := redis.ParseURL(cfg.redisURL)
+		opt, err := redisOptions(cfg.redisURL)
 		if err != nil {
 			return nil, fmt.Errorf("--redis: %w", err)
 		}

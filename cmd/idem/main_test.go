@@ -3,6 +3,9 @@ package main
 import (
 	"bytes"
 	"context"
+	"errors"
+	"os"
+	"os/exec"
 	"regexp"
 	"strconv"
 	"strings"
@@ -17,6 +20,34 @@ import (
 // kfake's Close and kafka-go's Transport.CloseIdleConnections join their
 // goroutines, so the command needs no goleak ignores beyond testenv's.
 func TestMain(m *testing.M) { goleak.VerifyTestMain(m, testenv.LeakOptions()...) }
+
+// mainEnv makes the test binary run the command of its arguments, as the
+// idem binary would, and exit: for what only a separate process shows, such
+// as what a library writes to the process's own stderr.
+const mainEnv = "IDEM_TEST_MAIN"
+
+func init() {
+	if os.Getenv(mainEnv) == "1" {
+		os.Exit(run(context.Background(), os.Args[1:], os.Stdout, os.Stderr))
+	}
+}
+
+// runProcess runs the command in a child process of the test binary.
+func runProcess(t *testing.T, args ...string) (code int, stdout, stderr string) {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+	defer cancel()
+	cmd := exec.CommandContext(ctx, os.Args[0], args...)
+	cmd.Env = append(os.Environ(), mainEnv+"=1")
+	var out, errOut bytes.Buffer
+	cmd.Stdout, cmd.Stderr = &out, &errOut
+	err := cmd.Run()
+	var ee *exec.ExitError
+	if err != nil && !errors.As(err, &ee) {
+		t.Fatalf("run %v: %v", args, err)
+	}
+	return cmd.ProcessState.ExitCode(), out.String(), errOut.String()
+}
 
 // runCmd runs the command in process and returns its exit status and output.
 func runCmd(ctx context.Context, t *testing.T, args ...string) (code int, stdout, stderr string) {
@@ -125,5 +156,19 @@ func TestHelp(t *testing.T) {
 	code, out, _ := runCmd(context.Background(), t, "help")
 	if code != 0 || !strings.Contains(out, "idem demo") {
 		t.Errorf("help: exit %d, output %q", code, out)
+	}
+}
+
+// TestDemoRedisAddress checks that --redis takes a host:port as well as a
+// URL, and that an unreachable Redis is one line on stderr, with none of
+// go-redis's own log lines before it.
+func TestDemoRedisAddress(t *testing.T) {
+	dead := testenv.DeadAddr(t)
+	for _, addr := range []string{dead, "redis://" + dead + "/0"} {
+		code, _, errOut := runProcess(t, "demo", "--redis", addr, "--payments", "10", "--progress", "none")
+		want := "idem demo: redis at " + dead + " is unreachable"
+		if code != 1 || !strings.HasPrefix(errOut, want) || strings.Count(errOut, "\n") != 1 {
+			t.Errorf("--redis %s: exit %d, stderr:\n%s\nwant exit 1 and one line starting %q", addr, code, errOut, want)
+		}
 	}
 }
