@@ -33,12 +33,12 @@ import (
 )
 
 type config struct {
-	amqpURL   string
-	redisURL  string
-	queue     string
-	n         int
-	keep      bool
-	out       *os.File
+	amqpURL  string
+	redisURL string
+	queue    string
+	n        int
+	keep     bool
+	out      *os.File
 }
 
 func main() {
