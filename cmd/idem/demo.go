@@ -7,6 +7,7 @@ import (
 	"encoding/hex"
 	"encoding/json"
 	"errors"
+	"flag"
 	"fmt"
 	"io"
 	"log/slog"
@@ -78,6 +79,9 @@ type demoConfig struct {
 	amqpURL        string
 	progress       string
 	progressOutput io.Writer
+	// rerun is the flags that repeat this run: every flag given, and the
+	// seed.
+	rerun string
 }
 
 func runDemo(ctx context.Context, args []string, stdout, stderr io.Writer) error {
@@ -135,6 +139,7 @@ func runDemo(ctx context.Context, args []string, stdout, stderr io.Writer) error
 		cfg.seed = cfg.seed>>1 | 1
 	}
 	cfg.progressOutput = stderr
+	cfg.rerun = rerunFlags(fs, cfg.seed)
 
 	ctx, cancel := context.WithTimeout(ctx, cfg.timeout)
 	defer cancel()
@@ -167,6 +172,28 @@ func (quietRedis) Printf(context.Context, string, ...any) {}
 
 func init() { redis.SetLogger(quietRedis{}) }
 
+// rerunFlags returns the flags that repeat a run: --payments and --seed (the
+// one the run used), then every other flag given on the command line.
+func rerunFlags(fs *flag.FlagSet, seed uint64) string {
+	args := []string{"--payments", fs.Lookup("payments").Value.String(), "--seed", strconv.FormatUint(seed, 10)}
+	fs.Visit(func(f *flag.Flag) {
+		if f.Name != "payments" && f.Name != "seed" {
+			args = append(args, "--"+f.Name, shellQuote(f.Value.String()))
+		}
+	})
+	return strings.Join(args, " ")
+}
+
+// shellQuote quotes s for a POSIX shell when it needs it.
+func shellQuote(s string) string {
+	if s != "" && strings.IndexFunc(s, func(r rune) bool {
+		return !(r >= 'a' && r <= 'z' || r >= 'A' && r <= 'Z' || r >= '0' && r <= '9' || strings.ContainsRune("-_./:@%+=,", r))
+	}) < 0 {
+		return s
+	}
+	return "'" + strings.ReplaceAll(s, "'", `'\''`) + "'"
+}
+
 func isRate(f float64) bool { return f >= 0 && f <= 1 && !math.IsNaN(f) }
 
 // payment is one logical payment a client submits: one idempotency key,
@@ -178,6 +205,9 @@ type payment struct {
 	cents       int64
 	doubleClick bool
 	loseFirst   bool
+	// crash says whether the naive [0] and the idem [1] consumer crash
+	// after handling this payment's first delivery.
+	crash [2]bool
 }
 
 // ledger is one pipeline's effect sink and counters. Everything is guarded
@@ -347,6 +377,7 @@ func demo(ctx context.Context, cfg demoConfig, stdout io.Writer) (*demoResult, e
 	start := time.Now()
 	runID := newRunID()
 	res := &demoResult{cfg: cfg, naive: newLedger(), idem: newLedger()}
+	pl := &plan{cfg: cfg, runID: runID}
 	logger := slog.New(slog.DiscardHandler)
 
 	// The broker: Kafka (kfake in this process, or the brokers given) or
@@ -433,14 +464,13 @@ func demo(ctx context.Context, cfg demoConfig, stdout io.Writer) (*demoResult, e
 	if pgd == nil {
 		rl = &relay{
 			pub:   br.pub,
-			queue: make(chan *outbox.Message, 1024),
-			rng:   mrand.New(mrand.NewPCG(cfg.seed, 2)),
-			rate:  cfg.republishes,
+			queue: make(chan relayed, 1024),
+			plan:  pl,
 			done:  make(chan struct{}),
 		}
 		sink, runRelay, published = rl, rl.run, rl.published.Load
 		relayDone = func() bool { return isClosed(rl.done) }
-		relayCounts = func() (int64, int64) { return rl.republished.Load(), rl.crashes.Load() }
+		relayCounts = func() (int64, int64) { return rl.republished.Load(), pl.relayBlocks() }
 	} else {
 		// pgoutbox's relay, through a publisher that now and then
 		// "crashes" between publish and mark: the rows stay unmarked
@@ -501,12 +531,12 @@ func demo(ctx context.Context, cfg demoConfig, stdout io.Writer) (*demoResult, e
 		{path: pathIdem, name: "billing-idem-" + runID, ledger: res.idem},
 	}
 	for i, g := range groups {
-		g.br, g.logger = br, logger
+		g.br, g.logger, g.plan = br, logger, pl
 		// A generator per group: the crashes of each follow from the
 		// seed, whatever the other does meanwhile.
 		g.crashRate, g.rng = cfg.crashRate, &lockedRand{r: mrand.New(mrand.NewPCG(cfg.seed, uint64(3+i)))}
 		g.offsets = &offsetStore{pos: map[int]int64{}, partitions: cfg.partitions}
-		g.seen = map[string]bool{}
+		g.seen, g.crashed = map[string]bool{}, map[int]bool{}
 		if g.path != pathIdem {
 			continue
 		}
@@ -560,14 +590,13 @@ func demo(ctx context.Context, cfg demoConfig, stdout io.Writer) (*demoResult, e
 	}
 
 	// The clients.
-	payments := makePayments(cfg, runID)
 	var submitted atomic.Int64
 	wg.Go(func() {
 		defer close(clientsDone)
 		if rl != nil {
 			defer rl.closeQueue()
 		}
-		submit(runCtx, cfg.clients, payments, apis, &submitted)
+		submit(runCtx, cfg.clients, pl, apis, &submitted)
 	})
 
 	// Progress, and the end: every record published has been handled by
@@ -639,20 +668,84 @@ func newRunID() string {
 	return hex.EncodeToString(b[:])
 }
 
-func makePayments(cfg demoConfig, runID string) []payment {
-	r := mrand.New(mrand.NewPCG(cfg.seed, 1))
-	ps := make([]payment, cfg.payments)
-	for i := range ps {
-		ps[i] = payment{
-			n:           i,
-			key:         fmt.Sprintf("pay-%s-%06d", runID, i),
-			customer:    "customer-" + strconv.Itoa(r.IntN(500)),
-			cents:       100 + r.Int64N(99900),
-			doubleClick: r.Float64() < cfg.doubleClicks,
-			loseFirst:   r.Float64() < cfg.timeouts,
+// plan decides the run from the seed, before it starts: each payment, its
+// double click and lost response, the consumer crashes it causes, and the
+// relay crashes. Each decision is a function of the seed and the payment's
+// number (or the relay block's), whatever the goroutines do meanwhile, so
+// that a run in this process repeats with its seed; and payments are made
+// one at a time, so that none is held longer than its submission.
+type plan struct {
+	cfg   demoConfig
+	runID string
+}
+
+// The streams of the seed's generator, one per kind of decision.
+const (
+	streamPayment = iota + 1
+	streamRelay
+)
+
+// rng returns the generator of decision n of a stream.
+func (pl *plan) rng(stream, n uint64) *mrand.Rand {
+	// PCG's first outputs for neighbouring seeds are alike: mix first.
+	a := splitmix(pl.cfg.seed ^ splitmix(stream<<56|n))
+	return mrand.New(mrand.NewPCG(a, splitmix(a)))
+}
+
+// splitmix is SplitMix64's mixing function.
+func splitmix(x uint64) uint64 {
+	x += 0x9e3779b97f4a7c15
+	x = (x ^ x>>30) * 0xbf58476d1ce4e5b9
+	x = (x ^ x>>27) * 0x94d049bb133111eb
+	return x ^ x>>31
+}
+
+// payment returns payment n.
+func (pl *plan) payment(n int) payment {
+	r := pl.rng(streamPayment, uint64(n))
+	return payment{
+		n:           n,
+		key:         fmt.Sprintf("pay-%s-%06d", pl.runID, n),
+		customer:    "customer-" + strconv.Itoa(r.IntN(500)),
+		cents:       100 + r.Int64N(99900),
+		doubleClick: r.Float64() < pl.cfg.doubleClicks,
+		loseFirst:   r.Float64() < pl.cfg.timeouts,
+		crash: [2]bool{
+			r.Float64() < pl.cfg.crashRate,
+			r.Float64() < pl.cfg.crashRate,
+		},
+	}
+}
+
+// cents returns the amount of payment n.
+func (pl *plan) cents(n int) int64 { return pl.payment(n).cents }
+
+// crashes reports whether the consumer group of path crashes after it
+// handled payment n's first delivery, before it committed it (in this
+// process: the child processes are SIGKILLed at random instead).
+func (pl *plan) crashes(path string, n int) bool {
+	i := 0
+	if path == pathIdem {
+		i = 1
+	}
+	return pl.payment(n).crash[i]
+}
+
+// relayCrashes reports whether the relay crashes after publishing the
+// messages of payments block*relayBatch to (block+1)*relayBatch-1, before
+// marking them sent: it publishes them again.
+func (pl *plan) relayCrashes(block int) bool {
+	return pl.rng(streamRelay, uint64(block)).Float64() < pl.cfg.republishes
+}
+
+// relayBlocks returns the number of relay blocks that crash.
+func (pl *plan) relayBlocks() (crashed int64) {
+	for b := range (pl.cfg.payments + relayBatch - 1) / relayBatch {
+		if pl.relayCrashes(b) {
+			crashed++
 		}
 	}
-	return ps
+	return crashed
 }
 
 // lockedRand is a rand.Rand safe for concurrent use.
@@ -681,8 +774,9 @@ type paymentBody struct {
 	Cents    int64  `json:"amount_cents"`
 }
 
-// submit sends every payment to every API from clients goroutines.
-func submit(ctx context.Context, clients int, ps []payment, apis []apiTarget, submitted *atomic.Int64) {
+// submit sends every payment of the plan to every API from clients
+// goroutines.
+func submit(ctx context.Context, clients int, pl *plan, apis []apiTarget, submitted *atomic.Int64) {
 	next := make(chan *payment)
 	var wg sync.WaitGroup
 	for range clients {
@@ -710,9 +804,10 @@ func submit(ctx context.Context, clients int, ps []payment, apis []apiTarget, su
 	}
 	defer wg.Wait()
 	defer close(next)
-	for i := range ps {
+	for n := range pl.cfg.payments {
+		p := pl.payment(n)
 		select {
-		case next <- &ps[i]:
+		case next <- &p:
 		case <-ctx.Done():
 			return
 		}
@@ -861,24 +956,29 @@ func (a *api) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	fprintf(w, "{\"id\":%q}\n", id)
 }
 
-// relay publishes the outbox's messages in batches. After a batch, with
-// probability rate, it "crashes" before marking the batch sent: the batch is
-// published again, with the same ids, as a restarted relay does.
+// relay publishes the outbox's messages in batches. The plan says which
+// blocks of payments it crashes after (relayCrashes): it publishes their
+// messages, "crashes" before marking them sent, and publishes them again,
+// with the same ids, as a restarted relay does.
 type relay struct {
 	pub         outbox.Publisher
-	queue       chan *outbox.Message
+	queue       chan relayed
 	closeOnce   sync.Once
-	rng         *mrand.Rand
-	rate        float64
+	plan        *plan
 	published   atomic.Int64
 	republished atomic.Int64
-	crashes     atomic.Int64
 	done        chan struct{}
 }
 
-func (r *relay) enqueue(req *http.Request, _ *paymentBody, msg *outbox.Message) error {
+// relayed is a message in the relay's queue, with its payment's number.
+type relayed struct {
+	msg     *outbox.Message
+	payment int
+}
+
+func (r *relay) enqueue(req *http.Request, p *paymentBody, msg *outbox.Message) error {
 	select {
-	case r.queue <- msg:
+	case r.queue <- relayed{msg: msg, payment: p.Payment}:
 		return nil
 	case <-req.Context().Done():
 		return req.Context().Err()
@@ -891,25 +991,32 @@ const relayBatch = 100
 
 func (r *relay) run(ctx context.Context) error {
 	defer close(r.done)
+	var batch, again []*outbox.Message
 	for {
-		var batch []*outbox.Message
+		batch, again = batch[:0], again[:0]
+		add := func(m relayed) {
+			batch = append(batch, m.msg)
+			if r.plan.relayCrashes(m.payment / relayBatch) {
+				again = append(again, m.msg)
+			}
+		}
 		select {
-		case msg, ok := <-r.queue:
+		case m, ok := <-r.queue:
 			if !ok {
 				return nil
 			}
-			batch = append(batch, msg)
+			add(m)
 		case <-ctx.Done():
 			return nil
 		}
 	fill:
 		for len(batch) < relayBatch {
 			select {
-			case msg, ok := <-r.queue:
+			case m, ok := <-r.queue:
 				if !ok {
 					break fill
 				}
-				batch = append(batch, msg)
+				add(m)
 			default:
 				break fill
 			}
@@ -917,14 +1024,13 @@ func (r *relay) run(ctx context.Context) error {
 		if err := r.publish(ctx, batch); err != nil {
 			return err
 		}
-		if r.rng.Float64() < r.rate {
+		if len(again) > 0 {
 			// Crashed after publishing, before marking: the restarted
-			// relay finds the batch unmarked and publishes it again.
-			r.crashes.Add(1)
-			if err := r.publish(ctx, batch); err != nil {
+			// relay finds these unmarked and publishes them again.
+			if err := r.publish(ctx, again); err != nil {
 				return err
 			}
-			r.republished.Add(int64(len(batch)))
+			r.republished.Add(int64(len(again)))
 		}
 	}
 }
@@ -982,7 +1088,11 @@ type group struct {
 	dedup     consumer.Middleware // nil for the naive group
 	crashRate float64
 	rng       *lockedRand
+	plan      *plan
 	offsets   *offsetStore
+	// crashed holds the payments whose planned crash happened (Kafka in
+	// this process).
+	crashed map[int]bool
 	// child, when set, is the configuration of the child processes that
 	// run this group, started from exe. freeze makes the demo stop a
 	// child between deliveries before it SIGKILLs it.
@@ -1077,6 +1187,60 @@ func route(path string, delivered func(msg *consumer.Message, p *paymentBody)) c
 	}
 }
 
+// errDead is what a crashed instance answers: the process is gone and
+// handles nothing more.
+var errDead = errors.New("demo: the consumer crashed")
+
+// crashing wraps the group's handler for an instance in this process, so
+// that what it handles and commits follows from the plan alone: the
+// instance commits each record's position as soon as the record is
+// handled, but after the first delivery of a payment whose plan says it
+// crashes, which it handles and never commits; and once crashed it
+// handles nothing more. The restarted instance gets that delivery again,
+// and no other.
+func (g *group) crashing(inst *instance, next consumer.Handler) consumer.Handler {
+	return consumer.HandlerFunc(func(ctx context.Context, msg *consumer.Message) error {
+		if inst.dead.Load() {
+			return errDead
+		}
+		// A crash stops the consumer, not a handler midway: the
+		// handler runs to its end.
+		err := next.Handle(context.WithoutCancel(ctx), msg)
+		if consumer.Decide(err).Action != consumer.ActionAck {
+			return err
+		}
+		if msg.Headers[headerPath] == g.path {
+			var p paymentBody
+			if json.Unmarshal(msg.Payload, &p) == nil && g.crashAfter(p.Payment) {
+				inst.dead.Store(true)
+				g.crashes.Add(1)
+				inst.cancel()
+				return err
+			}
+		}
+		part, _ := strconv.Atoi(msg.Metadata[kafka.MetadataPartition])
+		off, _ := strconv.ParseInt(msg.Metadata[kafka.MetadataOffset], 10, 64)
+		g.offsets.save(part, off+1)
+		g.markHandled(deliveryID(msg))
+		return err // nil, or a completed duplicate's
+	})
+}
+
+// crashAfter reports whether the group crashes after handling a delivery
+// of payment n: the first one, when the plan says so.
+func (g *group) crashAfter(n int) bool {
+	if !g.plan.crashes(g.path, n) {
+		return false
+	}
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	if g.crashed[n] {
+		return false
+	}
+	g.crashed[n] = true
+	return true
+}
+
 func (g *group) runInstance(ctx context.Context, inst *instance) error {
 	c, err := kafka.NewConsumer(kafkago.ReaderConfig{
 		Brokers:  g.br.brokers,
@@ -1085,7 +1249,7 @@ func (g *group) runInstance(ctx context.Context, inst *instance) error {
 		MinBytes: 1,
 		MaxBytes: 10 << 20,
 		MaxWait:  50 * time.Millisecond,
-	}, g.handler(), kafka.Options{
+	}, g.crashing(inst, g.handler()), kafka.Options{
 		DeadLetterTopic: g.br.dlq,
 		Logger:          g.logger,
 		CommitEvery:     500,
@@ -1097,14 +1261,6 @@ func (g *group) runInstance(ctx context.Context, inst *instance) error {
 				return
 			}
 			g.markHandled(deliveryID(msg))
-			if msg.Headers[headerPath] == g.path && g.rng.Float64() < g.crashRate {
-				// Crash: from now on nothing this instance commits
-				// counts, and it stops. The restarted one resumes from
-				// the last committed offsets.
-				inst.dead.Store(true)
-				g.crashes.Add(1)
-				inst.cancel()
-			}
 		},
 	})
 	if err != nil {
@@ -1126,6 +1282,15 @@ type offsetStore struct {
 type instanceOffsets struct {
 	store *offsetStore
 	inst  *instance
+}
+
+// save records that a partition's records before off are done.
+func (o *offsetStore) save(partition int, off int64) {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	if off > o.pos[partition] {
+		o.pos[partition] = off
+	}
 }
 
 func (o *instanceOffsets) LoadOffsets(_ context.Context, _, _ string, partitions []int) (map[int]int64, error) {

@@ -62,6 +62,17 @@ func runDemoChecked(t *testing.T, payments int, args ...string) *demoRun {
 	if m == nil {
 		t.Fatalf("last line %q is not the demo's summary", lines[len(lines)-1])
 	}
+	// The rerun line repeats every flag given.
+	rerun := regexp.MustCompile(`(?m)^Rerun with: idem demo (.*)$`).FindStringSubmatch(out)
+	if rerun == nil {
+		t.Fatal("no Rerun with line")
+	}
+	given := append([]string{"--payments", strconv.Itoa(payments), "--progress", "plain"}, args...)
+	for i := 0; i+1 < len(given); i += 2 {
+		if want := given[i] + " " + shellQuote(given[i+1]); !strings.Contains(rerun[1]+" ", want+" ") {
+			t.Errorf("rerun line %q does not have %q", rerun[1], want)
+		}
+	}
 	r := &demoRun{out: out}
 	for i := range r.last {
 		r.last[i], _ = strconv.Atoi(m[i+1])
