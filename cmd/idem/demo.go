@@ -87,7 +87,7 @@ type demoConfig struct {
 func runDemo(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	var cfg demoConfig
 	fs := newFlagSet("demo", "demo [flags]", stderr)
-	fs.IntVar(&cfg.payments, "payments", 10000, "number of payments the clients submit")
+	fs.IntVar(&cfg.payments, "payments", 10000, "number of payments the clients submit (at most 1000000)")
 	fs.Uint64Var(&cfg.seed, "seed", 0, "random seed of the workload (0 picks one; it is printed so a run can be repeated)")
 	fs.Float64Var(&cfg.crashRate, "crash-rate", 0.0003, "probability that a consumer crashes after handling a delivery, before committing its offset (or ACK); with --postgres or --redis the idem consumer is a child process that is SIGKILLed and restarted instead")
 	fs.Float64Var(&cfg.doubleClicks, "double-click-rate", 0.05, "fraction of payments submitted twice at once (a double click)")
@@ -95,7 +95,7 @@ func runDemo(ctx context.Context, args []string, stdout, stderr io.Writer) error
 	fs.Float64Var(&cfg.republishes, "republish-rate", 0.05, "probability that the relay crashes after publishing a batch and before marking it, so it publishes the batch again")
 	fs.IntVar(&cfg.partitions, "partitions", 4, "partitions of the payments topic")
 	fs.IntVar(&cfg.clients, "clients", 16, "concurrent HTTP clients")
-	fs.DurationVar(&cfg.timeout, "timeout", 2*time.Minute, "give up after this long")
+	fs.DurationVar(&cfg.timeout, "timeout", 0, "give up after this long (default 2m, or 1ms per payment when that is longer)")
 	fs.StringVar(&cfg.postgres, "postgres", envDefault("IDEM_POSTGRES_URL", ""), "PostgreSQL URL: dedup marks in pgtable, messages through a pgoutbox relay, charges in a table (drops and recreates the demo's demo_* tables in --schema; the default run takes about a minute)")
 	fs.StringVar(&cfg.schema, "schema", "idem_demo", "schema of the demo's tables with --postgres")
 	fs.StringVar(&cfg.redisURL, "redis", envDefault("IDEM_REDIS_URL", ""), "Redis URL (redis://[user:password@]host:port/db, rediss:// for TLS) or host:port: dedup marks in Redis (redisnx) instead of memstore")
@@ -109,8 +109,8 @@ func runDemo(ctx context.Context, args []string, stdout, stderr io.Writer) error
 		return usageError(fs, "unexpected argument %q", fs.Arg(0))
 	}
 	switch {
-	case cfg.payments <= 0:
-		return usageError(fs, "--payments must be positive")
+	case cfg.payments <= 0 || cfg.payments > maxPayments:
+		return usageError(fs, "--payments must be between 1 and %d", maxPayments)
 	case !isRate(cfg.crashRate) || !isRate(cfg.doubleClicks) || !isRate(cfg.timeouts) || !isRate(cfg.republishes):
 		return usageError(fs, "rates must be between 0 and 1")
 	case cfg.crashRate > 0.01:
@@ -119,7 +119,7 @@ func runDemo(ctx context.Context, args []string, stdout, stderr io.Writer) error
 		return usageError(fs, "--partitions must be between 1 and 1000")
 	case cfg.clients <= 0:
 		return usageError(fs, "--clients must be positive")
-	case cfg.timeout <= 0:
+	case cfg.timeout < 0:
 		return usageError(fs, "--timeout must be positive")
 	case cfg.progress != "auto" && cfg.progress != "bar" && cfg.progress != "plain" && cfg.progress != "none":
 		return usageError(fs, "--progress must be auto, bar, plain or none")
@@ -139,6 +139,9 @@ func runDemo(ctx context.Context, args []string, stdout, stderr io.Writer) error
 		cfg.seed = cfg.seed>>1 | 1
 	}
 	cfg.progressOutput = stderr
+	if cfg.timeout == 0 {
+		cfg.timeout = max(2*time.Minute, time.Duration(cfg.payments)*time.Millisecond)
+	}
 	cfg.rerun = rerunFlags(fs, cfg.seed)
 
 	ctx, cancel := context.WithTimeout(ctx, cfg.timeout)
@@ -193,6 +196,10 @@ func shellQuote(s string) string {
 	}
 	return "'" + strings.ReplaceAll(s, "'", `'\''`) + "'"
 }
+
+// maxPayments bounds --payments: the demo keeps a few counters per payment
+// and per delivery, and a run of a million takes minutes.
+const maxPayments = 1_000_000
 
 func isRate(f float64) bool { return f >= 0 && f <= 1 && !math.IsNaN(f) }
 
