@@ -77,6 +77,7 @@ type demoConfig struct {
 	redisURL       string
 	kafkaBrokers   string
 	amqpURL        string
+	keep           bool
 	progress       string
 	progressOutput io.Writer
 	// rerun is the flags that repeat this run: every flag given, and the
@@ -97,7 +98,8 @@ func runDemo(ctx context.Context, args []string, stdout, stderr io.Writer) error
 	fs.IntVar(&cfg.clients, "clients", 16, "concurrent HTTP clients")
 	fs.DurationVar(&cfg.timeout, "timeout", 0, "give up after this long (default 2m, or 1ms per payment when that is longer)")
 	fs.StringVar(&cfg.postgres, "postgres", envDefault("IDEM_POSTGRES_URL", ""), "PostgreSQL URL: dedup marks in pgtable, messages through a pgoutbox relay, charges in a table (drops and recreates the demo's demo_* tables in --schema; the default run takes about a minute)")
-	fs.StringVar(&cfg.schema, "schema", "idem_demo", "schema of the demo's tables with --postgres")
+	fs.StringVar(&cfg.schema, "schema", "", "schema of the demo's tables with --postgres, kept at the end (default: a fresh idem_demo_<run>, dropped at the end unless --keep)")
+	fs.BoolVar(&cfg.keep, "keep", false, "keep what the run made at the end: the fresh --postgres schema, the --redis marks")
 	fs.StringVar(&cfg.redisURL, "redis", envDefault("IDEM_REDIS_URL", ""), "Redis URL (redis://[user:password@]host:port/db, rediss:// for TLS) or host:port: dedup marks in Redis (redisnx) instead of memstore")
 	fs.StringVar(&cfg.kafkaBrokers, "kafka", envDefault("IDEM_KAFKA_BROKERS", ""), "comma-separated Kafka brokers instead of the in-process kfake cluster")
 	fs.StringVar(&cfg.amqpURL, "amqp", envDefault("IDEM_AMQP_URL", ""), "RabbitMQ URL (amqp://user:password@host:port/vhost): the pipeline runs over RabbitMQ instead of Kafka, through a fanout exchange and a queue per consumer named after the run (deleted at the end)")
@@ -125,7 +127,7 @@ func runDemo(ctx context.Context, args []string, stdout, stderr io.Writer) error
 		return usageError(fs, "--progress must be auto, bar, plain or none")
 	case cfg.postgres != "" && cfg.redisURL != "":
 		return usageError(fs, "--postgres and --redis are exclusive")
-	case cfg.postgres != "" && !schemaName.MatchString(cfg.schema):
+	case cfg.postgres != "" && cfg.schema != "" && !schemaName.MatchString(cfg.schema):
 		return usageError(fs, "--schema must be a lowercase identifier")
 	case cfg.amqpURL != "" && cfg.kafkaBrokers != "":
 		return usageError(fs, "--amqp and --kafka are exclusive")
@@ -165,6 +167,16 @@ func redisOptions(s string) (*redis.Options, error) {
 		s = "redis://" + s
 	}
 	return redis.ParseURL(s)
+}
+
+// deleteRedisKeys deletes the keys that start with prefix.
+func deleteRedisKeys(client *redis.Client, prefix string) {
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	iter := client.Scan(ctx, 0, prefix+"*", 1000).Iterator()
+	for iter.Next(ctx) {
+		_ = client.Del(ctx, iter.Val()).Err()
+	}
 }
 
 // quietRedis drops go-redis's own log lines (a failed dial of its pool, for
@@ -411,11 +423,18 @@ func demo(ctx context.Context, cfg demoConfig, stdout io.Writer) (*demoResult, e
 	redisPrefix := "idem-demo-" + runID
 	switch {
 	case cfg.postgres != "":
+		fresh := cfg.schema == ""
+		if fresh {
+			cfg.schema = "idem_demo_" + runID
+		}
 		pgd, err = setupPG(ctx, cfg.postgres, cfg.schema)
 		if err != nil {
 			return nil, err
 		}
 		defer pgd.close()
+		if fresh && !cfg.keep {
+			defer pgd.dropSchema(cfg.schema)
+		}
 		res.store = "pgtable + pgoutbox on " + pgd.where
 	case cfg.redisURL == "":
 		ms, err := memstore.New(memstore.Options{})
@@ -437,6 +456,9 @@ func demo(ctx context.Context, cfg demoConfig, stdout io.Writer) (*demoResult, e
 		pcancel()
 		if err != nil {
 			return nil, fmt.Errorf("redis at %s is unreachable: %w", opt.Addr, err)
+		}
+		if !cfg.keep {
+			defer deleteRedisKeys(client, redisPrefix+":")
 		}
 		rs, err := redisnx.New(client, redisnx.Options{Prefix: redisPrefix, TTL: time.Hour})
 		if err != nil {

@@ -179,3 +179,25 @@ func TestDemoRedis(t *testing.T) {
 		"--crash-rate", "0.002", "--republish-rate", "0.2", "--seed", "7")
 	checkChildren(t, r)
 }
+
+// TestDemoPostgresFreshSchema runs the demo with --postgres and no
+// --schema: it makes a schema of its own and drops it at the end.
+func TestDemoPostgresFreshSchema(t *testing.T) {
+	if testing.Short() {
+		t.Skip("short")
+	}
+	pool := testenv.Pool(t, 2) // skips (or fails under CI=true) without PostgreSQL
+	r := runDemoChecked(t, 200, "--postgres", testenv.PostgresURL(), "--seed", "3")
+	m := regexp.MustCompile(`schema (idem_demo\w*)`).FindStringSubmatch(r.out)
+	if m == nil {
+		t.Fatalf("the header names no schema:\n%s", r.out)
+	}
+	var left bool
+	if err := pool.QueryRow(context.Background(), "SELECT EXISTS (SELECT FROM pg_namespace WHERE nspname = $1)", m[1]).Scan(&left); err != nil {
+		t.Fatal(err)
+	}
+	if left {
+		_, _ = pool.Exec(context.Background(), "DROP SCHEMA "+pgx.Identifier{m[1]}.Sanitize()+" CASCADE")
+		t.Errorf("the run left its schema %s behind", m[1])
+	}
+}
