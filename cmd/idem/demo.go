@@ -201,9 +201,10 @@ func rerunFlags(fs *flag.FlagSet, seed uint64) string {
 
 // shellQuote quotes s for a POSIX shell when it needs it.
 func shellQuote(s string) string {
-	if s != "" && strings.IndexFunc(s, func(r rune) bool {
-		return !(r >= 'a' && r <= 'z' || r >= 'A' && r <= 'Z' || r >= '0' && r <= '9' || strings.ContainsRune("-_./:@%+=,", r))
-	}) < 0 {
+	plain := func(r rune) bool {
+		return r >= 'a' && r <= 'z' || r >= 'A' && r <= 'Z' || r >= '0' && r <= '9' || strings.ContainsRune("-_./:@%+=,", r)
+	}
+	if s != "" && strings.IndexFunc(s, func(r rune) bool { return !plain(r) }) < 0 {
 		return s
 	}
 	return "'" + strings.ReplaceAll(s, "'", `'\''`) + "'"
@@ -745,9 +746,6 @@ func (pl *plan) payment(n int) payment {
 		},
 	}
 }
-
-// cents returns the amount of payment n.
-func (pl *plan) cents(n int) int64 { return pl.payment(n).cents }
 
 // crashes reports whether the consumer group of path crashes after it
 // handled payment n's first delivery, before it committed it (in this
