@@ -9,6 +9,8 @@ import (
 	"strings"
 	"time"
 
+	"github.com/google/uuid"
+
 	"github.com/idemkit/idem/dedup/pgtable"
 	"github.com/idemkit/idem/outbox/pgoutbox"
 )
@@ -30,7 +32,7 @@ func splitAction(args []string) (action string, rest []string) {
 func runOutbox(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	fs := newFlagSet("outbox", outboxSynopsis, stderr)
 	var pg pgFlags
-	pg.register(fs, false)
+	pg.register(fs, withOutbox)
 	limit := fs.Int("limit", 50, "most dead messages to list")
 	action, args := splitAction(args)
 	var pre []string
@@ -55,6 +57,11 @@ func runOutbox(ctx context.Context, args []string, stdout, stderr io.Writer) err
 	case "requeue":
 		if len(operands) == 0 {
 			return usageError(fs, "requeue needs the ids of dead messages")
+		}
+		for _, id := range operands {
+			if _, err := uuid.Parse(id); err != nil {
+				return usageError(fs, "%q is not a message id: ids are UUIDs, as \"idem outbox dead\" lists them", id)
+			}
 		}
 	case "":
 		return usageError(fs, "missing action: stats, dead or requeue")
@@ -131,7 +138,7 @@ const dedupSynopsis = `dedup [flags] stats|cleanup
 func runDedup(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	fs := newFlagSet("dedup", dedupSynopsis, stderr)
 	var pg pgFlags
-	pg.register(fs, true)
+	pg.register(fs, withDedup)
 	action, args := splitAction(args)
 	if err := parseFlags(fs, args); err != nil {
 		return err

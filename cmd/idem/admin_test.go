@@ -62,3 +62,46 @@ func TestAdmin(t *testing.T) {
 	check("billing/charge", "dedup", "stats")
 	check("deleted 0 expired rows", "dedup", "cleanup")
 }
+
+func TestOutboxRequeueMalformedID(t *testing.T) {
+	pool := testenv.Pool(t, 2)
+	schema := testenv.Schema(t, pool)
+	ctx := context.Background()
+	pg := []string{"--postgres", testenv.PostgresURL(), "--schema", schema}
+	if code, _, errOut := runCmd(ctx, t, append([]string{"migrate", "up"}, pg...)...); code != 0 {
+		t.Fatalf("migrate up: %s", errOut)
+	}
+	code, out, errOut := runCmd(ctx, t, append([]string{"outbox", "requeue", "not-a-uuid"}, pg...)...)
+	if code != 2 || !strings.Contains(errOut, `"not-a-uuid" is not a message id`) || strings.Contains(errOut, "SQLSTATE") {
+		t.Errorf("requeue not-a-uuid: exit %d, stdout %q, stderr %q; want exit 2 and a message naming the id", code, out, errOut)
+	}
+}
+
+// TestSubcommandFlags checks that each command's help lists only the flags
+// that apply to it.
+func TestSubcommandFlags(t *testing.T) {
+	for _, tc := range []struct {
+		cmd       string
+		want, not []string
+	}{
+		{"dedup", []string{"-dedup-table"}, []string{"-outbox-table"}},
+		{"outbox", []string{"-outbox-table", "-limit"}, []string{"-dedup-table"}},
+		{"relay", []string{"-outbox-table"}, []string{"-dedup-table"}},
+		{"migrate", []string{"-dedup-table", "-outbox-table"}, nil},
+	} {
+		code, _, errOut := runCmd(context.Background(), t, tc.cmd, "-help")
+		if code != 0 {
+			t.Errorf("%s -help: exit %d", tc.cmd, code)
+		}
+		for _, f := range tc.want {
+			if !strings.Contains(errOut, "  "+f+" ") {
+				t.Errorf("%s -help does not list %s:\n%s", tc.cmd, f, errOut)
+			}
+		}
+		for _, f := range tc.not {
+			if strings.Contains(errOut, f) {
+				t.Errorf("%s -help lists %s, which does not apply:\n%s", tc.cmd, f, errOut)
+			}
+		}
+	}
+}

@@ -7,6 +7,7 @@ import (
 	"encoding/hex"
 	"encoding/json"
 	"errors"
+	"flag"
 	"fmt"
 	"io"
 	"log/slog"
@@ -76,14 +77,18 @@ type demoConfig struct {
 	redisURL       string
 	kafkaBrokers   string
 	amqpURL        string
+	keep           bool
 	progress       string
 	progressOutput io.Writer
+	// rerun is the flags that repeat this run: every flag given, and the
+	// seed.
+	rerun string
 }
 
 func runDemo(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	var cfg demoConfig
 	fs := newFlagSet("demo", "demo [flags]", stderr)
-	fs.IntVar(&cfg.payments, "payments", 10000, "number of payments the clients submit")
+	fs.IntVar(&cfg.payments, "payments", 10000, "number of payments the clients submit (at most 1000000)")
 	fs.Uint64Var(&cfg.seed, "seed", 0, "random seed of the workload (0 picks one; it is printed so a run can be repeated)")
 	fs.Float64Var(&cfg.crashRate, "crash-rate", 0.0003, "probability that a consumer crashes after handling a delivery, before committing its offset (or ACK); with --postgres or --redis the idem consumer is a child process that is SIGKILLed and restarted instead")
 	fs.Float64Var(&cfg.doubleClicks, "double-click-rate", 0.05, "fraction of payments submitted twice at once (a double click)")
@@ -91,10 +96,11 @@ func runDemo(ctx context.Context, args []string, stdout, stderr io.Writer) error
 	fs.Float64Var(&cfg.republishes, "republish-rate", 0.05, "probability that the relay crashes after publishing a batch and before marking it, so it publishes the batch again")
 	fs.IntVar(&cfg.partitions, "partitions", 4, "partitions of the payments topic")
 	fs.IntVar(&cfg.clients, "clients", 16, "concurrent HTTP clients")
-	fs.DurationVar(&cfg.timeout, "timeout", 2*time.Minute, "give up after this long")
+	fs.DurationVar(&cfg.timeout, "timeout", 0, "give up after this long (default 2m, or 1ms per payment when that is longer)")
 	fs.StringVar(&cfg.postgres, "postgres", envDefault("IDEM_POSTGRES_URL", ""), "PostgreSQL URL: dedup marks in pgtable, messages through a pgoutbox relay, charges in a table (drops and recreates the demo's demo_* tables in --schema; the default run takes about a minute)")
-	fs.StringVar(&cfg.schema, "schema", "idem_demo", "schema of the demo's tables with --postgres")
-	fs.StringVar(&cfg.redisURL, "redis", envDefault("IDEM_REDIS_URL", ""), "Redis URL (redis://host:port/db): dedup marks in Redis (redisnx) instead of memstore")
+	fs.StringVar(&cfg.schema, "schema", "", "schema of the demo's tables with --postgres, kept at the end (default: a fresh idem_demo_<run>, dropped at the end unless --keep)")
+	fs.BoolVar(&cfg.keep, "keep", false, "keep what the run made at the end: the fresh --postgres schema, the --redis marks")
+	fs.StringVar(&cfg.redisURL, "redis", envDefault("IDEM_REDIS_URL", ""), "Redis URL (redis://[user:password@]host:port/db, rediss:// for TLS) or host:port: dedup marks in Redis (redisnx) instead of memstore")
 	fs.StringVar(&cfg.kafkaBrokers, "kafka", envDefault("IDEM_KAFKA_BROKERS", ""), "comma-separated Kafka brokers instead of the in-process kfake cluster")
 	fs.StringVar(&cfg.amqpURL, "amqp", envDefault("IDEM_AMQP_URL", ""), "RabbitMQ URL (amqp://user:password@host:port/vhost): the pipeline runs over RabbitMQ instead of Kafka, through a fanout exchange and a queue per consumer named after the run (deleted at the end)")
 	fs.StringVar(&cfg.progress, "progress", "auto", "progress display: auto (a bar on a terminal, plain lines otherwise), bar, plain or none")
@@ -105,8 +111,8 @@ func runDemo(ctx context.Context, args []string, stdout, stderr io.Writer) error
 		return usageError(fs, "unexpected argument %q", fs.Arg(0))
 	}
 	switch {
-	case cfg.payments <= 0:
-		return usageError(fs, "--payments must be positive")
+	case cfg.payments <= 0 || cfg.payments > maxPayments:
+		return usageError(fs, "--payments must be between 1 and %d", maxPayments)
 	case !isRate(cfg.crashRate) || !isRate(cfg.doubleClicks) || !isRate(cfg.timeouts) || !isRate(cfg.republishes):
 		return usageError(fs, "rates must be between 0 and 1")
 	case cfg.crashRate > 0.01:
@@ -115,13 +121,13 @@ func runDemo(ctx context.Context, args []string, stdout, stderr io.Writer) error
 		return usageError(fs, "--partitions must be between 1 and 1000")
 	case cfg.clients <= 0:
 		return usageError(fs, "--clients must be positive")
-	case cfg.timeout <= 0:
+	case cfg.timeout < 0:
 		return usageError(fs, "--timeout must be positive")
 	case cfg.progress != "auto" && cfg.progress != "bar" && cfg.progress != "plain" && cfg.progress != "none":
 		return usageError(fs, "--progress must be auto, bar, plain or none")
 	case cfg.postgres != "" && cfg.redisURL != "":
 		return usageError(fs, "--postgres and --redis are exclusive")
-	case cfg.postgres != "" && !schemaName.MatchString(cfg.schema):
+	case cfg.postgres != "" && cfg.schema != "" && !schemaName.MatchString(cfg.schema):
 		return usageError(fs, "--schema must be a lowercase identifier")
 	case cfg.amqpURL != "" && cfg.kafkaBrokers != "":
 		return usageError(fs, "--amqp and --kafka are exclusive")
@@ -135,6 +141,10 @@ func runDemo(ctx context.Context, args []string, stdout, stderr io.Writer) error
 		cfg.seed = cfg.seed>>1 | 1
 	}
 	cfg.progressOutput = stderr
+	if cfg.timeout == 0 {
+		cfg.timeout = max(2*time.Minute, time.Duration(cfg.payments)*time.Millisecond)
+	}
+	cfg.rerun = rerunFlags(fs, cfg.seed)
 
 	ctx, cancel := context.WithTimeout(ctx, cfg.timeout)
 	defer cancel()
@@ -149,6 +159,61 @@ func runDemo(ctx context.Context, args []string, stdout, stderr io.Writer) error
 	return nil
 }
 
+// redisOptions parses a Redis address the way every idem command takes it:
+// a URL (redis://[user:password@]host:port[/db], rediss:// for TLS) or a
+// bare host:port.
+func redisOptions(s string) (*redis.Options, error) {
+	if !strings.Contains(s, "://") {
+		s = "redis://" + s
+	}
+	return redis.ParseURL(s)
+}
+
+// deleteRedisKeys deletes the keys that start with prefix.
+func deleteRedisKeys(client *redis.Client, prefix string) {
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	iter := client.Scan(ctx, 0, prefix+"*", 1000).Iterator()
+	for iter.Next(ctx) {
+		_ = client.Del(ctx, iter.Val()).Err()
+	}
+}
+
+// quietRedis drops go-redis's own log lines (a failed dial of its pool, for
+// one): the commands report Redis errors themselves, on one line.
+type quietRedis struct{}
+
+func (quietRedis) Printf(context.Context, string, ...any) {}
+
+func init() { redis.SetLogger(quietRedis{}) }
+
+// rerunFlags returns the flags that repeat a run: --payments and --seed (the
+// one the run used), then every other flag given on the command line.
+func rerunFlags(fs *flag.FlagSet, seed uint64) string {
+	args := []string{"--payments", fs.Lookup("payments").Value.String(), "--seed", strconv.FormatUint(seed, 10)}
+	fs.Visit(func(f *flag.Flag) {
+		if f.Name != "payments" && f.Name != "seed" {
+			args = append(args, "--"+f.Name, shellQuote(f.Value.String()))
+		}
+	})
+	return strings.Join(args, " ")
+}
+
+// shellQuote quotes s for a POSIX shell when it needs it.
+func shellQuote(s string) string {
+	plain := func(r rune) bool {
+		return r >= 'a' && r <= 'z' || r >= 'A' && r <= 'Z' || r >= '0' && r <= '9' || strings.ContainsRune("-_./:@%+=,", r)
+	}
+	if s != "" && strings.IndexFunc(s, func(r rune) bool { return !plain(r) }) < 0 {
+		return s
+	}
+	return "'" + strings.ReplaceAll(s, "'", `'\''`) + "'"
+}
+
+// maxPayments bounds --payments: the demo keeps a few counters per payment
+// and per delivery, and a run of a million takes minutes.
+const maxPayments = 1_000_000
+
 func isRate(f float64) bool { return f >= 0 && f <= 1 && !math.IsNaN(f) }
 
 // payment is one logical payment a client submits: one idempotency key,
@@ -160,6 +225,9 @@ type payment struct {
 	cents       int64
 	doubleClick bool
 	loseFirst   bool
+	// crash says whether the naive [0] and the idem [1] consumer crash
+	// after handling this payment's first delivery.
+	crash [2]bool
 }
 
 // ledger is one pipeline's effect sink and counters. Everything is guarded
@@ -329,6 +397,7 @@ func demo(ctx context.Context, cfg demoConfig, stdout io.Writer) (*demoResult, e
 	start := time.Now()
 	runID := newRunID()
 	res := &demoResult{cfg: cfg, naive: newLedger(), idem: newLedger()}
+	pl := &plan{cfg: cfg, runID: runID}
 	logger := slog.New(slog.DiscardHandler)
 
 	// The broker: Kafka (kfake in this process, or the brokers given) or
@@ -355,11 +424,18 @@ func demo(ctx context.Context, cfg demoConfig, stdout io.Writer) (*demoResult, e
 	redisPrefix := "idem-demo-" + runID
 	switch {
 	case cfg.postgres != "":
+		fresh := cfg.schema == ""
+		if fresh {
+			cfg.schema = "idem_demo_" + runID
+		}
 		pgd, err = setupPG(ctx, cfg.postgres, cfg.schema)
 		if err != nil {
 			return nil, err
 		}
 		defer pgd.close()
+		if fresh && !cfg.keep {
+			defer pgd.dropSchema(cfg.schema)
+		}
 		res.store = "pgtable + pgoutbox on " + pgd.where
 	case cfg.redisURL == "":
 		ms, err := memstore.New(memstore.Options{})
@@ -370,7 +446,7 @@ func demo(ctx context.Context, cfg demoConfig, stdout io.Writer) (*demoResult, e
 		store = ms
 		res.store = "dedup marks in memory (memstore)"
 	default:
-		opt, err := redis.ParseURL(cfg.redisURL)
+		opt, err := redisOptions(cfg.redisURL)
 		if err != nil {
 			return nil, fmt.Errorf("--redis: %w", err)
 		}
@@ -381,6 +457,9 @@ func demo(ctx context.Context, cfg demoConfig, stdout io.Writer) (*demoResult, e
 		pcancel()
 		if err != nil {
 			return nil, fmt.Errorf("redis at %s is unreachable: %w", opt.Addr, err)
+		}
+		if !cfg.keep {
+			defer deleteRedisKeys(client, redisPrefix+":")
 		}
 		rs, err := redisnx.New(client, redisnx.Options{Prefix: redisPrefix, TTL: time.Hour})
 		if err != nil {
@@ -415,14 +494,13 @@ func demo(ctx context.Context, cfg demoConfig, stdout io.Writer) (*demoResult, e
 	if pgd == nil {
 		rl = &relay{
 			pub:   br.pub,
-			queue: make(chan *outbox.Message, 1024),
-			rng:   mrand.New(mrand.NewPCG(cfg.seed, 2)),
-			rate:  cfg.republishes,
+			queue: make(chan relayed, 1024),
+			plan:  pl,
 			done:  make(chan struct{}),
 		}
 		sink, runRelay, published = rl, rl.run, rl.published.Load
 		relayDone = func() bool { return isClosed(rl.done) }
-		relayCounts = func() (int64, int64) { return rl.republished.Load(), rl.crashes.Load() }
+		relayCounts = func() (int64, int64) { return rl.republished.Load(), pl.relayBlocks() }
 	} else {
 		// pgoutbox's relay, through a publisher that now and then
 		// "crashes" between publish and mark: the rows stay unmarked
@@ -483,12 +561,12 @@ func demo(ctx context.Context, cfg demoConfig, stdout io.Writer) (*demoResult, e
 		{path: pathIdem, name: "billing-idem-" + runID, ledger: res.idem},
 	}
 	for i, g := range groups {
-		g.br, g.logger = br, logger
+		g.br, g.logger, g.plan = br, logger, pl
 		// A generator per group: the crashes of each follow from the
 		// seed, whatever the other does meanwhile.
 		g.crashRate, g.rng = cfg.crashRate, &lockedRand{r: mrand.New(mrand.NewPCG(cfg.seed, uint64(3+i)))}
 		g.offsets = &offsetStore{pos: map[int]int64{}, partitions: cfg.partitions}
-		g.seen = map[string]bool{}
+		g.seen, g.crashed = map[string]bool{}, map[int]bool{}
 		if g.path != pathIdem {
 			continue
 		}
@@ -542,14 +620,13 @@ func demo(ctx context.Context, cfg demoConfig, stdout io.Writer) (*demoResult, e
 	}
 
 	// The clients.
-	payments := makePayments(cfg, runID)
 	var submitted atomic.Int64
 	wg.Go(func() {
 		defer close(clientsDone)
 		if rl != nil {
 			defer rl.closeQueue()
 		}
-		submit(runCtx, cfg.clients, payments, apis, &submitted)
+		submit(runCtx, cfg.clients, pl, apis, &submitted)
 	})
 
 	// Progress, and the end: every record published has been handled by
@@ -621,20 +698,81 @@ func newRunID() string {
 	return hex.EncodeToString(b[:])
 }
 
-func makePayments(cfg demoConfig, runID string) []payment {
-	r := mrand.New(mrand.NewPCG(cfg.seed, 1))
-	ps := make([]payment, cfg.payments)
-	for i := range ps {
-		ps[i] = payment{
-			n:           i,
-			key:         fmt.Sprintf("pay-%s-%06d", runID, i),
-			customer:    "customer-" + strconv.Itoa(r.IntN(500)),
-			cents:       100 + r.Int64N(99900),
-			doubleClick: r.Float64() < cfg.doubleClicks,
-			loseFirst:   r.Float64() < cfg.timeouts,
+// plan decides the run from the seed, before it starts: each payment, its
+// double click and lost response, the consumer crashes it causes, and the
+// relay crashes. Each decision is a function of the seed and the payment's
+// number (or the relay block's), whatever the goroutines do meanwhile, so
+// that a run in this process repeats with its seed; and payments are made
+// one at a time, so that none is held longer than its submission.
+type plan struct {
+	cfg   demoConfig
+	runID string
+}
+
+// The streams of the seed's generator, one per kind of decision.
+const (
+	streamPayment = iota + 1
+	streamRelay
+)
+
+// rng returns the generator of decision n of a stream.
+func (pl *plan) rng(stream, n uint64) *mrand.Rand {
+	// PCG's first outputs for neighbouring seeds are alike: mix first.
+	a := splitmix(pl.cfg.seed ^ splitmix(stream<<56|n))
+	return mrand.New(mrand.NewPCG(a, splitmix(a)))
+}
+
+// splitmix is SplitMix64's mixing function.
+func splitmix(x uint64) uint64 {
+	x += 0x9e3779b97f4a7c15
+	x = (x ^ x>>30) * 0xbf58476d1ce4e5b9
+	x = (x ^ x>>27) * 0x94d049bb133111eb
+	return x ^ x>>31
+}
+
+// payment returns payment n.
+func (pl *plan) payment(n int) payment {
+	r := pl.rng(streamPayment, uint64(n))
+	return payment{
+		n:           n,
+		key:         fmt.Sprintf("pay-%s-%06d", pl.runID, n),
+		customer:    "customer-" + strconv.Itoa(r.IntN(500)),
+		cents:       100 + r.Int64N(99900),
+		doubleClick: r.Float64() < pl.cfg.doubleClicks,
+		loseFirst:   r.Float64() < pl.cfg.timeouts,
+		crash: [2]bool{
+			r.Float64() < pl.cfg.crashRate,
+			r.Float64() < pl.cfg.crashRate,
+		},
+	}
+}
+
+// crashes reports whether the consumer group of path crashes after it
+// handled payment n's first delivery, before it committed it (in this
+// process: the child processes are SIGKILLed at random instead).
+func (pl *plan) crashes(path string, n int) bool {
+	i := 0
+	if path == pathIdem {
+		i = 1
+	}
+	return pl.payment(n).crash[i]
+}
+
+// relayCrashes reports whether the relay crashes after publishing the
+// messages of payments block*relayBatch to (block+1)*relayBatch-1, before
+// marking them sent: it publishes them again.
+func (pl *plan) relayCrashes(block int) bool {
+	return pl.rng(streamRelay, uint64(block)).Float64() < pl.cfg.republishes
+}
+
+// relayBlocks returns the number of relay blocks that crash.
+func (pl *plan) relayBlocks() (crashed int64) {
+	for b := range (pl.cfg.payments + relayBatch - 1) / relayBatch {
+		if pl.relayCrashes(b) {
+			crashed++
 		}
 	}
-	return ps
+	return crashed
 }
 
 // lockedRand is a rand.Rand safe for concurrent use.
@@ -663,8 +801,9 @@ type paymentBody struct {
 	Cents    int64  `json:"amount_cents"`
 }
 
-// submit sends every payment to every API from clients goroutines.
-func submit(ctx context.Context, clients int, ps []payment, apis []apiTarget, submitted *atomic.Int64) {
+// submit sends every payment of the plan to every API from clients
+// goroutines.
+func submit(ctx context.Context, clients int, pl *plan, apis []apiTarget, submitted *atomic.Int64) {
 	next := make(chan *payment)
 	var wg sync.WaitGroup
 	for range clients {
@@ -692,9 +831,10 @@ func submit(ctx context.Context, clients int, ps []payment, apis []apiTarget, su
 	}
 	defer wg.Wait()
 	defer close(next)
-	for i := range ps {
+	for n := range pl.cfg.payments {
+		p := pl.payment(n)
 		select {
-		case next <- &ps[i]:
+		case next <- &p:
 		case <-ctx.Done():
 			return
 		}
@@ -843,24 +983,29 @@ func (a *api) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	fprintf(w, "{\"id\":%q}\n", id)
 }
 
-// relay publishes the outbox's messages in batches. After a batch, with
-// probability rate, it "crashes" before marking the batch sent: the batch is
-// published again, with the same ids, as a restarted relay does.
+// relay publishes the outbox's messages in batches. The plan says which
+// blocks of payments it crashes after (relayCrashes): it publishes their
+// messages, "crashes" before marking them sent, and publishes them again,
+// with the same ids, as a restarted relay does.
 type relay struct {
 	pub         outbox.Publisher
-	queue       chan *outbox.Message
+	queue       chan relayed
 	closeOnce   sync.Once
-	rng         *mrand.Rand
-	rate        float64
+	plan        *plan
 	published   atomic.Int64
 	republished atomic.Int64
-	crashes     atomic.Int64
 	done        chan struct{}
 }
 
-func (r *relay) enqueue(req *http.Request, _ *paymentBody, msg *outbox.Message) error {
+// relayed is a message in the relay's queue, with its payment's number.
+type relayed struct {
+	msg     *outbox.Message
+	payment int
+}
+
+func (r *relay) enqueue(req *http.Request, p *paymentBody, msg *outbox.Message) error {
 	select {
-	case r.queue <- msg:
+	case r.queue <- relayed{msg: msg, payment: p.Payment}:
 		return nil
 	case <-req.Context().Done():
 		return req.Context().Err()
@@ -873,25 +1018,32 @@ const relayBatch = 100
 
 func (r *relay) run(ctx context.Context) error {
 	defer close(r.done)
+	var batch, again []*outbox.Message
 	for {
-		var batch []*outbox.Message
+		batch, again = batch[:0], again[:0]
+		add := func(m relayed) {
+			batch = append(batch, m.msg)
+			if r.plan.relayCrashes(m.payment / relayBatch) {
+				again = append(again, m.msg)
+			}
+		}
 		select {
-		case msg, ok := <-r.queue:
+		case m, ok := <-r.queue:
 			if !ok {
 				return nil
 			}
-			batch = append(batch, msg)
+			add(m)
 		case <-ctx.Done():
 			return nil
 		}
 	fill:
 		for len(batch) < relayBatch {
 			select {
-			case msg, ok := <-r.queue:
+			case m, ok := <-r.queue:
 				if !ok {
 					break fill
 				}
-				batch = append(batch, msg)
+				add(m)
 			default:
 				break fill
 			}
@@ -899,14 +1051,13 @@ func (r *relay) run(ctx context.Context) error {
 		if err := r.publish(ctx, batch); err != nil {
 			return err
 		}
-		if r.rng.Float64() < r.rate {
+		if len(again) > 0 {
 			// Crashed after publishing, before marking: the restarted
-			// relay finds the batch unmarked and publishes it again.
-			r.crashes.Add(1)
-			if err := r.publish(ctx, batch); err != nil {
+			// relay finds these unmarked and publishes them again.
+			if err := r.publish(ctx, again); err != nil {
 				return err
 			}
-			r.republished.Add(int64(len(batch)))
+			r.republished.Add(int64(len(again)))
 		}
 	}
 }
@@ -964,7 +1115,11 @@ type group struct {
 	dedup     consumer.Middleware // nil for the naive group
 	crashRate float64
 	rng       *lockedRand
+	plan      *plan
 	offsets   *offsetStore
+	// crashed holds the payments whose planned crash happened (Kafka in
+	// this process).
+	crashed map[int]bool
 	// child, when set, is the configuration of the child processes that
 	// run this group, started from exe. freeze makes the demo stop a
 	// child between deliveries before it SIGKILLs it.
@@ -1059,6 +1214,60 @@ func route(path string, delivered func(msg *consumer.Message, p *paymentBody)) c
 	}
 }
 
+// errDead is what a crashed instance answers: the process is gone and
+// handles nothing more.
+var errDead = errors.New("demo: the consumer crashed")
+
+// crashing wraps the group's handler for an instance in this process, so
+// that what it handles and commits follows from the plan alone: the
+// instance commits each record's position as soon as the record is
+// handled, but after the first delivery of a payment whose plan says it
+// crashes, which it handles and never commits; and once crashed it
+// handles nothing more. The restarted instance gets that delivery again,
+// and no other.
+func (g *group) crashing(inst *instance, next consumer.Handler) consumer.Handler {
+	return consumer.HandlerFunc(func(ctx context.Context, msg *consumer.Message) error {
+		if inst.dead.Load() {
+			return errDead
+		}
+		// A crash stops the consumer, not a handler midway: the
+		// handler runs to its end.
+		err := next.Handle(context.WithoutCancel(ctx), msg)
+		if consumer.Decide(err).Action != consumer.ActionAck {
+			return err
+		}
+		if msg.Headers[headerPath] == g.path {
+			var p paymentBody
+			if json.Unmarshal(msg.Payload, &p) == nil && g.crashAfter(p.Payment) {
+				inst.dead.Store(true)
+				g.crashes.Add(1)
+				inst.cancel()
+				return err
+			}
+		}
+		part, _ := strconv.Atoi(msg.Metadata[kafka.MetadataPartition])
+		off, _ := strconv.ParseInt(msg.Metadata[kafka.MetadataOffset], 10, 64)
+		g.offsets.save(part, off+1)
+		g.markHandled(deliveryID(msg))
+		return err // nil, or a completed duplicate's
+	})
+}
+
+// crashAfter reports whether the group crashes after handling a delivery
+// of payment n: the first one, when the plan says so.
+func (g *group) crashAfter(n int) bool {
+	if !g.plan.crashes(g.path, n) {
+		return false
+	}
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	if g.crashed[n] {
+		return false
+	}
+	g.crashed[n] = true
+	return true
+}
+
 func (g *group) runInstance(ctx context.Context, inst *instance) error {
 	c, err := kafka.NewConsumer(kafkago.ReaderConfig{
 		Brokers:  g.br.brokers,
@@ -1067,7 +1276,7 @@ func (g *group) runInstance(ctx context.Context, inst *instance) error {
 		MinBytes: 1,
 		MaxBytes: 10 << 20,
 		MaxWait:  50 * time.Millisecond,
-	}, g.handler(), kafka.Options{
+	}, g.crashing(inst, g.handler()), kafka.Options{
 		DeadLetterTopic: g.br.dlq,
 		Logger:          g.logger,
 		CommitEvery:     500,
@@ -1079,14 +1288,6 @@ func (g *group) runInstance(ctx context.Context, inst *instance) error {
 				return
 			}
 			g.markHandled(deliveryID(msg))
-			if msg.Headers[headerPath] == g.path && g.rng.Float64() < g.crashRate {
-				// Crash: from now on nothing this instance commits
-				// counts, and it stops. The restarted one resumes from
-				// the last committed offsets.
-				inst.dead.Store(true)
-				g.crashes.Add(1)
-				inst.cancel()
-			}
 		},
 	})
 	if err != nil {
@@ -1108,6 +1309,15 @@ type offsetStore struct {
 type instanceOffsets struct {
 	store *offsetStore
 	inst  *instance
+}
+
+// save records that a partition's records before off are done.
+func (o *offsetStore) save(partition int, off int64) {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	if off > o.pos[partition] {
+		o.pos[partition] = off
+	}
 }
 
 func (o *instanceOffsets) LoadOffsets(_ context.Context, _, _ string, partitions []int) (map[int]int64, error) {

@@ -194,7 +194,7 @@ func (c *child) run(ctx context.Context) error {
 			return err
 		}
 	case cfg.Redis != "":
-		opt, err := redis.ParseURL(cfg.Redis)
+		opt, err := redisOptions(cfg.Redis)
 		if err != nil {
 			return err
 		}

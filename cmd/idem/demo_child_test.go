@@ -62,6 +62,17 @@ func runDemoChecked(t *testing.T, payments int, args ...string) *demoRun {
 	if m == nil {
 		t.Fatalf("last line %q is not the demo's summary", lines[len(lines)-1])
 	}
+	// The rerun line repeats every flag given.
+	rerun := regexp.MustCompile(`(?m)^Rerun with: idem demo (.*)$`).FindStringSubmatch(out)
+	if rerun == nil {
+		t.Fatal("no Rerun with line")
+	}
+	given := append([]string{"--payments", strconv.Itoa(payments), "--progress", "plain"}, args...)
+	for i := 0; i+1 < len(given); i += 2 {
+		if want := given[i] + " " + shellQuote(given[i+1]); !strings.Contains(rerun[1]+" ", want+" ") {
+			t.Errorf("rerun line %q does not have %q", rerun[1], want)
+		}
+	}
 	r := &demoRun{out: out}
 	for i := range r.last {
 		r.last[i], _ = strconv.Atoi(m[i+1])
@@ -167,4 +178,26 @@ func TestDemoRedis(t *testing.T) {
 	r := runDemoChecked(t, 400, "--redis", "redis://"+testenv.RedisAddr()+"/0",
 		"--crash-rate", "0.002", "--republish-rate", "0.2", "--seed", "7")
 	checkChildren(t, r)
+}
+
+// TestDemoPostgresFreshSchema runs the demo with --postgres and no
+// --schema: it makes a schema of its own and drops it at the end.
+func TestDemoPostgresFreshSchema(t *testing.T) {
+	if testing.Short() {
+		t.Skip("short")
+	}
+	pool := testenv.Pool(t, 2) // skips (or fails under CI=true) without PostgreSQL
+	r := runDemoChecked(t, 200, "--postgres", testenv.PostgresURL(), "--seed", "3")
+	m := regexp.MustCompile(`schema (idem_demo\w*)`).FindStringSubmatch(r.out)
+	if m == nil {
+		t.Fatalf("the header names no schema:\n%s", r.out)
+	}
+	var left bool
+	if err := pool.QueryRow(context.Background(), "SELECT EXISTS (SELECT FROM pg_namespace WHERE nspname = $1)", m[1]).Scan(&left); err != nil {
+		t.Fatal(err)
+	}
+	if left {
+		_, _ = pool.Exec(context.Background(), "DROP SCHEMA "+pgx.Identifier{m[1]}.Sanitize()+" CASCADE")
+		t.Errorf("the run left its schema %s behind", m[1])
+	}
 }

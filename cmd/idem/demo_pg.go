@@ -128,6 +128,13 @@ func (d *pgDemo) init(ctx context.Context, schema string) error {
 
 func (d *pgDemo) close() { d.pool.Close() }
 
+// dropSchema drops the schema the run made, and everything in it.
+func (d *pgDemo) dropSchema(schema string) {
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	_, _ = d.pool.Exec(ctx, "DROP SCHEMA IF EXISTS "+pgx.Identifier{schema}.Sanitize()+" CASCADE")
+}
+
 // pgSink is what the demo's APIs enqueue to with --postgres. The idem API
 // runs under httpidem.NewTx: its payment row and outbox message commit in
 // the transaction that holds the key's claim. The naive API enqueues in a

@@ -71,7 +71,8 @@ func main() {
 var errUsage = errors.New("usage")
 
 // run runs the command in args and returns the exit status: 0 on success,
-// 1 on failure, 2 on bad usage.
+// 1 on failure, 2 on bad usage, 3 when "idem migrate status" finds a
+// migration pending.
 func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	if len(args) == 0 {
 		fprint(stderr, usage)
@@ -105,6 +106,8 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		return 2
 	case errors.Is(err, errFailed):
 		return 1
+	case errors.Is(err, errPending):
+		return exitPending
 	default:
 		// One line, whatever the error: pgconn's list one line per address.
 		msg := strings.Join(strings.Fields(strings.ReplaceAll(strings.ReplaceAll(err.Error(), ":\n", ": "), "\n", "; ")), " ")
@@ -112,6 +115,15 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		return 1
 	}
 }
+
+// errPending reports that "idem migrate status" found migrations not
+// applied; the status has been printed already. The command exits with
+// exitPending.
+var errPending = errors.New("migrations pending")
+
+// exitPending is the exit status of "idem migrate status" when a migration
+// is pending: distinct from a failure (1) and bad usage (2).
+const exitPending = 3
 
 // errFailed reports a failure whose explanation has been printed already.
 var errFailed = errors.New("failed")

@@ -3,8 +3,10 @@ package main
 import (
 	"bytes"
 	"context"
+	"errors"
+	"os"
+	"os/exec"
 	"regexp"
-	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -18,12 +20,61 @@ import (
 // goroutines, so the command needs no goleak ignores beyond testenv's.
 func TestMain(m *testing.M) { goleak.VerifyTestMain(m, testenv.LeakOptions()...) }
 
+// mainEnv makes the test binary run the command of its arguments, as the
+// idem binary would, and exit: for what only a separate process shows, such
+// as what a library writes to the process's own stderr.
+const mainEnv = "IDEM_TEST_MAIN"
+
+func init() {
+	if os.Getenv(mainEnv) == "1" {
+		os.Exit(run(context.Background(), os.Args[1:], os.Stdout, os.Stderr))
+	}
+}
+
+// runProcess runs the command in a child process of the test binary.
+func runProcess(t *testing.T, args ...string) (code int, stdout, stderr string) {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+	defer cancel()
+	cmd := exec.CommandContext(ctx, os.Args[0], args...)
+	cmd.Env = append(os.Environ(), mainEnv+"=1")
+	var out, errOut bytes.Buffer
+	cmd.Stdout, cmd.Stderr = &out, &errOut
+	err := cmd.Run()
+	var ee *exec.ExitError
+	if err != nil && !errors.As(err, &ee) {
+		t.Fatalf("run %v: %v", args, err)
+	}
+	return cmd.ProcessState.ExitCode(), out.String(), errOut.String()
+}
+
 // runCmd runs the command in process and returns its exit status and output.
 func runCmd(ctx context.Context, t *testing.T, args ...string) (code int, stdout, stderr string) {
 	t.Helper()
 	var out, errOut bytes.Buffer
 	code = run(ctx, args, &out, &errOut)
 	return code, out.String(), errOut.String()
+}
+
+// demoTable is a demo's output without the line of its running time.
+func demoTable(out string) string {
+	return regexp.MustCompile(`(?m)^Ran in .*\n`).ReplaceAllString(out, "")
+}
+
+// TestDemoRepeatsWithSeed runs the embedded demo twice with one seed: the
+// runs must print the same table, whatever the goroutines did.
+func TestDemoRepeatsWithSeed(t *testing.T) {
+	args := []string{"--crash-rate", "0.01", "--republish-rate", "0.5", "--seed", "7", "--clients", "8"}
+	first := runDemoChecked(t, 400, args...)
+	for _, row := range []string{"  double click", "  client retry after timeout", "  re-publish (relay crash)", "  redelivery (consumer crash)"} {
+		if naive, _ := first.row(t, row); naive <= 0 {
+			t.Errorf("row %q: naive %d, want > 0 (a seed that shows every cause)", row, naive)
+		}
+	}
+	second := runDemoChecked(t, 400, args...)
+	if a, b := demoTable(first.out), demoTable(second.out); a != b {
+		t.Errorf("two runs with --seed 7 differ:\n%s\n%s", a, b)
+	}
 }
 
 var lastLine = regexp.MustCompile(`(?m)^demo: (\d+) payments, (\d+) duplicate deliveries, naive (\d+) extra, idem (\d+) extra, (\d+) lost$`)
@@ -35,31 +86,7 @@ func checkDemo(t *testing.T, args ...string) {
 
 func checkDemoN(t *testing.T, payments int, args ...string) {
 	t.Helper()
-	ctx, cancel := context.WithTimeout(context.Background(), 50*time.Second)
-	defer cancel()
-	code, out, errOut := runCmd(ctx, t, append([]string{"demo", "--payments", strconv.Itoa(payments), "--progress", "plain"}, args...)...)
-	t.Logf("stdout:\n%s\nstderr:\n%s", out, errOut)
-	if code != 0 {
-		t.Fatalf("exit status %d", code)
-	}
-	lines := strings.Split(strings.TrimRight(out, "\n"), "\n")
-	m := lastLine.FindStringSubmatch(lines[len(lines)-1])
-	if m == nil {
-		t.Fatalf("last line %q is not the demo's summary", lines[len(lines)-1])
-	}
-	n := make([]int, len(m))
-	for i := 1; i < len(m); i++ {
-		n[i], _ = strconv.Atoi(m[i])
-	}
-	if n[1] != payments {
-		t.Errorf("payments = %d, want %d", n[1], payments)
-	}
-	if n[3] <= 0 || n[2] <= 0 {
-		t.Errorf("naive extra = %d, duplicates = %d: want both > 0", n[3], n[2])
-	}
-	if n[4] != 0 || n[5] != 0 {
-		t.Errorf("idem extra = %d, lost = %d: want 0 and 0", n[4], n[5])
-	}
+	runDemoChecked(t, payments, args...)
 }
 
 func TestDemo(t *testing.T) {
@@ -76,7 +103,11 @@ func TestFlagErrors(t *testing.T) {
 	}{
 		{nil, 2, "Usage:"},
 		{[]string{"frobnicate"}, 2, `unknown command "frobnicate"`},
-		{[]string{"demo", "--payments", "0"}, 2, "--payments must be positive"},
+		{[]string{"demo", "--payments", "0"}, 2, "--payments must be between 1 and 1000000"},
+		{[]string{"demo", "--payments", "1000001"}, 2, "--payments must be between 1 and 1000000"},
+		{[]string{"demo", "--payments", "99999999999"}, 2, "--payments must be between 1 and 1000000"},
+		{[]string{"demo", "--payments", "9223372036854775807"}, 2, "--payments must be between 1 and 1000000"},
+		{[]string{"demo", "--timeout", "-1s"}, 2, "--timeout must be positive"},
 		{[]string{"demo", "--payments", "x"}, 2, "invalid value"},
 		{[]string{"demo", "--crash-rate", "2"}, 2, "rates must be between 0 and 1"},
 		{[]string{"demo", "--nope"}, 2, "flag provided but not defined: -nope"},
@@ -125,5 +156,19 @@ func TestHelp(t *testing.T) {
 	code, out, _ := runCmd(context.Background(), t, "help")
 	if code != 0 || !strings.Contains(out, "idem demo") {
 		t.Errorf("help: exit %d, output %q", code, out)
+	}
+}
+
+// TestDemoRedisAddress checks that --redis takes a host:port as well as a
+// URL, and that an unreachable Redis is one line on stderr, with none of
+// go-redis's own log lines before it.
+func TestDemoRedisAddress(t *testing.T) {
+	dead := testenv.DeadAddr(t)
+	for _, addr := range []string{dead, "redis://" + dead + "/0"} {
+		code, _, errOut := runProcess(t, "demo", "--redis", addr, "--payments", "10", "--progress", "none")
+		want := "idem demo: redis at " + dead + " is unreachable"
+		if code != 1 || !strings.HasPrefix(errOut, want) || strings.Count(errOut, "\n") != 1 {
+			t.Errorf("--redis %s: exit %d, stderr:\n%s\nwant exit 1 and one line starting %q", addr, code, errOut, want)
+		}
 	}
 }

@@ -24,15 +24,25 @@ type pgFlags struct {
 	outboxTable string
 }
 
+// The tables a command works on, for pgFlags.register.
+const (
+	withDedup  = 1 << iota // the dedup table: --dedup-table
+	withOutbox             // the outbox table: --outbox-table
+)
+
+// register adds --postgres, --schema and the table flags of tables (a set of
+// withDedup and withOutbox): a command lists only the flags it uses.
 func (p *pgFlags) register(fs interface {
 	StringVar(*string, string, string, string)
-}, withDedup bool) {
+}, tables int) {
 	fs.StringVar(&p.url, "postgres", envDefault("IDEM_POSTGRES_URL", ""), "PostgreSQL URL (or IDEM_POSTGRES_URL)")
 	fs.StringVar(&p.schema, "schema", envDefault("IDEM_SCHEMA", "public"), "schema of the tables (or IDEM_SCHEMA)")
-	if withDedup {
+	if tables&withDedup != 0 {
 		fs.StringVar(&p.dedupTable, "dedup-table", "processed_events", "table of the dedup marks (pgtable)")
 	}
-	fs.StringVar(&p.outboxTable, "outbox-table", "outbox", "table of the outbox (pgoutbox)")
+	if tables&withOutbox != 0 {
+		fs.StringVar(&p.outboxTable, "outbox-table", "outbox", "table of the outbox (pgoutbox)")
+	}
 }
 
 // connect opens a pool and checks that the server answers.
@@ -88,14 +98,15 @@ const migrateSynopsis = `migrate [flags] up|status|sql
 
   up      apply the pgtable (dedup) and pgoutbox (outbox) migrations; idempotent,
           safe to run from several processes at once (advisory locks)
-  status  show the applied versions of both
+  status  show the applied versions of both; exits 3 when a migration is
+          pending, so that a deploy can check the schema before it starts
   sql     print both schemas as SQL, for goose, golang-migrate or by hand
           (needs no database)`
 
 func runMigrate(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	fs := newFlagSet("migrate", migrateSynopsis, stderr)
 	var pg pgFlags
-	pg.register(fs, true)
+	pg.register(fs, withDedup|withOutbox)
 	// Accept the action before or after the flags.
 	var action string
 	if len(args) > 0 && !strings.HasPrefix(args[0], "-") {
@@ -182,6 +193,9 @@ func printStatus(ctx context.Context, w io.Writer, store *pgtable.Store, ob *pgo
 	}
 	fprintf(w, "%s (dedup, pgtable): %s\n", store.Table(), describe(len(dm), dv))
 	fprintf(w, "%s (outbox, pgoutbox): %s\n", ob.Table(), describe(len(om), ov))
+	if len(dv) < len(dm) || len(ov) < len(om) {
+		return errPending
+	}
 	return nil
 }
 

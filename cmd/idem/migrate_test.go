@@ -15,9 +15,10 @@ func TestMigrate(t *testing.T) {
 	ctx := context.Background()
 	pg := []string{"--postgres", testenv.PostgresURL(), "--schema", schema}
 
+	// Pending migrations: status says so and exits 3, for a deploy check.
 	code, out, errOut := runCmd(ctx, t, append([]string{"migrate", "status"}, pg...)...)
-	if code != 0 || strings.Count(out, "not migrated") != 2 {
-		t.Fatalf("status before up: exit %d\n%s%s", code, out, errOut)
+	if code != exitPending || strings.Count(out, "not migrated") != 2 {
+		t.Fatalf("status before up: exit %d, want %d\n%s%s", code, exitPending, out, errOut)
 	}
 
 	// Concurrent ups: the advisory locks make one apply and the others
@@ -46,6 +47,10 @@ func TestMigrate(t *testing.T) {
 		if !strings.Contains(out, want) {
 			t.Errorf("status after up:\n%s\nwant a line %q", out, want)
 		}
+	}
+	code, _, errOut = runCmd(ctx, t, append([]string{"migrate", "status"}, pg...)...)
+	if code != 0 {
+		t.Errorf("status after up: exit %d, want 0\n%s", code, errOut)
 	}
 	var n int
 	if err := pool.QueryRow(ctx, "SELECT count(*) FROM information_schema.tables WHERE table_schema = $1", schema).Scan(&n); err != nil {

@@ -4,8 +4,10 @@ import (
 	"fmt"
 	"io"
 	"os"
+	"strconv"
 	"strings"
 	"time"
+	"unicode/utf8"
 )
 
 // progressState is a snapshot of the demo's pipeline.
@@ -24,6 +26,9 @@ type progress struct {
 	mode     string // "bar", "plain" or "none"
 	w        io.Writer
 	payments int64
+	// cols is the width of the terminal: a bar line stays shorter, so
+	// that it never wraps and its redraw stays on one line.
+	cols     int
 	last     time.Time
 	lastLine string
 	drawn    bool
@@ -36,7 +41,24 @@ func newProgress(mode string, w io.Writer, payments int) *progress {
 			mode = "bar"
 		}
 	}
-	return &progress{mode: mode, w: w, payments: int64(payments)}
+	return &progress{mode: mode, w: w, payments: int64(payments), cols: columns(w)}
+}
+
+// defaultColumns is the width assumed when nothing tells it.
+const defaultColumns = 80
+
+// columns returns the width of the terminal w writes to: COLUMNS when it is
+// set, else what the terminal says, else defaultColumns.
+func columns(w io.Writer) int {
+	if n, err := strconv.Atoi(os.Getenv("COLUMNS")); err == nil && n > 0 {
+		return n
+	}
+	if f, ok := w.(*os.File); ok && isTerminal(w) {
+		if n := ttyColumns(f); n > 0 {
+			return n
+		}
+	}
+	return defaultColumns
 }
 
 // isTerminal reports whether w is a character device (a terminal), without
@@ -69,13 +91,36 @@ func (p *progress) text(s progressState) string {
 		s.submitted, p.payments, s.published, s.naive, s.idem, s.crashes)
 }
 
+// shortText is text for a narrow terminal.
+func (p *progress) shortText(s progressState) string {
+	return fmt.Sprintf("%d/%d paid, %d pub, naive %d, idem %d, %d crashes",
+		s.submitted, p.payments, s.published, s.naive, s.idem, s.crashes)
+}
+
+// barLine is the bar and the text, in fewer than p.cols columns: the
+// full text beside a 30-column bar when it fits, else the short text
+// beside a 10-column one, cut at the width.
+func (p *progress) barLine(s progressState) string {
+	f := p.fraction(s)
+	line := func(width int, text string) string {
+		full := int(f * float64(width))
+		return fmt.Sprintf("[%s%s] %3.0f%% %s", strings.Repeat("#", full), strings.Repeat(".", width-full), f*100, text)
+	}
+	room := p.cols - 1 // the last column would wrap on some terminals
+	if l := line(30, p.text(s)); utf8.RuneCountInString(l) <= room {
+		return l
+	}
+	l := line(10, p.shortText(s))
+	if utf8.RuneCountInString(l) > room {
+		l = string([]rune(l)[:max(room, 0)])
+	}
+	return l
+}
+
 func (p *progress) update(s progressState) {
 	switch p.mode {
 	case "bar":
-		const width = 30
-		f := p.fraction(s)
-		full := int(f * width)
-		line := fmt.Sprintf("\r[%s%s] %3.0f%% %s", strings.Repeat("#", full), strings.Repeat(".", width-full), f*100, p.text(s))
+		line := "\r" + p.barLine(s)
 		if line != p.lastLine {
 			fprint(p.w, line+"\x1b[K")
 			p.lastLine = line

@@ -34,7 +34,7 @@ answers 200 while the relay runs and 503 once it is stopping.`
 func runRelay(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	fs := newFlagSet("relay", relaySynopsis, stderr)
 	var pg pgFlags
-	pg.register(fs, false)
+	pg.register(fs, withOutbox)
 	var (
 		brokers   = fs.String("kafka", envDefault("IDEM_KAFKA_BROKERS", ""), "comma-separated Kafka brokers (or IDEM_KAFKA_BROKERS)")
 		amqpURL   = fs.String("amqp", envDefault("IDEM_AMQP_URL", ""), "RabbitMQ URL (or IDEM_AMQP_URL)")

@@ -9,8 +9,8 @@ import (
 // print writes the demo's table and its last line.
 func (r *demoResult) print(w io.Writer) {
 	n, d := r.naive, r.idem
-	fprintf(w, "\n%d payments in %v: %d records published (%d of them again by %d relay crashes)\n\n",
-		r.cfg.payments, r.elapsed.Round(10*time.Millisecond), r.published, r.republish, r.relayCrash)
+	fprintf(w, "\n%d payments: %d records published (%d of them again by %d relay crashes)\n\n",
+		r.cfg.payments, r.published, r.republish, r.relayCrash)
 	row := func(name string, a, b any) { fprintf(w, "%-32s %14v %14v\n", name, a, b) }
 	row("", "naive", "idem")
 	row("payments accepted by the API", len(n.accepted), len(d.accepted))
@@ -31,7 +31,8 @@ func (r *demoResult) print(w io.Writer) {
 	row("extra amount charged", money(n.extraCents()), money(d.extraCents()))
 	row("lost payments", n.lost(), d.lost())
 	fprintln(w)
-	fprintf(w, "Rerun with: idem demo --payments %d --seed %d\n", r.cfg.payments, r.cfg.seed)
+	fprintf(w, "Ran in %v.\n", r.elapsed.Round(10*time.Millisecond))
+	fprintf(w, "Rerun with: idem demo %s\n", r.cfg.rerun)
 	fprintf(w, "demo: %d payments, %d duplicate deliveries, naive %d extra, idem %d extra, %d lost\n",
 		r.cfg.payments, n.duplicates(), n.extra(), d.extra(), d.lost())
 }

@@ -33,21 +33,21 @@ import (
 )
 
 type config struct {
-	amqpURL   string
-	redisAddr string
-	queue     string
-	n         int
-	keep      bool
-	out       *os.File
+	amqpURL  string
+	redisURL string
+	queue    string
+	n        int
+	keep     bool
+	out      *os.File
 }
 
 func main() {
 	var cfg config
 	flag.StringVar(&cfg.amqpURL, "amqp", "amqp://guest:guest@127.0.0.1:5672/", "RabbitMQ URL")
-	flag.StringVar(&cfg.redisAddr, "redis", "127.0.0.1:6379", "Redis address (dedup leases)")
+	flag.StringVar(&cfg.redisURL, "redis", "redis://127.0.0.1:6379/0", "Redis URL (redis://[user:password@]host:port/db, rediss:// for TLS) or host:port: the dedup leases")
 	flag.StringVar(&cfg.queue, "queue", "", "work queue (default: a fresh notifications-<random> queue)")
 	flag.IntVar(&cfg.n, "n", 50, "notifications to publish")
-	flag.BoolVar(&cfg.keep, "keep", false, "keep the queues (and the dead-letter queue) at the end")
+	flag.BoolVar(&cfg.keep, "keep", false, "keep the queues (and the dead-letter queue) and the Redis marks at the end")
 	flag.Parse()
 	cfg.out = os.Stdout
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt)
@@ -100,10 +100,26 @@ func run(ctx context.Context, cfg config) error {
 	if cfg.queue == "" {
 		cfg.queue = "notifications-" + strings.ToLower(fmt.Sprintf("%x", time.Now().UnixNano()&0xffffffff))
 	}
-	rdb := redis.NewClient(&redis.Options{Addr: cfg.redisAddr})
+	opt, err := redisOptions(cfg.redisURL)
+	if err != nil {
+		return fmt.Errorf("-redis: %w", err)
+	}
+	rdb := redis.NewClient(opt)
 	defer func() { _ = rdb.Close() }()
+	pctx, pcancel := context.WithTimeout(ctx, 5*time.Second)
+	err = rdb.Ping(pctx).Err()
+	pcancel()
+	if err != nil {
+		return fmt.Errorf("redis at %s is unreachable: %w", opt.Addr, err)
+	}
+	// The marks of this run live under their own prefix, deleted at the
+	// end unless -keep; a service keeps one prefix for good.
+	prefix := "idem-amqp-worker-" + cfg.queue
+	if !cfg.keep {
+		defer deleteKeys(rdb, prefix+":")
+	}
 	store, err := redisnx.New(rdb, redisnx.Options{
-		Prefix: "idem-amqp-worker",
+		Prefix: prefix,
 		Lease:  30 * time.Second, // extended while the handler runs
 		TTL:    24 * time.Hour,   // must outlive every redelivery
 	})
@@ -248,6 +264,33 @@ func publish(ctx context.Context, url, queue string, msgs []amqp091.Publishing) 
 		}
 	}
 	return nil
+}
+
+// redisOptions parses a Redis URL (redis://[user:password@]host:port[/db],
+// rediss:// for TLS) or a bare host:port.
+func redisOptions(s string) (*redis.Options, error) {
+	if !strings.Contains(s, "://") {
+		s = "redis://" + s
+	}
+	return redis.ParseURL(s)
+}
+
+// quietRedis drops go-redis's own log lines (a failed dial of its pool):
+// the example reports Redis errors itself.
+type quietRedis struct{}
+
+func (quietRedis) Printf(context.Context, string, ...any) {}
+
+func init() { redis.SetLogger(quietRedis{}) }
+
+// deleteKeys deletes the keys that start with prefix.
+func deleteKeys(rdb *redis.Client, prefix string) {
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	iter := rdb.Scan(ctx, 0, prefix+"*", 500).Iterator()
+	for iter.Next(ctx) {
+		_ = rdb.Del(ctx, iter.Val()).Err()
+	}
 }
 
 func deleteTopology(url, queue string) {

@@ -41,19 +41,30 @@ func main() {
 	var (
 		brokers    = flag.String("brokers", "", "comma-separated Kafka brokers; empty starts an in-process kfake cluster")
 		pgURL      = flag.String("postgres", "", "PostgreSQL URL: keep marks and effects there (pgtable) instead of in memory")
+		schema     = flag.String("schema", "", "schema for the -postgres tables, kept at the end (default: a fresh idem_example_kafka_<random>, dropped at the end unless -keep)")
+		keep       = flag.Bool("keep", false, "keep the fresh schema and its rows at the end")
 		n          = flag.Int("n", 1000, "messages to publish")
 		dups       = flag.Int("dups", 100, "messages to publish a second time (producer duplicates)")
 		partitions = flag.Int("partitions", 4, "partitions of the topic")
 		timeout    = flag.Duration("timeout", time.Minute, "give up after this long")
 	)
 	flag.Parse()
-	if err := run(*brokers, *pgURL, *n, *dups, *partitions, *timeout); err != nil {
+	if err := run(config{brokers: *brokers, postgres: *pgURL, schema: *schema, keep: *keep, n: *n, dups: *dups, partitions: *partitions, timeout: *timeout}); err != nil {
 		fmt.Fprintln(os.Stderr, "error:", err)
 		os.Exit(1)
 	}
 }
 
-func run(brokerList, pgURL string, n, dups, partitions int, timeout time.Duration) error {
+// config is the example's flags.
+type config struct {
+	brokers, postgres, schema string
+	keep                      bool
+	n, dups, partitions       int
+	timeout                   time.Duration
+}
+
+func run(cfg config) error {
+	brokerList, pgURL, n, dups, partitions, timeout := cfg.brokers, cfg.postgres, cfg.n, cfg.dups, cfg.partitions, cfg.timeout
 	if n <= 0 || dups < 0 || dups > n || partitions <= 0 {
 		return errors.New("want -n > 0, 0 <= -dups <= -n, -partitions > 0")
 	}
@@ -159,7 +170,15 @@ func run(brokerList, pgURL string, n, dups, partitions int, timeout time.Duratio
 			return err
 		}
 		defer pool.Close()
-		const schema = "idem_example"
+		schema := cfg.schema
+		if schema == "" {
+			schema = "idem_example_kafka_" + suffix
+			if !cfg.keep {
+				defer func() {
+					_, _ = pool.Exec(context.WithoutCancel(ctx), "DROP SCHEMA IF EXISTS "+pgx.Identifier{schema}.Sanitize()+" CASCADE")
+				}()
+			}
+		}
 		store, err := pgtable.New(pool, pgtable.Options{Schema: schema})
 		if err != nil {
 			return err

@@ -13,6 +13,7 @@ import (
 	"flag"
 	"fmt"
 	"log/slog"
+	"math/rand/v2"
 	"os"
 	"os/signal"
 	"sync"
@@ -31,12 +32,15 @@ func main() {
 	var (
 		pgURL    = flag.String("postgres", envOr("IDEM_TEST_POSTGRES_URL", "postgres://postgres@127.0.0.1:5432/test?sslmode=disable"), "PostgreSQL URL")
 		amqpURL  = flag.String("amqp", envOr("IDEM_TEST_AMQP_URL", "amqp://guest:guest@127.0.0.1:5672/"), "RabbitMQ URL")
-		schema   = flag.String("schema", "idem_example_outbox", "schema for the example's tables")
+		schema   = flag.String("schema", "", "schema for the example's tables, dropped at the end unless -keep (default: a fresh idem_example_outbox_<random>)")
 		exchange = flag.String("exchange", "idem.example.orders", "exchange the events are published to")
 		orders   = flag.Int("orders", 10, "number of orders to place")
 		keep     = flag.Bool("keep", false, "keep the schema, exchange and queue at the end")
 	)
 	flag.Parse()
+	if *schema == "" {
+		*schema = fmt.Sprintf("idem_example_outbox_%08x", rand.Uint32())
+	}
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt)
 	err := run(ctx, *pgURL, *amqpURL, *schema, *exchange, *orders, *keep)
 	stop()

@@ -34,6 +34,8 @@ import (
 	"sync"
 	"syscall"
 	"time"
+	"unicode"
+	"unicode/utf8"
 
 	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5"
@@ -48,7 +50,8 @@ import (
 func main() {
 	var cfg config
 	flag.StringVar(&cfg.postgres, "postgres", envOr("DATABASE_URL", "postgres://postgres@127.0.0.1:5432/test?sslmode=disable"), "PostgreSQL URL (or DATABASE_URL)")
-	flag.StringVar(&cfg.schema, "schema", "payments_api", "schema for the tables")
+	flag.StringVar(&cfg.schema, "schema", "", "schema for the tables, kept at the end (default: a fresh payments_api_<random>, dropped at the end unless -keep)")
+	flag.BoolVar(&cfg.keep, "keep", false, "keep the fresh schema and its rows at the end")
 	flag.StringVar(&cfg.addr, "addr", "127.0.0.1:8080", "listen address")
 	flag.BoolVar(&cfg.issuedKeysOnly, "issued-keys-only", false, "accept only keys issued by POST /idempotency-keys")
 	flag.Parse()
@@ -76,10 +79,23 @@ type config struct {
 	// issued before a restart are no longer "issued".
 	keySecret []byte
 	maxConns  int32
+	// keep keeps the schema run made up at the end.
+	keep bool
+	// readTimeout bounds the reading of a request, body included: a client
+	// that stalls mid-body is disconnected. Defaults to 15s.
+	readTimeout time.Duration
 }
 
 // run serves until ctx ends. ready, if not nil, gets the listening address.
+// With no schema it makes up a fresh one and drops it at the end, unless
+// cfg.keep.
 func run(ctx context.Context, cfg config, ready chan<- string) error {
+	if cfg.schema == "" {
+		cfg.schema = "payments_api_" + strings.ReplaceAll(uuid.NewString()[:8], "-", "")
+		if !cfg.keep {
+			defer dropSchema(cfg.postgres, cfg.schema)
+		}
+	}
 	a, err := newApp(ctx, cfg)
 	if err != nil {
 		return err
@@ -89,7 +105,7 @@ func run(ctx context.Context, cfg config, ready chan<- string) error {
 	if err != nil {
 		return err
 	}
-	srv := &http.Server{Handler: a.routes(), ReadHeaderTimeout: 10 * time.Second}
+	srv := a.server()
 	errc := make(chan error, 1)
 	go func() { errc <- srv.Serve(ln) }()
 	slog.Info("payments-api listening", "addr", ln.Addr().String(), "schema", cfg.schema)
@@ -112,6 +128,34 @@ func run(ctx context.Context, cfg config, ready chan<- string) error {
 	return nil
 }
 
+// dropSchema drops the schema the run made up, and everything in it.
+func dropSchema(url, schema string) {
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	conn, err := pgx.Connect(ctx, url)
+	if err != nil {
+		slog.Error("payments-api: dropping the schema", "schema", schema, "error", err)
+		return
+	}
+	defer func() { _ = conn.Close(ctx) }()
+	if _, err := conn.Exec(ctx, "DROP SCHEMA IF EXISTS "+pgx.Identifier{schema}.Sanitize()+" CASCADE"); err != nil {
+		slog.Error("payments-api: dropping the schema", "schema", schema, "error", err)
+	}
+}
+
+// server is the API's HTTP server: a request, body included, must arrive
+// within the read timeout, so a client that stalls cannot hold a
+// connection (and a goroutine) forever.
+func (a *app) server() *http.Server {
+	return &http.Server{
+		Handler:           a.routes(),
+		ReadHeaderTimeout: 5 * time.Second,
+		ReadTimeout:       a.cfg.readTimeout,
+		WriteTimeout:      a.cfg.readTimeout + 30*time.Second,
+		IdleTimeout:       2 * time.Minute,
+	}
+}
+
 // app holds the API's dependencies.
 type app struct {
 	cfg      config
@@ -128,6 +172,9 @@ type app struct {
 func newApp(ctx context.Context, cfg config) (*app, error) {
 	if cfg.maxConns == 0 {
 		cfg.maxConns = 10
+	}
+	if cfg.readTimeout == 0 {
+		cfg.readTimeout = 15 * time.Second
 	}
 	if cfg.keySecret == nil {
 		cfg.keySecret = make([]byte, 32)
@@ -233,8 +280,14 @@ func problem(w http.ResponseWriter, status int, title, detail string) {
 
 func (a *app) authenticated(next http.Handler) http.Handler {
 	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		if p := principal(r); p == "" || len(p) > 64 {
+		p := principal(r)
+		if p == "" {
 			problem(w, http.StatusUnauthorized, "Unauthenticated", "send X-User-ID")
+			return
+		}
+		if len(p) > 64 || !utf8.ValidString(p) || strings.ContainsFunc(p, unicode.IsControl) {
+			// A client error: retrying it changes nothing.
+			problem(w, http.StatusBadRequest, "Invalid X-User-ID", "at most 64 bytes of UTF-8 text")
 			return
 		}
 		next.ServeHTTP(w, r)

@@ -4,15 +4,21 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"io"
+	"net"
 	"net/http"
 	"net/http/httptest"
+	"os"
+	"slices"
 	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
+	"time"
 
+	"github.com/jackc/pgx/v5"
 	"go.uber.org/goleak"
 
 	"github.com/idemkit/idem/adapters/httpidem"
@@ -36,7 +42,9 @@ func newTestAPI(t *testing.T, cfg config) *testAPI {
 		t.Fatal(err)
 	}
 	t.Cleanup(a.close)
-	srv := httptest.NewServer(a.routes())
+	srv := httptest.NewUnstartedServer(nil)
+	srv.Config = a.server()
+	srv.Start()
 	t.Cleanup(srv.Close)
 	return &testAPI{a: a, url: srv.URL}
 }
@@ -237,14 +245,25 @@ func TestIssuedKeysOnly(t *testing.T) {
 
 // TestRun starts the program as main does, on a free port, and pays
 // through the retrying client.
+//
+// Without -schema it makes up a schema and drops it at the end.
 func TestRun(t *testing.T) {
 	admin := testenv.Pool(t, 2)
-	schema := testenv.Schema(t, admin)
+	schemas := func() []string {
+		t.Helper()
+		rows, _ := admin.Query(context.Background(), "SELECT nspname FROM pg_namespace WHERE nspname LIKE 'payments\\_api\\_%' ORDER BY 1")
+		names, err := pgx.CollectRows(rows, pgx.RowTo[string])
+		if err != nil {
+			t.Fatal(err)
+		}
+		return names
+	}
+	before := schemas()
 	ctx, cancel := context.WithCancel(context.Background())
 	ready := make(chan string, 1)
 	done := make(chan error, 1)
 	go func() {
-		done <- run(ctx, config{postgres: testenv.PostgresURL(), schema: schema, addr: "127.0.0.1:0", maxConns: 4}, ready)
+		done <- run(ctx, config{postgres: testenv.PostgresURL(), addr: "127.0.0.1:0", maxConns: 4}, ready)
 	}()
 	var addr string
 	select {
@@ -271,5 +290,49 @@ func TestRun(t *testing.T) {
 	cancel()
 	if err := <-done; err != nil {
 		t.Fatalf("run: %v", err)
+	}
+	if after := schemas(); !slices.Equal(after, before) {
+		t.Errorf("schemas payments_api_* before the run %v, after %v: the run left its schema behind", before, after)
+	}
+}
+
+// TestStalledBody sends the headers and 10 of the 50 bytes of a body, then
+// nothing: the server must give up on the request and close the connection
+// rather than hold it.
+func TestStalledBody(t *testing.T) {
+	api := newTestAPI(t, config{readTimeout: 200 * time.Millisecond})
+	conn, err := net.Dial("tcp", strings.TrimPrefix(api.url, "http://"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close()
+	_, err = io.WriteString(conn, "POST /payments HTTP/1.1\r\nHost: api\r\nX-User-ID: dave\r\nIdempotency-Key: stall-1\r\n"+
+		"Content-Type: application/json\r\nContent-Length: 50\r\n\r\n"+payBody[:10])
+	if err != nil {
+		t.Fatal(err)
+	}
+	// The deadline only keeps a failing test from hanging forever.
+	_ = conn.SetReadDeadline(time.Now().Add(time.Minute))
+	_, err = io.ReadAll(conn)
+	if errors.Is(err, os.ErrDeadlineExceeded) {
+		t.Fatal("the server still holds a connection whose body stalled")
+	}
+	if n := api.count(t, api.a.payments); n != 0 {
+		t.Errorf("%d payments from a stalled request", n)
+	}
+}
+
+// TestInvalidUserID checks that an X-User-ID that is not UTF-8 text is a
+// client error (400), which a retrying client does not retry.
+func TestInvalidUserID(t *testing.T) {
+	api := newTestAPI(t, config{})
+	for _, user := range []string{"\xff\xfe", strings.Repeat("u", 65)} {
+		r := api.must(t, http.MethodPost, "/payments", user, "bad-user-1", payBody)
+		if r.status != http.StatusBadRequest {
+			t.Errorf("X-User-ID %q: %d %s, want 400", user, r.status, r.body)
+		}
+	}
+	if n := api.count(t, api.a.payments); n != 0 {
+		t.Errorf("%d payments from invalid callers", n)
 	}
 }

@@ -15,6 +15,7 @@ import (
 	"flag"
 	"fmt"
 	"log"
+	"math/rand/v2"
 	"os"
 	"sync"
 	"sync/atomic"
@@ -30,9 +31,10 @@ import (
 
 func main() {
 	pgURL := flag.String("postgres", "", "PostgreSQL URL; empty runs everything in memory")
-	schema := flag.String("schema", "idem_quickstart", "schema for the -postgres tables")
+	schema := flag.String("schema", "", "schema for the -postgres tables, kept at the end (default: a fresh idem_quickstart_<random>, dropped at the end unless -keep)")
+	keep := flag.Bool("keep", false, "keep the fresh schema and its rows at the end")
 	flag.Parse()
-	if err := run(context.Background(), *pgURL, *schema); err != nil {
+	if err := run(context.Background(), *pgURL, *schema, *keep); err != nil {
 		log.Fatal(err)
 	}
 }
@@ -52,7 +54,9 @@ func deliveries() []*consumer.Message {
 	return append(out, out[0])
 }
 
-func run(ctx context.Context, pgURL, schema string) error {
+// run runs the example; with pgURL, in schema, or in a fresh schema that
+// is dropped at the end unless keep.
+func run(ctx context.Context, pgURL, schema string, keep bool) error {
 	var (
 		h       consumer.Handler
 		charges atomic.Int64
@@ -80,6 +84,14 @@ func run(ctx context.Context, pgURL, schema string) error {
 			return err
 		}
 		defer pool.Close()
+		if schema == "" {
+			schema = fmt.Sprintf("idem_quickstart_%08x", rand.Uint32())
+			if !keep {
+				defer func() {
+					_, _ = pool.Exec(context.WithoutCancel(ctx), "DROP SCHEMA IF EXISTS "+pgx.Identifier{schema}.Sanitize()+" CASCADE")
+				}()
+			}
+		}
 		store, err := pgtable.New(pool, pgtable.Options{Schema: schema})
 		if err != nil {
 			return err

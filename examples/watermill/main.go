@@ -20,6 +20,7 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
+	"math/rand/v2"
 	"os"
 	"os/signal"
 	"sync"
@@ -42,10 +43,13 @@ import (
 func main() {
 	var cfg config
 	flag.StringVar(&cfg.postgres, "postgres", envOr("IDEM_TEST_POSTGRES_URL", "postgres://postgres@127.0.0.1:5432/test"), "PostgreSQL URL (idem's tables and the watermill-sql broker)")
-	flag.StringVar(&cfg.schema, "schema", "idem_example_watermill", "schema for the example's tables")
+	flag.StringVar(&cfg.schema, "schema", "", "schema for the example's tables, dropped at the end unless -keep (default: a fresh idem_example_watermill_<random>)")
 	flag.IntVar(&cfg.orders, "orders", 10, "number of orders to publish")
 	flag.BoolVar(&cfg.keep, "keep", false, "keep the schema at the end")
 	flag.Parse()
+	if cfg.schema == "" {
+		cfg.schema = fmt.Sprintf("idem_example_watermill_%08x", rand.Uint32())
+	}
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt)
 	sum, err := run(ctx, cfg, os.Stdout)
 	stop()
