@@ -65,11 +65,7 @@ const walSchema = "chaos_wal"
 // walStartPG starts a throwaway PostgreSQL with wal_level = logical and a
 // pool on it.
 func walStartPG(ctx context.Context) (*fault.Postgres, *pgxpool.Pool, error) {
-	pg, err := fault.StartPostgres(ctx, fault.PostgresOptions{Settings: map[string]string{
-		"wal_level":             "logical",
-		"max_wal_senders":       "10",
-		"max_replication_slots": "10",
-	}})
+	pg, err := fault.StartLogicalPostgres(ctx)
 	if err != nil {
 		return nil, nil, err
 	}

@@ -334,3 +334,14 @@ func (p *Postgres) Close() error {
 	}
 	return err
 }
+
+// StartLogicalPostgres starts a throwaway cluster with wal_level = logical
+// and room for a few replication slots and WAL senders: what the WAL relay
+// (outbox/walrelay) needs, which the shared test server does not have.
+func StartLogicalPostgres(ctx context.Context) (*Postgres, error) {
+	return StartPostgres(ctx, PostgresOptions{Settings: map[string]string{
+		"wal_level":             "logical",
+		"max_wal_senders":       "10",
+		"max_replication_slots": "10",
+	}})
+}
