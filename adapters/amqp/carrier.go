@@ -1,4 +1,4 @@
-package amqp
+package idemamqp
 
 import (
 	amqp091 "github.com/rabbitmq/amqp091-go"
@@ -11,7 +11,7 @@ import (
 // propagation.TextMapCarrier, for the Consumer's ConsumerOptions.Propagator
 // and for producers that inject a trace context themselves:
 //
-//	prop.Inject(ctx, (*amqp.TableCarrier)(&publishing.Headers))
+//	prop.Inject(ctx, (*idemamqp.TableCarrier)(&publishing.Headers))
 //
 // A header table holds values of any field type, and a producer may send
 // anything: Get returns a value only when it is a string or a []byte of at

@@ -1,4 +1,4 @@
-package amqp_test
+package idemamqp_test
 
 import (
 	"context"
@@ -42,12 +42,12 @@ func ExampleNewConsumer() {
 	h := consumer.Chain(charge, consumer.Recover(), dedupMW)
 
 	settled := make(chan struct{}, 16)
-	c, err := amqp.NewConsumer(url, queue, h, amqp.ConsumerOptions{
+	c, err := idemamqp.NewConsumer(url, queue, h, idemamqp.ConsumerOptions{
 		Prefetch:    100,
 		Concurrency: 1,
 		RetryDelays: []time.Duration{time.Second}, // one retry queue: <queue>.retry.1000ms
 		NotDurable:  true,                         // a throw-away queue for the example
-		OnResult: func(_ context.Context, _ *consumer.Message, _ consumer.Result, _ amqp.ConsumerOutcome) {
+		OnResult: func(_ context.Context, _ *consumer.Message, _ consumer.Result, _ idemamqp.ConsumerOutcome) {
 			settled <- struct{}{}
 		},
 	})
@@ -197,7 +197,7 @@ func ExampleNewMessage() {
 	for range 3 {
 		d := <-deliveries
 		// What idem needs in the loop:
-		msg, err := amqp.NewMessage(&d, amqp.MessageOptions{Queue: queue})
+		msg, err := idemamqp.NewMessage(&d, idemamqp.MessageOptions{Queue: queue})
 		r := consumer.Decide(err) // an id header that is not a string: dead-letter it
 		if err == nil {
 			r = consumer.Process(ctx, h, msg)

@@ -1,4 +1,4 @@
-// Package amqp is idem's RabbitMQ adapter, on amqp091-go.
+// Package idemamqp is idem's RabbitMQ adapter, on amqp091-go.
 //
 // The outbox publisher (NewPublisher) sends an outbox relay's messages with
 // publisher confirms: a message counts as published only when the broker
@@ -75,4 +75,4 @@
 // MaxDeliveries deaths to a freshly started worker as its first
 // delivery; it is then dead-lettered with redelivery_limit, and a replay
 // from the dead-letter queue is deduplicated as usual.
-package amqp
+package idemamqp

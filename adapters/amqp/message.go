@@ -1,4 +1,4 @@
-package amqp
+package idemamqp
 
 import (
 	"fmt"
@@ -26,7 +26,7 @@ type MessageOptions struct {
 // middleware (consumer.Dedup, consumer.Transactional) and consumer.Process
 // take, for a program that keeps its own amqp091-go loop and its own Ack:
 //
-//	msg, err := amqp.NewMessage(&d, amqp.MessageOptions{Queue: queue})
+//	msg, err := idemamqp.NewMessage(&d, idemamqp.MessageOptions{Queue: queue})
 //	r := consumer.Decide(err) // err: dead-letter it (invalid_key)
 //	if err == nil {
 //		r = consumer.Process(ctx, h, msg)

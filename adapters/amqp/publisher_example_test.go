@@ -1,4 +1,4 @@
-package amqp_test
+package idemamqp_test
 
 import (
 	"context"
@@ -27,7 +27,7 @@ func ExampleNewPublisher() {
 		fmt.Println(err)
 		return
 	}
-	pub, err := amqp.NewPublisher("amqp://guest:guest@127.0.0.1:5672/", amqp.PublisherOptions{
+	pub, err := idemamqp.NewPublisher("amqp://guest:guest@127.0.0.1:5672/", idemamqp.PublisherOptions{
 		ConfirmTimeout: 5 * time.Second, // not confirmed by then: sent again
 	})
 	if err != nil {

@@ -1,4 +1,4 @@
-package kafka_test
+package idemkafka_test
 
 import (
 	"context"
@@ -74,7 +74,7 @@ func reportRate(b *testing.B, n int, d time.Duration) {
 }
 
 // benchConsumer runs c until n records are done and reports the rate.
-func benchConsumer(b *testing.B, n int, done *atomic.Int64, finished chan struct{}, c *kafka.Consumer) {
+func benchConsumer(b *testing.B, n int, done *atomic.Int64, finished chan struct{}, c *idemkafka.Consumer) {
 	b.Helper()
 	ctx, cancel := context.WithCancel(context.Background())
 	start := time.Now()
@@ -106,8 +106,8 @@ func counting(n int) (*atomic.Int64, chan struct{}, func(context.Context, *consu
 	}
 }
 
-func benchOptions(b *testing.B, topic string, onResult func(context.Context, *consumer.Message, consumer.Result)) kafka.Options {
-	return kafka.Options{
+func benchOptions(b *testing.B, topic string, onResult func(context.Context, *consumer.Message, consumer.Result)) idemkafka.Options {
+	return idemkafka.Options{
 		CommitEvery:     100 / benchPartitions,
 		CommitInterval:  time.Hour,
 		DeadLetterTopic: topic + "_dlq",
@@ -152,7 +152,7 @@ func BenchmarkConsume(b *testing.B) {
 		defer deleteTopic(b, k, topic)
 		h := consumer.HandlerFunc(func(context.Context, *consumer.Message) error { return nil })
 		done, finished, onResult := counting(b.N)
-		c, err := kafka.NewConsumer(k.readerConfig(testenv.Name("g"), topic), h, benchOptions(b, topic, onResult))
+		c, err := idemkafka.NewConsumer(k.readerConfig(testenv.Name("g"), topic), h, benchOptions(b, topic, onResult))
 		if err != nil {
 			b.Fatal(err)
 		}
@@ -170,7 +170,7 @@ func BenchmarkConsume(b *testing.B) {
 		done, finished, onResult := counting(b.N)
 		opts := benchOptions(b, topic, onResult)
 		opts.MeterProvider, opts.TracerProvider = benchSDK(b)
-		c, err := kafka.NewConsumer(k.readerConfig(testenv.Name("g"), topic), h, opts)
+		c, err := idemkafka.NewConsumer(k.readerConfig(testenv.Name("g"), topic), h, opts)
 		if err != nil {
 			b.Fatal(err)
 		}
@@ -192,7 +192,7 @@ func BenchmarkConsume(b *testing.B) {
 		}
 		h := consumer.Chain(consumer.HandlerFunc(func(context.Context, *consumer.Message) error { return nil }), dd)
 		done, finished, onResult := counting(b.N)
-		c, err := kafka.NewConsumer(k.readerConfig(testenv.Name("g"), topic), h, benchOptions(b, topic, onResult))
+		c, err := idemkafka.NewConsumer(k.readerConfig(testenv.Name("g"), topic), h, benchOptions(b, topic, onResult))
 		if err != nil {
 			b.Fatal(err)
 		}
@@ -238,7 +238,7 @@ func BenchmarkConsume(b *testing.B) {
 			b.Fatal(err)
 		}
 		done, finished, onResult := counting(b.N)
-		c, err := kafka.NewConsumer(k.readerConfig(testenv.Name("g"), topic), h, benchOptions(b, topic, onResult))
+		c, err := idemkafka.NewConsumer(k.readerConfig(testenv.Name("g"), topic), h, benchOptions(b, topic, onResult))
 		if err != nil {
 			b.Fatal(err)
 		}
@@ -257,7 +257,7 @@ func BenchmarkConsume(b *testing.B) {
 		done, finished, onResult := counting(b.N)
 		opts := benchOptions(b, topic, onResult)
 		opts.Offsets = offsets
-		c, err := kafka.NewConsumer(k.readerConfig(testenv.Name("g"), topic), h, opts)
+		c, err := idemkafka.NewConsumer(k.readerConfig(testenv.Name("g"), topic), h, opts)
 		if err != nil {
 			b.Fatal(err)
 		}
@@ -288,7 +288,7 @@ func BenchmarkConsume(b *testing.B) {
 			if withOffsets {
 				opts.Offsets = offsets
 			}
-			c, err := kafka.NewBatchConsumer(k.readerConfig(testenv.Name("g"), topic), bh, opts)
+			c, err := idemkafka.NewBatchConsumer(k.readerConfig(testenv.Name("g"), topic), bh, opts)
 			if err != nil {
 				b.Fatal(err)
 			}
@@ -344,7 +344,7 @@ func BenchmarkDeliveryTelemetry(b *testing.B) {
 			b.ReportAllocs()
 			for b.Loop() {
 				start := time.Now()
-				sctx, end := a.StartConsumer(ctx, nil, (*kafka.HeaderCarrier)(&hs), "orders")
+				sctx, end := a.StartConsumer(ctx, nil, (*idemkafka.HeaderCarrier)(&hs), "orders")
 				a.Result(sctx, "orders", "ack", "", time.Since(start))
 				end("ack", nil)
 			}

@@ -1,4 +1,4 @@
-package kafka
+package idemkafka
 
 import (
 	kafkago "github.com/segmentio/kafka-go"
@@ -11,7 +11,7 @@ import (
 // propagation.TextMapCarrier, for the Consumer's Options.Propagator and for
 // producers that inject a trace context themselves:
 //
-//	prop.Inject(ctx, (*kafka.HeaderCarrier)(&rec.Headers))
+//	prop.Inject(ctx, (*idemkafka.HeaderCarrier)(&rec.Headers))
 //
 // Header names are matched exactly (Kafka's are case-sensitive). A name
 // that appears more than once reads as its last value, as in

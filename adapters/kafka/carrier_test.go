@@ -1,4 +1,4 @@
-package kafka_test
+package idemkafka_test
 
 import (
 	"context"
@@ -25,7 +25,7 @@ func TestHeaderCarrier(t *testing.T) {
 		{Key: "traceparent", Value: []byte(validTP)},
 		{Key: "Tracestate", Value: []byte("a=b")},
 	}
-	c := (*kafka.HeaderCarrier)(&hs)
+	c := (*idemkafka.HeaderCarrier)(&hs)
 	if got := c.Get("traceparent"); got != validTP {
 		t.Errorf("Get of a repeated header = %q, want the last one", got)
 	}
@@ -41,7 +41,7 @@ func TestHeaderCarrier(t *testing.T) {
 	}
 
 	shared := hs[:2:4]
-	sc2 := (*kafka.HeaderCarrier)(&shared)
+	sc2 := (*idemkafka.HeaderCarrier)(&shared)
 	sc2.Set("traceparent", "00-new")
 	if len(shared) != 2 || shared[1].Key != "traceparent" || string(shared[1].Value) != "00-new" || shared[0].Key != "other" {
 		t.Errorf("after Set: %v", shared)
@@ -51,7 +51,7 @@ func TestHeaderCarrier(t *testing.T) {
 	}
 
 	var none []kafkago.Header
-	nc := (*kafka.HeaderCarrier)(&none)
+	nc := (*idemkafka.HeaderCarrier)(&none)
 	if nc.Get("traceparent") != "" || len(nc.Keys()) != 0 {
 		t.Error("an empty carrier is not empty")
 	}
@@ -70,7 +70,7 @@ func TestHeaderCarrierHugeValue(t *testing.T) {
 		{Key: "baggage", Value: []byte(strings.Repeat("k=v,", 1<<18))},
 		{Key: "tracestate", Value: nil},
 	}
-	c := (*kafka.HeaderCarrier)(&hs)
+	c := (*idemkafka.HeaderCarrier)(&hs)
 	if got := c.Get("traceparent"); got != "" {
 		t.Errorf("Get of a 1 MB value = %d bytes, want none", len(got))
 	}
@@ -79,7 +79,7 @@ func TestHeaderCarrierHugeValue(t *testing.T) {
 		t.Error("a span context was extracted from a 1 MB header")
 	}
 	exact := []kafkago.Header{{Key: "x", Value: []byte(strings.Repeat("a", telemetry.MaxHeaderValue))}}
-	if got := (*kafka.HeaderCarrier)(&exact).Get("x"); len(got) != telemetry.MaxHeaderValue {
+	if got := (*idemkafka.HeaderCarrier)(&exact).Get("x"); len(got) != telemetry.MaxHeaderValue {
 		t.Errorf("a value of exactly MaxHeaderValue bytes reads as %d bytes", len(got))
 	}
 }
@@ -92,7 +92,7 @@ func FuzzHeaderCarrier(f *testing.F) {
 	f.Add("", []byte(nil), "", []byte(""), "")
 	f.Fuzz(func(t *testing.T, k1 string, v1 []byte, k2 string, v2 []byte, get string) {
 		hs := []kafkago.Header{{Key: k1, Value: v1}, {Key: k2, Value: v2}}
-		c := (*kafka.HeaderCarrier)(&hs)
+		c := (*idemkafka.HeaderCarrier)(&hs)
 		want := ""
 		for _, h := range hs {
 			if h.Key == get {

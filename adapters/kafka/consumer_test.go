@@ -1,4 +1,4 @@
-package kafka_test
+package idemkafka_test
 
 import (
 	"context"
@@ -22,7 +22,7 @@ import (
 
 func offsetOf(t testing.TB, msg *consumer.Message) int64 {
 	t.Helper()
-	o, err := strconv.ParseInt(msg.Metadata[kafka.MetadataOffset], 10, 64)
+	o, err := strconv.ParseInt(msg.Metadata[idemkafka.MetadataOffset], 10, 64)
 	if err != nil {
 		t.Errorf("metadata offset: %v", err)
 	}
@@ -66,7 +66,7 @@ func TestCommitOrder(t *testing.T) {
 		hmu.Unlock()
 		return nil
 	})
-	c, err := kafka.NewConsumer(k.readerConfig(group, topic), h, kafka.Options{
+	c, err := idemkafka.NewConsumer(k.readerConfig(group, topic), h, idemkafka.Options{
 		Workers:         8,
 		CommitEvery:     10,
 		CommitInterval:  20 * time.Millisecond,
@@ -80,7 +80,7 @@ func TestCommitOrder(t *testing.T) {
 		mu      sync.Mutex
 		commits []int64
 	)
-	kafka.SetCommitHooks(c, nil, func(offsets map[string]map[int]int64) {
+	idemkafka.SetCommitHooks(c, nil, func(offsets map[string]map[int]int64) {
 		mu.Lock()
 		commits = append(commits, offsets[topic][0])
 		mu.Unlock()
@@ -144,7 +144,7 @@ func TestRetryInPlaceKeepsOrder(t *testing.T) {
 		return nil
 	})
 	var retries atomic.Int64
-	c, err := kafka.NewConsumer(k.readerConfig(group, topic), h, kafka.Options{
+	c, err := idemkafka.NewConsumer(k.readerConfig(group, topic), h, idemkafka.Options{
 		RetryInitial:    time.Millisecond,
 		RetryMax:        5 * time.Millisecond,
 		DeadLetterTopic: k.dlq(t, topic),
@@ -243,7 +243,7 @@ func TestPoisonToDeadLetter(t *testing.T) {
 		return nil
 	}), retry, consumer.Recover(), dd)
 
-	c, err := kafka.NewConsumer(k.readerConfig(group, topic), h, kafka.Options{
+	c, err := idemkafka.NewConsumer(k.readerConfig(group, topic), h, idemkafka.Options{
 		DeadLetterTopic: dlq,
 		Logger:          testLogger(t),
 		RetryInitial:    time.Millisecond,
@@ -295,25 +295,25 @@ func TestPoisonToDeadLetter(t *testing.T) {
 			hs[h.Key] = string(h.Value)
 		}
 		o := orig[string(b.rec.Value)]
-		if hs[kafka.HeaderReason] != string(b.reason) {
-			t.Errorf("%q: reason %q, want %q", b.rec.Value, hs[kafka.HeaderReason], b.reason)
+		if hs[idemkafka.HeaderReason] != string(b.reason) {
+			t.Errorf("%q: reason %q, want %q", b.rec.Value, hs[idemkafka.HeaderReason], b.reason)
 		}
-		if hs[kafka.HeaderTopic] != topic || hs[kafka.HeaderPartition] != strconv.Itoa(o.Partition) || hs[kafka.HeaderOffset] != strconv.FormatInt(o.Offset, 10) {
+		if hs[idemkafka.HeaderTopic] != topic || hs[idemkafka.HeaderPartition] != strconv.Itoa(o.Partition) || hs[idemkafka.HeaderOffset] != strconv.FormatInt(o.Offset, 10) {
 			t.Errorf("%q: position headers %s/%s/%s, want %s/%d/%d", b.rec.Value,
-				hs[kafka.HeaderTopic], hs[kafka.HeaderPartition], hs[kafka.HeaderOffset], topic, o.Partition, o.Offset)
+				hs[idemkafka.HeaderTopic], hs[idemkafka.HeaderPartition], hs[idemkafka.HeaderOffset], topic, o.Partition, o.Offset)
 		}
-		if want := fmt.Sprintf("%s/%d/%d", topic, o.Partition, o.Offset); hs[kafka.HeaderID] != want {
-			t.Errorf("%q: dead-letter id %q, want %q", b.rec.Value, hs[kafka.HeaderID], want)
+		if want := fmt.Sprintf("%s/%d/%d", topic, o.Partition, o.Offset); hs[idemkafka.HeaderID] != want {
+			t.Errorf("%q: dead-letter id %q, want %q", b.rec.Value, hs[idemkafka.HeaderID], want)
 		}
-		if hs[kafka.HeaderError] == "" || hs[kafka.HeaderGroup] != group || string(m.Key) != string(b.rec.Key) {
-			t.Errorf("%q: error %q, group %q, key %q", b.rec.Value, hs[kafka.HeaderError], hs[kafka.HeaderGroup], m.Key)
+		if hs[idemkafka.HeaderError] == "" || hs[idemkafka.HeaderGroup] != group || string(m.Key) != string(b.rec.Key) {
+			t.Errorf("%q: error %q, group %q, key %q", b.rec.Value, hs[idemkafka.HeaderError], hs[idemkafka.HeaderGroup], m.Key)
 		}
 		wantAttempts := "1"
 		if b.reason == consumer.ReasonRetriesExhausted {
 			wantAttempts = "3"
 		}
-		if hs[kafka.HeaderAttempts] != wantAttempts {
-			t.Errorf("%q: attempts %q, want %s", b.rec.Value, hs[kafka.HeaderAttempts], wantAttempts)
+		if hs[idemkafka.HeaderAttempts] != wantAttempts {
+			t.Errorf("%q: attempts %q, want %s", b.rec.Value, hs[idemkafka.HeaderAttempts], wantAttempts)
 		}
 		if id := hs[outbox.HeaderMessageID]; len(b.rec.Headers) > 0 && id != string(b.rec.Headers[0].Value) {
 			t.Errorf("%q: the id header was not kept: %q", b.rec.Value, id)
@@ -334,19 +334,19 @@ func TestDeadLetterTopicMissing(t *testing.T) {
 		handled.Add(1)
 		return nil
 	})
-	for _, opts := range []kafka.Options{
+	for _, opts := range []idemkafka.Options{
 		{DeadLetterTopic: missing},
 		{DeadLetterWriter: &kafkago.Writer{Addr: kafkago.TCP(k.brokers...), Topic: missing, RequiredAcks: kafkago.RequireAll, Transport: k.tr}},
 	} {
 		opts.Logger = testLogger(t)
-		c, err := kafka.NewConsumer(k.readerConfig(testenv.Name("g"), topic), h, opts)
+		c, err := idemkafka.NewConsumer(k.readerConfig(testenv.Name("g"), topic), h, opts)
 		if err != nil {
 			t.Fatal(err)
 		}
 		ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 		err = c.Run(ctx)
 		cancel()
-		if !errors.Is(err, kafka.ErrDeadLetterTopicMissing) || !strings.Contains(err.Error(), strconv.Quote(missing)) {
+		if !errors.Is(err, idemkafka.ErrDeadLetterTopicMissing) || !strings.Contains(err.Error(), strconv.Quote(missing)) {
 			t.Fatalf("Run = %v; want ErrDeadLetterTopicMissing naming %q", err, missing)
 		}
 		t.Log(err)
@@ -399,7 +399,7 @@ func TestProducerDuplicates(t *testing.T) {
 		mu.Unlock()
 		return nil
 	}), dd)
-	c, err := kafka.NewConsumer(k.readerConfig(group, topic), h, kafka.Options{
+	c, err := idemkafka.NewConsumer(k.readerConfig(group, topic), h, idemkafka.Options{
 		DeadLetterTopic: k.dlq(t, topic),
 		Logger:          testLogger(t),
 		CommitInterval:  50 * time.Millisecond,
@@ -457,7 +457,7 @@ func TestMessageMapping(t *testing.T) {
 		got <- msg
 		return nil
 	})
-	c, err := kafka.NewConsumer(k.readerConfig(group, topic), h, kafka.Options{OffsetID: true, DeadLetterTopic: k.dlq(t, topic)})
+	c, err := idemkafka.NewConsumer(k.readerConfig(group, topic), h, idemkafka.Options{OffsetID: true, DeadLetterTopic: k.dlq(t, topic)})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -475,7 +475,7 @@ func TestMessageMapping(t *testing.T) {
 	m := msgs[0]
 	if m.ID != "the-id" || string(m.Key) != "the-key" || string(m.Payload) != "the-payload" || m.Topic != topic ||
 		m.Headers["h1"] != "v1" || m.Headers[outbox.HeaderMessageID] != "the-id" || !m.Time.Equal(at) || m.Attempt != 1 ||
-		m.Metadata[kafka.MetadataPartition] != "1" || m.Metadata[kafka.MetadataOffset] != "0" || m.Metadata[kafka.MetadataGroup] != group {
+		m.Metadata[idemkafka.MetadataPartition] != "1" || m.Metadata[idemkafka.MetadataOffset] != "0" || m.Metadata[idemkafka.MetadataGroup] != group {
 		t.Errorf("mapped message: %+v", m)
 	}
 	if want := topic + "/1/1"; msgs[1].ID != want {
@@ -501,7 +501,7 @@ func TestIDFunc(t *testing.T) {
 		mu.Unlock()
 		return nil
 	})
-	c, err := kafka.NewConsumer(k.readerConfig(group, topic), h, kafka.Options{
+	c, err := idemkafka.NewConsumer(k.readerConfig(group, topic), h, idemkafka.Options{
 		DeadLetterTopic: dlq,
 		Logger:          testLogger(t),
 		IDFunc: func(km *kafkago.Message) (string, error) {
@@ -528,7 +528,7 @@ func TestIDFunc(t *testing.T) {
 		t.Fatalf("dead letters %v", dl)
 	}
 	for _, h := range dl[0].Headers {
-		if h.Key == kafka.HeaderReason && string(h.Value) != string(consumer.ReasonInvalidKey) {
+		if h.Key == idemkafka.HeaderReason && string(h.Value) != string(consumer.ReasonInvalidKey) {
 			t.Fatalf("reason %s", h.Value)
 		}
 	}
@@ -547,7 +547,7 @@ func TestShutdownCommitsDone(t *testing.T) {
 	k.produce(t, topic, recs...)
 	var handled atomic.Int64
 	h := consumer.HandlerFunc(func(context.Context, *consumer.Message) error { handled.Add(1); return nil })
-	c, err := kafka.NewConsumer(k.readerConfig(group, topic), h, kafka.Options{
+	c, err := idemkafka.NewConsumer(k.readerConfig(group, topic), h, idemkafka.Options{
 		CommitEvery:     1 << 30,
 		CommitInterval:  time.Hour,
 		DeadLetterTopic: k.dlq(t, topic),
@@ -570,11 +570,11 @@ func TestShutdownCommitsDone(t *testing.T) {
 func TestNewConsumerValidation(t *testing.T) {
 	h := consumer.HandlerFunc(func(context.Context, *consumer.Message) error { return nil })
 	cfg := kafkago.ReaderConfig{Brokers: []string{"127.0.0.1:1"}, GroupID: "g", Topic: "t"}
-	ok := kafka.Options{DeadLetterTopic: "t.dlq"}
+	ok := idemkafka.Options{DeadLetterTopic: "t.dlq"}
 	for _, tc := range []struct {
 		name string
 		cfg  func(*kafkago.ReaderConfig)
-		opts func(*kafka.Options)
+		opts func(*idemkafka.Options)
 	}{
 		{"no group", func(c *kafkago.ReaderConfig) { c.GroupID = "" }, nil},
 		{"no brokers", func(c *kafkago.ReaderConfig) { c.Brokers = nil }, nil},
@@ -582,17 +582,17 @@ func TestNewConsumerValidation(t *testing.T) {
 		{"partition", func(c *kafkago.ReaderConfig) { c.Partition = 3 }, nil},
 		{"commit interval", func(c *kafkago.ReaderConfig) { c.CommitInterval = time.Second }, nil},
 		{"both topics", func(c *kafkago.ReaderConfig) { c.GroupTopics = []string{"u"} }, nil},
-		{"no dead-letter topic", nil, func(o *kafka.Options) { o.DeadLetterTopic = "" }},
-		{"dead-letter topic is read", nil, func(o *kafka.Options) { o.DeadLetterTopic = "t" }},
-		{"negative workers", nil, func(o *kafka.Options) { o.Workers = -1 }},
-		{"async dead-letter writer", nil, func(o *kafka.Options) {
+		{"no dead-letter topic", nil, func(o *idemkafka.Options) { o.DeadLetterTopic = "" }},
+		{"dead-letter topic is read", nil, func(o *idemkafka.Options) { o.DeadLetterTopic = "t" }},
+		{"negative workers", nil, func(o *idemkafka.Options) { o.Workers = -1 }},
+		{"async dead-letter writer", nil, func(o *idemkafka.Options) {
 			o.DeadLetterWriter = &kafkago.Writer{Addr: kafkago.TCP("x"), Async: true, RequiredAcks: kafkago.RequireAll}
 		}},
-		{"dead-letter writer without acks", nil, func(o *kafka.Options) {
+		{"dead-letter writer without acks", nil, func(o *idemkafka.Options) {
 			o.DeadLetterWriter = &kafkago.Writer{Addr: kafkago.TCP("x")}
 		}},
 		{"read backoff min above the default max", func(c *kafkago.ReaderConfig) { c.ReadBackoffMin = 2 * time.Second }, nil},
-		{"retry initial above max", nil, func(o *kafka.Options) { o.RetryInitial, o.RetryMax = time.Second, time.Millisecond }},
+		{"retry initial above max", nil, func(o *idemkafka.Options) { o.RetryInitial, o.RetryMax = time.Second, time.Millisecond }},
 	} {
 		c, o := cfg, ok
 		if tc.cfg != nil {
@@ -601,18 +601,18 @@ func TestNewConsumerValidation(t *testing.T) {
 		if tc.opts != nil {
 			tc.opts(&o)
 		}
-		if _, err := kafka.NewConsumer(c, h, o); err == nil {
+		if _, err := idemkafka.NewConsumer(c, h, o); err == nil {
 			t.Errorf("%s: NewConsumer accepted it", tc.name)
 		}
 	}
-	if _, err := kafka.NewConsumer(cfg, nil, ok); err == nil {
+	if _, err := idemkafka.NewConsumer(cfg, nil, ok); err == nil {
 		t.Error("nil handler accepted")
 	}
-	bh := kafka.BatchHandlerFunc(func(context.Context, []*consumer.Message) error { return nil })
-	if _, err := kafka.NewBatchConsumer(cfg, bh, kafka.Options{DeadLetterTopic: "d", Workers: 2}); err == nil {
+	bh := idemkafka.BatchHandlerFunc(func(context.Context, []*consumer.Message) error { return nil })
+	if _, err := idemkafka.NewBatchConsumer(cfg, bh, idemkafka.Options{DeadLetterTopic: "d", Workers: 2}); err == nil {
 		t.Error("batch consumer with 2 workers accepted")
 	}
-	if _, err := kafka.NewConsumer(cfg, h, ok); err != nil {
+	if _, err := idemkafka.NewConsumer(cfg, h, ok); err != nil {
 		t.Errorf("valid config refused: %v", err)
 	}
 }
@@ -639,7 +639,7 @@ func TestStartAtLastOffset(t *testing.T) {
 	cfg := k.readerConfig(group, topic)
 	cfg.StartOffset = kafkago.LastOffset
 	dlq := k.dlq(t, topic)
-	c, err := kafka.NewConsumer(cfg, h, kafka.Options{DeadLetterTopic: dlq, CommitInterval: 20 * time.Millisecond, Logger: testLogger(t)})
+	c, err := idemkafka.NewConsumer(cfg, h, idemkafka.Options{DeadLetterTopic: dlq, CommitInterval: 20 * time.Millisecond, Logger: testLogger(t)})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -648,7 +648,7 @@ func TestStartAtLastOffset(t *testing.T) {
 	r.stop(t)
 	k.produce(t, topic, rec(0, "k", "new-1", "v"))
 
-	c2, err := kafka.NewConsumer(cfg, h, kafka.Options{DeadLetterTopic: dlq, CommitInterval: 20 * time.Millisecond, Logger: testLogger(t)})
+	c2, err := idemkafka.NewConsumer(cfg, h, idemkafka.Options{DeadLetterTopic: dlq, CommitInterval: 20 * time.Millisecond, Logger: testLogger(t)})
 	if err != nil {
 		t.Fatal(err)
 	}

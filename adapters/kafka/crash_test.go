@@ -1,4 +1,4 @@
-package kafka_test
+package idemkafka_test
 
 import (
 	"bufio"
@@ -107,8 +107,8 @@ func childMain() int {
 	insert := "INSERT INTO " + pgx.Identifier{schema, "effects"}.Sanitize() + " (id, part, off) VALUES ($1, $2, $3)"
 	effect := func(ctx context.Context, tx pgx.Tx, msg *consumer.Message) error {
 		once.Do(func() { fmt.Println(childStartedLine) })
-		p, _ := strconv.Atoi(msg.Metadata[kafka.MetadataPartition])
-		o, _ := strconv.ParseInt(msg.Metadata[kafka.MetadataOffset], 10, 64)
+		p, _ := strconv.Atoi(msg.Metadata[idemkafka.MetadataPartition])
+		o, _ := strconv.ParseInt(msg.Metadata[idemkafka.MetadataOffset], 10, 64)
 		if _, err := tx.Exec(ctx, insert, msg.ID, p, o); err != nil {
 			return err
 		}
@@ -117,7 +117,7 @@ func childMain() int {
 	}
 	dupOutcome := func(_ context.Context, msg *consumer.Message, outcome string) {
 		if outcome == consumer.OutcomeDuplicate {
-			fmt.Println(childDupLine, msg.ID, msg.Metadata[kafka.MetadataPartition], msg.Metadata[kafka.MetadataOffset])
+			fmt.Println(childDupLine, msg.ID, msg.Metadata[idemkafka.MetadataPartition], msg.Metadata[idemkafka.MetadataOffset])
 		}
 	}
 
@@ -133,20 +133,20 @@ func childMain() int {
 		ReadBackoffMin:    10 * time.Millisecond,
 		ReadBackoffMax:    100 * time.Millisecond,
 	}
-	opts := kafka.Options{
+	opts := idemkafka.Options{
 		CommitEvery:     50,
 		CommitInterval:  100 * time.Millisecond,
 		DeadLetterTopic: topic + "_dlq",
 		Logger:          slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelWarn})),
 	}
-	var c *kafka.Consumer
+	var c *idemkafka.Consumer
 	switch mode {
 	case "pgtable":
 		h, err := consumer.Transactional(claims, consumer.TxOptions{Scope: "test/crash", OnOutcome: dupOutcome}, effect)
 		if err != nil {
 			return fail(err)
 		}
-		c, err = kafka.NewConsumer(rc, h, opts)
+		c, err = idemkafka.NewConsumer(rc, h, opts)
 		if err != nil {
 			return fail(err)
 		}
@@ -162,7 +162,7 @@ func childMain() int {
 				return fail(err)
 			}
 			opts.BatchSize = 20
-			c, err = kafka.NewBatchConsumer(rc, bh, opts)
+			c, err = idemkafka.NewBatchConsumer(rc, bh, opts)
 			if err != nil {
 				return fail(err)
 			}
@@ -171,7 +171,7 @@ func childMain() int {
 			if err != nil {
 				return fail(err)
 			}
-			c, err = kafka.NewConsumer(rc, h, opts)
+			c, err = idemkafka.NewConsumer(rc, h, opts)
 			if err != nil {
 				return fail(err)
 			}
@@ -179,11 +179,11 @@ func childMain() int {
 	default:
 		return fail(fmt.Errorf("unknown mode %q", mode))
 	}
-	kafka.SetAfterEffect(c, func(*consumer.Message) {
+	idemkafka.SetAfterEffect(c, func(*consumer.Message) {
 		acked.Add(1)
 		die("after_effect")
 	})
-	kafka.SetCommitHooks(c,
+	idemkafka.SetCommitHooks(c,
 		func(map[string]map[int]int64) { die("before_commit") },
 		func(map[string]map[int]int64) { die("after_commit") })
 	if err := c.Run(ctx); err != nil {

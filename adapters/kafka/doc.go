@@ -1,4 +1,4 @@
-// Package kafka is idem's Kafka adapter, on segmentio/kafka-go (imported as
+// Package idemkafka is idem's Kafka adapter, on segmentio/kafka-go (imported as
 // kafkago): a consumer-group Consumer that runs any idem handler chain and
 // commits offsets only past finished work, and an outbox Publisher.
 //
@@ -9,11 +9,11 @@
 // settings), a consumer.Handler and Options:
 //
 //	dd, _ := consumer.Dedup(store, consumer.DedupOptions{Scope: "billing/charge-card"})
-//	c, _ := kafka.NewConsumer(kafkago.ReaderConfig{
+//	c, _ := idemkafka.NewConsumer(kafkago.ReaderConfig{
 //		Brokers: []string{"localhost:9092"},
 //		GroupID: "billing",
 //		Topic:   "payments",
-//	}, consumer.Chain(charge, consumer.Recover(), dd), kafka.Options{DeadLetterTopic: "payments.dlq"})
+//	}, consumer.Chain(charge, consumer.Recover(), dd), idemkafka.Options{DeadLetterTopic: "payments.dlq"})
 //	err := c.Run(ctx) // until ctx is done
 //
 // Partitions are consumed in parallel, each by a partition Reader seeked to
@@ -82,7 +82,7 @@
 // consumer.Process, and commits a record only once it is done:
 //
 //	km, err := r.FetchMessage(ctx)
-//	msg, err := kafka.MessageFrom(&km, kafka.MessageOptions{Group: "billing"})
+//	msg, err := idemkafka.MessageFrom(&km, idemkafka.MessageOptions{Group: "billing"})
 //	res := consumer.Process(ctx, h, msg) // if err is nil; else dead-letter the record
 //	// ActionAck: r.CommitMessages(ctx, km). ActionRetry: run it again.
 //	// ActionDeadLetter: publish it to a dead-letter topic, then commit.
@@ -160,4 +160,4 @@
 // synchronous) into an outbox.Publisher: each message carries its outbox id in
 // the id header, so a re-publish after a relay crash is deduplicated by the
 // Consumer downstream.
-package kafka
+package idemkafka

@@ -1,4 +1,4 @@
-package kafka_test
+package idemkafka_test
 
 import (
 	"context"

@@ -1,4 +1,4 @@
-package kafka_test
+package idemkafka_test
 
 import (
 	"context"
@@ -39,7 +39,7 @@ func Example() {
 		Transport:    transport,
 	}
 	defer w.Close()
-	pub, err := kafka.NewPublisher(w, kafka.PublisherOptions{})
+	pub, err := idemkafka.NewPublisher(w, idemkafka.PublisherOptions{})
 	if err != nil {
 		panic(err)
 	}
@@ -68,11 +68,11 @@ func Example() {
 		return nil
 	})
 	var seen atomic.Int64
-	c, err := kafka.NewConsumer(kafkago.ReaderConfig{
+	c, err := idemkafka.NewConsumer(kafkago.ReaderConfig{
 		Brokers: brokers,
 		GroupID: "billing",
 		Topic:   "payments",
-	}, consumer.Chain(charge, consumer.Recover(), dd), kafka.Options{
+	}, consumer.Chain(charge, consumer.Recover(), dd), idemkafka.Options{
 		DeadLetterTopic: "payments.dlq",
 		OnResult: func(_ context.Context, msg *consumer.Message, r consumer.Result) {
 			if r.Duplicate {
@@ -148,7 +148,7 @@ func ExampleMessageFrom() {
 		if err != nil {
 			panic(err)
 		}
-		msg, err := kafka.MessageFrom(&km, kafka.MessageOptions{Group: "billing"})
+		msg, err := idemkafka.MessageFrom(&km, idemkafka.MessageOptions{Group: "billing"})
 		res := consumer.Result{Action: consumer.ActionDeadLetter, Reason: consumer.ReasonInvalidKey, Err: err}
 		for err == nil {
 			if res = consumer.Process(ctx, h, msg); res.Action != consumer.ActionRetry {

@@ -1,4 +1,4 @@
-package kafka
+package idemkafka
 
 import (
 	kafkago "github.com/segmentio/kafka-go"

@@ -1,4 +1,4 @@
-package kafka_test
+package idemkafka_test
 
 import (
 	"context"
@@ -48,7 +48,7 @@ func TestKeyWorkers(t *testing.T) {
 		handled  atomic.Int64
 	)
 	h := consumer.HandlerFunc(func(_ context.Context, msg *consumer.Message) error {
-		id := pk{msg.Metadata[kafka.MetadataPartition], string(msg.Key)}
+		id := pk{msg.Metadata[idemkafka.MetadataPartition], string(msg.Key)}
 		off := offsetOf(t, msg)
 		mu.Lock()
 		if running[id] {
@@ -70,7 +70,7 @@ func TestKeyWorkers(t *testing.T) {
 		handled.Add(1)
 		return nil
 	})
-	c, err := kafka.NewConsumer(k.readerConfig(group, topic), h, kafka.Options{
+	c, err := idemkafka.NewConsumer(k.readerConfig(group, topic), h, idemkafka.Options{
 		Workers:         4,
 		CommitInterval:  20 * time.Millisecond,
 		DeadLetterTopic: k.dlq(t, topic),
@@ -128,14 +128,14 @@ func TestBatchConsumer(t *testing.T) {
 		positions int
 	)
 	errPoison := errors.New("cannot parse")
-	bh := kafka.BatchHandlerFunc(func(ctx context.Context, msgs []*consumer.Message) error {
+	bh := idemkafka.BatchHandlerFunc(func(ctx context.Context, msgs []*consumer.Message) error {
 		mu.Lock()
 		defer mu.Unlock()
 		sizes = append(sizes, len(msgs))
-		be := &kafka.BatchError{Errs: map[int]error{}}
+		be := &idemkafka.BatchError{Errs: map[int]error{}}
 		var ok []*consumer.Message
 		for i, m := range msgs {
-			p := m.Metadata[kafka.MetadataPartition]
+			p := m.Metadata[idemkafka.MetadataPartition]
 			if off := offsetOf(t, m); off < next[p] {
 				t.Errorf("partition %s: offset %d handed over after %d", p, off, next[p]-1)
 			}
@@ -156,9 +156,9 @@ func TestBatchConsumer(t *testing.T) {
 		}
 		for _, m := range ok {
 			done[m.ID]++
-			next[m.Metadata[kafka.MetadataPartition]] = offsetOf(t, m) + 1
+			next[m.Metadata[idemkafka.MetadataPartition]] = offsetOf(t, m) + 1
 		}
-		if pos, found := kafka.PositionAfter(ctx, ok...); found {
+		if pos, found := idemkafka.PositionAfter(ctx, ok...); found {
 			positions++
 			if pos.Group != group || pos.Topic != topic {
 				t.Errorf("position %+v", pos)
@@ -169,7 +169,7 @@ func TestBatchConsumer(t *testing.T) {
 		}
 		return nil
 	})
-	c, err := kafka.NewBatchConsumer(k.readerConfig(group, topic), bh, kafka.Options{
+	c, err := idemkafka.NewBatchConsumer(k.readerConfig(group, topic), bh, idemkafka.Options{
 		BatchSize:       16,
 		DeadLetterTopic: dlq,
 		Logger:          testLogger(t),
@@ -213,7 +213,7 @@ func TestBatchConsumer(t *testing.T) {
 	reasons := map[string]int{}
 	for _, m := range k.readAll(t, dlq, 1) {
 		for _, h := range m.Headers {
-			if h.Key == kafka.HeaderReason {
+			if h.Key == idemkafka.HeaderReason {
 				reasons[string(h.Value)]++
 			}
 		}
@@ -226,7 +226,7 @@ func TestBatchConsumer(t *testing.T) {
 // TestPositionAfterOutsideConsumer: no position outside a Consumer's
 // handler.
 func TestPositionAfterOutsideConsumer(t *testing.T) {
-	if _, ok := kafka.PositionAfter(context.Background()); ok {
+	if _, ok := idemkafka.PositionAfter(context.Background()); ok {
 		t.Fatal("PositionAfter answered outside a Consumer")
 	}
 }
@@ -259,7 +259,7 @@ func TestBatchDeadLettersOnce(t *testing.T) {
 	// short, and fails.
 	queued, cut := make(chan struct{}), make(chan struct{})
 	var cutOnce sync.Once
-	bhA := kafka.BatchHandlerFunc(func(ctx context.Context, msgs []*consumer.Message) error {
+	bhA := idemkafka.BatchHandlerFunc(func(ctx context.Context, msgs []*consumer.Message) error {
 		for i := 1; i < len(msgs); i++ {
 			if offsetOf(t, msgs[i]) != offsetOf(t, msgs[i-1])+1 {
 				cutOnce.Do(func() { close(cut) })
@@ -274,17 +274,17 @@ func TestBatchDeadLettersOnce(t *testing.T) {
 			return ctx.Err()
 		}
 	})
-	opts := kafka.Options{
+	opts := idemkafka.Options{
 		DeadLetterTopic: dlq,
 		CommitInterval:  20 * time.Millisecond,
 		ShutdownTimeout: 100 * time.Millisecond,
 		Logger:          testLogger(t),
 	}
-	a, err := kafka.NewBatchConsumer(k.readerConfig(group, topic), bhA, opts)
+	a, err := idemkafka.NewBatchConsumer(k.readerConfig(group, topic), bhA, opts)
 	if err != nil {
 		t.Fatal(err)
 	}
-	kafka.SetQueued(a, func(km *kafkago.Message) {
+	idemkafka.SetQueued(a, func(km *kafkago.Message) {
 		if km.Offset == n-1 {
 			close(queued)
 		}
@@ -299,7 +299,7 @@ func TestBatchDeadLettersOnce(t *testing.T) {
 
 	// Member B finishes the partition.
 	var handled atomic.Int64
-	b, err := kafka.NewBatchConsumer(k.readerConfig(group, topic), kafka.BatchHandlerFunc(func(_ context.Context, msgs []*consumer.Message) error {
+	b, err := idemkafka.NewBatchConsumer(k.readerConfig(group, topic), idemkafka.BatchHandlerFunc(func(_ context.Context, msgs []*consumer.Message) error {
 		handled.Add(int64(len(msgs)))
 		return nil
 	}), opts)
@@ -316,7 +316,7 @@ func TestBatchDeadLettersOnce(t *testing.T) {
 		for _, h := range m.Headers {
 			hs[h.Key] = string(h.Value)
 		}
-		byOffset[hs[kafka.HeaderOffset]] = append(byOffset[hs[kafka.HeaderOffset]], hs[kafka.HeaderID])
+		byOffset[hs[idemkafka.HeaderOffset]] = append(byOffset[hs[idemkafka.HeaderOffset]], hs[idemkafka.HeaderID])
 	}
 	for off := range invalid {
 		o := strconv.FormatInt(off, 10)

@@ -1,4 +1,4 @@
-package kafka_test
+package idemkafka_test
 
 import (
 	"context"
@@ -26,7 +26,7 @@ func TestPublisherHeadersAndTopics(t *testing.T) {
 		Transport:    k.tr,
 	}
 	defer w.Close()
-	pub, err := kafka.NewPublisher(w, kafka.PublisherOptions{})
+	pub, err := idemkafka.NewPublisher(w, idemkafka.PublisherOptions{})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -60,7 +60,7 @@ func TestPublisherHeadersAndTopics(t *testing.T) {
 	// A writer bound to a topic refuses messages for another.
 	w2 := &kafkago.Writer{Addr: kafkago.TCP(k.brokers...), Topic: topic, RequiredAcks: kafkago.RequireAll, BatchTimeout: 5 * time.Millisecond, Transport: k.tr}
 	defer w2.Close()
-	pub2, err := kafka.NewPublisher(w2, kafka.PublisherOptions{IDHeader: "x-id"})
+	pub2, err := idemkafka.NewPublisher(w2, idemkafka.PublisherOptions{IDHeader: "x-id"})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -85,7 +85,7 @@ func TestNewPublisherChecksTheWriter(t *testing.T) {
 		"no acks": {Addr: kafkago.TCP("x")},
 		"no addr": {RequiredAcks: kafkago.RequireAll},
 	} {
-		if _, err := kafka.NewPublisher(w, kafka.PublisherOptions{}); err == nil {
+		if _, err := idemkafka.NewPublisher(w, idemkafka.PublisherOptions{}); err == nil {
 			t.Errorf("%s: NewPublisher accepted the writer", name)
 		}
 	}
@@ -135,7 +135,7 @@ func TestPublisherPartialFailure(t *testing.T) {
 		Transport:    tr,
 	}
 	defer w.Close()
-	pub, err := kafka.NewPublisher(w, kafka.PublisherOptions{})
+	pub, err := idemkafka.NewPublisher(w, idemkafka.PublisherOptions{})
 	if err != nil {
 		t.Fatal(err)
 	}

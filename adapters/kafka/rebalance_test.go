@@ -1,4 +1,4 @@
-package kafka_test
+package idemkafka_test
 
 import (
 	"context"
@@ -70,7 +70,7 @@ func TestRebalance(t *testing.T) {
 
 	var total atomic.Int64
 	perMember := make([]atomic.Int64, 3)
-	member := func(i int) (*kafka.Consumer, *running) {
+	member := func(i int) (*idemkafka.Consumer, *running) {
 		pool := testenv.Pool(t, 4)
 		store, err := pgtable.New(pool, pgtable.Options{Schema: schema})
 		if err != nil {
@@ -78,7 +78,7 @@ func TestRebalance(t *testing.T) {
 		}
 		h, err := consumer.Transactional(store, consumer.TxOptions{Scope: "test/rebalance"},
 			func(ctx context.Context, tx pgx.Tx, msg *consumer.Message) error {
-				p, _ := strconv.Atoi(msg.Metadata[kafka.MetadataPartition])
+				p, _ := strconv.Atoi(msg.Metadata[idemkafka.MetadataPartition])
 				if _, err := tx.Exec(ctx, "INSERT INTO "+effects+" (id, member, part, off) VALUES ($1, $2, $3, $4)",
 					msg.ID, i, p, offsetOf(t, msg)); err != nil {
 					return err
@@ -89,7 +89,7 @@ func TestRebalance(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		c, err := kafka.NewConsumer(k.readerConfig(group, topic), h, kafka.Options{
+		c, err := idemkafka.NewConsumer(k.readerConfig(group, topic), h, idemkafka.Options{
 			CommitEvery:     20,
 			CommitInterval:  50 * time.Millisecond,
 			DeadLetterTopic: dlq,
@@ -197,7 +197,7 @@ func TestOffsetsInPostgresReachKafka(t *testing.T) {
 	// session or the rebalance times out.
 	cfg.SessionTimeout, cfg.RebalanceTimeout, cfg.HeartbeatInterval = time.Second, 2*time.Second, 100*time.Millisecond
 	var acked atomic.Int64
-	opts := kafka.Options{
+	opts := idemkafka.Options{
 		Offsets:         offsets,
 		DeadLetterTopic: dlq,
 		// No Kafka commit while records are handled: only the
@@ -211,7 +211,7 @@ func TestOffsetsInPostgresReachKafka(t *testing.T) {
 			}
 		},
 	}
-	a, err := kafka.NewConsumer(cfg, h, opts)
+	a, err := idemkafka.NewConsumer(cfg, h, opts)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -219,7 +219,7 @@ func TestOffsetsInPostgresReachKafka(t *testing.T) {
 	// gone on without A: Kafka then refuses it.
 	finalCommit, release := make(chan struct{}), make(chan struct{})
 	var blockOnce, releaseOnce sync.Once
-	kafka.SetCommitHooks(a, func(offs map[string]map[int]int64) {
+	idemkafka.SetCommitHooks(a, func(offs map[string]map[int]int64) {
 		for _, off := range offs[topic] {
 			if off > 0 {
 				blockOnce.Do(func() {
@@ -251,7 +251,7 @@ func TestOffsetsInPostgresReachKafka(t *testing.T) {
 	}
 
 	opts.OnResult = nil
-	b, err := kafka.NewConsumer(cfg, h, opts)
+	b, err := idemkafka.NewConsumer(cfg, h, opts)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -1,4 +1,4 @@
-package kafka_test
+package idemkafka_test
 
 import (
 	"context"
@@ -58,7 +58,7 @@ func TestConsumerContinuesOutboxTrace(t *testing.T) {
 	spans := telemetrytest.NewSpans(t)
 	producer, headers := outboxHeaders(t, spans)
 
-	pub, err := kafka.NewPublisher(k.writer(t, topic), kafka.PublisherOptions{})
+	pub, err := idemkafka.NewPublisher(k.writer(t, topic), idemkafka.PublisherOptions{})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -80,7 +80,7 @@ func TestConsumerContinuesOutboxTrace(t *testing.T) {
 		handlerTrace.Store(trace.SpanContextFromContext(ctx))
 		return nil
 	}), dd)
-	c, err := kafka.NewConsumer(k.readerConfig(testenv.Name("g"), topic), h, kafka.Options{
+	c, err := idemkafka.NewConsumer(k.readerConfig(testenv.Name("g"), topic), h, idemkafka.Options{
 		DeadLetterTopic: k.dlq(t, topic),
 		TracerProvider:  spans,
 		Logger:          testLogger(t),
@@ -144,7 +144,7 @@ func TestConsumerMetricsByVerdict(t *testing.T) {
 		return nil
 	})
 	var logs telemetrytest.LogBuffer
-	c, err := kafka.NewConsumer(k.readerConfig(testenv.Name("g"), topic), h, kafka.Options{
+	c, err := idemkafka.NewConsumer(k.readerConfig(testenv.Name("g"), topic), h, idemkafka.Options{
 		DeadLetterTopic: dlq,
 		MeterProvider:   mp,
 		RetryInitial:    time.Millisecond,
@@ -194,14 +194,14 @@ func TestBatchConsumerLinksTraces(t *testing.T) {
 	// The batch handler waits until every record is fetched, so that they
 	// arrive as one batch.
 	var calls atomic.Int64
-	bh := kafka.BatchHandlerFunc(func(ctx context.Context, msgs []*consumer.Message) error {
+	bh := idemkafka.BatchHandlerFunc(func(ctx context.Context, msgs []*consumer.Message) error {
 		calls.Add(1)
 		if !trace.SpanFromContext(ctx).SpanContext().IsValid() {
 			return errors.New("no span in the batch's context")
 		}
 		return nil
 	})
-	c, err := kafka.NewBatchConsumer(k.readerConfig(testenv.Name("g"), topic), bh, kafka.Options{
+	c, err := idemkafka.NewBatchConsumer(k.readerConfig(testenv.Name("g"), topic), bh, idemkafka.Options{
 		DeadLetterTopic: k.dlq(t, topic),
 		TracerProvider:  spans,
 		MeterProvider:   mp,
@@ -269,9 +269,9 @@ func TestConsumerHostileTraceHeaders(t *testing.T) {
 		withTP("repeated", otherHeaders[outbox.HeaderTraceParent], goodHeaders[outbox.HeaderTraceParent]),
 	)
 	var acked atomic.Int64
-	c, err := kafka.NewConsumer(k.readerConfig(testenv.Name("g"), topic),
+	c, err := idemkafka.NewConsumer(k.readerConfig(testenv.Name("g"), topic),
 		consumer.HandlerFunc(func(context.Context, *consumer.Message) error { return nil }),
-		kafka.Options{
+		idemkafka.Options{
 			DeadLetterTopic: k.dlq(t, topic),
 			TracerProvider:  spans,
 			Logger:          testLogger(t),

@@ -285,7 +285,7 @@ func deliveryID(msg *consumer.Message) string {
 	if seq := msg.Headers[headerPublish]; seq != "" {
 		return "pub:" + seq
 	}
-	return msg.Metadata[kafka.MetadataPartition] + "/" + msg.Metadata[kafka.MetadataOffset]
+	return msg.Metadata[idemkafka.MetadataPartition] + "/" + msg.Metadata[idemkafka.MetadataOffset]
 }
 
 // classify records a delivery of this pipeline's record, the broker's copy
@@ -1102,8 +1102,8 @@ func (r *relay) publish(ctx context.Context, batch []*outbox.Message) error {
 	}
 }
 
-// group is a consumer group of one pipeline: a kafka.Consumer, or an
-// amqp.Consumer of the pipeline's queue, that crashes now and then before
+// group is a consumer group of one pipeline: a idemkafka.Consumer, or an
+// idemamqp.Consumer of the pipeline's queue, that crashes now and then before
 // committing and is restarted. With a shared store, the idem group runs in
 // child processes instead (demo_proc.go).
 type group struct {
@@ -1245,8 +1245,8 @@ func (g *group) crashing(inst *instance, next consumer.Handler) consumer.Handler
 				return err
 			}
 		}
-		part, _ := strconv.Atoi(msg.Metadata[kafka.MetadataPartition])
-		off, _ := strconv.ParseInt(msg.Metadata[kafka.MetadataOffset], 10, 64)
+		part, _ := strconv.Atoi(msg.Metadata[idemkafka.MetadataPartition])
+		off, _ := strconv.ParseInt(msg.Metadata[idemkafka.MetadataOffset], 10, 64)
 		g.offsets.save(part, off+1)
 		g.markHandled(deliveryID(msg))
 		return err // nil, or a completed duplicate's
@@ -1269,14 +1269,14 @@ func (g *group) crashAfter(n int) bool {
 }
 
 func (g *group) runInstance(ctx context.Context, inst *instance) error {
-	c, err := kafka.NewConsumer(kafkago.ReaderConfig{
+	c, err := idemkafka.NewConsumer(kafkago.ReaderConfig{
 		Brokers:  g.br.brokers,
 		GroupID:  g.name,
 		Topic:    g.br.topic,
 		MinBytes: 1,
 		MaxBytes: 10 << 20,
 		MaxWait:  50 * time.Millisecond,
-	}, g.crashing(inst, g.handler()), kafka.Options{
+	}, g.crashing(inst, g.handler()), idemkafka.Options{
 		DeadLetterTopic: g.br.dlq,
 		Logger:          g.logger,
 		CommitEvery:     500,

@@ -106,7 +106,7 @@ func setupAMQP(ctx context.Context, rawURL, runID string, logger *slog.Logger) (
 			return nil, fmt.Errorf("RabbitMQ at %s: bind queue %s: %w", where, q, err)
 		}
 	}
-	pub, err := amqp.NewPublisher(rawURL, amqp.PublisherOptions{
+	pub, err := idemamqp.NewPublisher(rawURL, idemamqp.PublisherOptions{
 		ConnectionName:      "idem-demo-relay",
 		ConfirmTimeout:      5 * time.Second,
 		ReconnectBackoff:    50 * time.Millisecond,
@@ -189,13 +189,13 @@ func (p *seqPublisher) Publish(ctx context.Context, msgs []*outbox.Message) erro
 }
 
 // amqpConsumerOptions are the options of a pipeline's Consumer.
-func amqpConsumerOptions(name, exchange string, logger *slog.Logger) amqp.ConsumerOptions {
-	return amqp.ConsumerOptions{
+func amqpConsumerOptions(name, exchange string, logger *slog.Logger) idemamqp.ConsumerOptions {
+	return idemamqp.ConsumerOptions{
 		ConnectionName:      name,
 		Prefetch:            200,
 		Concurrency:         4,
 		NotDurable:          true,
-		Bindings:            []amqp.ConsumerBinding{{Exchange: exchange}},
+		Bindings:            []idemamqp.ConsumerBinding{{Exchange: exchange}},
 		RetryDelays:         amqpRetryDelays,
 		MaxAttempts:         10,
 		PublishTimeout:      5 * time.Second,
@@ -223,7 +223,7 @@ func (g *group) runAMQPInstance(ctx context.Context, inst *instance) error {
 			return nil
 		}
 		g.crashes.Add(1)
-		if d, ok := amqp.DeliveryFrom(hctx); ok {
+		if d, ok := idemamqp.DeliveryFrom(hctx); ok {
 			if ch, ok := d.Acknowledger.(*amqp091.Channel); ok {
 				// Closed before the handler returns: the ACK that
 				// would follow cannot be sent.
@@ -234,15 +234,15 @@ func (g *group) runAMQPInstance(ctx context.Context, inst *instance) error {
 		return nil
 	})
 	opts := amqpConsumerOptions(g.name, g.br.topic, g.logger)
-	opts.OnResult = func(_ context.Context, msg *consumer.Message, _ consumer.Result, out amqp.ConsumerOutcome) {
+	opts.OnResult = func(_ context.Context, msg *consumer.Message, _ consumer.Result, out idemamqp.ConsumerOutcome) {
 		// What the broker got an ACK for is done, even from a worker
 		// that raced the crash: it is never delivered again. The
 		// others come back.
-		if out == amqp.OutcomeAcked || out == amqp.OutcomeDeadLettered {
+		if out == idemamqp.OutcomeAcked || out == idemamqp.OutcomeDeadLettered {
 			g.markHandled(deliveryID(msg))
 		}
 	}
-	c, err := amqp.NewConsumer(g.br.amqpURL, g.br.queues[g.path], crashing, opts)
+	c, err := idemamqp.NewConsumer(g.br.amqpURL, g.br.queues[g.path], crashing, opts)
 	if err != nil {
 		return err
 	}

@@ -61,7 +61,7 @@ func (b *demoBroker) close() {
 
 // setupKafka starts kfake in this process (or uses the brokers of --kafka),
 // creates the run's topic and dead-letter topic, and returns the broker
-// with a kafka.Publisher on the topic.
+// with a idemkafka.Publisher on the topic.
 func setupKafka(ctx context.Context, cfg demoConfig, runID string) (*demoBroker, error) {
 	topic, dlq := "payments-"+runID, "payments-"+runID+".dlq"
 	b := &demoBroker{kind: brokerKafka, topic: topic, dlq: dlq}
@@ -105,7 +105,7 @@ func setupKafka(ctx context.Context, cfg demoConfig, runID string) (*demoBroker,
 		Transport:    transport,
 	}
 	b.closers = append(b.closers, func() { _ = w.Close() })
-	pub, err := kafka.NewPublisher(w, kafka.PublisherOptions{})
+	pub, err := idemkafka.NewPublisher(w, idemkafka.PublisherOptions{})
 	if err != nil {
 		return nil, err
 	}

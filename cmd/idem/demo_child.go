@@ -236,7 +236,7 @@ func (c *child) run(ctx context.Context) error {
 	switch cfg.Broker {
 	case brokerKafka:
 		session := time.Duration(cfg.SessionMS) * time.Millisecond
-		kc, err := kafka.NewConsumer(kafkago.ReaderConfig{
+		kc, err := idemkafka.NewConsumer(kafkago.ReaderConfig{
 			Brokers:           cfg.Brokers,
 			GroupID:           cfg.Group,
 			Topic:             cfg.Topic,
@@ -249,7 +249,7 @@ func (c *child) run(ctx context.Context) error {
 			JoinGroupBackoff:  100 * time.Millisecond,
 			ReadBackoffMin:    10 * time.Millisecond,
 			ReadBackoffMax:    100 * time.Millisecond,
-		}, h, kafka.Options{
+		}, h, idemkafka.Options{
 			DeadLetterTopic: cfg.DLQ,
 			Logger:          c.logger,
 			CommitEvery:     200,
@@ -262,7 +262,7 @@ func (c *child) run(ctx context.Context) error {
 		}
 		return kc.Run(ctx)
 	case brokerAMQP:
-		ac, err := amqp.NewConsumer(cfg.AMQPURL, cfg.Queue, h, amqpConsumerOptions(cfg.Group, cfg.Exchange, c.logger))
+		ac, err := idemamqp.NewConsumer(cfg.AMQPURL, cfg.Queue, h, amqpConsumerOptions(cfg.Group, cfg.Exchange, c.logger))
 		if err != nil {
 			return err
 		}

@@ -128,13 +128,13 @@ func runRelay(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 			Transport:    transport,
 		}
 		defer func() { _ = w.Close() }()
-		kp, err := kafka.NewPublisher(w, kafka.PublisherOptions{})
+		kp, err := idemkafka.NewPublisher(w, idemkafka.PublisherOptions{})
 		if err != nil {
 			return err
 		}
 		pub, target = kp, "kafka "+*brokers
 	} else {
-		ap, err := amqp.NewPublisher(*amqpURL, amqp.PublisherOptions{Logger: logger, ConnectionName: "idem-relay"})
+		ap, err := idemamqp.NewPublisher(*amqpURL, idemamqp.PublisherOptions{Logger: logger, ConnectionName: "idem-relay"})
 		if err != nil {
 			return err
 		}

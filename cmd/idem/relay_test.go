@@ -103,7 +103,7 @@ func TestRelay(t *testing.T) {
 	)
 	cctx, ccancel := context.WithCancel(ctx)
 	defer ccancel()
-	c, err := kafka.NewConsumer(kafkago.ReaderConfig{Brokers: []string{brokers}, GroupID: "relay-test", Topic: "payments", MaxWait: 50 * time.Millisecond},
+	c, err := idemkafka.NewConsumer(kafkago.ReaderConfig{Brokers: []string{brokers}, GroupID: "relay-test", Topic: "payments", MaxWait: 50 * time.Millisecond},
 		consumer.HandlerFunc(func(_ context.Context, msg *consumer.Message) error {
 			mu.Lock()
 			defer mu.Unlock()
@@ -112,7 +112,7 @@ func TestRelay(t *testing.T) {
 				ccancel()
 			}
 			return nil
-		}), kafka.Options{DeadLetterTopic: "payments.dlq"})
+		}), idemkafka.Options{DeadLetterTopic: "payments.dlq"})
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -92,7 +92,7 @@ func TestRelayWAL(t *testing.T) {
 	)
 	cctx, ccancel := context.WithCancel(ctx)
 	defer ccancel()
-	c, err := kafka.NewConsumer(kafkago.ReaderConfig{Brokers: []string{brokers}, GroupID: "relay-wal-test", Topic: "payments", MaxWait: 50 * time.Millisecond},
+	c, err := idemkafka.NewConsumer(kafkago.ReaderConfig{Brokers: []string{brokers}, GroupID: "relay-wal-test", Topic: "payments", MaxWait: 50 * time.Millisecond},
 		consumer.HandlerFunc(func(_ context.Context, msg *consumer.Message) error {
 			mu.Lock()
 			defer mu.Unlock()
@@ -101,7 +101,7 @@ func TestRelayWAL(t *testing.T) {
 				ccancel()
 			}
 			return nil
-		}), kafka.Options{DeadLetterTopic: "payments.dlq"})
+		}), idemkafka.Options{DeadLetterTopic: "payments.dlq"})
 	if err != nil {
 		t.Fatal(err)
 	}

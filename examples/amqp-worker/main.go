@@ -144,7 +144,7 @@ func run(ctx context.Context, cfg config) error {
 
 	var settled atomic.Int64
 	logger := slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelError}))
-	c, err := amqp.NewConsumer(cfg.amqpURL, cfg.queue, h, amqp.ConsumerOptions{
+	c, err := idemamqp.NewConsumer(cfg.amqpURL, cfg.queue, h, idemamqp.ConsumerOptions{
 		Prefetch:    100,
 		Concurrency: 8,
 		RetryDelays: []time.Duration{200 * time.Millisecond, time.Second, 5 * time.Second},
@@ -156,8 +156,8 @@ func run(ctx context.Context, cfg config) error {
 		QuorumQueue:   true,
 		MaxDeliveries: 10,
 		Logger:        logger,
-		OnResult: func(_ context.Context, _ *consumer.Message, _ consumer.Result, out amqp.ConsumerOutcome) {
-			if out != amqp.OutcomeRetried {
+		OnResult: func(_ context.Context, _ *consumer.Message, _ consumer.Result, out idemamqp.ConsumerOutcome) {
+			if out != idemamqp.OutcomeRetried {
 				settled.Add(1)
 			}
 		},

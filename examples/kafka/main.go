@@ -105,7 +105,7 @@ func run(cfg config) error {
 		Transport:    transport,
 	}
 	defer func() { _ = w.Close() }()
-	pub, err := kafka.NewPublisher(w, kafka.PublisherOptions{})
+	pub, err := idemkafka.NewPublisher(w, idemkafka.PublisherOptions{})
 	if err != nil {
 		return err
 	}
@@ -216,14 +216,14 @@ func run(cfg config) error {
 	var acked, duplicates, deadLettered atomic.Int64
 	consumed, stop := context.WithCancel(ctx)
 	defer stop()
-	c, err := kafka.NewConsumer(kafkago.ReaderConfig{
+	c, err := idemkafka.NewConsumer(kafkago.ReaderConfig{
 		Brokers:  addrs,
 		GroupID:  group,
 		Topic:    topic,
 		MaxWait:  100 * time.Millisecond,
 		MinBytes: 1,
 		MaxBytes: 10 << 20,
-	}, handler, kafka.Options{
+	}, handler, idemkafka.Options{
 		DeadLetterTopic: dlq,
 		Logger:          slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelError})),
 		OnResult: func(_ context.Context, _ *consumer.Message, r consumer.Result) {

@@ -118,7 +118,7 @@ func run(ctx context.Context, pgURL, amqpURL, schema, exchange string, n int, ke
 	}
 
 	// The relay: publishes committed events through the AMQP publisher.
-	pub, err := amqp.NewPublisher(amqpURL, amqp.PublisherOptions{Logger: logger})
+	pub, err := idemamqp.NewPublisher(amqpURL, idemamqp.PublisherOptions{Logger: logger})
 	if err != nil {
 		return err
 	}

@@ -63,7 +63,7 @@ func runChild() int {
 	if err != nil {
 		return fail(err)
 	}
-	pub, err := amqp.NewPublisher(os.Getenv(childAMQPEnv), amqp.PublisherOptions{Logger: quiet()})
+	pub, err := idemamqp.NewPublisher(os.Getenv(childAMQPEnv), idemamqp.PublisherOptions{Logger: quiet()})
 	if err != nil {
 		return fail(err)
 	}

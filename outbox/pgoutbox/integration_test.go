@@ -26,9 +26,9 @@ import (
 	"github.com/idemkit/idem/outbox/pgoutbox"
 )
 
-func newAMQPPublisher(t testing.TB, rawURL string) *amqp.Publisher {
+func newAMQPPublisher(t testing.TB, rawURL string) *idemamqp.Publisher {
 	t.Helper()
-	p, err := amqp.NewPublisher(rawURL, amqp.PublisherOptions{
+	p, err := idemamqp.NewPublisher(rawURL, idemamqp.PublisherOptions{
 		Logger: quiet(), ReconnectBackoff: 20 * time.Millisecond, MaxReconnectBackoff: 200 * time.Millisecond,
 	})
 	if err != nil {

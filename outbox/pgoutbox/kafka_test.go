@@ -74,9 +74,9 @@ func (k *kafkaEnv) writer(batchSize int, batchTimeout time.Duration) *kafkago.Wr
 }
 
 // kafkaPublisher is the relay's outbox.Publisher on w.
-func kafkaPublisher(t testing.TB, w *kafkago.Writer) *kafka.Publisher {
+func kafkaPublisher(t testing.TB, w *kafkago.Writer) *idemkafka.Publisher {
 	t.Helper()
-	p, err := kafka.NewPublisher(w, kafka.PublisherOptions{})
+	p, err := idemkafka.NewPublisher(w, idemkafka.PublisherOptions{})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -106,7 +106,7 @@ func (k *kafkaEnv) readerConfig(group, topic string) kafkago.ReaderConfig {
 
 // kafkaRun runs a Consumer until the returned stop is called (or the test
 // ends); stop waits for Run to return and may be called more than once.
-func kafkaRun(t testing.TB, c *kafka.Consumer) (stop func()) {
+func kafkaRun(t testing.TB, c *idemkafka.Consumer) (stop func()) {
 	t.Helper()
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan error, 1)
@@ -183,7 +183,7 @@ func TestRelayToKafka(t *testing.T) {
 		dups     atomic.Int64
 		dead     atomic.Int64
 	)
-	c, err := kafka.NewConsumer(k.readerConfig(testenv.Name("idemtest_g"), topic), consumer.Chain(apply, consumer.Recover()), kafka.Options{
+	c, err := idemkafka.NewConsumer(k.readerConfig(testenv.Name("idemtest_g"), topic), consumer.Chain(apply, consumer.Recover()), idemkafka.Options{
 		DeadLetterTopic: dlq,
 		Logger:          quiet(),
 		OnResult: func(_ context.Context, m *consumer.Message, r consumer.Result) {

@@ -165,7 +165,7 @@ func BenchmarkRelayToKafka(b *testing.B) {
 		defer func() { _ = w.Close() }()
 		var pub outbox.Publisher = nopPublisher{}
 		if !noBroker {
-			p, err := kafka.NewPublisher(w, kafka.PublisherOptions{})
+			p, err := idemkafka.NewPublisher(w, idemkafka.PublisherOptions{})
 			if err != nil {
 				b.Fatal(err)
 			}
@@ -464,7 +464,7 @@ func BenchmarkRelayToRabbitMQ(b *testing.B) {
 	}
 	relay := func(src walrelay.Source) (float64, float64) {
 		ob := benchOutbox(b, pool, src, exchange)
-		pub, err := amqp.NewPublisher(testenv.AMQPURL(), amqp.PublisherOptions{Logger: quiet()})
+		pub, err := idemamqp.NewPublisher(testenv.AMQPURL(), idemamqp.PublisherOptions{Logger: quiet()})
 		if err != nil {
 			b.Fatal(err)
 		}

@@ -53,7 +53,7 @@ func TestRelayToRabbitMQ(t *testing.T) {
 
 		pool := logicalPool(t)
 		ob := newWAL(t, pool, walrelay.Options{Source: src})
-		pub, err := amqp.NewPublisher(testenv.AMQPURL(), amqp.PublisherOptions{Logger: quiet()})
+		pub, err := idemamqp.NewPublisher(testenv.AMQPURL(), idemamqp.PublisherOptions{Logger: quiet()})
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -111,8 +111,8 @@ func TestRelayToRabbitMQ(t *testing.T) {
 		eventually(t, "the message to a missing exchange parked", func() bool {
 			return pool.QueryRow(context.Background(), "SELECT last_error FROM "+ob.DeadTable()+" WHERE id = $1", poison[0]).Scan(&lastErr) == nil
 		})
-		if !strings.Contains(lastErr, amqp.ErrNoExchange.Error()) {
-			t.Fatalf("parked with %q, want the broker's refusal (%v)", lastErr, amqp.ErrNoExchange)
+		if !strings.Contains(lastErr, idemamqp.ErrNoExchange.Error()) {
+			t.Fatalf("parked with %q, want the broker's refusal (%v)", lastErr, idemamqp.ErrNoExchange)
 		}
 	})
 }

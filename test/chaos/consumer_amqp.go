@@ -158,7 +158,7 @@ func (q *amqpQueue) empty(ctx context.Context, deep bool) (bool, string, error) 
 // confirmed every one, sending again what failed or whose outcome is
 // unknown (a copy may then arrive twice: the consumer's claim drops it). It
 // returns how many batches had to be sent again.
-func publishAll(ctx context.Context, pub *amqp.Publisher, exchange string, ids []string) (resent int, err error) {
+func publishAll(ctx context.Context, pub *idemamqp.Publisher, exchange string, ids []string) (resent int, err error) {
 	const batch = 200
 	for len(ids) > 0 {
 		n := min(batch, len(ids))
@@ -197,7 +197,7 @@ func publishAll(ctx context.Context, pub *amqp.Publisher, exchange string, ids [
 type amqpWorkload struct {
 	b   *cellBase
 	q   *amqpQueue
-	pub *amqp.Publisher
+	pub *idemamqp.Publisher
 }
 
 func newAMQPWorkload(b *cellBase) (*amqpWorkload, func(), error) {
@@ -209,7 +209,7 @@ func newAMQPWorkload(b *cellBase) (*amqpWorkload, func(), error) {
 	if err := q.declare(); err != nil {
 		return nil, nil, err
 	}
-	pub, err := amqp.NewPublisher(q.url, amqp.PublisherOptions{ConnectionName: "idem-chaos-producer", Logger: quietLogger()})
+	pub, err := idemamqp.NewPublisher(q.url, idemamqp.PublisherOptions{ConnectionName: "idem-chaos-producer", Logger: quietLogger()})
 	if err != nil {
 		q.remove()
 		return nil, nil, err
@@ -279,7 +279,7 @@ func amqpChild(ctx context.Context) error {
 		return err
 	}
 	defer closer()
-	c, err := amqp.NewConsumer(r.cfg.AMQPURL, r.cfg.Queue, h, amqpConsumerOptions(r.cfg.Name, r.cfg.Exchange, r.cfg.Durable))
+	c, err := idemamqp.NewConsumer(r.cfg.AMQPURL, r.cfg.Queue, h, amqpConsumerOptions(r.cfg.Name, r.cfg.Exchange, r.cfg.Durable))
 	if err != nil {
 		return err
 	}
@@ -288,13 +288,13 @@ func amqpChild(ctx context.Context) error {
 }
 
 // amqpConsumerOptions are the options of every AMQP consumer of the cells.
-func amqpConsumerOptions(name, exchange string, durable bool) amqp.ConsumerOptions {
-	return amqp.ConsumerOptions{
+func amqpConsumerOptions(name, exchange string, durable bool) idemamqp.ConsumerOptions {
+	return idemamqp.ConsumerOptions{
 		ConnectionName:      name,
 		Prefetch:            20,
 		Concurrency:         4,
 		NotDurable:          !durable,
-		Bindings:            []amqp.ConsumerBinding{{Exchange: exchange}},
+		Bindings:            []idemamqp.ConsumerBinding{{Exchange: exchange}},
 		RetryDelays:         amqpRetryDelays,
 		MaxAttempts:         10,
 		ShutdownTimeout:     5 * time.Second,

@@ -287,7 +287,7 @@ func kafkaChild(ctx context.Context) error {
 		return err
 	}
 	defer closer()
-	c, err := kafka.NewConsumer(kafkaReaderConfig(r.cfg.Brokers, r.cfg.Group, r.cfg.Topic, kafkaSession), h, kafka.Options{
+	c, err := idemkafka.NewConsumer(kafkaReaderConfig(r.cfg.Brokers, r.cfg.Group, r.cfg.Topic, kafkaSession), h, idemkafka.Options{
 		CommitEvery:     50,
 		CommitInterval:  100 * time.Millisecond,
 		RetryInitial:    50 * time.Millisecond,

@@ -227,7 +227,7 @@ func rabbitAMQPCell(name string) Cell {
 					return Result{}, err
 				}
 				defer cleanup()
-				pub, err := amqp.NewPublisher(q.url, amqp.PublisherOptions{
+				pub, err := idemamqp.NewPublisher(q.url, idemamqp.PublisherOptions{
 					ConnectionName: "idem-chaos-producer", ConfirmTimeout: 5 * time.Second,
 					ReconnectBackoff: 50 * time.Millisecond, MaxReconnectBackoff: time.Second, Logger: quietLogger(),
 				})
@@ -299,7 +299,7 @@ func rabbitRelayCell(name string) Cell {
 				if err := ob.Migrate(ctx); err != nil {
 					return Result{}, err
 				}
-				pub, err := amqp.NewPublisher(q.url, amqp.PublisherOptions{
+				pub, err := idemamqp.NewPublisher(q.url, idemamqp.PublisherOptions{
 					ConnectionName: "idem-chaos-relay", ConfirmTimeout: 5 * time.Second,
 					ReconnectBackoff: 50 * time.Millisecond, MaxReconnectBackoff: time.Second, Logger: quietLogger(),
 				})

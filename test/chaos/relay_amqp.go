@@ -21,7 +21,7 @@ import (
 type amqpSink struct {
 	b      *cellBase
 	q      *amqpQueue
-	cs     []*amqp.Consumer
+	cs     []*idemamqp.Consumer
 	cancel context.CancelFunc
 	done   chan error
 }
@@ -47,7 +47,7 @@ func newAMQPSink(ctx context.Context, b *cellBase, q *amqpQueue, n int, work tim
 	for i := range n {
 		opts := amqpConsumerOptions(fmt.Sprintf("idem-chaos-consumer-%d", i), q.exchange, q.durable)
 		opts.Logger = quietLogger()
-		c, err := amqp.NewConsumer(q.url, q.queue, h, opts)
+		c, err := idemamqp.NewConsumer(q.url, q.queue, h, opts)
 		if err != nil {
 			return fail(err)
 		}
@@ -130,7 +130,7 @@ func (s *amqpSink) settle(ctx context.Context) error {
 // relayAMQPPublisher is the relay child's publisher: adapters/amqp's, with
 // publisher confirms.
 func relayAMQPPublisher(cfg childConfig) (outbox.Publisher, func(), error) {
-	p, err := amqp.NewPublisher(cfg.AMQPURL, amqp.PublisherOptions{
+	p, err := idemamqp.NewPublisher(cfg.AMQPURL, idemamqp.PublisherOptions{
 		ConnectionName: "idem-chaos-" + cfg.Name, ConfirmTimeout: 5 * time.Second,
 		ReconnectBackoff: 50 * time.Millisecond, MaxReconnectBackoff: time.Second, Logger: childLogger(),
 	})

@@ -46,7 +46,7 @@ func newKafkaSink(ctx context.Context, b *cellBase) (*kafkaSink, func(), error) 
 	if err != nil {
 		return fail(err)
 	}
-	c, err := kafka.NewConsumer(kafkaReaderConfig(k.brokers, s.group, s.topicN, 10*time.Second), h, kafka.Options{
+	c, err := idemkafka.NewConsumer(kafkaReaderConfig(k.brokers, s.group, s.topicN, 10*time.Second), h, idemkafka.Options{
 		CommitEvery: 50, CommitInterval: 100 * time.Millisecond, DeadLetterTopic: s.topicN + "_dlq", Logger: quietLogger(),
 	})
 	if err != nil {
@@ -113,7 +113,7 @@ func relayKafkaPublisher(cfg childConfig) (outbox.Publisher, func(), error) {
 		WriteTimeout: 10 * time.Second,
 		Transport:    tr,
 	}
-	p, err := kafka.NewPublisher(w, kafka.PublisherOptions{})
+	p, err := idemkafka.NewPublisher(w, idemkafka.PublisherOptions{})
 	if err != nil {
 		return nil, nil, err
 	}

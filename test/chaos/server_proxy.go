@@ -321,7 +321,7 @@ func srvProxyOutboxKafka(ctx context.Context, env *Env) (res Result, err error) 
 		ReadTimeout: 5 * time.Second, WriteTimeout: 5 * time.Second, Transport: tr,
 	}
 	defer func() { err = errors.Join(err, w.Close()) }()
-	pub, err := kafka.NewPublisher(w, kafka.PublisherOptions{})
+	pub, err := idemkafka.NewPublisher(w, idemkafka.PublisherOptions{})
 	if err != nil {
 		return res, err
 	}
@@ -341,12 +341,12 @@ func srvProxyOutboxKafka(ctx context.Context, env *Env) (res Result, err error) 
 	var dups, acks atomic.Int64
 	var deadMu sync.Mutex
 	var dead []string
-	c, err := kafka.NewConsumer(kafkago.ReaderConfig{
+	c, err := idemkafka.NewConsumer(kafkago.ReaderConfig{
 		Brokers: brokers, GroupID: "chaos-" + sanitize(name), Topic: topic,
 		HeartbeatInterval: 100 * time.Millisecond, SessionTimeout: 10 * time.Second, RebalanceTimeout: 10 * time.Second,
 		JoinGroupBackoff: 100 * time.Millisecond, MaxWait: 100 * time.Millisecond,
 		ReadBackoffMin: 10 * time.Millisecond, ReadBackoffMax: 100 * time.Millisecond,
-	}, consumer.Chain(apply, consumer.Recover()), kafka.Options{
+	}, consumer.Chain(apply, consumer.Recover()), idemkafka.Options{
 		DeadLetterTopic: dlq, Logger: srvQuiet,
 		OnResult: func(_ context.Context, m *consumer.Message, r consumer.Result) {
 			switch r.Action {

@@ -80,7 +80,7 @@ func srvProxyOutboxAMQP(ctx context.Context, env *Env) (res Result, err error) {
 // consumer.Transactional on dedup/pgtable in the oracle's schema.
 type srvAMQPBroker struct {
 	px           *fault.Proxy
-	pub          *amqp.Publisher
+	pub          *idemamqp.Publisher
 	stopConsumer func() error // once
 	dups, acks   atomic.Int64
 	deadMu       sync.Mutex
@@ -162,7 +162,7 @@ func srvStartAMQPBroker(ctx context.Context, env *Env, name string, shared *pgxp
 	if err != nil {
 		return b, err
 	}
-	b.pub, err = amqp.NewPublisher(proxied.String(), amqp.PublisherOptions{
+	b.pub, err = idemamqp.NewPublisher(proxied.String(), idemamqp.PublisherOptions{
 		Logger: srvQuiet, ConfirmTimeout: 3 * time.Second,
 		ReconnectBackoff: 20 * time.Millisecond, MaxReconnectBackoff: 200 * time.Millisecond,
 		Config: &amqp091.Config{Heartbeat: 10 * time.Second, Dial: func(network, addr string) (net.Conn, error) {
@@ -182,12 +182,12 @@ func srvStartAMQPBroker(ctx context.Context, env *Env, name string, shared *pgxp
 	if err != nil {
 		return b, err
 	}
-	c, err := amqp.NewConsumer(vurl, "chaos-work", consumer.Chain(apply, consumer.Recover()), amqp.ConsumerOptions{
-		Bindings: []amqp.ConsumerBinding{{Exchange: exchange}},
+	c, err := idemamqp.NewConsumer(vurl, "chaos-work", consumer.Chain(apply, consumer.Recover()), idemamqp.ConsumerOptions{
+		Bindings: []idemamqp.ConsumerBinding{{Exchange: exchange}},
 		Prefetch: 64, Concurrency: 4, Logger: srvQuiet, RetryDelays: []time.Duration{100 * time.Millisecond},
-		OnResult: func(_ context.Context, m *consumer.Message, r consumer.Result, out amqp.ConsumerOutcome) {
+		OnResult: func(_ context.Context, m *consumer.Message, r consumer.Result, out idemamqp.ConsumerOutcome) {
 			switch {
-			case out == amqp.OutcomeAcked:
+			case out == idemamqp.OutcomeAcked:
 				b.acks.Add(1)
 				if r.Duplicate {
 					b.dups.Add(1)

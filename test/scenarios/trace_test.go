@@ -37,14 +37,14 @@ func TestTraceSurvivesOutboxRelayAndBroker(t *testing.T) {
 		w := &kafkago.Writer{Addr: kafkago.TCP(k.Brokers...), Transport: k.Transport,
 			RequiredAcks: kafkago.RequireAll, BatchTimeout: 10 * time.Millisecond}
 		t.Cleanup(func() { _ = w.Close() })
-		pub, err := kafka.NewPublisher(w, kafka.PublisherOptions{})
+		pub, err := idemkafka.NewPublisher(w, idemkafka.PublisherOptions{})
 		if err != nil {
 			t.Fatal(err)
 		}
 		traceTrip(t, topic, "", pub, func(h consumer.Handler, tp trace.TracerProvider) runner {
-			c, err := kafka.NewConsumer(kafkago.ReaderConfig{Brokers: k.Brokers, GroupID: testenv.Name("g"), Topic: topic,
+			c, err := idemkafka.NewConsumer(kafkago.ReaderConfig{Brokers: k.Brokers, GroupID: testenv.Name("g"), Topic: topic,
 				Dialer: &kafkago.Dialer{Timeout: 10 * time.Second}, MaxWait: 50 * time.Millisecond},
-				h, kafka.Options{DeadLetterTopic: dlq, TracerProvider: tp})
+				h, idemkafka.Options{DeadLetterTopic: dlq, TracerProvider: tp})
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -54,7 +54,7 @@ func TestTraceSurvivesOutboxRelayAndBroker(t *testing.T) {
 	t.Run("rabbitmq", func(t *testing.T) {
 		testenv.RequireTCP(t, "RabbitMQ", "127.0.0.1:5672")
 		queue := testenv.Name("idemtrace")
-		pub, err := amqp.NewPublisher(testenv.AMQPURL(), amqp.PublisherOptions{SkipExchangeCheck: true})
+		pub, err := idemamqp.NewPublisher(testenv.AMQPURL(), idemamqp.PublisherOptions{SkipExchangeCheck: true})
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -76,7 +76,7 @@ func TestTraceSurvivesOutboxRelayAndBroker(t *testing.T) {
 			_ = ch.ExchangeDelete(queue+".dlx", false, false)
 		})
 		traceTrip(t, "", queue, pub, func(h consumer.Handler, tp trace.TracerProvider) runner {
-			c, err := amqp.NewConsumer(testenv.AMQPURL(), queue, h, amqp.ConsumerOptions{
+			c, err := idemamqp.NewConsumer(testenv.AMQPURL(), queue, h, idemamqp.ConsumerOptions{
 				TracerProvider: tp, NotDurable: true, RetryDelays: []time.Duration{time.Second}})
 			if err != nil {
 				t.Fatal(err)

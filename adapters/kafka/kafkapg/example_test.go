@@ -43,7 +43,7 @@ func ExampleOffsets() {
 	for _, off := range []int64{42, 17} { // 17 arrives late, from the old owner
 		err := pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
 			// ... the effect and the pgtable claim go here, in tx ...
-			return offsets.SaveTx(ctx, tx, kafka.Position{Group: "billing", Topic: "payments", Partition: 0, Offset: off})
+			return offsets.SaveTx(ctx, tx, idemkafka.Position{Group: "billing", Topic: "payments", Partition: 0, Offset: off})
 		})
 		if err != nil {
 			panic(err)

@@ -19,11 +19,11 @@ import (
 )
 
 // errNoPosition is returned by the handlers when they do not run under a
-// kafka.Consumer: there is no position to store.
-var errNoPosition = errors.New("kafkapg: no partition position in the context: run this handler with a kafka.Consumer")
+// idemkafka.Consumer: there is no position to store.
+var errNoPosition = errors.New("kafkapg: no partition position in the context: run this handler with a idemkafka.Consumer")
 
 // Transactional is consumer.Transactional that also stores the record's
-// partition position (kafka.PositionAfter) in the transaction: the claim,
+// partition position (idemkafka.PositionAfter) in the transaction: the claim,
 // the handler's writes and the position commit together. Give the Consumer
 // the same offsets as Options.Offsets, so that a partition assigned to it is
 // consumed from the stored position: after a crash, consumption resumes
@@ -42,7 +42,7 @@ func Transactional(claims dedup.TxStore[pgx.Tx], offsets *Offsets, opts consumer
 		if err := h(ctx, tx, msg); err != nil {
 			return err
 		}
-		pos, ok := kafka.PositionAfter(ctx)
+		pos, ok := idemkafka.PositionAfter(ctx)
 		if !ok {
 			return consumer.Permanent(errNoPosition)
 		}
@@ -78,12 +78,12 @@ type BatchOptions struct {
 	MeterProvider metric.MeterProvider
 	// TracerProvider records an idem.claim span around the batch claim, an
 	// idem.handle span per message and an idem.commit span, under the
-	// recording span in the batch's context (the kafka.Consumer's batch
+	// recording span in the batch's context (the idemkafka.Consumer's batch
 	// span). Defaults to the OpenTelemetry global.
 	TracerProvider trace.TracerProvider
 }
 
-// Batch returns a kafka.BatchHandler that handles a batch of records in one
+// Batch returns a idemkafka.BatchHandler that handles a batch of records in one
 // transaction on db: one statement claims every key (pgtable's ClaimBatchTx),
 // h runs for each key claimed first, in offset order, and with
 // BatchOptions.Offsets the partition's position is written; then the
@@ -94,7 +94,7 @@ type BatchOptions struct {
 // later commit). When h fails, or a key is held by a lease-mode claim, the
 // whole transaction rolls back and the Consumer hands the records over one at
 // a time. consumer.SetResult has no effect in a batch.
-func Batch(db DB, claims *pgtable.Store, opts BatchOptions, h consumer.TxHandler[pgx.Tx]) (kafka.BatchHandler, error) {
+func Batch(db DB, claims *pgtable.Store, opts BatchOptions, h consumer.TxHandler[pgx.Tx]) (idemkafka.BatchHandler, error) {
 	switch {
 	case db == nil:
 		return nil, errors.New("kafkapg: Batch: db is nil: pass the *pgxpool.Pool of the store")
@@ -256,7 +256,7 @@ func (b *batch) HandleBatch(ctx context.Context, msgs []*consumer.Message) (err 
 		}
 	}
 	if b.opts.Offsets != nil {
-		pos, ok := kafka.PositionAfter(ctx, done...)
+		pos, ok := idemkafka.PositionAfter(ctx, done...)
 		if !ok {
 			return consumer.Permanent(errNoPosition)
 		}
@@ -279,7 +279,7 @@ func (b *batch) HandleBatch(ctx context.Context, msgs []*consumer.Message) (err 
 		}
 	}
 	if len(errs) > 0 {
-		return &kafka.BatchError{Errs: errs}
+		return &idemkafka.BatchError{Errs: errs}
 	}
 	return nil
 }

@@ -51,7 +51,7 @@ func TestOffsets(t *testing.T) {
 	}
 
 	// SaveTx commits with the transaction, or not at all.
-	pos := kafka.Position{Group: "g", Topic: "t", Partition: 0, Offset: 50}
+	pos := idemkafka.Position{Group: "g", Topic: "t", Partition: 0, Offset: 50}
 	err = pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
 		if err := o.SaveTx(ctx, tx, pos); err != nil {
 			return err
@@ -136,7 +136,7 @@ func TestBatch(t *testing.T) {
 	}
 	// a again (duplicate), a in the same batch twice, b with other content.
 	err = bh.HandleBatch(ctx, []*consumer.Message{msg("a", "1"), msg("c", "3"), msg("c", "3"), msg("b", "other")})
-	var be *kafka.BatchError
+	var be *idemkafka.BatchError
 	if !errors.As(err, &be) {
 		t.Fatalf("HandleBatch = %v; want a BatchError", err)
 	}

@@ -34,7 +34,7 @@ type OffsetsOptions struct {
 
 // Offsets keeps consumer-group positions in a PostgreSQL table, one row per
 // (group, topic, partition) with the offset the group resumes from. It
-// implements kafka.OffsetStore; SaveTx writes a position in the caller's
+// implements idemkafka.OffsetStore; SaveTx writes a position in the caller's
 // transaction. A position only moves forward: every write keeps the greater
 // offset, so a late write from a member that lost the partition cannot move
 // it back. To rewind a group, update or delete its rows while no member runs.
@@ -46,7 +46,7 @@ type Offsets struct {
 	load  string
 }
 
-var _ kafka.OffsetStore = (*Offsets)(nil)
+var _ idemkafka.OffsetStore = (*Offsets)(nil)
 
 // NewOffsets returns an Offsets on db. It does not touch the database: call
 // Migrate (or apply SQL) once before use.
@@ -83,7 +83,7 @@ ON CONFLICT (group_id, topic, partition) DO UPDATE
 // Table returns the quoted, schema-qualified table name.
 func (o *Offsets) Table() string { return o.table }
 
-// LoadOffsets implements kafka.OffsetStore.
+// LoadOffsets implements idemkafka.OffsetStore.
 func (o *Offsets) LoadOffsets(ctx context.Context, group, topic string, partitions []int) (map[int]int64, error) {
 	ps := make([]int32, len(partitions))
 	for i, p := range partitions {
@@ -133,14 +133,14 @@ func (o *Offsets) saveOn(ctx context.Context, db execer, group string, offsets m
 	return nil
 }
 
-// SaveOffsets implements kafka.OffsetStore.
+// SaveOffsets implements idemkafka.OffsetStore.
 func (o *Offsets) SaveOffsets(ctx context.Context, group string, offsets map[string]map[int]int64) error {
 	return o.saveOn(ctx, o.db, group, offsets)
 }
 
 // SaveTx writes pos in tx: it commits with the effect and the claim, or not
-// at all. Get pos from kafka.PositionAfter.
-func (o *Offsets) SaveTx(ctx context.Context, tx pgx.Tx, pos kafka.Position) error {
+// at all. Get pos from idemkafka.PositionAfter.
+func (o *Offsets) SaveTx(ctx context.Context, tx pgx.Tx, pos idemkafka.Position) error {
 	return o.saveOn(ctx, tx, pos.Group, map[string]map[int]int64{pos.Topic: {pos.Partition: pos.Offset}})
 }
 
