@@ -72,8 +72,8 @@ func envOr(name, def string) string {
 
 type config struct {
 	postgres, schema, addr string
-	// issuedKeysOnly refuses keys the server did not issue (seed 003: a
-	// client whose own ids are not trusted).
+	// issuedKeysOnly refuses keys the server did not issue (for clients
+	// whose own ids are not trusted).
 	issuedKeysOnly bool
 	// keySecret signs issued keys. Defaults to a random secret, so keys
 	// issued before a restart are no longer "issued".

@@ -162,7 +162,7 @@ func TestPaymentFlow(t *testing.T) {
 	}
 }
 
-// The load of seed 000: 2,000 requests with one key from 200 concurrent
+// A load of 2,000 requests with one key from 200 concurrent
 // clients. Exactly one payment (and one outbox message); every answer is
 // that payment.
 func TestTwoThousandRequestsOneKey(t *testing.T) {
