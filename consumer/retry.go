@@ -10,6 +10,7 @@ import (
 	"go.opentelemetry.io/otel/metric"
 
 	"github.com/idemkit/idem/dedup"
+	"github.com/idemkit/idem/internal/backoff"
 	"github.com/idemkit/idem/internal/telemetry"
 )
 
@@ -146,15 +147,7 @@ func retry(ctx context.Context, msg *Message, next Handler, o *RetryOptions, wai
 
 // backoff returns the full-jitter delay before retry n (n >= 1).
 func (o *RetryOptions) backoff(n int) time.Duration {
-	ceil := o.Initial
-	for i := 1; i < n && ceil < o.Max; i++ {
-		if ceil > o.Max/2 {
-			ceil = o.Max
-			break
-		}
-		ceil *= 2
-	}
-	ceil = min(ceil, o.Max)
+	ceil := backoff.Exp(o.Initial, o.Max, n)
 	if ceil <= 0 {
 		return 0
 	}
@@ -169,17 +162,10 @@ func stopped(cause error, attempt int, last error) error {
 }
 
 func sleep(ctx context.Context, d time.Duration) error {
-	if d <= 0 {
+	if !backoff.Sleep(ctx, d) {
 		return ctx.Err()
 	}
-	t := time.NewTimer(d)
-	defer t.Stop()
-	select {
-	case <-ctx.Done():
-		return ctx.Err()
-	case <-t.C:
-		return nil
-	}
+	return nil
 }
 
 type attemptKey struct{}

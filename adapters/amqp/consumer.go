@@ -7,7 +7,6 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
-	"math/rand/v2"
 	"slices"
 	"strconv"
 	"sync"
@@ -18,6 +17,7 @@ import (
 
 	"github.com/idemkit/idem/consumer"
 	"github.com/idemkit/idem/dedup"
+	"github.com/idemkit/idem/internal/backoff"
 	"github.com/idemkit/idem/internal/seat"
 	"github.com/idemkit/idem/internal/telemetry"
 )
@@ -324,7 +324,7 @@ func (c *Consumer) Run(ctx context.Context) error {
 				delay = min(2*delay, c.opts.MaxReconnectBackoff)
 			}
 			c.opts.Logger.Warn("amqp: consumer cannot connect; retrying", "queue", c.queue, "in", delay, "err", err)
-			consSleep(ctx, consJitter(delay))
+			backoff.Sleep(ctx, backoff.Spread(delay))
 			continue
 		}
 		delay = 0
@@ -333,7 +333,7 @@ func (c *Consumer) Run(ctx context.Context) error {
 				return fmt.Errorf("amqp: consumer of %q: %w", c.queue, err)
 			}
 			c.opts.Logger.Warn("amqp: consumer lost its channel; reconnecting", "queue", c.queue, "err", err)
-			consSleep(ctx, consJitter(c.opts.ReconnectBackoff))
+			backoff.Sleep(ctx, backoff.Spread(c.opts.ReconnectBackoff))
 		}
 	}
 	return nil
@@ -991,7 +991,7 @@ func (c *Consumer) publishFailed(hctx context.Context, s *consSession, d *amqp09
 		return c.abandon()
 	}
 	c.opts.Logger.WarnContext(hctx, "amqp: publishing a copy failed; requeueing the delivery", "queue", c.queue, "to", where, "err", err)
-	t := time.NewTimer(consJitter(time.Second))
+	t := time.NewTimer(backoff.Spread(time.Second))
 	defer t.Stop()
 	select {
 	case <-t.C:
@@ -1140,17 +1140,4 @@ func consTruncate(s string) string {
 		return s
 	}
 	return s[:limit] + "..."
-}
-
-func consJitter(d time.Duration) time.Duration {
-	return time.Duration(float64(d) * (0.8 + 0.4*rand.Float64()))
-}
-
-func consSleep(ctx context.Context, d time.Duration) {
-	t := time.NewTimer(d)
-	defer t.Stop()
-	select {
-	case <-ctx.Done():
-	case <-t.C:
-	}
 }

@@ -5,13 +5,13 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
-	"math/rand/v2"
 	"sort"
 	"sync"
 	"time"
 
 	amqp091 "github.com/rabbitmq/amqp091-go"
 
+	"github.com/idemkit/idem/internal/backoff"
 	"github.com/idemkit/idem/outbox"
 )
 
@@ -231,7 +231,7 @@ func (p *Publisher) connection(ctx context.Context) (*pubConn, error) {
 		} else {
 			p.delay = min(2*p.delay, p.opts.MaxReconnectBackoff)
 		}
-		p.nextDial = time.Now().Add(pubJitter(p.delay))
+		p.nextDial = time.Now().Add(backoff.Spread(p.delay))
 		return nil, fmt.Errorf("amqp: connect: %w", err)
 	}
 	p.delay, p.nextDial = 0, time.Time{}
@@ -644,10 +644,6 @@ func (p *Publisher) forgetExchanges() {
 	p.mu.Lock()
 	clear(p.known)
 	p.mu.Unlock()
-}
-
-func pubJitter(d time.Duration) time.Duration {
-	return time.Duration(float64(d) * (0.8 + 0.4*rand.Float64()))
 }
 
 // dialConfig returns a copy of base (or a zero Config) with the defaults the

@@ -7,7 +7,7 @@ import (
 
 	"github.com/jackc/pgx/v5/pgxpool"
 
-	"github.com/idemkit/idem/adapters/amqp"
+	idemamqp "github.com/idemkit/idem/adapters/amqp"
 	"github.com/idemkit/idem/outbox/pgoutbox"
 )
 

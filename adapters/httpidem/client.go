@@ -7,7 +7,6 @@ import (
 	"errors"
 	"fmt"
 	"io"
-	"math/rand/v2"
 	"net/http"
 	"slices"
 	"strconv"
@@ -15,6 +14,8 @@ import (
 	"time"
 
 	"github.com/google/uuid"
+
+	"github.com/idemkit/idem/internal/backoff"
 )
 
 // Transport defaults.
@@ -209,7 +210,7 @@ func (t *Transport) RoundTrip(req *http.Request) (*http.Response, error) {
 		if resp != nil {
 			drain(resp.Body)
 		}
-		if !pause(ctx, delay) {
+		if !backoff.Sleep(ctx, delay) {
 			return nil, fmt.Errorf("httpidem: Transport: %s %s: gave up after %d attempts: %w", req.Method, req.URL.Redacted(), attempt, context.Cause(ctx))
 		}
 	}
@@ -217,13 +218,7 @@ func (t *Transport) RoundTrip(req *http.Request) (*http.Response, error) {
 
 // backoff returns the full-jitter delay before retry n.
 func (t *Transport) backoff(n int) time.Duration {
-	ceiling := t.opts.MaxDelay
-	if n-1 < 40 {
-		if d := t.opts.BaseDelay << (n - 1); d > 0 && d < ceiling {
-			ceiling = d
-		}
-	}
-	return rand.N(ceiling + 1)
+	return backoff.Full(backoff.Exp(t.opts.BaseDelay, t.opts.MaxDelay, n))
 }
 
 // shouldRetry says whether an attempt's outcome is worth another attempt.

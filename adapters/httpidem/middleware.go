@@ -16,6 +16,7 @@ import (
 	"github.com/jackc/pgx/v5/pgconn"
 
 	"github.com/idemkit/idem/dedup"
+	"github.com/idemkit/idem/internal/backoff"
 	"github.com/idemkit/idem/internal/leasekeep"
 	"github.com/idemkit/idem/internal/telemetry"
 )
@@ -356,18 +357,6 @@ func clientLeft(ctx context.Context, err error) bool {
 	return errors.Is(err, ctx.Err()) || errors.Is(err, context.Cause(ctx))
 }
 
-// pause sleeps for d or until ctx ends; it reports whether d passed.
-func pause(ctx context.Context, d time.Duration) bool {
-	t := time.NewTimer(d)
-	defer t.Stop()
-	select {
-	case <-ctx.Done():
-		return false
-	case <-t.C:
-		return true
-	}
-}
-
 // waitStep returns how long to sleep before asking the store again, or
 // false when Options.Wait is spent.
 func (m *Middleware) waitStep(start time.Time) (time.Duration, bool) {
@@ -424,7 +413,7 @@ func (m *Middleware) serveLease(w http.ResponseWriter, r *http.Request, next htt
 			break
 		}
 		rq.waited = true
-		if !pause(ctx, d) {
+		if !backoff.Sleep(ctx, d) {
 			rq.wait = waitCancelled
 			waited = time.Since(start)
 			break
@@ -633,7 +622,7 @@ func (m *Middleware) serveTx(w http.ResponseWriter, r *http.Request, next http.H
 			break
 		}
 		rq.waited = true
-		if !pause(ctx, d) {
+		if !backoff.Sleep(ctx, d) {
 			rq.wait = waitCancelled
 			waited = time.Since(start)
 			break

@@ -15,7 +15,7 @@ import (
 	sdkmetric "go.opentelemetry.io/otel/sdk/metric"
 	sdktrace "go.opentelemetry.io/otel/sdk/trace"
 
-	"github.com/idemkit/idem/adapters/kafka"
+	idemkafka "github.com/idemkit/idem/adapters/kafka"
 	"github.com/idemkit/idem/adapters/kafka/kafkapg"
 	"github.com/idemkit/idem/consumer"
 	"github.com/idemkit/idem/dedup/memstore"

@@ -10,7 +10,7 @@ import (
 	"go.opentelemetry.io/otel/propagation"
 	"go.opentelemetry.io/otel/trace"
 
-	"github.com/idemkit/idem/adapters/kafka"
+	idemkafka "github.com/idemkit/idem/adapters/kafka"
 	"github.com/idemkit/idem/internal/telemetry"
 )
 

@@ -7,7 +7,6 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
-	"math/rand/v2"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -15,6 +14,7 @@ import (
 	kafkago "github.com/segmentio/kafka-go"
 
 	"github.com/idemkit/idem/consumer"
+	"github.com/idemkit/idem/internal/backoff"
 	"github.com/idemkit/idem/internal/telemetry"
 )
 
@@ -309,32 +309,9 @@ func (c *Consumer) report(ctx context.Context, msg *consumer.Message, r consumer
 // RetryInitial, capped by RetryMax, with jitter over its upper half; at least
 // hint, capped by RetryMax.
 func (c *Consumer) backoff(n int, hint time.Duration) time.Duration {
-	d := c.opts.RetryInitial
-	for i := 1; i < n && d < c.opts.RetryMax; i++ {
-		d *= 2
-	}
-	d = min(d, c.opts.RetryMax)
-	d = d/2 + rand.N(d/2+1)
+	d := backoff.Upper(backoff.Exp(c.opts.RetryInitial, c.opts.RetryMax, n))
 	if hint > d {
 		d = min(hint, c.opts.RetryMax)
 	}
 	return d
-}
-
-// sleep waits d or until ctx is done; it reports whether it waited d.
-func sleep(ctx context.Context, d time.Duration) bool {
-	if ctx.Err() != nil {
-		return false
-	}
-	if d <= 0 {
-		return true
-	}
-	t := time.NewTimer(d)
-	defer t.Stop()
-	select {
-	case <-ctx.Done():
-		return false
-	case <-t.C:
-		return true
-	}
 }

@@ -24,7 +24,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 	kafkago "github.com/segmentio/kafka-go"
 
-	"github.com/idemkit/idem/adapters/kafka"
+	idemkafka "github.com/idemkit/idem/adapters/kafka"
 	"github.com/idemkit/idem/adapters/kafka/kafkapg"
 	"github.com/idemkit/idem/consumer"
 	"github.com/idemkit/idem/dedup/pgtable"

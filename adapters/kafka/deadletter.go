@@ -13,6 +13,7 @@ import (
 
 	"github.com/idemkit/idem/consumer"
 	"github.com/idemkit/idem/dedup"
+	"github.com/idemkit/idem/internal/backoff"
 )
 
 // Headers added to a dead-lettered record. The record keeps its key, value
@@ -91,7 +92,7 @@ func (c *Consumer) checkDeadLetterTopic(ctx context.Context) error {
 		}
 		c.log.LogAttrs(ctx, slog.LevelWarn, "idem: checking the dead-letter topic failed; trying again",
 			slog.String("group", c.group), slog.String("dead_letter_topic", c.dlqTopic), slog.Int("try", n), slog.Any("error", err))
-		if !sleep(ctx, c.backoff(n, 0)) {
+		if !backoff.Sleep(ctx, c.backoff(n, 0)) {
 			return ctx.Err()
 		}
 	}
@@ -166,7 +167,7 @@ func (p *partition) deadLetter(stop, logCtx context.Context, it *item, attempts 
 		c.log.LogAttrs(logCtx, slog.LevelError, "idem: publishing to the dead-letter topic failed; the partition waits and tries again",
 			slog.String("topic", it.km.Topic), slog.Int("partition", it.km.Partition), slog.Int64("offset", it.km.Offset),
 			slog.String("dead_letter_topic", c.dlqTopic), slog.Int("try", n), slog.Any("error", err))
-		if !sleep(stop, c.backoff(n, 0)) {
+		if !backoff.Sleep(stop, c.backoff(n, 0)) {
 			return false
 		}
 	}

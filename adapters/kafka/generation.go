@@ -10,6 +10,8 @@ import (
 	"time"
 
 	kafkago "github.com/segmentio/kafka-go"
+
+	"github.com/idemkit/idem/internal/backoff"
 )
 
 // generation is this member's share of one consumer-group generation: the
@@ -148,7 +150,7 @@ func retry(stop context.Context, c *Consumer, what string, fn func() error) erro
 		}
 		c.log.LogAttrs(stop, slog.LevelWarn, "idem: "+what+" failed; trying again",
 			slog.String("group", c.group), slog.Any("error", err))
-		if !sleep(stop, c.backoff(n, 0)) {
+		if !backoff.Sleep(stop, c.backoff(n, 0)) {
 			return err
 		}
 	}

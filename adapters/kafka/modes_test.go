@@ -12,7 +12,7 @@ import (
 
 	kafkago "github.com/segmentio/kafka-go"
 
-	"github.com/idemkit/idem/adapters/kafka"
+	idemkafka "github.com/idemkit/idem/adapters/kafka"
 	"github.com/idemkit/idem/consumer"
 	"github.com/idemkit/idem/dedup"
 	"github.com/idemkit/idem/internal/testkit/testenv"

@@ -11,6 +11,7 @@ import (
 
 	"github.com/idemkit/idem/consumer"
 	"github.com/idemkit/idem/dedup"
+	"github.com/idemkit/idem/internal/backoff"
 )
 
 // item is one fetched record on its way through a partition.
@@ -109,7 +110,7 @@ func (p *partition) fetchNext(stop context.Context, km *kafkago.Message) (ok boo
 		fails++
 		p.c.log.LogAttrs(stop, slog.LevelWarn, "idem: fetching failed; the reader reconnects",
 			slog.String("topic", p.topic), slog.Int("partition", p.id), slog.Any("error", err))
-		if !sleep(stop, p.c.backoff(fails, 0)) {
+		if !backoff.Sleep(stop, p.c.backoff(fails, 0)) {
 			return false
 		}
 	}
@@ -301,7 +302,7 @@ func (p *partition) settle(stop, ctx context.Context, at attemptTel, it *item, a
 			slog.String("topic", it.km.Topic), slog.Int("partition", it.km.Partition), slog.Int64("offset", it.km.Offset),
 			slog.String("message_id_hash", dedup.HashKey("", it.msg.ID)), slog.String("reason", string(r.Reason)), slog.Int("attempt", attempt), slog.Any("error", r.Err))
 	}
-	return !sleep(stop, p.c.backoff(attempt, r.RetryAfter))
+	return !backoff.Sleep(stop, p.c.backoff(attempt, r.RetryAfter))
 }
 
 func (p *partition) markDone(it *item) {

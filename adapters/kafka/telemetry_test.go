@@ -15,7 +15,7 @@ import (
 	sdktrace "go.opentelemetry.io/otel/sdk/trace"
 	"go.opentelemetry.io/otel/trace"
 
-	"github.com/idemkit/idem/adapters/kafka"
+	idemkafka "github.com/idemkit/idem/adapters/kafka"
 	"github.com/idemkit/idem/consumer"
 	"github.com/idemkit/idem/dedup/memstore"
 	"github.com/idemkit/idem/internal/telemetry"

@@ -18,7 +18,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 	amqp091 "github.com/rabbitmq/amqp091-go"
 
-	"github.com/idemkit/idem/adapters/amqp"
+	idemamqp "github.com/idemkit/idem/adapters/amqp"
 	"github.com/idemkit/idem/consumer"
 	"github.com/idemkit/idem/dedup/pgtable"
 	"github.com/idemkit/idem/internal/testkit/testenv"

@@ -5,7 +5,6 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
-	"math/rand/v2"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -14,6 +13,7 @@ import (
 	"go.opentelemetry.io/otel/metric"
 	"go.opentelemetry.io/otel/trace"
 
+	"github.com/idemkit/idem/internal/backoff"
 	"github.com/idemkit/idem/outbox"
 )
 
@@ -305,9 +305,9 @@ func (r *Relay) sampleBacklog(ctx context.Context) {
 
 // sessionLoop runs one session, reconnecting with backoff, until ctx ends.
 func (r *Relay) sessionLoop(ctx context.Context, idx int, stop context.CancelCauseFunc) {
-	bo := backoff{min: r.opts.ReconnectBackoff, max: r.opts.MaxReconnectBackoff}
+	bo := backoff.Growing{Min: r.opts.ReconnectBackoff, Max: r.opts.MaxReconnectBackoff}
 	for ctx.Err() == nil {
-		s := &session{r: r, idx: idx, pubBackoff: backoff{min: r.opts.ReconnectBackoff, max: r.opts.MaxReconnectBackoff}}
+		s := &session{r: r, idx: idx, pubBackoff: backoff.Growing{Min: r.opts.ReconnectBackoff, Max: r.opts.MaxReconnectBackoff}}
 		err := s.run(ctx)
 		if ctx.Err() != nil {
 			return
@@ -318,55 +318,20 @@ func (r *Relay) sessionLoop(ctx context.Context, idx int, stop context.CancelCau
 			return
 		}
 		if s.worked {
-			bo.reset()
+			bo.Reset()
 		}
-		d := bo.next()
+		d := bo.Next()
 		r.opts.Logger.Warn("pgoutbox: relay session lost; reconnecting", "table", r.ob.table, "session", idx, "in", d, "err", err)
-		if !sleep(ctx, d) {
+		if !backoff.Sleep(ctx, d) {
 			return
 		}
 	}
 }
 
-// backoff is an exponential delay with jitter.
-type backoff struct{ min, max, cur time.Duration }
-
-func (b *backoff) next() time.Duration {
-	if b.cur == 0 {
-		b.cur = b.min
-	} else {
-		b.cur = min(2*b.cur, b.max)
-	}
-	return jitter(b.cur)
-}
-
-func (b *backoff) reset() { b.cur = 0 }
-
-// jitter spreads d by ±20%.
-func jitter(d time.Duration) time.Duration {
-	return time.Duration(float64(d) * (0.8 + 0.4*rand.Float64()))
-}
-
 // retryDelay is the delay before the attempt after failed attempt n
 // (1-based): Backoff·2^(n-1), at most MaxBackoff, ±20%.
 func (o *RelayOptions) retryDelay(n int) time.Duration {
-	d := o.Backoff
-	for i := 1; i < n && d < o.MaxBackoff; i++ {
-		d *= 2
-	}
-	return jitter(min(d, o.MaxBackoff))
-}
-
-// sleep waits d or until ctx ends; it reports whether d passed.
-func sleep(ctx context.Context, d time.Duration) bool {
-	t := time.NewTimer(d)
-	defer t.Stop()
-	select {
-	case <-ctx.Done():
-		return false
-	case <-t.C:
-		return true
-	}
+	return backoff.Spread(backoff.Exp(o.Backoff, o.MaxBackoff, n))
 }
 
 // graceful returns a context that is not cancelled by parent, only

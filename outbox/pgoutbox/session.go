@@ -15,6 +15,7 @@ import (
 	"github.com/jackc/pgx/v5/pgconn/ctxwatch"
 
 	"github.com/idemkit/idem/dedup"
+	"github.com/idemkit/idem/internal/backoff"
 	"github.com/idemkit/idem/outbox"
 )
 
@@ -34,7 +35,7 @@ type session struct {
 	mismatch      bool // another shard count is in use
 	worked        bool // connected and set up: the reconnect backoff restarts
 	announce      bool // tell the other sessions to rebalance now
-	pubBackoff    backoff
+	pubBackoff    backoff.Growing
 }
 
 // publishFailure is a Publish error for the whole batch: no attempt is
@@ -83,9 +84,9 @@ func (s *session) run(ctx context.Context) error {
 			if ctx.Err() != nil {
 				return nil
 			}
-			d := s.pubBackoff.next()
+			d := s.pubBackoff.Next()
 			s.r.opts.Logger.Warn("pgoutbox: publish failed; retrying the batch", "table", s.r.ob.table, "session", s.idx, "in", d, "err", pf.err)
-			if !sleep(ctx, d) {
+			if !backoff.Sleep(ctx, d) {
 				return nil
 			}
 			continue
@@ -93,7 +94,7 @@ func (s *session) run(ctx context.Context) error {
 			return err
 		}
 		if n > 0 {
-			s.pubBackoff.reset()
+			s.pubBackoff.Reset()
 			continue // more may be claimable: the next message of each key just sent
 		}
 		if err := s.wait(ctx); err != nil {
@@ -182,7 +183,7 @@ func (s *session) close() {
 // Shards/members of them. A session that died released its locks with its
 // connection; the others take its shards over here.
 func (s *session) rebalance(ctx context.Context) error {
-	s.nextRebalance = time.Now().Add(jitter(s.r.opts.RebalanceInterval))
+	s.nextRebalance = time.Now().Add(backoff.Spread(s.r.opts.RebalanceInterval))
 	qctx, cancel := context.WithTimeout(ctx, s.r.opts.QueryTimeout)
 	defer cancel()
 	ns := s.r.ob.relayNS

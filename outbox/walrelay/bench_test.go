@@ -15,8 +15,8 @@ import (
 	amqp091 "github.com/rabbitmq/amqp091-go"
 	kafkago "github.com/segmentio/kafka-go"
 
-	"github.com/idemkit/idem/adapters/amqp"
-	"github.com/idemkit/idem/adapters/kafka"
+	idemamqp "github.com/idemkit/idem/adapters/amqp"
+	idemkafka "github.com/idemkit/idem/adapters/kafka"
 	"github.com/idemkit/idem/internal/testkit/kafkatest"
 	"github.com/idemkit/idem/internal/testkit/testenv"
 	"github.com/idemkit/idem/outbox"

@@ -11,6 +11,7 @@ import (
 	"github.com/jackc/pglogrepl"
 
 	"github.com/idemkit/idem/dedup"
+	"github.com/idemkit/idem/internal/backoff"
 	"github.com/idemkit/idem/outbox"
 )
 
@@ -58,12 +59,12 @@ type engine struct {
 	parking    int
 	blocked    map[string]bool
 	perKey     map[string]int
-	pubBackoff backoff
+	pubBackoff backoff.Growing
 }
 
 func newEngine(r *Relay, confirmed *atomic.Uint64) *engine {
 	return &engine{r: r, confirmed: confirmed, blocked: map[string]bool{}, perKey: map[string]int{},
-		pubBackoff: backoff{min: r.opts.ReconnectBackoff, max: r.opts.MaxReconnectBackoff}}
+		pubBackoff: backoff.Growing{Min: r.opts.ReconnectBackoff, Max: r.opts.MaxReconnectBackoff}}
 }
 
 // publishFailure is a Publish error for the whole batch: no attempt is
@@ -109,9 +110,9 @@ func (e *engine) run(ctx context.Context, items <-chan item) error {
 				if ctx.Err() != nil {
 					continue
 				}
-				d := e.pubBackoff.next()
+				d := e.pubBackoff.Next()
 				o.Logger.Warn("walrelay: publish failed; retrying the batch", "slot", e.r.ob.opts.Slot, "in", d, "err", pf.err)
-				sleep(ctx, d)
+				backoff.Sleep(ctx, d)
 			}
 			continue
 		}
@@ -292,7 +293,7 @@ func (e *engine) publish(ctx context.Context, batch []*entry) error {
 	} else {
 		tel.publishD.Record(pctx, took.Seconds(), tel.errRec...)
 	}
-	e.pubBackoff.reset()
+	e.pubBackoff.Reset()
 	now := time.Now()
 	published, retried := map[string]int{}, map[string]int{}
 	for i, en := range batch {
@@ -364,7 +365,7 @@ func (e *engine) park(ctx context.Context, now time.Time) {
 			en.tx.final.String(), en.attempts, truncate(en.lastErr.Error(), 2000))
 		cancel()
 		if err != nil {
-			en.due = now.Add(jitter(o.ReconnectBackoff))
+			en.due = now.Add(backoff.Spread(o.ReconnectBackoff))
 			if ctx.Err() == nil {
 				o.Logger.Warn("walrelay: cannot park a message in the dead table; trying again", "table", ob.deadQ,
 					"id_hash", dedup.HashKey("", m.ID), "err", err)

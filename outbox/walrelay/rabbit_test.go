@@ -9,7 +9,7 @@ import (
 
 	amqp091 "github.com/rabbitmq/amqp091-go"
 
-	"github.com/idemkit/idem/adapters/amqp"
+	idemamqp "github.com/idemkit/idem/adapters/amqp"
 	"github.com/idemkit/idem/internal/testkit/testenv"
 	"github.com/idemkit/idem/outbox"
 	"github.com/idemkit/idem/outbox/walrelay"

@@ -1,0 +1,87 @@
+// Package backoff holds the delays and waits of idem's retry loops: the
+// consumer's Retry middleware, the adapters' reconnects and retries, the
+// outbox relays and the HTTP client. Written once, so that every loop
+// grows, caps, spreads and waits alike.
+package backoff
+
+import (
+	"context"
+	"math/rand/v2"
+	"time"
+)
+
+// Exp is the delay before retry n (1-based) of an exponential backoff:
+// base·2^(n-1), at most limit. It never overflows.
+func Exp(base, limit time.Duration, n int) time.Duration {
+	d := base
+	for i := 1; i < n && d < limit; i++ {
+		if d > limit/2 {
+			return limit
+		}
+		d *= 2
+	}
+	return min(d, limit)
+}
+
+// Spread returns d spread uniformly by ±20%, so that clients that failed
+// together do not retry together.
+func Spread(d time.Duration) time.Duration {
+	return time.Duration(float64(d) * (0.8 + 0.4*rand.Float64()))
+}
+
+// Full returns a uniformly random delay in [0, d] ("full jitter"); 0 for
+// d ≤ 0.
+func Full(d time.Duration) time.Duration {
+	if d <= 0 {
+		return 0
+	}
+	return rand.N(d + 1)
+}
+
+// Upper returns a uniformly random delay in [d/2, d]; 0 for d ≤ 0.
+func Upper(d time.Duration) time.Duration {
+	if d <= 0 {
+		return 0
+	}
+	return d/2 + rand.N(d/2+1)
+}
+
+// Growing is an exponential delay for a loop that retries until it
+// succeeds: Next starts at Min, doubles up to Max, and is spread ±20%;
+// Reset starts it again after a success.
+type Growing struct {
+	Min, Max time.Duration
+	cur      time.Duration
+}
+
+// Next returns the next delay.
+func (g *Growing) Next() time.Duration {
+	if g.cur == 0 {
+		g.cur = g.Min
+	} else {
+		g.cur = min(2*g.cur, g.Max)
+	}
+	return Spread(g.cur)
+}
+
+// Reset makes the next delay Min again.
+func (g *Growing) Reset() { g.cur = 0 }
+
+// Sleep waits d or until ctx ends. It reports whether d passed: false when
+// ctx was done first (or already), true at once for d ≤ 0.
+func Sleep(ctx context.Context, d time.Duration) bool {
+	if ctx.Err() != nil {
+		return false
+	}
+	if d <= 0 {
+		return true
+	}
+	t := time.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-ctx.Done():
+		return false
+	case <-t.C:
+		return true
+	}
+}
