@@ -176,7 +176,8 @@ func (s *Store) claimLocked(key dedup.Key, now time.Time) (*dedup.Lease, error) 
 		case !key.Fingerprint.Matches(e.fp):
 			return nil, dedup.Mismatch(key)
 		case e.done():
-			return nil, dedup.Duplicate(key, e.result)
+			// A copy: the caller may change what it is handed.
+			return nil, dedup.Duplicate(key, append([]byte(nil), e.result...))
 		default:
 			return nil, dedup.InFlight(key, e.expires.Sub(now))
 		}
