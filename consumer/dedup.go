@@ -57,10 +57,10 @@ type DedupOptions struct {
 	// Logger receives warnings: failed heartbeats and releases, lost
 	// leases. Defaults to discarding them.
 	Logger *slog.Logger
-	// OnOutcome, if set, is called once per message with one of the
-	// Outcome constants, for metrics. It must be fast and safe for
+	// OnOutcome, if set, is called once per message with its Report
+	// (Outcome, Key, Message, Err). It must be fast and safe for
 	// concurrent use.
-	OnOutcome func(ctx context.Context, msg *Message, outcome string)
+	OnOutcome func(ctx context.Context, r Report)
 	// MeterProvider receives the metrics idem.claims,
 	// idem.claim.duration, idem.handler.duration and idem.lease.lost
 	// (README, "Operating idem"). Defaults to otel.GetMeterProvider(),
@@ -146,10 +146,8 @@ type dedupMiddleware struct {
 	keeper *leasekeep.Keeper
 }
 
-func (d *dedupMiddleware) outcome(ctx context.Context, msg *Message, outcome string) {
-	if d.opts.OnOutcome != nil {
-		d.opts.OnOutcome(ctx, msg, outcome)
-	}
+func (d *dedupMiddleware) outcome(ctx context.Context, msg *Message, key dedup.Key, o Outcome, err error) {
+	report(ctx, d.opts.OnOutcome, Report{Outcome: o, Key: key, Message: msg, Err: err})
 }
 
 // dedupRun is one message's state under a claim, allocated once: the lease
@@ -184,7 +182,7 @@ func (c *slotCtx) Value(key any) any {
 func (d *dedupMiddleware) handle(ctx context.Context, msg *Message, next Handler) error {
 	key, err := d.keys.build(msg)
 	if err != nil {
-		d.outcome(ctx, msg, OutcomeInvalidKey)
+		d.outcome(ctx, msg, dedup.Key{}, OutcomeInvalidKey, err)
 		d.tel.Claimed(ctx, telemetry.ClaimInvalidKey, 0)
 		return err
 	}
@@ -216,7 +214,7 @@ func (d *dedupMiddleware) handle(ctx context.Context, msg *Message, next Handler
 		if recording {
 			endClaim(telemetry.SpanErr(err), telemetry.AttrOutcome.String(telemetry.ClaimOutcome(err)))
 		}
-		d.outcome(ctx, msg, o)
+		d.outcome(ctx, msg, key, o, err)
 		return fmt.Errorf("consumer: claim %s: %w", key, err)
 	}
 	var hstart time.Time
@@ -247,20 +245,20 @@ func (d *dedupMiddleware) handle(ctx context.Context, msg *Message, next Handler
 		// handler never ran.
 		if lost := run.Stop(); lost != nil {
 			d.tel.LeaseLost(ctx)
-			d.outcome(ctx, msg, OutcomeLeaseLost)
+			d.outcome(ctx, msg, key, OutcomeLeaseLost, lost)
 			return fmt.Errorf("consumer: lease of %s lost while waiting for a handler slot: %w", key, lost)
 		}
 		run.Release("the handler was not started: " + err.Error())
-		d.outcome(ctx, msg, OutcomeReleased)
+		d.outcome(ctx, msg, key, OutcomeReleased, err)
 		return fmt.Errorf("consumer: waiting for a handler slot for %s: %w", key, err)
 	}
 	if timed && st != nil {
 		hstart = time.Now() // the handler's duration leaves the wait out
 	}
 	hctx, endHandle := telemetry.StartSpan(hctx, d.tel.Tracer, "idem.handle")
-	end := func(outcome string) {
+	end := func(outcome string, err error) {
 		d.tel.Handled(ctx, outcome, since(timed, hstart))
-		d.outcome(ctx, msg, outcome)
+		d.outcome(ctx, msg, key, Outcome(outcome), err)
 	}
 
 	returned := false
@@ -270,7 +268,7 @@ func (d *dedupMiddleware) handle(ctx context.Context, msg *Message, next Handler
 			// key back so a redelivery can run; the panic goes on to
 			// Recover.
 			endHandle(leasekeep.ErrPanicked)
-			end(run.Abandon())
+			end(run.Abandon(), leasekeep.ErrPanicked)
 		}
 	}()
 	herr := next.Handle(hctx, msg)
@@ -282,7 +280,7 @@ func (d *dedupMiddleware) handle(ctx context.Context, msg *Message, next Handler
 		tracer = d.tel.Tracer
 	}
 	o, err := run.Settle(herr, run.slot.get(), tracer)
-	end(o)
+	end(o, err)
 	return err
 }
 

@@ -107,7 +107,8 @@ func TestDedupConcurrentWithRetryAllAck(t *testing.T) {
 	var once sync.Map
 	dd := mustDedup(t, store, consumer.DedupOptions{
 		Scope: "billing/charge",
-		OnOutcome: func(_ context.Context, m *consumer.Message, o string) {
+		OnOutcome: func(_ context.Context, r consumer.Report) {
+			m, o := r.Message, r.Outcome
 			if o == consumer.OutcomeCompleted {
 				if _, loaded := once.LoadOrStore(m.ID, true); !loaded {
 					close(doneCh(m.ID))
@@ -186,8 +187,8 @@ func TestDedupFailureReleases(t *testing.T) {
 			t.Error("SetResult under Dedup returned false")
 		}
 		return nil
-	}), mustDedup(t, cs, consumer.DedupOptions{OnOutcome: func(_ context.Context, _ *consumer.Message, o string) {
-		outcomes = append(outcomes, o)
+	}), mustDedup(t, cs, consumer.DedupOptions{OnOutcome: func(_ context.Context, r consumer.Report) {
+		outcomes = append(outcomes, string(r.Outcome))
 	}}))
 	ctx := t.Context()
 
@@ -336,11 +337,11 @@ func TestDedupStoreDownFailsClosed(t *testing.T) {
 	store := newStore(t, memstore.Options{})
 	_ = store.Close()
 	ran := false
-	var outcome string
+	var outcome consumer.Outcome
 	h := consumer.Chain(consumer.HandlerFunc(func(context.Context, *consumer.Message) error {
 		ran = true
 		return nil
-	}), mustDedup(t, store, consumer.DedupOptions{OnOutcome: func(_ context.Context, _ *consumer.Message, o string) { outcome = o }}))
+	}), mustDedup(t, store, consumer.DedupOptions{OnOutcome: func(_ context.Context, r consumer.Report) { outcome = r.Outcome }}))
 	r := consumer.Process(t.Context(), h, msg("m1", "p"))
 	wantResult(t, r, consumer.ActionRetry, consumer.ReasonTransient)
 	if ran {
@@ -500,9 +501,9 @@ func TestDedupCompleteFails(t *testing.T) {
 		{errBoom, consumer.ReasonTransient},
 		{fmt.Errorf("token mismatch: %w", dedup.ErrLeaseLost), consumer.ReasonLeaseLost},
 	} {
-		var outcome string
+		var outcome consumer.Outcome
 		h := consumer.Chain(ok, mustDedup(t, failingCompleteStore{store, c.err}, consumer.DedupOptions{
-			OnOutcome: func(_ context.Context, _ *consumer.Message, o string) { outcome = o },
+			OnOutcome: func(_ context.Context, r consumer.Report) { outcome = r.Outcome },
 		}))
 		r := consumer.Process(t.Context(), h, msg("m-"+string(c.reason), "p"))
 		wantResult(t, r, consumer.ActionRetry, c.reason)

@@ -66,7 +66,7 @@ func (b *keyBuilder) build(msg *Message) (dedup.Key, error) {
 }
 
 // claimOutcome names the outcome of a claim that did not grant ownership.
-func claimOutcome(err error) string {
+func claimOutcome(err error) Outcome {
 	switch {
 	case errors.Is(err, dedup.ErrDuplicate):
 		return OutcomeDuplicate
@@ -121,27 +121,3 @@ func SetResult(ctx context.Context, result []byte) bool {
 	s.set(result)
 	return true
 }
-
-// Outcomes reported to DedupOptions.OnOutcome and TxOptions.OnOutcome, for
-// metrics (hits by kind, misses, failures).
-const (
-	// The handler succeeded and the key was marked done.
-	OutcomeCompleted = "completed"
-	// The key was already processed: the handler did not run.
-	OutcomeDuplicate = "duplicate"
-	// Another owner holds the key: the handler did not run.
-	OutcomeInFlight = "in_flight"
-	// The key was seen with other content: the handler did not run.
-	OutcomeFingerprintMismatch = "fingerprint_mismatch"
-	// The message has no valid key: the store was not asked.
-	OutcomeInvalidKey = "invalid_key"
-	// The store failed the claim: the handler did not run (fail closed).
-	OutcomeStoreError = "store_error"
-	// The handler failed or panicked and the claim was given back (Dedup
-	// releases the lease; Transactional's transaction rolled back).
-	OutcomeReleased = "released"
-	// The lease was lost while the handler ran.
-	OutcomeLeaseLost = "lease_lost"
-	// The handler succeeded but marking the key done failed.
-	OutcomeCompleteFailed = "complete_failed"
-)

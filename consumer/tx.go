@@ -34,10 +34,10 @@ type TxOptions struct {
 	// MaxKeyLen limits scope and id, in bytes. Defaults to
 	// dedup.DefaultMaxKeyLen.
 	MaxKeyLen int
-	// OnOutcome, if set, is called once per message with one of the
-	// Outcome constants, for metrics. It must be fast and safe for
+	// OnOutcome, if set, is called once per message with its Report
+	// (Outcome, Key, Message, Err). It must be fast and safe for
 	// concurrent use.
-	OnOutcome func(ctx context.Context, msg *Message, outcome string)
+	OnOutcome func(ctx context.Context, r Report)
 	// MeterProvider receives idem.claims, idem.claim.duration and
 	// idem.handler.duration. Defaults to otel.GetMeterProvider(), a no-op
 	// until the application installs a provider.
@@ -79,15 +79,10 @@ func Transactional[Tx any](store dedup.TxStore[Tx], opts TxOptions, h TxHandler[
 		opts.StoreName = telemetry.StoreName(store)
 	}
 	tel := telemetry.NewDedup(opts.MeterProvider, opts.TracerProvider, opts.Scope, opts.StoreName)
-	outcome := func(ctx context.Context, msg *Message, o string) {
-		if opts.OnOutcome != nil {
-			opts.OnOutcome(ctx, msg, o)
-		}
-	}
 	return HandlerFunc(func(ctx context.Context, msg *Message) error {
 		key, err := kb.build(msg)
 		if err != nil {
-			outcome(ctx, msg, OutcomeInvalidKey)
+			report(ctx, opts.OnOutcome, Report{Outcome: OutcomeInvalidKey, Message: msg, Err: err})
 			tel.Claimed(ctx, telemetry.ClaimInvalidKey, 0)
 			return err
 		}
@@ -101,11 +96,11 @@ func Transactional[Tx any](store dedup.TxStore[Tx], opts TxOptions, h TxHandler[
 			}
 			return slot.get(), nil
 		})
+		o := Outcome(r.Handled())
 		if v := r.Verdict(); v != nil {
-			outcome(ctx, msg, claimOutcome(v))
-		} else {
-			outcome(ctx, msg, r.Handled())
+			o = claimOutcome(v)
 		}
+		report(ctx, opts.OnOutcome, Report{Outcome: o, Key: key, Message: msg, Err: r.Err})
 		return r.Err
 	}), nil
 }

@@ -3,6 +3,7 @@ package consumer_test
 import (
 	"context"
 	"errors"
+	"slices"
 	"strings"
 	"sync"
 	"testing"
@@ -77,11 +78,12 @@ func (s *txStore) writes() map[string]int {
 func TestTransactional(t *testing.T) {
 	store := newTxStore()
 	fail := true
-	var outcomes []string
+	var outcomes []consumer.Outcome
 	var mu sync.Mutex
 	h, err := consumer.Transactional[*fakeTx](store, consumer.TxOptions{
 		Scope: "billing/ledger",
-		OnOutcome: func(_ context.Context, _ *consumer.Message, o string) {
+		OnOutcome: func(_ context.Context, r consumer.Report) {
+			o := r.Outcome
 			mu.Lock()
 			outcomes = append(outcomes, o)
 			mu.Unlock()
@@ -130,7 +132,7 @@ func TestTransactional(t *testing.T) {
 		t.Fatalf("firsts=%d dups=%d writes=%v; want one commit", firsts, dups, store.writes())
 	}
 	mu.Lock()
-	if outcomes[0] != consumer.OutcomeReleased || strings.Count(strings.Join(outcomes, ","), consumer.OutcomeCompleted) != 1 {
+	if outcomes[0] != consumer.OutcomeReleased || len(slices.DeleteFunc(slices.Clone(outcomes), func(o consumer.Outcome) bool { return o != consumer.OutcomeCompleted })) != 1 {
 		t.Errorf("outcomes %v", outcomes)
 	}
 	mu.Unlock()
@@ -191,11 +193,11 @@ func TestTransactionalErrors(t *testing.T) {
 func TestTransactionalLosesTheKey(t *testing.T) {
 	store := newTxStore()
 	store.stolen = true
-	var outcomes []string
+	var outcomes []consumer.Outcome
 	ran := 0
 	h, err := consumer.Transactional[*fakeTx](store, consumer.TxOptions{
 		Scope:     "billing/ledger",
-		OnOutcome: func(_ context.Context, _ *consumer.Message, o string) { outcomes = append(outcomes, o) },
+		OnOutcome: func(_ context.Context, r consumer.Report) { outcomes = append(outcomes, r.Outcome) },
 	}, func(_ context.Context, tx *fakeTx, m *consumer.Message) error {
 		ran++
 		tx.writes = append(tx.writes, "debit "+m.ID)

@@ -115,7 +115,8 @@ func childMain() int {
 		die("in_tx")
 		return nil
 	}
-	dupOutcome := func(_ context.Context, msg *consumer.Message, outcome string) {
+	dupOutcome := func(_ context.Context, r consumer.Report) {
+		msg, outcome := r.Message, r.Outcome
 		if outcome == consumer.OutcomeDuplicate {
 			fmt.Println(childDupLine, msg.ID, msg.Metadata[idemkafka.MetadataPartition], msg.Metadata[idemkafka.MetadataOffset])
 		}

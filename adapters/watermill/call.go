@@ -7,6 +7,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 	"go.opentelemetry.io/otel/trace"
 
+	"github.com/idemkit/idem/dedup"
 	"github.com/idemkit/idem/internal/leasekeep"
 	"github.com/idemkit/idem/internal/telemetry"
 )
@@ -26,6 +27,7 @@ type call struct {
 
 	parent   context.Context // the message's context, with the consumer span
 	msg      *message.Message
+	key      dedup.Key
 	returned bool // the handler returned (did not panic)
 	// out and herr are what the handler returned. They are kept here, not
 	// passed to settle, to keep the frame under the handler small.

@@ -1,6 +1,7 @@
 package watermill_test
 
 import (
+	"context"
 	"fmt"
 	"sort"
 	"sync/atomic"
@@ -45,8 +46,9 @@ func TestConcurrentDeliveriesOneEffect(t *testing.T) {
 				runs     atomic.Int32
 				outcomes [10]atomic.Int32
 			)
-			names := []string{consumer.OutcomeCompleted, consumer.OutcomeDuplicate, consumer.OutcomeInFlight, consumer.OutcomeStoreError}
-			onOutcome := func(_ *message.Message, o string) {
+			names := []consumer.Outcome{consumer.OutcomeCompleted, consumer.OutcomeDuplicate, consumer.OutcomeInFlight, consumer.OutcomeStoreError}
+			onOutcome := func(_ context.Context, r consumer.Report) {
+				o := r.Outcome
 				for i, n := range names {
 					if n == o {
 						outcomes[i].Add(1)

@@ -8,6 +8,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 	"go.opentelemetry.io/otel/attribute"
 
+	"github.com/idemkit/idem/consumer"
 	"github.com/idemkit/idem/dedup"
 	"github.com/idemkit/idem/internal/leasekeep"
 	"github.com/idemkit/idem/internal/telemetry"
@@ -133,7 +134,7 @@ func (d *leaseMiddleware) claim(msg *message.Message) (lc *call, out []*message.
 	}
 	tel.Claimed(ctx, telemetry.ClaimFirst, hstart.Sub(start))
 	endClaim(end, nil, telemetry.ClaimFirst)
-	c := &call{dl: dl, cfg: d.config, parent: ctx, msg: msg,
+	c := &call{dl: dl, cfg: d.config, parent: ctx, msg: msg, key: key,
 		tel: tel, timed: timed, recording: recording, hstart: hstart, endHandle: noEndHandle}
 	every := d.ExtendEvery
 	if every == 0 {
@@ -176,7 +177,7 @@ func (lc *call) settle() ([]*message.Message, error) {
 func (lc *call) answer(out []*message.Message, herr error) ([]*message.Message, error) {
 	lc.endHandle(herr)
 	o, err := lc.Settle(herr, nil, lc.tracer())
-	lc.handled(o)
+	lc.handled(o, err)
 	switch o {
 	case telemetry.HandledCompleted:
 		return out, nil
@@ -187,13 +188,13 @@ func (lc *call) answer(out []*message.Message, herr error) ([]*message.Message, 
 }
 
 // handled reports how the handler's run under the lease ended.
-func (lc *call) handled(outcome string) {
+func (lc *call) handled(outcome string, err error) {
 	var took time.Duration
 	if lc.timed {
 		took = time.Since(lc.hstart)
 	}
 	lc.tel.Handled(lc.parent, outcome, took)
-	lc.cfg.outcome(lc.msg, outcome)
+	lc.cfg.outcome(lc.msg, lc.key, consumer.Outcome(outcome), err)
 }
 
 // cleanup runs after settle, or when the handler panicked: the message gets its
@@ -205,7 +206,7 @@ func (lc *call) cleanup() {
 	lc.msg.SetContext(lc.parent)
 	if !lc.returned {
 		lc.endHandle(leasekeep.ErrPanicked)
-		lc.handled(lc.Abandon())
+		lc.handled(lc.Abandon(), errPanicked)
 	}
 	lc.End()
 	lc.dl.finish()

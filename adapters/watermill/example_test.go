@@ -49,9 +49,9 @@ func ExampleDedup() {
 	}
 	defer store.Close()
 	dedup, err := idemwm.Dedup(store, idemwm.Options{
-		OnOutcome: func(msg *message.Message, outcome string) {
-			if outcome == consumer.OutcomeDuplicate {
-				fmt.Println("duplicate of", msg.UUID, "acknowledged, handler not run")
+		OnOutcome: func(_ context.Context, r consumer.Report) {
+			if r.Outcome == consumer.OutcomeDuplicate {
+				fmt.Println("duplicate of", r.Key.ID, "acknowledged, handler not run")
 			}
 		},
 	})

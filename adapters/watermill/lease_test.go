@@ -23,7 +23,8 @@ type outcomeLog struct {
 	seen []string
 }
 
-func (l *outcomeLog) add(_ *message.Message, o string) {
+func (l *outcomeLog) add(_ context.Context, r consumer.Report) {
+	o := string(r.Outcome)
 	l.mu.Lock()
 	l.seen = append(l.seen, o)
 	l.mu.Unlock()
@@ -148,7 +149,7 @@ func TestDedupLeaseLost(t *testing.T) {
 	if !errors.Is(err, dedup.ErrLeaseLost) || !idemwm.Retryable(err) {
 		t.Errorf("err = %v, want a retryable lease-lost error", err)
 	}
-	if completes.Load() != 0 || log.String() != consumer.OutcomeLeaseLost {
+	if completes.Load() != 0 || log.String() != string(consumer.OutcomeLeaseLost) {
 		t.Errorf("completes %d, outcomes %s", completes.Load(), log.String())
 	}
 }

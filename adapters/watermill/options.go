@@ -109,12 +109,10 @@ type Options struct {
 	// (dedup.Key.Hash), never raw. Defaults to discarding them
 	// (slog.DiscardHandler).
 	Logger *slog.Logger
-	// OnOutcome, if set, is called once per message with one of the
-	// consumer.Outcome constants (completed, duplicate, in_flight,
-	// fingerprint_mismatch, invalid_key, store_error, released,
-	// lease_lost, complete_failed), for metrics. It must be fast and safe
-	// for concurrent use.
-	OnOutcome func(msg *message.Message, outcome string)
+	// OnOutcome, if set, is called once per message with its
+	// consumer.Report (Outcome, Key, Err; Message is nil, Key.ID names
+	// the message). It must be fast and safe for concurrent use.
+	OnOutcome func(ctx context.Context, r consumer.Report)
 
 	// MeterProvider receives the middleware's metrics: idem.claims,
 	// idem.claim.duration, idem.handler.duration and idem.lease.lost, with
@@ -206,9 +204,9 @@ func newConfig(who string, opts Options, store any) (*config, error) {
 	return c, nil
 }
 
-func (c *config) outcome(msg *message.Message, o string) {
+func (c *config) outcome(msg *message.Message, key dedup.Key, o consumer.Outcome, err error) {
 	if c.OnOutcome != nil {
-		c.OnOutcome(msg, o)
+		c.OnOutcome(msg.Context(), consumer.Report{Outcome: o, Key: key, Err: err})
 	}
 }
 

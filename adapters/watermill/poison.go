@@ -84,7 +84,7 @@ func (c *config) poison(d *delivery, msg *message.Message, pe *PoisonError) ([]*
 // invalid key; anything else (no scope, a key function that failed) is
 // retried and counted as a claim error.
 func (c *config) rejectKey(d *delivery, msg *message.Message, err error) ([]*message.Message, error) {
-	c.outcome(msg, consumer.OutcomeInvalidKey)
+	c.outcome(msg, dedup.Key{}, consumer.OutcomeInvalidKey, err)
 	tel := c.tel.Get(c.scopeOf(msg))
 	var pe *PoisonError
 	if errors.As(err, &pe) {
@@ -102,18 +102,18 @@ func (c *config) rejectKey(d *delivery, msg *message.Message, err error) ([]*mes
 func (c *config) claimFailed(d *delivery, msg *message.Message, key dedup.Key, err error) ([]*message.Message, error) {
 	switch {
 	case errors.Is(err, dedup.ErrDuplicate):
-		c.outcome(msg, consumer.OutcomeDuplicate)
+		c.outcome(msg, key, consumer.OutcomeDuplicate, err)
 		return nil, nil
 	case errors.Is(err, dedup.ErrFingerprintMismatch):
-		c.outcome(msg, consumer.OutcomeFingerprintMismatch)
+		c.outcome(msg, key, consumer.OutcomeFingerprintMismatch, err)
 		return c.poison(d, msg, &PoisonError{Reason: consumer.ReasonFingerprintMismatch, Err: fmt.Errorf("watermill: claim %s: %w", key, err)})
 	case errors.Is(err, dedup.ErrInvalidKey):
-		c.outcome(msg, consumer.OutcomeInvalidKey)
+		c.outcome(msg, key, consumer.OutcomeInvalidKey, err)
 		return c.poison(d, msg, &PoisonError{Reason: consumer.ReasonInvalidKey, Err: fmt.Errorf("watermill: claim %s: %w", key, err)})
 	case errors.Is(err, dedup.ErrInFlight):
-		c.outcome(msg, consumer.OutcomeInFlight)
+		c.outcome(msg, key, consumer.OutcomeInFlight, err)
 	default:
-		c.outcome(msg, consumer.OutcomeStoreError)
+		c.outcome(msg, key, consumer.OutcomeStoreError, err)
 	}
 	return nil, fmt.Errorf("watermill: claim %s: %w", key, err)
 }

@@ -21,6 +21,7 @@ import (
 	"go.opentelemetry.io/otel/trace"
 
 	idemwm "github.com/idemkit/idem/adapters/watermill"
+	"github.com/idemkit/idem/consumer"
 	"github.com/idemkit/idem/dedup"
 	"github.com/idemkit/idem/dedup/pgtable"
 	"github.com/idemkit/idem/dedup/redisnx"
@@ -67,7 +68,8 @@ func TestMetricsByOutcome(t *testing.T) {
 			mp := telemetrytest.NewMetrics(t)
 			mwFor, hold := k.setup(t)
 			held := atomic.Pointer[dedup.Lease]{}
-			onOutcome := func(_ *message.Message, o string) {
+			onOutcome := func(_ context.Context, r consumer.Report) {
+				o := r.Outcome
 				// The first delivery of evt-held finds it in flight;
 				// the other owner finishes, and the redelivery runs.
 				if o == "in_flight" {

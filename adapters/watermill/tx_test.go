@@ -18,6 +18,7 @@ import (
 	"github.com/jackc/pgx/v5"
 
 	idemwm "github.com/idemkit/idem/adapters/watermill"
+	"github.com/idemkit/idem/consumer"
 	"github.com/idemkit/idem/dedup"
 	"github.com/idemkit/idem/internal/testkit/testenv"
 	"github.com/idemkit/idem/outbox"
@@ -376,7 +377,7 @@ func TestTransactionalClaimErrors(t *testing.T) {
 func TestTransactionalLosesTheKey(t *testing.T) {
 	fx := pgTxKind().setup(t)
 	var outcomes []string
-	mw := fx.middleware(t, idemwm.Options{Scope: "charge", OnOutcome: func(_ *message.Message, o string) { outcomes = append(outcomes, o) }})
+	mw := fx.middleware(t, idemwm.Options{Scope: "charge", OnOutcome: func(_ context.Context, r consumer.Report) { outcomes = append(outcomes, string(r.Outcome)) }})
 	msg := message.NewMessage(wm.NewUUID(), []byte(`{"amount":100}`))
 	ran := 0
 	h := mw(func(msg *message.Message) ([]*message.Message, error) {

@@ -241,9 +241,9 @@ func run(ctx context.Context, cfg config, out io.Writer) (summary, error) {
 	txMW, err := idemwm.Transactional(store, idemwm.Options{
 		Outbox: ob,
 		Logger: logger,
-		OnOutcome: func(msg *message.Message, outcome string) {
-			if outcome == consumer.OutcomeDuplicate {
-				_, _ = fmt.Fprintf(out, "charge: %s delivered again, acknowledged without charging\n", msg.UUID)
+		OnOutcome: func(_ context.Context, r consumer.Report) {
+			if r.Outcome == consumer.OutcomeDuplicate {
+				_, _ = fmt.Fprintf(out, "charge: %s delivered again, acknowledged without charging\n", r.Key.ID)
 				mu.Lock()
 				sum.Duplicates++
 				mu.Unlock()

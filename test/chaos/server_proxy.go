@@ -258,7 +258,7 @@ func srvProxyRedisNX(ctx context.Context, env *Env) (res Result, err error) {
 	// A handler that succeeded and then could not mark its key done
 	// (Complete failed, or the heartbeat found the lease lost) is the only
 	// way to a second run of the handler for one message.
-	unmarked := outcomes.get(consumer.OutcomeCompleteFailed) + outcomes.get(consumer.OutcomeLeaseLost)
+	unmarked := outcomes.get(string(consumer.OutcomeCompleteFailed)) + outcomes.get(string(consumer.OutcomeLeaseLost))
 	res.Note = fmt.Sprintf("%d acked after a cut Complete (found done); %s; %s",
 		rep.firstDup, srvProxyNote(px, &bursts), outcomes.String())
 	if res.Duplicates > unmarked {

@@ -365,8 +365,8 @@ func (c *srvCounts) get(name string) int {
 }
 
 // outcome is a consumer OnOutcome hook.
-func (c *srvCounts) outcome(_ context.Context, _ *consumer.Message, outcome string) {
-	c.add(outcome, 1)
+func (c *srvCounts) outcome(_ context.Context, r consumer.Report) {
+	c.add(string(r.Outcome), 1)
 }
 
 func (c *srvCounts) String() string {

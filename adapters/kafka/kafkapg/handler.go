@@ -11,7 +11,7 @@ import (
 	"go.opentelemetry.io/otel/metric"
 	"go.opentelemetry.io/otel/trace"
 
-	"github.com/idemkit/idem/adapters/kafka"
+	idemkafka "github.com/idemkit/idem/adapters/kafka"
 	"github.com/idemkit/idem/consumer"
 	"github.com/idemkit/idem/dedup"
 	"github.com/idemkit/idem/dedup/pgtable"
@@ -65,9 +65,9 @@ type BatchOptions struct {
 	// transaction. Give the Consumer the same one as Options.Offsets.
 	Offsets *Offsets
 	// OnOutcome, if set, is called once per message of a committed batch
-	// with consumer.OutcomeCompleted, OutcomeDuplicate or
-	// OutcomeFingerprintMismatch, for metrics.
-	OnOutcome func(ctx context.Context, msg *consumer.Message, outcome string)
+	// with its Report: consumer.OutcomeCompleted, OutcomeDuplicate,
+	// OutcomeFingerprintMismatch or OutcomeInvalidKey.
+	OnOutcome func(ctx context.Context, r consumer.Report)
 	// MeterProvider receives idem.claims (one per message, by outcome),
 	// idem.claim.duration (the batch claim's time, once per outcome) and
 	// idem.handler.duration (each message's handler run, by how the batch
@@ -165,9 +165,9 @@ func (b *batch) recordClaims(ctx context.Context, verdicts []error, took time.Du
 	}
 }
 
-func (b *batch) outcome(ctx context.Context, msg *consumer.Message, o string) {
+func (b *batch) outcome(ctx context.Context, msg *consumer.Message, key dedup.Key, o consumer.Outcome, err error) {
 	if b.opts.OnOutcome != nil {
-		b.opts.OnOutcome(ctx, msg, o)
+		b.opts.OnOutcome(ctx, consumer.Report{Outcome: o, Key: key, Message: msg, Err: err})
 	}
 }
 
@@ -175,6 +175,7 @@ func (b *batch) HandleBatch(ctx context.Context, msgs []*consumer.Message) (err 
 	errs := map[int]error{}
 	keys := make([]dedup.Key, 0, len(msgs))
 	at := make([]int, 0, len(msgs)) // keys[j] is msgs[at[j]]'s
+	keyOf := make([]dedup.Key, len(msgs))
 	for i, m := range msgs {
 		id, kerr := b.opts.KeyFunc(m)
 		if kerr != nil {
@@ -184,6 +185,7 @@ func (b *batch) HandleBatch(ctx context.Context, msgs []*consumer.Message) (err 
 		}
 		keys = append(keys, dedup.Key{Scope: b.opts.Scope, ID: id, Fingerprint: b.opts.Fingerprint(m)})
 		at = append(at, i)
+		keyOf[i] = keys[len(keys)-1]
 	}
 	tx, err := b.db.Begin(ctx)
 	if err != nil {
@@ -201,7 +203,7 @@ func (b *batch) HandleBatch(ctx context.Context, msgs []*consumer.Message) (err 
 			cancel()
 		}
 		for _, d := range ran {
-			b.tel.Handled(ctx, handled, d)
+			b.tel.Handled(ctx, string(handled), d)
 		}
 	}()
 	// Span attributes are built only under a recording span (the key
@@ -222,7 +224,7 @@ func (b *batch) HandleBatch(ctx context.Context, msgs []*consumer.Message) (err 
 	}
 	b.recordClaims(ctx, verdicts, took)
 	done := make([]*consumer.Message, 0, len(msgs))
-	outcomes := make([]string, len(msgs))
+	outcomes := make([]consumer.Outcome, len(msgs))
 	for j, i := range at {
 		v := verdicts[j]
 		switch {
@@ -275,7 +277,7 @@ func (b *batch) HandleBatch(ctx context.Context, msgs []*consumer.Message) (err 
 	handled = consumer.OutcomeCompleted
 	for i, o := range outcomes {
 		if o != "" {
-			b.outcome(ctx, msgs[i], o)
+			b.outcome(ctx, msgs[i], keyOf[i], o, errs[i])
 		}
 	}
 	if len(errs) > 0 {

@@ -9,7 +9,7 @@ import (
 	"github.com/jackc/pgx/v5"
 	"go.uber.org/goleak"
 
-	"github.com/idemkit/idem/adapters/kafka"
+	idemkafka "github.com/idemkit/idem/adapters/kafka"
 	"github.com/idemkit/idem/adapters/kafka/kafkapg"
 	"github.com/idemkit/idem/consumer"
 	"github.com/idemkit/idem/dedup"
@@ -116,7 +116,7 @@ func TestBatch(t *testing.T) {
 	var outcomes []string
 	bh, err := kafkapg.Batch(pool, claims, kafkapg.BatchOptions{
 		Scope:     "test/batch",
-		OnOutcome: func(_ context.Context, _ *consumer.Message, o string) { outcomes = append(outcomes, o) },
+		OnOutcome: func(_ context.Context, r consumer.Report) { outcomes = append(outcomes, string(r.Outcome)) },
 	}, h)
 	if err != nil {
 		t.Fatal(err)

@@ -56,15 +56,15 @@ func TestBatchTelemetry(t *testing.T) {
 	for outcome, want := range map[string]float64{
 		telemetry.ClaimFirst: 5, telemetry.ClaimDuplicate: 2, telemetry.ClaimFingerprintMismatch: 1,
 	} {
-		if got := mp.Sum(telemetry.MetricClaims, scope, store, telemetry.AttrOutcome.String(outcome)); got != want {
+		if got := mp.Sum(telemetry.MetricClaims, scope, store, telemetry.AttrOutcome.String(string(outcome))); got != want {
 			t.Errorf("%s{outcome=%s} = %v, want %v", telemetry.MetricClaims, outcome, got, want)
 		}
 	}
 	if got := mp.Sum(telemetry.MetricClaims); got != 8 {
 		t.Errorf("claims in all = %v, want 8", got)
 	}
-	for outcome, want := range map[string]float64{consumer.OutcomeCompleted: 3, consumer.OutcomeReleased: 2} {
-		if got := mp.Sum(telemetry.MetricHandlerDuration, scope, store, telemetry.AttrOutcome.String(outcome)); got != want {
+	for outcome, want := range map[consumer.Outcome]float64{consumer.OutcomeCompleted: 3, consumer.OutcomeReleased: 2} {
+		if got := mp.Sum(telemetry.MetricHandlerDuration, scope, store, telemetry.AttrOutcome.String(string(outcome))); got != want {
 			t.Errorf("%s{outcome=%s} = %v, want %v", telemetry.MetricHandlerDuration, outcome, got, want)
 		}
 	}
