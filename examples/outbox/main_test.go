@@ -8,8 +8,8 @@ import (
 	"github.com/idemkit/idem/internal/testkit/testenv"
 )
 
-// TestExample runs the program as the README shows it, on its own schema and
-// exchange, so the README's outbox walk-through stays true.
+// TestExample runs the program as docs/outbox.md shows it, on its own schema
+// and exchange, so the outbox walk-through stays true.
 func TestExample(t *testing.T) {
 	pool := testenv.Pool(t, 2)
 	u, err := url.Parse(testenv.AMQPURL())
