@@ -221,3 +221,23 @@ func eventually(t testing.TB, what string, cond func() bool) {
 		time.Sleep(2 * time.Millisecond)
 	}
 }
+
+// The problem types (RFC 9457 "type") the middleware writes: stable tag
+// URIs a client compares against.
+const (
+	problemKeyMissing       = "tag:idemkit,2026:http/idempotency-key-missing"
+	problemKeyInvalid       = "tag:idemkit,2026:http/idempotency-key-invalid"
+	problemBodyTooLarge     = "tag:idemkit,2026:http/body-too-large"
+	problemKeyReused        = "tag:idemkit,2026:http/idempotency-key-reused"
+	problemInProgress       = "tag:idemkit,2026:http/request-in-progress"
+	problemStoreUnavailable = "tag:idemkit,2026:http/store-unavailable"
+	problemResponseTooLarge = "tag:idemkit,2026:http/response-too-large"
+	problemStoredUnreadable = "tag:idemkit,2026:http/stored-response-unreadable"
+	problemEventIDMissing   = "tag:idemkit,2026:http/webhook-event-id-missing"
+)
+
+// The webhook handler's default headers.
+const (
+	defaultSignatureHeader = "Webhook-Signature"
+	defaultEventIDHeader   = "Webhook-Id"
+)
