@@ -13,6 +13,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/idemkit/idem/internal/testkit/testenv"
+
 	"github.com/jackc/pgx/v5"
 
 	"github.com/idemkit/idem/adapters/httpidem"
@@ -213,13 +215,7 @@ func (s hookTx) Process(ctx context.Context, k dedup.Key, fn dedup.TxFunc[pgx.Tx
 // bound against hangs, not a timing assertion).
 func eventually(t testing.TB, what string, cond func() bool) {
 	t.Helper()
-	deadline := time.Now().Add(20 * time.Second)
-	for !cond() {
-		if time.Now().After(deadline) {
-			t.Fatalf("timed out waiting for %s", what)
-		}
-		time.Sleep(2 * time.Millisecond)
-	}
+	testenv.Eventually(t, 20*time.Second, what, cond)
 }
 
 // The problem types (RFC 9457 "type") the middleware writes: stable tag

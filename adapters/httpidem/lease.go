@@ -61,7 +61,7 @@ func (m *Middleware) serveLease(w http.ResponseWriter, r *http.Request, next htt
 func (m *Middleware) claimLease(ctx context.Context, key dedup.Key, rq *request) (*dedup.Lease, error) {
 	start := time.Now()
 	cctx, endClaim := rq.startClaim(ctx, key)
-	lease, err := m.claim(cctx, key)
+	lease, err := m.lease.Claim(cctx, key)
 	for err != nil && m.opts.Wait > 0 && inFlight(err) {
 		d, ok := m.waitStep(start)
 		if !ok {
@@ -73,7 +73,7 @@ func (m *Middleware) claimLease(ctx context.Context, key dedup.Key, rq *request)
 			rq.waitedFor = time.Since(start)
 			break
 		}
-		l, nerr := m.claim(cctx, key)
+		l, nerr := m.lease.Claim(cctx, key)
 		rq.waitedFor = time.Since(start)
 		if clientLeft(ctx, nerr) {
 			// The request's context ended during this claim rather than

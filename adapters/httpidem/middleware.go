@@ -35,8 +35,6 @@ type Middleware struct {
 	// check builds a request's key: Check for the Idempotency-Key header,
 	// the webhook's verifier for webhooks.
 	check func(r *http.Request) (dedup.Key, error)
-	// claim claims a key on the lease store, batched or not.
-	claim func(ctx context.Context, key dedup.Key) (*dedup.Lease, error)
 	// ins are the metrics.
 	ins *instruments
 }
@@ -60,20 +58,9 @@ func New(store dedup.LeaseStore, opts Options) (*Middleware, error) {
 	}
 	m := &Middleware{opts: opts, lease: store}
 	m.check = m.Check
-	m.setClaim()
+	m.keeper = leasekeep.New(store, opts.Logger, "httpidem")
 	m.setTelemetry(store)
 	return m, nil
-}
-
-// setClaim picks how lease claims are sent, batched (Options.BatchClaims)
-// or one by one, and makes the keeper of the leases.
-func (m *Middleware) setClaim() {
-	m.keeper = leasekeep.New(m.lease, m.opts.Logger, "httpidem")
-	m.claim = m.lease.Claim
-	if bs, ok := m.lease.(dedup.BatchLeaseStore); ok && m.opts.BatchClaims > 0 {
-		b := &batcher{store: bs, lanes: m.opts.BatchClaims, timeout: m.opts.FinishTimeout}
-		m.claim = b.claim
-	}
 }
 
 // NewTx returns a Middleware on a transactional store: a *pgtable.Store (or

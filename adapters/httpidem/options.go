@@ -138,16 +138,6 @@ type Options struct {
 	// failure (or, with a lease store, an effect that happened but was
 	// recorded as failed). Bound slow handlers with their own timeouts.
 	CancelWithClient bool
-	// BatchClaims applies when the lease store can claim many keys in one
-	// round trip (a dedup.BatchLeaseStore: redisnx, memstore, pgtable's
-	// lease mode): at most BatchClaims claims (single or batched) are out
-	// at a time, and requests that arrive meanwhile wait and are claimed
-	// together, in one ClaimBatch, as soon as one returns; copies of one
-	// key in a batch (a retry storm) cost one claim. Under load this turns
-	// many round trips into one; at low load nothing waits, as no timer is
-	// involved. The answers are those of claims sent one after the other.
-	// Defaults to 1; negative sends every claim on its own.
-	BatchClaims int
 	// FinishTimeout bounds the store calls after the handler returned
 	// (Complete, Release, and on pgtable the check of a commit whose reply
 	// was lost); they run even if the client went away.
@@ -352,9 +342,6 @@ func (o *Options) fill(who string) error {
 	}
 	if o.StoreResponse == nil {
 		o.StoreResponse = DefaultStoreResponse
-	}
-	if o.BatchClaims == 0 {
-		o.BatchClaims = 1
 	}
 	if o.PollInterval == 0 {
 		o.PollInterval = defaultPollInterval

@@ -15,6 +15,7 @@ import (
 	"github.com/jackc/pgx/v5"
 
 	"github.com/idemkit/idem/dedup"
+	"github.com/idemkit/idem/internal/leasekeep"
 )
 
 // Webhook signature errors, wrapped by the errors of VerifySignature.
@@ -97,7 +98,7 @@ func NewWebhook(store dedup.LeaseStore, opts WebhookOptions) (*Webhook, error) {
 		return nil, err
 	}
 	wh.m.lease = store
-	wh.m.setClaim()
+	wh.m.keeper = leasekeep.New(store, wh.m.opts.Logger, "httpidem")
 	wh.m.setTelemetry(store)
 	return wh, nil
 }
