@@ -278,27 +278,8 @@ func (o outcome) public(tx bool) consumer.Outcome {
 	return consumer.OutcomeStoreError
 }
 
-func (o *Options) fill(who string) error {
-	for _, d := range []struct {
-		name string
-		v    time.Duration
-	}{
-		{"Wait", o.Wait}, {"PollInterval", o.PollInterval}, {"RetryAfter", o.RetryAfter},
-		{"FinishTimeout", o.FinishTimeout},
-	} {
-		if d.v < 0 {
-			return fmt.Errorf("httpidem: %s: Options.%s is %v; it must not be negative (zero means the default)", who, d.name, d.v)
-		}
-	}
-	if o.MaxKeyLen < 0 {
-		return fmt.Errorf("httpidem: %s: Options.MaxKeyLen is %d; it must not be negative (zero means %d)", who, o.MaxKeyLen, dedup.DefaultMaxKeyLen)
-	}
-	if o.MaxBodyBytes < 0 {
-		return fmt.Errorf("httpidem: %s: Options.MaxBodyBytes is %d; it must not be negative (zero means %d)", who, o.MaxBodyBytes, defaultMaxBodyBytes)
-	}
-	if o.MaxResponseBytes < 0 {
-		return fmt.Errorf("httpidem: %s: Options.MaxResponseBytes is %d; it must not be negative (zero means %d)", who, o.MaxResponseBytes, defaultMaxResponseBytes)
-	}
+// fillLists checks Methods and ReplayHeaders and fills in their defaults.
+func (o *Options) fillLists(who string) error {
 	if o.Methods == nil {
 		o.Methods = defaultMethods
 	}
@@ -322,6 +303,33 @@ func (o *Options) fill(who string) error {
 		names = append(names, http.CanonicalHeaderKey(h))
 	}
 	o.ReplayHeaders = names
+	return nil
+}
+
+func (o *Options) fill(who string) error {
+	for _, d := range []struct {
+		name string
+		v    time.Duration
+	}{
+		{"Wait", o.Wait}, {"PollInterval", o.PollInterval}, {"RetryAfter", o.RetryAfter},
+		{"FinishTimeout", o.FinishTimeout},
+	} {
+		if d.v < 0 {
+			return fmt.Errorf("httpidem: %s: Options.%s is %v; it must not be negative (zero means the default)", who, d.name, d.v)
+		}
+	}
+	if o.MaxKeyLen < 0 {
+		return fmt.Errorf("httpidem: %s: Options.MaxKeyLen is %d; it must not be negative (zero means %d)", who, o.MaxKeyLen, dedup.DefaultMaxKeyLen)
+	}
+	if o.MaxBodyBytes < 0 {
+		return fmt.Errorf("httpidem: %s: Options.MaxBodyBytes is %d; it must not be negative (zero means %d)", who, o.MaxBodyBytes, defaultMaxBodyBytes)
+	}
+	if o.MaxResponseBytes < 0 {
+		return fmt.Errorf("httpidem: %s: Options.MaxResponseBytes is %d; it must not be negative (zero means %d)", who, o.MaxResponseBytes, defaultMaxResponseBytes)
+	}
+	if err := o.fillLists(who); err != nil {
+		return err
+	}
 	if o.MaxKeyLen == 0 {
 		o.MaxKeyLen = dedup.DefaultMaxKeyLen
 	}
