@@ -62,7 +62,7 @@ func TestReplayPathAllocations(t *testing.T) {
 	check("readBody", 3, func() {
 		src.Reset(text)
 		r.Body, r.ContentLength = rc, int64(len(text))
-		_, _ = readBody(r, DefaultMaxBodyBytes)
+		_, _ = readBody(r, defaultMaxBodyBytes)
 	})
 
 	dup := dedup.Duplicate(dedup.Key{Scope: "s", ID: "k"}, stored)

@@ -41,7 +41,7 @@ type benchVariant struct {
 //     body, answer 201 with a JSON receipt);
 //   - memstore, redisnx, pgtable_lease: the same handler behind the
 //     middleware, for first requests (a new key each) and replays (one
-//     completed key); redisnx also with Options.BatchClaims disabled;
+//     completed key);
 //   - own_tx: a handler that records the payment in its own transaction
 //     (BEGIN, INSERT, COMMIT) without the middleware;
 //   - pgtable_tx: the same handler behind the transactional middleware,
@@ -125,9 +125,8 @@ func benchVariants(b *testing.B) []benchVariant {
 	if err := pgs.Migrate(ctx); err != nil {
 		b.Fatal(err)
 	}
-	// batch is Options.BatchClaims: 0 the default (batched), -1 unbatched.
-	lease := func(s dedup.LeaseStore, batch int) http.Handler {
-		m, err := httpidem.New(s, httpidem.Options{BatchClaims: batch})
+	lease := func(s dedup.LeaseStore) http.Handler {
+		m, err := httpidem.New(s, httpidem.Options{})
 		if err != nil {
 			b.Fatal(err)
 		}
@@ -139,14 +138,12 @@ func benchVariants(b *testing.B) []benchVariant {
 	}
 	return []benchVariant{
 		{"bare", plain, false},
-		{"memstore/first", lease(mem, 0), false},
-		{"memstore/replay", lease(mem, 0), true},
-		{"redisnx/first", lease(rs, 0), false},
-		{"redisnx/replay", lease(rs, 0), true},
-		{"redisnx_unbatched/first", lease(rs, -1), false},
-		{"redisnx_unbatched/replay", lease(rs, -1), true},
-		{"pgtable_lease/first", lease(pgs.Lease(), 0), false},
-		{"pgtable_lease/replay", lease(pgs.Lease(), 0), true},
+		{"memstore/first", lease(mem), false},
+		{"memstore/replay", lease(mem), true},
+		{"redisnx/first", lease(rs), false},
+		{"redisnx/replay", lease(rs), true},
+		{"pgtable_lease/first", lease(pgs.Lease()), false},
+		{"pgtable_lease/replay", lease(pgs.Lease()), true},
 		{"own_tx", ownTx, false},
 		{"pgtable_tx/first", txMW.Handler(inTx), false},
 		{"pgtable_tx/replay", txMW.Handler(inTx), true},
@@ -237,8 +234,7 @@ func BenchmarkHTTP(b *testing.B) {
 // clients, so all of them see the same machine load. It reports each
 // variant's rate (<variant>_req/s) over all rounds, and the two ratios the
 // targets are about, computed per round and given as the median:
-// redisnx_replay/bare and pgtable_tx_first/own_tx (and, for comparison,
-// redisnx replays with Options.BatchClaims disabled over bare).
+// redisnx_replay/bare and pgtable_tx_first/own_tx.
 //
 //	go test -run '^$' -bench SideBySide -benchtime 30x ./adapters/httpidem/
 func BenchmarkHTTPSideBySide(b *testing.B) {
@@ -281,7 +277,6 @@ func BenchmarkHTTPSideBySide(b *testing.B) {
 			elapsed[i] += round[i]
 		}
 		ratio("redisnx_replay/bare", "redisnx/replay", "bare", round)
-		ratio("redisnx_unbatched_replay/bare", "redisnx_unbatched/replay", "bare", round)
 		ratio("pgtable_tx_first/own_tx", "pgtable_tx/first", "own_tx", round)
 	}
 	b.StopTimer()

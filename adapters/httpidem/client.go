@@ -20,10 +20,10 @@ import (
 
 // Transport defaults.
 const (
-	DefaultMaxAttempts = 5
-	DefaultMaxElapsed  = 30 * time.Second
-	DefaultBaseDelay   = 100 * time.Millisecond
-	DefaultMaxDelay    = 5 * time.Second
+	defaultMaxAttempts = 5
+	defaultMaxElapsed  = 30 * time.Second
+	defaultBaseDelay   = 100 * time.Millisecond
+	defaultMaxDelay    = 5 * time.Second
 )
 
 // TransportOptions configure a Transport. The zero value is usable.
@@ -31,7 +31,7 @@ type TransportOptions struct {
 	// Base sends each attempt. Defaults to http.DefaultTransport.
 	Base http.RoundTripper
 	// Methods are the methods whose requests get an Idempotency-Key when
-	// they have none. Defaults to DefaultMethods (POST and PATCH).
+	// they have none. Defaults to POST and PATCH.
 	Methods []string
 	// NewKey makes a key for an operation that has none. Defaults to a
 	// random (version 4) UUID.
@@ -42,18 +42,18 @@ type TransportOptions struct {
 	// middleware does. Defaults to false.
 	BareKey bool
 	// MaxAttempts bounds the attempts of one request, the first included.
-	// Defaults to DefaultMaxAttempts (5).
+	// Defaults to 5.
 	MaxAttempts int
 	// MaxElapsed bounds the time from the first attempt to the start of
 	// the last one; no retry starts (and no Retry-After is waited for)
-	// past it. Defaults to DefaultMaxElapsed (30s). The request's context
+	// past it. Defaults to 30s. The request's context
 	// bounds everything too.
 	MaxElapsed time.Duration
 	// BaseDelay and MaxDelay shape the backoff: before retry n (1, 2, ...)
 	// the Transport sleeps a uniformly random time in
 	// [0, min(MaxDelay, BaseDelay * 2^(n-1))) ("full jitter"), or the
 	// server's Retry-After when that is longer. Default to
-	// DefaultBaseDelay (100ms) and DefaultMaxDelay (5s).
+	// 100ms and 5s.
 	BaseDelay, MaxDelay time.Duration
 }
 
@@ -91,13 +91,13 @@ func NewTransport(opts TransportOptions) (*Transport, error) {
 		}
 	}
 	if opts.MaxAttempts < 0 {
-		return nil, fmt.Errorf("httpidem: NewTransport: TransportOptions.MaxAttempts is %d; it must not be negative (zero means %d)", opts.MaxAttempts, DefaultMaxAttempts)
+		return nil, fmt.Errorf("httpidem: NewTransport: TransportOptions.MaxAttempts is %d; it must not be negative (zero means %d)", opts.MaxAttempts, defaultMaxAttempts)
 	}
 	if opts.Base == nil {
 		opts.Base = http.DefaultTransport
 	}
 	if opts.Methods == nil {
-		opts.Methods = DefaultMethods
+		opts.Methods = defaultMethods
 	}
 	opts.Methods = slices.Clone(opts.Methods)
 	for _, m := range opts.Methods {
@@ -109,16 +109,16 @@ func NewTransport(opts TransportOptions) (*Transport, error) {
 		opts.NewKey = uuid.NewString
 	}
 	if opts.MaxAttempts == 0 {
-		opts.MaxAttempts = DefaultMaxAttempts
+		opts.MaxAttempts = defaultMaxAttempts
 	}
 	if opts.MaxElapsed == 0 {
-		opts.MaxElapsed = DefaultMaxElapsed
+		opts.MaxElapsed = defaultMaxElapsed
 	}
 	if opts.BaseDelay == 0 {
-		opts.BaseDelay = DefaultBaseDelay
+		opts.BaseDelay = defaultBaseDelay
 	}
 	if opts.MaxDelay == 0 {
-		opts.MaxDelay = DefaultMaxDelay
+		opts.MaxDelay = defaultMaxDelay
 	}
 	if opts.MaxDelay < opts.BaseDelay {
 		return nil, fmt.Errorf("httpidem: NewTransport: TransportOptions.MaxDelay (%v) is below BaseDelay (%v)", opts.MaxDelay, opts.BaseDelay)

@@ -17,12 +17,10 @@ type call struct {
 	tx       pgx.Tx
 	released atomic.Bool
 
-	// Under a lease: the handler's context (cancelled when the lease is
-	// lost), the heartbeat, and the context of Complete or Release, in
+	// Under a lease: the lease flow (the handler's context, cancelled
+	// when the lease is lost, the heartbeat, Complete and Release), in
 	// the call's one allocation.
-	hctx leasekeep.HandlerCtx
-	hold leasekeep.Hold
-	fin  leasekeep.Finish
+	leasekeep.Run
 }
 
 type callKey struct{}

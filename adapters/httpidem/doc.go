@@ -35,7 +35,7 @@
 //     called Release, releases the key: the retry runs the handler again.
 //
 // Status codes the middleware answers with itself (error bodies are
-// application/problem+json, RFC 9457, with the Problem* types):
+// application/problem+json, RFC 9457, with the types listed at Problem.Type):
 //
 //	status                     when                                                    stored
 //	400 Bad Request            key missing (method in Options.Methods), empty,         no

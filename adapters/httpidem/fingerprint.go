@@ -44,18 +44,18 @@ func Fingerprint(r *http.Request, route string, body []byte) dedup.Fingerprint {
 // members decides what a Go handler reads, and sorting them would make two
 // different payments one.
 func FingerprintJSON(r *http.Request, route string, body []byte) dedup.Fingerprint {
-	if c, ok := CanonicalJSON(body); ok {
+	if c, ok := canonicalJSON(body); ok {
 		body = c
 	}
 	return fingerprint(r.Method, route, r.URL.RequestURI(), body)
 }
 
-// CanonicalJSON returns the canonical form of body (see FingerprintJSON)
+// canonicalJSON returns the canonical form of body (see FingerprintJSON)
 // and true, or nil and false when body is not exactly one JSON value or has
 // an object whose member names are equal under case folding (then no
 // canonical form is safe: their order matters to encoding/json).
-// CanonicalJSON of a canonical form returns it unchanged.
-func CanonicalJSON(body []byte) ([]byte, bool) {
+// canonicalJSON of a canonical form returns it unchanged.
+func canonicalJSON(body []byte) ([]byte, bool) {
 	dec := json.NewDecoder(bytes.NewReader(body))
 	dec.UseNumber()
 	var v any

@@ -69,10 +69,10 @@ func FuzzParseSignature(f *testing.F) {
 		f.Add(s, []byte(`{"a":1}`), []byte("secret"), int64(1_760_000_000))
 	}
 	f.Fuzz(func(t *testing.T, header string, body, secret []byte, unix int64) {
-		ts, n, sigs, err := ParseSignature(header, "v1")
+		ts, n, sigs, err := parseSignature(header, "v1")
 		if err == nil {
 			if ts == "" || strings.Trim(ts, "0123456789") != "" || n < 0 || len(sigs) == 0 || len(sigs) > maxSignatures {
-				t.Fatalf("ParseSignature(%q) = %q, %d, %d signatures", header, ts, n, len(sigs))
+				t.Fatalf("parseSignature(%q) = %q, %d, %d signatures", header, ts, n, len(sigs))
 			}
 			for _, s := range sigs {
 				if len(s) != sha256.Size {
@@ -80,7 +80,7 @@ func FuzzParseSignature(f *testing.F) {
 				}
 			}
 		} else if !errors.Is(err, ErrSignatureMissing) && !errors.Is(err, ErrSignatureMalformed) {
-			t.Fatalf("ParseSignature(%q): unexpected error %v", header, err)
+			t.Fatalf("parseSignature(%q): unexpected error %v", header, err)
 		}
 		// Whatever the header, verification never panics, and never
 		// accepts it without a signature made with the secret.
@@ -137,7 +137,7 @@ func FuzzFingerprint(f *testing.F) {
 			}
 		}
 		// Canonical JSON: a fixed point, and blind to formatting.
-		c, ok := CanonicalJSON(body)
+		c, ok := canonicalJSON(body)
 		if !ok {
 			var v any
 			if json.Valid(body) && json.Unmarshal(body, &v) == nil && !foldedNames(v) {
@@ -154,7 +154,7 @@ func FuzzFingerprint(f *testing.F) {
 				t.Fatalf("%q decodes to %+v, its canonical form %q to %+v (%v)", body, fromBody, c, fromCanonical, err)
 			}
 		}
-		if c2, ok := CanonicalJSON(c); !ok || !bytes.Equal(c, c2) {
+		if c2, ok := canonicalJSON(c); !ok || !bytes.Equal(c, c2) {
 			t.Fatalf("canonical form is not a fixed point: %q → %q", c, c2)
 		}
 		var indented bytes.Buffer
@@ -254,7 +254,7 @@ func TestScopeIsInjective(t *testing.T) {
 	for _, p := range []string{"", "0:", "a", "a:POST", "2:ab"} {
 		for _, m := range []string{"POST", "PATCH"} {
 			for _, r := range []string{"/x", "/x:2:ab", ":POST:/x", ""} {
-				s := Scope(p, m, r, 255)
+				s := keyScope(p, m, r, 255)
 				if prev, dup := seen[s]; dup {
 					t.Fatalf("%q and %q share scope %q", prev, [3]string{p, m, r}, s)
 				}
@@ -262,8 +262,8 @@ func TestScopeIsInjective(t *testing.T) {
 			}
 		}
 	}
-	long := Scope(strings.Repeat("p", 300), "POST", "/x", 255)
-	ctl := Scope("user\n1", "POST", "/x", 255)
+	long := keyScope(strings.Repeat("p", 300), "POST", "/x", 255)
+	ctl := keyScope("user\n1", "POST", "/x", 255)
 	if !strings.HasPrefix(long, "http:sha256:") || !strings.HasPrefix(ctl, "http:sha256:") || long == ctl {
 		t.Fatalf("hashed scopes %q %q", long, ctl)
 	}

@@ -13,6 +13,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/idemkit/idem/internal/testkit/testenv"
+
 	"github.com/jackc/pgx/v5"
 
 	"github.com/idemkit/idem/adapters/httpidem"
@@ -213,11 +215,25 @@ func (s hookTx) Process(ctx context.Context, k dedup.Key, fn dedup.TxFunc[pgx.Tx
 // bound against hangs, not a timing assertion).
 func eventually(t testing.TB, what string, cond func() bool) {
 	t.Helper()
-	deadline := time.Now().Add(20 * time.Second)
-	for !cond() {
-		if time.Now().After(deadline) {
-			t.Fatalf("timed out waiting for %s", what)
-		}
-		time.Sleep(2 * time.Millisecond)
-	}
+	testenv.Eventually(t, 20*time.Second, what, cond)
 }
+
+// The problem types (RFC 9457 "type") the middleware writes: stable tag
+// URIs a client compares against.
+const (
+	problemKeyMissing       = "tag:idemkit,2026:http/idempotency-key-missing"
+	problemKeyInvalid       = "tag:idemkit,2026:http/idempotency-key-invalid"
+	problemBodyTooLarge     = "tag:idemkit,2026:http/body-too-large"
+	problemKeyReused        = "tag:idemkit,2026:http/idempotency-key-reused"
+	problemInProgress       = "tag:idemkit,2026:http/request-in-progress"
+	problemStoreUnavailable = "tag:idemkit,2026:http/store-unavailable"
+	problemResponseTooLarge = "tag:idemkit,2026:http/response-too-large"
+	problemStoredUnreadable = "tag:idemkit,2026:http/stored-response-unreadable"
+	problemEventIDMissing   = "tag:idemkit,2026:http/webhook-event-id-missing"
+)
+
+// The webhook handler's default headers.
+const (
+	defaultSignatureHeader = "Webhook-Signature"
+	defaultEventIDHeader   = "Webhook-Id"
+)

@@ -207,13 +207,13 @@ func isToken(s string) bool {
 	return true
 }
 
-// Scope returns the dedup scope of a request: its principal, method and
+// keyScope returns the dedup scope of a request: its principal, method and
 // route, written so that two different triples never give the same scope
 // ("http:<len(principal)>:<principal>:<method>:<route>"). When that is not
 // a valid key part (longer than maxLen bytes, control bytes or invalid
 // UTF-8 in the principal or route), the scope is "http:sha256:" and the hex
 // SHA-256 of it instead, which is always valid and still distinct.
-func Scope(principal, method, route string, maxLen int) string {
+func keyScope(principal, method, route string, maxLen int) string {
 	s := "http:" + strconv.Itoa(len(principal)) + ":" + principal + ":" + method + ":" + route
 	if dedup.ValidateKey(dedup.Key{Scope: s, ID: "x"}, maxLen) == nil {
 		return s
@@ -222,12 +222,12 @@ func Scope(principal, method, route string, maxLen int) string {
 	return "http:sha256:" + hex.EncodeToString(sum[:])
 }
 
-// DefaultRoute is the default Options.Route: the pattern that matched the
+// defaultRoute is the default Options.Route: the pattern that matched the
 // request in a Go 1.22+ http.ServeMux (r.Pattern, such as
 // "POST /payments/{id}/refunds"), or the URL path when the request did not
 // go through a ServeMux before the middleware (the middleware wraps the mux
 // instead of the route's handler).
-func DefaultRoute(r *http.Request) string {
+func defaultRoute(r *http.Request) string {
 	if r.Pattern != "" {
 		return r.Pattern
 	}

@@ -18,6 +18,7 @@ import (
 	"time"
 
 	"github.com/idemkit/idem/adapters/httpidem"
+	"github.com/idemkit/idem/consumer"
 	"github.com/idemkit/idem/dedup"
 	"github.com/idemkit/idem/dedup/memstore"
 )
@@ -73,7 +74,7 @@ func TestMissingKey(t *testing.T) {
 		if r.status != http.StatusBadRequest {
 			t.Fatalf("%s without key: %d", method, r.status)
 		}
-		if p := r.problem(t); p.Type != httpidem.ProblemKeyMissing {
+		if p := r.problem(t); p.Type != problemKeyMissing {
 			t.Fatalf("problem type %q", p.Type)
 		}
 	}
@@ -88,9 +89,9 @@ func TestMissingKey(t *testing.T) {
 	}
 
 	// Optional: a request without a key runs without deduplication.
-	var outcomes []httpidem.Outcome
+	var outcomes []consumer.Outcome
 	var mu sync.Mutex
-	opt := quietServer(t, newMW(t, store, httpidem.Options{Optional: true, OnOutcome: func(_ *http.Request, rep httpidem.Report) {
+	opt := quietServer(t, newMW(t, store, httpidem.Options{Optional: true, OnOutcome: func(_ context.Context, rep consumer.Report) {
 		mu.Lock()
 		outcomes = append(outcomes, rep.Outcome)
 		mu.Unlock()
@@ -102,7 +103,7 @@ func TestMissingKey(t *testing.T) {
 	}
 	mu.Lock()
 	defer mu.Unlock()
-	if len(outcomes) != 2 || outcomes[0] != httpidem.OutcomePassed {
+	if len(outcomes) != 2 || outcomes[0] != consumer.OutcomePassed {
 		t.Fatalf("outcomes %v", outcomes)
 	}
 }
@@ -126,7 +127,7 @@ func TestInvalidKeys(t *testing.T) {
 		`""`,
 	} {
 		r := do(t, nil, srv.URL, req{key: key, body: "{}"})
-		if r.status != http.StatusBadRequest || r.problem(t).Type != httpidem.ProblemKeyInvalid {
+		if r.status != http.StatusBadRequest || r.problem(t).Type != problemKeyInvalid {
 			t.Fatalf("key %.40q: %d %s", key, r.status, r.body)
 		}
 	}
@@ -136,7 +137,7 @@ func TestInvalidKeys(t *testing.T) {
 		r := httptest.NewRequest(http.MethodPost, "/payments", strings.NewReader("{}"))
 		r.Header.Set(httpidem.HeaderKey, key)
 		resp := serveDirect(mw.Handler(h), r)
-		if resp.status != http.StatusBadRequest || resp.problem(t).Type != httpidem.ProblemKeyInvalid {
+		if resp.status != http.StatusBadRequest || resp.problem(t).Type != problemKeyInvalid {
 			t.Fatalf("key %q: %d %s", key, resp.status, resp.body)
 		}
 	}
@@ -190,7 +191,7 @@ func TestSameKeyOtherRequest(t *testing.T) {
 		t.Fatal(r.status)
 	}
 	r := do(t, nil, srv.URL, req{key: "k", body: `{"amount":999}`})
-	if r.status != http.StatusUnprocessableEntity || r.problem(t).Type != httpidem.ProblemKeyReused {
+	if r.status != http.StatusUnprocessableEntity || r.problem(t).Type != problemKeyReused {
 		t.Fatalf("other body: %d %s", r.status, r.body)
 	}
 	// Same pattern, other path: a conflict, not the other refund's replay.
@@ -234,7 +235,7 @@ func TestBodyTooLarge(t *testing.T) {
 	srv := quietServer(t, newMW(t, store, httpidem.Options{}).Handler(h))
 	big := strings.Repeat("x", 10<<20)
 	r := do(t, nil, srv.URL, req{key: "big", body: big})
-	if r.status != http.StatusRequestEntityTooLarge || r.problem(t).Type != httpidem.ProblemBodyTooLarge {
+	if r.status != http.StatusRequestEntityTooLarge || r.problem(t).Type != problemBodyTooLarge {
 		t.Fatalf("10 MB body: %d", r.status)
 	}
 	// Without a Content-Length (chunked): read up to the limit, then 413.
@@ -282,9 +283,9 @@ func TestPanicReleasesKey(t *testing.T) {
 		w.WriteHeader(http.StatusCreated)
 		_, _ = io.WriteString(w, "ok")
 	})
-	var reports []httpidem.Outcome
+	var reports []consumer.Outcome
 	var mu sync.Mutex
-	mw := newMW(t, store, httpidem.Options{OnOutcome: func(_ *http.Request, rep httpidem.Report) {
+	mw := newMW(t, store, httpidem.Options{OnOutcome: func(_ context.Context, rep consumer.Report) {
 		mu.Lock()
 		reports = append(reports, rep.Outcome)
 		mu.Unlock()
@@ -310,7 +311,7 @@ func TestPanicReleasesKey(t *testing.T) {
 	}
 	mu.Lock()
 	defer mu.Unlock()
-	if fmt.Sprint(reports) != "[panicked processed replayed]" {
+	if fmt.Sprint(reports) != "[released completed duplicate]" {
 		t.Fatalf("outcomes %v", reports)
 	}
 }
@@ -386,7 +387,7 @@ func TestInFlightAnswers409(t *testing.T) {
 	}()
 	<-entered
 	r := do(t, nil, srv.URL, req{key: "slow", body: "{}"})
-	if r.status != http.StatusConflict || r.header.Get("Retry-After") != "2" || r.problem(t).Type != httpidem.ProblemInProgress {
+	if r.status != http.StatusConflict || r.header.Get("Retry-After") != "2" || r.problem(t).Type != problemInProgress {
 		t.Fatalf("in flight: %d Retry-After %q", r.status, r.header.Get("Retry-After"))
 	}
 	close(unblock)
@@ -416,8 +417,8 @@ func TestWaitForFirst(t *testing.T) {
 	})
 	var waited atomic.Int64
 	mw := newMW(t, store, httpidem.Options{Wait: time.Minute, PollInterval: time.Millisecond,
-		OnOutcome: func(_ *http.Request, rep httpidem.Report) {
-			if rep.Outcome == httpidem.OutcomeReplayed && rep.Waited > 0 {
+		OnOutcome: func(_ context.Context, rep consumer.Report) {
+			if rep.Outcome == consumer.OutcomeDuplicate && rep.Waited > 0 {
 				waited.Add(1)
 			}
 		}})
@@ -455,7 +456,7 @@ func TestResponseTooLargeLease(t *testing.T) {
 	})
 	srv := quietServer(t, newMW(t, store, httpidem.Options{MaxResponseBytes: 1024}).Handler(h))
 	r := do(t, nil, srv.URL, req{key: "big", body: "{}"})
-	if r.status != http.StatusInternalServerError || r.problem(t).Type != httpidem.ProblemResponseTooLarge {
+	if r.status != http.StatusInternalServerError || r.problem(t).Type != problemResponseTooLarge {
 		t.Fatalf("oversized response: %d", r.status)
 	}
 	if !errors.Is(writeErr, httpidem.ErrResponseTooLarge) {
@@ -538,14 +539,14 @@ func TestLeaseLost(t *testing.T) {
 		w.WriteHeader(http.StatusCreated)
 	})
 	var outcome atomic.Value
-	mw := newMW(t, store, httpidem.Options{ExtendEvery: time.Millisecond, OnOutcome: func(_ *http.Request, rep httpidem.Report) {
+	mw := newMW(t, store, httpidem.Options{ExtendEvery: time.Millisecond, OnOutcome: func(_ context.Context, rep consumer.Report) {
 		outcome.Store(rep.Outcome)
 	}})
 	srv := quietServer(t, mw.Handler(h))
 	if r := do(t, nil, srv.URL, req{key: "lost", body: "{}"}); r.status != http.StatusCreated {
 		t.Fatal(r.status)
 	}
-	if !errors.Is(cause, dedup.ErrLeaseLost) || outcome.Load() != httpidem.OutcomeLeaseLost {
+	if !errors.Is(cause, dedup.ErrLeaseLost) || outcome.Load() != consumer.OutcomeLeaseLost {
 		t.Fatalf("cause %v, outcome %v", cause, outcome.Load())
 	}
 	// Not stored: the next request runs the handler (the lease expired).
@@ -563,7 +564,7 @@ func TestStoreDownFailsClosed(t *testing.T) {
 	h := &countingHandler{}
 	srv := quietServer(t, newMW(t, store, httpidem.Options{}).Handler(h))
 	r := do(t, nil, srv.URL, req{key: "k", body: "{}"})
-	if r.status != http.StatusServiceUnavailable || r.header.Get("Retry-After") != "1" || r.problem(t).Type != httpidem.ProblemStoreUnavailable {
+	if r.status != http.StatusServiceUnavailable || r.header.Get("Retry-After") != "1" || r.problem(t).Type != problemStoreUnavailable {
 		t.Fatalf("store down: %d %v", r.status, r.header)
 	}
 	if h.calls.Load() != 0 {
@@ -596,7 +597,7 @@ func TestStoredResultUnreadable(t *testing.T) {
 	r = httptest.NewRequest(http.MethodPost, "/payments", strings.NewReader("{}"))
 	r.Header.Set(httpidem.HeaderKey, "foreign")
 	resp = serveDirect(mw.Handler(h), r)
-	if resp.status != http.StatusInternalServerError || resp.problem(t).Type != httpidem.ProblemStoredUnreadable || h.calls.Load() != 0 {
+	if resp.status != http.StatusInternalServerError || resp.problem(t).Type != problemStoredUnreadable || h.calls.Load() != 0 {
 		t.Fatalf("unreadable stored result: %d, calls %d", resp.status, h.calls.Load())
 	}
 }

@@ -1,6 +1,7 @@
 package httpidem
 
 import (
+	"context"
 	"fmt"
 	"log/slog"
 	"net/http"
@@ -10,16 +11,17 @@ import (
 	"go.opentelemetry.io/otel/metric"
 	"go.opentelemetry.io/otel/trace"
 
+	"github.com/idemkit/idem/consumer"
 	"github.com/idemkit/idem/dedup"
 )
 
 // Defaults of Options.
 const (
-	DefaultMaxBodyBytes     = 1 << 20 // 1 MiB
-	DefaultMaxResponseBytes = 1 << 20 // 1 MiB
-	DefaultPollInterval     = 50 * time.Millisecond
-	DefaultRetryAfter       = time.Second
-	DefaultFinishTimeout    = 10 * time.Second
+	defaultMaxBodyBytes     = 1 << 20 // 1 MiB
+	defaultMaxResponseBytes = 1 << 20 // 1 MiB
+	defaultPollInterval     = 50 * time.Millisecond
+	defaultRetryAfter       = time.Second
+	defaultFinishTimeout    = 10 * time.Second
 	// DefaultRetention is how long a completed key and its response should
 	// be kept, Stripe's 24 hours. Retention is the store's setting:
 	// memstore and redisnx default to it; set pgtable.Options.Retention to
@@ -27,9 +29,9 @@ const (
 	DefaultRetention = 24 * time.Hour
 )
 
-// DefaultMethods are the methods that need a key by default: the ones that
+// defaultMethods are the methods that need a key by default: the ones that
 // are not idempotent by definition.
-var DefaultMethods = []string{http.MethodPost, http.MethodPatch}
+var defaultMethods = []string{http.MethodPost, http.MethodPatch}
 
 // DefaultReplayHeaders are the response headers stored and replayed by
 // default: those that describe the representation or the created resource.
@@ -59,7 +61,7 @@ func DefaultStoreResponse(status int) bool {
 type Options struct {
 	// Methods are the request methods that go through the middleware and
 	// need a key. Requests of other methods pass through untouched, a key
-	// or not. Defaults to DefaultMethods (POST and PATCH).
+	// or not. Defaults to POST and PATCH.
 	Methods []string
 	// Optional lets a request without a key through to the handler, with
 	// no deduplication, instead of answering 400. Defaults to false.
@@ -71,17 +73,17 @@ type Options struct {
 	// MaxBodyBytes limits the request body, which is read once, in full,
 	// before the claim (to fingerprint it) and given to the handler from
 	// memory. A larger body is answered 413 and nothing is stored.
-	// Defaults to DefaultMaxBodyBytes (1 MiB).
+	// Defaults to 1 MiB.
 	MaxBodyBytes int64
 	// MaxResponseBytes limits the response the handler writes; the
 	// response is buffered until it is stored. When the handler writes
 	// more, its Write returns ErrResponseTooLarge and the client gets a
-	// 500 problem (ProblemResponseTooLarge) instead of the response. With
+	// 500 problem (problemResponseTooLarge) instead of the response. With
 	// a transactional store the transaction rolls back, so nothing
 	// happened and a retry runs again. With a lease store the handler's
 	// effects may have happened outside any transaction, so the key is
 	// not released: the 500 is stored and replayed, and the effect never
-	// runs twice. Defaults to DefaultMaxResponseBytes (1 MiB).
+	// runs twice. Defaults to 1 MiB.
 	MaxResponseBytes int
 	// Principal returns who sends the request (a user, an API key, an
 	// account), the first part of the key's scope, so that one client's
@@ -90,7 +92,8 @@ type Options struct {
 	// one client guessed or reused returns another client's response).
 	Principal func(r *http.Request) string
 	// Route returns the route of the request, the last part of the key's
-	// scope. Defaults to DefaultRoute (the ServeMux pattern, or the path).
+	// scope. Defaults to the ServeMux
+	// pattern that matched (r.Pattern), or else the URL path.
 	Route func(r *http.Request) string
 	// Fingerprint returns the digest of the request; the same key with
 	// another fingerprint is answered 422. Defaults to Fingerprint
@@ -115,10 +118,10 @@ type Options struct {
 	// context and the session's lock_timeout, answered 409 when it fires).
 	Wait time.Duration
 	// PollInterval is how often a waiting request asks the store again.
-	// Defaults to DefaultPollInterval (50ms).
+	// Defaults to 50ms.
 	PollInterval time.Duration
 	// RetryAfter is the Retry-After sent with 409 and 503, rounded up to
-	// whole seconds. Defaults to DefaultRetryAfter (1s).
+	// whole seconds. Defaults to 1s.
 	RetryAfter time.Duration
 	// ExtendEvery is how often a lease is extended while the handler runs.
 	// Defaults to a third of the lease's TTL; negative disables it. The
@@ -135,20 +138,10 @@ type Options struct {
 	// failure (or, with a lease store, an effect that happened but was
 	// recorded as failed). Bound slow handlers with their own timeouts.
 	CancelWithClient bool
-	// BatchClaims applies when the lease store can claim many keys in one
-	// round trip (a dedup.BatchLeaseStore: redisnx, memstore, pgtable's
-	// lease mode): at most BatchClaims claims (single or batched) are out
-	// at a time, and requests that arrive meanwhile wait and are claimed
-	// together, in one ClaimBatch, as soon as one returns; copies of one
-	// key in a batch (a retry storm) cost one claim. Under load this turns
-	// many round trips into one; at low load nothing waits, as no timer is
-	// involved. The answers are those of claims sent one after the other.
-	// Defaults to 1; negative sends every claim on its own.
-	BatchClaims int
 	// FinishTimeout bounds the store calls after the handler returned
 	// (Complete, Release, and on pgtable the check of a commit whose reply
 	// was lost); they run even if the client went away.
-	// Defaults to DefaultFinishTimeout (10s).
+	// Defaults to 10s.
 	FinishTimeout time.Duration
 	// Logger receives warnings: store failures, lost leases. Keys appear
 	// in it as their hash (dedup.Key.Hash), never raw, and neither the
@@ -156,9 +149,41 @@ type Options struct {
 	// (slog.DiscardHandler).
 	Logger *slog.Logger
 	// OnOutcome, if set, is called once per request that went through the
-	// middleware, for metrics (hits, misses, waits). It must be fast and
-	// safe for concurrent use.
-	OnOutcome func(r *http.Request, rep Report)
+	// middleware, with the request's context, for metrics (hits, misses,
+	// waits). It must be fast and safe for concurrent use. The Report has
+	// Key (the request's dedup key, when it has one), Status (the status
+	// code sent; 0 after a panic), Waited (the time spent waiting for an
+	// in-flight first request, Options.Wait) and Err (the store's or the
+	// claim's error, the lost lease's, or leasekeep's panic error), and
+	// Outcome:
+	//
+	//   - consumer.OutcomeCompleted: the handler ran and its response was
+	//     stored (transactional stores: committed).
+	//   - consumer.OutcomeDuplicate: a stored response was replayed.
+	//   - consumer.OutcomeInFlight: 409, the first request with the key is
+	//     still running (after Wait, if set).
+	//   - consumer.OutcomeFingerprintMismatch: 422, the key was used with
+	//     another request.
+	//   - consumer.OutcomeInvalidKey: 400 or 413 before any claim (key
+	//     missing or invalid, body too large or unreadable); nothing is
+	//     stored.
+	//   - consumer.OutcomeStoreError: 503 (500 for a stored response that
+	//     cannot be decoded): the store failed, or a transaction did not
+	//     commit; nothing happened.
+	//   - consumer.OutcomeLeaseLost: the lease ran out while the handler
+	//     ran; its response was sent but not stored.
+	//   - consumer.OutcomeReleased: the handler ran but nothing is stored,
+	//     so a retry runs it again: its response is not to be stored
+	//     (StoreResponse, Release), it panicked (Err is the panic's
+	//     marker; the panic goes on), or, with a transactional store, its
+	//     response passed MaxResponseBytes (rolled back, 500).
+	//   - consumer.OutcomeCompleteFailed: lease stores, the handler ran but
+	//     its response could not be stored: Complete failed (the key stays
+	//     in flight until its lease runs out), or the response passed
+	//     MaxResponseBytes (the 500 is stored in its place).
+	//   - consumer.OutcomePassed: Optional is set and the request had no
+	//     key: the handler ran without deduplication.
+	OnOutcome func(ctx context.Context, r consumer.Report)
 
 	// MeterProvider receives the middleware's metrics (see the package
 	// documentation, "Metrics and traces"): idem.claims by outcome,
@@ -179,7 +204,7 @@ type Options struct {
 	// MetricScope returns the idem.scope attribute of a request's
 	// metrics. It must take few values, such as route templates, and never
 	// hold a principal, a key or a raw path (/payments/123 would make one
-	// time series per payment). Defaults to DefaultMetricScope: the
+	// time series per payment). Defaults to the
 	// ServeMux pattern, or the method alone when the middleware runs
 	// before the mux matched a route; set it to your router's route
 	// template then.
@@ -189,68 +214,74 @@ type Options struct {
 	StoreName string
 }
 
-// DefaultMetricScope is the default Options.MetricScope: the pattern that
+// defaultMetricScope is the default Options.MetricScope: the pattern that
 // matched the request in a Go 1.22+ http.ServeMux (r.Pattern, such as "POST
 // /payments/{id}/refunds"), or the method when there is none. Unlike
-// DefaultRoute it never falls back to the path, which is unbounded.
-func DefaultMetricScope(r *http.Request) string {
+// the default Route it never falls back to the path, which is unbounded.
+func defaultMetricScope(r *http.Request) string {
 	if r.Pattern != "" {
 		return r.Pattern
 	}
 	return r.Method
 }
 
-// Outcome says what the middleware did with a request.
-type Outcome string
+// outcome says what the middleware did with a request: the idem.messages
+// result and the wait outcome are derived from it, and it maps to the
+// consumer.Outcome of Options.OnOutcome.
+type outcome string
 
-// Outcomes reported to Options.OnOutcome.
 const (
-	OutcomePassed     Outcome = "passed"      // optional key absent: the handler ran without deduplication
-	OutcomeRejected   Outcome = "rejected"    // 400 or 413 before the claim; nothing stored
-	OutcomeProcessed  Outcome = "processed"   // the handler ran and its response was stored
-	OutcomeNotStored  Outcome = "not_stored"  // the handler ran; the response was not stored and the key released
-	OutcomeReplayed   Outcome = "replayed"    // a stored response was replayed
-	OutcomeInFlight   Outcome = "in_flight"   // 409: the first request is still running
-	OutcomeMismatch   Outcome = "mismatch"    // 422: same key, other request
-	OutcomeStoreError Outcome = "store_error" // 503 (or 500): the store failed; nothing stored
-	OutcomeLeaseLost  Outcome = "lease_lost"  // the lease ran out while the handler ran; not stored
-	OutcomePanicked   Outcome = "panicked"    // the handler panicked; key released, panic re-raised
-	OutcomeTooLarge   Outcome = "too_large"   // the response passed MaxResponseBytes
+	outcomePassed         outcome = "passed"          // optional key absent: the handler ran without deduplication
+	outcomeRejected       outcome = "rejected"        // 400 or 413 before the claim; nothing stored
+	outcomeProcessed      outcome = "processed"       // the handler ran and its response was stored
+	outcomeCompleteFailed outcome = "complete_failed" // lease stores: the handler ran, storing its response failed
+	outcomeNotStored      outcome = "not_stored"      // the handler ran; the response was not stored and the key released
+	outcomeReplayed       outcome = "replayed"        // a stored response was replayed
+	outcomeInFlight       outcome = "in_flight"       // 409: the first request is still running
+	outcomeMismatch       outcome = "mismatch"        // 422: same key, other request
+	outcomeStoreError     outcome = "store_error"     // 503 (or 500): the store failed; nothing stored
+	outcomeLeaseLost      outcome = "lease_lost"      // the lease ran out while the handler ran; not stored
+	outcomePanicked       outcome = "panicked"        // the handler panicked; key released, panic re-raised
+	outcomeTooLarge       outcome = "too_large"       // the response passed MaxResponseBytes
 )
 
-// Report describes one request for Options.OnOutcome.
-type Report struct {
-	Outcome Outcome
-	// Status is the status code sent (0 after a panic).
-	Status int
-	// Waited is the time spent waiting for an in-flight first request
-	// (Options.Wait), zero when there was no wait.
-	Waited time.Duration
+// public is the consumer.Outcome reported for o (see Options.OnOutcome).
+// tx says the middleware is transactional.
+func (o outcome) public(tx bool) consumer.Outcome {
+	switch o {
+	case outcomePassed:
+		return consumer.OutcomePassed
+	case outcomeRejected:
+		return consumer.OutcomeInvalidKey
+	case outcomeProcessed:
+		return consumer.OutcomeCompleted
+	case outcomeReplayed:
+		return consumer.OutcomeDuplicate
+	case outcomeInFlight:
+		return consumer.OutcomeInFlight
+	case outcomeMismatch:
+		return consumer.OutcomeFingerprintMismatch
+	case outcomeLeaseLost:
+		return consumer.OutcomeLeaseLost
+	case outcomeCompleteFailed:
+		return consumer.OutcomeCompleteFailed
+	case outcomeTooLarge:
+		if !tx {
+			// The handler's effects stand; its response is replaced
+			// by the stored 500.
+			return consumer.OutcomeCompleteFailed
+		}
+		return consumer.OutcomeReleased
+	case outcomeNotStored, outcomePanicked:
+		return consumer.OutcomeReleased
+	}
+	return consumer.OutcomeStoreError
 }
 
-func (o *Options) fill(who string) error {
-	for _, d := range []struct {
-		name string
-		v    time.Duration
-	}{
-		{"Wait", o.Wait}, {"PollInterval", o.PollInterval}, {"RetryAfter", o.RetryAfter},
-		{"FinishTimeout", o.FinishTimeout},
-	} {
-		if d.v < 0 {
-			return fmt.Errorf("httpidem: %s: Options.%s is %v; it must not be negative (zero means the default)", who, d.name, d.v)
-		}
-	}
-	if o.MaxKeyLen < 0 {
-		return fmt.Errorf("httpidem: %s: Options.MaxKeyLen is %d; it must not be negative (zero means %d)", who, o.MaxKeyLen, dedup.DefaultMaxKeyLen)
-	}
-	if o.MaxBodyBytes < 0 {
-		return fmt.Errorf("httpidem: %s: Options.MaxBodyBytes is %d; it must not be negative (zero means %d)", who, o.MaxBodyBytes, DefaultMaxBodyBytes)
-	}
-	if o.MaxResponseBytes < 0 {
-		return fmt.Errorf("httpidem: %s: Options.MaxResponseBytes is %d; it must not be negative (zero means %d)", who, o.MaxResponseBytes, DefaultMaxResponseBytes)
-	}
+// fillLists checks Methods and ReplayHeaders and fills in their defaults.
+func (o *Options) fillLists(who string) error {
 	if o.Methods == nil {
-		o.Methods = DefaultMethods
+		o.Methods = defaultMethods
 	}
 	o.Methods = slices.Clone(o.Methods)
 	if len(o.Methods) == 0 {
@@ -272,20 +303,47 @@ func (o *Options) fill(who string) error {
 		names = append(names, http.CanonicalHeaderKey(h))
 	}
 	o.ReplayHeaders = names
+	return nil
+}
+
+func (o *Options) fill(who string) error {
+	for _, d := range []struct {
+		name string
+		v    time.Duration
+	}{
+		{"Wait", o.Wait}, {"PollInterval", o.PollInterval}, {"RetryAfter", o.RetryAfter},
+		{"FinishTimeout", o.FinishTimeout},
+	} {
+		if d.v < 0 {
+			return fmt.Errorf("httpidem: %s: Options.%s is %v; it must not be negative (zero means the default)", who, d.name, d.v)
+		}
+	}
+	if o.MaxKeyLen < 0 {
+		return fmt.Errorf("httpidem: %s: Options.MaxKeyLen is %d; it must not be negative (zero means %d)", who, o.MaxKeyLen, dedup.DefaultMaxKeyLen)
+	}
+	if o.MaxBodyBytes < 0 {
+		return fmt.Errorf("httpidem: %s: Options.MaxBodyBytes is %d; it must not be negative (zero means %d)", who, o.MaxBodyBytes, defaultMaxBodyBytes)
+	}
+	if o.MaxResponseBytes < 0 {
+		return fmt.Errorf("httpidem: %s: Options.MaxResponseBytes is %d; it must not be negative (zero means %d)", who, o.MaxResponseBytes, defaultMaxResponseBytes)
+	}
+	if err := o.fillLists(who); err != nil {
+		return err
+	}
 	if o.MaxKeyLen == 0 {
 		o.MaxKeyLen = dedup.DefaultMaxKeyLen
 	}
 	if o.MaxBodyBytes == 0 {
-		o.MaxBodyBytes = DefaultMaxBodyBytes
+		o.MaxBodyBytes = defaultMaxBodyBytes
 	}
 	if o.MaxResponseBytes == 0 {
-		o.MaxResponseBytes = DefaultMaxResponseBytes
+		o.MaxResponseBytes = defaultMaxResponseBytes
 	}
 	if o.Principal == nil {
 		o.Principal = func(*http.Request) string { return "" }
 	}
 	if o.Route == nil {
-		o.Route = DefaultRoute
+		o.Route = defaultRoute
 	}
 	if o.Fingerprint == nil {
 		o.Fingerprint = Fingerprint
@@ -293,23 +351,20 @@ func (o *Options) fill(who string) error {
 	if o.StoreResponse == nil {
 		o.StoreResponse = DefaultStoreResponse
 	}
-	if o.BatchClaims == 0 {
-		o.BatchClaims = 1
-	}
 	if o.PollInterval == 0 {
-		o.PollInterval = DefaultPollInterval
+		o.PollInterval = defaultPollInterval
 	}
 	if o.RetryAfter == 0 {
-		o.RetryAfter = DefaultRetryAfter
+		o.RetryAfter = defaultRetryAfter
 	}
 	if o.FinishTimeout == 0 {
-		o.FinishTimeout = DefaultFinishTimeout
+		o.FinishTimeout = defaultFinishTimeout
 	}
 	if o.Logger == nil {
 		o.Logger = slog.New(slog.DiscardHandler)
 	}
 	if o.MetricScope == nil {
-		o.MetricScope = DefaultMetricScope
+		o.MetricScope = defaultMetricScope
 	}
 	return nil
 }

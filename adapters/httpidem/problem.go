@@ -12,17 +12,17 @@ import (
 // the webhook handler write themselves. They are tag URIs (RFC 4151): stable
 // identifiers to compare against, not links to dereference.
 const (
-	ProblemKeyMissing       = "tag:idemkit,2026:http/idempotency-key-missing"
-	ProblemKeyInvalid       = "tag:idemkit,2026:http/idempotency-key-invalid"
-	ProblemBodyTooLarge     = "tag:idemkit,2026:http/body-too-large"
-	ProblemBodyUnreadable   = "tag:idemkit,2026:http/body-unreadable"
-	ProblemKeyReused        = "tag:idemkit,2026:http/idempotency-key-reused"
-	ProblemInProgress       = "tag:idemkit,2026:http/request-in-progress"
-	ProblemStoreUnavailable = "tag:idemkit,2026:http/store-unavailable"
-	ProblemResponseTooLarge = "tag:idemkit,2026:http/response-too-large"
-	ProblemStoredUnreadable = "tag:idemkit,2026:http/stored-response-unreadable"
-	ProblemSignatureInvalid = "tag:idemkit,2026:http/webhook-signature-invalid"
-	ProblemEventIDMissing   = "tag:idemkit,2026:http/webhook-event-id-missing"
+	problemKeyMissing       = "tag:idemkit,2026:http/idempotency-key-missing"
+	problemKeyInvalid       = "tag:idemkit,2026:http/idempotency-key-invalid"
+	problemBodyTooLarge     = "tag:idemkit,2026:http/body-too-large"
+	problemBodyUnreadable   = "tag:idemkit,2026:http/body-unreadable"
+	problemKeyReused        = "tag:idemkit,2026:http/idempotency-key-reused"
+	problemInProgress       = "tag:idemkit,2026:http/request-in-progress"
+	problemStoreUnavailable = "tag:idemkit,2026:http/store-unavailable"
+	problemResponseTooLarge = "tag:idemkit,2026:http/response-too-large"
+	problemStoredUnreadable = "tag:idemkit,2026:http/stored-response-unreadable"
+	problemSignatureInvalid = "tag:idemkit,2026:http/webhook-signature-invalid"
+	problemEventIDMissing   = "tag:idemkit,2026:http/webhook-event-id-missing"
 )
 
 // ContentTypeProblem is the media type of problem details (RFC 9457).
@@ -32,7 +32,13 @@ const ContentTypeProblem = "application/problem+json"
 // one, as application/problem+json, whenever it answers instead of the
 // handler. It is also the error type of Middleware.Check: errors.As finds it.
 type Problem struct {
-	// Type identifies the kind of problem: one of the Problem* constants.
+	// Type identifies the kind of problem. The middleware and the webhook
+	// handler write these tag URIs (RFC 4151), stable identifiers to
+	// compare against: tag:idemkit,2026:http/ followed by
+	// idempotency-key-missing, idempotency-key-invalid, body-too-large,
+	// body-unreadable, idempotency-key-reused, request-in-progress,
+	// store-unavailable, response-too-large, stored-response-unreadable,
+	// webhook-signature-invalid or webhook-event-id-missing.
 	Type string `json:"type"`
 	// Title is a short summary of the kind of problem.
 	Title string `json:"title"`

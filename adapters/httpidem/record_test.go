@@ -182,8 +182,8 @@ func TestFingerprintJSONCaseFoldedNames(t *testing.T) {
 		if FingerprintJSON(r, "/payments", a) == FingerprintJSON(r, "/payments", b) {
 			t.Errorf("%s and %s share a fingerprint", a, b)
 		}
-		if _, ok := CanonicalJSON(a); ok {
-			t.Errorf("CanonicalJSON(%s) gave a canonical form", a)
+		if _, ok := canonicalJSON(a); ok {
+			t.Errorf("canonicalJSON(%s) gave a canonical form", a)
 		}
 	}
 	var p1, p2 payment

@@ -80,7 +80,7 @@ func TestTxRequestRules(t *testing.T) {
 	}
 	// Same key, other body → 422.
 	r := do(t, nil, srv.URL, as("alice", req{key: "shared", body: `{"id":"pay-alice","amount":999}`}))
-	if r.status != http.StatusUnprocessableEntity || r.problem(t).Type != httpidem.ProblemKeyReused {
+	if r.status != http.StatusUnprocessableEntity || r.problem(t).Type != problemKeyReused {
 		t.Fatalf("other body: %d %s", r.status, r.body)
 	}
 	var c collector
@@ -204,7 +204,7 @@ func TestTxResponseTooLargeRollsBack(t *testing.T) {
 	srv := quietServer(t, mw.Handler(h))
 	for range 2 {
 		r := do(t, nil, srv.URL, req{key: "big", body: "{}"})
-		if r.status != http.StatusInternalServerError || r.replayed() || r.problem(t).Type != httpidem.ProblemResponseTooLarge {
+		if r.status != http.StatusInternalServerError || r.replayed() || r.problem(t).Type != problemResponseTooLarge {
 			t.Fatalf("oversized: %d replayed=%v", r.status, r.replayed())
 		}
 	}
@@ -345,7 +345,7 @@ func TestTxStoreFailureAnswers503(t *testing.T) {
 	}
 	srv := quietServer(t, mw.Handler(h))
 	r := do(t, nil, srv.URL, req{key: "killed", body: "{}"})
-	if r.status != http.StatusServiceUnavailable || r.problem(t).Type != httpidem.ProblemStoreUnavailable {
+	if r.status != http.StatusServiceUnavailable || r.problem(t).Type != problemStoreUnavailable {
 		t.Fatalf("connection killed: %d %s", r.status, r.body)
 	}
 	if w.keys(t) != 0 {

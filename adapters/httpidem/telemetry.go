@@ -59,19 +59,22 @@ func (m *Middleware) setTelemetry(store any) {
 // request is one request's trip through the middleware, for telemetry. It
 // lives on the middleware's stack.
 type request struct {
-	ctx    context.Context // the request's
-	tel    *telemetry.Dedup
-	start  time.Time
-	hstart time.Time // the handler's start
-	traced bool      // the request's span records: idem spans are started
-	waited bool      // the request waited for an in-flight first one
-	wait   string    // how the wait ended, when it ended before the final claim
+	ctx       context.Context // the request's
+	key       dedup.Key
+	tel       *telemetry.Dedup
+	start     time.Time
+	hstart    time.Time     // the handler's start (lease stores)
+	traced    bool          // the request's span records: idem spans are started
+	waited    bool          // the request waited for an in-flight first one
+	wait      string        // how the wait ended, when it ended before the final claim
+	waitedFor time.Duration // how long it waited
 }
 
-func (m *Middleware) begin(r *http.Request, start time.Time) request {
+func (m *Middleware) begin(r *http.Request, key dedup.Key, start time.Time) request {
 	ctx := r.Context()
 	return request{
 		ctx:    ctx,
+		key:    key,
 		tel:    m.ins.Get(m.opts.MetricScope(r)),
 		start:  start,
 		traced: trace.SpanFromContext(ctx).IsRecording(),
@@ -88,6 +91,15 @@ func (rq *request) claimed(outcome string, start time.Time) {
 // released, lease_lost or complete_failed.
 func (rq *request) handled(outcome string) {
 	rq.tel.Handled(rq.ctx, outcome, time.Since(rq.hstart))
+}
+
+// tracer is the tracer of the idem.complete span, nil when the request is
+// not traced.
+func (rq *request) tracer() trace.Tracer {
+	if !rq.traced {
+		return nil
+	}
+	return rq.tel.Tracer
 }
 
 // spanEnd ends a span started by telemetry.StartSpan.
@@ -109,16 +121,6 @@ func (rq *request) startClaim(ctx context.Context, key dedup.Key) (context.Conte
 		return ctx, nil
 	}
 	return telemetry.StartSpan(ctx, rq.tel.Tracer, "idem.claim", rq.tel.SpanAttrs(key.Hash())...)
-}
-
-// recordClaim records a claim span that already happened (transactional
-// stores, where the claim ends when the callback starts).
-func (rq *request) recordClaim(key dedup.Key, start, end time.Time, outcome string, err error) {
-	if !rq.traced {
-		return
-	}
-	telemetry.RecordSpan(rq.ctx, rq.tel.Tracer, "idem.claim", start, end, err,
-		append(rq.tel.SpanAttrs(key.Hash()), telemetry.AttrOutcome.String(outcome))...)
 }
 
 func endSpan(end spanEnd, err error, more ...attribute.KeyValue) {
@@ -160,11 +162,11 @@ func spanErr(err error) error {
 // result and reason.
 func rejection(p *Problem) (claim, result, reason string) {
 	switch p.Type {
-	case ProblemKeyMissing, ProblemKeyInvalid, ProblemEventIDMissing:
+	case problemKeyMissing, problemKeyInvalid, problemEventIDMissing:
 		return telemetry.ClaimInvalidKey, resultDeadLetter, reasonInvalidKey
-	case ProblemBodyTooLarge:
+	case problemBodyTooLarge:
 		return "", resultDeadLetter, reasonTooLarge
-	case ProblemSignatureInvalid:
+	case problemSignatureInvalid:
 		return "", resultDeadLetter, reasonSignature
 	}
 	// The body could not be read (the client went away): nothing
@@ -173,18 +175,18 @@ func rejection(p *Problem) (claim, result, reason string) {
 }
 
 // result maps a request's Outcome to the idem.messages result and reason.
-func (m *Middleware) result(o Outcome) (result, reason string) {
+func (m *Middleware) result(o outcome) (result, reason string) {
 	switch o {
-	case OutcomeProcessed, OutcomeReplayed:
+	case outcomeProcessed, outcomeReplayed:
 		return resultAck, ""
-	case OutcomeTooLarge:
+	case outcomeTooLarge:
 		if m.tx == nil {
 			return resultAck, "" // the 500 is stored and replayed
 		}
 		return resultRetry, "" // rolled back
-	case OutcomeMismatch:
+	case outcomeMismatch:
 		return resultDeadLetter, reasonMismatch
-	case OutcomeRejected:
+	case outcomeRejected:
 		return resultDeadLetter, reasonInvalidKey
 	}
 	// in_flight, store_error, not_stored, lease_lost, panicked: nothing is
@@ -193,20 +195,20 @@ func (m *Middleware) result(o Outcome) (result, reason string) {
 }
 
 // waitOutcome says how a wait that lasted until the final claim ended.
-func waitOutcome(o Outcome) string {
+func waitOutcome(o outcome) string {
 	switch o {
-	case OutcomeReplayed:
+	case outcomeReplayed:
 		return waitReplayed
-	case OutcomeInFlight:
+	case outcomeInFlight:
 		return waitTimedOut
-	case OutcomeProcessed, OutcomeNotStored, OutcomeTooLarge, OutcomeLeaseLost, OutcomePanicked:
+	case outcomeProcessed, outcomeNotStored, outcomeTooLarge, outcomeLeaseLost, outcomePanicked:
 		return waitAcquired
 	}
 	return waitError
 }
 
 // finish records the request's verdict (idem.messages) and its wait.
-func (m *Middleware) finish(rq *request, o Outcome, waited time.Duration) {
+func (m *Middleware) finish(rq *request, o outcome) {
 	result, reason := m.result(o)
 	m.ins.msgs.Result(rq.ctx, rq.tel.Scope(), result, reason, time.Since(rq.start))
 	if rq.waited {
@@ -214,6 +216,6 @@ func (m *Middleware) finish(rq *request, o Outcome, waited time.Duration) {
 		if w == "" {
 			w = waitOutcome(o)
 		}
-		m.ins.wait.Record(rq.ctx, rq.tel.Scope(), w, waited)
+		m.ins.wait.Record(rq.ctx, rq.tel.Scope(), w, rq.waitedFor)
 	}
 }

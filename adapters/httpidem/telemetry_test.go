@@ -234,12 +234,12 @@ func TestMetricsWebhook(t *testing.T) {
 	srv := quietServer(t, wh.Handler(telHandler(nil, nil)))
 	body := `{"id":"evt_1"}`
 	good := req{key: "", body: body, header: map[string]string{
-		httpidem.DefaultEventIDHeader:   "evt_1",
-		httpidem.DefaultSignatureHeader: httpidem.SignWebhook(secret, time.Now(), []byte(body)),
+		defaultEventIDHeader:   "evt_1",
+		defaultSignatureHeader: httpidem.SignWebhook(secret, time.Now(), []byte(body)),
 	}}
 	forged := req{body: body, header: map[string]string{
-		httpidem.DefaultEventIDHeader:   "evt_1",
-		httpidem.DefaultSignatureHeader: httpidem.SignWebhook([]byte("other"), time.Now(), []byte(body)),
+		defaultEventIDHeader:   "evt_1",
+		defaultSignatureHeader: httpidem.SignWebhook([]byte("other"), time.Now(), []byte(body)),
 	}}
 	for _, rq := range []req{forged, good, good} {
 		do(t, nil, srv.URL, rq)

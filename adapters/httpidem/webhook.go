@@ -15,10 +15,10 @@ import (
 	"github.com/jackc/pgx/v5"
 
 	"github.com/idemkit/idem/dedup"
+	"github.com/idemkit/idem/internal/leasekeep"
 )
 
-// Webhook signature errors, wrapped by the errors of VerifySignature and
-// ParseSignature.
+// Webhook signature errors, wrapped by the errors of VerifySignature.
 var (
 	ErrSignatureMissing   = errors.New("httpidem: webhook signature header missing")
 	ErrSignatureMalformed = errors.New("httpidem: webhook signature header malformed")
@@ -28,10 +28,10 @@ var (
 
 // Webhook defaults.
 const (
-	DefaultSignatureHeader  = "Webhook-Signature"
-	DefaultSignatureVersion = "v1"
-	DefaultEventIDHeader    = "Webhook-Id"
-	DefaultTolerance        = 5 * time.Minute
+	defaultSignatureHeader  = "Webhook-Signature"
+	defaultSignatureVersion = "v1"
+	defaultEventIDHeader    = "Webhook-Id"
+	defaultTolerance        = 5 * time.Minute
 	maxSignatures           = 32
 )
 
@@ -46,14 +46,14 @@ type WebhookOptions struct {
 	// SignatureHeader is the header that carries the signature, in the
 	// form "t=<unix seconds>,<version>=<hex>[,<version>=<hex>...]": the
 	// HMAC-SHA256, with a secret, of the timestamp, a '.', and the raw
-	// body (Stripe's scheme). Defaults to DefaultSignatureHeader.
+	// body (Stripe's scheme). Defaults to "Webhook-Signature".
 	SignatureHeader string
 	// SignatureVersion is the name of the signature items to check in the
 	// header; items of other names are ignored. Defaults to "v1".
 	SignatureVersion string
 	// Tolerance is how far the signed timestamp may be from now, either
 	// way, so a captured request cannot be replayed later. Defaults to
-	// DefaultTolerance (5 minutes).
+	// 5 minutes.
 	Tolerance time.Duration
 	// Verify, if set, replaces the built-in signature check, for providers
 	// with another scheme. It gets the raw body and returns nil for an
@@ -61,11 +61,12 @@ type WebhookOptions struct {
 	// ErrSignatureMalformed for a 400, anything else for a 401).
 	Verify func(r *http.Request, body []byte) error
 	// EventID returns the provider's event id, the dedup key, from a
-	// verified request. Defaults to the DefaultEventIDHeader header;
+	// verified request. Defaults to the Webhook-Id header;
 	// EventIDJSON reads a member of a JSON body.
 	EventID func(r *http.Request, body []byte) (string, error)
 	// Scope names the sender, so two providers' ids never collide.
-	// Defaults to "webhook:" and the route (DefaultRoute).
+	// Defaults to "webhook:" and the route (the ServeMux pattern, or the
+	// URL path).
 	Scope string
 	// Clock tells the time for the tolerance check. Defaults to
 	// dedup.SystemClock.
@@ -97,7 +98,7 @@ func NewWebhook(store dedup.LeaseStore, opts WebhookOptions) (*Webhook, error) {
 		return nil, err
 	}
 	wh.m.lease = store
-	wh.m.setClaim()
+	wh.m.keeper = leasekeep.New(store, wh.m.opts.Logger, "httpidem")
 	wh.m.setTelemetry(store)
 	return wh, nil
 }
@@ -128,19 +129,19 @@ func newWebhook(who string, opts WebhookOptions) (*Webhook, error) {
 		}
 	}
 	if opts.Tolerance < 0 {
-		return nil, fmt.Errorf("httpidem: %s: WebhookOptions.Tolerance is %v; it must not be negative (zero means %v)", who, opts.Tolerance, DefaultTolerance)
+		return nil, fmt.Errorf("httpidem: %s: WebhookOptions.Tolerance is %v; it must not be negative (zero means %v)", who, opts.Tolerance, defaultTolerance)
 	}
 	if opts.Tolerance == 0 {
-		opts.Tolerance = DefaultTolerance
+		opts.Tolerance = defaultTolerance
 	}
 	if opts.SignatureHeader == "" {
-		opts.SignatureHeader = DefaultSignatureHeader
+		opts.SignatureHeader = defaultSignatureHeader
 	}
 	if !isToken(opts.SignatureHeader) {
 		return nil, fmt.Errorf("httpidem: %s: WebhookOptions.SignatureHeader %q is not a header name", who, opts.SignatureHeader)
 	}
 	if opts.SignatureVersion == "" {
-		opts.SignatureVersion = DefaultSignatureVersion
+		opts.SignatureVersion = defaultSignatureVersion
 	}
 	if !isToken(opts.SignatureVersion) || strings.ContainsAny(opts.SignatureVersion, "=,") || opts.SignatureVersion == "t" {
 		return nil, fmt.Errorf("httpidem: %s: WebhookOptions.SignatureVersion %q is not a valid item name", who, opts.SignatureVersion)
@@ -152,7 +153,7 @@ func newWebhook(who string, opts WebhookOptions) (*Webhook, error) {
 	}
 	if opts.EventID == nil {
 		opts.EventID = func(r *http.Request, _ []byte) (string, error) {
-			return r.Header.Get(DefaultEventIDHeader), nil
+			return r.Header.Get(defaultEventIDHeader), nil
 		}
 	}
 	if opts.Clock == nil {
@@ -214,7 +215,7 @@ func (wh *Webhook) Check(r *http.Request) (dedup.Key, error) {
 		if errors.Is(err, ErrSignatureMissing) || errors.Is(err, ErrSignatureMalformed) {
 			status = http.StatusBadRequest
 		}
-		return dedup.Key{}, newProblem(status, ProblemSignatureInvalid, "Webhook signature invalid", err.Error())
+		return dedup.Key{}, newProblem(status, problemSignatureInvalid, "Webhook signature invalid", err.Error())
 	}
 	id, err := o.EventID(r, body)
 	if err == nil && id == "" {
@@ -224,13 +225,13 @@ func (wh *Webhook) Check(r *http.Request) (dedup.Key, error) {
 		err = dedup.ValidateKey(dedup.Key{Scope: "x", ID: id}, o.Options.MaxKeyLen)
 	}
 	if err != nil {
-		return dedup.Key{}, newProblem(http.StatusBadRequest, ProblemEventIDMissing, "Webhook event id missing or invalid", err.Error())
+		return dedup.Key{}, newProblem(http.StatusBadRequest, problemEventIDMissing, "Webhook event id missing or invalid", err.Error())
 	}
 	scope := o.Scope
 	if scope == "" {
-		scope = "webhook:" + DefaultRoute(r)
+		scope = "webhook:" + defaultRoute(r)
 		if dedup.ValidateKey(dedup.Key{Scope: scope, ID: "x"}, 0) != nil {
-			scope = Scope("", "webhook", DefaultRoute(r), dedup.DefaultMaxKeyLen)
+			scope = keyScope("", "webhook", defaultRoute(r), dedup.DefaultMaxKeyLen)
 		}
 	}
 	return dedup.Key{Scope: scope, ID: id, Fingerprint: dedup.FingerprintOf(body)}, nil
@@ -261,7 +262,7 @@ func EventIDJSON(name string) func(r *http.Request, body []byte) (string, error)
 // Tests and senders use it; receivers use VerifySignature.
 func SignWebhook(secret []byte, t time.Time, body []byte) string {
 	ts := strconv.FormatInt(t.Unix(), 10)
-	return "t=" + ts + "," + DefaultSignatureVersion + "=" + hex.EncodeToString(signature(secret, ts, body))
+	return "t=" + ts + "," + defaultSignatureVersion + "=" + hex.EncodeToString(signature(secret, ts, body))
 }
 
 func signature(secret []byte, ts string, body []byte) []byte {
@@ -272,13 +273,13 @@ func signature(secret []byte, ts string, body []byte) []byte {
 	return mac.Sum(nil)
 }
 
-// ParseSignature parses a signature header value of the form
+// parseSignature parses a signature header value of the form
 // "t=<unix seconds>,<version>=<hex>[,<version>=<hex>...]". Items are
 // separated by commas, with optional spaces around them; items of other
 // names are ignored; "t" must appear once, as decimal digits. It returns
 // the timestamp as written (for the signed payload), its value, and the
 // SHA-256-sized signatures of the given version, at least one.
-func ParseSignature(header, version string) (ts string, unix int64, sigs [][]byte, err error) {
+func parseSignature(header, version string) (ts string, unix int64, sigs [][]byte, err error) {
 	if strings.TrimSpace(header) == "" {
 		return "", 0, nil, ErrSignatureMissing
 	}
@@ -322,13 +323,14 @@ func ParseSignature(header, version string) (ts string, unix int64, sigs [][]byt
 	return ts, unix, sigs, nil
 }
 
-// VerifySignature checks a signature header value (see ParseSignature)
-// against body: the timestamp must be within tolerance of now, either way,
+// VerifySignature checks a signature header value,
+// "t=<unix seconds>,<version>=<hex>[,<version>=<hex>...]" (items of other
+// names are ignored; "t" must appear once, as decimal digits), against body: the timestamp must be within tolerance of now, either way,
 // and one of the signatures must equal HMAC-SHA256(secret, ts + "." + body)
 // for one of the secrets, compared in constant time. The timestamp is
 // checked first, so a stale request costs no HMAC.
 func VerifySignature(header, version string, body []byte, secrets [][]byte, now time.Time, tolerance time.Duration) error {
-	ts, unix, sigs, err := ParseSignature(header, version)
+	ts, unix, sigs, err := parseSignature(header, version)
 	if err != nil {
 		return err
 	}

@@ -33,9 +33,9 @@ func signed(id, body string, secret []byte, at time.Time) event {
 
 func deliver(t *testing.T, url string, e event) response {
 	t.Helper()
-	h := map[string]string{httpidem.DefaultEventIDHeader: e.id}
+	h := map[string]string{defaultEventIDHeader: e.id}
 	if e.signature != "" {
-		h[httpidem.DefaultSignatureHeader] = e.signature
+		h[defaultSignatureHeader] = e.signature
 	}
 	return do(t, nil, url, req{path: "/webhooks/provider", body: e.body, header: h})
 }
@@ -184,7 +184,7 @@ func TestWebhookEventIDJSONAndScope(t *testing.T) {
 	r := do(t, nil, srv.URL, req{path: "/hooks", body: `{"object":"event"}`, header: map[string]string{
 		"Stripe-Signature": httpidem.SignWebhook(oldSecret, time.Now(), []byte(`{"object":"event"}`)),
 	}})
-	if r.status != http.StatusBadRequest || r.problem(t).Type != httpidem.ProblemEventIDMissing {
+	if r.status != http.StatusBadRequest || r.problem(t).Type != problemEventIDMissing {
 		t.Fatalf("no id member: %d", r.status)
 	}
 	if calls.Load() != 1 {

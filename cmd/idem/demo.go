@@ -26,7 +26,7 @@ import (
 	kafkago "github.com/segmentio/kafka-go"
 
 	"github.com/idemkit/idem/adapters/httpidem"
-	"github.com/idemkit/idem/adapters/kafka"
+	idemkafka "github.com/idemkit/idem/adapters/kafka"
 	"github.com/idemkit/idem/consumer"
 	"github.com/idemkit/idem/dedup"
 	"github.com/idemkit/idem/dedup/memstore"
@@ -531,8 +531,8 @@ func demo(ctx context.Context, cfg demoConfig, stdout io.Writer) (*demoResult, e
 	mwOpts := httpidem.Options{
 		Wait:         10 * time.Second,
 		PollInterval: 2 * time.Millisecond,
-		OnOutcome: func(_ *http.Request, rep httpidem.Report) {
-			if rep.Outcome == httpidem.OutcomeReplayed {
+		OnOutcome: func(_ context.Context, rep consumer.Report) {
+			if rep.Outcome == consumer.OutcomeDuplicate {
 				res.idem.mu.Lock()
 				res.idem.replayed++
 				res.idem.mu.Unlock()

@@ -7,11 +7,19 @@ import (
 	"sync"
 	"sync/atomic"
 	"testing"
+	"testing/synctest"
 	"time"
 
 	"github.com/idemkit/idem/dedup"
 	"github.com/idemkit/idem/dedup/memstore"
 )
+
+// advance moves a synctest bubble's clock on by d and waits until every
+// goroutine of the bubble is blocked again (the beats that came due ran).
+func advance(d time.Duration) {
+	time.Sleep(d)
+	synctest.Wait()
+}
 
 func newStore(t *testing.T, lease time.Duration) *memstore.Store {
 	t.Helper()
@@ -38,63 +46,67 @@ func claim(t *testing.T, s dedup.LeaseStore, id string) *dedup.Lease {
 // come every ttl/3, so a stall of up to about 2/3 s is absorbed) does not
 // cost the lease.
 func TestHoldKeepsTheLease(t *testing.T) {
-	const ttl = time.Second
-	s := newStore(t, ttl)
-	k := New(s, nil, "test")
+	synctest.Test(t, func(t *testing.T) {
+		const ttl = time.Second
+		s := newStore(t, ttl)
+		k := New(s, nil, "test")
 
-	kept := claim(t, s, "kept")
-	var h Hold
-	k.Start(context.Background(), &h, kept, ttl/3, CancelFunc(func(err error) { t.Errorf("lease lost: %v", err) }))
-	control := claim(t, s, "control")
+		kept := claim(t, s, "kept")
+		var h Hold
+		k.Start(context.Background(), &h, kept, ttl/3, CancelFunc(func(err error) { t.Errorf("lease lost: %v", err) }))
+		control := claim(t, s, "control")
 
-	time.Sleep(5 * ttl / 2)
-	if err := h.Stop(); err != nil {
-		t.Fatalf("Stop: %v", err)
-	}
-	if err := s.Complete(context.Background(), kept, nil); err != nil {
-		t.Fatalf("Complete of the kept lease: %v", err)
-	}
-	if err := s.Complete(context.Background(), control, nil); !errors.Is(err, dedup.ErrLeaseLost) {
-		t.Fatalf("Complete of the lease nobody extended: %v, want ErrLeaseLost", err)
-	}
+		advance(5 * ttl / 2)
+		if err := h.Stop(); err != nil {
+			t.Fatalf("Stop: %v", err)
+		}
+		if err := s.Complete(context.Background(), kept, nil); err != nil {
+			t.Fatalf("Complete of the kept lease: %v", err)
+		}
+		if err := s.Complete(context.Background(), control, nil); !errors.Is(err, dedup.ErrLeaseLost) {
+			t.Fatalf("Complete of the lease nobody extended: %v, want ErrLeaseLost", err)
+		}
+	})
 }
 
 // A lease taken over by another owner is reported once through onLost, and
 // Stop returns the same error; the beats end.
 func TestLostLease(t *testing.T) {
-	const ttl = 20 * time.Millisecond
-	s := newStore(t, ttl)
-	k := New(s, nil, "test")
-	l := claim(t, s, "lost")
+	synctest.Test(t, func(t *testing.T) {
+		const ttl = 20 * time.Millisecond
+		s := newStore(t, ttl)
+		k := New(s, nil, "test")
+		l := claim(t, s, "lost")
 
-	var calls atomic.Int32
-	got := make(chan error, 1)
-	var h Hold
-	// Beats far apart: the lease expires before the first one.
-	k.Start(context.Background(), &h, l, 8*ttl, CancelFunc(func(err error) {
-		calls.Add(1)
-		got <- err
-	}))
-	time.Sleep(2 * ttl)
-	if _, err := s.Claim(context.Background(), l.Key); err != nil {
-		t.Fatalf("a new owner's claim after expiry: %v", err)
-	}
-	var lost error
-	select {
-	case lost = <-got:
-	case <-time.After(5 * time.Second):
-		t.Fatal("onLost was not called")
-	}
-	if !errors.Is(lost, dedup.ErrLeaseLost) {
-		t.Fatalf("onLost got %v, want ErrLeaseLost", lost)
-	}
-	time.Sleep(20 * ttl) // more ticks: no second call
-	if err := h.Stop(); err != lost {
-		t.Fatalf("Stop returned %v, want %v", err, lost)
-	}
-	if n := calls.Load(); n != 1 {
-		t.Fatalf("onLost called %d times", n)
-	}
+		var calls atomic.Int32
+		got := make(chan error, 1)
+		var h Hold
+		// Beats far apart: the lease expires before the first one.
+		k.Start(context.Background(), &h, l, 8*ttl, CancelFunc(func(err error) {
+			calls.Add(1)
+			got <- err
+		}))
+		advance(2 * ttl)
+		if _, err := s.Claim(context.Background(), l.Key); err != nil {
+			t.Fatalf("a new owner's claim after expiry: %v", err)
+		}
+		var lost error
+		select {
+		case lost = <-got:
+		case <-time.After(5 * time.Second):
+			t.Fatal("onLost was not called")
+		}
+		if !errors.Is(lost, dedup.ErrLeaseLost) {
+			t.Fatalf("onLost got %v, want ErrLeaseLost", lost)
+		}
+		advance(20 * ttl) // more ticks: no second call
+		if err := h.Stop(); err != lost {
+			t.Fatalf("Stop returned %v, want %v", err, lost)
+		}
+		if n := calls.Load(); n != 1 {
+			t.Fatalf("onLost called %d times", n)
+		}
+	})
 }
 
 // blockingStore's Extend waits until its context is done.
@@ -140,68 +152,72 @@ func TestStopCancelsABeat(t *testing.T) {
 // The message context's cancellation does not stop the beats: a handler
 // that finishes during a graceful stop keeps its lease.
 func TestBeatsOutliveTheMessageContext(t *testing.T) {
-	const ttl = time.Second
-	s := newStore(t, ttl)
-	k := New(s, nil, "test")
-	l := claim(t, s, "cancelled")
-	ctx, cancel := context.WithCancel(context.Background())
-	cancel()
-	var h Hold
-	k.Start(ctx, &h, l, ttl/3, CancelFunc(func(err error) { t.Errorf("lease lost: %v", err) }))
-	time.Sleep(2 * ttl) // past the TTL: only beats keep the lease
-	if err := h.Stop(); err != nil {
-		t.Fatal(err)
-	}
-	if err := s.Complete(context.Background(), l, nil); err != nil {
-		t.Fatalf("Complete: %v", err)
-	}
+	synctest.Test(t, func(t *testing.T) {
+		const ttl = time.Second
+		s := newStore(t, ttl)
+		k := New(s, nil, "test")
+		l := claim(t, s, "cancelled")
+		ctx, cancel := context.WithCancel(context.Background())
+		cancel()
+		var h Hold
+		k.Start(ctx, &h, l, ttl/3, CancelFunc(func(err error) { t.Errorf("lease lost: %v", err) }))
+		advance(2 * ttl) // past the TTL: only beats keep the lease
+		if err := h.Stop(); err != nil {
+			t.Fatal(err)
+		}
+		if err := s.Complete(context.Background(), l, nil); err != nil {
+			t.Fatalf("Complete: %v", err)
+		}
+	})
 }
 
 // Many holds starting and stopping at once, with beats running among them:
 // every lease survives and, once all stopped, the timer stops ticking. The
 // holds run 0, 1/2, 1 and 3/2 TTLs: the longest ones need beats.
 func TestManyHolds(t *testing.T) {
-	const ttl = time.Second
-	s := newStore(t, ttl)
-	k := New(s, nil, "test")
-	var wg sync.WaitGroup
-	var failed atomic.Int32
-	for i := range 200 {
-		wg.Go(func() {
-			l, err := s.Claim(context.Background(), dedup.Key{Scope: "many", ID: strconv.Itoa(i)})
-			if err != nil {
-				failed.Add(1)
-				return
+	synctest.Test(t, func(t *testing.T) {
+		const ttl = time.Second
+		s := newStore(t, ttl)
+		k := New(s, nil, "test")
+		var wg sync.WaitGroup
+		var failed atomic.Int32
+		for i := range 200 {
+			wg.Go(func() {
+				l, err := s.Claim(context.Background(), dedup.Key{Scope: "many", ID: strconv.Itoa(i)})
+				if err != nil {
+					failed.Add(1)
+					return
+				}
+				var h Hold
+				k.Start(context.Background(), &h, l, ttl/3, CancelFunc(func(error) { failed.Add(1) }))
+				time.Sleep(time.Duration(i%4) * ttl / 2) // in the bubble: the fake clock
+				if h.Stop() != nil || s.Complete(context.Background(), l, nil) != nil {
+					failed.Add(1)
+				}
+			})
+		}
+		wg.Wait()
+		if n := failed.Load(); n != 0 {
+			t.Fatalf("%d of 200 holds lost their lease", n)
+		}
+		tk := k.ticker(ttl / 3)
+		deadline := time.Now().Add(5 * time.Second)
+		for {
+			tk.mu.Lock()
+			ticking, head := tk.ticking, tk.head
+			tk.mu.Unlock()
+			if head != nil {
+				t.Fatal("a stopped hold is still linked")
 			}
-			var h Hold
-			k.Start(context.Background(), &h, l, ttl/3, CancelFunc(func(error) { failed.Add(1) }))
-			time.Sleep(time.Duration(i%4) * ttl / 2)
-			if h.Stop() != nil || s.Complete(context.Background(), l, nil) != nil {
-				failed.Add(1)
+			if !ticking {
+				break
 			}
-		})
-	}
-	wg.Wait()
-	if n := failed.Load(); n != 0 {
-		t.Fatalf("%d of 200 holds lost their lease", n)
-	}
-	tk := k.ticker(ttl / 3)
-	deadline := time.Now().Add(5 * time.Second)
-	for {
-		tk.mu.Lock()
-		ticking, head := tk.ticking, tk.head
-		tk.mu.Unlock()
-		if head != nil {
-			t.Fatal("a stopped hold is still linked")
+			if time.Now().After(deadline) {
+				t.Fatal("the timer still ticks with no hold linked")
+			}
+			advance(ttl / 6)
 		}
-		if !ticking {
-			break
-		}
-		if time.Now().After(deadline) {
-			t.Fatal("the timer still ticks with no hold linked")
-		}
-		time.Sleep(ttl / 6)
-	}
+	})
 }
 
 // every ≤ 0: no beats, Stop is a no-op.
@@ -282,21 +298,23 @@ func TestFinishDeadline(t *testing.T) {
 
 // Err alone (no Done, no timer) still sees the deadline.
 func TestFinishErrWithoutDone(t *testing.T) {
-	var f Finish
-	f.Init(context.Background(), 20*time.Millisecond)
-	defer f.Close()
-	if err := f.Err(); err != nil {
-		t.Fatal(err)
-	}
-	time.Sleep(40 * time.Millisecond)
-	if !errors.Is(f.Err(), context.DeadlineExceeded) {
-		t.Fatalf("Err past the deadline: %v", f.Err())
-	}
-	select {
-	case <-f.Done():
-	default:
-		t.Fatal("Done open while Err reports the deadline")
-	}
+	synctest.Test(t, func(t *testing.T) {
+		var f Finish
+		f.Init(context.Background(), 20*time.Millisecond)
+		defer f.Close()
+		if err := f.Err(); err != nil {
+			t.Fatal(err)
+		}
+		advance(40 * time.Millisecond)
+		if !errors.Is(f.Err(), context.DeadlineExceeded) {
+			t.Fatalf("Err past the deadline: %v", f.Err())
+		}
+		select {
+		case <-f.Done():
+		default:
+			t.Fatal("Done open while Err reports the deadline")
+		}
+	})
 }
 
 func TestFinishClose(t *testing.T) {

@@ -71,8 +71,7 @@ func TestRunSettle(t *testing.T) {
 				New(store, nil, "test").Begin(ctx, nil, &r, lease, every, time.Second)
 				defer r.End()
 				if c.lose {
-					time.Sleep(8 * ttl / 5)
-					synctest.Wait()
+					advance(8 * ttl / 5)
 					if !errors.Is(context.Cause(&r.Ctx), dedup.ErrLeaseLost) {
 						t.Fatalf("the handler's context was not cancelled with the lost lease: %v", context.Cause(&r.Ctx))
 					}
@@ -81,7 +80,7 @@ func TestRunSettle(t *testing.T) {
 						t.Fatalf("claim after the lease ran out: %v", err)
 					}
 				} else {
-					time.Sleep(3 * ttl) // beats keep the lease past its TTL
+					advance(3 * ttl) // beats keep the lease past its TTL
 				}
 				var (
 					o    string
