@@ -20,13 +20,12 @@ import (
 	"github.com/idemkit/idem/dedup"
 )
 
-// Defaults for the zero Options.
+// The defaults of the zero Options, as each field's doc states them.
 const (
-	DefaultLease  = 30 * time.Second
-	DefaultTTL    = 24 * time.Hour
-	DefaultPrefix = "idem"
-	// DefaultFailoverWait is the default of Options.FailoverWait.
-	DefaultFailoverWait = 2 * time.Second
+	defaultLease        = 30 * time.Second
+	defaultTTL          = 24 * time.Hour
+	defaultPrefix       = "idem"
+	defaultFailoverWait = 2 * time.Second
 )
 
 // failoverRetryEvery is the pause between two tries of a call that could
@@ -124,17 +123,17 @@ func New(client redis.UniversalClient, opts Options) (*Store, error) {
 	if isNil(client) {
 		return nil, errors.New("redisnx: New: client is nil; pass a redis.UniversalClient, for example redis.NewClient(&redis.Options{Addr: \"127.0.0.1:6379\"})")
 	}
-	lease, err := duration("Lease", opts.Lease, DefaultLease, "30s")
+	lease, err := duration("Lease", opts.Lease, defaultLease, "30s")
 	if err != nil {
 		return nil, err
 	}
-	ttl, err := duration("TTL", opts.TTL, DefaultTTL, "24h")
+	ttl, err := duration("TTL", opts.TTL, defaultTTL, "24h")
 	if err != nil {
 		return nil, err
 	}
 	prefix := opts.Prefix
 	if prefix == "" {
-		prefix = DefaultPrefix
+		prefix = defaultPrefix
 	}
 	if err := validPrefix(prefix); err != nil {
 		return nil, err
@@ -148,7 +147,7 @@ func New(client redis.UniversalClient, opts Options) (*Store, error) {
 	}
 	failoverWait := opts.FailoverWait
 	if failoverWait == 0 {
-		failoverWait = DefaultFailoverWait
+		failoverWait = defaultFailoverWait
 	}
 	s := &Store{
 		client:    client,
@@ -303,14 +302,14 @@ func duration(name string, d, def time.Duration, defText string) (time.Duration,
 
 func validPrefix(p string) error {
 	if len(p) > maxPrefixLen {
-		return fmt.Errorf("redisnx: Options.Prefix is %d bytes; the limit is %d (or leave it empty for %q)", len(p), maxPrefixLen, DefaultPrefix)
+		return fmt.Errorf("redisnx: Options.Prefix is %d bytes; the limit is %d (or leave it empty for %q)", len(p), maxPrefixLen, defaultPrefix)
 	}
 	for i := 0; i < len(p); i++ {
 		c := p[i]
 		ok := c >= 'a' && c <= 'z' || c >= 'A' && c <= 'Z' || c >= '0' && c <= '9' ||
 			c == '_' || c == '.' || c == ':' || c == '-'
 		if !ok {
-			return fmt.Errorf("redisnx: Options.Prefix %q has %q at offset %d; use only letters, digits and _ . : - (or leave it empty for %q)", p, c, i, DefaultPrefix)
+			return fmt.Errorf("redisnx: Options.Prefix %q has %q at offset %d; use only letters, digits and _ . : - (or leave it empty for %q)", p, c, i, defaultPrefix)
 		}
 	}
 	return nil
