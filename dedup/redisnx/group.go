@@ -91,6 +91,13 @@ func (g *group[T]) do(ctx context.Context, items []T) error {
 	return ctx.Err()
 }
 
+// inFlight reports whether a batch is in flight.
+func (g *group[T]) inFlight() bool {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	return g.busy
+}
+
 // lead sends batch, hands the results out, then passes the lead to the
 // first caller queued meanwhile (or marks the group idle). A panic in run
 // (a client hook) still releases every caller and the group before it goes

@@ -98,11 +98,20 @@ type Store struct {
 	failoverWait time.Duration
 
 	// single holds the groups of a client that is not a cluster client;
-	// nodes those of each master of a cluster, by address.
+	// nodes those of each master of a cluster, by address. The entries of
+	// masters that left the cluster's topology, or that no call used for
+	// nodeIdle, are dropped (see pruneNodes), at most once per nodeIdle,
+	// from pruneAt on.
 	single  *node
 	nodesMu sync.Mutex
 	nodes   map[string]*node
+	pruneAt time.Time
+	now     func() time.Time // time.Now; tests move it on
 }
+
+// nodeIdle is how long a cluster master's groups outlive their last use,
+// and how often the Store looks for groups to drop.
+const nodeIdle = time.Minute
 
 // node coalesces the concurrent claims and token scripts of the keys of
 // one Redis node into shared pipelines (see group). Grouping per node keeps
@@ -110,7 +119,11 @@ type Store struct {
 type node struct {
 	claims *group[*claimOp]
 	calls  *group[*scriptCall]
+	used   time.Time // the last nodeOf that returned it; under Store.nodesMu
 }
+
+// busy reports whether a batch of the node is in flight.
+func (n *node) busy() bool { return n.claims.inFlight() || n.calls.inFlight() }
 
 var (
 	_ dedup.LeaseStore      = (*Store)(nil)
@@ -165,12 +178,14 @@ func New(client redis.UniversalClient, opts Options) (*Store, error) {
 
 		failoverWait: failoverWait,
 		nodes:        map[string]*node{},
+		now:          time.Now,
 	}
 	if opts.SkipPreviousLayout {
 		s.oldPrefix = ""
 	}
 	s.cluster, _ = client.(*redis.ClusterClient)
 	s.single = s.newNode()
+	s.pruneAt = s.now().Add(nodeIdle)
 	return s, nil
 }
 
@@ -218,14 +233,49 @@ func (s *Store) nodeOf(ctx context.Context, rkey string) (*node, error) {
 		return nil, err
 	}
 	addr := master.Options().Addr
+	now := s.now()
 	s.nodesMu.Lock()
-	defer s.nodesMu.Unlock()
 	n := s.nodes[addr]
 	if n == nil {
 		n = s.newNode()
 		s.nodes[addr] = n
 	}
+	n.used = now
+	prune := !now.Before(s.pruneAt)
+	if prune {
+		s.pruneAt = now.Add(nodeIdle)
+	}
+	s.nodesMu.Unlock()
+	if prune {
+		s.pruneNodes(ctx, now)
+	}
 	return n, nil
+}
+
+// pruneNodes drops the groups of the addresses that are no longer masters
+// in the cluster's topology (a failed-over or removed node: one CLUSTER
+// SLOTS, as the client reloads its slot map), and of the masters that no
+// call used for nodeIdle and that have no batch in flight. A caller that
+// still holds a dropped node's groups finishes with them; the next call
+// for that address starts new ones.
+func (s *Store) pruneNodes(ctx context.Context, now time.Time) {
+	var mu sync.Mutex
+	masters := map[string]bool{}
+	err := s.cluster.ForEachMaster(ctx, func(_ context.Context, c *redis.Client) error {
+		mu.Lock()
+		masters[c.Options().Addr] = true
+		mu.Unlock()
+		return nil
+	})
+	s.nodesMu.Lock()
+	defer s.nodesMu.Unlock()
+	for addr, n := range s.nodes {
+		gone := err == nil && !masters[addr]
+		idle := now.Sub(n.used) >= nodeIdle && !n.busy()
+		if gone || idle {
+			delete(s.nodes, addr)
+		}
+	}
 }
 
 // retryFailover runs items through run and, on a Redis Cluster, tries the
