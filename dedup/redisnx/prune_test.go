@@ -32,7 +32,11 @@ func TestNodeGroupsShrink(t *testing.T) {
 	var mu sync.Mutex
 	now := time.Date(2026, 1, 1, 0, 0, 0, 0, time.UTC)
 	s.now = func() time.Time { mu.Lock(); defer mu.Unlock(); return now }
-	setClock := func(d time.Duration) { mu.Lock(); now = time.Date(2026, 1, 1, 0, 0, 0, 0, time.UTC).Add(d); mu.Unlock() }
+	setClock := func(d time.Duration) {
+		mu.Lock()
+		now = time.Date(2026, 1, 1, 0, 0, 0, 0, time.UTC).Add(d)
+		mu.Unlock()
+	}
 	s.nodesMu.Lock()
 	s.pruneAt = now.Add(nodeIdle)
 	s.nodesMu.Unlock()
