@@ -123,7 +123,7 @@ type node struct {
 }
 
 // busy reports whether a batch of the node is in flight.
-func (n *node) busy() bool { return n.claims.inFlight() || n.calls.inFlight() }
+func (n *node) busy() bool { return n.claims.busy() || n.calls.busy() }
 
 var (
 	_ dedup.LeaseStore      = (*Store)(nil)
