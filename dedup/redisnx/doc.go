@@ -36,10 +36,10 @@
 // fail closed: the message is not acknowledged and is delivered again.
 //
 // Concurrent calls share round trips, as a group commit does: a call that
-// finds none in flight is sent at once, and the calls that arrive meanwhile
-// go together in one pipeline when it returns. On a Redis Cluster the calls
-// are grouped per master node, so a dead or slow node delays only the keys
-// of its own slots.
+// finds fewer than two in flight is sent at once, and the calls that arrive
+// while two are go together in one pipeline when one returns. On a Redis
+// Cluster the calls are grouped per master node, so a dead or slow node
+// delays only the keys of its own slots.
 //
 // # Redis Cluster
 //

@@ -15,13 +15,20 @@ var errGroupPanic = errors.New("redisnx: the Redis call panicked in another call
 // the next.
 const maxGroupMembers = 128
 
+// maxInFlight is how many batches of one group may be in flight at once.
+// With one, two callers that meet wait for each other's round trip (and a
+// goroutine hand-off): at two concurrent callers half the calls did. With
+// two, those callers each send at once; past two, callers queue and share
+// pipelines.
+const maxInFlight = 2
+
 // group sends the commands of concurrent callers together, as a group
-// commit does: a caller that finds no batch in flight sends its own at
-// once (no added latency when idle); callers that arrive while one is in
-// flight queue up, and when it returns the first of them sends up to
-// maxGroupMembers of the queued callers' items in one pipeline. Under load
-// the round trips per message fall from one per call to one per batch, and
-// no caller leads more than one batch.
+// commit does: a caller that finds fewer than maxInFlight batches in
+// flight sends its own at once (no added latency when idle); callers that
+// arrive while maxInFlight are in flight queue up, and when one returns the
+// first of them sends up to maxGroupMembers of the queued callers' items in
+// one pipeline. Under load the round trips per message fall from one per
+// call to one per batch, and no caller leads more than one batch.
 type group[T any] struct {
 	// run sends items and returns an error when Redis could not be
 	// reached; errOf then tells each caller's error from its own items
@@ -29,9 +36,9 @@ type group[T any] struct {
 	run   func(ctx context.Context, items []T) error
 	errOf func(items []T, batchErr error) error
 
-	mu    sync.Mutex
-	busy  bool
-	queue []*member[T]
+	mu       sync.Mutex
+	inFlight int // batches sent and not yet returned
+	queue    []*member[T]
 }
 
 type member[T any] struct {
@@ -52,8 +59,8 @@ type member[T any] struct {
 func (g *group[T]) do(ctx context.Context, items []T) error {
 	m := &member[T]{ctx: ctx, items: items}
 	g.mu.Lock()
-	if !g.busy {
-		g.busy = true
+	if g.inFlight < maxInFlight {
+		g.inFlight++
 		g.mu.Unlock()
 		g.lead(ctx, []*member[T]{m})
 		return m.err
@@ -89,6 +96,13 @@ func (g *group[T]) do(ctx context.Context, items []T) error {
 		}
 	}()
 	return ctx.Err()
+}
+
+// busy reports whether a batch is in flight.
+func (g *group[T]) busy() bool {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	return g.inFlight > 0
 }
 
 // lead sends batch, hands the results out, then passes the lead to the
@@ -132,15 +146,16 @@ func (g *group[T]) lead(ctx context.Context, batch []*member[T]) {
 	g.handOff()
 }
 
-// handOff passes the lead to the first queued caller, with up to
-// maxGroupMembers queued callers as its batch, or marks the group idle.
+// handOff passes the lead of the batch that returned to the first queued
+// caller, with up to maxGroupMembers queued callers as its batch, or
+// counts one batch fewer in flight.
 func (g *group[T]) handOff() {
 	g.mu.Lock()
 	n := min(len(g.queue), maxGroupMembers)
 	next := g.queue[:n:n]
 	g.queue = g.queue[n:]
 	if n == 0 {
-		g.busy = false
+		g.inFlight--
 		g.queue = nil
 	}
 	g.mu.Unlock()

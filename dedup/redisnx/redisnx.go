@@ -20,13 +20,12 @@ import (
 	"github.com/idemkit/idem/dedup"
 )
 
-// Defaults for the zero Options.
+// The defaults of the zero Options, as each field's doc states them.
 const (
-	DefaultLease  = 30 * time.Second
-	DefaultTTL    = 24 * time.Hour
-	DefaultPrefix = "idem"
-	// DefaultFailoverWait is the default of Options.FailoverWait.
-	DefaultFailoverWait = 2 * time.Second
+	defaultLease        = 30 * time.Second
+	defaultTTL          = 24 * time.Hour
+	defaultPrefix       = "idem"
+	defaultFailoverWait = 2 * time.Second
 )
 
 // failoverRetryEvery is the pause between two tries of a call that could
@@ -99,11 +98,20 @@ type Store struct {
 	failoverWait time.Duration
 
 	// single holds the groups of a client that is not a cluster client;
-	// nodes those of each master of a cluster, by address.
+	// nodes those of each master of a cluster, by address. The entries of
+	// masters that left the cluster's topology, or that no call used for
+	// nodeIdle, are dropped (see pruneNodes), at most once per nodeIdle,
+	// from pruneAt on.
 	single  *node
 	nodesMu sync.Mutex
 	nodes   map[string]*node
+	pruneAt time.Time
+	now     func() time.Time // time.Now; tests move it on
 }
+
+// nodeIdle is how long a cluster master's groups outlive their last use,
+// and how often the Store looks for groups to drop.
+const nodeIdle = time.Minute
 
 // node coalesces the concurrent claims and token scripts of the keys of
 // one Redis node into shared pipelines (see group). Grouping per node keeps
@@ -111,7 +119,11 @@ type Store struct {
 type node struct {
 	claims *group[*claimOp]
 	calls  *group[*scriptCall]
+	used   time.Time // the last nodeOf that returned it; under Store.nodesMu
 }
+
+// busy reports whether a batch of the node is in flight.
+func (n *node) busy() bool { return n.claims.busy() || n.calls.busy() }
 
 var (
 	_ dedup.LeaseStore      = (*Store)(nil)
@@ -124,17 +136,17 @@ func New(client redis.UniversalClient, opts Options) (*Store, error) {
 	if isNil(client) {
 		return nil, errors.New("redisnx: New: client is nil; pass a redis.UniversalClient, for example redis.NewClient(&redis.Options{Addr: \"127.0.0.1:6379\"})")
 	}
-	lease, err := duration("Lease", opts.Lease, DefaultLease, "30s")
+	lease, err := duration("Lease", opts.Lease, defaultLease, "30s")
 	if err != nil {
 		return nil, err
 	}
-	ttl, err := duration("TTL", opts.TTL, DefaultTTL, "24h")
+	ttl, err := duration("TTL", opts.TTL, defaultTTL, "24h")
 	if err != nil {
 		return nil, err
 	}
 	prefix := opts.Prefix
 	if prefix == "" {
-		prefix = DefaultPrefix
+		prefix = defaultPrefix
 	}
 	if err := validPrefix(prefix); err != nil {
 		return nil, err
@@ -148,7 +160,7 @@ func New(client redis.UniversalClient, opts Options) (*Store, error) {
 	}
 	failoverWait := opts.FailoverWait
 	if failoverWait == 0 {
-		failoverWait = DefaultFailoverWait
+		failoverWait = defaultFailoverWait
 	}
 	s := &Store{
 		client:    client,
@@ -166,12 +178,14 @@ func New(client redis.UniversalClient, opts Options) (*Store, error) {
 
 		failoverWait: failoverWait,
 		nodes:        map[string]*node{},
+		now:          time.Now,
 	}
 	if opts.SkipPreviousLayout {
 		s.oldPrefix = ""
 	}
 	s.cluster, _ = client.(*redis.ClusterClient)
 	s.single = s.newNode()
+	s.pruneAt = s.now().Add(nodeIdle)
 	return s, nil
 }
 
@@ -219,14 +233,49 @@ func (s *Store) nodeOf(ctx context.Context, rkey string) (*node, error) {
 		return nil, err
 	}
 	addr := master.Options().Addr
+	now := s.now()
 	s.nodesMu.Lock()
-	defer s.nodesMu.Unlock()
 	n := s.nodes[addr]
 	if n == nil {
 		n = s.newNode()
 		s.nodes[addr] = n
 	}
+	n.used = now
+	prune := !now.Before(s.pruneAt)
+	if prune {
+		s.pruneAt = now.Add(nodeIdle)
+	}
+	s.nodesMu.Unlock()
+	if prune {
+		s.pruneNodes(ctx, now)
+	}
 	return n, nil
+}
+
+// pruneNodes drops the groups of the addresses that are no longer masters
+// in the cluster's topology (a failed-over or removed node: one CLUSTER
+// SLOTS, as the client reloads its slot map), and of the masters that no
+// call used for nodeIdle and that have no batch in flight. A caller that
+// still holds a dropped node's groups finishes with them; the next call
+// for that address starts new ones.
+func (s *Store) pruneNodes(ctx context.Context, now time.Time) {
+	var mu sync.Mutex
+	masters := map[string]bool{}
+	err := s.cluster.ForEachMaster(ctx, func(_ context.Context, c *redis.Client) error {
+		mu.Lock()
+		masters[c.Options().Addr] = true
+		mu.Unlock()
+		return nil
+	})
+	s.nodesMu.Lock()
+	defer s.nodesMu.Unlock()
+	for addr, n := range s.nodes {
+		gone := err == nil && !masters[addr]
+		idle := now.Sub(n.used) >= nodeIdle && !n.busy()
+		if gone || idle {
+			delete(s.nodes, addr)
+		}
+	}
 }
 
 // retryFailover runs items through run and, on a Redis Cluster, tries the
@@ -303,14 +352,14 @@ func duration(name string, d, def time.Duration, defText string) (time.Duration,
 
 func validPrefix(p string) error {
 	if len(p) > maxPrefixLen {
-		return fmt.Errorf("redisnx: Options.Prefix is %d bytes; the limit is %d (or leave it empty for %q)", len(p), maxPrefixLen, DefaultPrefix)
+		return fmt.Errorf("redisnx: Options.Prefix is %d bytes; the limit is %d (or leave it empty for %q)", len(p), maxPrefixLen, defaultPrefix)
 	}
 	for i := 0; i < len(p); i++ {
 		c := p[i]
 		ok := c >= 'a' && c <= 'z' || c >= 'A' && c <= 'Z' || c >= '0' && c <= '9' ||
 			c == '_' || c == '.' || c == ':' || c == '-'
 		if !ok {
-			return fmt.Errorf("redisnx: Options.Prefix %q has %q at offset %d; use only letters, digits and _ . : - (or leave it empty for %q)", p, c, i, DefaultPrefix)
+			return fmt.Errorf("redisnx: Options.Prefix %q has %q at offset %d; use only letters, digits and _ . : - (or leave it empty for %q)", p, c, i, defaultPrefix)
 		}
 	}
 	return nil

@@ -620,34 +620,39 @@ func mentions(cmds []redis.Cmder, s string) bool {
 	return false
 }
 
-// A caller queued behind a slow round trip leaves when its own context
-// ends, and the store goes on working after the slow call returns. The slow
-// round trip is held in the client's hook until the queued caller has
-// returned, so the verdict does not depend on how fast either goroutine is
-// scheduled: a caller that waited for the round trip instead of its context
-// would not return at all while it is held.
+// A caller queued behind slow round trips leaves when its own context
+// ends, and the store goes on working after the slow calls return. The slow
+// round trips, as many as a group lets in flight at once, are held in the
+// client's hook until the queued caller has returned, so the verdict does
+// not depend on how fast any goroutine is scheduled: a caller that waited
+// for a round trip instead of its context would not return at all while
+// they are held.
 func TestGroupedCallerHonoursItsContext(t *testing.T) {
 	s, c := newStore(t, redisnx.Options{})
-	started := make(chan struct{}) // the slow claim reached the client
-	release := make(chan struct{}) // lets the slow claim go on
-	var startOnce, releaseOnce sync.Once
+	started := make(chan struct{}, redisnx.MaxInFlight) // a slow claim reached the client
+	release := make(chan struct{})                      // lets the slow claims go on
+	var releaseOnce sync.Once
 	letGo := func() { releaseOnce.Do(func() { close(release) }) }
 	t.Cleanup(letGo) // runs before newStore's cleanup, which goes through the hook too
 	c.AddHook(hookFunc(func(cmds []redis.Cmder) {
 		if mentions(cmds, "slow-one") {
-			startOnce.Do(func() { close(started) })
+			started <- struct{}{}
 			<-release
 		}
 	}))
-	slowDone := make(chan error, 1)
-	go func() {
-		_, err := s.Claim(t.Context(), dedup.NewKey("group", "slow-one", nil))
-		slowDone <- err
-	}()
-	select {
-	case <-started: // the slow claim leads its round trip: the next one queues
-	case <-time.After(10 * time.Second):
-		t.Fatal("the slow claim never reached the client")
+	slowDone := make(chan error, redisnx.MaxInFlight)
+	for i := range redisnx.MaxInFlight {
+		go func() {
+			_, err := s.Claim(t.Context(), dedup.NewKey("group", fmt.Sprintf("slow-one-%d", i), nil))
+			slowDone <- err
+		}()
+	}
+	for range redisnx.MaxInFlight {
+		select {
+		case <-started: // every slot of the group is held: the next claim queues
+		case <-time.After(10 * time.Second):
+			t.Fatal("a slow claim never reached the client")
+		}
 	}
 	ctx, cancel := context.WithTimeout(t.Context(), 50*time.Millisecond)
 	defer cancel()
@@ -663,14 +668,16 @@ func TestGroupedCallerHonoursItsContext(t *testing.T) {
 		}
 	case <-time.After(10 * time.Second):
 		letGo()
-		t.Fatal("queued claim did not return when its context ended: it waited for the slow round trip")
+		t.Fatal("queued claim did not return when its context ended: it waited for the slow round trips")
 	}
 	letGo()
-	if err := <-slowDone; err != nil {
-		t.Fatalf("slow claim: %v", err)
+	for range redisnx.MaxInFlight {
+		if err := <-slowDone; err != nil {
+			t.Fatalf("slow claim: %v", err)
+		}
 	}
 	if _, err := s.Claim(t.Context(), dedup.NewKey("group", "after", nil)); err != nil {
-		t.Fatalf("claim after the slow one: %v", err)
+		t.Fatalf("claim after the slow ones: %v", err)
 	}
 }
 

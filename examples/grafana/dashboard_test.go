@@ -25,6 +25,7 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 	otelprom "go.opentelemetry.io/otel/exporters/prometheus"
@@ -36,9 +37,11 @@ import (
 	"github.com/idemkit/idem/dedup/memstore"
 	"github.com/idemkit/idem/dedup/pgtable"
 	"github.com/idemkit/idem/internal/telemetry"
+	"github.com/idemkit/idem/internal/testkit/fault"
 	"github.com/idemkit/idem/internal/testkit/testenv"
 	"github.com/idemkit/idem/outbox"
 	"github.com/idemkit/idem/outbox/pgoutbox"
+	"github.com/idemkit/idem/outbox/walrelay"
 )
 
 func TestMain(m *testing.M) { goleak.VerifyTestMain(m, testenv.LeakOptions()...) }
@@ -72,8 +75,9 @@ func TestDashboardNamesExportedMetrics(t *testing.T) {
 		}
 	}
 
-	// Every declared metric is exported, under its Prometheus name.
-	for _, name := range telemetry.Metrics {
+	// Every declared metric is exported, under its Prometheus name: the
+	// relay's outbox metrics and the WAL relay's slot gauges alike.
+	for _, name := range append(slices.Clone(telemetry.Metrics), telemetry.SlotMetrics...) {
 		prom, ok := prometheusName(name, families)
 		if !ok {
 			t.Errorf("metric %s (telemetry.Metrics) is declared but not in the scrape: nothing emits it", name)
@@ -87,6 +91,7 @@ func TestDashboardNamesExportedMetrics(t *testing.T) {
 		"idem_claims_total", "idem_lease_wait_duration_seconds_bucket", "idem_lease_lost_total",
 		"idem_messages_total", "idem_outbox_backlog", "idem_outbox_oldest_age_seconds",
 		"idem_outbox_publish_duration_seconds_bucket", "idem_outbox_delay_seconds_bucket", "idem_outbox_dead_total",
+		"idem_outbox_slot_lag_bytes", "idem_outbox_slot_retained_bytes", "idem_outbox_slot_lag_age_seconds",
 	} {
 		if _, ok := used[want]; !ok {
 			t.Errorf("the dashboard has no panel on %s", want)
@@ -103,12 +108,12 @@ func TestDashboardNamesExportedMetrics(t *testing.T) {
 }
 
 // prometheusName finds the family a metric was exported as: dots become
-// underscores, then the unit suffix (_seconds) and _total on counters may
-// follow. Exactly one candidate must exist.
+// underscores, then the unit suffix (_seconds, _bytes) and _total on
+// counters may follow. Exactly one candidate must exist.
 func prometheusName(name string, families map[string]string) (string, bool) {
 	base := strings.ReplaceAll(name, ".", "_")
 	var found []string
-	for _, c := range []string{base, base + "_total", base + "_seconds", base + "_seconds_total"} {
+	for _, c := range []string{base, base + "_total", base + "_seconds", base + "_seconds_total", base + "_bytes"} {
 		if _, ok := families[c]; ok {
 			found = append(found, c)
 		}
@@ -303,9 +308,33 @@ func exportAll(t *testing.T) string {
 	adapterResults(mp)
 	stopRelay := relay(t, mp)
 	defer stopRelay()
+	stopWAL := walRelay(t, mp)
+	defer stopWAL()
 
 	srv := httptest.NewServer(promhttp.HandlerFor(reg, promhttp.HandlerOpts{}))
 	defer srv.Close()
+	// The slot gauges appear once the WAL relay has sampled its slot:
+	// scrape until they are there, or give the last scrape to the checks.
+	deadline := time.Now().Add(30 * time.Second)
+	for {
+		body := scrape(t, srv)
+		_, families := parseScrape(t, body)
+		missing := 0
+		for _, name := range telemetry.SlotMetrics {
+			if _, ok := prometheusName(name, families); !ok {
+				missing++
+			}
+		}
+		if missing == 0 || time.Now().After(deadline) {
+			return body
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+}
+
+// scrape reads the exporter's /metrics once.
+func scrape(t *testing.T, srv *httptest.Server) string {
+	t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
 	req, err := http.NewRequestWithContext(ctx, http.MethodGet, srv.URL+"/metrics", nil)
@@ -322,6 +351,80 @@ func exportAll(t *testing.T) string {
 		t.Fatalf("scrape: %d %v\n%s", resp.StatusCode, err, body)
 	}
 	return string(body)
+}
+
+// walRelay runs a walrelay relay, which reports the replication slot's
+// gauges, on a throwaway PostgreSQL with wal_level = logical (the shared
+// one need not have it), and publishes one message through it. It returns
+// with the relay running (the gauges exist only while it runs); the
+// returned function stops it and the server.
+func walRelay(t *testing.T, mp *sdkmetric.MeterProvider) (stop func()) {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(t.Context(), 2*time.Minute)
+	defer cancel()
+	pg, err := fault.StartPostgres(ctx, fault.PostgresOptions{Settings: map[string]string{
+		"wal_level": "logical", "max_wal_senders": "4", "max_replication_slots": "4",
+	}})
+	if err != nil {
+		testenv.Unavailable(t, "a throwaway PostgreSQL with wal_level = logical: "+err.Error())
+	}
+	closePG := func() {
+		if err := pg.Close(); err != nil {
+			t.Errorf("stop the throwaway PostgreSQL: %v", err)
+		}
+	}
+	pool, err := pgxpool.New(ctx, pg.URL())
+	if err == nil {
+		err = pool.Ping(ctx)
+	}
+	if err != nil {
+		closePG()
+		t.Fatal(err)
+	}
+	stopAll := func() { pool.Close(); closePG() }
+	ob, err := walrelay.New(pool, walrelay.Options{Schema: "grafana", Logger: quiet()})
+	if err == nil {
+		_, err = pool.Exec(ctx, "CREATE SCHEMA grafana")
+	}
+	if err == nil {
+		err = ob.Migrate(ctx)
+	}
+	if err != nil {
+		stopAll()
+		t.Fatal(err)
+	}
+	pub := &memPublisher{}
+	r, err := walrelay.NewRelay(ob, pub, walrelay.RelayOptions{MeterProvider: mp, MetricsInterval: 10 * time.Millisecond, Logger: quiet()})
+	if err != nil {
+		stopAll()
+		t.Fatal(err)
+	}
+	rctx, rcancel := context.WithCancel(t.Context())
+	done := make(chan error, 1)
+	go func() { done <- r.Run(rctx) }()
+	stop = func() {
+		rcancel()
+		if err := <-done; err != nil && !errors.Is(err, context.Canceled) {
+			t.Errorf("walrelay Relay.Run: %v", err)
+		}
+		stopAll()
+	}
+	err = pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
+		_, err := ob.Enqueue(ctx, tx, outbox.Message{Topic: "payments", Key: []byte("pay-4"), Payload: []byte("ok")})
+		return err
+	})
+	if err != nil {
+		stop()
+		t.Fatal(err)
+	}
+	for pub.count() == 0 {
+		if ctx.Err() != nil {
+			stop()
+			t.Fatal("walrelay: the message was not published within 2 minutes")
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	return stop
 }
 
 func msg(id, payload string) *consumer.Message {
@@ -508,6 +611,13 @@ func quiet() *slog.Logger { return slog.New(slog.DiscardHandler) }
 type memPublisher struct {
 	mu    sync.Mutex
 	tries map[string]int
+}
+
+// count is the number of publish attempts.
+func (p *memPublisher) count() int {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return len(p.tries)
 }
 
 func (p *memPublisher) Publish(_ context.Context, msgs []*outbox.Message) error {

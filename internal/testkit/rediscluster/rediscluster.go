@@ -11,6 +11,9 @@
 // (else redis-server on $PATH) and $IDEM_REDIS_CLI (else redis-cli on
 // $PATH).
 //
+// Start is for tests; New, with Close, for other callers such as the chaos
+// matrix.
+//
 // The nodes run with cluster-require-full-coverage no, so a shard whose
 // master is down stops only its own slots, as a production cluster that
 // must keep its healthy shards serving should.
@@ -20,6 +23,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"maps"
 	"os"
 	"os/exec"
 	"slices"
@@ -82,6 +86,24 @@ func (s Shard) Owns(slot int) bool {
 // come up.
 func Start(t testing.TB, opts Options) *Cluster {
 	t.Helper()
+	for _, b := range []string{binary("IDEM_REDIS_SERVER", "redis-server"), binary("IDEM_REDIS_CLI", "redis-cli")} {
+		if _, err := exec.LookPath(b); err != nil {
+			testenv.Unavailable(t, fmt.Sprintf("a Redis Cluster test needs %s: %v (install Redis 7, or set IDEM_REDIS_SERVER and IDEM_REDIS_CLI)", b, err))
+		}
+	}
+	c, err := New(context.Background(), opts)
+	if err != nil {
+		t.Fatalf("rediscluster: %v", err)
+	}
+	t.Cleanup(func() { _ = c.Close() })
+	return c
+}
+
+// New starts a cluster, for a caller that is not a test (the chaos
+// matrix); the caller must Close it. It returns an error when a binary is
+// missing or the cluster does not come up within opts.StartTimeout (or
+// before ctx ends); nothing is left running then.
+func New(ctx context.Context, opts Options) (*Cluster, error) {
 	if opts.Masters == 0 {
 		opts.Masters = 3
 	}
@@ -98,25 +120,21 @@ func Start(t testing.TB, opts Options) *Cluster {
 	cli := binary("IDEM_REDIS_CLI", "redis-cli")
 	for _, b := range []string{server, cli} {
 		if _, err := exec.LookPath(b); err != nil {
-			testenv.Unavailable(t, fmt.Sprintf("a Redis Cluster test needs %s: %v (install Redis 7, or set IDEM_REDIS_SERVER and IDEM_REDIS_CLI)", b, err))
+			return nil, fmt.Errorf("rediscluster: %s: %w (install Redis 7, or set IDEM_REDIS_SERVER and IDEM_REDIS_CLI)", b, err)
 		}
 	}
-	ctx, cancel := context.WithTimeout(context.Background(), opts.StartTimeout)
+	ctx, cancel := context.WithTimeout(ctx, opts.StartTimeout)
 	defer cancel()
 
 	c := &Cluster{nodes: map[string]*fault.Redis{}, paused: map[string]*os.Process{}}
-	t.Cleanup(func() {
-		for addr := range c.paused {
-			_ = c.Resume(context.Background(), addr)
-		}
-		for _, n := range c.nodes {
-			_ = n.Close()
-		}
-	})
+	fail := func(err error) (*Cluster, error) {
+		_ = c.Close()
+		return nil, err
+	}
 	for range opts.Masters * (1 + opts.Replicas) {
 		bus, err := fault.FreePort()
 		if err != nil {
-			t.Fatal(err)
+			return fail(err)
 		}
 		args := append([]string{
 			"--cluster-enabled", "yes",
@@ -127,7 +145,7 @@ func Start(t testing.TB, opts Options) *Cluster {
 		}, opts.Args...)
 		n, err := fault.StartRedis(ctx, fault.RedisOptions{Binary: server, Args: args})
 		if err != nil {
-			t.Fatalf("rediscluster: start a node: %v", err)
+			return fail(fmt.Errorf("rediscluster: start a node: %w", err))
 		}
 		c.nodes[n.Addr()] = n
 		c.addrs = append(c.addrs, n.Addr())
@@ -135,12 +153,28 @@ func Start(t testing.TB, opts Options) *Cluster {
 	create := append([]string{"--cluster", "create"}, c.addrs...)
 	create = append(create, "--cluster-replicas", strconv.Itoa(opts.Replicas), "--cluster-yes")
 	if out, err := exec.CommandContext(ctx, cli, create...).CombinedOutput(); err != nil {
-		t.Fatalf("rediscluster: redis-cli --cluster create: %v\n%s", err, out)
+		return fail(fmt.Errorf("rediscluster: redis-cli --cluster create: %w\n%s", err, out))
 	}
 	if err := c.waitReady(ctx, opts.Masters); err != nil {
-		t.Fatalf("rediscluster: %v", err)
+		return fail(fmt.Errorf("rediscluster: %w", err))
 	}
-	return c
+	return c, nil
+}
+
+// Close resumes the paused nodes, stops every node and removes their
+// directories.
+func (c *Cluster) Close() error {
+	c.mu.Lock()
+	paused := slices.Collect(maps.Keys(c.paused))
+	c.mu.Unlock()
+	for _, addr := range paused {
+		_ = c.Resume(context.Background(), addr)
+	}
+	var errs []error
+	for _, n := range c.nodes {
+		errs = append(errs, n.Close())
+	}
+	return errors.Join(errs...)
 }
 
 func binary(env, def string) string {
