@@ -99,6 +99,11 @@ func TestNodeGroupsShrink(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	// The Store looks at the topology through any node: wait until none
+	// of them names the killed master any more.
+	if err := c.WaitAgreed(ctx, int(shards[0].Slots[0].Start), promoted); err != nil {
+		t.Fatal(err)
+	}
 	testenv.Eventually(t, 30*time.Second, "the client's slot map names the promoted master", func() bool {
 		client.ReloadState(ctx)
 		m, err := client.MasterForKey(ctx, s.RedisKey(keys[0][0]))

@@ -300,6 +300,48 @@ func (c *Cluster) Shards(ctx context.Context) ([]Shard, error) {
 	return out, nil
 }
 
+// WaitAgreed waits until every running node names master as the owner of
+// slot (CLUSTER SLOTS on each node). A failover spreads by gossip: a node
+// may still name the old master for a while after another names the new
+// one, and a client that asks that node sees the old topology.
+func (c *Cluster) WaitAgreed(ctx context.Context, slot int, master string) error {
+	for {
+		agreed, err := c.agreed(ctx, slot, master)
+		if err == nil && agreed {
+			return nil
+		}
+		if perr := pause(ctx); perr != nil {
+			return fmt.Errorf("rediscluster: the nodes do not all name %s as the master of slot %d (last error: %v): %w", master, slot, err, perr)
+		}
+	}
+}
+
+// agreed reports whether every running node names master as the owner of
+// slot.
+func (c *Cluster) agreed(ctx context.Context, slot int, master string) (bool, error) {
+	for _, addr := range c.addrs {
+		if !c.nodes[addr].Running() {
+			continue
+		}
+		n := redis.NewClient(&redis.Options{Addr: addr, MaxRetries: -1})
+		slots, err := n.ClusterSlots(ctx).Result()
+		_ = n.Close()
+		if err != nil {
+			return false, fmt.Errorf("CLUSTER SLOTS on %s: %w", addr, err)
+		}
+		owner := ""
+		for _, r := range slots {
+			if slot >= r.Start && slot <= r.End && len(r.Nodes) > 0 {
+				owner = r.Nodes[0].Addr
+			}
+		}
+		if owner != master {
+			return false, nil
+		}
+	}
+	return true, nil
+}
+
 // InSync reports an error unless every replica of the master at addr is
 // online and has the master's replication offset (INFO replication on the
 // master): no write the master acknowledged is missing on its replicas.
