@@ -17,19 +17,23 @@ BEGIN
         RETURN; -- made in this layout
     END IF;
     SELECT conname INTO pk FROM pg_constraint WHERE conrelid = '{{.Table}}'::regclass AND contype = 'p';
+    -- Every writer of the first layout kept these already: a done row has
+    -- no token, an in-flight row's lease ends at expires_at.
+    UPDATE {{.Table}} SET token = CASE WHEN state = 1 THEN token END,
+                          expires_at = CASE WHEN state = 1 THEN lease_until ELSE expires_at END
+    WHERE (state = 2 AND token IS NOT NULL) OR (state = 1 AND expires_at IS DISTINCT FROM lease_until);
     ALTER TABLE {{.Table}} ADD COLUMN key uuid;
+    -- One rewrite, which also clears the dropped columns from every row.
     EXECUTE format($f$
         ALTER TABLE {{.Table}}
             DROP CONSTRAINT %I,
+            DROP COLUMN state, DROP COLUMN lease_until, DROP COLUMN created_at, DROP COLUMN completed_at,
             ALTER COLUMN scope DROP NOT NULL,
             ALTER COLUMN id DROP NOT NULL,
             ALTER COLUMN key TYPE uuid USING {{.Key "scope" "id"}},
-            ALTER COLUMN token TYPE text USING CASE WHEN state = 1 THEN token END,
-            ALTER COLUMN expires_at TYPE timestamptz USING CASE WHEN state = 1 THEN lease_until ELSE expires_at END,
             ALTER COLUMN scope TYPE text USING {{if .KeepKeys}}scope{{else}}NULL{{end}},
             ALTER COLUMN id TYPE text USING {{if .KeepKeys}}id{{else}}NULL{{end}},
             ADD PRIMARY KEY (key, {{.PartColumn}})
         $f$, pk);
-    ALTER TABLE {{.Table}} DROP COLUMN state, DROP COLUMN lease_until, DROP COLUMN created_at, DROP COLUMN completed_at;
 END
 $$;
