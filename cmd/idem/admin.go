@@ -132,7 +132,8 @@ func runOutbox(ctx context.Context, args []string, stdout, stderr io.Writer) err
 
 const dedupSynopsis = `dedup [flags] stats|cleanup
 
-  stats    rows per scope, done and in flight, the oldest
+  stats    rows per scope (of stores that keep scopes: pgtable Options.KeepKeys),
+           done and in flight, the next expiry
   cleanup  delete the expired rows now, in bounded batches`
 
 func runDedup(ctx context.Context, args []string, stdout, stderr io.Writer) error {
@@ -174,8 +175,10 @@ func runDedup(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 		fprintf(stdout, "%s: deleted %d expired rows\n", store.Table(), n)
 		return nil
 	}
-	rows, err := pool.Query(ctx, "SELECT scope, count(*) FILTER (WHERE state = 2), count(*) FILTER (WHERE state = 1), min(created_at) FROM "+
-		store.Table()+" GROUP BY scope ORDER BY scope")
+	// A row with a token is in flight; scope is NULL in the rows of a
+	// store that does not keep keys.
+	rows, err := pool.Query(ctx, "SELECT scope, count(*) FILTER (WHERE token IS NULL), count(*) FILTER (WHERE token IS NOT NULL), min(expires_at) FROM "+
+		store.Table()+" GROUP BY scope ORDER BY scope NULLS LAST")
 	if err != nil {
 		return fmt.Errorf("%s: %w", store.Table(), err)
 	}
@@ -183,15 +186,19 @@ func runDedup(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	n := 0
 	for rows.Next() {
 		var (
-			scope        string
+			scope        *string
 			done, flight int64
-			oldest       time.Time
+			next         time.Time
 		)
-		if err := rows.Scan(&scope, &done, &flight, &oldest); err != nil {
+		if err := rows.Scan(&scope, &done, &flight, &next); err != nil {
 			return err
 		}
 		n++
-		fprintf(stdout, "%-40s %10d done %6d in flight  oldest %s\n", scope, done, flight, oldest.UTC().Format(time.RFC3339))
+		name := "(scope not kept)"
+		if scope != nil {
+			name = *scope
+		}
+		fprintf(stdout, "%-40s %10d done %6d in flight  next expiry %s\n", name, done, flight, next.UTC().Format(time.RFC3339))
 	}
 	if err := rows.Err(); err != nil {
 		return err

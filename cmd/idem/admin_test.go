@@ -51,7 +51,7 @@ func TestAdmin(t *testing.T) {
 	check("requeued 1 of 1 messages", "outbox", "requeue", ids[0])
 	check("2 pending", "outbox", "stats")
 
-	store, err := pgtable.New(pool, pgtable.Options{Schema: schema})
+	store, err := pgtable.New(pool, pgtable.Options{Schema: schema, KeepKeys: true})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -60,6 +60,14 @@ func TestAdmin(t *testing.T) {
 		t.Fatal(err)
 	}
 	check("billing/charge", "dedup", "stats")
+	digestOnly, err := pgtable.New(pool, pgtable.Options{Schema: schema})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := digestOnly.Process(ctx, dedup.NewKey("billing/refund", "p1", nil), func(context.Context, pgx.Tx) ([]byte, error) { return nil, nil }); err != nil {
+		t.Fatal(err)
+	}
+	check("(scope not kept)", "dedup", "stats")
 	check("deleted 0 expired rows", "dedup", "cleanup")
 }
 

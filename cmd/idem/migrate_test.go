@@ -41,7 +41,7 @@ func TestMigrate(t *testing.T) {
 		t.Fatalf("up again: exit %d\n%s", code, errOut)
 	}
 	for _, want := range []string{
-		`"` + schema + `"."processed_events" (dedup, pgtable): version 0001_processed_events (1 of 1 applied)`,
+		`"` + schema + `"."processed_events" (dedup, pgtable): version 0002_key_digest (2 of 2 applied)`,
 		`"` + schema + `"."outbox" (outbox, pgoutbox): version 0001_outbox (1 of 1 applied)`,
 	} {
 		if !strings.Contains(out, want) {

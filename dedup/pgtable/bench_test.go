@@ -150,8 +150,8 @@ func benchCleanup(b *testing.B, live int) {
 	pool := testenv.Pool(b, 2)
 	s := newStore(b, pool, pgtable.Options{})
 	ctx := context.Background()
-	if _, err := pool.Exec(ctx, `INSERT INTO `+s.Table()+` (scope, id, fingerprint, state, created_at, completed_at, expires_at)
-		SELECT 'bench', md5(g::text), '\x00', 2, now(), now(),
+	if _, err := pool.Exec(ctx, `INSERT INTO `+s.Table()+` (key, fingerprint, expires_at)
+		SELECT `+pgtable.KeySQL("'bench'", "md5(g::text)")+`, '\x00',
 		       CASE WHEN g % $2::int = 0 THEN now() - random() * interval '1 day' ELSE now() + interval '1 hour' + random() * interval '1 day' END
 		FROM generate_series(1, $1::int * $2::int) g ORDER BY random()`, b.N, live+1); err != nil {
 		b.Fatal(err)

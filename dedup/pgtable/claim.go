@@ -1,6 +1,7 @@
 package pgtable
 
 import (
+	"bytes"
 	"context"
 	"errors"
 	"fmt"
@@ -8,6 +9,7 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgtype"
 
 	"github.com/idemkit/idem/dedup"
 )
@@ -46,7 +48,8 @@ type querier interface {
 
 // claimOnce runs a claim statement (claimTx or leaseClaim). It returns nil when
 // the claim won, or the verdict on the row found.
-func (s *Store) claimOnce(ctx context.Context, q querier, stmt string, key dedup.Key, args ...any) error {
+// digest is the key's digest, which args hold too.
+func (s *Store) claimOnce(ctx context.Context, q querier, stmt string, key dedup.Key, digest pgtype.UUID, args ...any) error {
 	const maxTries = 5
 	for range maxTries {
 		var (
@@ -69,7 +72,7 @@ func (s *Store) claimOnce(ctx context.Context, q querier, stmt string, key dedup
 		// The insert waited on a concurrent claim that committed after
 		// this statement's snapshot: read the row with a new snapshot.
 		var expired bool
-		err = q.QueryRow(ctx, s.sql.lookup, key.Scope, key.ID).Scan(&st, &e.fp, &e.result, &ms, &expired)
+		err = q.QueryRow(ctx, s.sql.lookup, digest).Scan(&st, &e.fp, &e.result, &ms, &expired)
 		if errors.Is(err, pgx.ErrNoRows) {
 			continue // deleted in between (released, cleaned up): claim again
 		}
@@ -113,16 +116,17 @@ func (s *Store) ClaimTx(ctx context.Context, tx pgx.Tx, key dedup.Key) error {
 	if err := s.validate(key); err != nil {
 		return err
 	}
+	a := s.keyArgs(key)
 	if s.opts.Partitioned {
-		return s.claimPartitioned(ctx, tx, s.psql.claimTx, key, key.Scope, key.ID, key.Fingerprint.Bytes(), millis(s.opts.Retention))
+		return s.claimPartitioned(ctx, tx, s.psql.claimTx, key, a, a.digest, key.Fingerprint.Bytes(), s.retentionArg, a.scope, a.id)
 	}
-	return s.claimOnce(ctx, tx, s.sql.claimTx, key, key.Scope, key.ID, key.Fingerprint.Bytes(), millis(s.opts.Retention))
+	return s.claimOnce(ctx, tx, s.sql.claimTx, key, a.digest, a.digest, key.Fingerprint.Bytes(), s.retentionArg, a.scope, a.id)
 }
 
 // SetResultTx stores result with key's claim in tx, for later duplicates to
 // read (dedup.StoredResult). Call it after ClaimTx succeeded, before commit.
 func (s *Store) SetResultTx(ctx context.Context, tx pgx.Tx, key dedup.Key, result []byte) error {
-	tag, err := tx.Exec(ctx, s.sql.setResult, key.Scope, key.ID, result)
+	tag, err := tx.Exec(ctx, s.sql.setResult, keyDigest(key.Scope, key.ID), result)
 	if err != nil {
 		return fmt.Errorf("pgtable: store result of %s: %w", key, err)
 	}
@@ -167,7 +171,7 @@ func (s *Store) Process(ctx context.Context, key dedup.Key, fn dedup.TxFunc[pgx.
 	if err := s.validate(key); err != nil {
 		return nil, err
 	}
-	r, err := s.begin(ctx, key)
+	r, err := s.begin(ctx, key, s.keyArgs(key))
 	if err != nil {
 		return nil, err
 	}
@@ -194,51 +198,46 @@ func (s *Store) ClaimBatchTx(ctx context.Context, tx pgx.Tx, keys []dedup.Key) (
 		return nil, errors.New("pgtable: ClaimBatchTx: tx is nil")
 	}
 	out := make([]error, len(keys))
-	scopes := make([]string, 0, len(keys))
-	ids := make([]string, 0, len(keys))
-	fps := make([][]byte, 0, len(keys))
-	pos := make([]int, 0, len(keys)) // input ordinal (1-based) -> index in keys
+	var b claimBatch
+	pos := make([]int, 0, len(keys)) // index in b -> index in keys
 	for i, k := range keys {
 		if err := s.validate(k); err != nil {
 			out[i] = err
 			continue
 		}
-		scopes = append(scopes, k.Scope)
-		ids = append(ids, k.ID)
-		fps = append(fps, k.Fingerprint.Bytes())
+		b.add(s.keyArgs(k), k.Fingerprint.Bytes())
 		pos = append(pos, i)
 	}
 	if len(pos) == 0 {
 		return out, nil
 	}
-	won, err := s.claimBatchInsert(ctx, tx, scopes, ids, fps)
+	won, err := s.claimBatchInsert(ctx, tx, &b)
 	if err != nil {
 		return nil, err
 	}
 	// Keys that did not win: read their rows with a fresh snapshot.
-	var lostScopes, lostIDs []string
+	var lost []pgtype.UUID
 	for j, w := range won {
 		if !w {
-			lostScopes = append(lostScopes, scopes[j])
-			lostIDs = append(lostIDs, ids[j])
+			lost = append(lost, b.digests[j])
 		}
 	}
-	if len(lostScopes) == 0 {
+	if len(lost) == 0 {
 		return out, nil
 	}
-	found := make(map[[2]string]existing, len(lostScopes))
-	rows, err := tx.Query(ctx, s.sql.claimBatchLookup, lostScopes, lostIDs)
+	found := make(map[[16]byte]existing, len(lost))
+	rows, err := tx.Query(ctx, s.sql.claimBatchLookup, lost)
 	if err != nil {
 		return nil, fmt.Errorf("pgtable: batch claim lookup: %w", err)
 	}
 	var (
-		sc, id string
-		e      existing
-		st     *int16
-		ms     *int64
+		d  pgtype.UUID
+		e  existing
+		st *int16
+		ms *int64
 	)
-	_, err = pgx.ForEachRow(rows, []any{&sc, &id, &st, &e.fp, &e.result, &ms}, func() error {
-		found[[2]string{sc, id}] = existing{state: deref(st), fp: e.fp, result: e.result, leaseMs: deref(ms)}
+	_, err = pgx.ForEachRow(rows, []any{&d, &st, &e.fp, &e.result, &ms}, func() error {
+		found[d.Bytes] = existing{state: deref(st), fp: e.fp, result: e.result, leaseMs: deref(ms)}
 		return nil
 	})
 	if err != nil {
@@ -249,7 +248,7 @@ func (s *Store) ClaimBatchTx(ctx context.Context, tx pgx.Tx, keys []dedup.Key) (
 			continue
 		}
 		k := keys[pos[j]]
-		row, ok := found[[2]string{scopes[j], ids[j]}]
+		row, ok := found[b.digests[j].Bytes]
 		if !ok {
 			// Inserted by a concurrent batch that rolled back after we
 			// waited on it: not ours, not done. The caller retries.
@@ -261,41 +260,59 @@ func (s *Store) ClaimBatchTx(ctx context.Context, tx pgx.Tx, keys []dedup.Key) (
 	return out, nil
 }
 
-func (s *Store) claimBatchInsert(ctx context.Context, tx pgx.Tx, scopes, ids []string, fps [][]byte) ([]bool, error) {
-	if s.opts.Partitioned {
-		return s.claimBatchPartitioned(ctx, tx, scopes, ids, fps)
+// claimBatch is the arguments of a batch claim, one entry per valid key:
+// scopes and ids stay nil unless the store keeps them.
+type claimBatch struct {
+	digests     []pgtype.UUID
+	locks       []int64
+	fps         [][]byte
+	scopes, ids []*string
+}
+
+func (b *claimBatch) add(a keyArgs, fp []byte) {
+	b.digests = append(b.digests, a.digest)
+	b.locks = append(b.locks, a.lock)
+	b.fps = append(b.fps, fp)
+	if a.scope != nil {
+		sc, id := a.scope.(string), a.id.(string)
+		b.scopes, b.ids = append(b.scopes, &sc), append(b.ids, &id)
 	}
-	// Distinct keys in a fixed (bytewise) order; a key repeated in the
-	// batch is claimed by its first occurrence.
-	first := make(map[[2]string]int, len(scopes))
-	order := make([]int, 0, len(scopes))
-	for i := range scopes {
-		k := [2]string{scopes[i], ids[i]}
-		if _, dup := first[k]; dup {
+}
+
+func (s *Store) claimBatchInsert(ctx context.Context, tx pgx.Tx, b *claimBatch) ([]bool, error) {
+	if s.opts.Partitioned {
+		return s.claimBatchPartitioned(ctx, tx, b)
+	}
+	// Distinct keys in a fixed (bytewise digest) order; a key repeated in
+	// the batch is claimed by its first occurrence.
+	first := make(map[[16]byte]int, len(b.digests))
+	order := make([]int, 0, len(b.digests))
+	for i, d := range b.digests {
+		if _, dup := first[d.Bytes]; dup {
 			continue
 		}
-		first[k] = i
+		first[d.Bytes] = i
 		order = append(order, i)
 	}
-	sort.Slice(order, func(a, b int) bool {
-		x, y := order[a], order[b]
-		if scopes[x] != scopes[y] {
-			return scopes[x] < scopes[y]
-		}
-		return ids[x] < ids[y]
+	sort.Slice(order, func(x, y int) bool {
+		return bytes.Compare(b.digests[order[x]].Bytes[:], b.digests[order[y]].Bytes[:]) < 0
 	})
-	ss, is, fs := make([]string, len(order)), make([]string, len(order)), make([][]byte, len(order))
-	for j, i := range order {
-		ss[j], is[j], fs[j] = scopes[i], ids[i], fps[i]
+	var sorted claimBatch
+	for _, i := range order {
+		sorted.digests = append(sorted.digests, b.digests[i])
+		sorted.fps = append(sorted.fps, b.fps[i])
+		if b.scopes != nil {
+			sorted.scopes, sorted.ids = append(sorted.scopes, b.scopes[i]), append(sorted.ids, b.ids[i])
+		}
 	}
-	rows, err := tx.Query(ctx, s.sql.claimBatchSorted, ss, is, fs, millis(s.opts.Retention))
+	rows, err := tx.Query(ctx, s.sql.claimBatchSorted, sorted.digests, sorted.fps, s.retentionArg, sorted.scopes, sorted.ids)
 	if err != nil {
 		return nil, fmt.Errorf("pgtable: batch claim: %w", err)
 	}
-	won := make([]bool, len(scopes))
-	var sc, id string
-	_, err = pgx.ForEachRow(rows, []any{&sc, &id}, func() error {
-		if i, ok := first[[2]string{sc, id}]; ok {
+	won := make([]bool, len(b.digests))
+	var d pgtype.UUID
+	_, err = pgx.ForEachRow(rows, []any{&d}, func() error {
+		if i, ok := first[d.Bytes]; ok {
 			won[i] = true
 		}
 		return nil

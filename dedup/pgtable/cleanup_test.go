@@ -34,8 +34,8 @@ func TestCleanupUsesExpiresAtIndex(t *testing.T) {
 	s := newStore(t, pool, pgtable.Options{})
 	ctx := deduptest.Ctx(t)
 	// 50,000 rows, expiring from a day ago to a day ahead in random order.
-	if _, err := pool.Exec(ctx, `INSERT INTO `+s.Table()+` (scope, id, fingerprint, state, created_at, completed_at, expires_at)
-		SELECT 'plan', 'id-' || g, '\x00', 2, now(), now(), now() + (random() * 2 - 1) * interval '1 day'
+	if _, err := pool.Exec(ctx, `INSERT INTO `+s.Table()+` (key, fingerprint, expires_at)
+		SELECT `+pgtable.KeySQL("'plan'", "'id-' || g")+`, '\x00', now() + (random() * 2 - 1) * interval '1 day'
 		FROM generate_series(1, 50000) g`); err != nil {
 		t.Fatal(err)
 	}
@@ -72,12 +72,12 @@ func TestCleanupUsesExpiresAtIndex(t *testing.T) {
 // every live row stays, with expired and live rows interleaved.
 func TestCleanupDeletesExpiredOnly(t *testing.T) {
 	pool := testenv.Pool(t, 2)
-	s := newStore(t, pool, pgtable.Options{CleanupBatch: 64})
+	s := newStore(t, pool, pgtable.Options{CleanupBatch: 64, KeepKeys: true})
 	ctx := deduptest.Ctx(t)
 	// Even ids expired (up to an hour ago), odd ids live (from a minute
 	// to an hour ahead).
-	if _, err := pool.Exec(ctx, `INSERT INTO `+s.Table()+` (scope, id, state, created_at, expires_at)
-		SELECT 'mix', g::text, 2, now(), CASE WHEN g % 2 = 0
+	if _, err := pool.Exec(ctx, `INSERT INTO `+s.Table()+` (key, scope, id, expires_at)
+		SELECT `+pgtable.KeySQL("'mix'", "g::text")+`, 'mix', g::text, CASE WHEN g % 2 = 0
 			THEN clock_timestamp() - interval '1 second' - random() * interval '1 hour'
 			ELSE clock_timestamp() + interval '1 minute' + random() * interval '1 hour' END
 		FROM generate_series(1, 1000) g`); err != nil {

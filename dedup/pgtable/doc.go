@@ -1,6 +1,11 @@
 // Package pgtable is idem's PostgreSQL store, on pgx/v5. It keeps a
-// processed_events table keyed by (scope, id), with the fingerprint, the
-// stored result and timestamps, and every time taken from the database clock.
+// processed_events table with one row per key, every time taken from the
+// database clock. A row is keyed by the key's digest, a uuid holding the
+// first 16 bytes of SHA-256(scope || 0x00 || id) (dedup.Key.Hash shows its
+// first 8), and holds its expiry, the lease token of a key in flight, the
+// fingerprint and the stored result (each NULL when absent), and the scope
+// and id only with Options.KeepKeys. A claimed key without a result or a
+// fingerprint takes 116 bytes with its index entries (TestRowSize).
 //
 // # Transactional mode
 //
@@ -44,11 +49,11 @@
 // The lock is pg_advisory_xact_lock(int4, int4), the two-key form, whose
 // lock space is apart from the single-bigint form that migration tools,
 // applications, idem's outbox and the partitioned layout use; its keys are
-// the two halves of a 64-bit hash of the schema, the table, the scope and
-// the id (hashtextextended). A transaction-scoped lock suits PgBouncer's
-// transaction pooling. With Options.Partitioned, Process takes the layout's
-// own lock (the single-bigint form, on the same hash), which every writer of
-// a partitioned table takes.
+// the two halves of the first 8 bytes of the key's digest, XORed with a
+// 64-bit hash of the schema and the table. A transaction-scoped lock suits
+// PgBouncer's transaction pooling. With Options.Partitioned, Process takes
+// the layout's own lock (the single-bigint form, on the same value), which
+// every writer of a partitioned table takes.
 //
 // # Lease mode
 //
@@ -62,7 +67,11 @@
 // Schema and table names are options, checked against an allow-list and
 // quoted. Migrate applies the embedded SQL under an advisory lock, so several
 // processes may run it at once; SQL prints the same SQL for goose or
-// golang-migrate users.
+// golang-migrate users. A table made by an earlier version of idem, keyed by
+// (scope, id), is converted in place by the migration 0002_key_digest
+// (0003_key_digest when partitioned): its marks and leases carry over, and
+// the table is rewritten once under an ACCESS EXCLUSIVE lock. Stop the
+// processes of the earlier version first: they cannot write the new layout.
 //
 // Rows carry expires_at (Options.Retention after completion). A row must
 // outlive every redelivery of its message: broker retention, relay retry

@@ -2,9 +2,13 @@ package pgtable
 
 import "time"
 
-// LockSeed is the seed of s's key lock hash (keyHashSQL), for tests that
-// check the advisory lock Process takes.
+// LockSeed is the seed of s's key locks (keyLock), for tests that check the
+// advisory lock Process takes.
 func LockSeed(s *Store) int64 { return s.seed }
+
+// KeySQL is the SQL expression of the digest of the text expressions scope
+// and id: a row's key.
+func KeySQL(scope, id string) string { return keySQL(scope, id) }
 
 // CleanupStatement returns the statement one batch of Cleanup runs in the
 // plain layout and its arguments for a cutoff, for tests that check its plan.

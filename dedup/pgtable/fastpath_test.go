@@ -29,7 +29,7 @@ func TestProcessHostileKeys(t *testing.T) {
 		`it's`, `''`, `\`, `\'`, `$$`, `$1`, `E'\x41'`, `ключ'ы`, `{braces}:colons`, "tab-free 'quote' \\\\ end",
 	}
 	for _, db := range []pgtable.DB{pool, conn} {
-		s, err := pgtable.New(db, pgtable.Options{Schema: schema, Table: testenv.Name("pe")})
+		s, err := pgtable.New(db, pgtable.Options{Schema: schema, Table: testenv.Name("pe"), KeepKeys: true})
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -48,7 +48,7 @@ func TestProcessHostileKeys(t *testing.T) {
 				t.Fatalf("id %q: second Process = %v (%q), ran %d", id, err, res, ran)
 			}
 			var got string
-			if err := pool.QueryRow(ctx, "SELECT id FROM "+s.Table()+" WHERE scope = $1 AND id = $2", key.Scope, id).Scan(&got); err != nil || got != id {
+			if err := pool.QueryRow(ctx, "SELECT id FROM "+s.Table()+whereKey+" AND scope = $1 AND id = $2", key.Scope, id).Scan(&got); err != nil || got != id {
 				t.Fatalf("id %q stored as %q (%v)", id, got, err)
 			}
 		}

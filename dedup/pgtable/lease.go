@@ -39,13 +39,14 @@ func (l *LeaseStore) Claim(ctx context.Context, key dedup.Key) (*dedup.Lease, er
 		return nil, err
 	}
 	token := newToken()
+	a := s.keyArgs(key)
 	if s.opts.Partitioned {
-		if err := s.leaseClaimPartitioned(ctx, key, token); err != nil {
+		if err := s.leaseClaimPartitioned(ctx, key, a, token); err != nil {
 			return nil, err
 		}
 		return &dedup.Lease{Key: key, Token: token, TTL: s.opts.Lease}, nil
 	}
-	err := s.claimOnce(ctx, s.db, s.sql.leaseClaim, key, key.Scope, key.ID, key.Fingerprint.Bytes(), token, millis(s.opts.Lease))
+	err := s.claimOnce(ctx, s.db, s.sql.leaseClaim, key, a.digest, a.digest, key.Fingerprint.Bytes(), token, millis(s.opts.Lease), a.scope, a.id)
 	if err != nil {
 		return nil, err
 	}
@@ -70,7 +71,8 @@ func (l *LeaseStore) ClaimBatch(ctx context.Context, keys []dedup.Key) ([]dedup.
 			continue
 		}
 		tokens[i] = newToken()
-		b.Queue(s.sql.leaseClaim, k.Scope, k.ID, k.Fingerprint.Bytes(), tokens[i], millis(s.opts.Lease))
+		a := s.keyArgs(k)
+		b.Queue(s.sql.leaseClaim, a.digest, k.Fingerprint.Bytes(), tokens[i], millis(s.opts.Lease), a.scope, a.id)
 		queued = append(queued, i)
 	}
 	if len(queued) == 0 {
@@ -135,7 +137,7 @@ func (l *LeaseStore) change(ctx context.Context, op, stmt string, lease *dedup.L
 	if lease == nil {
 		return fmt.Errorf("pgtable: %s: nil lease: %w", op, dedup.ErrLeaseLost)
 	}
-	tag, err := l.s.db.Exec(ctx, stmt, append([]any{lease.Key.Scope, lease.Key.ID, lease.Token}, args...)...)
+	tag, err := l.s.db.Exec(ctx, stmt, append([]any{keyDigest(lease.Key.Scope, lease.Key.ID), lease.Token}, args...)...)
 	if err != nil {
 		return fmt.Errorf("pgtable: %s %s: %w", op, lease.Key, err)
 	}

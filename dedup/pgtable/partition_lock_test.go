@@ -117,7 +117,7 @@ func claimDoesNotWait(t *testing.T, pool *pgxpool.Pool, s *pgtable.Store, held p
 // Cleanup drops the partition.
 func TestPartitionedCleanupNeverMakesClaimsWait(t *testing.T) {
 	pool := testenv.Pool(t, 6)
-	s := newStore(t, pool, pgtable.Options{Partitioned: true, Retention: 24 * time.Hour, PartitionLockTimeout: time.Hour})
+	s := newStore(t, pool, pgtable.Options{Partitioned: true, Retention: 24 * time.Hour, PartitionLockTimeout: time.Hour, KeepKeys: true})
 	ctx := deduptest.Ctx(t)
 	day := time.Now().UTC().AddDate(0, 0, -1)
 	addPastPartition(t, pool, s, day.Format("20060102"), day.Format(time.DateOnly), day.AddDate(0, 0, 1).Format(time.DateOnly), 5)

@@ -99,89 +99,79 @@ func lockSeed(name string) int64 {
 	return int64(h.Sum64())
 }
 
-// keyHashSQL is the SQL expression of a key's 64-bit lock hash: scope and id
-// are text expressions, the length prefix keeps ("ab", "c") and ("a", "bc")
-// apart, and seed (lockSeed of the table) keeps tables apart. Both layouts
-// lock on it (see lockSQL and partitionedStatements.lock).
-func keyHashSQL(scope, id string, seed int64) string {
-	return fmt.Sprintf("hashtextextended(length(%s)::text || ':' || %s || %s, %d)", scope, scope, id, seed)
-}
-
-func buildPartitionedStatements(table string, p partitioning, seed int64) partitionedStatements {
-	keyHash := func(scope, id string) string { return keyHashSQL(scope, id, seed) }
-	r := strings.NewReplacer("{{T}}", table, "{{EXPIRED}}", expiredRow, "{{P}}", p.column)
+func buildPartitionedStatements(table string, p partitioning) partitionedStatements {
+	r := strings.NewReplacer("{{T}}", table, "{{EXPIRED}}", expiredRow, "{{STATE}}", stateSQL, "{{LEASE}}", leaseMsSQL, "{{P}}", p.column)
 	partKey := p.key
-	exp := "clock_timestamp() + $4 * interval '1 millisecond'"
-	leaseExp := "clock_timestamp() + $5 * interval '1 millisecond'"
+	exp := "clock_timestamp() + $3 * interval '1 millisecond'"
+	leaseExp := "clock_timestamp() + $4 * interval '1 millisecond'"
 	return partitionedStatements{
-		lock: "SELECT pg_advisory_xact_lock(" + keyHash("$1::text", "$2::text") + ")",
-		lockMany: "SELECT count(pg_advisory_xact_lock(h)) FROM (SELECT DISTINCT " + keyHash("u.scope", "u.id") +
-			" AS h FROM unnest($1::text[], $2::text[]) AS u(scope, id) ORDER BY 1) AS k",
-		deleteExpired: r.Replace(`DELETE FROM {{T}} e WHERE e.scope = $1 AND e.id = $2 AND {{EXPIRED}}`),
-		deleteExpiredMany: r.Replace(`DELETE FROM {{T}} e USING unnest($1::text[], $2::text[]) AS u(scope, id)
-WHERE e.scope = u.scope AND e.id = u.id AND {{EXPIRED}}`),
-		// $1 scope, $2 id, $3 fingerprint, $4 retention ms.
+		// $1 the key's lock (keyLock).
+		lock: "SELECT pg_advisory_xact_lock($1::bigint)",
+		// $1 the keys' locks, in any order and with repeats.
+		lockMany: "SELECT count(pg_advisory_xact_lock(h)) FROM (SELECT DISTINCT h FROM unnest($1::bigint[]) AS h ORDER BY 1) AS k",
+		// $1 key.
+		deleteExpired: r.Replace(`DELETE FROM {{T}} e WHERE e.key = $1 AND {{EXPIRED}}`),
+		// $1 keys.
+		deleteExpiredMany: r.Replace(`DELETE FROM {{T}} e WHERE e.key = ANY ($1::uuid[]) AND {{EXPIRED}}`),
+		// $1 key, $2 fingerprint, $3 retention ms, $4 scope, $5 id.
 		claimTx: r.Replace(`
 WITH cur AS (
-    SELECT e.state, e.fingerprint, e.result,
-           GREATEST(0, (extract(epoch FROM (e.lease_until - clock_timestamp())) * 1000)::bigint) AS lease_ms
-    FROM {{T}} e WHERE e.scope = $1 AND e.id = $2 LIMIT 1
+    SELECT {{STATE}}, e.fingerprint, e.result, {{LEASE}}
+    FROM {{T}} e WHERE e.key = $1 LIMIT 1
 ), ins AS (
-    INSERT INTO {{T}} (scope, id, fingerprint, state, created_at, completed_at, expires_at, {{P}})
-    SELECT $1, $2, $3, 2, clock_timestamp(), clock_timestamp(), ` + exp + `, ` + partKey(exp) + `
+    INSERT INTO {{T}} (key, expires_at, {{P}}, fingerprint, scope, id)
+    SELECT $1, ` + exp + `, ` + partKey(exp) + `, $2, $4, $5
     WHERE NOT EXISTS (SELECT 1 FROM cur)
     RETURNING 1
 )
 SELECT true, NULL::smallint, NULL::bytea, NULL::bytea, NULL::bigint FROM ins
 UNION ALL
-SELECT false, state, fingerprint, result, lease_ms FROM cur`),
-		// $1 scope, $2 id, $3 fingerprint, $4 retention ms, $5 result.
-		// The row Process writes at commit, under the key's lock and
-		// after deleteExpired. Every writer of a partitioned table takes
-		// that lock, so no live row of the key can be there.
+SELECT false, * FROM cur`),
+		// $1 key, $2 fingerprint, $3 retention ms, $4 result, $5 scope,
+		// $6 id. The row Process writes at commit, under the key's lock
+		// and after deleteExpired. Every writer of a partitioned table
+		// takes that lock, so no live row of the key can be there.
 		insertDone: r.Replace(`
-INSERT INTO {{T}} (scope, id, fingerprint, state, result, created_at, completed_at, expires_at, {{P}})
-VALUES ($1, $2, $3, 2, $5, now(), clock_timestamp(), ` + exp + `, ` + partKey(exp) + `)`),
-		// $1 scopes, $2 ids, $3 fingerprints, $4 retention ms.
+INSERT INTO {{T}} (key, expires_at, {{P}}, fingerprint, result, scope, id)
+VALUES ($1, ` + exp + `, ` + partKey(exp) + `, $2, $4, $5, $6)`),
+		// $1 keys, $2 fingerprints, $3 retention ms, $4 scopes, $5 ids
+		// (NULL unless kept).
 		claimBatch: r.Replace(`
 WITH input AS (
-    SELECT u.scope, u.id, u.fp, u.ord
-    FROM unnest($1::text[], $2::text[], $3::bytea[]) WITH ORDINALITY AS u(scope, id, fp, ord)
+    SELECT u.key, u.fp, u.scope, u.id, u.ord
+    FROM unnest($1::uuid[], $2::bytea[], $4::text[], $5::text[]) WITH ORDINALITY AS u(key, fp, scope, id, ord)
 ), firsts AS (
-    SELECT DISTINCT ON (scope, id) scope, id, fp, ord FROM input ORDER BY scope, id, ord
+    SELECT DISTINCT ON (key) key, fp, scope, id, ord FROM input ORDER BY key, ord
 ), ins AS (
-    INSERT INTO {{T}} (scope, id, fingerprint, state, created_at, completed_at, expires_at, {{P}})
-    SELECT f.scope, f.id, f.fp, 2, clock_timestamp(), clock_timestamp(), ` + exp + `, ` + partKey(exp) + `
+    INSERT INTO {{T}} (key, expires_at, {{P}}, fingerprint, scope, id)
+    SELECT f.key, ` + exp + `, ` + partKey(exp) + `, f.fp, f.scope, f.id
     FROM firsts f
-    WHERE NOT EXISTS (SELECT 1 FROM {{T}} e WHERE e.scope = f.scope AND e.id = f.id)
-    RETURNING scope, id
+    WHERE NOT EXISTS (SELECT 1 FROM {{T}} e WHERE e.key = f.key)
+    RETURNING key
 )
-SELECT f.ord FROM firsts f JOIN ins USING (scope, id)`),
-		// $1 scope, $2 id, $3 fingerprint, $4 token, $5 lease ms.
+SELECT f.ord FROM firsts f JOIN ins USING (key)`),
+		// $1 key, $2 fingerprint, $3 token, $4 lease ms, $5 scope, $6 id.
 		leaseClaim: r.Replace(`
 WITH cur AS (
-    SELECT e.state, e.fingerprint, e.result,
-           GREATEST(0, (extract(epoch FROM (e.lease_until - clock_timestamp())) * 1000)::bigint) AS lease_ms
-    FROM {{T}} e WHERE e.scope = $1 AND e.id = $2 LIMIT 1
+    SELECT {{STATE}}, e.fingerprint, e.result, {{LEASE}}
+    FROM {{T}} e WHERE e.key = $1 LIMIT 1
 ), ins AS (
-    INSERT INTO {{T}} (scope, id, fingerprint, state, token, lease_until, created_at, expires_at, {{P}})
-    SELECT $1, $2, $3, 1, $4, ` + leaseExp + `, clock_timestamp(), ` + leaseExp + `, ` + partKey(leaseExp) + `
+    INSERT INTO {{T}} (key, expires_at, {{P}}, fingerprint, token, scope, id)
+    SELECT $1, ` + leaseExp + `, ` + partKey(leaseExp) + `, $2, $3, $5, $6
     WHERE NOT EXISTS (SELECT 1 FROM cur)
     RETURNING 1
 )
 SELECT true, NULL::smallint, NULL::bytea, NULL::bytea, NULL::bigint FROM ins
 UNION ALL
-SELECT false, state, fingerprint, result, lease_ms FROM cur`),
+SELECT false, * FROM cur`),
+		// $1 key, $2 token, $3 lease ms.
 		leaseExtend: r.Replace(`
-UPDATE {{T}} e SET lease_until = clock_timestamp() + $4 * interval '1 millisecond',
-                   expires_at = clock_timestamp() + $4 * interval '1 millisecond',
-                   {{P}} = ` + partKey("clock_timestamp() + $4 * interval '1 millisecond'") + `
-WHERE e.scope = $1 AND e.id = $2 AND e.state = 1 AND e.token = $3 AND e.lease_until > clock_timestamp()`),
+UPDATE {{T}} e SET expires_at = ` + exp + `, {{P}} = ` + partKey(exp) + `
+WHERE e.key = $1 AND e.token = $2 AND e.expires_at > clock_timestamp()`),
+		// $1 key, $2 token, $3 retention ms, $4 result.
 		leaseComplete: r.Replace(`
-UPDATE {{T}} e SET state = 2, token = NULL, lease_until = NULL, result = $5, completed_at = clock_timestamp(),
-                   expires_at = clock_timestamp() + $4 * interval '1 millisecond',
-                   {{P}} = ` + partKey("clock_timestamp() + $4 * interval '1 millisecond'") + `
-WHERE e.scope = $1 AND e.id = $2 AND e.state = 1 AND e.token = $3 AND e.lease_until > clock_timestamp()`),
+UPDATE {{T}} e SET token = NULL, result = $4, expires_at = ` + exp + `, {{P}} = ` + partKey(exp) + `
+WHERE e.key = $1 AND e.token = $2 AND e.expires_at > clock_timestamp()`),
 		// $1 schema, $2 name prefix, $3 the table. The table's partitions,
 		// and tables named like one but attached to no table (a partition
 		// detached by a Cleanup that could not drop it).
@@ -196,10 +186,10 @@ WHERE n.nspname = $1 AND c.relkind = 'r' AND left(c.relname, length($2)) = $2
 }
 
 // claimPartitioned runs lock, delete-expired and claim as one batch on q.
-func (s *Store) claimPartitioned(ctx context.Context, q pgx.Tx, stmt string, key dedup.Key, args ...any) error {
+func (s *Store) claimPartitioned(ctx context.Context, q pgx.Tx, stmt string, key dedup.Key, a keyArgs, args ...any) error {
 	var b pgx.Batch
-	b.Queue(s.psql.lock, key.Scope, key.ID)
-	b.Queue(s.psql.deleteExpired, key.Scope, key.ID)
+	b.Queue(s.psql.lock, a.lock)
+	b.Queue(s.psql.deleteExpired, a.digest)
 	b.Queue(stmt, args...)
 	br := q.SendBatch(ctx, &b)
 	defer func() { _ = br.Close() }()
@@ -230,12 +220,12 @@ func (s *Store) claimPartitioned(ctx context.Context, q pgx.Tx, stmt string, key
 
 // claimBatchPartitioned locks every key (in a fixed order, so overlapping
 // batches cannot deadlock), deletes their expired rows and inserts the new
-// ones. It returns won[j] for the j-th validated key.
-func (s *Store) claimBatchPartitioned(ctx context.Context, tx pgx.Tx, scopes, ids []string, fps [][]byte) ([]bool, error) {
+// ones. It returns won[j] for the j-th key of c.
+func (s *Store) claimBatchPartitioned(ctx context.Context, tx pgx.Tx, c *claimBatch) ([]bool, error) {
 	var b pgx.Batch
-	b.Queue(s.psql.lockMany, scopes, ids)
-	b.Queue(s.psql.deleteExpiredMany, scopes, ids)
-	b.Queue(s.psql.claimBatch, scopes, ids, fps, millis(s.opts.Retention))
+	b.Queue(s.psql.lockMany, c.locks)
+	b.Queue(s.psql.deleteExpiredMany, c.digests)
+	b.Queue(s.psql.claimBatch, c.digests, c.fps, s.retentionArg, c.scopes, c.ids)
 	br := tx.SendBatch(ctx, &b)
 	defer func() { _ = br.Close() }()
 	for range 2 {
@@ -247,7 +237,7 @@ func (s *Store) claimBatchPartitioned(ctx context.Context, tx pgx.Tx, scopes, id
 	if err != nil {
 		return nil, fmt.Errorf("pgtable: batch claim: %w", err)
 	}
-	won := make([]bool, len(scopes))
+	won := make([]bool, len(c.digests))
 	var ord int64
 	if _, err := pgx.ForEachRow(rows, []any{&ord}, func() error { won[ord-1] = true; return nil }); err != nil {
 		return nil, fmt.Errorf("pgtable: batch claim: %w", partitionHint(err))
@@ -259,13 +249,13 @@ func (s *Store) claimBatchPartitioned(ctx context.Context, tx pgx.Tx, scopes, id
 }
 
 // leaseClaimPartitioned runs the lease claim in its own short transaction.
-func (s *Store) leaseClaimPartitioned(ctx context.Context, key dedup.Key, token string) error {
+func (s *Store) leaseClaimPartitioned(ctx context.Context, key dedup.Key, a keyArgs, token string) error {
 	tx, err := s.db.Begin(ctx)
 	if err != nil {
 		return fmt.Errorf("pgtable: claim %s: begin: %w", key, err)
 	}
 	defer func() { _ = tx.Rollback(context.WithoutCancel(ctx)) }()
-	err = s.claimPartitioned(ctx, tx, s.psql.leaseClaim, key, key.Scope, key.ID, key.Fingerprint.Bytes(), token, millis(s.opts.Lease))
+	err = s.claimPartitioned(ctx, tx, s.psql.leaseClaim, key, a, a.digest, key.Fingerprint.Bytes(), token, millis(s.opts.Lease), a.scope, a.id)
 	if err != nil {
 		return err
 	}

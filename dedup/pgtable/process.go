@@ -8,6 +8,7 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgtype"
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/idemkit/idem/dedup"
@@ -70,6 +71,8 @@ type txRun struct {
 	// deletes before its insert.
 	expired bool
 	release func()
+	// key is what the statements need of the key.
+	key keyArgs
 }
 
 // rollback rolls tx back, bounded by 5s. It outlives ctx, so a cancelled
@@ -87,7 +90,7 @@ func (s *Store) lostRace(ctx context.Context, r *txRun, key dedup.Key, q querier
 	if err := rollback(ctx, r.tx); err != nil {
 		return fmt.Errorf("pgtable: commit %s: roll back: %w", key, err)
 	}
-	return s.settleLost(ctx, q, key)
+	return s.settleLost(ctx, q, key, r.key.digest)
 }
 
 func (s *Store) lockSQL() string {
@@ -99,14 +102,14 @@ func (s *Store) lockSQL() string {
 
 // begin is step 1. It returns the transaction, or the verdict on a live row
 // of the key (an error wrapping a dedup sentinel), or an error.
-func (s *Store) begin(ctx context.Context, key dedup.Key) (*txRun, error) {
+func (s *Store) begin(ctx context.Context, key dedup.Key, a keyArgs) (*txRun, error) {
 	switch db := s.db.(type) {
 	case *pgxpool.Pool:
 		pc, err := db.Acquire(ctx)
 		if err != nil {
 			return nil, fmt.Errorf("pgtable: acquire: %w", err)
 		}
-		r, err := s.fastBegin(ctx, pc.Conn(), key)
+		r, err := s.fastBegin(ctx, pc.Conn(), key, a)
 		if err != nil {
 			pc.Release()
 			return nil, err
@@ -114,20 +117,20 @@ func (s *Store) begin(ctx context.Context, key dedup.Key) (*txRun, error) {
 		r.release = pc.Release
 		return r, nil
 	case *pgx.Conn:
-		r, err := s.fastBegin(ctx, db, key)
+		r, err := s.fastBegin(ctx, db, key, a)
 		if err != nil {
 			return nil, err
 		}
 		r.release = func() {}
 		return r, nil
 	}
-	return s.boundBegin(ctx, key)
+	return s.boundBegin(ctx, key, a)
 }
 
-func (s *Store) fastBegin(ctx context.Context, conn *pgx.Conn, key dedup.Key) (*txRun, error) {
+func (s *Store) fastBegin(ctx context.Context, conn *pgx.Conn, key dedup.Key, a keyArgs) (*txRun, error) {
 	b := pgx.Batch{QueuedQueries: make([]*pgx.QueuedQuery, 0, 3)}
 	b.BeginTx(pgx.TxOptions{})
-	s.queueLockAndRead(&b, key)
+	s.queueLockAndRead(&b, a)
 	br := conn.SendBatch(ctx, &b)
 	tx := br.Tx()
 	_, err := br.Exec() // BEGIN
@@ -135,32 +138,30 @@ func (s *Store) fastBegin(ctx context.Context, conn *pgx.Conn, key dedup.Key) (*
 	if err != nil {
 		return nil, err
 	}
-	return &txRun{tx: tx, conn: conn, expired: row != nil}, nil
+	return &txRun{tx: tx, conn: conn, expired: row != nil, key: a}, nil
 }
 
 // boundBegin is step 1 on the bound path.
-func (s *Store) boundBegin(ctx context.Context, key dedup.Key) (*txRun, error) {
+func (s *Store) boundBegin(ctx context.Context, key dedup.Key, a keyArgs) (*txRun, error) {
 	tx, err := s.db.Begin(ctx)
 	if err != nil {
 		return nil, fmt.Errorf("pgtable: begin: %w", err)
 	}
 	b := pgx.Batch{QueuedQueries: make([]*pgx.QueuedQuery, 0, 2)}
-	s.queueLockAndRead(&b, key)
+	s.queueLockAndRead(&b, a)
 	row, err := readLockAndRow(ctx, tx.SendBatch(ctx, &b), tx, key, nil)
 	if err != nil {
 		return nil, err
 	}
-	return &txRun{tx: tx, expired: row != nil, release: func() {}}, nil
+	return &txRun{tx: tx, expired: row != nil, release: func() {}, key: a}, nil
 }
 
 // queueLockAndRead queues the key's advisory lock, then the read of its
 // row: two statements, so that the read's snapshot is taken once the lock
 // is held.
-func (s *Store) queueLockAndRead(b *pgx.Batch, key dedup.Key) {
-	// The lock and the read share their arguments: pgx only reads them.
-	args := []any{key.Scope, key.ID}
-	b.Queue(s.lockSQL(), args...)
-	b.Queue(s.sql.lookup, args...)
+func (s *Store) queueLockAndRead(b *pgx.Batch, a keyArgs) {
+	b.Queue(s.lockSQL(), a.lock)
+	b.Queue(s.sql.lookup, a.digest)
 }
 
 // readLockAndRow reads the results of queueLockAndRead's statements from br
@@ -211,9 +212,9 @@ func (s *Store) queueWrite(b *pgx.Batch, r *txRun, key dedup.Key, result []byte)
 		del, ins = s.psql.deleteExpired, s.psql.insertDone
 	}
 	if r.expired {
-		b.Queue(del, key.Scope, key.ID)
+		b.Queue(del, r.key.digest)
 	}
-	b.Queue(ins, key.Scope, key.ID, key.Fingerprint.Bytes(), s.retentionArg, result)
+	b.Queue(ins, r.key.digest, key.Fingerprint.Bytes(), s.retentionArg, result, r.key.scope, r.key.id)
 }
 
 // execWrites reads the results of queueWrite's statements.
@@ -304,8 +305,8 @@ var ErrLostRace = errors.New("pgtable: the key was written concurrently by a cla
 // settleLost reads the key's row after step 3 lost, with a new statement (so
 // a new snapshot), and returns the verdict on it, or ErrLostRace when there
 // is no live row any more.
-func (s *Store) settleLost(ctx context.Context, q querier, key dedup.Key) error {
-	row, err := scanKeyRow(q.QueryRow(ctx, s.sql.lookup, key.Scope, key.ID))
+func (s *Store) settleLost(ctx context.Context, q querier, key dedup.Key, digest pgtype.UUID) error {
+	row, err := scanKeyRow(q.QueryRow(ctx, s.sql.lookup, digest))
 	if err != nil {
 		return fmt.Errorf("pgtable: read %s: %w", key, err)
 	}

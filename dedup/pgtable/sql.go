@@ -3,8 +3,12 @@ package pgtable
 import "strings"
 
 // statements are built once per store from the quoted table name. Every
-// parameter is bound; only the validated, quoted table name and the table's
-// lock seed (an integer) are spliced in.
+// parameter is bound; only the validated, quoted table name is spliced in.
+//
+// A key's row is found by its digest (keyDigest, a uuid parameter). A row
+// with a token is in flight (lease mode) until expires_at; a row without
+// one is done. Statements return the row's state as 1 (in flight) or 2
+// (done), and the time left of an in-flight row's lease in milliseconds.
 type statements struct {
 	claimTx, lookup, setResult                  string
 	lock, insertDone, deleteExpired             string
@@ -15,120 +19,121 @@ type statements struct {
 
 // lockSQL is the statement Process of the plain layout runs first in its
 // transaction: pg_advisory_xact_lock in its two-int4 form, on the two halves
-// of the key's 64-bit hash (keyHashSQL). The two-key form has a lock space
-// of its own, apart from the single-bigint locks of migration tools, of
-// applications, of the partitioned layout and of idem's outbox, so it cannot
-// make them wait. scope and id are text expressions.
-func lockSQL(scope, id string, seed int64) string {
-	return "SELECT pg_advisory_xact_lock((k.h >> 32)::int4, ((k.h << 32) >> 32)::int4) FROM (SELECT " +
-		keyHashSQL(scope, id, seed) + " AS h) AS k"
-}
+// of the key's lock (keyLock, parameter $1). The two-key form has a lock
+// space of its own, apart from the single-bigint locks of migration tools,
+// of applications, of the partitioned layout and of idem's outbox, so it
+// cannot make them wait.
+const lockSQL = "SELECT pg_advisory_xact_lock(($1::bigint >> 32)::int4, (($1::bigint << 32) >> 32)::int4)"
 
 // expiredRow is true for a row that no longer counts: a lease that ran out,
-// or a row past its retention (not yet deleted by cleanup).
-const expiredRow = `((e.state = 1 AND e.lease_until <= clock_timestamp()) OR e.expires_at <= clock_timestamp())`
+// or a row past its retention (not yet deleted by cleanup). An in-flight
+// row expires when its lease ends.
+const expiredRow = `(e.expires_at <= clock_timestamp())`
 
-func buildStatements(table string, seed int64) statements {
-	r := strings.NewReplacer("{{T}}", table, "{{EXPIRED}}", expiredRow)
+// stateSQL is the state of row e: 1 in flight, 2 done.
+const stateSQL = `CASE WHEN e.token IS NULL THEN 2 ELSE 1 END::smallint`
+
+// leaseMsSQL is the time left of row e's lease in milliseconds; NULL for a
+// done row.
+const leaseMsSQL = `CASE WHEN e.token IS NOT NULL
+    THEN GREATEST(0, (extract(epoch FROM (e.expires_at - clock_timestamp())) * 1000)::bigint) END`
+
+func buildStatements(table string) statements {
+	r := strings.NewReplacer("{{T}}", table, "{{EXPIRED}}", expiredRow, "{{STATE}}", stateSQL, "{{LEASE}}", leaseMsSQL)
 	return statements{
-		// $1 scope, $2 id.
-		lock: lockSQL("$1::text", "$2::text", seed),
+		// $1 the key's lock.
+		lock: lockSQL,
 
-		// $1 scope, $2 id, $3 fingerprint, $4 retention ms, $5 result.
-		// The row Process writes at commit, completed and with fn's
-		// result. A plain INSERT: Process deletes an expired row first
-		// (deleteExpired), so a unique_violation means that a claim which
-		// does not take the key's lock holds the key.
+		// $1 key, $2 fingerprint, $3 retention ms, $4 result, $5 scope,
+		// $6 id. The row Process writes at commit, completed and with
+		// fn's result. A plain INSERT: Process deletes an expired row
+		// first (deleteExpired), so a unique_violation means that a claim
+		// which does not take the key's lock holds the key.
 		insertDone: r.Replace(`
-INSERT INTO {{T}} (scope, id, fingerprint, state, result, created_at, completed_at, expires_at)
-VALUES ($1, $2, $3, 2, $5, now(), clock_timestamp(), clock_timestamp() + $4 * interval '1 millisecond')`),
+INSERT INTO {{T}} (key, expires_at, fingerprint, result, scope, id)
+VALUES ($1, clock_timestamp() + $3 * interval '1 millisecond', $2, $4, $5, $6)`),
 
-		// $1 scope, $2 id. Deletes the key's row if it is expired
-		// (Process, under the key's lock, before insertDone).
-		deleteExpired: r.Replace(`DELETE FROM {{T}} e WHERE e.scope = $1 AND e.id = $2 AND {{EXPIRED}}`),
+		// $1 key. Deletes the key's row if it is expired (Process, under
+		// the key's lock, before insertDone).
+		deleteExpired: r.Replace(`DELETE FROM {{T}} e WHERE e.key = $1 AND {{EXPIRED}}`),
 
-		// $1 scope, $2 id, $3 fingerprint, $4 retention ms.
+		// $1 key, $2 fingerprint, $3 retention ms, $4 scope, $5 id.
 		// One round trip: the insert wins, or the existing row is read.
 		// When the insert waited for a concurrent transaction that then
 		// committed, the row is not in this statement's snapshot and no
 		// row comes back; the caller then runs lookup.
 		claimTx: r.Replace(`
 WITH ins AS (
-    INSERT INTO {{T}} AS e (scope, id, fingerprint, state, created_at, completed_at, expires_at)
-    VALUES ($1, $2, $3, 2, clock_timestamp(), clock_timestamp(), clock_timestamp() + $4 * interval '1 millisecond')
-    ON CONFLICT (scope, id) DO UPDATE
-        SET fingerprint = EXCLUDED.fingerprint, state = 2, token = NULL, lease_until = NULL, result = NULL,
-            created_at = EXCLUDED.created_at, completed_at = EXCLUDED.completed_at, expires_at = EXCLUDED.expires_at
+    INSERT INTO {{T}} AS e (key, expires_at, fingerprint, scope, id)
+    VALUES ($1, clock_timestamp() + $3 * interval '1 millisecond', $2, $4, $5)
+    ON CONFLICT (key) DO UPDATE
+        SET expires_at = EXCLUDED.expires_at, fingerprint = EXCLUDED.fingerprint, token = NULL, result = NULL,
+            scope = EXCLUDED.scope, id = EXCLUDED.id
         WHERE {{EXPIRED}}
     RETURNING 1
 )
 SELECT true, NULL::smallint, NULL::bytea, NULL::bytea, NULL::bigint FROM ins
 UNION ALL
-SELECT false, e.state, e.fingerprint, e.result,
-       GREATEST(0, (extract(epoch FROM (e.lease_until - clock_timestamp())) * 1000)::bigint)
-FROM {{T}} e WHERE e.scope = $1 AND e.id = $2 AND NOT EXISTS (SELECT 1 FROM ins)`),
+SELECT false, {{STATE}}, e.fingerprint, e.result, {{LEASE}}
+FROM {{T}} e WHERE e.key = $1 AND NOT EXISTS (SELECT 1 FROM ins)`),
 
+		// $1 key.
 		lookup: r.Replace(`
-SELECT e.state, e.fingerprint, e.result,
-       GREATEST(0, (extract(epoch FROM (e.lease_until - clock_timestamp())) * 1000)::bigint),
-       {{EXPIRED}}
-FROM {{T}} e WHERE e.scope = $1 AND e.id = $2`),
+SELECT {{STATE}}, e.fingerprint, e.result, {{LEASE}}, {{EXPIRED}}
+FROM {{T}} e WHERE e.key = $1`),
 
-		setResult: r.Replace(`UPDATE {{T}} SET result = $3 WHERE scope = $1 AND id = $2 AND state = 2`),
+		// $1 key, $2 result.
+		setResult: r.Replace(`UPDATE {{T}} SET result = $2 WHERE key = $1 AND token IS NULL`),
 
-		// $1 scopes, $2 ids, $3 fingerprints, $4 retention ms: distinct
-		// keys, sorted in Go, inserted in that order (so overlapping
-		// batches lock keys in the same order and cannot deadlock).
-		// Returns the keys that won.
+		// $1 keys, $2 fingerprints, $3 retention ms, $4 scopes, $5 ids
+		// (NULL unless kept): distinct keys, sorted in Go, inserted in
+		// that order (so overlapping batches lock keys in the same order
+		// and cannot deadlock). Returns the keys that won.
 		claimBatchSorted: r.Replace(`
-INSERT INTO {{T}} AS e (scope, id, fingerprint, state, created_at, completed_at, expires_at)
-SELECT u.scope, u.id, u.fp, 2, clock_timestamp(), clock_timestamp(), clock_timestamp() + $4 * interval '1 millisecond'
-FROM unnest($1::text[], $2::text[], $3::bytea[]) AS u(scope, id, fp)
-ON CONFLICT (scope, id) DO UPDATE
-    SET fingerprint = EXCLUDED.fingerprint, state = 2, token = NULL, lease_until = NULL, result = NULL,
-        created_at = EXCLUDED.created_at, completed_at = EXCLUDED.completed_at, expires_at = EXCLUDED.expires_at
+INSERT INTO {{T}} AS e (key, expires_at, fingerprint, scope, id)
+SELECT u.key, clock_timestamp() + $3 * interval '1 millisecond', u.fp, u.scope, u.id
+FROM unnest($1::uuid[], $2::bytea[], $4::text[], $5::text[]) AS u(key, fp, scope, id)
+ON CONFLICT (key) DO UPDATE
+    SET expires_at = EXCLUDED.expires_at, fingerprint = EXCLUDED.fingerprint, token = NULL, result = NULL,
+        scope = EXCLUDED.scope, id = EXCLUDED.id
     WHERE {{EXPIRED}}
-RETURNING e.scope, e.id`),
+RETURNING e.key`),
 
+		// $1 keys.
 		claimBatchLookup: r.Replace(`
-SELECT e.scope, e.id, e.state, e.fingerprint, e.result,
-       GREATEST(0, (extract(epoch FROM (e.lease_until - clock_timestamp())) * 1000)::bigint)
-FROM {{T}} e
-JOIN unnest($1::text[], $2::text[]) AS u(scope, id) ON e.scope = u.scope AND e.id = u.id`),
+SELECT e.key, {{STATE}}, e.fingerprint, e.result, {{LEASE}}
+FROM {{T}} e WHERE e.key = ANY ($1::uuid[])`),
 
-		// $1 scope, $2 id, $3 fingerprint, $4 token, $5 lease ms.
+		// $1 key, $2 fingerprint, $3 token, $4 lease ms, $5 scope, $6 id.
 		leaseClaim: r.Replace(`
 WITH ins AS (
-    INSERT INTO {{T}} AS e (scope, id, fingerprint, state, token, lease_until, created_at, expires_at)
-    VALUES ($1, $2, $3, 1, $4, clock_timestamp() + $5 * interval '1 millisecond', clock_timestamp(),
-            clock_timestamp() + $5 * interval '1 millisecond')
-    ON CONFLICT (scope, id) DO UPDATE
-        SET fingerprint = EXCLUDED.fingerprint, state = 1, token = EXCLUDED.token, lease_until = EXCLUDED.lease_until,
-            result = NULL, created_at = EXCLUDED.created_at, completed_at = NULL, expires_at = EXCLUDED.expires_at
+    INSERT INTO {{T}} AS e (key, expires_at, fingerprint, token, scope, id)
+    VALUES ($1, clock_timestamp() + $4 * interval '1 millisecond', $2, $3, $5, $6)
+    ON CONFLICT (key) DO UPDATE
+        SET expires_at = EXCLUDED.expires_at, fingerprint = EXCLUDED.fingerprint, token = EXCLUDED.token,
+            result = NULL, scope = EXCLUDED.scope, id = EXCLUDED.id
         WHERE {{EXPIRED}}
     RETURNING 1
 )
 SELECT true, NULL::smallint, NULL::bytea, NULL::bytea, NULL::bigint FROM ins
 UNION ALL
-SELECT false, e.state, e.fingerprint, e.result,
-       GREATEST(0, (extract(epoch FROM (e.lease_until - clock_timestamp())) * 1000)::bigint)
-FROM {{T}} e WHERE e.scope = $1 AND e.id = $2 AND NOT EXISTS (SELECT 1 FROM ins)`),
+SELECT false, {{STATE}}, e.fingerprint, e.result, {{LEASE}}
+FROM {{T}} e WHERE e.key = $1 AND NOT EXISTS (SELECT 1 FROM ins)`),
 
-		// $1 scope, $2 id, $3 token, $4 lease ms.
+		// $1 key, $2 token, $3 lease ms.
 		leaseExtend: r.Replace(`
-UPDATE {{T}} e SET lease_until = clock_timestamp() + $4 * interval '1 millisecond',
-                   expires_at = clock_timestamp() + $4 * interval '1 millisecond'
-WHERE e.scope = $1 AND e.id = $2 AND e.state = 1 AND e.token = $3 AND e.lease_until > clock_timestamp()`),
+UPDATE {{T}} e SET expires_at = clock_timestamp() + $3 * interval '1 millisecond'
+WHERE e.key = $1 AND e.token = $2 AND e.expires_at > clock_timestamp()`),
 
-		// $1 scope, $2 id, $3 token, $4 retention ms, $5 result.
+		// $1 key, $2 token, $3 retention ms, $4 result.
 		leaseComplete: r.Replace(`
-UPDATE {{T}} e SET state = 2, token = NULL, lease_until = NULL, result = $5, completed_at = clock_timestamp(),
-                   expires_at = clock_timestamp() + $4 * interval '1 millisecond'
-WHERE e.scope = $1 AND e.id = $2 AND e.state = 1 AND e.token = $3 AND e.lease_until > clock_timestamp()`),
+UPDATE {{T}} e SET token = NULL, result = $4, expires_at = clock_timestamp() + $3 * interval '1 millisecond'
+WHERE e.key = $1 AND e.token = $2 AND e.expires_at > clock_timestamp()`),
 
+		// $1 key, $2 token.
 		leaseRelease: r.Replace(`
 DELETE FROM {{T}} e
-WHERE e.scope = $1 AND e.id = $2 AND e.state = 1 AND e.token = $3 AND e.lease_until > clock_timestamp()`),
+WHERE e.key = $1 AND e.token = $2 AND e.expires_at > clock_timestamp()`),
 
 		// $1 batch size, $2 cutoff. Deletes at most $1 rows that expired
 		// by $2, oldest first, skipping rows a claim holds locked. The

@@ -44,6 +44,12 @@ type Options struct {
 	// MaxKeyLen limits scope and id, in bytes. Defaults to
 	// dedup.DefaultMaxKeyLen.
 	MaxKeyLen int
+	// KeepKeys stores each key's scope and id in its row, readable for
+	// operators. A row is found by the key's digest either way (the first
+	// 16 bytes of SHA-256(scope || 0x00 || id), whose first 8 bytes are
+	// dedup.Key.Hash); the text costs the length of scope and id plus two
+	// bytes a row. Defaults to false: rows hold only the key's digest.
+	KeepKeys bool
 	// CleanupBatch is the number of rows one cleanup statement deletes.
 	// Defaults to 1000.
 	CleanupBatch int
@@ -87,7 +93,7 @@ type Store struct {
 	db    DB
 	opts  Options
 	table string // quoted, schema-qualified
-	seed  int64  // of the keys' lock hash (keyHashSQL)
+	seed  int64  // of the keys' advisory locks (keyLock)
 	sql   statements
 	psql  partitionedStatements
 	part  partitioning // of a Partitioned table
@@ -147,10 +153,10 @@ func New(db DB, opts Options) (*Store, error) {
 	s := &Store{db: db, opts: opts, table: sqlname.Qualified(opts.Schema, opts.Table)}
 	s.retentionArg = millis(opts.Retention)
 	s.seed = lockSeed(opts.Schema + "." + opts.Table)
-	s.sql = buildStatements(s.table, s.seed)
+	s.sql = buildStatements(s.table)
 	if opts.Partitioned {
 		s.part = newPartitioning(opts.PartitionWidth)
-		s.psql = buildPartitionedStatements(s.table, s.part, s.seed)
+		s.psql = buildPartitionedStatements(s.table, s.part)
 	}
 	return s, nil
 }

@@ -1,17 +1,18 @@
--- idem: processed_events keyed by (scope, id). Every time in it comes from the
--- database clock. state 1 = in flight (lease mode), 2 = done.
+-- idem: processed_events, one row per key. Every time in it comes from the
+-- database clock. key is the key's digest: the first 16 bytes of
+-- SHA-256(scope || 0x00 || id), as a uuid. A row with a token is in flight
+-- (lease mode) and its lease ends at expires_at; a row without one is done
+-- and kept until expires_at. fingerprint and result are NULL when the key
+-- has none; scope and id are NULL unless the store keeps them
+-- (Options.KeepKeys). The fixed-size columns come first: no padding.
 CREATE TABLE IF NOT EXISTS {{.Table}} (
-    scope        text        NOT NULL,
-    id           text        NOT NULL,
-    fingerprint  bytea,
-    state        smallint    NOT NULL,
-    token        text,
-    lease_until  timestamptz,
-    result       bytea,
-    created_at   timestamptz NOT NULL,
-    completed_at timestamptz,
-    expires_at   timestamptz NOT NULL,
-    PRIMARY KEY (scope, id),
-    CHECK (state IN (1, 2))
+    key         uuid        NOT NULL,
+    expires_at  timestamptz NOT NULL,
+    fingerprint bytea,
+    token       text,
+    result      bytea,
+    scope       text,
+    id          text,
+    PRIMARY KEY (key)
 );
 CREATE INDEX IF NOT EXISTS {{.Index "expires_at"}} ON {{.Table}} (expires_at);

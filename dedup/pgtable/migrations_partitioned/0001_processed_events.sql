@@ -4,19 +4,18 @@
 -- primary key includes the partition key. There is no default partition:
 -- old partitions are detached concurrently, which a default partition
 -- forbids. The store creates partitions ahead and drops the past ones.
+-- The columns are those of the plain layout (key is the key's digest, a
+-- row with a token is in flight), with the partition key after the
+-- fixed-size ones.
 CREATE TABLE IF NOT EXISTS {{.Table}} (
-    scope        text        NOT NULL,
-    id           text        NOT NULL,
-    fingerprint  bytea,
-    state        smallint    NOT NULL,
-    token        text,
-    lease_until  timestamptz,
-    result       bytea,
-    created_at   timestamptz NOT NULL,
-    completed_at timestamptz,
-    expires_at   timestamptz NOT NULL,
+    key         uuid        NOT NULL,
+    expires_at  timestamptz NOT NULL,
     {{.PartColumn}} {{.PartType}} NOT NULL,
-    PRIMARY KEY (scope, id, {{.PartColumn}}),
-    CHECK (state IN (1, 2))
+    fingerprint bytea,
+    token       text,
+    result      bytea,
+    scope       text,
+    id          text,
+    PRIMARY KEY (key, {{.PartColumn}})
 ) PARTITION BY RANGE ({{.PartColumn}});
 CREATE INDEX IF NOT EXISTS {{.Index "expires_at"}} ON {{.Table}} (expires_at);
