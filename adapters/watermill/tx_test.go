@@ -26,14 +26,14 @@ import (
 )
 
 // committed counts, outside any transaction, the committed effects of id and
-// the committed claims of (scope, id).
+// the committed claims of (scope, id), found by the key's digest.
 func committed(t *testing.T, fx *fixture, scope, id string) (effects, claims int) {
 	t.Helper()
 	ctx := context.Background()
 	if err := fx.pool.QueryRow(ctx, "SELECT count(*) FROM "+pgx.Identifier{fx.schema, "effects"}.Sanitize()+" WHERE id = $1", id).Scan(&effects); err != nil {
 		t.Fatal(err)
 	}
-	if err := fx.pool.QueryRow(ctx, "SELECT count(*) FROM "+fx.pgStore.Table()+" WHERE scope = $1 AND id = $2", scope, id).Scan(&claims); err != nil {
+	if err := fx.pool.QueryRow(ctx, "SELECT count(*) FROM "+fx.pgStore.Table()+" WHERE key = encode(substring(sha256(convert_to($1::text, 'UTF8') || '\\x00'::bytea || convert_to($2::text, 'UTF8')) FROM 1 FOR 16), 'hex')::uuid", scope, id).Scan(&claims); err != nil {
 		t.Fatal(err)
 	}
 	return effects, claims
