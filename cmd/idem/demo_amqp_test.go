@@ -40,15 +40,15 @@ func checkAMQPDeleted(t *testing.T, r *demoRun) {
 		conn *amqp091.Connection
 		err  error
 	)
-	for deadline := time.Now().Add(20 * time.Second); ; time.Sleep(500 * time.Millisecond) {
-		conn, err = amqp091.DialConfig(testenv.AMQPURL(), amqp091.Config{Dial: amqp091.DefaultDial(5 * time.Second)})
-		if err == nil || time.Now().After(deadline) {
-			break
+	defer func() {
+		if conn == nil {
+			t.Logf("last dial: %v", err)
 		}
-	}
-	if err != nil {
-		t.Fatal(err)
-	}
+	}()
+	testenv.Eventually(t, 20*time.Second, "the broker to accept a connection", func() bool {
+		conn, err = amqp091.DialConfig(testenv.AMQPURL(), amqp091.Config{Dial: amqp091.DefaultDial(5 * time.Second)})
+		return err == nil
+	})
 	defer func() { _ = conn.Close() }()
 	// A passive declare of what does not exist closes the channel with
 	// NOT_FOUND: one channel per probe.

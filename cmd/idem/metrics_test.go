@@ -90,19 +90,23 @@ func TestRelayServesMetrics(t *testing.T) {
 	}
 	published := `idem_outbox_published_total{idem_outbox_table="` + schema + `.outbox",messaging_destination_name="payments"`
 	var scrape string
-	for {
-		if ctx.Err() != nil {
-			t.Fatalf("no scrape with %d published; last scrape:\n%s", n, scrape)
+	scraped := false
+	defer func() {
+		if !scraped {
+			t.Logf("last scrape:\n%s", scrape)
 		}
-		if status, body, err := get("/metrics"); err == nil && status == http.StatusOK {
-			scrape = body
-			// The backlog gauge is sampled every 5s: present, perhaps not 0 yet.
-			if value(scrape, published) == n && value(scrape, "idem_outbox_backlog{") >= 0 {
-				break
-			}
+	}()
+	deadline, _ := ctx.Deadline()
+	testenv.Eventually(t, time.Until(deadline), fmt.Sprintf("a scrape with %d published", n), func() bool {
+		status, body, err := get("/metrics")
+		if err != nil || status != http.StatusOK {
+			return false
 		}
-		time.Sleep(50 * time.Millisecond)
-	}
+		scrape = body
+		// The backlog gauge is sampled every 5s: present, perhaps not 0 yet.
+		return value(scrape, published) == n && value(scrape, "idem_outbox_backlog{") >= 0
+	})
+	scraped = true
 	for _, want := range []string{
 		"idem_outbox_backlog{",
 		"idem_outbox_oldest_age_seconds{",

@@ -80,18 +80,13 @@ func TestRelay(t *testing.T) {
 	enqueue(n/2, n)
 	// Stop it once it has published something: mid-stream, perhaps, but
 	// never before it connected (a stop during start-up exits 1).
-	for deadline := time.Now().Add(30 * time.Second); ; time.Sleep(10 * time.Millisecond) {
+	testenv.Eventually(t, 30*time.Second, "the relay to publish something", func() bool {
 		pending, _, err := ob.Backlog(ctx)
 		if err != nil {
 			t.Fatal(err)
 		}
-		if pending < n {
-			break
-		}
-		if time.Now().After(deadline) {
-			t.Fatal("the relay published nothing within 30s")
-		}
-	}
+		return pending < n
+	})
 	stop()
 	stop = startRelay()
 	defer stop()

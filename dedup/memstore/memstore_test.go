@@ -50,6 +50,13 @@ func TestOptionsErrors(t *testing.T) {
 	}
 }
 
+// advance moves a synctest bubble's clock on by d and waits until every
+// goroutine of the bubble is blocked again (a sweep that came due ran).
+func advance(d time.Duration) {
+	time.Sleep(d)
+	synctest.Wait()
+}
+
 // TestSweeperRemovesExpired: the sweeper removes a completed key once its
 // TTL has passed, on the system clock (in a synctest bubble, whose clock
 // moves when every goroutine in it is blocked).
@@ -68,13 +75,11 @@ func TestSweeperRemovesExpired(t *testing.T) {
 		if err := s.Complete(ctx, l, nil); err != nil {
 			t.Fatal(err)
 		}
-		time.Sleep(59 * time.Second)
-		synctest.Wait()
+		advance(59 * time.Second)
 		if s.Len() != 1 {
 			t.Fatalf("Len = %d before the TTL ran out, want 1", s.Len())
 		}
-		time.Sleep(2 * time.Second)
-		synctest.Wait()
+		advance(2 * time.Second)
 		if s.Len() != 0 {
 			t.Fatalf("Len = %d a sweep after the TTL ran out, want 0", s.Len())
 		}
@@ -97,11 +102,11 @@ func TestSystemClockExpiry(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		time.Sleep(lease - time.Nanosecond)
+		advance(lease - time.Nanosecond)
 		if _, err := s.Claim(ctx, k); !errors.Is(err, dedup.ErrInFlight) {
 			t.Fatalf("claim just before the lease runs out: %v, want ErrInFlight", err)
 		}
-		time.Sleep(time.Nanosecond)
+		advance(time.Nanosecond)
 		if _, err := s.Claim(ctx, k); err != nil {
 			t.Fatalf("claim once the lease ran out: %v", err)
 		}

@@ -129,6 +129,20 @@ func (w procWorld) backdate(t *testing.T, key dedup.Key) {
 	}
 }
 
+// waitLeaseRunOut waits until key's row is a lease whose time ran out on the
+// server's clock: the row stays, and counts as absent.
+func (w procWorld) waitLeaseRunOut(t *testing.T, key dedup.Key) {
+	t.Helper()
+	testenv.Eventually(t, 30*time.Second, "the lease to run out", func() bool {
+		var out bool
+		if err := w.pool.QueryRow(context.Background(), "SELECT state = 1 AND lease_until <= clock_timestamp() FROM "+w.s.Table()+
+			" WHERE scope = $1 AND id = $2", key.Scope, key.ID).Scan(&out); err != nil {
+			t.Fatalf("the lease row of %s: %v", key, err)
+		}
+		return out
+	})
+}
+
 func equalCounts(got, want map[string]int) bool {
 	if len(got) != len(want) {
 		return false
@@ -141,26 +155,51 @@ func equalCounts(got, want map[string]int) bool {
 	return true
 }
 
+// lockWaiters returns how many sessions wait for an advisory lock that the
+// session pid holds.
+func lockWaiters(t *testing.T, pool *pgxpool.Pool, pid uint32) int {
+	t.Helper()
+	var n int
+	if err := pool.QueryRow(context.Background(), `SELECT count(*) FROM pg_locks h JOIN pg_locks w
+		ON w.locktype = 'advisory' AND NOT w.granted AND w.database IS NOT DISTINCT FROM h.database
+		AND w.classid = h.classid AND w.objid = h.objid AND w.objsubid = h.objsubid
+		WHERE h.locktype = 'advisory' AND h.granted AND h.pid = $1`, pid).Scan(&n); err != nil {
+		t.Fatal(err)
+	}
+	return n
+}
+
 // TestProcessConcurrentOneEffect: 100 concurrent Process calls of one key.
 // fn runs once and its effect commits once; the 99 others wait for it and
-// replay its result.
+// replay its result. fn holds the key until every connection the others
+// could get waits on its lock.
 func TestProcessConcurrentOneEffect(t *testing.T) {
 	pool := testenv.Pool(t, 20)
+	watch := testenv.Pool(t, 1) // pool is all taken while fn holds the key
 	for _, v := range procVariants {
 		t.Run(v.name, func(t *testing.T) {
 			w := newProcWorld(t, pool, v, pgtable.Options{})
 			ctx := deduptest.Ctx(t)
 			key := dedup.NewKey("pay", deduptest.UniqueID("k"), []byte(`{"amount":100}`))
+			const n = 100
 			var runs atomic.Int64
+			holder := make(chan uint32, n) // fn's session, once it holds the key
+			released := make(chan struct{})
+			release := sync.OnceFunc(func() { close(released) })
+			defer release()
 			fn := func(ctx context.Context, tx pgx.Tx) ([]byte, error) {
 				runs.Add(1)
 				if err := w.effect(ctx, tx, key.ID, "process"); err != nil {
 					return nil, err
 				}
-				time.Sleep(20 * time.Millisecond) // the others pile up on the lock
+				var pid uint32
+				if err := tx.QueryRow(ctx, "SELECT pg_backend_pid()").Scan(&pid); err != nil {
+					return nil, err
+				}
+				holder <- pid
+				<-released
 				return []byte("receipt"), nil
 			}
-			const n = 100
 			var (
 				wg       sync.WaitGroup
 				mu       sync.Mutex
@@ -168,6 +207,7 @@ func TestProcessConcurrentOneEffect(t *testing.T) {
 				replays  int
 				problems []error
 				start    = make(chan struct{})
+				finished = make(chan struct{})
 			)
 			for range n {
 				wg.Go(func() {
@@ -187,7 +227,19 @@ func TestProcessConcurrentOneEffect(t *testing.T) {
 				})
 			}
 			close(start)
-			wg.Wait()
+			go func() { wg.Wait(); close(finished) }()
+			select {
+			case pid := <-holder:
+				// The others pile up on the lock: every connection but
+				// fn's waits there, the rest wait for a connection.
+				want := min(n, int(pool.Config().MaxConns)) - 1
+				testenv.Eventually(t, 30*time.Second, "the other calls to wait on the key's lock", func() bool {
+					return lockWaiters(t, watch, pid) >= want
+				})
+			case <-finished: // fn never ran: the checks below say so
+			}
+			release()
+			<-finished
 			if len(problems) > 0 {
 				t.Fatalf("%d calls got neither the receipt nor a replay of it; first: %v", len(problems), problems[0])
 			}
@@ -438,7 +490,7 @@ func TestProcessLosesToWritersWithoutTheLock(t *testing.T) {
 			if _, err := w.s.Lease().Claim(ctx, key); err != nil {
 				t.Fatal(err)
 			}
-			time.Sleep(150 * time.Millisecond) // the lease runs out; its row stays
+			w.waitLeaseRunOut(t, key)
 			close(bp.cont)
 			r := <-bp.done
 			if !errors.Is(r.err, pgtable.ErrLostRace) || dedup.Held(r.err) {
@@ -558,7 +610,7 @@ func TestProcessExpiredRowRunsAgain(t *testing.T) {
 			if _, err := w.s.Lease().Claim(ctx, lkey); err != nil {
 				t.Fatal(err)
 			}
-			time.Sleep(100 * time.Millisecond)
+			w.waitLeaseRunOut(t, lkey)
 			if err := run(lkey, "after-lease", nil); err != nil {
 				t.Fatalf("Process after the lease ran out = %v, want it to run", err)
 			}
@@ -795,12 +847,7 @@ func TestProcessCancelledWhileWaiting(t *testing.T) {
 			}
 			// A connection the cancelled wait closed is destroyed in the
 			// background.
-			for i := 0; pool.Stat().AcquiredConns() != 0; i++ {
-				if i == 200 {
-					t.Fatalf("%d connections still acquired after 2s", pool.Stat().AcquiredConns())
-				}
-				time.Sleep(10 * time.Millisecond)
-			}
+			testenv.Eventually(t, 2*time.Second, "every connection to be released", func() bool { return pool.Stat().AcquiredConns() == 0 })
 			_, err = w.s.Process(ctx, key, func(context.Context, pgx.Tx) ([]byte, error) { return nil, nil })
 			if res, ok := dedup.StoredResult(err); !ok || string(res) != "first" {
 				t.Fatalf("after: %v, want a replay of the first", err)

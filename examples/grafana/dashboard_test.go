@@ -314,22 +314,28 @@ func exportAll(t *testing.T) string {
 	srv := httptest.NewServer(promhttp.HandlerFor(reg, promhttp.HandlerOpts{}))
 	defer srv.Close()
 	// The slot gauges appear once the WAL relay has sampled its slot:
-	// scrape until they are there, or give the last scrape to the checks.
-	deadline := time.Now().Add(30 * time.Second)
-	for {
-		body := scrape(t, srv)
+	// scrape until they are there.
+	var (
+		body    string
+		missing []string
+	)
+	defer func() {
+		if len(missing) > 0 {
+			t.Logf("the last scrape lacks %q", missing)
+		}
+	}()
+	testenv.Eventually(t, 30*time.Second, "the WAL relay's slot gauges in the scrape", func() bool {
+		body = scrape(t, srv)
 		_, families := parseScrape(t, body)
-		missing := 0
+		missing = missing[:0]
 		for _, name := range telemetry.SlotMetrics {
 			if _, ok := prometheusName(name, families); !ok {
-				missing++
+				missing = append(missing, name)
 			}
 		}
-		if missing == 0 || time.Now().After(deadline) {
-			return body
-		}
-		time.Sleep(20 * time.Millisecond)
-	}
+		return len(missing) == 0
+	})
+	return body
 }
 
 // scrape reads the exporter's /metrics once.
@@ -417,12 +423,11 @@ func walRelay(t *testing.T, mp *sdkmetric.MeterProvider) (stop func()) {
 		stop()
 		t.Fatal(err)
 	}
-	for pub.count() == 0 {
-		if ctx.Err() != nil {
-			stop()
-			t.Fatal("walrelay: the message was not published within 2 minutes")
-		}
-		time.Sleep(20 * time.Millisecond)
+	select {
+	case <-pub.attempted():
+	case <-ctx.Done():
+		stop()
+		t.Fatal("walrelay: the message was not published within 2 minutes")
 	}
 	return stop
 }
@@ -586,23 +591,23 @@ func relay(t *testing.T, mp *sdkmetric.MeterProvider) (stop func()) {
 			t.Errorf("Relay.Run: %v", err)
 		}
 	}
-	deadline := time.Now().Add(30 * time.Second)
-	for {
-		var published, dead int
+	var published, dead int
+	settled := false
+	defer func() {
+		if !settled { // Eventually or the query failed the test
+			stop()
+			t.Logf("relay: %d published, %d dead; want 2 and 1", published, dead)
+		}
+	}()
+	testenv.Eventually(t, 30*time.Second, "the relay to publish two messages and park one dead", func() bool {
 		err := pool.QueryRow(ctx, "SELECT count(*) FILTER (WHERE state = 1), count(*) FILTER (WHERE state = 2) FROM "+ob.Table()).Scan(&published, &dead)
 		if err != nil {
-			stop()
 			t.Fatal(err)
 		}
-		if published == 2 && dead == 1 {
-			return stop
-		}
-		if time.Now().After(deadline) {
-			stop()
-			t.Fatalf("relay: %d published, %d dead after 30s; want 2 and 1", published, dead)
-		}
-		time.Sleep(20 * time.Millisecond)
-	}
+		return published == 2 && dead == 1
+	})
+	settled = true
+	return stop
 }
 
 func quiet() *slog.Logger { return slog.New(slog.DiscardHandler) }
@@ -611,20 +616,31 @@ func quiet() *slog.Logger { return slog.New(slog.DiscardHandler) }
 type memPublisher struct {
 	mu    sync.Mutex
 	tries map[string]int
+	tried chan struct{} // closed at the first publish attempt
 }
 
-// count is the number of publish attempts.
-func (p *memPublisher) count() int {
+// initLocked makes p's map and channel; p.mu is held.
+func (p *memPublisher) initLocked() {
+	if p.tries == nil {
+		p.tries = map[string]int{}
+		p.tried = make(chan struct{})
+	}
+}
+
+// attempted is closed once a message was offered to p.
+func (p *memPublisher) attempted() <-chan struct{} {
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	return len(p.tries)
+	p.initLocked()
+	return p.tried
 }
 
 func (p *memPublisher) Publish(_ context.Context, msgs []*outbox.Message) error {
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	if p.tries == nil {
-		p.tries = map[string]int{}
+	p.initLocked()
+	if len(p.tries) == 0 && len(msgs) > 0 {
+		close(p.tried)
 	}
 	var pe outbox.PublishError
 	for i, m := range msgs {

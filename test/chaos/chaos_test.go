@@ -67,19 +67,25 @@ func TestKillerIgnoresOtherPoints(t *testing.T) {
 	}
 }
 
+// paced sends in paced batches until over is closed (here, after two
+// batches), then sends the rest: every id, in order.
 func TestPacedSendsEverything(t *testing.T) {
 	ids := makeIDs("p", 95)
 	over := make(chan struct{})
-	var got []string
+	var (
+		got     []string
+		batches int
+	)
 	done := make(chan error, 1)
 	go func() {
 		done <- paced(context.Background(), ids, time.Second, over, func(_ context.Context, b []string) error {
 			got = append(got, b...)
+			if batches++; batches == 2 {
+				close(over)
+			}
 			return nil
 		})
 	}()
-	time.Sleep(250 * time.Millisecond)
-	close(over)
 	if err := <-done; err != nil {
 		t.Fatal(err)
 	}

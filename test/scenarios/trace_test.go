@@ -3,6 +3,7 @@ package scenarios
 import (
 	"context"
 	"errors"
+	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -112,9 +113,14 @@ func traceTrip(t *testing.T, topic, key string, pub outbox.Publisher, mk func(co
 	if err != nil {
 		t.Fatal(err)
 	}
-	var handled atomic.Value
+	var (
+		handled  atomic.Value
+		reached  = make(chan struct{}) // closed once handled is set
+		reachedO sync.Once
+	)
 	h := consumer.Chain(consumer.HandlerFunc(func(ctx context.Context, _ *consumer.Message) error {
 		handled.Store(trace.SpanContextFromContext(ctx))
+		reachedO.Do(func() { close(reached) })
 		return nil
 	}), dd)
 
@@ -154,15 +160,13 @@ func traceTrip(t *testing.T, topic, key string, pub outbox.Publisher, mk func(co
 	}
 	want := req.SpanContext()
 
-	deadline := time.Now().Add(60 * time.Second)
-	for handled.Load() == nil {
-		if time.Now().After(deadline) {
-			t.Fatal("the message never reached the handler")
-		}
-		time.Sleep(20 * time.Millisecond)
+	select {
+	case <-reached:
+	case <-time.After(60 * time.Second):
+		t.Fatal("the message never reached the handler")
 	}
 	var process trace.SpanContext
-	for process = (trace.SpanContext{}); !process.IsValid(); {
+	testenv.Eventually(t, 60*time.Second, "a consumer span to end", func() bool {
 		for _, s := range spans.Ended() {
 			if s.SpanKind() == trace.SpanKindConsumer {
 				if s.Parent().SpanID() != want.SpanID() || s.Parent().TraceID() != want.TraceID() {
@@ -171,11 +175,8 @@ func traceTrip(t *testing.T, topic, key string, pub outbox.Publisher, mk func(co
 				process = s.SpanContext()
 			}
 		}
-		if time.Now().After(deadline) {
-			t.Fatal("no consumer span ended")
-		}
-		time.Sleep(20 * time.Millisecond)
-	}
+		return process.IsValid()
+	})
 	claims := spans.Named("idem.claim")
 	if len(claims) != 1 || claims[0].Parent().SpanID() != process.SpanID() {
 		t.Fatalf("idem.claim spans %d, parent %v; want one under the consumer span %v", len(claims), claims, process.SpanID())

@@ -72,6 +72,7 @@ type ProxyStats struct {
 	Accepted int64 // client connections accepted
 	Resets   int64 // connections reset (Reset mode and ResetAll)
 	Cuts     int64 // replies swallowed after a forwarded request (Cut mode)
+	Delayed  int64 // chunks held back in Delay mode, counted when the hold starts
 }
 
 // Proxy is a TCP proxy on 127.0.0.1 that forwards every connection to a
@@ -89,8 +90,8 @@ type Proxy struct {
 	links  map[*link]struct{}
 	closed bool
 
-	wg                     sync.WaitGroup
-	accepted, resets, cuts atomic.Int64
+	wg                              sync.WaitGroup
+	accepted, resets, cuts, delayed atomic.Int64
 }
 
 // NewProxy listens on a free port of 127.0.0.1 and forwards to target, in
@@ -148,7 +149,7 @@ func (p *Proxy) ResetAll() int {
 
 // Stats returns the counters.
 func (p *Proxy) Stats() ProxyStats {
-	return ProxyStats{Accepted: p.accepted.Load(), Resets: p.resets.Load(), Cuts: p.cuts.Load()}
+	return ProxyStats{Accepted: p.accepted.Load(), Resets: p.resets.Load(), Cuts: p.cuts.Load(), Delayed: p.delayed.Load()}
 }
 
 // Close stops accepting, resets every connection and waits for the proxy's
@@ -268,12 +269,13 @@ func (l *link) kill(rst bool) bool {
 	return killed
 }
 
-// sleep waits d, or until the link is killed; it reports whether the link
-// is still alive.
+// sleep holds a chunk in Delay mode: it waits d, or until the link is
+// killed, and reports whether the link is still alive.
 func (l *link) sleep(d time.Duration) bool {
 	if d <= 0 {
 		return true
 	}
+	l.p.delayed.Add(1)
 	t := time.NewTimer(d)
 	defer t.Stop()
 	select {

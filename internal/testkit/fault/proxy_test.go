@@ -16,10 +16,11 @@ import (
 // echoServer answers every chunk it reads with the same bytes and keeps a
 // copy of everything it received.
 type echoServer struct {
-	ln  net.Listener
-	wg  sync.WaitGroup
-	mu  sync.Mutex
-	got bytes.Buffer
+	ln    net.Listener
+	wg    sync.WaitGroup
+	mu    sync.Mutex
+	got   bytes.Buffer
+	ended int // connections whose reads ended: all they carried was received
 }
 
 func newEcho(t *testing.T) *echoServer {
@@ -45,6 +46,11 @@ func newEcho(t *testing.T) *echoServer {
 			e.wg.Add(1)
 			go func() {
 				defer e.wg.Done()
+				defer func() {
+					e.mu.Lock()
+					e.ended++
+					e.mu.Unlock()
+				}()
 				buf := make([]byte, 4096)
 				for {
 					n, err := c.Read(buf)
@@ -73,6 +79,13 @@ func newEcho(t *testing.T) *echoServer {
 		e.wg.Wait()
 	})
 	return e
+}
+
+// endedConns returns how many connections' reads ended.
+func (e *echoServer) endedConns() int {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	return e.ended
 }
 
 func (e *echoServer) received() string {
@@ -150,6 +163,9 @@ func TestProxyDelaySwitchAtRunTime(t *testing.T) {
 	if took := time.Since(start); took < 2*d {
 		t.Fatalf("delayed round trip took %v, want at least %v", took, 2*d)
 	}
+	if n := p.Stats().Delayed; n != 2 {
+		t.Fatalf("%d chunks delayed, want 2 (the request and its echo)", n)
+	}
 	p.SetMode(fault.Pass, 0)
 	if m, _ := p.Mode(); m != fault.Pass {
 		t.Fatalf("mode %v", m)
@@ -172,7 +188,9 @@ func TestProxyReset(t *testing.T) {
 	if _, err := roundTrip(c, "lost"); err == nil {
 		t.Fatal("round trip through a resetting proxy succeeded")
 	}
-	time.Sleep(50 * time.Millisecond)
+	// Once the server's read of the connection ended, whatever the proxy
+	// relayed has been received.
+	testenv.Eventually(t, 5*time.Second, "the server's connection to end", func() bool { return e.endedConns() == 1 })
 	if got := e.received(); got != "before" {
 		t.Fatalf("server received %q, want only %q", got, "before")
 	}
@@ -266,7 +284,7 @@ func TestProxyCloseWhileDelayed(t *testing.T) {
 	if _, err := c.Write([]byte("held")); err != nil {
 		t.Fatal(err)
 	}
-	time.Sleep(20 * time.Millisecond)
+	testenv.Eventually(t, 5*time.Second, "the proxy to hold the chunk", func() bool { return p.Stats().Delayed == 1 })
 	done := make(chan error, 1)
 	go func() { done <- p.Close() }()
 	select {
