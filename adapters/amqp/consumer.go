@@ -18,7 +18,6 @@ import (
 	"github.com/idemkit/idem/consumer"
 	"github.com/idemkit/idem/dedup"
 	"github.com/idemkit/idem/internal/backoff"
-	"github.com/idemkit/idem/internal/seat"
 	"github.com/idemkit/idem/internal/telemetry"
 )
 
@@ -557,10 +556,10 @@ func (c *Consumer) serve(ctx, hctx context.Context, s *consSession, wg *sync.Wai
 	wg.Go(a.loop)
 	// InFlight workers run the chain; when they outnumber Concurrency, a
 	// gate of Concurrency seats bounds the handlers among them (see
-	// ConsumerOptions.InFlight and internal/seat).
-	var gate *seat.Gate
+	// ConsumerOptions.InFlight and seat).
+	var seats *gate
 	if c.opts.InFlight > c.opts.Concurrency {
-		gate = seat.NewGate(c.opts.Concurrency)
+		seats = newGate(c.opts.Concurrency)
 	}
 	// wctx tells the workers to stop starting deliveries: only once the
 	// broker confirmed the cancel, so that what they give back is not
@@ -578,7 +577,7 @@ func (c *Consumer) serve(ctx, hctx context.Context, s *consSession, wg *sync.Wai
 				if !ok {
 					return
 				}
-				c.handle(wctx, hctx, s, a, gate, d, excl)
+				c.handle(wctx, hctx, s, a, seats, d, excl)
 				a.untake(excl)
 			}
 		})
@@ -611,14 +610,14 @@ func (c *Consumer) serve(ctx, hctx context.Context, s *consSession, wg *sync.Wai
 		s.kill(s.deadErr)
 		// Nothing of this session can be settled any more: deliveries
 		// waiting for a handler slot give way instead of running.
-		gate.Stop()
+		seats.stop()
 		wg.Go(func() { workers.Wait(); stopWorkers() })
 		return s.deadErr
 	}
 	// Stop the flow; the library then hands over what it buffered
 	// (requeued by handle, since wctx is done) and closes deliveries.
 	// Deliveries that claimed but wait for a handler slot give way too
-	// (their chain returns seat.ErrStopped; settle requeues them).
+	// (their chain returns errStopped; settle requeues them).
 	s.rpc.Lock()
 	err = s.ch.Cancel(tag, false)
 	s.rpc.Unlock()
@@ -626,7 +625,7 @@ func (c *Consumer) serve(ctx, hctx context.Context, s *consSession, wg *sync.Wai
 		s.kill(err)
 	}
 	stopWorkers()
-	gate.Stop()
+	seats.stop()
 	if c.workersStopped != nil {
 		c.workersStopped()
 	}
@@ -666,12 +665,12 @@ var errBrokerCancel = errors.New("the broker cancelled the consumer (was the que
 // isolation lock exclusively: before its chain runs, the acks of the
 // deliveries finished before it are written and their receipt confirmed;
 // its own ack is written at once, not coalesced, and confirmed too.
-func (c *Consumer) handle(ctx, hctx context.Context, s *consSession, a *consAcker, gate *seat.Gate, d amqp091.Delivery, excl bool) {
-	var st *seat.Seat
-	if gate != nil && ctx.Err() == nil {
-		st = new(seat.Seat)
-		if gate.Take(ctx, st) == nil {
-			defer st.Leave()
+func (c *Consumer) handle(ctx, hctx context.Context, s *consSession, a *consAcker, seats *gate, d amqp091.Delivery, excl bool) {
+	var st *seat
+	if seats != nil && ctx.Err() == nil {
+		st = new(seat)
+		if seats.take(ctx, st) == nil {
+			defer st.leave()
 		}
 	}
 	if ctx.Err() != nil {
@@ -689,7 +688,7 @@ func (c *Consumer) handle(ctx, hctx context.Context, s *consSession, a *consAcke
 	// mctx only adds values to hctx: it is cancelled with it.
 	mctx := context.WithValue(hctx, consDeliveryKey{}, &d)
 	if st != nil {
-		mctx = seat.With(mctx, st)
+		msg.Slot = st
 	}
 	mctx, end := c.tel.StartConsumer(mctx, c.opts.Propagator, (*TableCarrier)(&d.Headers), c.queue)
 	var (
@@ -843,7 +842,7 @@ func (c *Consumer) settle(hctx context.Context, s *consSession, d *amqp091.Deliv
 		return c.deadLetter(hctx, s, d, msg, r.Reason, r.Err)
 	}
 	// ActionRetry, and anything unknown.
-	if hctx.Err() != nil || errors.Is(r.Err, seat.ErrStopped) {
+	if hctx.Err() != nil || errors.Is(r.Err, errStopped) {
 		// The shutdown timeout cut the handler short, or the stop came
 		// before the handler started: not the message's fault, so no
 		// attempt is spent; the broker redelivers it.
