@@ -52,7 +52,12 @@ func TestConsumerConn(t *testing.T) {
 	if _, err := NewConsumerConn(conn, q, h, ConsumerOptions{Dial: func(context.Context) (*amqp091.Connection, error) { return nil, nil }}); err == nil {
 		t.Error("NewConsumerConn accepted Dial")
 	}
-	c, err := NewConsumerConn(conn, q, h, consOpts(ConsumerOptions{}))
+	var abandoned atomic.Int64 // reported as a retry whose error wraps amqp091.ErrClosed
+	c, err := NewConsumerConn(conn, q, h, consOpts(ConsumerOptions{OnOutcome: func(_ context.Context, r consumer.Report) {
+		if r.Result.Action == consumer.ActionRetry && errors.Is(r.Err, amqp091.ErrClosed) && r.Message.ID == "close-channel" {
+			abandoned.Add(1)
+		}
+	}}))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -63,6 +68,9 @@ func TestConsumerConn(t *testing.T) {
 	stop()
 	if st := c.Stats(); st.Connects != 2 || st.Abandoned != 1 {
 		t.Errorf("stats %+v: want 2 sessions on the one connection and 1 abandoned delivery", st)
+	}
+	if n := abandoned.Load(); n != 1 {
+		t.Errorf("OnOutcome reported %d abandoned deliveries, want 1", n)
 	}
 	if conn.IsClosed() {
 		t.Fatal("the Consumer closed the caller's connection")

@@ -258,8 +258,8 @@ func TestConsumerWaitsDoNotSpendAttempts(t *testing.T) {
 	}), consumer.Recover(), dd)
 	var waits atomic.Int64
 	c, err := NewConsumer(url, q, h, consOpts(ConsumerOptions{MaxAttempts: 3,
-		OnResult: func(_ context.Context, _ *consumer.Message, r consumer.Result, out ConsumerOutcome) {
-			if r.Reason == consumer.ReasonInFlight && out == OutcomeRetried && waits.Add(1) == 3 {
+		OnOutcome: func(_ context.Context, r consumer.Report) {
+			if r.Result.Reason == consumer.ReasonInFlight && r.Result.Action == consumer.ActionRetry && waits.Add(1) == 3 {
 				release()
 			}
 		}}))
@@ -304,9 +304,9 @@ func TestConsumerMaxWait(t *testing.T) {
 	}), consumer.Recover(), dd)
 	var verdict atomic.Value
 	c, err := NewConsumer(url, q, h, consOpts(ConsumerOptions{MaxWait: time.Millisecond,
-		OnResult: func(_ context.Context, _ *consumer.Message, r consumer.Result, out ConsumerOutcome) {
-			if out == OutcomeDeadLettered {
-				res, reason := verdictOf(r, out)
+		OnOutcome: func(_ context.Context, r consumer.Report) {
+			if r.Result.Action == consumer.ActionDeadLetter {
+				res, reason := verdictOf(r.Result)
 				verdict.Store(res + " " + reason)
 			}
 		}}))

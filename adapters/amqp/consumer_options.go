@@ -70,15 +70,16 @@ const (
 	HeaderReturns = "x-idem-returns"
 )
 
-// ReasonRedeliveryLimit is the HeaderReason (and the Result.Reason passed to
-// OnResult) of a message dead-lettered because the broker delivered it more
+// ReasonRedeliveryLimit is the HeaderReason (and the Result.Reason in the
+// OnOutcome report) of a message dead-lettered because the broker delivered it more
 // than ConsumerOptions.MaxDeliveries times without it being settled: it
 // crashed or stalled every worker that took it.
 const ReasonRedeliveryLimit consumer.Reason = "redelivery_limit"
 
-// ReasonWaitLimit is the HeaderReason (and the verdict's idem.reason) of a
-// message dead-lettered because its key was held by another owner
-// (in_flight, lease_lost) for longer than ConsumerOptions.MaxWait.
+// ReasonWaitLimit is the HeaderReason (and the Result.Reason in the
+// OnOutcome report, and the verdict's idem.reason) of a message
+// dead-lettered because its key was held by another owner (in_flight,
+// lease_lost) for longer than ConsumerOptions.MaxWait.
 const ReasonWaitLimit consumer.Reason = "wait_limit"
 
 // ConsumerBinding binds the work queue to an exchange. The exchange must
@@ -260,13 +261,28 @@ type ConsumerOptions struct {
 	// ids appear only hashed (message_id_hash, dedup.HashKey with an empty
 	// scope), routing keys and bodies never. Defaults to slog.Default().
 	Logger *slog.Logger
-	// OnResult, if set, is called after each delivery was settled, with
-	// the handler chain's Result and what the consumer did. It must be
-	// fast and safe for concurrent use. For a delivery acknowledged on
-	// ActionAck it is called once the (coalesced) ack was written, or
-	// given up with OutcomeAbandoned, and possibly from another handler's
-	// goroutine or the consumer's own; its ctx is the delivery's.
-	OnResult func(ctx context.Context, msg *consumer.Message, r consumer.Result, outcome ConsumerOutcome)
+	// OnOutcome, if set, is called once per delivery, after it was
+	// settled, with its consumer.Report: Outcome is the chain's
+	// (consumer.OutcomeOf), Message the delivery's message, and Result the
+	// verdict the Consumer carried out. Result.Action is ActionAck (the
+	// delivery was acknowledged: its effect committed, it was a duplicate,
+	// or a consumer.DeadLetter middleware parked it), ActionDeadLetter (a
+	// copy went to the dead-letter exchange, then the delivery was
+	// acknowledged; Reason says why, retries_exhausted, wait_limit and
+	// redelivery_limit included) or ActionRetry (the message comes back: a
+	// copy went to a retry queue, or the delivery was nacked with requeue
+	// because the consumer stopped or a copy could not be published, or
+	// its channel closed before it was settled). Result.Err and Err are
+	// the chain's error, except for a delivery whose channel closed before
+	// it was settled (the broker redelivers it), where Err wraps
+	// amqp091.ErrClosed. Key is zero: consumer.Dedup's and
+	// consumer.Transactional's own OnOutcome report the key.
+	//
+	// For a delivery acknowledged on ActionAck it is called once the
+	// (coalesced) ack was written, or given up, possibly from another
+	// handler's goroutine or the consumer's own; its ctx is the
+	// delivery's. It must be fast and safe for concurrent use.
+	OnOutcome func(ctx context.Context, r consumer.Report)
 
 	// MeterProvider receives idem.messages (each delivery's verdict: ack,
 	// retry or dead_letter, with the dead-letter reason) and
@@ -289,29 +305,6 @@ type ConsumerOptions struct {
 	// tracestate), what the outbox stores.
 	Propagator propagation.TextMapPropagator
 }
-
-// ConsumerOutcome is what the Consumer did with a delivery.
-type ConsumerOutcome string
-
-// Outcomes of a delivery.
-const (
-	// OutcomeAcked: acknowledged (success or a completed duplicate); the
-	// ack, possibly coalesced with others, was written.
-	OutcomeAcked ConsumerOutcome = "acked"
-	// OutcomeRetried: a copy went to a retry queue, the delivery was
-	// acknowledged.
-	OutcomeRetried ConsumerOutcome = "retried"
-	// OutcomeDeadLettered: a copy went to the dead-letter exchange, the
-	// delivery was acknowledged.
-	OutcomeDeadLettered ConsumerOutcome = "dead_lettered"
-	// OutcomeRequeued: nacked with requeue, because the copy could not be
-	// published or the consumer is stopping.
-	OutcomeRequeued ConsumerOutcome = "requeued"
-	// OutcomeAbandoned: the delivery's channel closed before it could be
-	// settled (or while its ack was being coalesced); the broker
-	// redelivers it.
-	OutcomeAbandoned ConsumerOutcome = "abandoned"
-)
 
 func (o *ConsumerOptions) consSetDefaults(queue string) error {
 	if o.Prefetch < 0 || o.Concurrency < 0 || o.InFlight < 0 || o.MaxAttempts < 0 {

@@ -91,8 +91,8 @@ func TestConsumerQuorumRedeliveryLimit(t *testing.T) {
 	var limited atomic.Int32
 	c, err := NewConsumer(url, q, h, consOpts(ConsumerOptions{
 		QuorumQueue: true, MaxDeliveries: maxDeliveries, Prefetch: 1,
-		OnResult: func(_ context.Context, _ *consumer.Message, r consumer.Result, out ConsumerOutcome) {
-			if r.Reason == ReasonRedeliveryLimit && out == OutcomeDeadLettered {
+		OnOutcome: func(_ context.Context, r consumer.Report) {
+			if r.Result.Reason == ReasonRedeliveryLimit && r.Result.Action == consumer.ActionDeadLetter {
 				limited.Add(1)
 			}
 		},
@@ -117,7 +117,7 @@ func TestConsumerQuorumRedeliveryLimit(t *testing.T) {
 		t.Errorf("the good handler ran %d times, want 5", n)
 	}
 	if n := limited.Load(); n != 1 {
-		t.Errorf("OnResult saw %d redelivery_limit dead letters, want 1", n)
+		t.Errorf("OnOutcome saw %d redelivery_limit dead letters, want 1", n)
 	}
 	if st.DeadLettered != 1 || st.Abandoned != maxDeliveries || st.Connects < maxDeliveries+1 {
 		t.Errorf("want 1 dead letter, %d abandoned deliveries, %d+ connects; stats %+v", maxDeliveries, maxDeliveries+1, st)
@@ -259,8 +259,8 @@ func TestConsumerQuorumRedeliveryLimitAcrossWaits(t *testing.T) {
 	var waits atomic.Int32
 	c, err := NewConsumer(url, q, h, consOpts(ConsumerOptions{
 		QuorumQueue: true, MaxDeliveries: maxDeliveries, Prefetch: 1,
-		OnResult: func(_ context.Context, _ *consumer.Message, r consumer.Result, _ ConsumerOutcome) {
-			if r.Reason == consumer.ReasonInFlight {
+		OnOutcome: func(_ context.Context, r consumer.Report) {
+			if r.Result.Reason == consumer.ReasonInFlight {
 				waits.Add(1)
 			}
 		},

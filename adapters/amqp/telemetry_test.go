@@ -197,8 +197,8 @@ func TestConsumerHostileTraceHeaders(t *testing.T) {
 	spans := telemetrytest.NewSpans(t)
 	var acked atomic.Int64
 	opts := consOpts(ConsumerOptions{TracerProvider: spans,
-		OnResult: func(_ context.Context, _ *consumer.Message, _ consumer.Result, out ConsumerOutcome) {
-			if out == OutcomeAcked {
+		OnOutcome: func(_ context.Context, r consumer.Report) {
+			if r.Result.Action == consumer.ActionAck {
 				acked.Add(1)
 			}
 		}})
