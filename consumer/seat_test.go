@@ -324,7 +324,7 @@ func TestDedupHidesTheSlotFromItsHandler(t *testing.T) {
 		if err != nil {
 			t.Fatalf("slot %d of %d is not free after every delivery left: %v", i+1, size, err)
 		}
-		defer st.leave()
+		t.Cleanup(st.leave)
 	}
 }
 

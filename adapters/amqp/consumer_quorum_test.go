@@ -103,10 +103,10 @@ func TestConsumerQuorumRedeliveryLimit(t *testing.T) {
 	stop := consStart(t, c)
 	start := time.Now()
 	consPublish(t, url, q, consMsgs("poison", 1)...)
-	consWaitFor(t, 60*time.Second, "the poison message to be dead-lettered", func() bool { return c.Stats().DeadLettered >= 1 })
+	testenv.Eventually(t, 60*time.Second, "the poison message to be dead-lettered", func() bool { return c.Stats().DeadLettered >= 1 })
 	t.Logf("poison dead-lettered after %v, %d handler runs", time.Since(start).Round(time.Millisecond), poisonRuns.Load())
 	consPublish(t, url, q, consMsgs("good", 5)...)
-	consWaitFor(t, 30*time.Second, "the worker to go on", func() bool { return c.Stats().Acked >= 5 })
+	testenv.Eventually(t, 30*time.Second, "the worker to go on", func() bool { return c.Stats().Acked >= 5 })
 	stop()
 	st := c.Stats()
 	t.Logf("stats: %+v", st)
@@ -169,7 +169,7 @@ func TestConsumerQuorumCrashLoopSparesNeighbours(t *testing.T) {
 					t.Fatal(err)
 				}
 				died := false
-				consWaitFor(t, 60*time.Second, "the worker to die or the messages to be settled", func() bool {
+				testenv.Eventually(t, 60*time.Second, "the worker to die or the messages to be settled", func() bool {
 					select {
 					case <-p.Exited():
 						died = true
@@ -273,7 +273,7 @@ func TestConsumerQuorumRedeliveryLimitAcrossWaits(t *testing.T) {
 	unblock := func() { once.Do(func() { close(release) }) }
 	t.Cleanup(unblock) // before stop, which waits for the handlers
 	consPublish(t, url, q, consMsgs("poison", 1)...)
-	consWaitFor(t, 30*time.Second, "the poison message to be dead-lettered", func() bool { return c.Stats().DeadLettered >= 1 })
+	testenv.Eventually(t, 30*time.Second, "the poison message to be dead-lettered", func() bool { return c.Stats().DeadLettered >= 1 })
 	unblock()
 	stop()
 	t.Logf("%d handler runs, %d waits; stats %+v", runs.Load(), waits.Load(), c.Stats())
