@@ -554,34 +554,13 @@ func (c *Consumer) serve(ctx, hctx context.Context, s *consSession, wg *sync.Wai
 	c.readyOnce.Do(func() { close(c.ready) })
 	a := newConsAcker(c, s)
 	wg.Go(a.loop)
-	// InFlight workers run the chain; when they outnumber Concurrency, a
-	// gate of Concurrency seats bounds the handlers among them (see
-	// ConsumerOptions.InFlight and seat).
-	var seats *gate
-	if c.opts.InFlight > c.opts.Concurrency {
-		seats = newGate(c.opts.Concurrency)
-	}
 	// wctx tells the workers to stop starting deliveries: only once the
 	// broker confirmed the cancel, so that what they give back is not
 	// delivered to this consumer again (and counted again in
 	// x-delivery-count) while it stops. The workers of a session that
 	// died go on (their settlements fail and count as abandoned).
 	wctx, stopWorkers := context.WithCancel(context.WithoutCancel(ctx))
-	var workers sync.WaitGroup
-	for range c.opts.InFlight {
-		workers.Add(1)
-		wg.Go(func() {
-			defer workers.Done()
-			for {
-				d, excl, ok := a.take(deliveries, c.alone)
-				if !ok {
-					return
-				}
-				c.handle(wctx, hctx, s, a, seats, d, excl)
-				a.untake(excl)
-			}
-		})
-	}
+	seats, workers := c.startWorkers(wctx, hctx, s, a, deliveries, wg)
 	// The deliveries close without ctx ending or the channel closing when
 	// the broker cancels the consumer (basic.cancel: the queue was
 	// deleted, or a quorum queue lost its leader): then the workers all
@@ -614,12 +593,20 @@ func (c *Consumer) serve(ctx, hctx context.Context, s *consSession, wg *sync.Wai
 		wg.Go(func() { workers.Wait(); stopWorkers() })
 		return s.deadErr
 	}
+	c.stopSession(s, a, tag, stopWorkers, seats, workers)
+	return nil
+}
+
+// stopSession ends a session gracefully once Run's context ended: it cancels the
+// consumer, stops the workers and the gate, waits for the handlers, sends
+// the acks still waiting in the acker and closes the session.
+func (c *Consumer) stopSession(s *consSession, a *consAcker, tag string, stopWorkers func(), seats *gate, workers *sync.WaitGroup) {
 	// Stop the flow; the library then hands over what it buffered
 	// (requeued by handle, since wctx is done) and closes deliveries.
 	// Deliveries that claimed but wait for a handler slot give way too
 	// (their chain returns errStopped; settle requeues them).
 	s.rpc.Lock()
-	err = s.ch.Cancel(tag, false)
+	err := s.ch.Cancel(tag, false)
 	s.rpc.Unlock()
 	if err != nil {
 		s.kill(err)
@@ -634,7 +621,36 @@ func (c *Consumer) serve(ctx, hctx context.Context, s *consSession, wg *sync.Wai
 	// before the connection closes.
 	a.drain()
 	s.kill(amqp091.ErrClosed)
-	return nil
+}
+
+// startWorkers starts the InFlight workers that take s's deliveries and
+// run the chain on them, and returns the gate that bounds their handlers
+// (nil when InFlight is Concurrency) and the group that tracks them. The
+// workers stop starting deliveries when wctx ends.
+func (c *Consumer) startWorkers(wctx, hctx context.Context, s *consSession, a *consAcker, deliveries <-chan amqp091.Delivery, wg *sync.WaitGroup) (*gate, *sync.WaitGroup) {
+	// InFlight workers run the chain; when they outnumber Concurrency, a
+	// gate of Concurrency seats bounds the handlers among them (see
+	// ConsumerOptions.InFlight and seat).
+	var seats *gate
+	if c.opts.InFlight > c.opts.Concurrency {
+		seats = newGate(c.opts.Concurrency)
+	}
+	workers := new(sync.WaitGroup)
+	for range c.opts.InFlight {
+		workers.Add(1)
+		wg.Go(func() {
+			defer workers.Done()
+			for {
+				d, excl, ok := a.take(deliveries, c.alone)
+				if !ok {
+					return
+				}
+				c.handle(wctx, hctx, s, a, seats, d, excl)
+				a.untake(excl)
+			}
+		})
+	}
+	return seats, workers
 }
 
 // brokerCancelled reports whether the broker cancelled the consumer: a

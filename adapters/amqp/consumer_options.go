@@ -310,24 +310,66 @@ func (o *ConsumerOptions) consSetDefaults(queue string) error {
 	if o.Prefetch < 0 || o.Concurrency < 0 || o.InFlight < 0 || o.MaxAttempts < 0 {
 		return fmt.Errorf("amqp: ConsumerOptions: Prefetch (%d), Concurrency (%d), InFlight (%d) and MaxAttempts (%d) must not be negative", o.Prefetch, o.Concurrency, o.InFlight, o.MaxAttempts)
 	}
+	if err := o.setQueueDefaults(); err != nil {
+		return err
+	}
+	if err := o.setFlowDefaults(); err != nil {
+		return err
+	}
+	if err := o.setRetryDefaults(); err != nil {
+		return err
+	}
+	if o.DeadLetterExchange == "" {
+		o.DeadLetterExchange = queue + ".dlx"
+	}
+	if o.DeadLetterQueue == "" {
+		o.DeadLetterQueue = queue + ".dlq"
+	}
+	if o.ConnectionName == "" {
+		o.ConnectionName = "idem-consumer"
+	}
+	if o.Logger == nil {
+		o.Logger = slog.Default()
+	}
+	if o.Propagator == nil {
+		o.Propagator = telemetry.DefaultPropagator
+	}
+	for _, n := range []string{queue, o.DeadLetterExchange, o.DeadLetterQueue, consRetryQueue(queue, o.RetryDelays[0])} {
+		if len(n) > 255 {
+			return fmt.Errorf("amqp: queue or exchange name %.40q... is longer than 255 bytes", n)
+		}
+	}
+	return nil
+}
+
+// setQueueDefaults checks and completes MaxDeliveries and the quorum queue
+// settings.
+func (o *ConsumerOptions) setQueueDefaults() error {
 	switch {
 	case o.MaxDeliveries == 0:
 		o.MaxDeliveries = 10
 	case o.MaxDeliveries < -1:
 		return fmt.Errorf("amqp: ConsumerOptions.MaxDeliveries is %d; it must be positive, 0 (the default) or -1 (no bound)", o.MaxDeliveries)
 	}
-	if o.QuorumQueue {
-		if o.NotDurable {
-			return errors.New("amqp: ConsumerOptions: QuorumQueue requires durable queues, but NotDurable is set")
-		}
-		if t, ok := o.QueueArgs[consQueueTypeArg]; ok && t != "quorum" {
-			return fmt.Errorf("amqp: ConsumerOptions: QuorumQueue is set but QueueArgs has %s %v", consQueueTypeArg, t)
-		}
-		args := make(amqp091.Table, len(o.QueueArgs)+1)
-		maps.Copy(args, o.QueueArgs)
-		args[consQueueTypeArg] = "quorum"
-		o.QueueArgs = args
+	if !o.QuorumQueue {
+		return nil
 	}
+	if o.NotDurable {
+		return errors.New("amqp: ConsumerOptions: QuorumQueue requires durable queues, but NotDurable is set")
+	}
+	if t, ok := o.QueueArgs[consQueueTypeArg]; ok && t != "quorum" {
+		return fmt.Errorf("amqp: ConsumerOptions: QuorumQueue is set but QueueArgs has %s %v", consQueueTypeArg, t)
+	}
+	args := make(amqp091.Table, len(o.QueueArgs)+1)
+	maps.Copy(args, o.QueueArgs)
+	args[consQueueTypeArg] = "quorum"
+	o.QueueArgs = args
+	return nil
+}
+
+// setFlowDefaults checks and completes Prefetch, Concurrency and InFlight,
+// and the timeouts and backoffs.
+func (o *ConsumerOptions) setFlowDefaults() error {
 	if o.Prefetch == 0 {
 		o.Prefetch = 100
 	}
@@ -341,12 +383,6 @@ func (o *ConsumerOptions) consSetDefaults(queue string) error {
 		o.InFlight = 1
 	case o.InFlight < o.Concurrency || o.InFlight > max(o.Prefetch, o.Concurrency):
 		return fmt.Errorf("amqp: ConsumerOptions.InFlight is %d; it must lie between Concurrency (%d) and Prefetch (%d)", o.InFlight, o.Concurrency, o.Prefetch)
-	}
-	if o.MaxAttempts == 0 {
-		o.MaxAttempts = 5
-	}
-	if o.MaxWait == 0 {
-		o.MaxWait = time.Hour
 	}
 	for _, d := range []struct {
 		name string
@@ -368,6 +404,18 @@ func (o *ConsumerOptions) consSetDefaults(queue string) error {
 	if o.MaxReconnectBackoff < o.ReconnectBackoff {
 		return fmt.Errorf("amqp: ConsumerOptions.MaxReconnectBackoff %v is shorter than ReconnectBackoff %v", o.MaxReconnectBackoff, o.ReconnectBackoff)
 	}
+	return nil
+}
+
+// setRetryDefaults checks and completes MaxAttempts, MaxWait and
+// RetryDelays.
+func (o *ConsumerOptions) setRetryDefaults() error {
+	if o.MaxAttempts == 0 {
+		o.MaxAttempts = 5
+	}
+	if o.MaxWait == 0 {
+		o.MaxWait = time.Hour
+	}
 	if len(o.RetryDelays) == 0 {
 		o.RetryDelays = []time.Duration{time.Second, 5 * time.Second, 30 * time.Second, 2 * time.Minute}
 	}
@@ -375,26 +423,6 @@ func (o *ConsumerOptions) consSetDefaults(queue string) error {
 	for _, d := range o.RetryDelays {
 		if d < time.Millisecond || d > 24*time.Hour {
 			return fmt.Errorf("amqp: ConsumerOptions.RetryDelays: %v is out of range [1ms, 24h]", d)
-		}
-	}
-	if o.DeadLetterExchange == "" {
-		o.DeadLetterExchange = queue + ".dlx"
-	}
-	if o.DeadLetterQueue == "" {
-		o.DeadLetterQueue = queue + ".dlq"
-	}
-	if o.ConnectionName == "" {
-		o.ConnectionName = "idem-consumer"
-	}
-	if o.Logger == nil {
-		o.Logger = slog.Default()
-	}
-	if o.Propagator == nil {
-		o.Propagator = telemetry.DefaultPropagator
-	}
-	for _, n := range []string{queue, o.DeadLetterExchange, o.DeadLetterQueue, consRetryQueue(queue, o.RetryDelays[0])} {
-		if len(n) > 255 {
-			return fmt.Errorf("amqp: queue or exchange name %.40q... is longer than 255 bytes", n)
 		}
 	}
 	return nil
