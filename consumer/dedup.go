@@ -13,7 +13,6 @@ import (
 
 	"github.com/idemkit/idem/dedup"
 	"github.com/idemkit/idem/internal/leasekeep"
-	"github.com/idemkit/idem/internal/seat"
 	"github.com/idemkit/idem/internal/telemetry"
 )
 
@@ -160,23 +159,52 @@ type dedupRun struct {
 }
 
 // slotCtx is the handler's context: its parent with the result slot as the
-// value of resultKey (context.WithValue, without an allocation of its own).
+// value of resultKey (context.WithValue, without an allocation of its own),
+// and with the delivery's handler slot (Message.Slot) hidden.
 type slotCtx struct {
 	context.Context
 	slot *resultSlot
 }
 
 func (c *slotCtx) Value(key any) any {
-	if _, ok := key.(resultKey); ok {
+	switch key.(type) {
+	case resultKey:
 		return c.slot
-	}
-	if seat.Hidden(key) {
-		// The delivery's handler slot is Dedup's to give away and take
-		// back: a Dedup inside the handler (in goroutines, say) must not
-		// move it.
-		return nil
+	case slotHiddenKey:
+		// The delivery's handler slot is this Dedup's to give away and
+		// take back: a Dedup inside the handler (in goroutines, say)
+		// must not move it.
+		return true
 	}
 	return c.Context.Value(key)
+}
+
+// handlerSlot is the type of Message.Slot.
+type handlerSlot = interface {
+	Away()
+	Back(ctx context.Context) error
+}
+
+// slotHiddenKey marks a context whose handler slot belongs to a Dedup or a
+// Transactional further out: the value is true.
+type slotHiddenKey struct{}
+
+// slotOf is msg's handler slot, unless a Dedup or Transactional further out
+// owns it (ctx says so), or there is none.
+func slotOf(ctx context.Context, msg *Message) handlerSlot {
+	if msg.Slot == nil || ctx.Value(slotHiddenKey{}) != nil {
+		return nil
+	}
+	return msg.Slot
+}
+
+// hideSlot returns ctx marked so that a Dedup under it leaves msg's handler
+// slot alone (see slotOf).
+func hideSlot(ctx context.Context, msg *Message) context.Context {
+	if msg.Slot == nil {
+		return ctx
+	}
+	return context.WithValue(ctx, slotHiddenKey{}, true)
 }
 
 func (d *dedupMiddleware) handle(ctx context.Context, msg *Message, next Handler) error {
@@ -200,10 +228,12 @@ func (d *dedupMiddleware) handle(ctx context.Context, msg *Message, next Handler
 	if recording {
 		cctx, endClaim = telemetry.StartSpan(ctx, d.tel.Tracer, "idem.claim", d.tel.SpanAttrs(key.Hash())...)
 	}
-	// The claim's round trip need not hold a handler slot (internal/seat):
+	// The claim's round trip need not hold a handler slot (Message.Slot):
 	// another delivery's handler may run meanwhile.
-	st := seat.From(ctx)
-	st.Away()
+	st := slotOf(ctx, msg)
+	if st != nil {
+		st.Away()
+	}
 	lease, err := d.store.Claim(cctx, key)
 	if err == nil && lease == nil {
 		err = errors.New("the store returned neither a lease nor an error")
@@ -239,7 +269,7 @@ func (d *dedupMiddleware) handle(ctx context.Context, msg *Message, next Handler
 	defer run.End()
 	run.hctx = slotCtx{Context: &run.Ctx, slot: &run.slot}
 	var hctx context.Context = &run.hctx
-	if err := d.seatBack(&run.Ctx, st, lease, every); err != nil {
+	if err := d.slotBack(&run.Ctx, st, lease, every); err != nil {
 		// The lease was lost, the consumer stops, or the handler context
 		// ended, while this delivery waited for a handler slot: the
 		// handler never ran.
@@ -274,7 +304,9 @@ func (d *dedupMiddleware) handle(ctx context.Context, msg *Message, next Handler
 	herr := next.Handle(hctx, msg)
 	returned = true
 	endHandle(herr)
-	st.Away() // Complete or Release need no handler slot either
+	if st != nil {
+		st.Away() // Complete or Release need no handler slot either
+	}
 	var tracer trace.Tracer
 	if recording {
 		tracer = d.tel.Tracer
@@ -284,22 +316,22 @@ func (d *dedupMiddleware) handle(ctx context.Context, msg *Message, next Handler
 	return err
 }
 
-// errSeatWait is the error of a delivery whose lease has no heartbeat and
+// errSlotWait is the error of a delivery whose lease has no heartbeat and
 // that waited half of it for a handler slot.
-var errSeatWait = errors.New("no handler slot was free within half of the lease, which has no heartbeat")
+var errSlotWait = errors.New("no handler slot was free within half of the lease, which has no heartbeat")
 
-// seatBack takes the delivery's handler slot back after the claim (see
-// internal/seat). Without a heartbeat nothing extends the lease while the
+// slotBack takes the delivery's handler slot back after the claim (see
+// Message.Slot). Without a heartbeat nothing extends the lease while the
 // delivery waits: the wait is then bounded by half of the lease, so that
 // the handler never starts on a lease about to run out.
-func (d *dedupMiddleware) seatBack(ctx context.Context, st *seat.Seat, lease *dedup.Lease, every time.Duration) error {
+func (d *dedupMiddleware) slotBack(ctx context.Context, st handlerSlot, lease *dedup.Lease, every time.Duration) error {
 	if st == nil {
 		return nil
 	}
 	if every > 0 || lease.TTL <= 0 {
 		return st.Back(ctx)
 	}
-	wctx, cancel := context.WithTimeoutCause(ctx, lease.TTL/2, errSeatWait)
+	wctx, cancel := context.WithTimeoutCause(ctx, lease.TTL/2, errSlotWait)
 	defer cancel()
 	return st.Back(wctx)
 }

@@ -8,6 +8,7 @@ import (
 	"sync"
 	"sync/atomic"
 	"testing"
+	"testing/synctest"
 	"time"
 
 	"github.com/idemkit/idem/consumer"
@@ -41,14 +42,18 @@ func (e *effects) counts() map[string]int {
 
 func TestDedupConcurrentDeliveries(t *testing.T) {
 	store := newStore(t, memstore.Options{})
+	const n = 100
 	var fx effects
+	var ran, returned atomic.Int64
+	others := make(chan struct{}) // closed once every other delivery returned
 	h := consumer.Chain(consumer.HandlerFunc(func(ctx context.Context, m *consumer.Message) error {
 		fx.add(m.ID)
-		time.Sleep(20 * time.Millisecond) // hold the lease while the others pile up
+		if ran.Add(1) == 1 {
+			<-others // hold the lease while the others pile up
+		}
 		return nil
 	}), mustDedup(t, store, consumer.DedupOptions{Scope: "billing/charge"}))
 
-	const n = 100
 	results := make([]consumer.Result, n)
 	var wg sync.WaitGroup
 	start := make(chan struct{})
@@ -57,6 +62,9 @@ func TestDedupConcurrentDeliveries(t *testing.T) {
 			<-start
 			m := msg("order-1", `{"amount":100}`)
 			results[i] = consumer.Process(t.Context(), h, m)
+			if returned.Add(1) == n-1 {
+				close(others)
+			}
 		})
 	}
 	close(start)
@@ -116,10 +124,13 @@ func TestDedupConcurrentWithRetryAllAck(t *testing.T) {
 			}
 		},
 	})
+	// The first owner of an id finishes only once another delivery of it
+	// found the key in flight and waits in Retry.
+	waiting := func(id string) chan struct{} { return doneCh("waiting/" + id) }
 	h := consumer.Chain(consumer.HandlerFunc(func(ctx context.Context, m *consumer.Message) error {
 		fx.add(m.ID)
 		consumer.SetResult(ctx, []byte("receipt-"+m.ID))
-		time.Sleep(10 * time.Millisecond)
+		<-waiting(m.ID)
 		return nil
 	}), nil, dd)
 
@@ -133,6 +144,9 @@ func TestDedupConcurrentWithRetryAllAck(t *testing.T) {
 		retry := mustRetry(t, consumer.RetryOptions{
 			MaxAttempts: 10,
 			Sleep: func(ctx context.Context, d time.Duration) error {
+				if _, loaded := once.LoadOrStore("waiting/"+id, true); !loaded {
+					close(waiting(id))
+				}
 				select {
 				case <-doneCh(id):
 					return nil
@@ -246,52 +260,56 @@ func TestDedupPanicReleasesAndRecoverConverts(t *testing.T) {
 // else gets in. No time is asserted, only that Extend was called and that no
 // second owner got the key.
 func TestDedupHeartbeatExtends(t *testing.T) {
-	// A lease of a second against beats every 20ms: a pause of most of a
-	// second (not of 280ms, under -race on a loaded machine) would lose it.
-	store := newStore(t, memstore.Options{Lease: time.Second})
-	cs := &countingStore{LeaseStore: store}
-	key := dedup.NewKey("s", "slow", []byte("p"))
-	handlerDone := make(chan struct{})
-	h := consumer.Chain(consumer.HandlerFunc(func(ctx context.Context, m *consumer.Message) error {
-		defer close(handlerDone)
-		time.Sleep(2200 * time.Millisecond) // more than two leases
-		return ctx.Err()
-	}), mustDedup(t, cs, consumer.DedupOptions{Scope: "s", ExtendEvery: 20 * time.Millisecond}))
+	// In a synctest bubble the clock is the bubble's: the handler's pause,
+	// the heartbeat and the competing claims run on it, and the store's
+	// leases expire by it.
+	synctest.Test(t, func(t *testing.T) {
+		// A lease of a second against beats every 20ms.
+		store := newStore(t, memstore.Options{Lease: time.Second})
+		cs := &countingStore{LeaseStore: store}
+		key := dedup.NewKey("s", "slow", []byte("p"))
+		handlerDone := make(chan struct{})
+		h := consumer.Chain(consumer.HandlerFunc(func(ctx context.Context, m *consumer.Message) error {
+			defer close(handlerDone)
+			time.Sleep(2200 * time.Millisecond) // more than two leases
+			return ctx.Err()
+		}), mustDedup(t, cs, consumer.DedupOptions{Scope: "s", ExtendEvery: 20 * time.Millisecond}))
 
-	var stolen atomic.Int64
-	var others []error
-	var wg sync.WaitGroup
-	wg.Go(func() {
-		for {
-			select {
-			case <-handlerDone:
-				return
-			case <-time.After(10 * time.Millisecond):
+		var stolen atomic.Int64
+		var others []error
+		var wg sync.WaitGroup
+		wg.Go(func() {
+			for {
+				select {
+				case <-handlerDone:
+					return
+				case <-time.After(10 * time.Millisecond):
+				}
+				l, err := store.Claim(context.Background(), key)
+				if l != nil {
+					stolen.Add(1)
+				}
+				if err != nil && !errors.Is(err, dedup.ErrInFlight) && !errors.Is(err, dedup.ErrDuplicate) {
+					others = append(others, err)
+				}
 			}
-			l, err := store.Claim(context.Background(), key)
-			if l != nil {
-				stolen.Add(1)
-			}
-			if err != nil && !errors.Is(err, dedup.ErrInFlight) && !errors.Is(err, dedup.ErrDuplicate) {
-				others = append(others, err)
-			}
+		})
+		r := consumer.Process(t.Context(), h, msg("slow", "p"))
+		wg.Wait()
+		wantResult(t, r, consumer.ActionAck, consumer.ReasonNone)
+		if stolen.Load() != 0 {
+			t.Fatalf("a second owner claimed the key %d times while the handler ran", stolen.Load())
+		}
+		if len(others) > 0 {
+			t.Fatalf("competing claims failed unexpectedly: %v", others)
+		}
+		if cs.extends.Load() == 0 {
+			t.Fatal("Extend was never called")
+		}
+		if _, err := store.Claim(t.Context(), key); !errors.Is(err, dedup.ErrDuplicate) {
+			t.Fatalf("claim after completion = %v, want duplicate", err)
 		}
 	})
-	r := consumer.Process(t.Context(), h, msg("slow", "p"))
-	wg.Wait()
-	wantResult(t, r, consumer.ActionAck, consumer.ReasonNone)
-	if stolen.Load() != 0 {
-		t.Fatalf("a second owner claimed the key %d times while the handler ran", stolen.Load())
-	}
-	if len(others) > 0 {
-		t.Fatalf("competing claims failed unexpectedly: %v", others)
-	}
-	if cs.extends.Load() == 0 {
-		t.Fatal("Extend was never called")
-	}
-	if _, err := store.Claim(t.Context(), key); !errors.Is(err, dedup.ErrDuplicate) {
-		t.Fatalf("claim after completion = %v, want duplicate", err)
-	}
 }
 
 // When the lease expires and a second owner takes the key, the heartbeat's

@@ -32,6 +32,19 @@ type Message struct {
 	// Time is when the message was produced or delivered, as the broker
 	// reports it; the zero time when unknown.
 	Time time.Time
+	// Slot is a handler slot an adapter may attach, when it works on more
+	// deliveries at once than it runs handlers: Dedup gives it up while it
+	// waits on the store and takes it back before the handler runs. Back
+	// waits for a free slot and returns an error when none can be had (the
+	// context ended, the adapter is stopping): the handler then does not
+	// run. The slot is the outermost Dedup's, or Transactional's, which
+	// keeps it throughout: a Dedup the handler runs under its context, on
+	// this message or another, leaves it alone. Nil when the adapter
+	// attaches none.
+	Slot interface {
+		Away()
+		Back(ctx context.Context) error
+	}
 }
 
 // Handler processes one message. A nil error means the effect committed and

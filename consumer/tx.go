@@ -8,7 +8,6 @@ import (
 	"go.opentelemetry.io/otel/trace"
 
 	"github.com/idemkit/idem/dedup"
-	"github.com/idemkit/idem/internal/seat"
 	"github.com/idemkit/idem/internal/telemetry"
 	"github.com/idemkit/idem/internal/txflow"
 )
@@ -86,9 +85,9 @@ func Transactional[Tx any](store dedup.TxStore[Tx], opts TxOptions, h TxHandler[
 			tel.Claimed(ctx, telemetry.ClaimInvalidKey, 0)
 			return err
 		}
-		// The handler keeps the delivery's handler slot (internal/seat)
+		// The handler keeps the delivery's handler slot (Message.Slot)
 		// throughout; a Dedup it runs must not give it away.
-		ctx = seat.Hide(ctx)
+		ctx = hideSlot(ctx, msg)
 		r := txflow.Process(ctx, store, key, tel, func(ctx context.Context, tx Tx) ([]byte, error) {
 			ctx, slot := withResultSlot(ctx)
 			if err := h(ctx, tx, msg); err != nil {

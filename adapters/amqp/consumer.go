@@ -18,7 +18,6 @@ import (
 	"github.com/idemkit/idem/consumer"
 	"github.com/idemkit/idem/dedup"
 	"github.com/idemkit/idem/internal/backoff"
-	"github.com/idemkit/idem/internal/seat"
 	"github.com/idemkit/idem/internal/telemetry"
 )
 
@@ -69,9 +68,9 @@ import (
 // channel: the broker redelivers the message and the dedup store answers
 // "duplicate". A graceful stop sends every waiting ack before it closes
 // the connection. Coalescing changes neither the ACK rule nor the counts:
-// Stats.Acked, the span, the metrics and OnResult of a delivery are
-// recorded once its ack was written (OutcomeAcked) or given up
-// (OutcomeAbandoned).
+// Stats.Acked, the span, the metrics and OnOutcome of a delivery are
+// recorded once its ack was written, or given up because its channel
+// closed.
 //
 // Concurrency bounds the handlers running at once, not the deliveries in
 // flight: with Concurrency above 1, InFlight workers (8 × Concurrency by
@@ -555,34 +554,13 @@ func (c *Consumer) serve(ctx, hctx context.Context, s *consSession, wg *sync.Wai
 	c.readyOnce.Do(func() { close(c.ready) })
 	a := newConsAcker(c, s)
 	wg.Go(a.loop)
-	// InFlight workers run the chain; when they outnumber Concurrency, a
-	// gate of Concurrency seats bounds the handlers among them (see
-	// ConsumerOptions.InFlight and internal/seat).
-	var gate *seat.Gate
-	if c.opts.InFlight > c.opts.Concurrency {
-		gate = seat.NewGate(c.opts.Concurrency)
-	}
 	// wctx tells the workers to stop starting deliveries: only once the
 	// broker confirmed the cancel, so that what they give back is not
 	// delivered to this consumer again (and counted again in
 	// x-delivery-count) while it stops. The workers of a session that
 	// died go on (their settlements fail and count as abandoned).
 	wctx, stopWorkers := context.WithCancel(context.WithoutCancel(ctx))
-	var workers sync.WaitGroup
-	for range c.opts.InFlight {
-		workers.Add(1)
-		wg.Go(func() {
-			defer workers.Done()
-			for {
-				d, excl, ok := a.take(deliveries, c.alone)
-				if !ok {
-					return
-				}
-				c.handle(wctx, hctx, s, a, gate, d, excl)
-				a.untake(excl)
-			}
-		})
-	}
+	seats, workers := c.startWorkers(wctx, hctx, s, a, deliveries, wg)
 	// The deliveries close without ctx ending or the channel closing when
 	// the broker cancels the consumer (basic.cancel: the queue was
 	// deleted, or a quorum queue lost its leader): then the workers all
@@ -611,22 +589,30 @@ func (c *Consumer) serve(ctx, hctx context.Context, s *consSession, wg *sync.Wai
 		s.kill(s.deadErr)
 		// Nothing of this session can be settled any more: deliveries
 		// waiting for a handler slot give way instead of running.
-		gate.Stop()
+		seats.stop()
 		wg.Go(func() { workers.Wait(); stopWorkers() })
 		return s.deadErr
 	}
+	c.stopSession(s, a, tag, stopWorkers, seats, workers)
+	return nil
+}
+
+// stopSession ends a session gracefully once Run's context ended: it cancels the
+// consumer, stops the workers and the gate, waits for the handlers, sends
+// the acks still waiting in the acker and closes the session.
+func (c *Consumer) stopSession(s *consSession, a *consAcker, tag string, stopWorkers func(), seats *gate, workers *sync.WaitGroup) {
 	// Stop the flow; the library then hands over what it buffered
 	// (requeued by handle, since wctx is done) and closes deliveries.
 	// Deliveries that claimed but wait for a handler slot give way too
-	// (their chain returns seat.ErrStopped; settle requeues them).
+	// (their chain returns errStopped; settle requeues them).
 	s.rpc.Lock()
-	err = s.ch.Cancel(tag, false)
+	err := s.ch.Cancel(tag, false)
 	s.rpc.Unlock()
 	if err != nil {
 		s.kill(err)
 	}
 	stopWorkers()
-	gate.Stop()
+	seats.stop()
 	if c.workersStopped != nil {
 		c.workersStopped()
 	}
@@ -635,7 +621,36 @@ func (c *Consumer) serve(ctx, hctx context.Context, s *consSession, wg *sync.Wai
 	// before the connection closes.
 	a.drain()
 	s.kill(amqp091.ErrClosed)
-	return nil
+}
+
+// startWorkers starts the InFlight workers that take s's deliveries and
+// run the chain on them, and returns the gate that bounds their handlers
+// (nil when InFlight is Concurrency) and the group that tracks them. The
+// workers stop starting deliveries when wctx ends.
+func (c *Consumer) startWorkers(wctx, hctx context.Context, s *consSession, a *consAcker, deliveries <-chan amqp091.Delivery, wg *sync.WaitGroup) (*gate, *sync.WaitGroup) {
+	// InFlight workers run the chain; when they outnumber Concurrency, a
+	// gate of Concurrency seats bounds the handlers among them (see
+	// ConsumerOptions.InFlight and seat).
+	var seats *gate
+	if c.opts.InFlight > c.opts.Concurrency {
+		seats = newGate(c.opts.Concurrency)
+	}
+	workers := new(sync.WaitGroup)
+	for range c.opts.InFlight {
+		workers.Add(1)
+		wg.Go(func() {
+			defer workers.Done()
+			for {
+				d, excl, ok := a.take(deliveries, c.alone)
+				if !ok {
+					return
+				}
+				c.handle(wctx, hctx, s, a, seats, d, excl)
+				a.untake(excl)
+			}
+		})
+	}
+	return seats, workers
 }
 
 // brokerCancelled reports whether the broker cancelled the consumer: a
@@ -666,18 +681,18 @@ var errBrokerCancel = errors.New("the broker cancelled the consumer (was the que
 // isolation lock exclusively: before its chain runs, the acks of the
 // deliveries finished before it are written and their receipt confirmed;
 // its own ack is written at once, not coalesced, and confirmed too.
-func (c *Consumer) handle(ctx, hctx context.Context, s *consSession, a *consAcker, gate *seat.Gate, d amqp091.Delivery, excl bool) {
-	var st *seat.Seat
-	if gate != nil && ctx.Err() == nil {
-		st = new(seat.Seat)
-		if gate.Take(ctx, st) == nil {
-			defer st.Leave()
+func (c *Consumer) handle(ctx, hctx context.Context, s *consSession, a *consAcker, seats *gate, d amqp091.Delivery, excl bool) {
+	var st *seat
+	if seats != nil && ctx.Err() == nil {
+		st = new(seat)
+		if seats.take(ctx, st) == nil {
+			defer st.leave()
 		}
 	}
 	if ctx.Err() != nil {
 		// Prefetched but not started before the stop: give it back.
 		out := c.requeue(s, &d)
-		a.settled(d.DeliveryTag, out == OutcomeAbandoned)
+		a.settled(d.DeliveryTag, out == settledAbandoned)
 		return
 	}
 	start := time.Now()
@@ -689,12 +704,12 @@ func (c *Consumer) handle(ctx, hctx context.Context, s *consSession, a *consAcke
 	// mctx only adds values to hctx: it is cancelled with it.
 	mctx := context.WithValue(hctx, consDeliveryKey{}, &d)
 	if st != nil {
-		mctx = seat.With(mctx, st)
+		msg.Slot = st
 	}
 	mctx, end := c.tel.StartConsumer(mctx, c.opts.Propagator, (*TableCarrier)(&d.Headers), c.queue)
 	var (
 		r   consumer.Result
-		out ConsumerOutcome
+		out settlement
 	)
 	switch n, over := c.overDelivered(&d); {
 	case over && (d.DeliveryTag == 1 || n >= 2*int64(c.opts.MaxDeliveries)):
@@ -722,7 +737,7 @@ func (c *Consumer) handle(ctx, hctx context.Context, s *consSession, a *consAcke
 				a.finished(&consDone{tag: d.DeliveryTag, at: time.Now(), start: start, ctx: mctx, msg: msg, r: r, end: end})
 				return
 			}
-			if out = c.ack(s, &d); out == OutcomeAcked {
+			if out = c.ack(s, &d); out == settledAcked {
 				c.confirmAcks(s)
 				c.stats.acked.Add(1)
 				if r.Duplicate {
@@ -733,7 +748,7 @@ func (c *Consumer) handle(ctx, hctx context.Context, s *consSession, a *consAcke
 		}
 		out = c.settle(mctx, s, &d, msg, r)
 	}
-	a.settled(d.DeliveryTag, out == OutcomeAbandoned)
+	a.settled(d.DeliveryTag, out == settledAbandoned)
 	c.report(mctx, msg, r, out, start, end)
 }
 
@@ -764,10 +779,37 @@ func (c *Consumer) confirmAcks(s *consSession) {
 	}
 }
 
+// settlement is what the Consumer did with a delivery.
+type settlement int8
+
+const (
+	// settledAcked: acknowledged (success, a completed duplicate, or a
+	// dead letter a consumer.DeadLetter middleware parked); the ack,
+	// possibly coalesced with others, was written.
+	settledAcked settlement = iota + 1
+	// settledRetried: a copy went to a retry queue, then the delivery was
+	// acknowledged.
+	settledRetried
+	// settledDeadLettered: a copy went to the dead-letter exchange, then
+	// the delivery was acknowledged.
+	settledDeadLettered
+	// settledRequeued: nacked with requeue, because a copy could not be
+	// published or the consumer is stopping.
+	settledRequeued
+	// settledAbandoned: the delivery's channel closed before it could be
+	// settled (or while its ack was being coalesced); the broker
+	// redelivers it.
+	settledAbandoned
+)
+
+// errAbandoned is the Report.Err of a delivery whose channel closed before
+// it was settled.
+var errAbandoned = fmt.Errorf("amqp: the delivery's channel closed before it was settled; the broker redelivers it: %w", amqp091.ErrClosed)
+
 // reportDone counts and reports a delivery the acker acknowledged
-// (OutcomeAcked) or abandoned.
-func (c *Consumer) reportDone(p *consDone, out ConsumerOutcome) {
-	if out == OutcomeAcked {
+// (settledAcked) or abandoned.
+func (c *Consumer) reportDone(p *consDone, out settlement) {
+	if out == settledAcked {
 		c.stats.acked.Add(1)
 		if p.r.Duplicate {
 			c.stats.duplicates.Add(1)
@@ -779,13 +821,18 @@ func (c *Consumer) reportDone(p *consDone, out ConsumerOutcome) {
 }
 
 // report records a settled delivery's verdict (metrics, its span) and
-// calls OnResult.
-func (c *Consumer) report(mctx context.Context, msg *consumer.Message, r consumer.Result, out ConsumerOutcome, start time.Time, end func(string, error)) {
-	result, reason := verdictOf(r, out)
+// calls OnOutcome.
+func (c *Consumer) report(mctx context.Context, msg *consumer.Message, r consumer.Result, out settlement, start time.Time, end func(string, error)) {
+	v := applied(r, out)
+	result, reason := verdictOf(v)
 	c.tel.Result(mctx, c.queue, result, reason, time.Since(start))
 	end(result, r.Err)
-	if c.opts.OnResult != nil {
-		c.opts.OnResult(mctx, msg, r, out)
+	if c.opts.OnOutcome != nil {
+		err := r.Err
+		if out == settledAbandoned {
+			err = errAbandoned
+		}
+		c.opts.OnOutcome(mctx, consumer.Report{Outcome: consumer.OutcomeOf(r), Message: msg, Result: v, Err: err})
 	}
 }
 
@@ -793,25 +840,38 @@ func (c *Consumer) report(mctx context.Context, msg *consumer.Message, r consume
 // spans.
 const system = "rabbitmq"
 
-// verdictOf is the idem.result and idem.reason of a delivery whose chain
-// returned r and that the Consumer settled with out: ack, dead_letter with
-// the reason the copy carries, or retry for everything that comes back (a
-// retry copy, a requeue, an abandoned delivery).
-func verdictOf(r consumer.Result, out ConsumerOutcome) (result, reason string) {
+// applied is the verdict the Consumer carried out on a delivery whose chain
+// returned r and that it settled with out: r itself when it was
+// acknowledged or dead-lettered as r said; a dead letter with reason
+// wait_limit or retries_exhausted for a retry the Consumer dead-lettered
+// instead; a retry for every delivery that comes back (a retry copy, a
+// requeue, an abandoned delivery), with r's reason and error.
+func applied(r consumer.Result, out settlement) consumer.Result {
 	switch out {
-	case OutcomeAcked:
-		if r.DeadLettered { // a consumer.DeadLetter middleware parked it
-			return "dead_letter", string(r.Reason)
-		}
-		return "ack", ""
-	case OutcomeDeadLettered:
+	case settledAcked:
+		return r
+	case settledDeadLettered:
 		if r.Action == consumer.ActionRetry {
+			reason := consumer.ReasonRetriesExhausted
 			if consOwned(r) {
-				return "dead_letter", string(ReasonWaitLimit)
+				reason = ReasonWaitLimit
 			}
-			return "dead_letter", string(consumer.ReasonRetriesExhausted)
+			return consumer.Result{Action: consumer.ActionDeadLetter, Reason: reason, Err: r.Err}
 		}
-		return "dead_letter", string(r.Reason)
+		return r
+	}
+	return consumer.Result{Action: consumer.ActionRetry, Reason: r.Reason, Err: r.Err, RetryAfter: r.RetryAfter}
+}
+
+// verdictOf is the idem.result and idem.reason of a verdict the Consumer
+// carried out (see applied): ack, retry, or dead_letter with the reason
+// the copy carries (or the consumer.DeadLetter middleware gave).
+func verdictOf(v consumer.Result) (result, reason string) {
+	switch {
+	case v.DeadLettered, v.Action == consumer.ActionDeadLetter:
+		return "dead_letter", string(v.Reason)
+	case v.Action == consumer.ActionAck:
+		return "ack", ""
 	}
 	return "retry", ""
 }
@@ -838,12 +898,12 @@ func consReturns(d *amqp091.Delivery) int64 {
 // settle settles a delivery whose chain did not return ActionAck (those go
 // to the acker) on its own tag: a dead-letter or retry copy then an ack, or
 // a nack with requeue.
-func (c *Consumer) settle(hctx context.Context, s *consSession, d *amqp091.Delivery, msg *consumer.Message, r consumer.Result) ConsumerOutcome {
+func (c *Consumer) settle(hctx context.Context, s *consSession, d *amqp091.Delivery, msg *consumer.Message, r consumer.Result) settlement {
 	if r.Action == consumer.ActionDeadLetter {
 		return c.deadLetter(hctx, s, d, msg, r.Reason, r.Err)
 	}
 	// ActionRetry, and anything unknown.
-	if hctx.Err() != nil || errors.Is(r.Err, seat.ErrStopped) {
+	if hctx.Err() != nil || errors.Is(r.Err, errStopped) {
 		// The shutdown timeout cut the handler short, or the stop came
 		// before the handler started: not the message's fault, so no
 		// attempt is spent; the broker redelivers it.
@@ -901,9 +961,9 @@ func (c *Consumer) settle(hctx context.Context, s *consSession, d *amqp091.Deliv
 		return c.publishFailed(hctx, s, d, "retry queue", err)
 	}
 	out := c.ack(s, d)
-	if out == OutcomeAcked {
+	if out == settledAcked {
 		c.stats.retried.Add(1)
-		return OutcomeRetried
+		return settledRetried
 	}
 	return out
 }
@@ -932,7 +992,7 @@ func (c *Consumer) retryDelay(attempt int, hint time.Duration) time.Duration {
 	return d
 }
 
-func (c *Consumer) deadLetter(hctx context.Context, s *consSession, d *amqp091.Delivery, msg *consumer.Message, reason consumer.Reason, cause error) ConsumerOutcome {
+func (c *Consumer) deadLetter(hctx context.Context, s *consSession, d *amqp091.Delivery, msg *consumer.Message, reason consumer.Reason, cause error) settlement {
 	p := c.copyOf(d, msg.Attempt)
 	p.MessageId = c.deadLetterID(d, msg)
 	p.Headers[HeaderReason] = string(reason)
@@ -949,9 +1009,9 @@ func (c *Consumer) deadLetter(hctx context.Context, s *consSession, d *amqp091.D
 		slog.String("message_id_hash", dedup.HashKey("", msg.ID)), slog.String("reason", string(reason)),
 		slog.Int("attempt", msg.Attempt), slog.Any("err", cause))
 	out := c.ack(s, d)
-	if out == OutcomeAcked {
+	if out == settledAcked {
 		c.stats.deadLettered.Add(1)
-		return OutcomeDeadLettered
+		return settledDeadLettered
 	}
 	return out
 }
@@ -986,7 +1046,7 @@ func (c *Consumer) deadLetterID(d *amqp091.Delivery, msg *consumer.Message) stri
 
 // publishFailed handles a copy that was not confirmed: the delivery goes
 // back to the queue, after a pause so a broken publish path is not spun.
-func (c *Consumer) publishFailed(hctx context.Context, s *consSession, d *amqp091.Delivery, where string, err error) ConsumerOutcome {
+func (c *Consumer) publishFailed(hctx context.Context, s *consSession, d *amqp091.Delivery, where string, err error) settlement {
 	if s.isDead() {
 		return c.abandon()
 	}
@@ -1066,7 +1126,7 @@ func (c *Consumer) copyOf(d *amqp091.Delivery, attempt int) amqp091.Publishing {
 	}
 }
 
-func (c *Consumer) ack(s *consSession, d *amqp091.Delivery) ConsumerOutcome {
+func (c *Consumer) ack(s *consSession, d *amqp091.Delivery) settlement {
 	// The tag belongs to s's channel (d.Acknowledger): on a dead
 	// generation it must not, and cannot, be used.
 	if s.isDead() {
@@ -1075,10 +1135,10 @@ func (c *Consumer) ack(s *consSession, d *amqp091.Delivery) ConsumerOutcome {
 	if err := d.Ack(false); err != nil {
 		return c.abandon()
 	}
-	return OutcomeAcked
+	return settledAcked
 }
 
-func (c *Consumer) requeue(s *consSession, d *amqp091.Delivery) ConsumerOutcome {
+func (c *Consumer) requeue(s *consSession, d *amqp091.Delivery) settlement {
 	if s.isDead() {
 		return c.abandon()
 	}
@@ -1086,12 +1146,12 @@ func (c *Consumer) requeue(s *consSession, d *amqp091.Delivery) ConsumerOutcome 
 		return c.abandon()
 	}
 	c.stats.requeued.Add(1)
-	return OutcomeRequeued
+	return settledRequeued
 }
 
-func (c *Consumer) abandon() ConsumerOutcome {
+func (c *Consumer) abandon() settlement {
 	c.stats.abandoned.Add(1)
-	return OutcomeAbandoned
+	return settledAbandoned
 }
 
 // message maps a delivery to a consumer.Message (see NewMessage), with the

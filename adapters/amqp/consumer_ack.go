@@ -69,7 +69,7 @@ const (
 //     redelivers them; the dedup store decides). The acker belongs to one
 //     session, and a tag is only ever sent on that session's channel.
 //
-// Stats, telemetry and OnResult of a finished delivery are reported once
+// Stats, telemetry and OnOutcome of a finished delivery are reported once
 // its ack was written (or abandoned), by the goroutine that wrote it.
 type consAcker struct {
 	c        *Consumer
@@ -227,7 +227,7 @@ func (a *consAcker) finished(p *consDone) {
 		// the acker does not track. (Every delivery is registered by
 		// next, so this does not happen.)
 		a.mu.Unlock()
-		a.c.reportDone(p, OutcomeAbandoned)
+		a.c.reportDone(p, settledAbandoned)
 		return
 	}
 	a.ents[i].done = p
@@ -364,22 +364,22 @@ func (a *consAcker) takeFinished(take func(*consDone) bool, w *consAckWork) {
 // write sends w's frames on the session's channel (never another) and
 // reports the deliveries. Only the holder of the flush role calls it.
 func (a *consAcker) write(w *consAckWork) {
-	out := OutcomeAcked
+	out := settledAcked
 	switch {
 	case w.abandon:
-		out = OutcomeAbandoned
+		out = settledAbandoned
 	case w.single:
 		for _, p := range w.dones {
-			o := OutcomeAcked
+			o := settledAcked
 			if !a.send(p.tag, false) {
-				o = OutcomeAbandoned
+				o = settledAbandoned
 			}
 			a.c.reportDone(p, o)
 		}
 		return
 	default:
 		if !a.send(w.upTo, true) {
-			out = OutcomeAbandoned
+			out = settledAbandoned
 		}
 	}
 	for _, p := range w.dones {

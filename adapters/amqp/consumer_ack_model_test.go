@@ -247,7 +247,7 @@ func TestAckerModelStuckBound(t *testing.T) {
 		m.finish(tag)
 		a.finished(consModelDone(tag))
 	}
-	consWaitFor(t, 5*time.Second, "the stuck deliveries to be acknowledged", func() bool { return c.Stats().Acked == 9 })
+	testenv.Eventually(t, 5*time.Second, "the stuck deliveries to be acknowledged", func() bool { return c.Stats().Acked == 9 })
 	if waited := time.Since(start); waited < delay {
 		t.Errorf("stuck deliveries acknowledged after %v, before the %v bound", waited, delay)
 	}
@@ -262,7 +262,7 @@ func TestAckerModelStuckBound(t *testing.T) {
 	}
 	m.finish(1)
 	a.finished(consModelDone(1))
-	consWaitFor(t, 5*time.Second, "the slow delivery to be acknowledged", func() bool { return c.Stats().Acked == 10 })
+	testenv.Eventually(t, 5*time.Second, "the slow delivery to be acknowledged", func() bool { return c.Stats().Acked == 10 })
 	a.drain()
 	wg.Wait()
 	m.mu.Lock()

@@ -136,10 +136,10 @@ func TestConsumerAckSlowLowTag(t *testing.T) {
 	consPublish(t, url, q, append(consMsgs("slow", 1), consMsgs("fast", fast)...)...)
 	<-started
 	waitStart := time.Now()
-	consWaitFor(t, 30*time.Second, "the fast deliveries to be acknowledged while the slow one runs",
+	testenv.Eventually(t, 30*time.Second, "the fast deliveries to be acknowledged while the slow one runs",
 		func() bool { return c.Stats().Acked == fast })
 	t.Logf("the %d fast deliveries were acknowledged %v after the slow one started", fast, time.Since(waitStart).Round(time.Millisecond))
-	consWaitFor(t, 30*time.Second, "the broker to count 1 unacknowledged message", func() bool {
+	testenv.Eventually(t, 30*time.Second, "the broker to count 1 unacknowledged message", func() bool {
 		ready, unacked := counts(q)
 		return ready == 0 && unacked == 1
 	})
@@ -152,7 +152,7 @@ func TestConsumerAckSlowLowTag(t *testing.T) {
 		t.Fatal(err)
 	}
 	close(release)
-	consWaitFor(t, 30*time.Second, "the slow message to come back and be acknowledged", func() bool { return c.Stats().Acked == fast+1 })
+	testenv.Eventually(t, 30*time.Second, "the slow message to come back and be acknowledged", func() bool { return c.Stats().Acked == fast+1 })
 	stop()
 	st := c.Stats()
 	t.Logf("stats %+v", st)
@@ -209,7 +209,7 @@ func TestConsumerAckMixedWindow(t *testing.T) {
 	// First the originals of the duplicates, done before the window.
 	pre := consMsgs("pre", 6)
 	consPublish(t, url, q, pre...)
-	consWaitFor(t, 30*time.Second, "the originals", func() bool { return c.Stats().Acked == 6 })
+	testenv.Eventually(t, 30*time.Second, "the originals", func() bool { return c.Stats().Acked == 6 })
 	var window []amqp091.Publishing
 	ok, perm, flaky := consMsgs("ok", 24), consMsgs("perm", 8), consMsgs("flaky", 8)
 	for i := range 24 {
@@ -225,7 +225,7 @@ func TestConsumerAckMixedWindow(t *testing.T) {
 	}
 	consPublish(t, url, q, window...)
 	const wantAcked = 6 + 24 + 8 + 8 // originals, ok, duplicates, flaky on attempt 2
-	consWaitFor(t, 30*time.Second, "every verdict", func() bool {
+	testenv.Eventually(t, 30*time.Second, "every verdict", func() bool {
 		st := c.Stats()
 		return st.Acked >= wantAcked && st.DeadLettered >= 8
 	})
@@ -316,8 +316,8 @@ func TestConsumerAckShutdownFlush(t *testing.T) {
 	c.ackLinger, c.ackDelay = time.Hour, time.Hour
 	workersStopped := consWorkersStopped(t, c)
 	stop := consStart(t, c)
-	consWaitFor(t, 30*time.Second, "5 handled and 2 handlers blocked", func() bool { return runs.total() == quick+2 && blocked.Load() == 2 })
-	consWaitFor(t, 30*time.Second, "all 20 delivered and unacknowledged", func() bool {
+	testenv.Eventually(t, 30*time.Second, "5 handled and 2 handlers blocked", func() bool { return runs.total() == quick+2 && blocked.Load() == 2 })
+	testenv.Eventually(t, 30*time.Second, "all 20 delivered and unacknowledged", func() bool {
 		ready, unacked := counts(q)
 		return ready == 0 && unacked == n
 	})
@@ -399,10 +399,10 @@ func TestConsumerAckChannelClosedRedeliversUnacked(t *testing.T) {
 	c.ackLinger, c.ackDelay = 50*time.Millisecond, time.Hour
 	stop := consStart(t, c)
 	consPublish(t, url, q, consMsgs("a", 10)...)
-	consWaitFor(t, 30*time.Second, "a0..a9 acknowledged", func() bool { return c.Stats().Acked == 10 })
+	testenv.Eventually(t, 30*time.Second, "a0..a9 acknowledged", func() bool { return c.Stats().Acked == 10 })
 	consPublish(t, url, q, append(consMsgs("slow", 1), consMsgs("b", 10)...)...)
 	<-started
-	consWaitFor(t, 30*time.Second, "b0..b9 handled", func() bool { return finished.Load() == 20 })
+	testenv.Eventually(t, 30*time.Second, "b0..b9 handled", func() bool { return finished.Load() == 20 })
 	if st := c.Stats(); st.Acked != 10 {
 		t.Fatalf("Acked = %d with the slow delivery in flight, want 10: b0..b9 must wait behind it", st.Acked)
 	}
@@ -410,7 +410,7 @@ func TestConsumerAckChannelClosedRedeliversUnacked(t *testing.T) {
 		t.Fatal(err)
 	}
 	close(release)
-	consWaitFor(t, 30*time.Second, "the 11 redeliveries acknowledged", func() bool { return c.Stats().Acked == 21 })
+	testenv.Eventually(t, 30*time.Second, "the 11 redeliveries acknowledged", func() bool { return c.Stats().Acked == 21 })
 	stop()
 	st := c.Stats()
 	t.Logf("stats %+v", st)
@@ -458,8 +458,8 @@ func TestConsumerAckChannelClosedStress(t *testing.T) {
 		t.Fatal(err)
 	}
 	stop := consStart(t, c)
-	consWaitFor(t, 120*time.Second, "every message applied", func() bool { _, d := o.counts(t); return d >= n })
-	consWaitFor(t, 30*time.Second, "the queue to drain", func() bool { return consDepth(t, url, q) == 0 })
+	testenv.Eventually(t, 120*time.Second, "every message applied", func() bool { _, d := o.counts(t); return d >= n })
+	testenv.Eventually(t, 30*time.Second, "the queue to drain", func() bool { return consDepth(t, url, q) == 0 })
 	stop()
 	rows, distinct := o.counts(t)
 	st := c.Stats()

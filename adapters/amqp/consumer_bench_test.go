@@ -29,7 +29,7 @@ const consBenchN = 5000
 // to its last ACK. It reports msgs/s per variant and the ratios to bare.
 // The bare loop acknowledges each message on its own, as a hand-written
 // worker does; the idem Consumer coalesces its ACKs into multiple acks (see
-// Consumer), and its "last ACK" is the OnResult of the last delivery,
+// Consumer), and its "last ACK" is the OnOutcome of the last delivery,
 // called once the ack covering it was written.
 //
 //	go test -run '^$' -bench BenchmarkConsumer -benchtime 5x ./adapters/amqp/
@@ -134,8 +134,8 @@ func consBenchIdem(b *testing.B, url, queue string, dedupMW consumer.Middleware,
 	h := consumer.Chain(consumer.HandlerFunc(func(context.Context, *consumer.Message) error { return nil }), consumer.Recover(), dedupMW)
 	c, err := NewConsumer(url, queue, h, ConsumerOptions{
 		Prefetch: 100, Concurrency: concurrency, InFlight: inFlight, Logger: consQuiet(), RetryDelays: []time.Duration{time.Second},
-		OnResult: func(_ context.Context, _ *consumer.Message, _ consumer.Result, out ConsumerOutcome) {
-			if out == OutcomeAcked && acked.Add(1) == consBenchN {
+		OnOutcome: func(_ context.Context, r consumer.Report) {
+			if r.Result.Action == consumer.ActionAck && acked.Add(1) == consBenchN {
 				close(all)
 			}
 		},

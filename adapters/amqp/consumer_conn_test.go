@@ -52,17 +52,25 @@ func TestConsumerConn(t *testing.T) {
 	if _, err := NewConsumerConn(conn, q, h, ConsumerOptions{Dial: func(context.Context) (*amqp091.Connection, error) { return nil, nil }}); err == nil {
 		t.Error("NewConsumerConn accepted Dial")
 	}
-	c, err := NewConsumerConn(conn, q, h, consOpts(ConsumerOptions{}))
+	var abandoned atomic.Int64 // reported as a retry whose error wraps amqp091.ErrClosed
+	c, err := NewConsumerConn(conn, q, h, consOpts(ConsumerOptions{OnOutcome: func(_ context.Context, r consumer.Report) {
+		if r.Result.Action == consumer.ActionRetry && errors.Is(r.Err, amqp091.ErrClosed) && r.Message.ID == "close-channel" {
+			abandoned.Add(1)
+		}
+	}}))
 	if err != nil {
 		t.Fatal(err)
 	}
 	stop := consStart(t, c)
 	consPublish(t, url, q, amqp091.Publishing{MessageId: "close-channel", Body: []byte("x")})
 	consPublish(t, url, q, consMsgs("conn", 5)...)
-	consWaitFor(t, 30*time.Second, "6 messages handled", func() bool { return handled.Load() == 6 && c.Stats().Acked == 6 })
+	testenv.Eventually(t, 30*time.Second, "6 messages handled", func() bool { return handled.Load() == 6 && c.Stats().Acked == 6 })
 	stop()
 	if st := c.Stats(); st.Connects != 2 || st.Abandoned != 1 {
 		t.Errorf("stats %+v: want 2 sessions on the one connection and 1 abandoned delivery", st)
+	}
+	if n := abandoned.Load(); n != 1 {
+		t.Errorf("OnOutcome reported %d abandoned deliveries, want 1", n)
 	}
 	if conn.IsClosed() {
 		t.Fatal("the Consumer closed the caller's connection")
@@ -124,7 +132,7 @@ func TestConsumerDial(t *testing.T) {
 	}
 	stop := consStart(t, c)
 	consPublish(t, url, q, consMsgs("dial", 3)...)
-	consWaitFor(t, 30*time.Second, "3 acks", func() bool { return c.Stats().Acked == 3 })
+	testenv.Eventually(t, 30*time.Second, "3 acks", func() bool { return c.Stats().Acked == 3 })
 	stop()
 	mu.Lock()
 	defer mu.Unlock()
@@ -197,7 +205,7 @@ func TestConsumerNoDeclare(t *testing.T) {
 	}
 	stop := consStart(t, c)
 	consPublish(t, url, q, amqp091.Publishing{MessageId: "flaky", Body: []byte("f")}, amqp091.Publishing{MessageId: "bad", Body: []byte("b")})
-	consWaitFor(t, 30*time.Second, "a retry, an ack and a dead letter", func() bool {
+	testenv.Eventually(t, 30*time.Second, "a retry, an ack and a dead letter", func() bool {
 		st := c.Stats()
 		return st.Retried == 1 && st.Acked == 1 && st.DeadLettered == 1
 	})

@@ -47,7 +47,7 @@ func ExampleNewConsumer() {
 		Concurrency: 1,
 		RetryDelays: []time.Duration{time.Second}, // one retry queue: <queue>.retry.1000ms
 		NotDurable:  true,                         // a throw-away queue for the example
-		OnResult: func(_ context.Context, _ *consumer.Message, _ consumer.Result, _ idemamqp.ConsumerOutcome) {
+		OnOutcome: func(context.Context, consumer.Report) {
 			settled <- struct{}{}
 		},
 	})

@@ -229,18 +229,6 @@ func (o *consOracle) counts(t testing.TB) (rows, distinct int) {
 	return rows, distinct
 }
 
-// waitFor polls cond until it holds or d passed.
-func consWaitFor(t testing.TB, d time.Duration, what string, cond func() bool) {
-	t.Helper()
-	deadline := time.Now().Add(d)
-	for !cond() {
-		if time.Now().After(deadline) {
-			t.Fatalf("timed out after %v waiting for %s", d, what)
-		}
-		time.Sleep(20 * time.Millisecond)
-	}
-}
-
 // consWorkersStopped installs c's workersStopped hook. The returned wait
 // blocks until a graceful stop has stopped the workers; it fails the test
 // if Run returned first (stopped closed) or a minute passed.

@@ -142,7 +142,7 @@ func TestConsumerInFlightBoundsHandlersNotStoreCalls(t *testing.T) {
 	const n = 64
 	consPublish(t, url, q, consMsgs("inflight", n)...)
 	stop := consStart(t, c)
-	consWaitFor(t, 60*time.Second, "every message acked", func() bool { return c.Stats().Acked >= n })
+	testenv.Eventually(t, 60*time.Second, "every message acked", func() bool { return c.Stats().Acked >= n })
 	stop()
 	rows, distinct := o.counts(t)
 	if rows != n || distinct != n {
@@ -188,7 +188,7 @@ func TestConsumerInFlightGracefulStop(t *testing.T) {
 	workersStopped := consWorkersStopped(t, c)
 	stop := consStart(t, c)
 	// 2 handlers running, 6 more deliveries claimed and waiting for a slot.
-	consWaitFor(t, 30*time.Second, "2 handlers running and 6 deliveries waiting for a slot", func() bool {
+	testenv.Eventually(t, 30*time.Second, "2 handlers running and 6 deliveries waiting for a slot", func() bool {
 		return started.Load() == 2 && cs.held.Load() == 8
 	})
 	stopping.Store(1)
@@ -258,8 +258,8 @@ func TestConsumerWaitsDoNotSpendAttempts(t *testing.T) {
 	}), consumer.Recover(), dd)
 	var waits atomic.Int64
 	c, err := NewConsumer(url, q, h, consOpts(ConsumerOptions{MaxAttempts: 3,
-		OnResult: func(_ context.Context, _ *consumer.Message, r consumer.Result, out ConsumerOutcome) {
-			if r.Reason == consumer.ReasonInFlight && out == OutcomeRetried && waits.Add(1) == 3 {
+		OnOutcome: func(_ context.Context, r consumer.Report) {
+			if r.Result.Reason == consumer.ReasonInFlight && r.Result.Action == consumer.ActionRetry && waits.Add(1) == 3 {
 				release()
 			}
 		}}))
@@ -268,7 +268,7 @@ func TestConsumerWaitsDoNotSpendAttempts(t *testing.T) {
 	}
 	stop := consStart(t, c)
 	consPublish(t, url, q, amqp091.Publishing{MessageId: "held", Body: body})
-	consWaitFor(t, 30*time.Second, "the dead letter", func() bool { return c.Stats().DeadLettered >= 1 })
+	testenv.Eventually(t, 30*time.Second, "the dead letter", func() bool { return c.Stats().DeadLettered >= 1 })
 	stop()
 	mu.Lock()
 	defer mu.Unlock()
@@ -304,9 +304,9 @@ func TestConsumerMaxWait(t *testing.T) {
 	}), consumer.Recover(), dd)
 	var verdict atomic.Value
 	c, err := NewConsumer(url, q, h, consOpts(ConsumerOptions{MaxWait: time.Millisecond,
-		OnResult: func(_ context.Context, _ *consumer.Message, r consumer.Result, out ConsumerOutcome) {
-			if out == OutcomeDeadLettered {
-				res, reason := verdictOf(r, out)
+		OnOutcome: func(_ context.Context, r consumer.Report) {
+			if r.Result.Action == consumer.ActionDeadLetter {
+				res, reason := verdictOf(r.Result)
 				verdict.Store(res + " " + reason)
 			}
 		}}))
@@ -315,7 +315,7 @@ func TestConsumerMaxWait(t *testing.T) {
 	}
 	stop := consStart(t, c)
 	consPublish(t, url, q, amqp091.Publishing{MessageId: "stuck", Body: body})
-	consWaitFor(t, 30*time.Second, "the dead letter", func() bool { return c.Stats().DeadLettered >= 1 })
+	testenv.Eventually(t, 30*time.Second, "the dead letter", func() bool { return c.Stats().DeadLettered >= 1 })
 	stop()
 	if st := c.Stats(); st.Retried != 1 || ran.Load() != 0 {
 		t.Errorf("%d waits, handler ran %d times; want 1 and 0 (stats %+v)", st.Retried, ran.Load(), st)

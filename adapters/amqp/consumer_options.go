@@ -70,15 +70,16 @@ const (
 	HeaderReturns = "x-idem-returns"
 )
 
-// ReasonRedeliveryLimit is the HeaderReason (and the Result.Reason passed to
-// OnResult) of a message dead-lettered because the broker delivered it more
+// ReasonRedeliveryLimit is the HeaderReason (and the Result.Reason in the
+// OnOutcome report) of a message dead-lettered because the broker delivered it more
 // than ConsumerOptions.MaxDeliveries times without it being settled: it
 // crashed or stalled every worker that took it.
 const ReasonRedeliveryLimit consumer.Reason = "redelivery_limit"
 
-// ReasonWaitLimit is the HeaderReason (and the verdict's idem.reason) of a
-// message dead-lettered because its key was held by another owner
-// (in_flight, lease_lost) for longer than ConsumerOptions.MaxWait.
+// ReasonWaitLimit is the HeaderReason (and the Result.Reason in the
+// OnOutcome report, and the verdict's idem.reason) of a message
+// dead-lettered because its key was held by another owner (in_flight,
+// lease_lost) for longer than ConsumerOptions.MaxWait.
 const ReasonWaitLimit consumer.Reason = "wait_limit"
 
 // ConsumerBinding binds the work queue to an exchange. The exchange must
@@ -260,13 +261,28 @@ type ConsumerOptions struct {
 	// ids appear only hashed (message_id_hash, dedup.HashKey with an empty
 	// scope), routing keys and bodies never. Defaults to slog.Default().
 	Logger *slog.Logger
-	// OnResult, if set, is called after each delivery was settled, with
-	// the handler chain's Result and what the consumer did. It must be
-	// fast and safe for concurrent use. For a delivery acknowledged on
-	// ActionAck it is called once the (coalesced) ack was written, or
-	// given up with OutcomeAbandoned, and possibly from another handler's
-	// goroutine or the consumer's own; its ctx is the delivery's.
-	OnResult func(ctx context.Context, msg *consumer.Message, r consumer.Result, outcome ConsumerOutcome)
+	// OnOutcome, if set, is called once per delivery, after it was
+	// settled, with its consumer.Report: Outcome is the chain's
+	// (consumer.OutcomeOf), Message the delivery's message, and Result the
+	// verdict the Consumer carried out. Result.Action is ActionAck (the
+	// delivery was acknowledged: its effect committed, it was a duplicate,
+	// or a consumer.DeadLetter middleware parked it), ActionDeadLetter (a
+	// copy went to the dead-letter exchange, then the delivery was
+	// acknowledged; Reason says why, retries_exhausted, wait_limit and
+	// redelivery_limit included) or ActionRetry (the message comes back: a
+	// copy went to a retry queue, or the delivery was nacked with requeue
+	// because the consumer stopped or a copy could not be published, or
+	// its channel closed before it was settled). Result.Err and Err are
+	// the chain's error, except for a delivery whose channel closed before
+	// it was settled (the broker redelivers it), where Err wraps
+	// amqp091.ErrClosed. Key is zero: consumer.Dedup's and
+	// consumer.Transactional's own OnOutcome report the key.
+	//
+	// For a delivery acknowledged on ActionAck it is called once the
+	// (coalesced) ack was written, or given up, possibly from another
+	// handler's goroutine or the consumer's own; its ctx is the
+	// delivery's. It must be fast and safe for concurrent use.
+	OnOutcome func(ctx context.Context, r consumer.Report)
 
 	// MeterProvider receives idem.messages (each delivery's verdict: ack,
 	// retry or dead_letter, with the dead-letter reason) and
@@ -290,51 +306,70 @@ type ConsumerOptions struct {
 	Propagator propagation.TextMapPropagator
 }
 
-// ConsumerOutcome is what the Consumer did with a delivery.
-type ConsumerOutcome string
-
-// Outcomes of a delivery.
-const (
-	// OutcomeAcked: acknowledged (success or a completed duplicate); the
-	// ack, possibly coalesced with others, was written.
-	OutcomeAcked ConsumerOutcome = "acked"
-	// OutcomeRetried: a copy went to a retry queue, the delivery was
-	// acknowledged.
-	OutcomeRetried ConsumerOutcome = "retried"
-	// OutcomeDeadLettered: a copy went to the dead-letter exchange, the
-	// delivery was acknowledged.
-	OutcomeDeadLettered ConsumerOutcome = "dead_lettered"
-	// OutcomeRequeued: nacked with requeue, because the copy could not be
-	// published or the consumer is stopping.
-	OutcomeRequeued ConsumerOutcome = "requeued"
-	// OutcomeAbandoned: the delivery's channel closed before it could be
-	// settled (or while its ack was being coalesced); the broker
-	// redelivers it.
-	OutcomeAbandoned ConsumerOutcome = "abandoned"
-)
-
 func (o *ConsumerOptions) consSetDefaults(queue string) error {
 	if o.Prefetch < 0 || o.Concurrency < 0 || o.InFlight < 0 || o.MaxAttempts < 0 {
 		return fmt.Errorf("amqp: ConsumerOptions: Prefetch (%d), Concurrency (%d), InFlight (%d) and MaxAttempts (%d) must not be negative", o.Prefetch, o.Concurrency, o.InFlight, o.MaxAttempts)
 	}
+	if err := o.setQueueDefaults(); err != nil {
+		return err
+	}
+	if err := o.setFlowDefaults(); err != nil {
+		return err
+	}
+	if err := o.setRetryDefaults(); err != nil {
+		return err
+	}
+	if o.DeadLetterExchange == "" {
+		o.DeadLetterExchange = queue + ".dlx"
+	}
+	if o.DeadLetterQueue == "" {
+		o.DeadLetterQueue = queue + ".dlq"
+	}
+	if o.ConnectionName == "" {
+		o.ConnectionName = "idem-consumer"
+	}
+	if o.Logger == nil {
+		o.Logger = slog.Default()
+	}
+	if o.Propagator == nil {
+		o.Propagator = telemetry.DefaultPropagator
+	}
+	for _, n := range []string{queue, o.DeadLetterExchange, o.DeadLetterQueue, consRetryQueue(queue, o.RetryDelays[0])} {
+		if len(n) > 255 {
+			return fmt.Errorf("amqp: queue or exchange name %.40q... is longer than 255 bytes", n)
+		}
+	}
+	return nil
+}
+
+// setQueueDefaults checks and completes MaxDeliveries and the quorum queue
+// settings.
+func (o *ConsumerOptions) setQueueDefaults() error {
 	switch {
 	case o.MaxDeliveries == 0:
 		o.MaxDeliveries = 10
 	case o.MaxDeliveries < -1:
 		return fmt.Errorf("amqp: ConsumerOptions.MaxDeliveries is %d; it must be positive, 0 (the default) or -1 (no bound)", o.MaxDeliveries)
 	}
-	if o.QuorumQueue {
-		if o.NotDurable {
-			return errors.New("amqp: ConsumerOptions: QuorumQueue requires durable queues, but NotDurable is set")
-		}
-		if t, ok := o.QueueArgs[consQueueTypeArg]; ok && t != "quorum" {
-			return fmt.Errorf("amqp: ConsumerOptions: QuorumQueue is set but QueueArgs has %s %v", consQueueTypeArg, t)
-		}
-		args := make(amqp091.Table, len(o.QueueArgs)+1)
-		maps.Copy(args, o.QueueArgs)
-		args[consQueueTypeArg] = "quorum"
-		o.QueueArgs = args
+	if !o.QuorumQueue {
+		return nil
 	}
+	if o.NotDurable {
+		return errors.New("amqp: ConsumerOptions: QuorumQueue requires durable queues, but NotDurable is set")
+	}
+	if t, ok := o.QueueArgs[consQueueTypeArg]; ok && t != "quorum" {
+		return fmt.Errorf("amqp: ConsumerOptions: QuorumQueue is set but QueueArgs has %s %v", consQueueTypeArg, t)
+	}
+	args := make(amqp091.Table, len(o.QueueArgs)+1)
+	maps.Copy(args, o.QueueArgs)
+	args[consQueueTypeArg] = "quorum"
+	o.QueueArgs = args
+	return nil
+}
+
+// setFlowDefaults checks and completes Prefetch, Concurrency and InFlight,
+// and the timeouts and backoffs.
+func (o *ConsumerOptions) setFlowDefaults() error {
 	if o.Prefetch == 0 {
 		o.Prefetch = 100
 	}
@@ -348,12 +383,6 @@ func (o *ConsumerOptions) consSetDefaults(queue string) error {
 		o.InFlight = 1
 	case o.InFlight < o.Concurrency || o.InFlight > max(o.Prefetch, o.Concurrency):
 		return fmt.Errorf("amqp: ConsumerOptions.InFlight is %d; it must lie between Concurrency (%d) and Prefetch (%d)", o.InFlight, o.Concurrency, o.Prefetch)
-	}
-	if o.MaxAttempts == 0 {
-		o.MaxAttempts = 5
-	}
-	if o.MaxWait == 0 {
-		o.MaxWait = time.Hour
 	}
 	for _, d := range []struct {
 		name string
@@ -375,6 +404,18 @@ func (o *ConsumerOptions) consSetDefaults(queue string) error {
 	if o.MaxReconnectBackoff < o.ReconnectBackoff {
 		return fmt.Errorf("amqp: ConsumerOptions.MaxReconnectBackoff %v is shorter than ReconnectBackoff %v", o.MaxReconnectBackoff, o.ReconnectBackoff)
 	}
+	return nil
+}
+
+// setRetryDefaults checks and completes MaxAttempts, MaxWait and
+// RetryDelays.
+func (o *ConsumerOptions) setRetryDefaults() error {
+	if o.MaxAttempts == 0 {
+		o.MaxAttempts = 5
+	}
+	if o.MaxWait == 0 {
+		o.MaxWait = time.Hour
+	}
 	if len(o.RetryDelays) == 0 {
 		o.RetryDelays = []time.Duration{time.Second, 5 * time.Second, 30 * time.Second, 2 * time.Minute}
 	}
@@ -382,26 +423,6 @@ func (o *ConsumerOptions) consSetDefaults(queue string) error {
 	for _, d := range o.RetryDelays {
 		if d < time.Millisecond || d > 24*time.Hour {
 			return fmt.Errorf("amqp: ConsumerOptions.RetryDelays: %v is out of range [1ms, 24h]", d)
-		}
-	}
-	if o.DeadLetterExchange == "" {
-		o.DeadLetterExchange = queue + ".dlx"
-	}
-	if o.DeadLetterQueue == "" {
-		o.DeadLetterQueue = queue + ".dlq"
-	}
-	if o.ConnectionName == "" {
-		o.ConnectionName = "idem-consumer"
-	}
-	if o.Logger == nil {
-		o.Logger = slog.Default()
-	}
-	if o.Propagator == nil {
-		o.Propagator = telemetry.DefaultPropagator
-	}
-	for _, n := range []string{queue, o.DeadLetterExchange, o.DeadLetterQueue, consRetryQueue(queue, o.RetryDelays[0])} {
-		if len(n) > 255 {
-			return fmt.Errorf("amqp: queue or exchange name %.40q... is longer than 255 bytes", n)
 		}
 	}
 	return nil

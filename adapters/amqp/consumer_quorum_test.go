@@ -91,8 +91,8 @@ func TestConsumerQuorumRedeliveryLimit(t *testing.T) {
 	var limited atomic.Int32
 	c, err := NewConsumer(url, q, h, consOpts(ConsumerOptions{
 		QuorumQueue: true, MaxDeliveries: maxDeliveries, Prefetch: 1,
-		OnResult: func(_ context.Context, _ *consumer.Message, r consumer.Result, out ConsumerOutcome) {
-			if r.Reason == ReasonRedeliveryLimit && out == OutcomeDeadLettered {
+		OnOutcome: func(_ context.Context, r consumer.Report) {
+			if r.Result.Reason == ReasonRedeliveryLimit && r.Result.Action == consumer.ActionDeadLetter {
 				limited.Add(1)
 			}
 		},
@@ -103,10 +103,10 @@ func TestConsumerQuorumRedeliveryLimit(t *testing.T) {
 	stop := consStart(t, c)
 	start := time.Now()
 	consPublish(t, url, q, consMsgs("poison", 1)...)
-	consWaitFor(t, 60*time.Second, "the poison message to be dead-lettered", func() bool { return c.Stats().DeadLettered >= 1 })
+	testenv.Eventually(t, 60*time.Second, "the poison message to be dead-lettered", func() bool { return c.Stats().DeadLettered >= 1 })
 	t.Logf("poison dead-lettered after %v, %d handler runs", time.Since(start).Round(time.Millisecond), poisonRuns.Load())
 	consPublish(t, url, q, consMsgs("good", 5)...)
-	consWaitFor(t, 30*time.Second, "the worker to go on", func() bool { return c.Stats().Acked >= 5 })
+	testenv.Eventually(t, 30*time.Second, "the worker to go on", func() bool { return c.Stats().Acked >= 5 })
 	stop()
 	st := c.Stats()
 	t.Logf("stats: %+v", st)
@@ -117,7 +117,7 @@ func TestConsumerQuorumRedeliveryLimit(t *testing.T) {
 		t.Errorf("the good handler ran %d times, want 5", n)
 	}
 	if n := limited.Load(); n != 1 {
-		t.Errorf("OnResult saw %d redelivery_limit dead letters, want 1", n)
+		t.Errorf("OnOutcome saw %d redelivery_limit dead letters, want 1", n)
 	}
 	if st.DeadLettered != 1 || st.Abandoned != maxDeliveries || st.Connects < maxDeliveries+1 {
 		t.Errorf("want 1 dead letter, %d abandoned deliveries, %d+ connects; stats %+v", maxDeliveries, maxDeliveries+1, st)
@@ -169,7 +169,7 @@ func TestConsumerQuorumCrashLoopSparesNeighbours(t *testing.T) {
 					t.Fatal(err)
 				}
 				died := false
-				consWaitFor(t, 60*time.Second, "the worker to die or the messages to be settled", func() bool {
+				testenv.Eventually(t, 60*time.Second, "the worker to die or the messages to be settled", func() bool {
 					select {
 					case <-p.Exited():
 						died = true
@@ -259,8 +259,8 @@ func TestConsumerQuorumRedeliveryLimitAcrossWaits(t *testing.T) {
 	var waits atomic.Int32
 	c, err := NewConsumer(url, q, h, consOpts(ConsumerOptions{
 		QuorumQueue: true, MaxDeliveries: maxDeliveries, Prefetch: 1,
-		OnResult: func(_ context.Context, _ *consumer.Message, r consumer.Result, _ ConsumerOutcome) {
-			if r.Reason == consumer.ReasonInFlight {
+		OnOutcome: func(_ context.Context, r consumer.Report) {
+			if r.Result.Reason == consumer.ReasonInFlight {
 				waits.Add(1)
 			}
 		},
@@ -273,7 +273,7 @@ func TestConsumerQuorumRedeliveryLimitAcrossWaits(t *testing.T) {
 	unblock := func() { once.Do(func() { close(release) }) }
 	t.Cleanup(unblock) // before stop, which waits for the handlers
 	consPublish(t, url, q, consMsgs("poison", 1)...)
-	consWaitFor(t, 30*time.Second, "the poison message to be dead-lettered", func() bool { return c.Stats().DeadLettered >= 1 })
+	testenv.Eventually(t, 30*time.Second, "the poison message to be dead-lettered", func() bool { return c.Stats().DeadLettered >= 1 })
 	unblock()
 	stop()
 	t.Logf("%d handler runs, %d waits; stats %+v", runs.Load(), waits.Load(), c.Stats())

@@ -131,7 +131,7 @@ func TestConsumerChannelClosedMidHandler(t *testing.T) {
 	}
 	stop := consStart(t, c)
 	consPublish(t, url, q, consMsgs("closed", 1)...)
-	consWaitFor(t, 30*time.Second, "the redelivery to be acked as a duplicate", func() bool { return c.Stats().Duplicates >= 1 })
+	testenv.Eventually(t, 30*time.Second, "the redelivery to be acked as a duplicate", func() bool { return c.Stats().Duplicates >= 1 })
 	stop()
 	rows, distinct := o.counts(t)
 	st := c.Stats()
@@ -159,7 +159,7 @@ func TestConsumerSameMessageIDTwice(t *testing.T) {
 	stop := consStart(t, c)
 	m := consMsgs("twice", 2)
 	consPublish(t, url, q, m[0], m[1], m[0])
-	consWaitFor(t, 30*time.Second, "3 acks", func() bool { return c.Stats().Acked >= 3 })
+	testenv.Eventually(t, 30*time.Second, "3 acks", func() bool { return c.Stats().Acked >= 3 })
 	stop()
 	rows, distinct := o.counts(t)
 	if rows != 2 || distinct != 2 {
@@ -232,7 +232,7 @@ func TestConsumerRetryBoundAndDelay(t *testing.T) {
 		amqp091.Publishing{MessageId: "flaky", Body: []byte("f")},
 		amqp091.Publishing{MessageId: "always", Body: []byte("a"), Headers: amqp091.Table{"tenant": "t1"}},
 		amqp091.Publishing{MessageId: "poison", Body: []byte("p")})
-	consWaitFor(t, 30*time.Second, "2 dead letters and the flaky message done", func() bool {
+	testenv.Eventually(t, 30*time.Second, "2 dead letters and the flaky message done", func() bool {
 		st := c.Stats()
 		return st.DeadLettered >= 2 && st.Acked >= 1
 	})
@@ -332,7 +332,7 @@ func TestConsumerNoMessageID(t *testing.T) {
 		amqp091.Publishing{Body: []byte("who am I")},
 		amqp091.Publishing{MessageId: "ok-1", Body: []byte("1")},
 		amqp091.Publishing{Headers: amqp091.Table{"x-request-id": "from-header"}, Body: []byte("2")})
-	consWaitFor(t, 30*time.Second, "1 dead letter and 2 acks", func() bool {
+	testenv.Eventually(t, 30*time.Second, "1 dead letter and 2 acks", func() bool {
 		st := c.Stats()
 		return st.DeadLettered >= 1 && st.Acked >= 2
 	})
@@ -371,7 +371,7 @@ func TestConsumerIDHeaderNotString(t *testing.T) {
 	consPublish(t, url, q,
 		amqp091.Publishing{MessageId: "fallback", Headers: amqp091.Table{"x-request-id": int32(42)}, Body: []byte("1")},
 		amqp091.Publishing{MessageId: "fallback-2", Headers: amqp091.Table{"x-request-id": ""}, Body: []byte("2")})
-	consWaitFor(t, 30*time.Second, "2 settled deliveries", func() bool {
+	testenv.Eventually(t, 30*time.Second, "2 settled deliveries", func() bool {
 		st := c.Stats()
 		return st.DeadLettered+st.Acked >= 2
 	})
@@ -415,7 +415,7 @@ func TestConsumerDeadLetterID(t *testing.T) {
 		amqp091.Publishing{Body: []byte("who am I"), Headers: amqp091.Table{"tenant": "t2"}},
 		amqp091.Publishing{MessageId: "p-1", Body: []byte("p")},
 		amqp091.Publishing{Headers: amqp091.Table{"x-request-id": "h-1"}, Body: []byte("h")})
-	consWaitFor(t, 30*time.Second, "5 dead letters", func() bool { return c.Stats().DeadLettered >= 5 })
+	testenv.Eventually(t, 30*time.Second, "5 dead letters", func() bool { return c.Stats().DeadLettered >= 5 })
 	stop()
 	dead := consGetAll(t, url, q+".dlq")
 	if len(dead) != 5 {
@@ -476,11 +476,10 @@ func TestConsumerGracefulStop(t *testing.T) {
 	// The stop has cancelled the consumer and stopped the workers; Run
 	// must still wait for the handler.
 	workersStopped(stopped)
-	time.Sleep(100 * time.Millisecond)
 	select {
 	case <-stopped:
 		t.Fatal("Run returned while a handler was running")
-	default:
+	case <-time.After(100 * time.Millisecond):
 	}
 	close(release)
 	<-stopped
@@ -515,14 +514,14 @@ func TestConsumerCloseAllConnections(t *testing.T) {
 	}
 	stop := consStart(t, c)
 	for i, at := range []int{2000, 6000} {
-		consWaitFor(t, 120*time.Second, "progress", func() bool { _, d := o.counts(t); return d >= at })
+		testenv.Eventually(t, 120*time.Second, "progress", func() bool { _, d := o.counts(t); return d >= at })
 		ctl("close_all_connections", "--vhost", vh, "idem test: connection kill mid-run")
 		// The consumer reconnects even if the run finished while
 		// rabbitmqctl started (a close on an idle connection).
-		consWaitFor(t, 60*time.Second, "a reconnect", func() bool { return c.Stats().Connects >= int64(i+2) })
+		testenv.Eventually(t, 60*time.Second, "a reconnect", func() bool { return c.Stats().Connects >= int64(i+2) })
 	}
-	consWaitFor(t, 150*time.Second, "every message applied", func() bool { _, d := o.counts(t); return d >= n })
-	consWaitFor(t, 30*time.Second, "the queue to drain", func() bool { return consDepth(t, url, q) == 0 })
+	testenv.Eventually(t, 150*time.Second, "every message applied", func() bool { _, d := o.counts(t); return d >= n })
+	testenv.Eventually(t, 30*time.Second, "the queue to drain", func() bool { return consDepth(t, url, q) == 0 })
 	stop()
 	rows, distinct := o.counts(t)
 	st := c.Stats()
@@ -558,8 +557,10 @@ func TestConsumerChildSIGKILL(t *testing.T) {
 		if err := cmd.Start(); err != nil {
 			t.Fatal(err)
 		}
-		consWaitFor(t, 60*time.Second, "the child to apply effects", func() bool { r, _ := o.counts(t); return r > rows0 })
-		time.Sleep(time.Duration(rand.N(40)) * time.Millisecond)
+		// Killed at a random point of its work: once it applied a random
+		// number of effects.
+		more := rand.N(100)
+		testenv.Eventually(t, 60*time.Second, "the child to apply effects", func() bool { r, _ := o.counts(t); return r > rows0+more })
 		_ = cmd.Process.Kill()
 		_ = cmd.Wait()
 	}
@@ -568,8 +569,8 @@ func TestConsumerChildSIGKILL(t *testing.T) {
 	if err := cmd.Start(); err != nil {
 		t.Fatal(err)
 	}
-	consWaitFor(t, 120*time.Second, "every message applied", func() bool { _, d := o.counts(t); return d >= total })
-	consWaitFor(t, 30*time.Second, "the queue to drain", func() bool { return consDepth(t, url, q) == 0 })
+	testenv.Eventually(t, 120*time.Second, "every message applied", func() bool { _, d := o.counts(t); return d >= total })
+	testenv.Eventually(t, 30*time.Second, "the queue to drain", func() bool { return consDepth(t, url, q) == 0 })
 	_ = cmd.Process.Signal(syscall.SIGTERM)
 	if err := cmd.Wait(); err != nil {
 		t.Errorf("the last child: %v", err)
@@ -598,11 +599,11 @@ func TestConsumerBrokerCancel(t *testing.T) {
 	}
 	stop := consStart(t, c)
 	consPublish(t, url, q, consMsgs("before", 1)...)
-	consWaitFor(t, 30*time.Second, "the first message acked", func() bool { return c.Stats().Acked == 1 })
+	testenv.Eventually(t, 30*time.Second, "the first message acked", func() bool { return c.Stats().Acked == 1 })
 	consAdmin(t, url, func(ch *amqp091.Channel) error { _, err := ch.QueueDelete(q, false, false, false); return err })
-	consWaitFor(t, 30*time.Second, "a reconnect after the broker cancelled the consumer", func() bool { return c.Stats().Connects >= 2 })
+	testenv.Eventually(t, 30*time.Second, "a reconnect after the broker cancelled the consumer", func() bool { return c.Stats().Connects >= 2 })
 	consPublish(t, url, q, consMsgs("after", 1)...)
-	consWaitFor(t, 30*time.Second, "the message published after the reconnect acked", func() bool { return c.Stats().Acked == 2 })
+	testenv.Eventually(t, 30*time.Second, "the message published after the reconnect acked", func() bool { return c.Stats().Acked == 2 })
 	stop()
 	if n := handled.Load(); n != 2 {
 		t.Fatalf("handled %d messages, want 2", n)

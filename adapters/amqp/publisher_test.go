@@ -78,22 +78,24 @@ func (b *pubBroker) queue(exchange, binding string, args amqp091.Table) string {
 	return q.Name
 }
 
-// get reads up to n messages from queue.
+// get reads n messages from queue, and fails the test when they do not
+// all arrive within 10s.
 func (b *pubBroker) get(queue string, n int) []amqp091.Delivery {
 	b.t.Helper()
 	var out []amqp091.Delivery
-	deadline := time.Now().Add(10 * time.Second)
-	for len(out) < n && time.Now().Before(deadline) {
-		d, ok, err := b.ch.Get(queue, true)
-		if err != nil {
-			b.t.Fatal(err)
+	testenv.Eventually(b.t, 10*time.Second, fmt.Sprintf("%d messages in %s", n, queue), func() bool {
+		for len(out) < n {
+			d, ok, err := b.ch.Get(queue, true)
+			if err != nil {
+				b.t.Fatal(err)
+			}
+			if !ok {
+				return false
+			}
+			out = append(out, d)
 		}
-		if !ok {
-			time.Sleep(10 * time.Millisecond)
-			continue
-		}
-		out = append(out, d)
-	}
+		return true
+	})
 	return out
 }
 
@@ -449,24 +451,27 @@ func TestPublisherConfirmTimeout(t *testing.T) {
 	px.setStall(false)
 	px.cut()
 	var err error
-	for range 50 { // the first attempts may still see the old connection die
-		if err = p.Publish(ctx, []*outbox.Message{pubMsg(x, "k", "3")}); err == nil {
-			break
-		}
-		time.Sleep(20 * time.Millisecond)
-	}
-	if err != nil {
-		t.Fatalf("Publish after the stall: %v", err)
-	}
+	// The first attempts may still see the old connection die.
+	testenv.Eventually(t, 10*time.Second, "a Publish after the stall to succeed", func() bool {
+		err = p.Publish(ctx, []*outbox.Message{pubMsg(x, "k", "3")})
+		return err == nil
+	})
 	// The stalled messages may or may not have reached the queue: that is
 	// what "unknown" means. The last one did.
-	found := false
-	for _, d := range b.get(q, 4) {
-		found = found || string(d.Body) == "3"
-	}
-	if !found {
-		t.Error("message 3 not delivered")
-	}
+	testenv.Eventually(t, 10*time.Second, "message 3 to be delivered", func() bool {
+		for {
+			d, ok, err := b.ch.Get(q, true)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if !ok {
+				return false
+			}
+			if string(d.Body) == "3" {
+				return true
+			}
+		}
+	})
 }
 
 // A connection lost before or during a batch: Publish returns a plain error
@@ -498,11 +503,7 @@ func TestPublisherReconnects(t *testing.T) {
 			sent := px.up.Load()
 			errc := make(chan error, 1)
 			go func() { errc <- p.Publish(ctx, batch) }()
-			for deadline := time.Now().Add(30 * time.Second); px.up.Load() == sent; time.Sleep(time.Millisecond) {
-				if time.Now().After(deadline) {
-					t.Fatal("batch 5 sent nothing within 30s")
-				}
-			}
+			testenv.Eventually(t, 30*time.Second, "batch 5 to send something", func() bool { return px.up.Load() != sent })
 			px.cut()
 			px.setStall(false)
 			err = <-errc
@@ -533,19 +534,13 @@ func TestPublisherReconnects(t *testing.T) {
 	}
 	// Counted by the broker (one Get per message for thousands of them
 	// would race get's deadline on a loaded machine).
-	var held int
-	for deadline := time.Now().Add(30 * time.Second); ; time.Sleep(10 * time.Millisecond) {
+	testenv.Eventually(t, 30*time.Second, fmt.Sprintf("the queue to hold the %d confirmed messages", delivered), func() bool {
 		st, err := b.ch.QueueDeclarePassive(q, false, false, false, false, nil)
 		if err != nil {
 			t.Fatal(err)
 		}
-		if held = st.Messages; held >= delivered || time.Now().After(deadline) {
-			break
-		}
-	}
-	if held < delivered {
-		t.Fatalf("queue holds %d messages, %d were confirmed", held, delivered)
-	}
+		return st.Messages >= delivered
+	})
 }
 
 // The broker unreachable: Publish fails with a plain error, quickly after

@@ -169,7 +169,7 @@ func TestConsumerMetricsByVerdict(t *testing.T) {
 		amqp091.Publishing{MessageId: "secret-always", Body: []byte("d")},
 		amqp091.Publishing{Body: []byte("no id")},
 	)
-	consWaitFor(t, 30*time.Second, "7 verdicts", func() bool { return mp.Sum(telemetry.MetricMessages) >= 7 })
+	testenv.Eventually(t, 30*time.Second, "7 verdicts", func() bool { return mp.Sum(telemetry.MetricMessages) >= 7 })
 
 	mp.CheckVerdicts("rabbitmq", queue, 7,
 		telemetrytest.Verdict{Result: "ack", Want: 2},
@@ -178,7 +178,7 @@ func TestConsumerMetricsByVerdict(t *testing.T) {
 		telemetrytest.Verdict{Result: "dead_letter", Reason: string(consumer.ReasonRetriesExhausted), Want: 1},
 		telemetrytest.Verdict{Result: "dead_letter", Reason: string(consumer.ReasonInvalidKey), Want: 1})
 	mp.NoValueContains("secret-")
-	consWaitFor(t, 10*time.Second, "the dead-letter log lines", func() bool {
+	testenv.Eventually(t, 10*time.Second, "the dead-letter log lines", func() bool {
 		return strings.Count(logs.String(), "message dead-lettered") == 3
 	})
 	if strings.Contains(logs.String(), "secret-") {
@@ -197,8 +197,8 @@ func TestConsumerHostileTraceHeaders(t *testing.T) {
 	spans := telemetrytest.NewSpans(t)
 	var acked atomic.Int64
 	opts := consOpts(ConsumerOptions{TracerProvider: spans,
-		OnResult: func(_ context.Context, _ *consumer.Message, _ consumer.Result, out ConsumerOutcome) {
-			if out == OutcomeAcked {
+		OnOutcome: func(_ context.Context, r consumer.Report) {
+			if r.Result.Action == consumer.ActionAck {
 				acked.Add(1)
 			}
 		}})
@@ -247,7 +247,7 @@ func TestConsumerHostileTraceHeaders(t *testing.T) {
 	if roots != len(hostile) || parented != 1 {
 		t.Errorf("%d roots and %d spans with the sent parent, want %d and 1", roots, parented, len(hostile))
 	}
-	consWaitFor(t, 10*time.Second, "every delivery acked", func() bool { return acked.Load() == int64(len(msgs)) })
+	testenv.Eventually(t, 10*time.Second, "every delivery acked", func() bool { return acked.Load() == int64(len(msgs)) })
 }
 
 // TableCarrier reads strings and bytes of at most MaxHeaderValue bytes and

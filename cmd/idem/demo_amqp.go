@@ -234,12 +234,12 @@ func (g *group) runAMQPInstance(ctx context.Context, inst *instance) error {
 		return nil
 	})
 	opts := amqpConsumerOptions(g.name, g.br.topic, g.logger)
-	opts.OnResult = func(_ context.Context, msg *consumer.Message, _ consumer.Result, out idemamqp.ConsumerOutcome) {
+	opts.OnOutcome = func(_ context.Context, r consumer.Report) {
 		// What the broker got an ACK for is done, even from a worker
 		// that raced the crash: it is never delivered again. The
-		// others come back.
-		if out == idemamqp.OutcomeAcked || out == idemamqp.OutcomeDeadLettered {
-			g.markHandled(deliveryID(msg))
+		// others come back (ActionRetry).
+		if a := r.Result.Action; a == consumer.ActionAck || a == consumer.ActionDeadLetter {
+			g.markHandled(deliveryID(r.Message))
 		}
 	}
 	c, err := idemamqp.NewConsumer(g.br.amqpURL, g.br.queues[g.path], crashing, opts)

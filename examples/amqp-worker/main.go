@@ -156,8 +156,8 @@ func run(ctx context.Context, cfg config) error {
 		QuorumQueue:   true,
 		MaxDeliveries: 10,
 		Logger:        logger,
-		OnResult: func(_ context.Context, _ *consumer.Message, _ consumer.Result, out idemamqp.ConsumerOutcome) {
-			if out != idemamqp.OutcomeRetried {
+		OnOutcome: func(_ context.Context, r consumer.Report) {
+			if r.Result.Action != consumer.ActionRetry { // acknowledged or dead-lettered
 				settled.Add(1)
 			}
 		},

@@ -185,16 +185,16 @@ func srvStartAMQPBroker(ctx context.Context, env *Env, name string, shared *pgxp
 	c, err := idemamqp.NewConsumer(vurl, "chaos-work", consumer.Chain(apply, consumer.Recover()), idemamqp.ConsumerOptions{
 		Bindings: []idemamqp.ConsumerBinding{{Exchange: exchange}},
 		Prefetch: 64, Concurrency: 4, Logger: srvQuiet, RetryDelays: []time.Duration{100 * time.Millisecond},
-		OnResult: func(_ context.Context, m *consumer.Message, r consumer.Result, out idemamqp.ConsumerOutcome) {
-			switch {
-			case out == idemamqp.OutcomeAcked:
+		OnOutcome: func(_ context.Context, rep consumer.Report) {
+			switch r := rep.Result; r.Action {
+			case consumer.ActionAck:
 				b.acks.Add(1)
 				if r.Duplicate {
 					b.dups.Add(1)
 				}
-			case r.Action == consumer.ActionDeadLetter:
+			case consumer.ActionDeadLetter:
 				b.deadMu.Lock()
-				b.dead = append(b.dead, fmt.Sprintf("%s (%s: %v)", m.ID, r.Reason, r.Err))
+				b.dead = append(b.dead, fmt.Sprintf("%s (%s: %v)", rep.Message.ID, r.Reason, r.Err))
 				b.deadMu.Unlock()
 			}
 		},
