@@ -52,6 +52,8 @@ const (
 	// messaging.destination.name, messaging.operation.name, idem.result.
 	MetricProcessDuration = "messaging.process.duration"
 	// Outbox rows not yet published (gauge). Attribute: idem.outbox.table.
+	// The WAL relay reports the messages it received from its slot and
+	// has not yet published or parked, with idem.outbox.slot too.
 	MetricOutboxBacklog = "idem.outbox.backlog"
 	// Age of the oldest unpublished row, seconds (gauge). Attribute:
 	// idem.outbox.table.

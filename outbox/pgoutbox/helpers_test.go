@@ -13,7 +13,10 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
+	"go.opentelemetry.io/otel/propagation"
 
+	"github.com/idemkit/idem/internal/telemetry"
+	"github.com/idemkit/idem/internal/testkit/telemetrytest"
 	"github.com/idemkit/idem/internal/testkit/testenv"
 	"github.com/idemkit/idem/outbox"
 	"github.com/idemkit/idem/outbox/pgoutbox"
@@ -194,28 +197,17 @@ func (p *memPublisher) publishedIDs() map[string]int {
 	return out
 }
 
-// counters is an outbox.Metrics for tests.
-type counters struct {
-	mu                       sync.Mutex
-	published, retried, dead int
-	backlogs                 int
-	lastBacklog              int64
+// counts reads a relay's outbox counters (idem.outbox.published, .retried,
+// .dead) from its MeterProvider.
+func counts(mp *telemetrytest.Metrics) (published, retried, dead int) {
+	return int(mp.Sum(telemetry.MetricOutboxPublished)), int(mp.Sum(telemetry.MetricOutboxRetried)), int(mp.Sum(telemetry.MetricOutboxDead))
 }
 
-func (c *counters) Published(_ string, n int) { c.mu.Lock(); c.published += n; c.mu.Unlock() }
-func (c *counters) Retried(_ string, n int)   { c.mu.Lock(); c.retried += n; c.mu.Unlock() }
-func (c *counters) Dead(_ string, n int)      { c.mu.Lock(); c.dead += n; c.mu.Unlock() }
-func (c *counters) Backlog(n int64, _ time.Duration) {
-	c.mu.Lock()
-	c.backlogs++
-	c.lastBacklog = n
-	c.mu.Unlock()
-}
-
-func (c *counters) snapshot() (published, retried, dead int) {
-	c.mu.Lock()
-	defer c.mu.Unlock()
-	return c.published, c.retried, c.dead
+// traceCtx is a context carrying a W3C trace context received from
+// elsewhere, as an application extracts it from an incoming request.
+func traceCtx(traceparent, tracestate string) context.Context {
+	return propagation.TraceContext{}.Extract(context.Background(),
+		propagation.MapCarrier{outbox.HeaderTraceParent: traceparent, outbox.HeaderTraceState: tracestate})
 }
 
 // rowState reads the state, attempts and seq of a message by id.

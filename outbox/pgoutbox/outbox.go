@@ -15,9 +15,11 @@ import (
 	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
+	"go.opentelemetry.io/otel/propagation"
 
 	"github.com/idemkit/idem/dedup"
 	"github.com/idemkit/idem/internal/sqlname"
+	"github.com/idemkit/idem/internal/telemetry"
 	"github.com/idemkit/idem/outbox"
 )
 
@@ -28,10 +30,12 @@ type Options struct {
 	// Table is the table name. Defaults to "outbox".
 	Table string
 	// Propagator adds the trace context of Enqueue's ctx to each message's
-	// headers. Defaults to outbox.TraceContext: the OpenTelemetry span of
-	// ctx as W3C traceparent and tracestate, or else the
-	// values of outbox.WithTraceContext.
-	Propagator outbox.Propagator
+	// headers. Defaults to W3C Trace Context (propagation.TraceContext{}):
+	// the OpenTelemetry span context of ctx as traceparent and tracestate,
+	// whatever the global propagator is. Pass otel.GetTextMapPropagator(),
+	// or a composite with propagation.Baggage{}, to carry more, and
+	// propagation.NewCompositeTextMapPropagator() to carry nothing.
+	Propagator propagation.TextMapPropagator
 	// NoKeyLock disables the per-key advisory lock Enqueue takes (see
 	// Enqueue). Messages of one key are then ordered by the order in which
 	// their rows were inserted, not committed: two transactions enqueueing
@@ -92,7 +96,7 @@ func New(pool *pgxpool.Pool, opts Options) (*Outbox, error) {
 		return nil, fmt.Errorf("pgoutbox: Options.CleanupBatch is %d; it must not be negative", opts.CleanupBatch)
 	}
 	if opts.Propagator == nil {
-		opts.Propagator = outbox.TraceContext
+		opts.Propagator = telemetry.DefaultPropagator
 	}
 	if opts.Retention == 0 {
 		opts.Retention = 24 * time.Hour
@@ -244,7 +248,7 @@ func (o *Outbox) Enqueue(ctx context.Context, tx pgx.Tx, msgs ...outbox.Message)
 		if err := checkMessage(m); err != nil {
 			return nil, fmt.Errorf("pgoutbox: Enqueue: message %d (id #%s): %w", i, dedup.HashKey("", id.String()), err)
 		}
-		h := outbox.InjectHeaders(ctx, o.opts.Propagator, m.Headers)
+		h := telemetry.InjectHeaders(ctx, o.opts.Propagator, m.Headers)
 		if err := checkHeaders(h); err != nil {
 			return nil, fmt.Errorf("pgoutbox: Enqueue: message %d (id #%s): %w", i, dedup.HashKey("", id.String()), err)
 		}

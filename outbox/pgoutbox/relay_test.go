@@ -12,6 +12,8 @@ import (
 
 	"github.com/jackc/pgx/v5"
 
+	"github.com/idemkit/idem/internal/telemetry"
+	"github.com/idemkit/idem/internal/testkit/telemetrytest"
 	"github.com/idemkit/idem/internal/testkit/testenv"
 	"github.com/idemkit/idem/outbox"
 	"github.com/idemkit/idem/outbox/pgoutbox"
@@ -239,7 +241,7 @@ func TestEnqueueIDsHeadersAndTrace(t *testing.T) {
 	start(t, r)
 
 	const tp = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
-	ctx := outbox.WithTraceContext(context.Background(), tp, "vendor=x")
+	ctx := traceCtx(tp, "vendor=x")
 	own := "0190a0b0-0000-7000-8000-000000000001"
 	var ids []string
 	err = pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
@@ -298,11 +300,11 @@ func TestPoisonMessageEndsDeadWhileOthersFlow(t *testing.T) {
 		}
 		return nil
 	}}
-	var m counters
+	mp := telemetrytest.NewMetrics(t)
 	const maxAttempts = 4
 	r, err := pgoutbox.NewRelay(ob, pub, fastRelay(pgoutbox.RelayOptions{
 		MaxAttempts: maxAttempts, Backoff: 30 * time.Millisecond, MaxBackoff: 100 * time.Millisecond,
-		Metrics: &m, MetricsInterval: 50 * time.Millisecond,
+		MeterProvider: mp, MetricsInterval: 50 * time.Millisecond,
 	}))
 	if err != nil {
 		t.Fatal(err)
@@ -354,13 +356,10 @@ func TestPoisonMessageEndsDeadWhileOthersFlow(t *testing.T) {
 		}
 	}
 	testenv.Eventually(t, 10*time.Second, "metrics", func() bool {
-		p, rt, d := m.snapshot()
+		p, rt, d := counts(mp)
 		return p == 201 && rt == maxAttempts-1 && d == 1
 	})
-	m.mu.Lock()
-	backlogs := m.backlogs
-	m.mu.Unlock()
-	if backlogs == 0 {
+	if len(mp.Points(telemetry.MetricOutboxBacklog)) == 0 {
 		t.Error("no backlog sample")
 	}
 

@@ -461,17 +461,6 @@ func (s *session) cycle(ctx context.Context) (int, error) {
 	}
 	inTx = false
 	tel.counted(bctx, published, retried, deadMsgs)
-	if m := o.Metrics; m != nil {
-		for t, n := range published {
-			m.Published(t, n)
-		}
-		for t, n := range retried {
-			m.Retried(t, n)
-		}
-		for t, n := range deadMsgs {
-			m.Dead(t, n)
-		}
-	}
 	return len(batch), nil
 }
 

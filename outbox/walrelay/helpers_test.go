@@ -13,11 +13,18 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
+	"go.opentelemetry.io/otel/propagation"
 
 	"github.com/idemkit/idem/internal/testkit/testenv"
 	"github.com/idemkit/idem/outbox"
 	"github.com/idemkit/idem/outbox/walrelay"
 )
+
+// traceCtx is a context carrying a W3C traceparent received from
+// elsewhere, as an application extracts it from an incoming request.
+func traceCtx(traceparent string) context.Context {
+	return propagation.TraceContext{}.Extract(context.Background(), propagation.MapCarrier{outbox.HeaderTraceParent: traceparent})
+}
 
 // quiet is the logger of the tests' relays: warnings about killed
 // connections are expected there. IDEM_TEST_VERBOSE=1 shows them.

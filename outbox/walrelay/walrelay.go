@@ -14,9 +14,11 @@ import (
 	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
+	"go.opentelemetry.io/otel/propagation"
 
 	"github.com/idemkit/idem/dedup"
 	"github.com/idemkit/idem/internal/sqlname"
+	"github.com/idemkit/idem/internal/telemetry"
 	"github.com/idemkit/idem/outbox"
 	"github.com/idemkit/idem/outbox/pgoutbox"
 )
@@ -91,8 +93,12 @@ type Options struct {
 	// (the pgoutput plugin needs one). Defaults to Slot's name.
 	Publication string
 	// Propagator adds the trace context of Enqueue's ctx to each message's
-	// headers. Defaults to outbox.TraceContext.
-	Propagator outbox.Propagator
+	// headers. Defaults to W3C Trace Context (propagation.TraceContext{}):
+	// the OpenTelemetry span context of ctx as traceparent and tracestate,
+	// whatever the global propagator is. Pass otel.GetTextMapPropagator(),
+	// or a composite with propagation.Baggage{}, to carry more, and
+	// propagation.NewCompositeTextMapPropagator() to carry nothing.
+	Propagator propagation.TextMapPropagator
 	// Retention is how long Cleanup keeps the outbox table's rows
 	// (SourceTable). The relay reads the write-ahead log, not the table,
 	// so a row is kept only for inspection and as a fallback copy (see
@@ -171,7 +177,7 @@ func New(pool *pgxpool.Pool, opts Options) (*Outbox, error) {
 		return nil, fmt.Errorf("walrelay: Options.CleanupBatch is %d; it must not be negative", opts.CleanupBatch)
 	}
 	if opts.Propagator == nil {
-		opts.Propagator = outbox.TraceContext
+		opts.Propagator = telemetry.DefaultPropagator
 	}
 	if opts.Retention == 0 {
 		opts.Retention = 24 * time.Hour
@@ -308,7 +314,7 @@ func (o *Outbox) encode(ctx context.Context, msgs []outbox.Message) ([]byte, []s
 			return nil, nil, fmt.Errorf("walrelay: Enqueue: message %d: %w", i, err)
 		}
 		m.ID = id.String()
-		m.Headers = outbox.InjectHeaders(ctx, o.opts.Propagator, m.Headers)
+		m.Headers = telemetry.InjectHeaders(ctx, o.opts.Propagator, m.Headers)
 		if err := checkMessage(&m); err != nil {
 			return nil, nil, fmt.Errorf("walrelay: Enqueue: message %d (id #%s): %w", i, dedup.HashKey("", m.ID), err)
 		}
