@@ -6,11 +6,10 @@
 //
 // # Enqueue
 //
-// Outbox.Enqueue (or the package-level Enqueue for public.outbox) inserts
-// one row per message in the business transaction: a time-ordered id
-// (UUIDv7, the message id downstream), topic, key, payload, headers (jsonb,
-// with the trace context of ctx: its OpenTelemetry span context as W3C
-// traceparent, see Options.Propagator), created and
+// Outbox.Enqueue inserts one row per message in the business transaction:
+// a time-ordered id (UUIDv7, the message id downstream), topic, key,
+// payload, headers (jsonb, with the trace context of ctx: its OpenTelemetry
+// span context as W3C traceparent, see Options.Propagator), created and
 // available times from the database clock, attempts, last error, published
 // and dead times. Rows of a transaction that rolls back never exist; rows of
 // one that commits are always published. Enqueue also notifies the relays
