@@ -247,20 +247,17 @@ func benchLatency(b *testing.B, sessions int) {
 		}
 		wg.Wait()
 		sent := time.Since(begin)
-		for {
+		testenv.Eventually(b, 10*time.Minute, "every message confirmed", func() bool {
 			pub.mu.Lock()
+			defer pub.mu.Unlock()
 			n := 0
 			for id := range committed {
 				if _, ok := pub.confirmed[id]; ok {
 					n++
 				}
 			}
-			pub.mu.Unlock()
-			if n == total {
-				break
-			}
-			time.Sleep(10 * time.Millisecond)
-		}
+			return n == total
+		})
 		pub.mu.Lock()
 		for id, c := range committed {
 			lat = append(lat, max(pub.confirmed[id].Sub(c), 0))

@@ -203,6 +203,43 @@ func counts(mp *telemetrytest.Metrics) (published, retried, dead int) {
 	return int(mp.Sum(telemetry.MetricOutboxPublished)), int(mp.Sum(telemetry.MetricOutboxRetried)), int(mp.Sum(telemetry.MetricOutboxDead))
 }
 
+// onIdle returns a channel that receives (without blocking the relay)
+// each time a session of r starts waiting for a notification.
+func onIdle(r *pgoutbox.Relay) <-chan struct{} {
+	ch := make(chan struct{}, 1)
+	pgoutbox.SetOnIdle(r, func() {
+		select {
+		case ch <- struct{}{}:
+		default:
+		}
+	})
+	return ch
+}
+
+// waitIdle waits until a session reports it went idle.
+func waitIdle(t testing.TB, idle <-chan struct{}) {
+	t.Helper()
+	select {
+	case <-idle:
+	case <-time.After(20 * time.Second):
+		t.Fatal("no session went idle within 20s")
+	}
+}
+
+// idleWaits waits until sessions went idle n more times from now on: each
+// wait ends at the poll or rebalance interval at the latest, so this spans
+// several of the relay's wake-ups.
+func idleWaits(t testing.TB, idle <-chan struct{}, n int) {
+	t.Helper()
+	select {
+	case <-idle: // an idle reported before now
+	default:
+	}
+	for range n {
+		waitIdle(t, idle)
+	}
+}
+
 // traceCtx is a context carrying a W3C trace context received from
 // elsewhere, as an application extracts it from an incoming request.
 func traceCtx(traceparent, tracestate string) context.Context {

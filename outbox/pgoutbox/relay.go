@@ -133,6 +133,9 @@ type hooks struct {
 	afterPublish func(msgs []*outbox.Message, err error)
 	// connected runs when a session connected, with its backend pid.
 	connected func(pid uint32)
+	// idle runs when a session found nothing to do and starts waiting for
+	// a notification (or the poll interval, a due retry, a rebalance).
+	idle func()
 }
 
 // errFatal marks errors that stop Run: misconfiguration, not outages.

@@ -305,6 +305,9 @@ func (s *session) wait(ctx context.Context) error {
 		s.notified = false
 		return nil
 	}
+	if h := s.r.hooks.idle; h != nil {
+		h()
+	}
 	wctx, cancel := context.WithTimeout(ctx, d)
 	err := s.conn.PgConn().WaitForNotification(wctx)
 	cancel()

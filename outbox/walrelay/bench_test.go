@@ -358,15 +358,11 @@ func BenchmarkCommitToPublish(b *testing.B) {
 					committed[ids[0]] = time.Now()
 				}
 				tick.Stop()
-				for {
+				testenv.Eventually(b, 10*time.Minute, "every message published", func() bool {
 					pub.mu.Lock()
-					n := len(pub.at)
-					pub.mu.Unlock()
-					if n >= total {
-						break
-					}
-					time.Sleep(time.Millisecond)
-				}
+					defer pub.mu.Unlock()
+					return len(pub.at) >= total
+				})
 				stop()
 				if err := <-done; err != nil {
 					b.Fatal(err)
