@@ -14,16 +14,19 @@
 // implement Publisher: adapters/amqp (publisher confirms), adapters/kafka.
 //
 // Trace context present at Enqueue time travels with the message: the
-// OpenTelemetry span of Enqueue's context (or, without OpenTelemetry, the
-// values of WithTraceContext) is stored in the message's headers and sent as
-// the W3C HeaderTraceParent and HeaderTraceState headers, so the consumer's
-// span continues the trace of the request that enqueued the message (see
-// TraceContext, OTelPropagator). The relay's publish span links to it
-// without replacing it.
+// OpenTelemetry span context of Enqueue's context is stored in the message's
+// headers and sent as the W3C HeaderTraceParent and HeaderTraceState
+// headers, so the consumer's span continues the trace of the request that
+// enqueued the message (the Propagator option of pgoutbox.Options and
+// walrelay.Options, an OpenTelemetry propagation.TextMapPropagator, picks
+// another format). The relay's publish span links to it without replacing
+// it. An application that traces with another library, or not at all, can
+// still pass on a traceparent it received: propagation.TraceContext{}.Extract
+// puts it in the context (OpenTelemetry's API, no SDK needed), and headers
+// set on the Message itself win over the propagated ones.
 //
-// Metrics is the relay's metrics hook for code that does not use
-// OpenTelemetry; the PostgreSQL relay also reports its metrics through an
-// OpenTelemetry MeterProvider (idem.outbox.*, README "Operating idem").
+// The relays report their metrics and spans through OpenTelemetry
+// (idem.outbox.*, docs/operating.md).
 //
 // This package imports no driver.
 package outbox

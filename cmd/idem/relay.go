@@ -90,8 +90,8 @@ func runRelay(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	case *source == "poll" && (*slot != "" || *walSource != "messages"):
 		return usageError(fs, "--slot and --wal-source are for --source wal")
 	}
-	walSrc, err := walrelay.ParseSource(*walSource)
-	if err != nil {
+	var walSrc walrelay.Source
+	if err := walSrc.UnmarshalText([]byte(*walSource)); err != nil {
 		return usageError(fs, "--wal-source: %v", err)
 	}
 	var level slog.Level

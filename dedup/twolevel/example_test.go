@@ -12,6 +12,9 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/redis/go-redis/v9"
+	"go.opentelemetry.io/otel/attribute"
+	sdkmetric "go.opentelemetry.io/otel/sdk/metric"
+	"go.opentelemetry.io/otel/sdk/metric/metricdata"
 
 	"github.com/idemkit/idem/dedup"
 	"github.com/idemkit/idem/dedup/pgtable"
@@ -23,7 +26,8 @@ import (
 // business transaction stays the final word. The first delivery is decided
 // by the database; the redelivery is answered by the Redis mark alone. When
 // Redis loses the mark (a restart without persistence, an eviction), the
-// database still catches the duplicate and writes the mark back.
+// database still catches the duplicate and writes the mark back. The
+// idem.twolevel.answers counter tells which level answered each call.
 func Example() {
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
@@ -67,13 +71,37 @@ func Example() {
 		return
 	}
 
-	var source twolevel.Source
-	store, err := twolevel.New(cache, db, twolevel.Options{
-		Stats: func(s twolevel.Source) { source = s }, // feed a metric here
-	})
+	// In an application the MeterProvider exports to Prometheus or OTLP;
+	// here a reader with delta temporality tells the level that answered
+	// since the last read.
+	reader := sdkmetric.NewManualReader(sdkmetric.WithTemporalitySelector(
+		func(sdkmetric.InstrumentKind) metricdata.Temporality { return metricdata.DeltaTemporality }))
+	mp := sdkmetric.NewMeterProvider(sdkmetric.WithReader(reader))
+	defer func() { _ = mp.Shutdown(context.Background()) }()
+	store, err := twolevel.New(cache, db, twolevel.Options{MeterProvider: mp})
 	if err != nil {
 		fmt.Println(err)
 		return
+	}
+	answered := func() string {
+		var rm metricdata.ResourceMetrics
+		if err := reader.Collect(ctx, &rm); err != nil {
+			return err.Error()
+		}
+		for _, sm := range rm.ScopeMetrics {
+			for _, m := range sm.Metrics {
+				sum, ok := m.Data.(metricdata.Sum[int64])
+				if m.Name != "idem.twolevel.answers" || !ok {
+					continue
+				}
+				for _, p := range sum.DataPoints {
+					if v, _ := p.Attributes.Value(attribute.Key("idem.source")); p.Value > 0 {
+						return v.AsString()
+					}
+				}
+			}
+		}
+		return "no answer"
 	}
 
 	key := dedup.NewKey("billing-consumer/charge", "order-A-1", []byte(`{"order":"A-1","amount":100}`))
@@ -84,6 +112,7 @@ func Example() {
 	}
 	deliver := func(delivery int) {
 		result, err := store.Process(ctx, key, charge)
+		source := answered()
 		if stored, dup := dedup.StoredResult(err); dup {
 			fmt.Printf("delivery %d: duplicate %q (%s)\n", delivery, stored, source)
 			return

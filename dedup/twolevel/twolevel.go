@@ -17,6 +17,15 @@
 // wrong-way cache can therefore cost a database round trip, never a duplicate
 // effect: the database's primary key is the final word. An unreachable cache
 // is logged and skipped, never a reason to let a message through unchecked.
+//
+// Each Process call is counted by the level that answered it: the
+// OpenTelemetry counter idem.twolevel.answers, whose idem.source attribute is
+// cache_duplicate (a completed mark in the cache), cache_in_flight (a live
+// lease in the cache), cache_mismatch (a fingerprint mismatch in the cache),
+// cache_unavailable (the cache failed; the database decided alone), db_first
+// (the database claim won), db_duplicate (a duplicate the cache did not
+// know) or db_other (a mismatch, an error or a failed fn). A high
+// db_duplicate share means the cache loses its marks.
 package twolevel
 
 import (
@@ -27,9 +36,11 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"go.opentelemetry.io/otel/metric"
 
 	"github.com/idemkit/idem/dedup"
 	"github.com/idemkit/idem/dedup/pgtable"
+	"github.com/idemkit/idem/internal/telemetry"
 )
 
 // Options configure a Store. The zero value is usable.
@@ -39,29 +50,19 @@ type Options struct {
 	// CacheTimeout bounds each cache call, so a slow cache costs at most
 	// this before the database decides alone. Defaults to 250ms.
 	CacheTimeout time.Duration
-	// Stats, when set, is told where each answer came from.
-	Stats func(source Source)
+	// MeterProvider receives idem.twolevel.answers, the Process calls by
+	// the level that answered (see the package documentation). Defaults to
+	// otel.GetMeterProvider(), a no-op until the application installs a
+	// provider.
+	MeterProvider metric.MeterProvider
 }
-
-// Source says which level answered a Process call.
-type Source string
-
-// Sources reported to Options.Stats.
-const (
-	CacheDuplicate    Source = "cache_duplicate"   // completed mark in the cache
-	CacheInFlight     Source = "cache_in_flight"   // live lease in the cache
-	CacheMismatch     Source = "cache_mismatch"    // fingerprint mismatch in the cache
-	CacheUnavailable  Source = "cache_unavailable" // cache failed; the database decided alone
-	DatabaseFirst     Source = "db_first"          // the database claim won
-	DatabaseDuplicate Source = "db_duplicate"      // duplicate the cache did not know
-	DatabaseOther     Source = "db_other"          // mismatch, error or a failed fn
-)
 
 // Store is a two-level dedup.TxStore[pgx.Tx].
 type Store struct {
 	cache dedup.LeaseStore
 	db    *pgtable.Store
 	opts  Options
+	tel   *telemetry.TwoLevel
 }
 
 var _ dedup.TxStore[pgx.Tx] = (*Store)(nil)
@@ -83,13 +84,7 @@ func New(cache dedup.LeaseStore, db *pgtable.Store, opts Options) (*Store, error
 	if opts.Logger == nil {
 		opts.Logger = slog.Default()
 	}
-	return &Store{cache: cache, db: db, opts: opts}, nil
-}
-
-func (s *Store) stat(src Source) {
-	if s.opts.Stats != nil {
-		s.opts.Stats(src)
-	}
+	return &Store{cache: cache, db: db, opts: opts, tel: telemetry.NewTwoLevel(opts.MeterProvider)}, nil
 }
 
 func (s *Store) cacheCtx(ctx context.Context) (context.Context, context.CancelFunc) {
@@ -114,16 +109,16 @@ func (s *Store) Process(ctx context.Context, key dedup.Key, fn dedup.TxFunc[pgx.
 	switch {
 	case cerr == nil:
 	case errors.Is(cerr, dedup.ErrDuplicate):
-		s.stat(CacheDuplicate)
+		s.tel.Answered(ctx, telemetry.SourceCacheDuplicate)
 		return nil, cerr
 	case errors.Is(cerr, dedup.ErrInFlight):
-		s.stat(CacheInFlight)
+		s.tel.Answered(ctx, telemetry.SourceCacheInFlight)
 		return nil, cerr
 	case errors.Is(cerr, dedup.ErrFingerprintMismatch):
-		s.stat(CacheMismatch)
+		s.tel.Answered(ctx, telemetry.SourceCacheMismatch)
 		return nil, cerr
 	default:
-		s.stat(CacheUnavailable)
+		s.tel.Answered(ctx, telemetry.SourceCacheUnavailable)
 		s.opts.Logger.Warn("twolevel: cache unavailable; the database decides alone", "err", cerr)
 		lease = nil
 	}
@@ -140,16 +135,16 @@ func (s *Store) Process(ctx context.Context, key dedup.Key, fn dedup.TxFunc[pgx.
 	settled = true
 	switch {
 	case err == nil:
-		s.stat(DatabaseFirst)
+		s.tel.Answered(ctx, telemetry.SourceDatabaseFirst)
 		s.complete(ctx, lease, res)
 		return res, nil
 	case errors.Is(err, dedup.ErrDuplicate):
-		s.stat(DatabaseDuplicate)
+		s.tel.Answered(ctx, telemetry.SourceDatabaseDuplicate)
 		stored, _ := dedup.StoredResult(err)
 		s.complete(ctx, lease, stored) // write the lost mark back
 		return nil, err
 	default:
-		s.stat(DatabaseOther)
+		s.tel.Answered(ctx, telemetry.SourceDatabaseOther)
 		if lease != nil {
 			s.release(ctx, lease)
 		}

@@ -18,6 +18,8 @@ import (
 	"github.com/idemkit/idem/dedup/pgtable"
 	"github.com/idemkit/idem/dedup/redisnx"
 	"github.com/idemkit/idem/dedup/twolevel"
+	"github.com/idemkit/idem/internal/telemetry"
+	"github.com/idemkit/idem/internal/testkit/telemetrytest"
 	"github.com/idemkit/idem/internal/testkit/testenv"
 )
 
@@ -28,19 +30,31 @@ type fixture struct {
 	db     *pgtable.Store
 	rdb    *redis.Client
 	prefix string
-	mu     sync.Mutex
-	stats  map[twolevel.Source]int
+	mp     *telemetrytest.Metrics
 }
 
-func (f *fixture) count(src twolevel.Source) int {
-	f.mu.Lock()
-	defer f.mu.Unlock()
-	return f.stats[src]
+// count is the idem.twolevel.answers count of source.
+func (f *fixture) count(source string) int {
+	return answers(f.mp, source)
+}
+
+// stats lists every idem.twolevel.answers count, for failure messages.
+func (f *fixture) stats() map[string]int {
+	out := map[string]int{}
+	for _, p := range f.mp.Points(telemetry.MetricTwoLevelAnswers) {
+		v, _ := p.Attrs.Value(telemetry.AttrSource)
+		out[v.AsString()] += int(p.Value)
+	}
+	return out
+}
+
+func answers(mp *telemetrytest.Metrics, source string) int {
+	return int(mp.Sum(telemetry.MetricTwoLevelAnswers, telemetry.AttrSource.String(source)))
 }
 
 func newFixture(t testing.TB, pool *pgxpool.Pool, rdb *redis.Client) *fixture {
 	t.Helper()
-	f := &fixture{rdb: rdb, prefix: testenv.Name("idem2l"), stats: map[twolevel.Source]int{}}
+	f := &fixture{rdb: rdb, prefix: testenv.Name("idem2l"), mp: telemetrytest.NewMetrics(t)}
 	db, err := pgtable.New(pool, pgtable.Options{Schema: testenv.Schema(t, pool)})
 	if err != nil {
 		t.Fatal(err)
@@ -55,12 +69,8 @@ func newFixture(t testing.TB, pool *pgxpool.Pool, rdb *redis.Client) *fixture {
 	f.db = db
 	// No test on this fixture is about the cache timeout: a generous one
 	// keeps a Redis call slowed down by a loaded machine from handing the
-	// answer to the database, which the exact Stats counts would see.
-	f.store, err = twolevel.New(cache, db, twolevel.Options{CacheTimeout: 10 * time.Second, Stats: func(s twolevel.Source) {
-		f.mu.Lock()
-		f.stats[s]++
-		f.mu.Unlock()
-	}})
+	// answer to the database, which the exact answer counts would see.
+	f.store, err = twolevel.New(cache, db, twolevel.Options{CacheTimeout: 10 * time.Second, MeterProvider: f.mp})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -149,8 +159,8 @@ func TestHotDuplicatesSkipTheDatabase(t *testing.T) {
 			t.Fatalf("duplicate = %v (%q)", err, res)
 		}
 	}
-	if f.count(twolevel.CacheDuplicate) != 50 || f.count(twolevel.DatabaseDuplicate) != 0 {
-		t.Fatalf("stats %v: want 50 cache duplicates and no database duplicate", f.stats)
+	if f.count(telemetry.SourceCacheDuplicate) != 50 || f.count(telemetry.SourceDatabaseDuplicate) != 0 {
+		t.Fatalf("answers %v: want 50 cache duplicates and no database duplicate", f.stats())
 	}
 }
 
@@ -180,8 +190,8 @@ func TestLostCacheCostsOnlyARoundTrip(t *testing.T) {
 	if got := effects.Load(); got != n {
 		t.Fatalf("%d effects for %d keys", got, n)
 	}
-	if f.count(twolevel.DatabaseDuplicate) != n {
-		t.Fatalf("stats %v: want %d duplicates answered by the database", f.stats, n)
+	if f.count(telemetry.SourceDatabaseDuplicate) != n {
+		t.Fatalf("answers %v: want %d duplicates answered by the database", f.stats(), n)
 	}
 	// The marks were written back: the next round is answered by the cache.
 	for _, k := range keys {
@@ -189,8 +199,8 @@ func TestLostCacheCostsOnlyARoundTrip(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	if f.count(twolevel.CacheDuplicate) != n {
-		t.Fatalf("stats %v: want %d cache duplicates after write-back", f.stats, n)
+	if f.count(telemetry.SourceCacheDuplicate) != n {
+		t.Fatalf("answers %v: want %d cache duplicates after write-back", f.stats(), n)
 	}
 }
 
@@ -211,12 +221,8 @@ func TestCacheDownDatabaseDecides(t *testing.T) {
 	if err := db.Migrate(context.Background()); err != nil {
 		t.Fatal(err)
 	}
-	var unavailable atomic.Int64
-	s, err := twolevel.New(cache, db, twolevel.Options{Stats: func(src twolevel.Source) {
-		if src == twolevel.CacheUnavailable {
-			unavailable.Add(1)
-		}
-	}})
+	mp := telemetrytest.NewMetrics(t)
+	s, err := twolevel.New(cache, db, twolevel.Options{MeterProvider: mp})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -241,8 +247,8 @@ func TestCacheDownDatabaseDecides(t *testing.T) {
 	if effects.Load() != 1 {
 		t.Fatalf("%d effects with the cache down, want 1", effects.Load())
 	}
-	if unavailable.Load() != 30 {
-		t.Fatalf("cache unavailable reported %d times, want 30", unavailable.Load())
+	if n := answers(mp, telemetry.SourceCacheUnavailable); n != 30 {
+		t.Fatalf("cache unavailable counted %d times, want 30", n)
 	}
 }
 

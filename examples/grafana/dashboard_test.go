@@ -36,6 +36,7 @@ import (
 	"github.com/idemkit/idem/dedup"
 	"github.com/idemkit/idem/dedup/memstore"
 	"github.com/idemkit/idem/dedup/pgtable"
+	"github.com/idemkit/idem/dedup/twolevel"
 	"github.com/idemkit/idem/internal/telemetry"
 	"github.com/idemkit/idem/internal/testkit/fault"
 	"github.com/idemkit/idem/internal/testkit/testenv"
@@ -305,6 +306,7 @@ func exportAll(t *testing.T) string {
 	leaseClaims(t, mp)
 	leaseLost(t, mp)
 	txClaims(t, mp)
+	twoLevelAnswers(t, mp)
 	adapterResults(mp)
 	stopRelay := relay(t, mp)
 	defer stopRelay()
@@ -536,6 +538,38 @@ func txClaims(t *testing.T, mp *sdkmetric.MeterProvider) {
 	}
 	if r := consumer.Process(ctx, h, msg("pay-1", "p")); !errors.Is(r.Err, dedup.ErrDuplicate) {
 		t.Fatalf("redelivery: %v, want a duplicate", r.Err)
+	}
+}
+
+// twoLevelAnswers: a two-level store (memstore in front of pgtable)
+// answers a first claim from the database and a duplicate from the cache.
+func twoLevelAnswers(t *testing.T, mp *sdkmetric.MeterProvider) {
+	t.Helper()
+	pool := testenv.Pool(t, 4)
+	db, err := pgtable.New(pool, pgtable.Options{Schema: testenv.Schema(t, pool)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx := t.Context()
+	if err := db.Migrate(ctx); err != nil {
+		t.Fatal(err)
+	}
+	cache, err := memstore.New(memstore.Options{SweepInterval: -1})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = cache.Close() })
+	store, err := twolevel.New(cache, db, twolevel.Options{MeterProvider: mp, Logger: quiet()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	key := dedup.NewKey("ledger/post", "pay-2", []byte("p"))
+	fn := func(context.Context, pgx.Tx) ([]byte, error) { return nil, nil }
+	if _, err := store.Process(ctx, key, fn); err != nil {
+		t.Fatalf("first claim: %v", err)
+	}
+	if _, err := store.Process(ctx, key, fn); !errors.Is(err, dedup.ErrDuplicate) {
+		t.Fatalf("second claim: %v, want a duplicate", err)
 	}
 }
 

@@ -22,6 +22,7 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 	amqp091 "github.com/rabbitmq/amqp091-go"
+	"go.opentelemetry.io/otel/propagation"
 
 	"github.com/idemkit/idem/adapters/amqp"
 	"github.com/idemkit/idem/outbox"
@@ -139,7 +140,12 @@ func run(ctx context.Context, pgURL, amqpURL, schema, exchange string, n int, ke
 	var want []string
 	for i := 1; i <= n; i++ {
 		id := fmt.Sprintf("order-%03d", i)
-		reqCtx := outbox.WithTraceContext(ctx, fmt.Sprintf("00-%032x-%016x-01", i, i), "")
+		// The trace context of the request that places the order (here a
+		// made-up traceparent header), as OpenTelemetry's W3C propagator
+		// puts it in the request's context.
+		reqCtx := propagation.TraceContext{}.Extract(ctx, propagation.MapCarrier{
+			outbox.HeaderTraceParent: fmt.Sprintf("00-%032x-%016x-01", i, i),
+		})
 		ids, err := placeOrder(reqCtx, pool, ob, ordersTable, exchange, id, int64(1000*i), i == 3)
 		switch {
 		case errors.Is(err, errDeclined):

@@ -52,6 +52,8 @@ const (
 	// messaging.destination.name, messaging.operation.name, idem.result.
 	MetricProcessDuration = "messaging.process.duration"
 	// Outbox rows not yet published (gauge). Attribute: idem.outbox.table.
+	// The WAL relay reports the messages it received from its slot and
+	// has not yet published or parked, with idem.outbox.slot too.
 	MetricOutboxBacklog = "idem.outbox.backlog"
 	// Age of the oldest unpublished row, seconds (gauge). Attribute:
 	// idem.outbox.table.
@@ -78,6 +80,9 @@ const (
 	MetricSlotLag      = "idem.outbox.slot.lag"
 	MetricSlotRetained = "idem.outbox.slot.retained"
 	MetricSlotLagAge   = "idem.outbox.slot.lag_age"
+	// Process calls of a two-level store (dedup/twolevel), by the level
+	// that answered. Attribute: idem.source (the Source* values).
+	MetricTwoLevelAnswers = "idem.twolevel.answers"
 )
 
 // Metrics lists every metric name above, for documentation checks.
@@ -86,7 +91,7 @@ var Metrics = []string{
 	MetricLeaseLost, MetricMessages, MetricProcessDuration,
 	MetricOutboxBacklog, MetricOutboxOldestAge, MetricOutboxPublished,
 	MetricOutboxRetried, MetricOutboxDead, MetricOutboxPublishDuration,
-	MetricOutboxDelay,
+	MetricOutboxDelay, MetricTwoLevelAnswers,
 }
 
 // SlotMetrics lists the WAL relay's slot gauges, for documentation checks;
@@ -108,6 +113,19 @@ const (
 	AttrDestination = attribute.Key("messaging.destination.name")
 	AttrOperation   = attribute.Key("messaging.operation.name")
 	AttrMessageID   = attribute.Key("messaging.message.id") // spans only
+	AttrSource      = attribute.Key("idem.source")
+)
+
+// Two-level store sources (AttrSource of MetricTwoLevelAnswers): which
+// level answered a Process call.
+const (
+	SourceCacheDuplicate    = "cache_duplicate"   // completed mark in the cache
+	SourceCacheInFlight     = "cache_in_flight"   // live lease in the cache
+	SourceCacheMismatch     = "cache_mismatch"    // fingerprint mismatch in the cache
+	SourceCacheUnavailable  = "cache_unavailable" // cache failed; the database decided alone
+	SourceDatabaseFirst     = "db_first"          // the database claim won
+	SourceDatabaseDuplicate = "db_duplicate"      // duplicate the cache did not know
+	SourceDatabaseOther     = "db_other"          // mismatch, error or a failed fn
 )
 
 // Claim outcomes (AttrOutcome of MetricClaims).

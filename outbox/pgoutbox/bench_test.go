@@ -12,6 +12,8 @@ import (
 	"github.com/jackc/pgx/v5"
 	amqp091 "github.com/rabbitmq/amqp091-go"
 
+	"github.com/idemkit/idem/internal/telemetry"
+	"github.com/idemkit/idem/internal/testkit/telemetrytest"
 	"github.com/idemkit/idem/internal/testkit/testenv"
 	"github.com/idemkit/idem/outbox"
 	"github.com/idemkit/idem/outbox/pgoutbox"
@@ -101,9 +103,9 @@ func BenchmarkRelayToRabbitMQ(b *testing.B) {
 			b.Fatal(err)
 		}
 		pub := newAMQPPublisher(b, rb.url)
-		var m counters
+		mp, all := telemetrytest.Reach(telemetry.MetricOutboxPublished, benchRound)
 		r, err := pgoutbox.NewRelay(ob, pub, pgoutbox.RelayOptions{
-			BatchSize: batch, Sessions: sessions, DeletePublished: del, Metrics: &m, MetricsInterval: time.Hour, CleanupInterval: -1, Logger: quiet(),
+			BatchSize: batch, Sessions: sessions, DeletePublished: del, MeterProvider: mp, MetricsInterval: time.Hour, CleanupInterval: -1, Logger: quiet(),
 		})
 		if err != nil {
 			b.Fatal(err)
@@ -112,11 +114,10 @@ func BenchmarkRelayToRabbitMQ(b *testing.B) {
 		rctx, stop := context.WithCancel(ctx)
 		done := make(chan error, 1)
 		go func() { done <- r.Run(rctx) }()
-		for {
-			if p, _, _ := m.snapshot(); p >= benchRound {
-				break
-			}
-			time.Sleep(time.Millisecond)
+		select {
+		case <-all:
+		case err := <-done:
+			b.Fatalf("relay stopped before publishing everything: %v", err)
 		}
 		rate := benchRound / time.Since(start).Seconds()
 		stop()
@@ -246,20 +247,17 @@ func benchLatency(b *testing.B, sessions int) {
 		}
 		wg.Wait()
 		sent := time.Since(begin)
-		for {
+		testenv.Eventually(b, 10*time.Minute, "every message confirmed", func() bool {
 			pub.mu.Lock()
+			defer pub.mu.Unlock()
 			n := 0
 			for id := range committed {
 				if _, ok := pub.confirmed[id]; ok {
 					n++
 				}
 			}
-			pub.mu.Unlock()
-			if n == total {
-				break
-			}
-			time.Sleep(10 * time.Millisecond)
-		}
+			return n == total
+		})
 		pub.mu.Lock()
 		for id, c := range committed {
 			lat = append(lat, max(pub.confirmed[id].Sub(c), 0))

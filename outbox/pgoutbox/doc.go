@@ -6,11 +6,10 @@
 //
 // # Enqueue
 //
-// Outbox.Enqueue (or the package-level Enqueue for public.outbox) inserts
-// one row per message in the business transaction: a time-ordered id
-// (UUIDv7, the message id downstream), topic, key, payload, headers (jsonb,
-// with the trace context of ctx: its OpenTelemetry span as W3C traceparent,
-// see outbox.TraceContext), created and
+// Outbox.Enqueue inserts one row per message in the business transaction:
+// a time-ordered id (UUIDv7, the message id downstream), topic, key,
+// payload, headers (jsonb, with the trace context of ctx: its OpenTelemetry
+// span context as W3C traceparent, see Options.Propagator), created and
 // available times from the database clock, attempts, last error, published
 // and dead times. Rows of a transaction that rolls back never exist; rows of
 // one that commits are always published. Enqueue also notifies the relays
@@ -83,8 +82,7 @@
 // available to confirmed (idem.outbox.delay), and the backlog gauges
 // idem.outbox.backlog and idem.outbox.oldest_age, sampled from the
 // database when the provider collects but at most about once per
-// MetricsInterval. RelayOptions.Metrics, the older hook, receives the same
-// counters and a periodic backlog sample; both can be active.
+// MetricsInterval.
 //
 // The trace context of Enqueue's ctx travels in the row's headers and is
 // published unchanged as the message's traceparent, so the consumer's span

@@ -12,9 +12,11 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
+	"go.opentelemetry.io/otel/propagation"
 	sdkmetric "go.opentelemetry.io/otel/sdk/metric"
 	"go.opentelemetry.io/otel/sdk/metric/metricdata"
 	sdktrace "go.opentelemetry.io/otel/sdk/trace"
+	"go.opentelemetry.io/otel/trace"
 
 	"github.com/idemkit/idem/outbox"
 	"github.com/idemkit/idem/outbox/pgoutbox"
@@ -89,8 +91,13 @@ func Example() {
 	shutdown := sync.OnceValue(func() error { stop(); return <-relayDone })
 	defer func() { _ = shutdown() }()
 
-	// The request's trace context travels with the events.
-	reqCtx := outbox.WithTraceContext(ctx, "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01", "")
+	// The request's trace context travels with the events: here the
+	// traceparent header of an incoming request, put in the context by
+	// OpenTelemetry's W3C propagator (with a tracing SDK, the span the
+	// request handler runs in is enough).
+	reqCtx := propagation.TraceContext{}.Extract(ctx, propagation.MapCarrier{
+		outbox.HeaderTraceParent: "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",
+	})
 	placeOrder := func(id string, total int, commit bool) error {
 		tx, err := pool.Begin(reqCtx)
 		if err != nil {
@@ -222,7 +229,8 @@ func ExampleRelayOptions_openTelemetry() {
 		return
 	}
 	m := <-pub.got
-	sc, _ := outbox.SpanContext(m.Headers)
+	// What a consumer continues:
+	sc := trace.SpanContextFromContext(propagation.TraceContext{}.Extract(ctx, propagation.MapCarrier(m.Headers)))
 	fmt.Println("child of the enqueuing span:", sc.SpanID() == span.SpanContext().SpanID())
 
 	stop()

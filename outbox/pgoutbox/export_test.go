@@ -12,5 +12,9 @@ func SetAfterPublish(r *Relay, f func(msgs []*outbox.Message, err error)) { r.ho
 // connects.
 func SetOnConnect(r *Relay, f func(pid uint32)) { r.hooks.connected = f }
 
+// SetOnIdle makes r call f each time a session starts waiting for a
+// notification.
+func SetOnIdle(r *Relay, f func()) { r.hooks.idle = f }
+
 // RelayNS is the advisory lock namespace (classid in pg_locks) of o's relays.
 func RelayNS(o *Outbox) int32 { return o.relayNS }

@@ -13,7 +13,10 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
+	"go.opentelemetry.io/otel/propagation"
 
+	"github.com/idemkit/idem/internal/telemetry"
+	"github.com/idemkit/idem/internal/testkit/telemetrytest"
 	"github.com/idemkit/idem/internal/testkit/testenv"
 	"github.com/idemkit/idem/outbox"
 	"github.com/idemkit/idem/outbox/pgoutbox"
@@ -194,28 +197,54 @@ func (p *memPublisher) publishedIDs() map[string]int {
 	return out
 }
 
-// counters is an outbox.Metrics for tests.
-type counters struct {
-	mu                       sync.Mutex
-	published, retried, dead int
-	backlogs                 int
-	lastBacklog              int64
+// counts reads a relay's outbox counters (idem.outbox.published, .retried,
+// .dead) from its MeterProvider.
+func counts(mp *telemetrytest.Metrics) (published, retried, dead int) {
+	return int(mp.Sum(telemetry.MetricOutboxPublished)), int(mp.Sum(telemetry.MetricOutboxRetried)), int(mp.Sum(telemetry.MetricOutboxDead))
 }
 
-func (c *counters) Published(_ string, n int) { c.mu.Lock(); c.published += n; c.mu.Unlock() }
-func (c *counters) Retried(_ string, n int)   { c.mu.Lock(); c.retried += n; c.mu.Unlock() }
-func (c *counters) Dead(_ string, n int)      { c.mu.Lock(); c.dead += n; c.mu.Unlock() }
-func (c *counters) Backlog(n int64, _ time.Duration) {
-	c.mu.Lock()
-	c.backlogs++
-	c.lastBacklog = n
-	c.mu.Unlock()
+// onIdle returns a channel that receives (without blocking the relay)
+// each time a session of r starts waiting for a notification.
+func onIdle(r *pgoutbox.Relay) <-chan struct{} {
+	ch := make(chan struct{}, 1)
+	pgoutbox.SetOnIdle(r, func() {
+		select {
+		case ch <- struct{}{}:
+		default:
+		}
+	})
+	return ch
 }
 
-func (c *counters) snapshot() (published, retried, dead int) {
-	c.mu.Lock()
-	defer c.mu.Unlock()
-	return c.published, c.retried, c.dead
+// waitIdle waits until a session reports it went idle.
+func waitIdle(t testing.TB, idle <-chan struct{}) {
+	t.Helper()
+	select {
+	case <-idle:
+	case <-time.After(20 * time.Second):
+		t.Fatal("no session went idle within 20s")
+	}
+}
+
+// idleWaits waits until sessions went idle n more times from now on: each
+// wait ends at the poll or rebalance interval at the latest, so this spans
+// several of the relay's wake-ups.
+func idleWaits(t testing.TB, idle <-chan struct{}, n int) {
+	t.Helper()
+	select {
+	case <-idle: // an idle reported before now
+	default:
+	}
+	for range n {
+		waitIdle(t, idle)
+	}
+}
+
+// traceCtx is a context carrying a W3C trace context received from
+// elsewhere, as an application extracts it from an incoming request.
+func traceCtx(traceparent, tracestate string) context.Context {
+	return propagation.TraceContext{}.Extract(context.Background(),
+		propagation.MapCarrier{outbox.HeaderTraceParent: traceparent, outbox.HeaderTraceState: tracestate})
 }
 
 // rowState reads the state, attempts and seq of a message by id.

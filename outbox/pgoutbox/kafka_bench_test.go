@@ -11,6 +11,8 @@ import (
 	"github.com/jackc/pgx/v5"
 	kafkago "github.com/segmentio/kafka-go"
 
+	"github.com/idemkit/idem/internal/telemetry"
+	"github.com/idemkit/idem/internal/testkit/telemetrytest"
 	"github.com/idemkit/idem/internal/testkit/testenv"
 	"github.com/idemkit/idem/outbox"
 	"github.com/idemkit/idem/outbox/pgoutbox"
@@ -112,9 +114,9 @@ func BenchmarkRelayToKafka(b *testing.B) {
 		}
 		w := k.writer(batch, batchTimeout)
 		defer func() { _ = w.Close() }()
-		var m counters
+		mp, all := telemetrytest.Reach(telemetry.MetricOutboxPublished, benchRound)
 		opts := v.opts
-		opts.Metrics, opts.MetricsInterval, opts.CleanupInterval, opts.Logger = &m, time.Hour, -1, quiet()
+		opts.MeterProvider, opts.MetricsInterval, opts.CleanupInterval, opts.Logger = mp, time.Hour, -1, quiet()
 		var pub outbox.Publisher = kafkaPublisher(b, w)
 		if v.noBroker {
 			pub = nopPublisher{}
@@ -128,11 +130,10 @@ func BenchmarkRelayToKafka(b *testing.B) {
 		rctx, stop := context.WithCancel(ctx)
 		done := make(chan error, 1)
 		go func() { done <- r.Run(rctx) }()
-		for {
-			if p, _, _ := m.snapshot(); p >= benchRound {
-				break
-			}
-			time.Sleep(time.Millisecond)
+		select {
+		case <-all:
+		case err := <-done:
+			b.Fatalf("relay stopped before publishing everything: %v", err)
 		}
 		rate := benchRound / time.Since(start).Seconds()
 		stop()

@@ -19,6 +19,7 @@ import (
 	"github.com/idemkit/idem/consumer"
 	"github.com/idemkit/idem/dedup/pgtable"
 	"github.com/idemkit/idem/internal/testkit/kafkatest"
+	"github.com/idemkit/idem/internal/testkit/telemetrytest"
 	"github.com/idemkit/idem/internal/testkit/testenv"
 	"github.com/idemkit/idem/outbox/pgoutbox"
 )
@@ -208,9 +209,9 @@ func TestRelayToKafka(t *testing.T) {
 
 	w := k.writer(100, 5*time.Millisecond)
 	t.Cleanup(func() { _ = w.Close() })
-	var published counters
+	mp := telemetrytest.NewMetrics(t)
 	r, err := pgoutbox.NewRelay(ob, kafkaPublisher(t, w), fastRelay(pgoutbox.RelayOptions{
-		Shards: 8, Sessions: 2, CleanupInterval: -1, Metrics: &published, MetricsInterval: time.Hour,
+		Shards: 8, Sessions: 2, CleanupInterval: -1, MeterProvider: mp, MetricsInterval: time.Hour,
 	}))
 	if err != nil {
 		t.Fatal(err)
@@ -352,7 +353,7 @@ func TestRelayToKafka(t *testing.T) {
 	if violations > 0 {
 		t.Errorf("%d per-key order violations, e.g. %s", violations, strings.Join(examples, "; "))
 	}
-	p, retried, deadRows := published.snapshot()
+	p, retried, deadRows := counts(mp)
 	broker := "kfake"
 	if k.real {
 		broker = "Kafka at " + strings.Join(k.brokers, ",")

@@ -77,5 +77,5 @@ func (o *Outbox) MigrationStatus(ctx context.Context) ([]string, error) {
 }
 
 func errNoPool(what string) error {
-	return fmt.Errorf("pgoutbox: %s needs a pool: the package-level Enqueue's outbox has none; use New", what)
+	return fmt.Errorf("pgoutbox: %s needs a pool: pass one to New", what)
 }

@@ -8,17 +8,18 @@ import (
 	"fmt"
 	"hash/fnv"
 	"log/slog"
-	"strings"
 	"time"
-	"unicode/utf8"
 
 	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
+	"go.opentelemetry.io/otel/propagation"
 
 	"github.com/idemkit/idem/dedup"
 	"github.com/idemkit/idem/internal/sqlname"
+	"github.com/idemkit/idem/internal/telemetry"
 	"github.com/idemkit/idem/outbox"
+	"github.com/idemkit/idem/outbox/internal/msgcheck"
 )
 
 // Options configure an Outbox. The zero value is usable.
@@ -28,10 +29,12 @@ type Options struct {
 	// Table is the table name. Defaults to "outbox".
 	Table string
 	// Propagator adds the trace context of Enqueue's ctx to each message's
-	// headers. Defaults to outbox.TraceContext: the OpenTelemetry span of
-	// ctx as W3C traceparent and tracestate, or else the
-	// values of outbox.WithTraceContext.
-	Propagator outbox.Propagator
+	// headers. Defaults to W3C Trace Context (propagation.TraceContext{}):
+	// the OpenTelemetry span context of ctx as traceparent and tracestate,
+	// whatever the global propagator is. Pass otel.GetTextMapPropagator(),
+	// or a composite with propagation.Baggage{}, to carry more, and
+	// propagation.NewCompositeTextMapPropagator() to carry nothing.
+	Propagator propagation.TextMapPropagator
 	// NoKeyLock disables the per-key advisory lock Enqueue takes (see
 	// Enqueue). Messages of one key are then ordered by the order in which
 	// their rows were inserted, not committed: two transactions enqueueing
@@ -58,7 +61,7 @@ type Options struct {
 // Outbox is an outbox table: Enqueue writes to it in the caller's
 // transaction, a Relay publishes from it. It is safe for concurrent use.
 type Outbox struct {
-	pool    *pgxpool.Pool // nil for the package-level Enqueue
+	pool    *pgxpool.Pool // nil for an Outbox that only enqueues
 	opts    Options
 	table   string // quoted, schema-qualified
 	channel string // LISTEN/NOTIFY channel
@@ -92,7 +95,7 @@ func New(pool *pgxpool.Pool, opts Options) (*Outbox, error) {
 		return nil, fmt.Errorf("pgoutbox: Options.CleanupBatch is %d; it must not be negative", opts.CleanupBatch)
 	}
 	if opts.Propagator == nil {
-		opts.Propagator = outbox.TraceContext
+		opts.Propagator = telemetry.DefaultPropagator
 	}
 	if opts.Retention == 0 {
 		opts.Retention = 24 * time.Hour
@@ -174,19 +177,6 @@ func (o *Outbox) keyLockID(key []byte) int64 {
 	return int64(h.Sum64())
 }
 
-// MaxHeaderBytes bounds a header name plus value, in bytes.
-const MaxHeaderBytes = 64 << 10
-
-// defaultOutbox serves the package-level Enqueue; the default Options are
-// valid, so newOutbox cannot fail.
-var defaultOutbox, _ = New(nil, Options{})
-
-// Enqueue writes msgs to the default outbox, public.outbox with the default
-// Options, in the caller's transaction. See Outbox.Enqueue.
-func Enqueue(ctx context.Context, tx pgx.Tx, msgs ...outbox.Message) ([]string, error) {
-	return defaultOutbox.Enqueue(ctx, tx, msgs...)
-}
-
 // Enqueue writes msgs in tx, the caller's transaction: they are published
 // after tx commits and never if it rolls back. It returns the messages' ids,
 // in order.
@@ -198,7 +188,8 @@ func Enqueue(ctx context.Context, tx pgx.Tx, msgs ...outbox.Message) ([]string, 
 // are ignored. Topic is the Kafka topic or the AMQP exchange (empty: AMQP's
 // default exchange, which routes by Key to the queue of that name); Key orders:
 // two messages with the same non-empty key are published in commit order,
-// and an empty key means "no order".
+// and an empty key means "no order". Topic and headers must be valid UTF-8
+// without NUL bytes, and each header's name plus value at most 64 KiB.
 //
 // Commit order. A sequence column numbers the rows, but two transactions can
 // commit in another order than they took their numbers. So, for each
@@ -241,11 +232,11 @@ func (o *Outbox) Enqueue(ctx context.Context, tx pgx.Tx, msgs ...outbox.Message)
 		if err != nil {
 			return nil, fmt.Errorf("pgoutbox: Enqueue: message %d: %w", i, err)
 		}
-		if err := checkMessage(m); err != nil {
+		if err := msgcheck.Topic(m.Topic); err != nil {
 			return nil, fmt.Errorf("pgoutbox: Enqueue: message %d (id #%s): %w", i, dedup.HashKey("", id.String()), err)
 		}
-		h := outbox.InjectHeaders(ctx, o.opts.Propagator, m.Headers)
-		if err := checkHeaders(h); err != nil {
+		h := telemetry.InjectHeaders(ctx, o.opts.Propagator, m.Headers)
+		if err := msgcheck.Headers(h); err != nil {
 			return nil, fmt.Errorf("pgoutbox: Enqueue: message %d (id #%s): %w", i, dedup.HashKey("", id.String()), err)
 		}
 		js := []byte("{}")
@@ -291,27 +282,4 @@ func messageID(s string) (uuid.UUID, error) {
 		return uuid.UUID{}, fmt.Errorf("Message.ID #%s is not a UUID (leave it empty for a generated UUIDv7): %w", dedup.HashKey("", s), err)
 	}
 	return id, nil
-}
-
-func checkMessage(m *outbox.Message) error {
-	if !utf8.ValidString(m.Topic) || strings.ContainsRune(m.Topic, 0) {
-		return fmt.Errorf("Message.Topic %q is not valid UTF-8 text", m.Topic)
-	}
-	return nil
-}
-
-func checkHeaders(h map[string]string) error {
-	for k, v := range h {
-		if k == "" {
-			return errors.New("a header name is empty")
-		}
-		if len(k)+len(v) > MaxHeaderBytes {
-			return fmt.Errorf("header %q is longer than %d bytes", k, MaxHeaderBytes)
-		}
-		// jsonb keeps text only: no NUL, valid UTF-8.
-		if !utf8.ValidString(k) || !utf8.ValidString(v) || strings.ContainsRune(k, 0) || strings.ContainsRune(v, 0) {
-			return fmt.Errorf("header %q: names and values must be valid UTF-8 without NUL bytes", k)
-		}
-	}
-	return nil
 }

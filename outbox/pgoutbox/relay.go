@@ -96,12 +96,7 @@ type RelayOptions struct {
 	// otel.GetTracerProvider(), a no-op until the application installs a
 	// provider.
 	TracerProvider trace.TracerProvider
-	// Metrics receives counters and, every MetricsInterval, the backlog,
-	// for code that does not use OpenTelemetry; MeterProvider reports the
-	// same (and more) too. Defaults to none.
-	Metrics outbox.Metrics
-	// MetricsInterval is how often the backlog is sampled: the Metrics
-	// hook's period, and the shortest time between two backlog queries
+	// MetricsInterval is the shortest time between two backlog queries
 	// for the MeterProvider's gauges (a collection in between reports the
 	// last sample). Defaults to 15s.
 	MetricsInterval time.Duration
@@ -138,6 +133,9 @@ type hooks struct {
 	afterPublish func(msgs []*outbox.Message, err error)
 	// connected runs when a session connected, with its backend pid.
 	connected func(pid uint32)
+	// idle runs when a session found nothing to do and starts waiting for
+	// a notification (or the poll interval, a due retry, a rebalance).
+	idle func()
 }
 
 // errFatal marks errors that stop Run: misconfiguration, not outages.
@@ -278,29 +276,11 @@ func (r *Relay) Run(ctx context.Context) error {
 	if r.opts.CleanupInterval > 0 {
 		wg.Go(func() { _ = r.ob.CleanupLoop(runCtx, r.opts.CleanupInterval) })
 	}
-	if r.opts.Metrics != nil {
-		wg.Go(func() { r.sampleBacklog(runCtx) })
-	}
 	wg.Wait()
 	if cause := context.Cause(runCtx); errors.Is(cause, errFatal) {
 		return cause
 	}
 	return nil
-}
-
-func (r *Relay) sampleBacklog(ctx context.Context) {
-	t := time.NewTicker(r.opts.MetricsInterval)
-	defer t.Stop()
-	for {
-		if n, age, err := r.backlogSample(ctx, true); err == nil {
-			r.opts.Metrics.Backlog(n, age)
-		}
-		select {
-		case <-ctx.Done():
-			return
-		case <-t.C:
-		}
-	}
 }
 
 // sessionLoop runs one session, reconnecting with backoff, until ctx ends.

@@ -12,6 +12,8 @@ import (
 
 	"github.com/jackc/pgx/v5"
 
+	"github.com/idemkit/idem/internal/telemetry"
+	"github.com/idemkit/idem/internal/testkit/telemetrytest"
 	"github.com/idemkit/idem/internal/testkit/testenv"
 	"github.com/idemkit/idem/outbox"
 	"github.com/idemkit/idem/outbox/pgoutbox"
@@ -239,7 +241,7 @@ func TestEnqueueIDsHeadersAndTrace(t *testing.T) {
 	start(t, r)
 
 	const tp = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
-	ctx := outbox.WithTraceContext(context.Background(), tp, "vendor=x")
+	ctx := traceCtx(tp, "vendor=x")
 	own := "0190a0b0-0000-7000-8000-000000000001"
 	var ids []string
 	err = pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
@@ -298,11 +300,11 @@ func TestPoisonMessageEndsDeadWhileOthersFlow(t *testing.T) {
 		}
 		return nil
 	}}
-	var m counters
+	mp := telemetrytest.NewMetrics(t)
 	const maxAttempts = 4
 	r, err := pgoutbox.NewRelay(ob, pub, fastRelay(pgoutbox.RelayOptions{
 		MaxAttempts: maxAttempts, Backoff: 30 * time.Millisecond, MaxBackoff: 100 * time.Millisecond,
-		Metrics: &m, MetricsInterval: 50 * time.Millisecond,
+		MeterProvider: mp, MetricsInterval: 50 * time.Millisecond,
 	}))
 	if err != nil {
 		t.Fatal(err)
@@ -354,13 +356,10 @@ func TestPoisonMessageEndsDeadWhileOthersFlow(t *testing.T) {
 		}
 	}
 	testenv.Eventually(t, 10*time.Second, "metrics", func() bool {
-		p, rt, d := m.snapshot()
+		p, rt, d := counts(mp)
 		return p == 201 && rt == maxAttempts-1 && d == 1
 	})
-	m.mu.Lock()
-	backlogs := m.backlogs
-	m.mu.Unlock()
-	if backlogs == 0 {
+	if len(mp.Points(telemetry.MetricOutboxBacklog)) == 0 {
 		t.Error("no backlog sample")
 	}
 
@@ -402,6 +401,7 @@ func TestBrokerDownCountsNoAttemptAndNoHotLoop(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	idle := onIdle(r)
 	start(t, r)
 	var ids []string
 	for i := range 10 {
@@ -418,9 +418,10 @@ func TestBrokerDownCountsNoAttemptAndNoHotLoop(t *testing.T) {
 		return countState(t, pool, ob, 1) == len(ids)
 	})
 
-	// Idle: the publisher is not called, and the relay polls, not spins.
+	// Idle: the relay goes back to waiting again and again (it polls, not
+	// spins), and the publisher is not called.
 	calls := pub.callCount()
-	time.Sleep(300 * time.Millisecond)
+	idleWaits(t, idle, 5)
 	if got := pub.callCount(); got != calls {
 		t.Errorf("publisher called %d times with nothing to publish", got-calls)
 	}
@@ -439,6 +440,7 @@ func TestAllFailingEndsQuiet(t *testing.T) {
 	}
 	var batches atomic.Int64
 	pgoutbox.SetAfterPublish(r, func([]*outbox.Message, error) { batches.Add(1) })
+	idle := onIdle(r)
 	start(t, r)
 	const n = 30
 	for i := range n {
@@ -450,7 +452,7 @@ func TestAllFailingEndsQuiet(t *testing.T) {
 	if b > n*maxAttempts {
 		t.Errorf("%d batches for %d messages × %d attempts", b, n, maxAttempts)
 	}
-	time.Sleep(300 * time.Millisecond)
+	idleWaits(t, idle, 5)
 	if got := batches.Load(); got != b {
 		t.Errorf("%d more batches after every message was dead", got-b)
 	}
@@ -506,10 +508,14 @@ func TestNotifyWakesRelayAndPollingCatchesTheRest(t *testing.T) {
 	}
 	var sessions atomic.Int32
 	pgoutbox.SetOnConnect(r, func(uint32) { sessions.Add(1) })
+	idle := onIdle(r)
 	rr := start(t, r)
-	// Let the session connect, take its shards and go idle.
-	testenv.Eventually(t, 20*time.Second, "the session connected", func() bool { return sessions.Load() == 1 })
-	time.Sleep(200 * time.Millisecond)
+	// Let the session connect, take its shards and go idle: from then on
+	// only a notification wakes it.
+	waitIdle(t, idle)
+	if n := sessions.Load(); n != 1 {
+		t.Fatalf("%d sessions connected, want 1", n)
+	}
 	for i := range 3 {
 		enqueue(t, pool, ob, msg("t", keyOf(i, 2), fmt.Sprint(i)))
 		testenv.Eventually(t, 20*time.Second, "the message published on the notification", func() bool { return len(pub.published()) == i+1 })
@@ -521,8 +527,9 @@ func TestNotifyWakesRelayAndPollingCatchesTheRest(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	idle2 := onIdle(r2)
 	start(t, r2)
-	time.Sleep(200 * time.Millisecond)
+	waitIdle(t, idle2) // the first claim found nothing: the silent row comes after it
 	if _, err := pool.Exec(context.Background(), "INSERT INTO "+ob.Table()+
 		" (id, topic, key, key_hash, payload) VALUES ('0190a0b0-0000-7000-8000-0000000000aa', 't', 'silent', 7, 'x')"); err != nil {
 		t.Fatal(err)
@@ -577,7 +584,11 @@ func TestDeadRetention(t *testing.T) {
 	enqueue(t, pool, ob, msg("t", "a", "1"), msg("t", "b", "2"))
 	testenv.Eventually(t, 20*time.Second, "both dead", func() bool { return countState(t, pool, ob, 2) == 2 })
 	rr.stop(t)
-	time.Sleep(5 * time.Millisecond)
+	testenv.Eventually(t, 20*time.Second, "both dead rows older than DeadRetention", func() bool {
+		var n int
+		err := pool.QueryRow(context.Background(), "SELECT count(*) FROM "+ob.Table()+" WHERE dead_at < clock_timestamp() - interval '1 millisecond'").Scan(&n)
+		return err == nil && n == 2
+	})
 	if n, err := ob.Cleanup(context.Background()); err != nil || n != 2 {
 		t.Fatalf("Cleanup = %d, %v; want the 2 dead rows", n, err)
 	}

@@ -305,6 +305,9 @@ func (s *session) wait(ctx context.Context) error {
 		s.notified = false
 		return nil
 	}
+	if h := s.r.hooks.idle; h != nil {
+		h()
+	}
 	wctx, cancel := context.WithTimeout(ctx, d)
 	err := s.conn.PgConn().WaitForNotification(wctx)
 	cancel()
@@ -461,17 +464,6 @@ func (s *session) cycle(ctx context.Context) (int, error) {
 	}
 	inTx = false
 	tel.counted(bctx, published, retried, deadMsgs)
-	if m := o.Metrics; m != nil {
-		for t, n := range published {
-			m.Published(t, n)
-		}
-		for t, n := range retried {
-			m.Retried(t, n)
-		}
-		for t, n := range deadMsgs {
-			m.Dead(t, n)
-		}
-	}
 	return len(batch), nil
 }
 

@@ -149,7 +149,7 @@ func (t *relayTelemetry) startPublish(ctx context.Context, msgs []*outbox.Messag
 		return ctx, func(error) {}
 	}
 	for _, m := range msgs {
-		if sc, ok := outbox.SpanContext(m.Headers); ok {
+		if sc, ok := telemetry.HeadersSpanContext(m.Headers); ok {
 			span.AddLink(trace.Link{SpanContext: sc})
 		}
 	}
@@ -162,9 +162,8 @@ func (t *relayTelemetry) startPublish(ctx context.Context, msgs []*outbox.Messag
 	}
 }
 
-// backlogCache holds the last backlog sample so that neither collections
-// nor the Metrics sampler query more often than about once per
-// MetricsInterval.
+// backlogCache holds the last backlog sample so that collections do not
+// query more often than about once per MetricsInterval.
 type backlogCache struct {
 	mu   sync.Mutex // one query at a time
 	last atomic.Pointer[backlogValue]
@@ -182,11 +181,11 @@ type backlogValue struct {
 var errBacklogBusy = errors.New("pgoutbox: a backlog query is running")
 
 // backlogSample returns the cached sample when it is younger than 90% of
-// MetricsInterval, else queries the database (one query at a time). With
-// wait false (a metrics collection) it never waits for a query another
-// caller runs: it answers the last good sample instead, so a slow database
-// cannot stall a scrape. An error caused by ctx ending is not cached.
-func (r *Relay) backlogSample(ctx context.Context, wait bool) (int64, time.Duration, error) {
+// MetricsInterval, else queries the database (one query at a time). It
+// never waits for a query another collection runs: it answers the last
+// good sample instead, so a slow database cannot stall a scrape. An error
+// caused by ctx ending is not cached.
+func (r *Relay) backlogSample(ctx context.Context) (int64, time.Duration, error) {
 	c := &r.backlog
 	fresh := func(v *backlogValue) bool {
 		return v != nil && time.Since(v.at) < r.opts.MetricsInterval*9/10
@@ -194,9 +193,7 @@ func (r *Relay) backlogSample(ctx context.Context, wait bool) (int64, time.Durat
 	if v := c.last.Load(); fresh(v) {
 		return v.pending, v.oldest, v.err
 	}
-	if wait {
-		c.mu.Lock()
-	} else if !c.mu.TryLock() {
+	if !c.mu.TryLock() {
 		if v := c.last.Load(); v != nil && v.err == nil {
 			return v.pending, v.oldest, nil
 		}
@@ -231,7 +228,7 @@ func (r *Relay) registerBacklog() func() {
 	reg, err := t.meter.RegisterCallback(func(ctx context.Context, o metric.Observer) error {
 		ctx, cancel := context.WithTimeout(ctx, min(collectTimeout, r.opts.QueryTimeout))
 		defer cancel()
-		n, age, err := r.backlogSample(ctx, false)
+		n, age, err := r.backlogSample(ctx)
 		if err != nil {
 			return nil // logged; a gauge without a value beats a wrong one
 		}

@@ -21,13 +21,11 @@ import (
 
 // The relay's OpenTelemetry metrics: published, retried and dead counters
 // per table and topic, the publish latency by result, the delay of each
-// confirmed message, and the backlog gauges — with the outbox.Metrics hook
-// receiving the same counters alongside.
+// confirmed message, and the backlog gauges.
 func TestRelayMetrics(t *testing.T) {
 	pool := testenv.Pool(t, 6)
 	ob := newOutbox(t, pool, pgoutbox.Options{Table: "events_out"})
 	mp := telemetrytest.NewMetrics(t)
-	hook := &counters{}
 
 	down := errors.New("broker unreachable")
 	pub := &memPublisher{
@@ -53,7 +51,6 @@ func TestRelayMetrics(t *testing.T) {
 		Shards:          2,
 		MaxAttempts:     3,
 		MeterProvider:   mp,
-		Metrics:         hook,
 		MetricsInterval: 20 * time.Millisecond,
 	}))
 	if err != nil {
@@ -82,9 +79,9 @@ func TestRelayMetrics(t *testing.T) {
 		return gauge(t, mp, telemetry.MetricOutboxBacklog, table) == 0
 	})
 
-	// The relay counts a batch's messages (the counters and the
-	// outbox.Metrics hook) after its COMMIT, which the database state above
-	// may show first: the exact values are checked once they settled.
+	// The relay counts a batch's messages after its COMMIT, which the
+	// database state above may show first: the exact values are checked
+	// once they settled.
 	orders, payments := telemetry.AttrDestination.String("orders"), telemetry.AttrDestination.String("payments")
 	settled(t, 20*time.Second, func() (mismatches []string) {
 		for _, c := range []struct {
@@ -110,16 +107,11 @@ func TestRelayMetrics(t *testing.T) {
 		if calls := float64(pub.callCount()); okBatches+errBatches != calls || errBatches < 2 {
 			mismatches = append(mismatches, fmt.Sprintf("publish duration: %v ok + %v error, want %v calls in all, at least 2 failed", okBatches, errBatches, calls))
 		}
-		// The older hook saw the same counters.
-		if p, re, d := hook.snapshot(); p != 2 || re != 4 || d != 1 {
-			mismatches = append(mismatches, fmt.Sprintf("outbox.Metrics hook: published %d, retried %d, dead %d; want 2, 4, 1", p, re, d))
+		// In all, per table.
+		if p, re, d := counts(mp); p != 2 || re != 4 || d != 1 {
+			mismatches = append(mismatches, fmt.Sprintf("in all: published %d, retried %d, dead %d; want 2, 4, 1", p, re, d))
 		}
 		return mismatches
-	})
-	testenv.Eventually(t, 10*time.Second, "the outbox.Metrics hook's backlog sample at 0", func() bool {
-		hook.mu.Lock()
-		defer hook.mu.Unlock()
-		return hook.backlogs > 0 && hook.lastBacklog == 0
 	})
 	mp.NoValueContains(append(ids, "k1", "k2", "k3")...)
 
@@ -130,25 +122,24 @@ func TestRelayMetrics(t *testing.T) {
 	}
 }
 
-// settled waits, up to timeout, until check finds no mismatch, and reports
-// the mismatches of its last run if it never does. For exact values that
-// the relay records after the state the test waited for became visible.
+// settled waits, up to timeout, until check finds no mismatch, and fails
+// the test with the mismatches of its last run if it never does. For exact
+// values that the relay records after the state the test waited for
+// became visible.
 func settled(t *testing.T, timeout time.Duration, check func() []string) {
 	t.Helper()
-	deadline := time.Now().Add(timeout)
-	for {
-		mismatches := check()
-		if len(mismatches) == 0 {
-			return
-		}
-		if time.Now().After(deadline) {
-			for _, m := range mismatches {
+	var last []string
+	defer func() {
+		if len(last) > 0 {
+			for _, m := range last {
 				t.Errorf("after %v: %s", timeout, m)
 			}
-			return
 		}
-		time.Sleep(10 * time.Millisecond)
-	}
+	}()
+	testenv.Eventually(t, timeout, "the exact values", func() bool {
+		last = check()
+		return len(last) == 0
+	})
 }
 
 // gauge returns the value of the point of a gauge with attrs, or -1 when
@@ -211,7 +202,7 @@ func TestRelayTraceContext(t *testing.T) {
 	if h[outbox.HeaderTraceParent] != want {
 		t.Fatalf("traceparent = %q, want %q", h[outbox.HeaderTraceParent], want)
 	}
-	got, ok := outbox.SpanContext(h)
+	got, ok := telemetry.HeadersSpanContext(h)
 	if !ok || got.TraceID() != sc.TraceID() || got.SpanID() != sc.SpanID() {
 		t.Fatalf("published span context %v, want trace %s parent %s", got, sc.TraceID(), sc.SpanID())
 	}

@@ -17,7 +17,9 @@ import (
 
 	idemamqp "github.com/idemkit/idem/adapters/amqp"
 	idemkafka "github.com/idemkit/idem/adapters/kafka"
+	"github.com/idemkit/idem/internal/telemetry"
 	"github.com/idemkit/idem/internal/testkit/kafkatest"
+	"github.com/idemkit/idem/internal/testkit/telemetrytest"
 	"github.com/idemkit/idem/internal/testkit/testenv"
 	"github.com/idemkit/idem/outbox"
 	"github.com/idemkit/idem/outbox/walrelay"
@@ -82,8 +84,8 @@ func benchOutbox(b *testing.B, pool *pgxpool.Pool, src walrelay.Source, topic st
 // streaming (without the relay's connection set-up, tens of milliseconds on
 // a loaded machine, a large part of a round).
 func measureRelay(b *testing.B, ob *walrelay.Outbox, pub outbox.Publisher, batch int) (float64, float64) {
-	m := &counters{}
-	r, err := walrelay.NewRelay(ob, pub, walrelay.RelayOptions{BatchSize: batch, Metrics: m, MetricsInterval: time.Hour, CleanupInterval: -1, Logger: quiet()})
+	mp, all := telemetrytest.Reach(telemetry.MetricOutboxPublished, benchRound)
+	r, err := walrelay.NewRelay(ob, pub, walrelay.RelayOptions{BatchSize: batch, MeterProvider: mp, MetricsInterval: time.Hour, CleanupInterval: -1, Logger: quiet()})
 	if err != nil {
 		b.Fatal(err)
 	}
@@ -95,14 +97,10 @@ func measureRelay(b *testing.B, ob *walrelay.Outbox, pub outbox.Publisher, batch
 	done := make(chan error, 1)
 	go func() { done <- r.Run(rctx) }()
 	streamed := <-streaming
-	for {
-		m.mu.Lock()
-		n := m.published
-		m.mu.Unlock()
-		if n >= benchRound {
-			break
-		}
-		time.Sleep(time.Millisecond)
+	select {
+	case <-all:
+	case err := <-done:
+		b.Fatalf("relay stopped before publishing everything: %v", err)
 	}
 	end := time.Now()
 	stop()
@@ -360,15 +358,11 @@ func BenchmarkCommitToPublish(b *testing.B) {
 					committed[ids[0]] = time.Now()
 				}
 				tick.Stop()
-				for {
+				testenv.Eventually(b, 10*time.Minute, "every message published", func() bool {
 					pub.mu.Lock()
-					n := len(pub.at)
-					pub.mu.Unlock()
-					if n >= total {
-						break
-					}
-					time.Sleep(time.Millisecond)
-				}
+					defer pub.mu.Unlock()
+					return len(pub.at) >= total
+				})
 				stop()
 				if err := <-done; err != nil {
 					b.Fatal(err)

@@ -14,6 +14,7 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 
+	"github.com/idemkit/idem/internal/testkit/testenv"
 	"github.com/idemkit/idem/outbox"
 	"github.com/idemkit/idem/outbox/walrelay"
 )
@@ -150,32 +151,25 @@ func TestCrashBetweenPublishAndConfirm(t *testing.T) {
 		start(t, newRelay(t, ob, pub, walrelay.RelayOptions{}))
 		more := enqueue(t, pool, ob, msg("t", "k0", "after the crash"))
 		ids = append(ids, more...)
-		deadline := time.Now().Add(60 * time.Second)
-		for {
-			got := pub.copies(t)
-			missing := 0
+		var got map[string]int
+		testenv.Eventually(t, 60*time.Second, "every message published after the restart", func() bool {
+			got = pub.copies(t)
 			for _, id := range ids {
 				if got[id] == 0 {
-					missing++
+					return false
 				}
 			}
-			if missing == 0 {
-				for _, id := range ids {
-					want := 1
-					if inFlight[id] > 0 {
-						want = 2
-					}
-					if got[id] != want {
-						t.Fatalf("message %s published %d times, want %d (in flight at the crash: %v)", id, got[id], want, inFlight[id] > 0)
-					}
-				}
-				t.Logf("%d messages; %d in flight at the crash were published again with the same ids", len(ids), len(inFlight))
-				return
+			return true
+		})
+		for _, id := range ids {
+			want := 1
+			if inFlight[id] > 0 {
+				want = 2
 			}
-			if time.Now().After(deadline) {
-				t.Fatalf("%d of %d messages never published after the restart", missing, len(ids))
+			if got[id] != want {
+				t.Fatalf("message %s published %d times, want %d (in flight at the crash: %v)", id, got[id], want, inFlight[id] > 0)
 			}
-			time.Sleep(20 * time.Millisecond)
 		}
+		t.Logf("%d messages; %d in flight at the crash were published again with the same ids", len(ids), len(inFlight))
 	})
 }

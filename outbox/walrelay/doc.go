@@ -126,9 +126,9 @@
 //
 // RelayOptions.MeterProvider receives the poll relay's outbox metrics
 // (idem.outbox.published, .retried, .dead, .publish.duration, .delay: from
-// commit to the broker's confirmation) and the slot gauges above;
-// RelayOptions.TracerProvider a producer span per batch linked to each
-// message's trace; RelayOptions.Metrics the counters and the backlog
-// (messages received and not yet confirmed). Logs carry message ids only
-// as dedup.HashKey("", id).
+// commit to the broker's confirmation), the slot gauges above and
+// idem.outbox.backlog (the messages received from the slot and not yet
+// published or parked); RelayOptions.TracerProvider a producer span per
+// batch linked to each message's trace. Logs carry message ids only as
+// dedup.HashKey("", id).
 package walrelay

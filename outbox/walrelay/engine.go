@@ -324,12 +324,8 @@ func (e *engine) publish(ctx context.Context, batch []*entry) error {
 		en.due = now.Add(o.retryDelay(en.attempts))
 		retried[en.msg.Topic]++
 	}
-	var hook outbox.Metrics = outbox.NopMetrics{}
-	if o.Metrics != nil {
-		hook = o.Metrics
-	}
-	tel.count(pctx, tel.published, published, hook.Published)
-	tel.count(pctx, tel.retried, retried, hook.Retried)
+	tel.count(pctx, tel.published, published)
+	tel.count(pctx, tel.retried, retried)
 	e.advance()
 	return nil
 }
@@ -379,11 +375,7 @@ func (e *engine) park(ctx context.Context, now time.Time) {
 		dead[m.Topic]++
 	}
 	if len(dead) > 0 {
-		var hook func(string, int)
-		if o.Metrics != nil {
-			hook = o.Metrics.Dead
-		}
-		e.r.tel.count(ctx, e.r.tel.dead, dead, hook)
+		e.r.tel.count(ctx, e.r.tel.dead, dead)
 		e.advance()
 	}
 }

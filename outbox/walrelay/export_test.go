@@ -4,6 +4,9 @@ import "github.com/idemkit/idem/outbox"
 
 // Test seams.
 
+// ErrBatchNeedsMessages is what QueueEnqueue returns for SourceTable.
+var ErrBatchNeedsMessages = errBatchNeedsMessages
+
 // SetOnStreaming makes r call f each time it starts streaming its slot.
 func SetOnStreaming(r *Relay, f func()) { r.hooks.streaming = f }
 

@@ -13,11 +13,18 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
+	"go.opentelemetry.io/otel/propagation"
 
 	"github.com/idemkit/idem/internal/testkit/testenv"
 	"github.com/idemkit/idem/outbox"
 	"github.com/idemkit/idem/outbox/walrelay"
 )
+
+// traceCtx is a context carrying a W3C traceparent received from
+// elsewhere, as an application extracts it from an incoming request.
+func traceCtx(traceparent string) context.Context {
+	return propagation.TraceContext{}.Extract(context.Background(), propagation.MapCarrier{outbox.HeaderTraceParent: traceparent})
+}
 
 // quiet is the logger of the tests' relays: warnings about killed
 // connections are expected there. IDEM_TEST_VERBOSE=1 shows them.
@@ -75,23 +82,32 @@ func newWAL(t testing.TB, pool *pgxpool.Pool, opts walrelay.Options) *walrelay.O
 	if err := ob.Migrate(ctx); err != nil {
 		t.Fatal(err)
 	}
+	// Cleanups run last registered first: the slot is dropped, then the
+	// publication.
+	t.Cleanup(func() {
+		ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+		defer cancel()
+		if _, err := pool.Exec(ctx, "DROP PUBLICATION IF EXISTS "+pgx.Identifier{ob.Options().Publication}.Sanitize()); err != nil {
+			t.Errorf("drop publication: %v", err)
+		}
+	})
 	t.Cleanup(func() {
 		ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 		defer cancel()
 		// The server may take a moment to end a killed relay's stream.
-		for {
+		var dropErr error
+		testenv.Eventually(t, 30*time.Second, "the slot dropped (no relay streaming it)", func() bool {
 			err := ob.DropSlot(ctx)
-			if err == nil || errors.Is(err, walrelay.ErrNoSlot) {
-				break
+			if errors.Is(err, walrelay.ErrSlotActive) && ctx.Err() == nil {
+				return false
 			}
-			if !errors.Is(err, walrelay.ErrSlotActive) || ctx.Err() != nil {
-				t.Errorf("DropSlot: %v", err)
-				break
+			if err != nil && !errors.Is(err, walrelay.ErrNoSlot) {
+				dropErr = err
 			}
-			time.Sleep(20 * time.Millisecond)
-		}
-		if _, err := pool.Exec(ctx, "DROP PUBLICATION IF EXISTS "+pgx.Identifier{ob.Options().Publication}.Sanitize()); err != nil {
-			t.Errorf("drop publication: %v", err)
+			return true
+		})
+		if dropErr != nil {
+			t.Errorf("DropSlot: %v", dropErr)
 		}
 	})
 	return ob
@@ -287,13 +303,7 @@ func (p *memPublisher) wait(t testing.TB, what string, cond func() bool) {
 // hanging.
 func eventually(t testing.TB, what string, cond func() bool) {
 	t.Helper()
-	deadline := time.Now().Add(60 * time.Second)
-	for !cond() {
-		if time.Now().After(deadline) {
-			t.Fatalf("gave up after 60s waiting for %s", what)
-		}
-		time.Sleep(10 * time.Millisecond)
-	}
+	testenv.Eventually(t, 60*time.Second, what, cond)
 }
 
 // waitIDs waits until every id was published at least once.

@@ -61,7 +61,7 @@ func TestRelayToRabbitMQ(t *testing.T) {
 		start(t, newRelay(t, ob, pub, walrelay.RelayOptions{MaxAttempts: 2}))
 
 		const traceparent = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
-		ctx := outbox.WithTraceContext(context.Background(), traceparent, "")
+		ctx := traceCtx(traceparent)
 		want := map[string]bool{}
 		var poison []string
 		for i := range 10 {

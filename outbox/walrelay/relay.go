@@ -81,12 +81,8 @@ type RelayOptions struct {
 	// to the trace context each message carries from Enqueue. Defaults to
 	// otel.GetTracerProvider().
 	TracerProvider trace.TracerProvider
-	// Metrics receives the counters and, every MetricsInterval, the
-	// backlog: the messages received and not yet published, and the age
-	// of the oldest unconfirmed transaction. Defaults to none.
-	Metrics outbox.Metrics
 	// MetricsInterval is how often the slot's lag is sampled from the
-	// database, and the Metrics hook's backlog reported. Defaults to 15s.
+	// database. Defaults to 15s.
 	MetricsInterval time.Duration
 	// ShutdownTimeout is how long the batch in flight when Run's context
 	// ends may take to finish before the relay reports its position and
@@ -309,8 +305,8 @@ func (r *Relay) streamLoop(ctx context.Context, stop context.CancelCauseFunc) {
 	}
 }
 
-// sampleLoop samples the slot's lag every MetricsInterval, warns past
-// LagWarnBytes, and feeds the Metrics hook's backlog.
+// sampleLoop samples the slot's lag every MetricsInterval and warns past
+// LagWarnBytes.
 func (r *Relay) sampleLoop(ctx context.Context) {
 	t := time.NewTicker(r.opts.MetricsInterval)
 	defer t.Stop()
@@ -332,9 +328,6 @@ func (r *Relay) sampleLoop(ctx context.Context) {
 		case errors.Is(err, ErrNoSlot), ctx.Err() != nil:
 		default:
 			r.opts.Logger.Warn("walrelay: slot sample failed", "slot", r.ob.opts.Slot, "err", err)
-		}
-		if m := r.opts.Metrics; m != nil {
-			m.Backlog(r.tel.pending.Load(), r.tel.lagAge())
 		}
 		select {
 		case <-ctx.Done():

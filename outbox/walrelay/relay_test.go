@@ -27,7 +27,7 @@ func TestCommitAndRollback(t *testing.T) {
 		pub := newMemPublisher()
 		start(t, newRelay(t, ob, pub, walrelay.RelayOptions{}))
 
-		ctx := outbox.WithTraceContext(context.Background(), "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01", "")
+		ctx := traceCtx("00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01")
 		var want []string
 		for i := range 20 {
 			tx, err := pool.Begin(ctx)

@@ -14,6 +14,7 @@ import (
 	"github.com/idemkit/idem/internal/pgmigrate"
 	"github.com/idemkit/idem/internal/sqlname"
 	"github.com/idemkit/idem/outbox"
+	"github.com/idemkit/idem/outbox/pgoutbox"
 )
 
 // Sentinel errors.
@@ -43,7 +44,7 @@ func (d tmplData) DeadIndex() string { return sqlname.Quote(d.table + "_dead_at_
 // Migrations returns the relay's own migrations (the dead table), in order.
 // With SourceTable, Migrate also applies the outbox table's migrations
 // (pgoutbox.Outbox.Migrations).
-func (o *Outbox) Migrations() ([]pgmigrate.Migration, error) {
+func (o *Outbox) Migrations() ([]pgoutbox.Migration, error) {
 	return pgmigrate.Render("walrelay", migrationFS, "migrations", tmplData{schema: o.opts.Schema, table: o.opts.Table})
 }
 

@@ -159,16 +159,25 @@ func TestNewValidates(t *testing.T) {
 	}
 }
 
-func TestParseSource(t *testing.T) {
-	for _, src := range []walrelay.Source{walrelay.SourceMessages, walrelay.SourceTable} {
-		if got, err := walrelay.ParseSource(src.String()); err != nil || got != src {
-			t.Errorf("ParseSource(%q) = %v, %v", src.String(), got, err)
+func TestSourceText(t *testing.T) {
+	for _, src := range []walrelay.Source{walrelay.SourceMessages, walrelay.SourceTable, 0} {
+		text, err := src.MarshalText()
+		if err != nil {
+			t.Fatalf("%v.MarshalText: %v", src, err)
+		}
+		var got walrelay.Source
+		if err := got.UnmarshalText(text); err != nil || got != src {
+			t.Errorf("UnmarshalText(%q) = %v, %v; want %v", text, got, err, src)
 		}
 	}
-	if got, err := walrelay.ParseSource(""); err != nil || got != walrelay.SourceDefault {
-		t.Errorf(`ParseSource("") = %v, %v`, got, err)
+	if text, _ := walrelay.SourceTable.MarshalText(); string(text) != "table" {
+		t.Errorf("SourceTable.MarshalText() = %q, want table", text)
 	}
-	if _, err := walrelay.ParseSource("wal"); err == nil {
-		t.Error(`ParseSource("wal") accepted`)
+	var got walrelay.Source
+	if err := got.UnmarshalText([]byte("wal")); err == nil {
+		t.Error(`UnmarshalText("wal") accepted`)
+	}
+	if _, err := walrelay.Source(7).MarshalText(); err == nil {
+		t.Error("Source(7).MarshalText accepted")
 	}
 }

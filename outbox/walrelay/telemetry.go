@@ -68,8 +68,8 @@ func newRelayTelemetry(mp metric.MeterProvider, tp trace.TracerProvider, table, 
 	return t
 }
 
-// register reports the slot gauges on collection. The returned function
-// unregisters them.
+// register reports the slot gauges and the backlog gauge on collection.
+// The returned function unregisters them.
 func (t *relayTelemetry) register() func() {
 	lag, err1 := t.meter.Int64ObservableGauge(telemetry.MetricSlotLag, metric.WithUnit("By"),
 		metric.WithDescription("WAL written since the replication slot's confirmed position (what the outbox relay has not confirmed)."))
@@ -77,7 +77,9 @@ func (t *relayTelemetry) register() func() {
 		metric.WithDescription("WAL PostgreSQL keeps for the outbox relay's replication slot."))
 	age, err3 := t.meter.Float64ObservableGauge(telemetry.MetricSlotLagAge, metric.WithUnit("s"),
 		metric.WithDescription("Time since the commit of the oldest outbox transaction the relay received and has not confirmed."))
-	for _, err := range []error{err1, err2, err3} {
+	backlog, err4 := t.meter.Int64ObservableGauge(telemetry.MetricOutboxBacklog, metric.WithUnit("{message}"),
+		metric.WithDescription("Outbox messages the WAL relay received from its slot and has not yet published or parked."))
+	for _, err := range []error{err1, err2, err3, err4} {
 		if err != nil {
 			otel.Handle(err)
 			return func() {}
@@ -91,8 +93,9 @@ func (t *relayTelemetry) register() func() {
 			o.ObserveInt64(retained, v, t.slotObs...)
 		}
 		o.ObserveFloat64(age, t.lagAge().Seconds(), t.slotObs...)
+		o.ObserveInt64(backlog, t.pending.Load(), t.slotObs...)
 		return nil
-	}, lag, retained, age)
+	}, lag, retained, age, backlog)
 	if err != nil {
 		otel.Handle(err)
 		return func() {}
@@ -128,13 +131,10 @@ func (t *relayTelemetry) topicOpt(topic string) []metric.AddOption {
 // for each record.
 const maxTopicSets = 1024
 
-// count adds n to c for topic, and to the Metrics hook through hook.
-func (t *relayTelemetry) count(ctx context.Context, c metric.Int64Counter, counts map[string]int, hook func(topic string, n int)) {
+// count adds each topic's count to c.
+func (t *relayTelemetry) count(ctx context.Context, c metric.Int64Counter, counts map[string]int) {
 	for topic, n := range counts {
 		c.Add(ctx, int64(n), t.topicOpt(topic)...)
-		if hook != nil {
-			hook(topic, n)
-		}
 	}
 }
 
@@ -155,7 +155,7 @@ func (t *relayTelemetry) startPublish(ctx context.Context, msgs []*outbox.Messag
 		return ctx, func(error) {}
 	}
 	for _, m := range msgs {
-		if sc, ok := outbox.SpanContext(m.Headers); ok {
+		if sc, ok := telemetry.HeadersSpanContext(m.Headers); ok {
 			span.AddLink(trace.Link{SpanContext: sc})
 		}
 	}

@@ -14,24 +14,26 @@ import (
 	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
+	"go.opentelemetry.io/otel/propagation"
 
 	"github.com/idemkit/idem/dedup"
 	"github.com/idemkit/idem/internal/sqlname"
+	"github.com/idemkit/idem/internal/telemetry"
 	"github.com/idemkit/idem/outbox"
+	"github.com/idemkit/idem/outbox/internal/msgcheck"
 	"github.com/idemkit/idem/outbox/pgoutbox"
 )
 
-// Source says where the relay reads the outbox messages from.
+// Source says where the relay reads the outbox messages from. The zero
+// Source is SourceMessages.
 type Source int
 
 const (
-	// SourceDefault is the zero Source: SourceMessages.
-	SourceDefault Source = iota
 	// SourceTable reads the inserts into the outbox table (the
 	// outbox/pgoutbox layout) from a publication on that table. Enqueue
 	// inserts one row per message; the rows are deleted by Cleanup after
 	// Options.Retention.
-	SourceTable
+	SourceTable Source = iota + 1
 	// SourceMessages reads logical decoding messages: Enqueue writes the
 	// messages into the write-ahead log with pg_logical_emit_message in
 	// the caller's transaction, and no table row at all.
@@ -48,19 +50,33 @@ func (s Source) String() string {
 	return fmt.Sprintf("Source(%d)", int(s))
 }
 
-// ParseSource returns the Source named by s ("messages" or "table", as
-// Source.String writes them; "" is SourceDefault), for command lines and
-// configuration files.
-func ParseSource(s string) (Source, error) {
+// MarshalText writes the Source as String does ("messages" or "table"),
+// and the zero Source as "".
+func (s Source) MarshalText() ([]byte, error) {
 	switch s {
-	case "":
-		return SourceDefault, nil
-	case "messages":
-		return SourceMessages, nil
-	case "table":
-		return SourceTable, nil
+	case 0:
+		return nil, nil
+	case SourceTable, SourceMessages:
+		return []byte(s.String()), nil
 	}
-	return 0, fmt.Errorf("walrelay: unknown source %q; use messages or table", s)
+	return nil, fmt.Errorf("walrelay: unknown %v", s)
+}
+
+// UnmarshalText sets the Source named by text ("messages" or "table", as
+// String writes them; "" is the zero Source), for command lines
+// (flag.TextVar) and configuration files.
+func (s *Source) UnmarshalText(text []byte) error {
+	switch string(text) {
+	case "":
+		*s = 0
+	case "messages":
+		*s = SourceMessages
+	case "table":
+		*s = SourceTable
+	default:
+		return fmt.Errorf("walrelay: unknown source %q; use messages or table", text)
+	}
+	return nil
 }
 
 // Options configure an Outbox. The zero value is usable.
@@ -91,8 +107,12 @@ type Options struct {
 	// (the pgoutput plugin needs one). Defaults to Slot's name.
 	Publication string
 	// Propagator adds the trace context of Enqueue's ctx to each message's
-	// headers. Defaults to outbox.TraceContext.
-	Propagator outbox.Propagator
+	// headers. Defaults to W3C Trace Context (propagation.TraceContext{}):
+	// the OpenTelemetry span context of ctx as traceparent and tracestate,
+	// whatever the global propagator is. Pass otel.GetTextMapPropagator(),
+	// or a composite with propagation.Baggage{}, to carry more, and
+	// propagation.NewCompositeTextMapPropagator() to carry nothing.
+	Propagator propagation.TextMapPropagator
 	// Retention is how long Cleanup keeps the outbox table's rows
 	// (SourceTable). The relay reads the write-ahead log, not the table,
 	// so a row is kept only for inspection and as a fallback copy (see
@@ -139,7 +159,7 @@ func New(pool *pgxpool.Pool, opts Options) (*Outbox, error) {
 		return nil, err
 	}
 	switch opts.Source {
-	case SourceDefault:
+	case 0:
 		opts.Source = SourceMessages
 	case SourceTable, SourceMessages:
 	default:
@@ -171,7 +191,7 @@ func New(pool *pgxpool.Pool, opts Options) (*Outbox, error) {
 		return nil, fmt.Errorf("walrelay: Options.CleanupBatch is %d; it must not be negative", opts.CleanupBatch)
 	}
 	if opts.Propagator == nil {
-		opts.Propagator = outbox.TraceContext
+		opts.Propagator = telemetry.DefaultPropagator
 	}
 	if opts.Retention == 0 {
 		opts.Retention = 24 * time.Hour
@@ -267,20 +287,20 @@ func (o *Outbox) Enqueue(ctx context.Context, tx pgx.Tx, msgs ...outbox.Message)
 
 const emitSQL = "SELECT pg_logical_emit_message(true, $1::text, $2::bytea)"
 
-// ErrBatchNeedsMessages is returned by QueueEnqueue for an outbox whose
+// errBatchNeedsMessages is returned by QueueEnqueue for an outbox whose
 // Source is not SourceMessages.
-var ErrBatchNeedsMessages = errors.New("walrelay: QueueEnqueue needs Source SourceMessages")
+var errBatchNeedsMessages = errors.New("walrelay: QueueEnqueue needs Source SourceMessages")
 
 // QueueEnqueue is Enqueue for a pgx.Batch the caller sends in its
 // transaction (tx.SendBatch): the messages' logical decoding message is
 // queued after the batch's statements queued so far, so the business
 // statements and the outbox write travel in one round trip. It works with
-// SourceMessages only (ErrBatchNeedsMessages otherwise). The messages are
+// SourceMessages only (an error otherwise). The messages are
 // written when the batch runs, and published if the transaction that ran
 // it commits; an error of the queued statement is the batch's error.
 func (o *Outbox) QueueEnqueue(ctx context.Context, b *pgx.Batch, msgs ...outbox.Message) ([]string, error) {
 	if o.opts.Source != SourceMessages {
-		return nil, ErrBatchNeedsMessages
+		return nil, errBatchNeedsMessages
 	}
 	if b == nil {
 		return nil, errors.New("walrelay: QueueEnqueue: batch is nil")
@@ -308,7 +328,7 @@ func (o *Outbox) encode(ctx context.Context, msgs []outbox.Message) ([]byte, []s
 			return nil, nil, fmt.Errorf("walrelay: Enqueue: message %d: %w", i, err)
 		}
 		m.ID = id.String()
-		m.Headers = outbox.InjectHeaders(ctx, o.opts.Propagator, m.Headers)
+		m.Headers = telemetry.InjectHeaders(ctx, o.opts.Propagator, m.Headers)
 		if err := checkMessage(&m); err != nil {
 			return nil, nil, fmt.Errorf("walrelay: Enqueue: message %d (id #%s): %w", i, dedup.HashKey("", m.ID), err)
 		}
@@ -333,19 +353,8 @@ func newID(s string) (uuid.UUID, error) {
 // goes into the write-ahead log, so that either source accepts the same
 // messages and a parked one fits the dead table.
 func checkMessage(m *outbox.Message) error {
-	if !utf8.ValidString(m.Topic) || strings.ContainsRune(m.Topic, 0) {
-		return fmt.Errorf("Message.Topic %q is not valid UTF-8 text", m.Topic)
+	if err := msgcheck.Topic(m.Topic); err != nil {
+		return err
 	}
-	for k, v := range m.Headers {
-		if k == "" {
-			return errors.New("a header name is empty")
-		}
-		if len(k)+len(v) > pgoutbox.MaxHeaderBytes {
-			return fmt.Errorf("header %q is longer than %d bytes", k, pgoutbox.MaxHeaderBytes)
-		}
-		if !utf8.ValidString(k) || !utf8.ValidString(v) || strings.ContainsRune(k, 0) || strings.ContainsRune(v, 0) {
-			return fmt.Errorf("header %q: names and values must be valid UTF-8 without NUL bytes", k)
-		}
-	}
-	return nil
+	return msgcheck.Headers(m.Headers)
 }

@@ -28,10 +28,13 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/redis/go-redis/v9"
+	sdkmetric "go.opentelemetry.io/otel/sdk/metric"
+	"go.opentelemetry.io/otel/sdk/metric/metricdata"
 
 	"github.com/idemkit/idem/consumer"
 	"github.com/idemkit/idem/dedup/redisnx"
 	"github.com/idemkit/idem/dedup/twolevel"
+	"github.com/idemkit/idem/internal/telemetry"
 	"github.com/idemkit/idem/internal/testkit/fault"
 )
 
@@ -168,10 +171,11 @@ func srvRedisTwoLevel(ctx context.Context, env *Env) (res Result, err error) {
 	if err != nil {
 		return res, err
 	}
-	var sources srvCounts
+	reader := sdkmetric.NewManualReader()
+	mp := sdkmetric.NewMeterProvider(sdkmetric.WithReader(reader))
+	defer func() { _ = mp.Shutdown(context.Background()) }()
 	store, err := twolevel.New(cache, db, twolevel.Options{
-		Logger: srvQuiet, CacheTimeout: 250 * time.Millisecond,
-		Stats: func(s twolevel.Source) { sources.add(string(s), 1) },
+		Logger: srvQuiet, CacheTimeout: 250 * time.Millisecond, MeterProvider: mp,
 	})
 	if err != nil {
 		return res, err
@@ -191,6 +195,33 @@ func srvRedisTwoLevel(ctx context.Context, env *Env) (res Result, err error) {
 	if err := srvCheck(ctx, o, rep.acked, &res); err != nil {
 		return res, errors.Join(runErr, err)
 	}
+	sources, err := srvTwoLevelAnswers(context.WithoutCancel(ctx), reader)
+	if err != nil {
+		return res, errors.Join(runErr, err)
+	}
 	res.Note = fmt.Sprintf("%d restarts without persistence; answers by source: %s", serverKills, sources.String())
 	return res, runErr
+}
+
+// srvTwoLevelAnswers reads the two-level store's idem.twolevel.answers
+// counter from reader, by idem.source.
+func srvTwoLevelAnswers(ctx context.Context, reader sdkmetric.Reader) (*srvCounts, error) {
+	var rm metricdata.ResourceMetrics
+	if err := reader.Collect(ctx, &rm); err != nil {
+		return nil, fmt.Errorf("collect the two-level answers: %w", err)
+	}
+	var c srvCounts
+	for _, sm := range rm.ScopeMetrics {
+		for _, m := range sm.Metrics {
+			sum, ok := m.Data.(metricdata.Sum[int64])
+			if m.Name != telemetry.MetricTwoLevelAnswers || !ok {
+				continue
+			}
+			for _, p := range sum.DataPoints {
+				v, _ := p.Attributes.Value(telemetry.AttrSource)
+				c.add(v.AsString(), int(p.Value))
+			}
+		}
+	}
+	return &c, nil
 }

@@ -9,10 +9,13 @@ import (
 	"sort"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
 	"go.opentelemetry.io/otel/attribute"
+	"go.opentelemetry.io/otel/metric"
+	"go.opentelemetry.io/otel/metric/noop"
 	sdkmetric "go.opentelemetry.io/otel/sdk/metric"
 	"go.opentelemetry.io/otel/sdk/metric/metricdata"
 	sdktrace "go.opentelemetry.io/otel/sdk/trace"
@@ -178,6 +181,54 @@ func (m *Metrics) CheckVerdicts(system, destination string, total float64, want 
 		m.t.Errorf("%s in all = %v, want %v", telemetry.MetricMessages, got, total)
 	}
 }
+
+// Reach returns a MeterProvider that closes the returned channel once the
+// adds to the int64 counter name reach n in all, whatever their
+// attributes; every other instrument is a no-op. Benchmarks wait on it for
+// a count (messages published) without collecting metrics in a loop.
+func Reach(name string, n int64) (metric.MeterProvider, <-chan struct{}) {
+	c := &reachCounter{want: n, done: make(chan struct{})}
+	return reachProvider{name: name, c: c}, c.done
+}
+
+type reachProvider struct {
+	noop.MeterProvider
+	name string
+	c    *reachCounter
+}
+
+func (p reachProvider) Meter(string, ...metric.MeterOption) metric.Meter {
+	return reachMeter{name: p.name, c: p.c}
+}
+
+type reachMeter struct {
+	noop.Meter
+	name string
+	c    *reachCounter
+}
+
+func (m reachMeter) Int64Counter(name string, _ ...metric.Int64CounterOption) (metric.Int64Counter, error) {
+	if name == m.name {
+		return m.c, nil
+	}
+	return noop.Int64Counter{}, nil
+}
+
+type reachCounter struct {
+	noop.Int64Counter
+	n    atomic.Int64
+	want int64
+	once sync.Once
+	done chan struct{}
+}
+
+func (c *reachCounter) Add(_ context.Context, incr int64, _ ...metric.AddOption) {
+	if c.n.Add(incr) >= c.want {
+		c.once.Do(func() { close(c.done) })
+	}
+}
+
+func (c *reachCounter) Enabled(context.Context) bool { return true }
 
 // Spans is a TracerProvider that records ended spans.
 type Spans struct {
