@@ -135,8 +135,8 @@ func (w procWorld) waitLeaseRunOut(t *testing.T, key dedup.Key) {
 	t.Helper()
 	testenv.Eventually(t, 30*time.Second, "the lease to run out", func() bool {
 		var out bool
-		if err := w.pool.QueryRow(context.Background(), "SELECT state = 1 AND lease_until <= clock_timestamp() FROM "+w.s.Table()+
-			" WHERE scope = $1 AND id = $2", key.Scope, key.ID).Scan(&out); err != nil {
+		if err := w.pool.QueryRow(context.Background(), "SELECT token IS NOT NULL AND expires_at <= clock_timestamp() FROM "+w.s.Table()+
+			" WHERE key = "+pgtable.KeySQL("$1::text", "$2::text"), key.Scope, key.ID).Scan(&out); err != nil {
 			t.Fatalf("the lease row of %s: %v", key, err)
 		}
 		return out
