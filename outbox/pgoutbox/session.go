@@ -336,8 +336,7 @@ func (s *session) cycle(ctx context.Context) (int, error) {
 	if len(s.owned) == 0 || s.mismatch || ctx.Err() != nil {
 		return 0, nil
 	}
-	o := &s.r.opts
-	bctx, done := graceful(ctx, o.ShutdownTimeout)
+	bctx, done := graceful(ctx, s.r.opts.ShutdownTimeout)
 	defer done()
 
 	// BEGIN and the claim go in one round trip, the marks and COMMIT in
@@ -348,33 +347,55 @@ func (s *session) cycle(ctx context.Context) (int, error) {
 			s.rollback()
 		}
 	}()
-	qctx, cancel := context.WithTimeout(bctx, o.QueryTimeout)
+	batch, claimedAt, err := s.begin(bctx, &inTx)
+	if err != nil || len(batch) == 0 {
+		return 0, err
+	}
+	pe, err := s.publish(bctx, batch, claimedAt)
+	if err != nil {
+		return 0, err
+	}
+	m := s.sortOut(batch, pe)
+	if err := s.markAndCommit(bctx, m); err != nil {
+		return 0, err
+	}
+	inTx = false
+	s.r.tel.counted(bctx, m.published, m.retried, m.dead)
+	return len(batch), nil
+}
+
+// begin opens the cycle's transaction and claims a batch, in one round
+// trip, and returns when the claim was sent. inTx is set once BEGIN is
+// sent: the caller rolls back from then on.
+func (s *session) begin(ctx context.Context, inTx *bool) ([]claimed, time.Time, error) {
+	o := &s.r.opts
+	qctx, cancel := context.WithTimeout(ctx, o.QueryTimeout)
+	defer cancel()
 	claimBatch := &pgx.Batch{}
 	claimBatch.Queue("BEGIN")
 	claimBatch.Queue(s.r.ob.sql.claim, o.Shards, s.owned, o.ScanWindow, o.PerKeyBatch, o.BatchSize)
 	br := s.conn.SendBatch(qctx, claimBatch)
-	inTx = true
+	*inTx = true
 	claimedAt := time.Now()
 	batch, err := s.claim(br)
 	if cerr := br.Close(); err == nil && cerr != nil {
 		err = fmt.Errorf("claim: %w", cerr)
 	}
-	cancel()
-	if err != nil {
-		return 0, err
-	}
-	if len(batch) == 0 {
-		return 0, nil
-	}
+	return batch, claimedAt, err
+}
+
+// publish hands the batch to the publisher and records it. It returns the
+// publisher's per-message failures (nil when all went out), or a
+// publishFailure when the whole batch failed.
+func (s *session) publish(ctx context.Context, batch []claimed, claimedAt time.Time) (*outbox.PublishError, error) {
 	msgs := make([]*outbox.Message, len(batch))
 	ages := make([]time.Duration, len(batch))
 	for i, c := range batch {
 		msgs[i] = c.msg
 		ages[i] = c.age
 	}
-
 	tel := s.r.tel
-	pctx, endSpan := tel.startPublish(bctx, msgs)
+	pctx, endSpan := tel.startPublish(ctx, msgs)
 	pstart := time.Now()
 	perr := s.r.pub.Publish(pctx, msgs)
 	pend := time.Now()
@@ -384,24 +405,35 @@ func (s *session) cycle(ctx context.Context) (int, error) {
 	}
 	var pe *outbox.PublishError
 	if perr != nil && !errors.As(perr, &pe) {
-		tel.publishedBatch(bctx, pend.Sub(pstart), perr, 0, nil, nil)
-		return 0, &publishFailure{err: perr}
+		tel.publishedBatch(ctx, pend.Sub(pstart), perr, 0, nil, nil)
+		return nil, &publishFailure{err: perr}
 	}
-	tel.publishedBatch(bctx, pend.Sub(pstart), perr, pend.Sub(claimedAt), ages, func(i int) bool {
+	tel.publishedBatch(ctx, pend.Sub(pstart), perr, pend.Sub(claimedAt), ages, func(i int) bool {
 		if pe == nil {
 			return true
 		}
 		_, failed := pe.Failed[i]
 		return !failed
 	})
+	return pe, nil
+}
 
-	var (
-		okSeqs                       []int64
-		failSeqs, delays             []int64
-		failErrs                     []string
-		failDead                     []bool
-		published, retried, deadMsgs = map[string]int{}, map[string]int{}, map[string]int{}
-	)
+// marks is what a cycle writes back: the rows published, the rows that
+// failed (each with its error, its next delay and whether it is now dead),
+// and the counts per topic.
+type marks struct {
+	okSeqs                   []int64
+	failSeqs, delays         []int64
+	failErrs                 []string
+	failDead                 []bool
+	published, retried, dead map[string]int
+}
+
+// sortOut sorts the batch into published and failed rows after a publish
+// whose per-message failures are pe (nil: all published).
+func (s *session) sortOut(batch []claimed, pe *outbox.PublishError) *marks {
+	o := &s.r.opts
+	m := &marks{published: map[string]int{}, retried: map[string]int{}, dead: map[string]int{}}
 	for i, c := range batch {
 		var ferr error
 		failed := false
@@ -409,8 +441,8 @@ func (s *session) cycle(ctx context.Context) (int, error) {
 			ferr, failed = pe.Failed[i]
 		}
 		if !failed {
-			okSeqs = append(okSeqs, c.seq)
-			published[c.msg.Topic]++
+			m.okSeqs = append(m.okSeqs, c.seq)
+			m.published[c.msg.Topic]++
 			continue
 		}
 		if ferr == nil {
@@ -418,36 +450,44 @@ func (s *session) cycle(ctx context.Context) (int, error) {
 		}
 		n := c.attempts + 1
 		dead := n >= o.MaxAttempts
-		failSeqs = append(failSeqs, c.seq)
-		failErrs = append(failErrs, truncate(ferr.Error(), 2000))
-		delays = append(delays, o.retryDelay(n).Milliseconds())
-		failDead = append(failDead, dead)
+		m.failSeqs = append(m.failSeqs, c.seq)
+		m.failErrs = append(m.failErrs, truncate(ferr.Error(), 2000))
+		m.delays = append(m.delays, o.retryDelay(n).Milliseconds())
+		m.failDead = append(m.failDead, dead)
 		if dead {
-			deadMsgs[c.msg.Topic]++
+			m.dead[c.msg.Topic]++
 			o.Logger.Warn("pgoutbox: message parked as dead", "table", s.r.ob.table, "id_hash", dedup.HashKey("", c.msg.ID), "topic", c.msg.Topic,
 				"attempts", n, "err", ferr)
 		} else {
-			retried[c.msg.Topic]++
+			m.retried[c.msg.Topic]++
 		}
 	}
+	return m
+}
 
-	mctx, mcancel := context.WithTimeout(bctx, o.QueryTimeout)
+// markAndCommit writes the marks and commits, in one round trip.
+func (s *session) markAndCommit(ctx context.Context, m *marks) error {
+	o := &s.r.opts
+	mctx, mcancel := context.WithTimeout(ctx, o.QueryTimeout)
 	defer mcancel()
 	b := &pgx.Batch{}
-	if len(okSeqs) > 0 {
+	if len(m.okSeqs) > 0 {
 		if o.DeletePublished {
-			b.Queue(s.r.ob.sql.markDelete, okSeqs)
+			b.Queue(s.r.ob.sql.markDelete, m.okSeqs)
 		} else {
-			b.Queue(s.r.ob.sql.markPublished, okSeqs)
+			b.Queue(s.r.ob.sql.markPublished, m.okSeqs)
 		}
 	}
-	if len(failSeqs) > 0 {
-		b.Queue(s.r.ob.sql.markFailed, failSeqs, failErrs, delays, failDead)
+	if len(m.failSeqs) > 0 {
+		b.Queue(s.r.ob.sql.markFailed, m.failSeqs, m.failErrs, m.delays, m.failDead)
 		s.retries = true
 	}
 	b.Queue("COMMIT")
 	mr := s.conn.SendBatch(mctx, b)
-	var tag pgconn.CommandTag
+	var (
+		tag pgconn.CommandTag
+		err error
+	)
 	for range b.Len() {
 		if tag, err = mr.Exec(); err != nil {
 			break
@@ -457,14 +497,12 @@ func (s *session) cycle(ctx context.Context) (int, error) {
 		err = cerr
 	}
 	if err != nil {
-		return 0, fmt.Errorf("mark: %w", err)
+		return fmt.Errorf("mark: %w", err)
 	}
 	if tag.String() != "COMMIT" { // COMMIT of a failed transaction answers ROLLBACK
-		return 0, fmt.Errorf("mark: the transaction did not commit (%s)", tag)
+		return fmt.Errorf("mark: the transaction did not commit (%s)", tag)
 	}
-	inTx = false
-	tel.counted(bctx, published, retried, deadMsgs)
-	return len(batch), nil
+	return nil
 }
 
 // claim reads the results of BEGIN and the claim statement, and keeps, per
