@@ -40,6 +40,18 @@ func TestNodeGroupsShrink(t *testing.T) {
 	s.nodesMu.Lock()
 	s.pruneAt = now.Add(nodeIdle)
 	s.nodesMu.Unlock()
+	// A look at the topology runs beside the call that starts it: the
+	// checks below wait for it to end.
+	looked := make(chan struct{}, 1)
+	s.pruned = func() { looked <- struct{}{} }
+	waitLook := func() {
+		t.Helper()
+		select {
+		case <-looked:
+		case <-time.After(2 * pruneTimeout):
+			t.Fatal("no look at the topology ended")
+		}
+	}
 
 	ctx := deduptest.Ctx(t)
 	shards, err := c.Shards(ctx)
@@ -121,11 +133,13 @@ func TestNodeGroupsShrink(t *testing.T) {
 	}
 	setClock(nodeIdle)
 	claim(1)
+	waitLook()
 	want("after the look at the topology", promoted, shards[1].Master, shards[2].Master)
 
 	// One look later, the masters unused for nodeIdle are dropped.
 	setClock(2 * nodeIdle)
 	claim(1)
+	waitLook()
 	want("after the look for idle groups", shards[1].Master)
 
 	// A dropped master's next call starts new groups.

@@ -107,11 +107,17 @@ type Store struct {
 	nodes   map[string]*node
 	pruneAt time.Time
 	now     func() time.Time // time.Now; tests move it on
+	pruned  func()           // called when a look at the topology ends; tests wait on it
 }
 
 // nodeIdle is how long a cluster master's groups outlive their last use,
 // and how often the Store looks for groups to drop.
 const nodeIdle = time.Minute
+
+// pruneTimeout bounds a look at the cluster's topology. The look runs
+// beside the calls, never in their way: the node it asks may be the one
+// that is down.
+const pruneTimeout = 10 * time.Second
 
 // node coalesces the concurrent claims and token scripts of the keys of
 // one Redis node into shared pipelines (see group). Grouping per node keeps
@@ -247,7 +253,10 @@ func (s *Store) nodeOf(ctx context.Context, rkey string) (*node, error) {
 	}
 	s.nodesMu.Unlock()
 	if prune {
-		s.pruneNodes(ctx, now)
+		// In its own goroutine, which ends within pruneTimeout: the
+		// CLUSTER SLOTS it sends may go to a frozen or dead node, and the
+		// call that happened to start the look must not wait for it.
+		go s.pruneNodes(context.WithoutCancel(ctx), now)
 	}
 	return n, nil
 }
@@ -259,6 +268,11 @@ func (s *Store) nodeOf(ctx context.Context, rkey string) (*node, error) {
 // still holds a dropped node's groups finishes with them; the next call
 // for that address starts new ones.
 func (s *Store) pruneNodes(ctx context.Context, now time.Time) {
+	if s.pruned != nil {
+		defer s.pruned()
+	}
+	ctx, cancel := context.WithTimeout(ctx, pruneTimeout)
+	defer cancel()
 	var mu sync.Mutex
 	masters := map[string]bool{}
 	err := s.cluster.ForEachMaster(ctx, func(_ context.Context, c *redis.Client) error {
@@ -905,7 +919,10 @@ func (s *Store) runScripts(ctx context.Context, calls []*scriptCall) error {
 			}
 			return sc.script.EvalSha(ctx, c, []string{sc.key}, sc.args...)
 		}
-		if len(todo) == 1 {
+		// A Redis Cluster client routes a lone command through its
+		// COMMAND table, which it fetches once from any node, perhaps one
+		// that is down or frozen; a pipeline routes by slot alone.
+		if len(todo) == 1 && s.cluster == nil {
 			todo[0].cmd = do(s.client, todo[0])
 			return
 		}
