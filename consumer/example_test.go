@@ -27,7 +27,7 @@ func Example() {
 		return nil
 	})
 
-	deadLetter, err := consumer.DeadLetter(func(ctx context.Context, msg *consumer.Message, reason consumer.Reason, cause error) error {
+	deadLetter, err := consumer.DeadLetter(func(ctx context.Context, msg *consumer.Message, reason consumer.Outcome, cause error) error {
 		fmt.Printf("dead letter %s: %s\n", msg.ID, reason)
 		return nil
 	})

@@ -55,7 +55,7 @@ func FuzzDecide(f *testing.F) {
 				err = consumer.Permanent(&consumer.PanicError{Value: op})
 			case 7:
 				if err != nil {
-					err = &consumer.DeadLetteredError{Reason: consumer.ReasonPermanent, Err: err}
+					err = &consumer.DeadLetteredError{Reason: consumer.OutcomePermanent, Err: err}
 				}
 			}
 		}
@@ -70,7 +70,7 @@ func FuzzDecide(f *testing.F) {
 				t.Fatalf("Decide acked %v", err)
 			}
 		case consumer.ActionRetry, consumer.ActionDeadLetter:
-			if err == nil || r.Reason == consumer.ReasonNone {
+			if err == nil || r.Reason == "" {
 				t.Fatalf("Decide(%v) = %+v: a failure without a reason", err, r)
 			}
 		default:
@@ -105,7 +105,7 @@ func FuzzKey(f *testing.F) {
 		switch {
 		case valid && (r.Action != consumer.ActionAck || claimed.ID != id || claimed.Fingerprint != dedup.FingerprintOf([]byte(id))):
 			t.Fatalf("valid id %q: result %+v, claimed %+v", id, r, claimed)
-		case !valid && (r.Reason != consumer.ReasonInvalidKey || claimed.ID != ""):
+		case !valid && (r.Reason != consumer.OutcomeInvalidKey || claimed.ID != ""):
 			t.Fatalf("invalid id %q: result %+v, claimed %+v", id, r, claimed)
 		}
 	})

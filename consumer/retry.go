@@ -59,7 +59,7 @@ type RetryOptions struct {
 //     consumer is stopping);
 //   - MaxAttempts attempts failed: a *RetriesExhaustedError wrapping
 //     ErrRetriesExhausted and the last error, which Decide dead-letters
-//     (ReasonRetriesExhausted) — unless the last error was
+//     (OutcomeRetriesExhausted) — unless the last error was
 //     dedup.ErrInFlight or dedup.ErrLeaseLost, which stay retries: another
 //     consumer owns the message, it is not poison.
 //

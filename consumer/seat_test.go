@@ -156,7 +156,7 @@ func TestDedupSeatWaitKeepsTheLease(t *testing.T) {
 		if err != nil {
 			t.Fatalf("second owner's claim after expiry = %v, want a lease", err)
 		}
-		wantResult(t, resultWithin(t, w.res), consumer.ActionRetry, consumer.ReasonLeaseLost)
+		wantResult(t, resultWithin(t, w.res), consumer.ActionRetry, consumer.OutcomeLeaseLost)
 		if w.ran.Load() {
 			t.Fatal("the handler ran after its lease was lost")
 		}

@@ -187,17 +187,17 @@ func TestPoisonToDeadLetter(t *testing.T) {
 
 	type poison struct {
 		rec    kafkago.Message
-		reason consumer.Reason
+		reason consumer.Outcome
 	}
 	bad := []poison{
-		{rec(0, "a", "", "no id header"), consumer.ReasonInvalidKey},
-		{rec(1, "b", "bad\x01id", "control byte in the id"), consumer.ReasonInvalidKey},
-		{rec(0, "c", string(make([]byte, 300)), "id too long"), consumer.ReasonInvalidKey},
-		{rec(1, "d", "perm-1", "permanent"), consumer.ReasonPermanent},
-		{rec(0, "e", "panic-1", "panic"), consumer.ReasonPanic},
-		{rec(1, "f", "flaky-1", "always transient"), consumer.ReasonRetriesExhausted},
+		{rec(0, "a", "", "no id header"), consumer.OutcomeInvalidKey},
+		{rec(1, "b", "bad\x01id", "control byte in the id"), consumer.OutcomeInvalidKey},
+		{rec(0, "c", string(make([]byte, 300)), "id too long"), consumer.OutcomeInvalidKey},
+		{rec(1, "d", "perm-1", "permanent"), consumer.OutcomePermanent},
+		{rec(0, "e", "panic-1", "panic"), consumer.OutcomePanic},
+		{rec(1, "f", "flaky-1", "always transient"), consumer.OutcomeRetriesExhausted},
 		// In good-3's partition, after it.
-		{rec(1, "g", "good-3", "same id as good-3, other payload"), consumer.ReasonFingerprintMismatch},
+		{rec(1, "g", "good-3", "same id as good-3, other payload"), consumer.OutcomeFingerprintMismatch},
 	}
 	var recs []kafkago.Message
 	good := map[string]bool{}
@@ -309,7 +309,7 @@ func TestPoisonToDeadLetter(t *testing.T) {
 			t.Errorf("%q: error %q, group %q, key %q", b.rec.Value, hs[idemkafka.HeaderError], hs[idemkafka.HeaderGroup], m.Key)
 		}
 		wantAttempts := "1"
-		if b.reason == consumer.ReasonRetriesExhausted {
+		if b.reason == consumer.OutcomeRetriesExhausted {
 			wantAttempts = "3"
 		}
 		if hs[idemkafka.HeaderAttempts] != wantAttempts {
@@ -528,7 +528,7 @@ func TestIDFunc(t *testing.T) {
 		t.Fatalf("dead letters %v", dl)
 	}
 	for _, h := range dl[0].Headers {
-		if h.Key == idemkafka.HeaderReason && string(h.Value) != string(consumer.ReasonInvalidKey) {
+		if h.Key == idemkafka.HeaderReason && string(h.Value) != string(consumer.OutcomeInvalidKey) {
 			t.Fatalf("reason %s", h.Value)
 		}
 	}

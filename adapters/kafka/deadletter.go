@@ -22,7 +22,7 @@ import (
 const (
 	// HeaderDeadLetter is the prefix of every dead-letter header.
 	HeaderDeadLetter = "idem-dlq-"
-	// HeaderReason is the consumer.Reason: permanent, panic,
+	// HeaderReason is the consumer.Outcome: permanent, panic,
 	// fingerprint_mismatch, invalid_key, retries_exhausted.
 	HeaderReason = "idem-dlq-reason"
 	// HeaderError is the error's text, cut at 4 KiB.
@@ -126,7 +126,7 @@ func (c *Consumer) deadLetterRecord(km *kafkago.Message, attempts int, r consume
 	}
 	reason := string(r.Reason)
 	if reason == "" {
-		reason = string(consumer.ReasonPermanent)
+		reason = string(consumer.OutcomePermanent)
 	}
 	hs = append(hs,
 		kafkago.Header{Key: HeaderReason, Value: []byte(reason)},

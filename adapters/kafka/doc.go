@@ -66,7 +66,7 @@
 // The id half of the dedup key is read from a header, Options.IDHeader
 // (default outbox.HeaderMessageID, which the outbox publishers set). A record
 // without it, or with an id that is empty, longer than Options.MaxIDLen or
-// holds control bytes, is dead-lettered with consumer.ReasonInvalidKey
+// holds control bytes, is dead-lettered with consumer.OutcomeInvalidKey
 // without reaching the handler. Options.OffsetID instead gives such a record
 // the id "topic/partition/offset": that catches the broker delivering the same
 // record again, never a producer publishing the same message twice (two

@@ -149,7 +149,7 @@ func ExampleMessageFrom() {
 			panic(err)
 		}
 		msg, err := idemkafka.MessageFrom(&km, idemkafka.MessageOptions{Group: "billing"})
-		res := consumer.Result{Action: consumer.ActionDeadLetter, Reason: consumer.ReasonInvalidKey, Err: err}
+		res := consumer.Result{Action: consumer.ActionDeadLetter, Reason: consumer.OutcomeInvalidKey, Err: err}
 		for err == nil {
 			if res = consumer.Process(ctx, h, msg); res.Action != consumer.ActionRetry {
 				break

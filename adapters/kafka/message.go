@@ -58,7 +58,7 @@ type MessageOptions struct {
 // dedup.ErrInvalidKey: the record has no usable id (none, empty, too long,
 // control bytes, or IDFunc failed). The message is returned all the same, without an id, for the dead-letter
 // path: treat the record as consumer.ActionDeadLetter with
-// consumer.ReasonInvalidKey, never run the handler on it. See the example
+// consumer.OutcomeInvalidKey, never run the handler on it. See the example
 // for the loop around it.
 func MessageFrom(km *kafkago.Message, opts MessageOptions) (*consumer.Message, error) {
 	if opts.MaxIDLen < 0 {

@@ -218,7 +218,7 @@ func TestBatchConsumer(t *testing.T) {
 			}
 		}
 	}
-	if reasons[string(consumer.ReasonPermanent)] != 4 || len(reasons) != 1 {
+	if reasons[string(consumer.OutcomePermanent)] != 4 || len(reasons) != 1 {
 		t.Errorf("dead letters by reason %v, want 4 permanent", reasons)
 	}
 }

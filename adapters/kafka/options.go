@@ -30,16 +30,16 @@ type Options struct {
 	// delivering the same record again (a crash or a rebalance before the
 	// commit), never a producer that sends the same message twice: that is
 	// two records at two offsets, with two ids. Defaults to false: a record
-	// without an id is dead-lettered with consumer.ReasonInvalidKey.
+	// without an id is dead-lettered with consumer.OutcomeInvalidKey.
 	OffsetID bool
 	// IDFunc, if set, returns a record's id instead of the IDHeader header
 	// and OffsetID: for an id carried elsewhere, a field of the payload for
 	// example. An error, or an empty or malformed id, dead-letters the
-	// record with consumer.ReasonInvalidKey. It must be safe for concurrent
+	// record with consumer.OutcomeInvalidKey. It must be safe for concurrent
 	// use.
 	IDFunc func(km *kafkago.Message) (string, error)
 	// MaxIDLen limits the id, in bytes; a longer one is dead-lettered with
-	// consumer.ReasonInvalidKey. Defaults to dedup.DefaultMaxKeyLen.
+	// consumer.OutcomeInvalidKey. Defaults to dedup.DefaultMaxKeyLen.
 	MaxIDLen int
 
 	// Workers is how many records of one partition are handled at once.

@@ -206,7 +206,7 @@ func (p *partition) runOne(stop context.Context, rn *runner, it *item, attempt i
 		msg.Attempt = attempt
 		var r consumer.Result
 		if idErr != nil {
-			r = consumer.Result{Action: consumer.ActionDeadLetter, Reason: consumer.ReasonInvalidKey, Err: idErr}
+			r = consumer.Result{Action: consumer.ActionDeadLetter, Reason: consumer.OutcomeInvalidKey, Err: idErr}
 		} else {
 			r = p.process(hctx, msg)
 		}
@@ -271,7 +271,7 @@ func (p *partition) process(ctx context.Context, msg *consumer.Message) consumer
 func decide(ctx context.Context, err error) consumer.Result {
 	r := consumer.Decide(err)
 	if r.Action == consumer.ActionDeadLetter && ctx.Err() != nil {
-		r = consumer.Result{Action: consumer.ActionRetry, Reason: consumer.ReasonTransient, Err: err}
+		r = consumer.Result{Action: consumer.ActionRetry, Reason: consumer.OutcomeTransient, Err: err}
 	}
 	return r
 }

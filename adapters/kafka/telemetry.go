@@ -118,7 +118,7 @@ func verdictOf(r consumer.Result, parked bool) (result, reason string) {
 	case r.Action == consumer.ActionAck:
 		return resultAck, ""
 	case r.Action == consumer.ActionDeadLetter && parked:
-		return resultDeadLetter, string(cmp.Or(r.Reason, consumer.ReasonPermanent))
+		return resultDeadLetter, string(cmp.Or(r.Reason, consumer.OutcomePermanent))
 	}
 	return resultRetry, ""
 }

@@ -160,8 +160,8 @@ func TestConsumerMetricsByVerdict(t *testing.T) {
 	mp.CheckVerdicts("kafka", topic, 5,
 		telemetrytest.Verdict{Result: "ack", Want: 2},
 		telemetrytest.Verdict{Result: "retry", Want: 1},
-		telemetrytest.Verdict{Result: "dead_letter", Reason: string(consumer.ReasonPermanent), Want: 1},
-		telemetrytest.Verdict{Result: "dead_letter", Reason: string(consumer.ReasonInvalidKey), Want: 1})
+		telemetrytest.Verdict{Result: "dead_letter", Reason: string(consumer.OutcomePermanent), Want: 1},
+		telemetrytest.Verdict{Result: "dead_letter", Reason: string(consumer.OutcomeInvalidKey), Want: 1})
 	mp.NoValueContains("secret-")
 	eventually(t, 10*time.Second, "the dead-letter log lines", func() bool {
 		return strings.Count(logs.String(), "record dead-lettered") == 2

@@ -39,7 +39,7 @@ type Options struct {
 	// which idem's outbox Publisher sets to the outbox row id.
 	KeyMetadata string
 	// KeyFunc returns a message's id; when set, KeyMetadata is ignored. An
-	// empty or malformed id makes the message poison (ReasonInvalidKey, see
+	// empty or malformed id makes the message poison (OutcomeInvalidKey, see
 	// Options.PoisonQueue); so does an error that wraps
 	// dedup.ErrInvalidKey or is marked consumer.Permanent. Any other error
 	// is returned as is (the message is retried).
@@ -51,7 +51,7 @@ type Options struct {
 	KeyFunc func(msg *message.Message) (string, error)
 	// Fingerprint returns the digest of a message's content. The same id
 	// with another fingerprint is a conflict: the message is poison
-	// (ReasonFingerprintMismatch) and never processed. Defaults to
+	// (OutcomeFingerprintMismatch) and never processed. Defaults to
 	// dedup.FingerprintOf(msg.Payload). Return the zero Fingerprint to
 	// turn the check off.
 	Fingerprint func(msg *message.Message) dedup.Fingerprint
@@ -265,7 +265,7 @@ func (b *keyBuilder) build(msg *message.Message) (dedup.Key, error) {
 
 func keyFuncError(err error) error {
 	if errors.Is(err, dedup.ErrInvalidKey) || consumer.IsPermanent(err) {
-		return &PoisonError{Reason: consumer.ReasonInvalidKey, Err: fmt.Errorf("watermill: key function: %w", err)}
+		return &PoisonError{Reason: consumer.OutcomeInvalidKey, Err: fmt.Errorf("watermill: key function: %w", err)}
 	}
 	return fmt.Errorf("watermill: key function: %w", err)
 }
@@ -285,5 +285,5 @@ func (b *keyBuilder) invalid(scope string, err error) error {
 	case b.keyMetadata != "":
 		where = fmt.Sprintf("metadata %q", b.keyMetadata)
 	}
-	return &PoisonError{Reason: consumer.ReasonInvalidKey, Err: fmt.Errorf("watermill: message id from %s: %w", where, err)}
+	return &PoisonError{Reason: consumer.OutcomeInvalidKey, Err: fmt.Errorf("watermill: message id from %s: %w", where, err)}
 }

@@ -12,23 +12,23 @@ import (
 )
 
 // MetadataReason is the metadata field the middleware sets on a message it
-// rejects as poison, to consumer.ReasonFingerprintMismatch
-// ("fingerprint_mismatch") or consumer.ReasonInvalidKey ("invalid_key"). It
+// rejects as poison, to consumer.OutcomeFingerprintMismatch
+// ("fingerprint_mismatch") or consumer.OutcomeInvalidKey ("invalid_key"). It
 // travels with the message to the poison queue, next to the fields
 // Watermill's PoisonQueue sets (reason_poisoned, topic_poisoned, ...).
 const MetadataReason = "idem_reason"
 
 // PoisonError is returned for a message the middleware will never process:
 // its key was already seen with other content (Reason
-// consumer.ReasonFingerprintMismatch), or it has no valid key (Reason
-// consumer.ReasonInvalidKey). errors.Is sees through to
+// consumer.OutcomeFingerprintMismatch), or it has no valid key (Reason
+// consumer.OutcomeInvalidKey). errors.Is sees through to
 // dedup.ErrFingerprintMismatch or dedup.ErrInvalidKey.
 //
 // The middleware returns it marked consumer.Permanent, or hands it to
 // Options.PoisonQueue.
 type PoisonError struct {
 	// Reason is why the message is poison.
-	Reason consumer.Reason
+	Reason consumer.Outcome
 	// Err is the cause.
 	Err error
 }
@@ -106,10 +106,10 @@ func (c *config) claimFailed(d *delivery, msg *message.Message, key dedup.Key, e
 		return nil, nil
 	case errors.Is(err, dedup.ErrFingerprintMismatch):
 		c.outcome(msg, key, consumer.OutcomeFingerprintMismatch, err)
-		return c.poison(d, msg, &PoisonError{Reason: consumer.ReasonFingerprintMismatch, Err: fmt.Errorf("watermill: claim %s: %w", key, err)})
+		return c.poison(d, msg, &PoisonError{Reason: consumer.OutcomeFingerprintMismatch, Err: fmt.Errorf("watermill: claim %s: %w", key, err)})
 	case errors.Is(err, dedup.ErrInvalidKey):
 		c.outcome(msg, key, consumer.OutcomeInvalidKey, err)
-		return c.poison(d, msg, &PoisonError{Reason: consumer.ReasonInvalidKey, Err: fmt.Errorf("watermill: claim %s: %w", key, err)})
+		return c.poison(d, msg, &PoisonError{Reason: consumer.OutcomeInvalidKey, Err: fmt.Errorf("watermill: claim %s: %w", key, err)})
 	case errors.Is(err, dedup.ErrInFlight):
 		c.outcome(msg, key, consumer.OutcomeInFlight, err)
 	default:
