@@ -179,7 +179,7 @@ func decideCases() []struct {
 	after  time.Duration
 } {
 	key := dedup.Key{Scope: "s", ID: "i"}
-	inFlight := dedup.InFlight(key, 3*time.Second)
+	inFlight := &dedup.ClaimError{Err: dedup.ErrInFlight, Key: key, RetryAfter: 3*time.Second}
 	wrap := func(err error) error { return fmt.Errorf("outer: %w", err) }
 	type c = struct {
 		name   string
@@ -193,9 +193,9 @@ func decideCases() []struct {
 	ack, retry, dead := consumer.ActionAck, consumer.ActionRetry, consumer.ActionDeadLetter
 	return []c{
 		{"nil", nil, ack, "", false, false, 0},
-		{"duplicate", dedup.Duplicate(key, []byte("r")), ack, consumer.OutcomeDuplicate, true, false, 0},
+		{"duplicate", &dedup.ClaimError{Err: dedup.ErrDuplicate, Key: key, Result: []byte("r")}, ack, consumer.OutcomeDuplicate, true, false, 0},
 		{"duplicate sentinel wrapped", wrap(dedup.ErrDuplicate), ack, consumer.OutcomeDuplicate, true, false, 0},
-		{"permanent duplicate", consumer.Permanent(dedup.Duplicate(key, nil)), ack, consumer.OutcomeDuplicate, true, false, 0},
+		{"permanent duplicate", consumer.Permanent(&dedup.ClaimError{Err: dedup.ErrDuplicate, Key: key}), ack, consumer.OutcomeDuplicate, true, false, 0},
 		{"dead-lettered", &consumer.DeadLetteredError{Reason: consumer.OutcomePanic, Err: consumer.Permanent(&consumer.PanicError{Value: 1})}, ack, consumer.OutcomePanic, false, true, 0},
 		{"dead-lettered wrapped", wrap(&consumer.DeadLetteredError{Reason: consumer.OutcomePermanent, Err: consumer.Permanent(errBoom)}), ack, consumer.OutcomePermanent, false, true, 0},
 		{"in flight", inFlight, retry, consumer.OutcomeInFlight, false, false, 3 * time.Second},
@@ -206,8 +206,8 @@ func decideCases() []struct {
 		{"lease lost", wrap(dedup.ErrLeaseLost), retry, consumer.OutcomeLeaseLost, false, false, 0},
 		{"permanent lease lost", consumer.Permanent(dedup.ErrLeaseLost), retry, consumer.OutcomeLeaseLost, false, false, 0},
 		{"lease lost and permanent handler error", fmt.Errorf("%w; handler: %w", dedup.ErrLeaseLost, consumer.Permanent(errBoom)), retry, consumer.OutcomeLeaseLost, false, false, 0},
-		{"mismatch", dedup.Mismatch(key), dead, consumer.OutcomeFingerprintMismatch, false, false, 0},
-		{"mismatch wrapped", wrap(dedup.Mismatch(key)), dead, consumer.OutcomeFingerprintMismatch, false, false, 0},
+		{"mismatch", &dedup.ClaimError{Err: dedup.ErrFingerprintMismatch, Key: key}, dead, consumer.OutcomeFingerprintMismatch, false, false, 0},
+		{"mismatch wrapped", wrap(&dedup.ClaimError{Err: dedup.ErrFingerprintMismatch, Key: key}), dead, consumer.OutcomeFingerprintMismatch, false, false, 0},
 		{"permanent mismatch", consumer.Permanent(dedup.ErrFingerprintMismatch), dead, consumer.OutcomeFingerprintMismatch, false, false, 0},
 		{"invalid key", fmt.Errorf("%w: id is empty", dedup.ErrInvalidKey), dead, consumer.OutcomeInvalidKey, false, false, 0},
 		{"permanent", consumer.Permanent(errBoom), dead, consumer.OutcomePermanent, false, false, 0},

@@ -13,6 +13,7 @@ import (
 	"github.com/idemkit/idem/consumer"
 	"github.com/idemkit/idem/dedup"
 	"github.com/idemkit/idem/dedup/memstore"
+	"github.com/idemkit/idem/internal/testkit/clocktest"
 )
 
 // effects is the oracle: every side effect a handler performs is appended,
@@ -297,7 +298,7 @@ func TestDedupHeartbeatExtends(t *testing.T) {
 // When the lease expires and a second owner takes the key, the heartbeat's
 // Extend fails and the handler's context is cancelled with ErrLeaseLost.
 func TestDedupLeaseLostCancelsHandler(t *testing.T) {
-	clock := dedup.NewManualClock(time.Date(2026, 1, 1, 0, 0, 0, 0, time.UTC))
+	clock := clocktest.NewManual(time.Date(2026, 1, 1, 0, 0, 0, 0, time.UTC))
 	store := newStore(t, memstore.Options{Lease: time.Second, Clock: clock})
 	cs := &countingStore{LeaseStore: store}
 	started := make(chan struct{})

@@ -27,8 +27,8 @@ func FuzzDecide(f *testing.F) {
 		}
 		key := dedup.Key{Scope: "s", ID: "i"}
 		leaves := []error{
-			nil, errors.New("x"), dedup.ErrDuplicate, dedup.InFlight(key, time.Second), dedup.ErrLeaseLost,
-			dedup.Mismatch(key), dedup.ErrInvalidKey, context.Canceled, context.DeadlineExceeded, dedup.ErrClosed,
+			nil, errors.New("x"), dedup.ErrDuplicate, &dedup.ClaimError{Err: dedup.ErrInFlight, Key: key, RetryAfter: time.Second}, dedup.ErrLeaseLost,
+			&dedup.ClaimError{Err: dedup.ErrFingerprintMismatch, Key: key}, dedup.ErrInvalidKey, context.Canceled, context.DeadlineExceeded, dedup.ErrClosed,
 		}
 		var err error
 		for i, op := range ops {

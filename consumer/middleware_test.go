@@ -135,7 +135,7 @@ func TestDeadLetter(t *testing.T) {
 	t.Run("hook failure is retried, not lost", func(t *testing.T) {
 		calls, hookErr = nil, io.ErrClosedPipe
 		defer func() { hookErr = nil }()
-		r := consumer.Process(t.Context(), returning(dedup.Mismatch(dedup.Key{Scope: "s", ID: "i"})), msg("m1", "p"))
+		r := consumer.Process(t.Context(), returning(&dedup.ClaimError{Err: dedup.ErrFingerprintMismatch, Key: dedup.Key{Scope: "s", ID: "i"}}), msg("m1", "p"))
 		wantResult(t, r, consumer.ActionRetry, consumer.OutcomeTransient)
 		if !errors.Is(r.Err, io.ErrClosedPipe) || !errors.Is(r.Err, dedup.ErrFingerprintMismatch) || len(calls) != 1 {
 			t.Fatalf("err %v calls %d, want both errors wrapped and one hook call", r.Err, len(calls))

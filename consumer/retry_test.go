@@ -101,8 +101,8 @@ func TestRetryDoesNotRetryPermanent(t *testing.T) {
 		reason consumer.Outcome
 	}{
 		"permanent":   {consumer.Permanent(errBoom), consumer.ActionDeadLetter, consumer.OutcomePermanent},
-		"duplicate":   {dedup.Duplicate(key, nil), consumer.ActionAck, consumer.OutcomeDuplicate},
-		"mismatch":    {dedup.Mismatch(key), consumer.ActionDeadLetter, consumer.OutcomeFingerprintMismatch},
+		"duplicate":   {&dedup.ClaimError{Err: dedup.ErrDuplicate, Key: key}, consumer.ActionAck, consumer.OutcomeDuplicate},
+		"mismatch":    {&dedup.ClaimError{Err: dedup.ErrFingerprintMismatch, Key: key}, consumer.ActionDeadLetter, consumer.OutcomeFingerprintMismatch},
 		"invalid key": {dedup.ErrInvalidKey, consumer.ActionDeadLetter, consumer.OutcomeInvalidKey},
 		"panic":       {consumer.Permanent(&consumer.PanicError{Value: 1}), consumer.ActionDeadLetter, consumer.OutcomePanic},
 	} {
@@ -132,7 +132,7 @@ func TestRetryInFlight(t *testing.T) {
 	} {
 		rec := &recordSleep{}
 		h := consumer.Chain(consumer.HandlerFunc(func(context.Context, *consumer.Message) error {
-			return dedup.InFlight(dedup.Key{Scope: "s", ID: "i"}, c.after)
+			return &dedup.ClaimError{Err: dedup.ErrInFlight, Key: dedup.Key{Scope: "s", ID: "i"}, RetryAfter: c.after}
 		}), mustRetry(t, consumer.RetryOptions{MaxAttempts: 3, Initial: time.Millisecond, Sleep: rec.sleep}))
 		r := consumer.Process(t.Context(), h, msg("m1", "p"))
 		wantResult(t, r, consumer.ActionRetry, consumer.OutcomeInFlight)

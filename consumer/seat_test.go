@@ -13,6 +13,7 @@ import (
 	"github.com/idemkit/idem/dedup"
 	"github.com/idemkit/idem/dedup/memstore"
 	"github.com/idemkit/idem/internal/seat"
+	"github.com/idemkit/idem/internal/testkit/clocktest"
 	"github.com/idemkit/idem/internal/testkit/testenv"
 )
 
@@ -146,7 +147,7 @@ func waitForSeat(ctx context.Context, t *testing.T, store dedup.LeaseStore, opts
 // context ends meanwhile, the lease is released at once.
 func TestDedupSeatWaitKeepsTheLease(t *testing.T) {
 	t.Run("lost", func(t *testing.T) {
-		clock := dedup.NewManualClock(time.Date(2026, 1, 1, 0, 0, 0, 0, time.UTC))
+		clock := clocktest.NewManual(time.Date(2026, 1, 1, 0, 0, 0, 0, time.UTC))
 		store := newStore(t, memstore.Options{Lease: time.Second, Clock: clock})
 		w := waitForSeat(t.Context(), t, store, consumer.DedupOptions{Scope: "s", ExtendEvery: 2 * time.Millisecond})
 		// Let a few beats pass: the lease must be kept while waiting.

@@ -47,9 +47,9 @@ func (s *txStore) Process(ctx context.Context, key dedup.Key, fn dedup.TxFunc[*f
 	id := dedup.Key{Scope: key.Scope, ID: key.ID}
 	if row, ok := s.done[id]; ok {
 		if !key.Fingerprint.Matches(row.fp) {
-			return nil, dedup.Mismatch(key)
+			return nil, &dedup.ClaimError{Err: dedup.ErrFingerprintMismatch, Key: key}
 		}
-		return nil, dedup.Duplicate(key, row.result)
+		return nil, &dedup.ClaimError{Err: dedup.ErrDuplicate, Key: key, Result: row.result}
 	}
 	tx := &fakeTx{}
 	res, err := fn(ctx, tx) // a panic unlocks and commits nothing
@@ -58,7 +58,7 @@ func (s *txStore) Process(ctx context.Context, key dedup.Key, fn dedup.TxFunc[*f
 	}
 	if s.stolen {
 		s.done[id] = txRow{fp: key.Fingerprint, result: []byte("theirs")}
-		return nil, dedup.Duplicate(key, []byte("theirs"))
+		return nil, &dedup.ClaimError{Err: dedup.ErrDuplicate, Key: key, Result: []byte("theirs")}
 	}
 	s.done[id] = txRow{fp: key.Fingerprint, result: res}
 	s.committed = append(s.committed, tx.writes...)

@@ -118,7 +118,7 @@ func benchVariants(b *testing.B) []benchVariant {
 	if err != nil {
 		b.Fatal(err)
 	}
-	pgs, err := pgtable.New(pool, pgtable.Options{Schema: schema, Retention: httpidem.DefaultRetention})
+	pgs, err := pgtable.New(pool, pgtable.Options{Schema: schema, Retention: 24 * time.Hour})
 	if err != nil {
 		b.Fatal(err)
 	}

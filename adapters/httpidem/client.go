@@ -136,8 +136,8 @@ func WithKey(ctx context.Context, key string) context.Context {
 	return context.WithValue(ctx, keyCtx{}, key)
 }
 
-// KeyFrom returns the key WithKey put in ctx, if any.
-func KeyFrom(ctx context.Context) (string, bool) {
+// keyFrom returns the key WithKey put in ctx, if any.
+func keyFrom(ctx context.Context) (string, bool) {
 	k, ok := ctx.Value(keyCtx{}).(string)
 	return k, ok && k != ""
 }
@@ -162,7 +162,7 @@ func (t *Transport) RoundTrip(req *http.Request) (*http.Response, error) {
 	ctx := req.Context()
 	header := req.Header.Get(HeaderKey)
 	if header == "" {
-		key, ok := KeyFrom(ctx)
+		key, ok := keyFrom(ctx)
 		if !ok && slices.Contains(t.opts.Methods, req.Method) {
 			key, ok = t.opts.NewKey(), true
 		}

@@ -21,6 +21,7 @@ import (
 	"github.com/idemkit/idem/consumer"
 	"github.com/idemkit/idem/dedup"
 	"github.com/idemkit/idem/dedup/memstore"
+	"github.com/idemkit/idem/internal/testkit/clocktest"
 )
 
 func TestReplayAfterCompletion(t *testing.T) {
@@ -500,7 +501,7 @@ func (s *stampedStore) extendedFrom() time.Time {
 }
 
 func TestLeaseIsExtendedWhileHandlerRuns(t *testing.T) {
-	clock := dedup.NewManualClock(time.Unix(1_700_000_000, 0))
+	clock := clocktest.NewManual(time.Unix(1_700_000_000, 0))
 	mem := newMem(t, memstore.Options{Clock: clock, Lease: 30 * time.Second})
 	store := &stampedStore{LeaseStore: mem, clock: clock}
 	h := http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
@@ -526,7 +527,7 @@ func TestLeaseIsExtendedWhileHandlerRuns(t *testing.T) {
 }
 
 func TestLeaseLost(t *testing.T) {
-	clock := dedup.NewManualClock(time.Unix(1_700_000_000, 0))
+	clock := clocktest.NewManual(time.Unix(1_700_000_000, 0))
 	store := newMem(t, memstore.Options{Clock: clock, Lease: 30 * time.Second})
 	var calls atomic.Int64
 	var cause error

@@ -148,7 +148,7 @@ func TestBatchConsumer(t *testing.T) {
 			case "poison-in-batch":
 				be.Errs[i] = consumer.Permanent(errPoison)
 			case "dup":
-				be.Errs[i] = dedup.Duplicate(dedup.Key{Scope: "s", ID: m.ID}, nil)
+				be.Errs[i] = &dedup.ClaimError{Err: dedup.ErrDuplicate, Key: dedup.Key{Scope: "s", ID: m.ID}}
 				ok = append(ok, m)
 			default:
 				ok = append(ok, m)

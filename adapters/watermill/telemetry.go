@@ -77,7 +77,7 @@ type delivery struct {
 	timed  bool                           // messaging.process.duration records
 	start  time.Time                      // when timed
 	end    func(result string, err error) // ends the consumer span
-	poison consumer.Outcome                // the middleware found msg poison
+	poison consumer.Outcome               // the middleware found msg poison
 	done   bool
 }
 

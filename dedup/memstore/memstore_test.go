@@ -13,6 +13,7 @@ import (
 	"github.com/idemkit/idem/dedup"
 	"github.com/idemkit/idem/dedup/deduptest"
 	"github.com/idemkit/idem/dedup/memstore"
+	"github.com/idemkit/idem/internal/testkit/clocktest"
 )
 
 func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
@@ -20,7 +21,7 @@ func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
 func TestConformance(t *testing.T) {
 	deduptest.RunLease(t, deduptest.LeaseHarness{
 		New: func(t testing.TB, cfg deduptest.Config) deduptest.LeaseInstance {
-			clock := dedup.NewManualClock(time.Date(2026, 1, 1, 0, 0, 0, 0, time.UTC))
+			clock := clocktest.NewManual(time.Date(2026, 1, 1, 0, 0, 0, 0, time.UTC))
 			s, err := memstore.New(memstore.Options{Lease: cfg.Lease, TTL: cfg.TTL, Clock: clock})
 			if err != nil {
 				t.Fatal(err)

@@ -22,6 +22,7 @@ import (
 	"github.com/idemkit/idem/dedup/deduptest"
 	"github.com/idemkit/idem/dedup/pgtable"
 	"github.com/idemkit/idem/internal/testkit/testenv"
+	"github.com/idemkit/idem/internal/txflow"
 )
 
 // procVariant is one way Process runs.
@@ -441,7 +442,7 @@ func TestProcessLosesToWritersWithoutTheLock(t *testing.T) {
 			time.Sleep(150 * time.Millisecond) // the lease runs out; its row stays
 			close(bp.cont)
 			r := <-bp.done
-			if !errors.Is(r.err, pgtable.ErrLostRace) || dedup.Held(r.err) {
+			if !errors.Is(r.err, pgtable.ErrLostRace) || txflow.Held(r.err) {
 				t.Fatalf("Process = %v, want ErrLostRace (the winner's row expired before it was read)", r.err)
 			}
 			if got := w.count(t, key.ID); len(got) != 0 {
@@ -635,7 +636,7 @@ func TestProcessFailureWritesNothing(t *testing.T) {
 						}
 					}()
 					_, err := w.s.Process(ctx, key, func(ctx context.Context, tx pgx.Tx) ([]byte, error) { return fn(ctx, tx, key.ID) })
-					if err == nil || dedup.Held(err) {
+					if err == nil || txflow.Held(err) {
 						t.Errorf("%s: Process = %v, want fn's failure", name, err)
 					}
 					if name == "error" && !errors.Is(err, boom) {
@@ -778,7 +779,7 @@ func TestProcessCancelledWhileWaiting(t *testing.T) {
 				return nil, nil
 			})
 			cancel()
-			if err == nil || dedup.Held(err) {
+			if err == nil || txflow.Held(err) {
 				t.Fatalf("cancelled duplicate = %v, want a context error", err)
 			}
 			if d := time.Since(start); d > 5*time.Second {

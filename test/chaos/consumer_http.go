@@ -241,7 +241,7 @@ func httpChild(ctx context.Context) error {
 	var mw *httpidem.Middleware
 	switch cfg.Store {
 	case storePG:
-		store, err := pgtable.New(pool, pgtable.Options{Schema: cfg.Schema, Retention: httpidem.DefaultRetention, Logger: childLogger()})
+		store, err := pgtable.New(pool, pgtable.Options{Schema: cfg.Schema, Retention: 24 * time.Hour, Logger: childLogger()})
 		if err != nil {
 			return err
 		}
