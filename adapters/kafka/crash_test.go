@@ -134,7 +134,7 @@ func childMain() int {
 		ReadBackoffMin:    10 * time.Millisecond,
 		ReadBackoffMax:    100 * time.Millisecond,
 	}
-	opts := idemkafka.Options{
+	opts := idemkafka.ConsumerOptions{
 		CommitEvery:     50,
 		CommitInterval:  100 * time.Millisecond,
 		DeadLetterTopic: topic + "_dlq",

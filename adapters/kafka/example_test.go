@@ -72,7 +72,7 @@ func Example() {
 		Brokers: brokers,
 		GroupID: "billing",
 		Topic:   "payments",
-	}, consumer.Chain(charge, consumer.Recover(), dd), idemkafka.Options{
+	}, consumer.Chain(charge, consumer.Recover(), dd), idemkafka.ConsumerOptions{
 		DeadLetterTopic: "payments.dlq",
 		OnResult: func(_ context.Context, msg *consumer.Message, r consumer.Result) {
 			if r.Duplicate {

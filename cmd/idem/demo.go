@@ -285,7 +285,7 @@ func deliveryID(msg *consumer.Message) string {
 	if seq := msg.Headers[headerPublish]; seq != "" {
 		return "pub:" + seq
 	}
-	return msg.Metadata[idemkafka.MetadataPartition] + "/" + msg.Metadata[idemkafka.MetadataOffset]
+	return msg.Metadata["kafka.partition"] + "/" + msg.Metadata["kafka.offset"]
 }
 
 // classify records a delivery of this pipeline's record, the broker's copy
@@ -1245,8 +1245,8 @@ func (g *group) crashing(inst *instance, next consumer.Handler) consumer.Handler
 				return err
 			}
 		}
-		part, _ := strconv.Atoi(msg.Metadata[idemkafka.MetadataPartition])
-		off, _ := strconv.ParseInt(msg.Metadata[idemkafka.MetadataOffset], 10, 64)
+		part, _ := strconv.Atoi(msg.Metadata["kafka.partition"])
+		off, _ := strconv.ParseInt(msg.Metadata["kafka.offset"], 10, 64)
 		g.offsets.save(part, off+1)
 		g.markHandled(deliveryID(msg))
 		return err // nil, or a completed duplicate's
@@ -1276,7 +1276,7 @@ func (g *group) runInstance(ctx context.Context, inst *instance) error {
 		MinBytes: 1,
 		MaxBytes: 10 << 20,
 		MaxWait:  50 * time.Millisecond,
-	}, g.crashing(inst, g.handler()), idemkafka.Options{
+	}, g.crashing(inst, g.handler()), idemkafka.ConsumerOptions{
 		DeadLetterTopic: g.br.dlq,
 		Logger:          g.logger,
 		CommitEvery:     500,
