@@ -137,18 +137,18 @@ func TestPermanent(t *testing.T) {
 		t.Fatal("Permanent(nil) != nil")
 	}
 	p := consumer.Permanent(errBoom)
-	if !errors.Is(p, errBoom) || p.Error() != errBoom.Error() || !consumer.IsPermanent(p) {
-		t.Fatalf("Permanent(errBoom) = %v: Is=%v IsPermanent=%v", p, errors.Is(p, errBoom), consumer.IsPermanent(p))
+	if !errors.Is(p, errBoom) || p.Error() != errBoom.Error() || !isPermanent(p) {
+		t.Fatalf("Permanent(errBoom) = %v: Is=%v dead-lettered=%v", p, errors.Is(p, errBoom), isPermanent(p))
 	}
 	if consumer.Permanent(p) != p {
 		t.Fatal("Permanent(Permanent(err)) wrapped twice")
 	}
-	if consumer.IsPermanent(errBoom) || consumer.IsPermanent(nil) {
+	if isPermanent(errBoom) || isPermanent(nil) {
 		t.Fatal("plain errors and nil are not permanent")
 	}
 	for _, err := range []error{dedup.ErrFingerprintMismatch, dedup.ErrInvalidKey, &consumer.PanicError{Value: 1}} {
-		if !consumer.IsPermanent(err) {
-			t.Errorf("IsPermanent(%v) = false, want true by nature", err)
+		if !isPermanent(err) {
+			t.Errorf("Decide(%v) does not dead-letter it, want it to by nature", err)
 		}
 	}
 	var pe *consumer.PanicError
@@ -179,7 +179,7 @@ func decideCases() []struct {
 	after  time.Duration
 } {
 	key := dedup.Key{Scope: "s", ID: "i"}
-	inFlight := &dedup.ClaimError{Err: dedup.ErrInFlight, Key: key, RetryAfter: 3*time.Second}
+	inFlight := &dedup.ClaimError{Err: dedup.ErrInFlight, Key: key, RetryAfter: 3 * time.Second}
 	wrap := func(err error) error { return fmt.Errorf("outer: %w", err) }
 	type c = struct {
 		name   string
@@ -217,7 +217,6 @@ func decideCases() []struct {
 		{"panic of a duplicate error", &consumer.PanicError{Value: dedup.ErrDuplicate}, dead, consumer.OutcomePanic, false, false, 0},
 		{"retries exhausted", &consumer.RetriesExhaustedError{Attempts: 3, Err: errBoom}, dead, consumer.OutcomeRetriesExhausted, false, false, 0},
 		{"retries exhausted wrapped", wrap(&consumer.RetriesExhaustedError{Attempts: 3, Err: errBoom}), dead, consumer.OutcomeRetriesExhausted, false, false, 0},
-		{"retries exhausted sentinel", wrap(consumer.ErrRetriesExhausted), dead, consumer.OutcomeRetriesExhausted, false, false, 0},
 		{"retries exhausted on timeouts", &consumer.RetriesExhaustedError{Attempts: 3, Err: &consumer.TimeoutError{Timeout: time.Second, Err: context.DeadlineExceeded}}, dead, consumer.OutcomeRetriesExhausted, false, false, 0},
 		{"timeout", &consumer.TimeoutError{Timeout: time.Second, Err: context.DeadlineExceeded}, retry, consumer.OutcomeTimeout, false, false, 0},
 		{"timeout of a permanent error", &consumer.TimeoutError{Timeout: time.Second, Err: consumer.Permanent(context.DeadlineExceeded)}, retry, consumer.OutcomeTimeout, false, false, 0},
@@ -252,7 +251,7 @@ func TestDecideDeadLetterFailureRetries(t *testing.T) {
 	if !errors.Is(err, errBoom) || !errors.Is(err, io.ErrClosedPipe) {
 		t.Fatalf("error %v does not wrap both the cause and the hook's error", err)
 	}
-	if consumer.IsPermanent(err) {
+	if isPermanent(err) {
 		t.Fatal("a failed dead-lettering is reported as permanent")
 	}
 }
@@ -277,3 +276,6 @@ func TestProcess(t *testing.T) {
 	dup := consumer.HandlerFunc(func(context.Context, *consumer.Message) error { return dedup.ErrDuplicate })
 	wantResult(t, consumer.Process(cctx, dup, msg("1", "")), consumer.ActionAck, consumer.OutcomeDuplicate)
 }
+
+// isPermanent reports whether Decide dead-letters err.
+func isPermanent(err error) bool { return consumer.Decide(err).Action == consumer.ActionDeadLetter }

@@ -86,7 +86,7 @@ type Result struct {
 //  7. *PanicError: DeadLetter, panic.
 //  8. dedup.ErrFingerprintMismatch: DeadLetter, fingerprint_mismatch.
 //  9. dedup.ErrInvalidKey: DeadLetter, invalid_key.
-//  10. ErrRetriesExhausted: DeadLetter, retries_exhausted.
+//  10. *RetriesExhaustedError: DeadLetter, retries_exhausted.
 //  11. the Timeout middleware's deadline ended the handler: Retry, timeout.
 //  12. marked with Permanent: DeadLetter, permanent.
 //  13. anything else, including context.Canceled and
@@ -115,6 +115,7 @@ func Decide(err error) Result {
 		dl  *deadLetteredError
 		dlf *deadLetterFailedError
 		pe  *PanicError
+		rx  *RetriesExhaustedError
 		te  *timeoutError
 		pm  *permanentError
 	)
@@ -139,7 +140,7 @@ func Decide(err error) Result {
 		r.Action, r.Reason = ActionDeadLetter, OutcomeFingerprintMismatch
 	case errors.Is(err, dedup.ErrInvalidKey):
 		r.Action, r.Reason = ActionDeadLetter, OutcomeInvalidKey
-	case errors.Is(err, ErrRetriesExhausted):
+	case errors.As(err, &rx):
 		r.Action, r.Reason = ActionDeadLetter, OutcomeRetriesExhausted
 	case errors.As(err, &te):
 		r.Action, r.Reason = ActionRetry, OutcomeTimeout

@@ -1,17 +1,9 @@
 package consumer
 
 import (
-	"errors"
 	"fmt"
 	"time"
 )
-
-// ErrRetriesExhausted is wrapped by the error the Retry middleware returns
-// when every attempt failed. Decide dead-letters it (OutcomeRetriesExhausted),
-// except when the last attempt found the key in flight elsewhere or lost its
-// lease: those are about who owns the key, not about the message, so they
-// stay retries.
-var ErrRetriesExhausted = errors.New("consumer: retries exhausted")
 
 // Permanent marks err as not worth retrying: Decide dead-letters it with
 // OutcomePermanent. errors.Is and errors.As see through the mark to err.
@@ -36,14 +28,6 @@ type permanentError struct{ err error }
 func (e *permanentError) Error() string { return e.err.Error() }
 func (e *permanentError) Unwrap() error { return e.err }
 
-// IsPermanent reports whether err will not be retried: Decide classifies it as
-// ActionDeadLetter. That covers errors marked with Permanent, errors wrapping
-// dedup.ErrFingerprintMismatch or dedup.ErrInvalidKey, panics recovered by
-// Recover and exhausted retries.
-func IsPermanent(err error) bool {
-	return Decide(err).Action == ActionDeadLetter
-}
-
 // PanicError is a panic recovered by the Recover middleware. Recover returns
 // it marked Permanent: a handler that panics on a message is expected to
 // panic on every redelivery of it (poison message).
@@ -60,8 +44,11 @@ type PanicError struct {
 func (e *PanicError) Error() string { return fmt.Sprintf("consumer: handler panicked: %v", e.Value) }
 
 // RetriesExhaustedError is returned by the Retry middleware when every
-// attempt failed with a retryable error. errors.Is(err, ErrRetriesExhausted)
-// is true and errors.Is/As see through to the last attempt's error.
+// attempt failed with a retryable error; errors.As finds it, and errors.Is/As
+// see through to the last attempt's error. Decide dead-letters it
+// (OutcomeRetriesExhausted), except when the last attempt found the key in
+// flight elsewhere or lost its lease: those are about who owns the key, not
+// about the message, so they stay retries.
 type RetriesExhaustedError struct {
 	// Attempts is how many times the handler ran.
 	Attempts int
@@ -74,9 +61,6 @@ func (e *RetriesExhaustedError) Error() string {
 }
 
 func (e *RetriesExhaustedError) Unwrap() error { return e.Err }
-
-// Is reports whether target is ErrRetriesExhausted.
-func (e *RetriesExhaustedError) Is(target error) bool { return target == ErrRetriesExhausted }
 
 // timeoutError is returned by the Timeout middleware when its deadline, not
 // the caller's context, ended the handler. Decide retries it with

@@ -69,7 +69,7 @@ func ExampleDecide() {
 	for _, err := range []error{
 		nil,
 		&dedup.ClaimError{Err: dedup.ErrDuplicate, Key: key},
-		&dedup.ClaimError{Err: dedup.ErrInFlight, Key: key, RetryAfter: 5*time.Second},
+		&dedup.ClaimError{Err: dedup.ErrInFlight, Key: key, RetryAfter: 5 * time.Second},
 		errors.New("connection reset"),
 		consumer.Permanent(errors.New("amount is negative")),
 		&dedup.ClaimError{Err: dedup.ErrFingerprintMismatch, Key: key},

@@ -46,7 +46,7 @@ func TestRetryExhaustsWithFullJitter(t *testing.T) {
 			r := consumer.Process(t.Context(), h, m)
 			wantResult(t, r, consumer.ActionDeadLetter, consumer.OutcomeRetriesExhausted)
 			var ex *consumer.RetriesExhaustedError
-			if !errors.As(r.Err, &ex) || ex.Attempts != attempts || !errors.Is(r.Err, errBoom) || !errors.Is(r.Err, consumer.ErrRetriesExhausted) {
+			if !errors.As(r.Err, &ex) || ex.Attempts != attempts || !errors.Is(r.Err, errBoom) {
 				t.Fatalf("err %v, want RetriesExhaustedError{%d} wrapping errBoom", r.Err, attempts)
 			}
 			if len(seen) != attempts || seen[0] != 1 || seen[attempts-1] != attempts {
@@ -136,7 +136,8 @@ func TestRetryInFlight(t *testing.T) {
 		}), mustRetry(t, consumer.RetryOptions{MaxAttempts: 3, Initial: time.Millisecond, Sleep: rec.sleep}))
 		r := consumer.Process(t.Context(), h, msg("m1", "p"))
 		wantResult(t, r, consumer.ActionRetry, consumer.OutcomeInFlight)
-		if !errors.Is(r.Err, consumer.ErrRetriesExhausted) || r.RetryAfter != c.after {
+		var ex *consumer.RetriesExhaustedError
+		if !errors.As(r.Err, &ex) || r.RetryAfter != c.after {
 			t.Fatalf("err %v RetryAfter %v, want exhausted and %v", r.Err, r.RetryAfter, c.after)
 		}
 		if len(rec.delays) != 2 || rec.delays[0] != c.want || rec.delays[1] != c.want {
@@ -174,7 +175,7 @@ func TestRetryStopsOnCancel(t *testing.T) {
 			}}))
 		r := consumer.Process(ctx, h, msg("m1", "p"))
 		wantResult(t, r, consumer.ActionRetry, consumer.OutcomeTransient)
-		if calls != 1 || !errors.Is(r.Err, context.Canceled) || errors.Is(r.Err, consumer.ErrRetriesExhausted) {
+		if calls != 1 || !errors.Is(r.Err, context.Canceled) || errors.As(r.Err, new(*consumer.RetriesExhaustedError)) {
 			t.Fatalf("calls=%d err=%v; want one call and context.Canceled", calls, r.Err)
 		}
 	})

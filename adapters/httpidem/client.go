@@ -160,7 +160,7 @@ var idempotentMethods = []string{
 // RoundTrip implements http.RoundTripper.
 func (t *Transport) RoundTrip(req *http.Request) (*http.Response, error) {
 	ctx := req.Context()
-	header := req.Header.Get(HeaderKey)
+	header := req.Header.Get(headerKey)
 	if header == "" {
 		key, ok := keyFrom(ctx)
 		if !ok && slices.Contains(t.opts.Methods, req.Method) {
@@ -185,7 +185,7 @@ func (t *Transport) RoundTrip(req *http.Request) (*http.Response, error) {
 	for attempt := 1; ; attempt++ {
 		r := req.Clone(ctx)
 		if header != "" {
-			r.Header.Set(HeaderKey, header)
+			r.Header.Set(headerKey, header)
 		}
 		if attempt > 1 && hasBody {
 			body, err := req.GetBody()
@@ -238,7 +238,7 @@ func shouldRetry(ctx context.Context, resp *http.Response, err error) bool {
 		}
 		return true
 	}
-	if resp.Header.Get(HeaderReplayed) == "true" {
+	if resp.Header.Get(headerReplayed) == "true" {
 		return false
 	}
 	switch s := resp.StatusCode; s {

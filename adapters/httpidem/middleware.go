@@ -119,7 +119,7 @@ func (m *Middleware) Check(r *http.Request) (dedup.Key, error) {
 	if !m.handles(r.Method) {
 		return dedup.Key{}, ErrNoKey
 	}
-	vals := r.Header.Values(HeaderKey)
+	vals := r.Header.Values(headerKey)
 	switch {
 	case len(vals) == 0 && m.opts.Optional:
 		return dedup.Key{}, ErrNoKey

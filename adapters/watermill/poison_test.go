@@ -111,8 +111,8 @@ func TestPoisonWithoutQueue(t *testing.T) {
 			if !errors.As(err, &pe) || pe.Reason != c.reason || !errors.Is(err, c.is) {
 				t.Fatalf("err = %v, want a *PoisonError (%s) wrapping %v", err, c.reason, c.is)
 			}
-			if !idemwm.IsPoison(err) || idemwm.Retryable(err) || !consumer.IsPermanent(err) {
-				t.Errorf("IsPoison %v, Retryable %v, IsPermanent %v", idemwm.IsPoison(err), idemwm.Retryable(err), consumer.IsPermanent(err))
+			if !idemwm.IsPoison(err) || idemwm.Retryable(err) || consumer.Decide(err).Action != consumer.ActionDeadLetter {
+				t.Errorf("IsPoison %v, Retryable %v, dead-lettered %v", idemwm.IsPoison(err), idemwm.Retryable(err), consumer.Decide(err).Action == consumer.ActionDeadLetter)
 			}
 			if got := c.msg.Metadata.Get(idemwm.MetadataReason); got != string(c.reason) {
 				t.Errorf("metadata %s = %q, want %q", idemwm.MetadataReason, got, c.reason)

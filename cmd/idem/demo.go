@@ -862,7 +862,7 @@ func submitOne(ctx context.Context, c *http.Client, l *ledger, p *payment) {
 				return
 			}
 			req.Header.Set("Content-Type", "application/json")
-			req.Header.Set(httpidem.HeaderKey, p.key)
+			req.Header.Set("Idempotency-Key", p.key)
 			resp, err := c.Do(req)
 			if err != nil {
 				return
@@ -959,7 +959,7 @@ func (a *api) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		http.Error(w, err.Error(), http.StatusBadRequest)
 		return
 	}
-	id := r.Header.Get(httpidem.HeaderKey)
+	id := r.Header.Get("Idempotency-Key")
 	if a.path == pathNaive {
 		id = fmt.Sprintf("naive-%d", a.seq.Add(1))
 	}

@@ -1,9 +1,6 @@
 package deduptest_test
 
 import (
-	"errors"
-	"fmt"
-	"slices"
 	"sync"
 	"testing"
 	"time"
@@ -12,35 +9,6 @@ import (
 	"github.com/idemkit/idem/dedup/deduptest"
 	"github.com/idemkit/idem/dedup/memstore"
 )
-
-// InvalidKeys lists the keys every store must refuse with
-// dedup.ErrInvalidKey. A store author can also feed them to a fuzz corpus or
-// to tests of their own key encoding.
-func ExampleInvalidKeys() {
-	keys := deduptest.InvalidKeys()
-	fmt.Println(len(keys), "invalid keys")
-	names := make([]string, 0, len(keys))
-	for name := range keys {
-		names = append(names, name)
-	}
-	slices.Sort(names)
-	for _, name := range names {
-		err := dedup.ValidateKey(keys[name], dedup.DefaultMaxKeyLen)
-		fmt.Printf("%-15s refused: %v\n", name, errors.Is(err, dedup.ErrInvalidKey))
-	}
-	// Output:
-	// 10 invalid keys
-	// C1 control      refused: true
-	// DEL byte        refused: true
-	// NUL byte        refused: true
-	// control scope   refused: true
-	// empty id        refused: true
-	// empty scope     refused: true
-	// invalid UTF-8   refused: true
-	// newline         refused: true
-	// oversized id    refused: true
-	// oversized scope refused: true
-}
 
 // A lease store runs the suite from its own test with a harness that makes a
 // fresh, isolated instance per subtest. This one wires dedup/memstore with a

@@ -14,6 +14,7 @@ import (
 	"github.com/idemkit/idem/dedup/deduptest"
 	"github.com/idemkit/idem/dedup/memstore"
 	"github.com/idemkit/idem/internal/testkit/clocktest"
+	"github.com/idemkit/idem/internal/testkit/testenv"
 )
 
 func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
@@ -120,7 +121,7 @@ func TestTokens(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer s.Close()
-	ctx := deduptest.Ctx(t)
+	ctx := testenv.Ctx(t)
 	const n = 1000
 	leases := make([]*dedup.Lease, n)
 	tokens := make(map[string]bool, n)

@@ -150,8 +150,8 @@ func TestProcessConcurrentOneEffect(t *testing.T) {
 	for _, v := range procVariants {
 		t.Run(v.name, func(t *testing.T) {
 			w := newProcWorld(t, pool, v, pgtable.Options{})
-			ctx := deduptest.Ctx(t)
-			key := dedup.NewKey("pay", deduptest.UniqueID("k"), []byte(`{"amount":100}`))
+			ctx := testenv.Ctx(t)
+			key := dedup.NewKey("pay", testenv.UniqueID("k"), []byte(`{"amount":100}`))
 			var runs atomic.Int64
 			fn := func(ctx context.Context, tx pgx.Tx) ([]byte, error) {
 				runs.Add(1)
@@ -212,8 +212,8 @@ func TestProcessLeaseRowIsInFlight(t *testing.T) {
 	for _, v := range procVariants {
 		t.Run(v.name, func(t *testing.T) {
 			w := newProcWorld(t, pool, v, pgtable.Options{})
-			ctx := deduptest.Ctx(t)
-			key := dedup.NewKey("mail", deduptest.UniqueID("k"), []byte("p"))
+			ctx := testenv.Ctx(t)
+			key := dedup.NewKey("mail", testenv.UniqueID("k"), []byte("p"))
 			lease, err := w.s.Lease().Claim(ctx, key)
 			if err != nil {
 				t.Fatal(err)
@@ -319,8 +319,8 @@ func TestProcessLosesToWritersWithoutTheLock(t *testing.T) {
 		}
 		t.Run(v.name+"/claimtx_commits_first", func(t *testing.T) {
 			w := newProcWorld(t, pool, v, pgtable.Options{})
-			ctx := deduptest.Ctx(t)
-			key := dedup.NewKey("pay", deduptest.UniqueID("k"), []byte("p"))
+			ctx := testenv.Ctx(t)
+			key := dedup.NewKey("pay", testenv.UniqueID("k"), []byte("p"))
 			bp := w.processInBackground(ctx, key, "mine")
 			bp.waitInFn(t)
 			if err := w.claimOwnTx(ctx, t, key, "theirs").Commit(ctx); err != nil {
@@ -345,8 +345,8 @@ func TestProcessLosesToWritersWithoutTheLock(t *testing.T) {
 			}
 			t.Run(v.name+"/"+name, func(t *testing.T) {
 				w := newProcWorld(t, pool, v, pgtable.Options{})
-				ctx := deduptest.Ctx(t)
-				key := dedup.NewKey("pay", deduptest.UniqueID("k"), []byte("p"))
+				ctx := testenv.Ctx(t)
+				key := dedup.NewKey("pay", testenv.UniqueID("k"), []byte("p"))
 				bp := w.processInBackground(ctx, key, "mine")
 				bp.waitInFn(t)
 				tx := w.claimOwnTx(ctx, t, key, "theirs")
@@ -384,8 +384,8 @@ func TestProcessLosesToWritersWithoutTheLock(t *testing.T) {
 		}
 		t.Run(v.name+"/claimtx_other_fingerprint", func(t *testing.T) {
 			w := newProcWorld(t, pool, v, pgtable.Options{})
-			ctx := deduptest.Ctx(t)
-			key := dedup.NewKey("pay", deduptest.UniqueID("k"), []byte("100"))
+			ctx := testenv.Ctx(t)
+			key := dedup.NewKey("pay", testenv.UniqueID("k"), []byte("100"))
 			bp := w.processInBackground(ctx, key, "mine")
 			bp.waitInFn(t)
 			other := dedup.NewKey(key.Scope, key.ID, []byte("900"))
@@ -403,8 +403,8 @@ func TestProcessLosesToWritersWithoutTheLock(t *testing.T) {
 		})
 		t.Run(v.name+"/lease_claims", func(t *testing.T) {
 			w := newProcWorld(t, pool, v, pgtable.Options{})
-			ctx := deduptest.Ctx(t)
-			key := dedup.NewKey("pay", deduptest.UniqueID("k"), []byte("p"))
+			ctx := testenv.Ctx(t)
+			key := dedup.NewKey("pay", testenv.UniqueID("k"), []byte("p"))
 			bp := w.processInBackground(ctx, key, "mine")
 			bp.waitInFn(t)
 			lease, err := w.s.Lease().Claim(ctx, key)
@@ -432,8 +432,8 @@ func TestProcessLosesToWritersWithoutTheLock(t *testing.T) {
 		})
 		t.Run(v.name+"/lease_runs_out_before_the_commit", func(t *testing.T) {
 			w := newProcWorld(t, pool, v, pgtable.Options{Lease: 50 * time.Millisecond})
-			ctx := deduptest.Ctx(t)
-			key := dedup.NewKey("pay", deduptest.UniqueID("k"), []byte("p"))
+			ctx := testenv.Ctx(t)
+			key := dedup.NewKey("pay", testenv.UniqueID("k"), []byte("p"))
 			bp := w.processInBackground(ctx, key, "mine")
 			bp.waitInFn(t)
 			if _, err := w.s.Lease().Claim(ctx, key); err != nil {
@@ -473,8 +473,8 @@ func TestProcessPartitionedWritersWait(t *testing.T) {
 		}
 		t.Run(v.name, func(t *testing.T) {
 			w := newProcWorld(t, pool, v, pgtable.Options{})
-			ctx := deduptest.Ctx(t)
-			key := dedup.NewKey("pay", deduptest.UniqueID("k"), []byte("p"))
+			ctx := testenv.Ctx(t)
+			key := dedup.NewKey("pay", testenv.UniqueID("k"), []byte("p"))
 			bp := w.processInBackground(ctx, key, "mine")
 			bp.waitInFn(t)
 			claimed := make(chan error, 1)
@@ -522,7 +522,7 @@ func TestProcessExpiredRowRunsAgain(t *testing.T) {
 	for _, v := range procVariants {
 		t.Run(v.name, func(t *testing.T) {
 			w := newProcWorld(t, pool, v, pgtable.Options{Lease: 50 * time.Millisecond})
-			ctx := deduptest.Ctx(t)
+			ctx := testenv.Ctx(t)
 			run := func(key dedup.Key, result string, during func()) error {
 				res, err := w.s.Process(ctx, key, func(ctx context.Context, tx pgx.Tx) ([]byte, error) {
 					if during != nil {
@@ -536,7 +536,7 @@ func TestProcessExpiredRowRunsAgain(t *testing.T) {
 				return err
 			}
 			// Past its retention.
-			key := dedup.NewKey("s", deduptest.UniqueID("k"), []byte("p"))
+			key := dedup.NewKey("s", testenv.UniqueID("k"), []byte("p"))
 			if err := run(key, "one", nil); err != nil {
 				t.Fatal(err)
 			}
@@ -555,7 +555,7 @@ func TestProcessExpiredRowRunsAgain(t *testing.T) {
 			}
 
 			// A lease that ran out.
-			lkey := dedup.NewKey("s", deduptest.UniqueID("k"), []byte("p"))
+			lkey := dedup.NewKey("s", testenv.UniqueID("k"), []byte("p"))
 			if _, err := w.s.Lease().Claim(ctx, lkey); err != nil {
 				t.Fatal(err)
 			}
@@ -568,7 +568,7 @@ func TestProcessExpiredRowRunsAgain(t *testing.T) {
 			}
 
 			// Deleted by cleanup while fn runs.
-			ckey := dedup.NewKey("s", deduptest.UniqueID("k"), []byte("p"))
+			ckey := dedup.NewKey("s", testenv.UniqueID("k"), []byte("p"))
 			if err := run(ckey, "first", nil); err != nil {
 				t.Fatal(err)
 			}
@@ -606,7 +606,7 @@ func TestProcessFailureWritesNothing(t *testing.T) {
 	for _, v := range procVariants {
 		t.Run(v.name, func(t *testing.T) {
 			w := newProcWorld(t, pool, v, pgtable.Options{})
-			ctx := deduptest.Ctx(t)
+			ctx := testenv.Ctx(t)
 			boom := errors.New("boom")
 			cases := map[string]func(ctx context.Context, tx pgx.Tx, id string) ([]byte, error){
 				"error": func(ctx context.Context, tx pgx.Tx, id string) ([]byte, error) {
@@ -627,7 +627,7 @@ func TestProcessFailureWritesNothing(t *testing.T) {
 				},
 			}
 			for name, fn := range cases {
-				key := dedup.NewKey("s", deduptest.UniqueID(name), []byte("p"))
+				key := dedup.NewKey("s", testenv.UniqueID(name), []byte("p"))
 				func() {
 					defer func() {
 						p := recover()
@@ -676,8 +676,8 @@ func TestProcessWritesTheRowOnce(t *testing.T) {
 	for _, v := range procVariants {
 		t.Run(v.name, func(t *testing.T) {
 			w := newProcWorld(t, pool, v, pgtable.Options{Retention: 72 * time.Hour})
-			ctx := deduptest.Ctx(t)
-			key := dedup.NewKey("s", deduptest.UniqueID("k"), []byte("p"))
+			ctx := testenv.Ctx(t)
+			key := dedup.NewKey("s", testenv.UniqueID("k"), []byte("p"))
 			if _, err := w.s.Process(ctx, key, func(context.Context, pgx.Tx) ([]byte, error) { return []byte("stored"), nil }); err != nil {
 				t.Fatal(err)
 			}
@@ -716,8 +716,8 @@ func TestProcessLockNamespace(t *testing.T) {
 	for _, v := range procVariants {
 		t.Run(v.name, func(t *testing.T) {
 			w := newProcWorld(t, pool, v, pgtable.Options{})
-			ctx := deduptest.Ctx(t)
-			key := dedup.NewKey("sc'ope", deduptest.UniqueID("k"), []byte("p"))
+			ctx := testenv.Ctx(t)
+			key := dedup.NewKey("sc'ope", testenv.UniqueID("k"), []byte("p"))
 			var want int64
 			if err := pool.QueryRow(ctx, "SELECT hashtextextended(length($1::text)::text || ':' || $1::text || $2::text, $3)",
 				key.Scope, key.ID, pgtable.LockSeed(w.s)).Scan(&want); err != nil {
@@ -768,8 +768,8 @@ func TestProcessCancelledWhileWaiting(t *testing.T) {
 	for _, v := range procVariants {
 		t.Run(v.name, func(t *testing.T) {
 			w := newProcWorld(t, pool, v, pgtable.Options{})
-			ctx := deduptest.Ctx(t)
-			key := dedup.NewKey("s", deduptest.UniqueID("k"), []byte("p"))
+			ctx := testenv.Ctx(t)
+			key := dedup.NewKey("s", testenv.UniqueID("k"), []byte("p"))
 			bp := w.processInBackground(ctx, key, "first")
 			bp.waitInFn(t)
 			wctx, cancel := context.WithTimeout(ctx, 200*time.Millisecond)

@@ -337,7 +337,7 @@ func (a *app) issueKey(w http.ResponseWriter, r *http.Request) {
 // anything.
 func (a *app) keyPolicy(next http.Handler) http.Handler {
 	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		key, err := httpidem.ParseKey(r.Header.Get(httpidem.HeaderKey), 0)
+		key, err := httpidem.ParseKey(r.Header.Get("Idempotency-Key"), 0)
 		if err == nil && (strings.HasPrefix(key, "ik_") || a.cfg.issuedKeysOnly) && !a.issued(principal(r), key) {
 			problem(w, http.StatusBadRequest, "Idempotency-Key not issued by this server",
 				"get a key from POST /idempotency-keys")

@@ -287,7 +287,7 @@ func httpChild(ctx context.Context) error {
 	mux.Handle("POST /charge", mw.Handler(app))
 	srv := &http.Server{
 		Handler: http.HandlerFunc(func(w http.ResponseWriter, req *http.Request) {
-			if key, err := httpidem.ParseKey(req.Header.Get(httpidem.HeaderKey), 0); err == nil {
+			if key, err := httpidem.ParseKey(req.Header.Get("Idempotency-Key"), 0); err == nil {
 				r.log.record(key)
 			}
 			r.kill.at(pointBeforeTx)

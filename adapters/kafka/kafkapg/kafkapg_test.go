@@ -178,7 +178,7 @@ func TestBatch(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if err := bo(ctx, []*consumer.Message{msg("f", "6")}); !consumer.IsPermanent(err) {
+	if err := bo(ctx, []*consumer.Message{msg("f", "6")}); consumer.Decide(err).Action != consumer.ActionDeadLetter {
 		t.Fatalf("batch handler outside a Consumer = %v; want a permanent error", err)
 	}
 	if n := count(); n != 4 {
