@@ -56,7 +56,7 @@ func TestBatchTelemetry(t *testing.T) {
 	for outcome, want := range map[string]float64{
 		telemetry.ClaimFirst: 5, telemetry.ClaimDuplicate: 2, telemetry.ClaimFingerprintMismatch: 1,
 	} {
-		if got := mp.Sum(telemetry.MetricClaims, scope, store, telemetry.AttrOutcome.String(string(outcome))); got != want {
+		if got := mp.Sum(telemetry.MetricClaims, scope, store, telemetry.AttrOutcome.String(outcome)); got != want {
 			t.Errorf("%s{outcome=%s} = %v, want %v", telemetry.MetricClaims, outcome, got, want)
 		}
 	}
