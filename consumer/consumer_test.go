@@ -81,7 +81,7 @@ func mustRetry(t testing.TB, o consumer.RetryOptions) consumer.Middleware {
 	return mw
 }
 
-func mustDeadLetter(t testing.TB, hook consumer.DeadLetterFunc) consumer.Middleware {
+func mustDeadLetter(t testing.TB, hook func(context.Context, *consumer.Message, consumer.Outcome, error) error) consumer.Middleware {
 	t.Helper()
 	mw, err := consumer.DeadLetter(hook)
 	if err != nil {
@@ -99,7 +99,7 @@ func msg(id, payload string) *consumer.Message {
 	return &consumer.Message{ID: id, Payload: []byte(payload), Topic: "orders", Attempt: 1}
 }
 
-func wantResult(t *testing.T, got consumer.Result, action consumer.Action, reason consumer.Reason) {
+func wantResult(t *testing.T, got consumer.Result, action consumer.Action, reason consumer.Outcome) {
 	t.Helper()
 	if got.Action != action || got.Reason != reason {
 		t.Fatalf("result = %v/%q (err %v), want %v/%q", got.Action, got.Reason, got.Err, action, reason)
@@ -137,18 +137,18 @@ func TestPermanent(t *testing.T) {
 		t.Fatal("Permanent(nil) != nil")
 	}
 	p := consumer.Permanent(errBoom)
-	if !errors.Is(p, errBoom) || p.Error() != errBoom.Error() || !consumer.IsPermanent(p) {
-		t.Fatalf("Permanent(errBoom) = %v: Is=%v IsPermanent=%v", p, errors.Is(p, errBoom), consumer.IsPermanent(p))
+	if !errors.Is(p, errBoom) || p.Error() != errBoom.Error() || !isPermanent(p) {
+		t.Fatalf("Permanent(errBoom) = %v: Is=%v dead-lettered=%v", p, errors.Is(p, errBoom), isPermanent(p))
 	}
 	if consumer.Permanent(p) != p {
 		t.Fatal("Permanent(Permanent(err)) wrapped twice")
 	}
-	if consumer.IsPermanent(errBoom) || consumer.IsPermanent(nil) {
+	if isPermanent(errBoom) || isPermanent(nil) {
 		t.Fatal("plain errors and nil are not permanent")
 	}
 	for _, err := range []error{dedup.ErrFingerprintMismatch, dedup.ErrInvalidKey, &consumer.PanicError{Value: 1}} {
-		if !consumer.IsPermanent(err) {
-			t.Errorf("IsPermanent(%v) = false, want true by nature", err)
+		if !isPermanent(err) {
+			t.Errorf("Decide(%v) does not dead-letter it, want it to by nature", err)
 		}
 	}
 	var pe *consumer.PanicError
@@ -173,60 +173,59 @@ func decideCases() []struct {
 	name   string
 	err    error
 	action consumer.Action
-	reason consumer.Reason
+	reason consumer.Outcome
 	dup    bool
 	dl     bool
 	after  time.Duration
 } {
 	key := dedup.Key{Scope: "s", ID: "i"}
-	inFlight := dedup.InFlight(key, 3*time.Second)
+	inFlight := &dedup.ClaimError{Err: dedup.ErrInFlight, Key: key, RetryAfter: 3 * time.Second}
 	wrap := func(err error) error { return fmt.Errorf("outer: %w", err) }
 	type c = struct {
 		name   string
 		err    error
 		action consumer.Action
-		reason consumer.Reason
+		reason consumer.Outcome
 		dup    bool
 		dl     bool
 		after  time.Duration
 	}
 	ack, retry, dead := consumer.ActionAck, consumer.ActionRetry, consumer.ActionDeadLetter
 	return []c{
-		{"nil", nil, ack, consumer.ReasonNone, false, false, 0},
-		{"duplicate", dedup.Duplicate(key, []byte("r")), ack, consumer.ReasonDuplicate, true, false, 0},
-		{"duplicate sentinel wrapped", wrap(dedup.ErrDuplicate), ack, consumer.ReasonDuplicate, true, false, 0},
-		{"permanent duplicate", consumer.Permanent(dedup.Duplicate(key, nil)), ack, consumer.ReasonDuplicate, true, false, 0},
-		{"dead-lettered", &consumer.DeadLetteredError{Reason: consumer.ReasonPanic, Err: consumer.Permanent(&consumer.PanicError{Value: 1})}, ack, consumer.ReasonPanic, false, true, 0},
-		{"dead-lettered wrapped", wrap(&consumer.DeadLetteredError{Reason: consumer.ReasonPermanent, Err: consumer.Permanent(errBoom)}), ack, consumer.ReasonPermanent, false, true, 0},
-		{"in flight", inFlight, retry, consumer.ReasonInFlight, false, false, 3 * time.Second},
-		{"in flight wrapped", wrap(inFlight), retry, consumer.ReasonInFlight, false, false, 3 * time.Second},
-		{"in flight sentinel", dedup.ErrInFlight, retry, consumer.ReasonInFlight, false, false, 0},
-		{"permanent in flight", consumer.Permanent(inFlight), retry, consumer.ReasonInFlight, false, false, 3 * time.Second},
-		{"exhausted in flight", &consumer.RetriesExhaustedError{Attempts: 5, Err: inFlight}, retry, consumer.ReasonInFlight, false, false, 3 * time.Second},
-		{"lease lost", wrap(dedup.ErrLeaseLost), retry, consumer.ReasonLeaseLost, false, false, 0},
-		{"permanent lease lost", consumer.Permanent(dedup.ErrLeaseLost), retry, consumer.ReasonLeaseLost, false, false, 0},
-		{"lease lost and permanent handler error", fmt.Errorf("%w; handler: %w", dedup.ErrLeaseLost, consumer.Permanent(errBoom)), retry, consumer.ReasonLeaseLost, false, false, 0},
-		{"mismatch", dedup.Mismatch(key), dead, consumer.ReasonFingerprintMismatch, false, false, 0},
-		{"mismatch wrapped", wrap(dedup.Mismatch(key)), dead, consumer.ReasonFingerprintMismatch, false, false, 0},
-		{"permanent mismatch", consumer.Permanent(dedup.ErrFingerprintMismatch), dead, consumer.ReasonFingerprintMismatch, false, false, 0},
-		{"invalid key", fmt.Errorf("%w: id is empty", dedup.ErrInvalidKey), dead, consumer.ReasonInvalidKey, false, false, 0},
-		{"permanent", consumer.Permanent(errBoom), dead, consumer.ReasonPermanent, false, false, 0},
-		{"permanent wrapped", wrap(consumer.Permanent(errBoom)), dead, consumer.ReasonPermanent, false, false, 0},
-		{"panic", consumer.Permanent(&consumer.PanicError{Value: "x"}), dead, consumer.ReasonPanic, false, false, 0},
-		{"bare panic", &consumer.PanicError{Value: errBoom}, dead, consumer.ReasonPanic, false, false, 0},
-		{"panic of a duplicate error", &consumer.PanicError{Value: dedup.ErrDuplicate}, dead, consumer.ReasonPanic, false, false, 0},
-		{"retries exhausted", &consumer.RetriesExhaustedError{Attempts: 3, Err: errBoom}, dead, consumer.ReasonRetriesExhausted, false, false, 0},
-		{"retries exhausted wrapped", wrap(&consumer.RetriesExhaustedError{Attempts: 3, Err: errBoom}), dead, consumer.ReasonRetriesExhausted, false, false, 0},
-		{"retries exhausted sentinel", wrap(consumer.ErrRetriesExhausted), dead, consumer.ReasonRetriesExhausted, false, false, 0},
-		{"retries exhausted on timeouts", &consumer.RetriesExhaustedError{Attempts: 3, Err: &consumer.TimeoutError{Timeout: time.Second, Err: context.DeadlineExceeded}}, dead, consumer.ReasonRetriesExhausted, false, false, 0},
-		{"timeout", &consumer.TimeoutError{Timeout: time.Second, Err: context.DeadlineExceeded}, retry, consumer.ReasonTimeout, false, false, 0},
-		{"timeout of a permanent error", &consumer.TimeoutError{Timeout: time.Second, Err: consumer.Permanent(context.DeadlineExceeded)}, retry, consumer.ReasonTimeout, false, false, 0},
-		{"transient", errBoom, retry, consumer.ReasonTransient, false, false, 0},
-		{"transient wrapped", wrap(errBoom), retry, consumer.ReasonTransient, false, false, 0},
-		{"store closed", wrap(dedup.ErrClosed), retry, consumer.ReasonTransient, false, false, 0},
-		{"canceled", context.Canceled, retry, consumer.ReasonTransient, false, false, 0},
-		{"bare deadline", wrap(context.DeadlineExceeded), retry, consumer.ReasonTransient, false, false, 0},
-		{"joined transient and permanent", errors.Join(errBoom, consumer.Permanent(io.EOF)), dead, consumer.ReasonPermanent, false, false, 0},
+		{"nil", nil, ack, "", false, false, 0},
+		{"duplicate", &dedup.ClaimError{Err: dedup.ErrDuplicate, Key: key, Result: []byte("r")}, ack, consumer.OutcomeDuplicate, true, false, 0},
+		{"duplicate sentinel wrapped", wrap(dedup.ErrDuplicate), ack, consumer.OutcomeDuplicate, true, false, 0},
+		{"permanent duplicate", consumer.Permanent(&dedup.ClaimError{Err: dedup.ErrDuplicate, Key: key}), ack, consumer.OutcomeDuplicate, true, false, 0},
+		{"dead-lettered", &consumer.DeadLetteredError{Reason: consumer.OutcomePanic, Err: consumer.Permanent(&consumer.PanicError{Value: 1})}, ack, consumer.OutcomePanic, false, true, 0},
+		{"dead-lettered wrapped", wrap(&consumer.DeadLetteredError{Reason: consumer.OutcomePermanent, Err: consumer.Permanent(errBoom)}), ack, consumer.OutcomePermanent, false, true, 0},
+		{"in flight", inFlight, retry, consumer.OutcomeInFlight, false, false, 3 * time.Second},
+		{"in flight wrapped", wrap(inFlight), retry, consumer.OutcomeInFlight, false, false, 3 * time.Second},
+		{"in flight sentinel", dedup.ErrInFlight, retry, consumer.OutcomeInFlight, false, false, 0},
+		{"permanent in flight", consumer.Permanent(inFlight), retry, consumer.OutcomeInFlight, false, false, 3 * time.Second},
+		{"exhausted in flight", &consumer.RetriesExhaustedError{Attempts: 5, Err: inFlight}, retry, consumer.OutcomeInFlight, false, false, 3 * time.Second},
+		{"lease lost", wrap(dedup.ErrLeaseLost), retry, consumer.OutcomeLeaseLost, false, false, 0},
+		{"permanent lease lost", consumer.Permanent(dedup.ErrLeaseLost), retry, consumer.OutcomeLeaseLost, false, false, 0},
+		{"lease lost and permanent handler error", fmt.Errorf("%w; handler: %w", dedup.ErrLeaseLost, consumer.Permanent(errBoom)), retry, consumer.OutcomeLeaseLost, false, false, 0},
+		{"mismatch", &dedup.ClaimError{Err: dedup.ErrFingerprintMismatch, Key: key}, dead, consumer.OutcomeFingerprintMismatch, false, false, 0},
+		{"mismatch wrapped", wrap(&dedup.ClaimError{Err: dedup.ErrFingerprintMismatch, Key: key}), dead, consumer.OutcomeFingerprintMismatch, false, false, 0},
+		{"permanent mismatch", consumer.Permanent(dedup.ErrFingerprintMismatch), dead, consumer.OutcomeFingerprintMismatch, false, false, 0},
+		{"invalid key", fmt.Errorf("%w: id is empty", dedup.ErrInvalidKey), dead, consumer.OutcomeInvalidKey, false, false, 0},
+		{"permanent", consumer.Permanent(errBoom), dead, consumer.OutcomePermanent, false, false, 0},
+		{"permanent wrapped", wrap(consumer.Permanent(errBoom)), dead, consumer.OutcomePermanent, false, false, 0},
+		{"panic", consumer.Permanent(&consumer.PanicError{Value: "x"}), dead, consumer.OutcomePanic, false, false, 0},
+		{"bare panic", &consumer.PanicError{Value: errBoom}, dead, consumer.OutcomePanic, false, false, 0},
+		{"panic of a duplicate error", &consumer.PanicError{Value: dedup.ErrDuplicate}, dead, consumer.OutcomePanic, false, false, 0},
+		{"retries exhausted", &consumer.RetriesExhaustedError{Attempts: 3, Err: errBoom}, dead, consumer.OutcomeRetriesExhausted, false, false, 0},
+		{"retries exhausted wrapped", wrap(&consumer.RetriesExhaustedError{Attempts: 3, Err: errBoom}), dead, consumer.OutcomeRetriesExhausted, false, false, 0},
+		{"retries exhausted on timeouts", &consumer.RetriesExhaustedError{Attempts: 3, Err: &consumer.TimeoutError{Timeout: time.Second, Err: context.DeadlineExceeded}}, dead, consumer.OutcomeRetriesExhausted, false, false, 0},
+		{"timeout", &consumer.TimeoutError{Timeout: time.Second, Err: context.DeadlineExceeded}, retry, consumer.OutcomeTimeout, false, false, 0},
+		{"timeout of a permanent error", &consumer.TimeoutError{Timeout: time.Second, Err: consumer.Permanent(context.DeadlineExceeded)}, retry, consumer.OutcomeTimeout, false, false, 0},
+		{"transient", errBoom, retry, consumer.OutcomeTransient, false, false, 0},
+		{"transient wrapped", wrap(errBoom), retry, consumer.OutcomeTransient, false, false, 0},
+		{"store closed", wrap(dedup.ErrClosed), retry, consumer.OutcomeTransient, false, false, 0},
+		{"canceled", context.Canceled, retry, consumer.OutcomeTransient, false, false, 0},
+		{"bare deadline", wrap(context.DeadlineExceeded), retry, consumer.OutcomeTransient, false, false, 0},
+		{"joined transient and permanent", errors.Join(errBoom, consumer.Permanent(io.EOF)), dead, consumer.OutcomePermanent, false, false, 0},
 	}
 }
 
@@ -244,15 +243,15 @@ func TestDecide(t *testing.T) {
 func TestDecideDeadLetterFailureRetries(t *testing.T) {
 	// A DeadLetter whose hook fails yields an error that wraps a permanent
 	// cause, yet must be retried.
-	dl := mustDeadLetter(t, func(context.Context, *consumer.Message, consumer.Reason, error) error { return io.ErrClosedPipe })
+	dl := mustDeadLetter(t, func(context.Context, *consumer.Message, consumer.Outcome, error) error { return io.ErrClosedPipe })
 	err := dl(consumer.HandlerFunc(func(context.Context, *consumer.Message) error {
 		return consumer.Permanent(errBoom)
 	})).Handle(context.Background(), msg("1", "p"))
-	wantResult(t, consumer.Decide(err), consumer.ActionRetry, consumer.ReasonTransient)
+	wantResult(t, consumer.Decide(err), consumer.ActionRetry, consumer.OutcomeTransient)
 	if !errors.Is(err, errBoom) || !errors.Is(err, io.ErrClosedPipe) {
 		t.Fatalf("error %v does not wrap both the cause and the hook's error", err)
 	}
-	if consumer.IsPermanent(err) {
+	if isPermanent(err) {
 		t.Fatal("a failed dead-lettering is reported as permanent")
 	}
 }
@@ -260,20 +259,23 @@ func TestDecideDeadLetterFailureRetries(t *testing.T) {
 func TestProcess(t *testing.T) {
 	ctx := context.Background()
 	ok := consumer.HandlerFunc(func(context.Context, *consumer.Message) error { return nil })
-	wantResult(t, consumer.Process(ctx, ok, msg("1", "")), consumer.ActionAck, consumer.ReasonNone)
+	wantResult(t, consumer.Process(ctx, ok, msg("1", "")), consumer.ActionAck, "")
 
 	poison := consumer.HandlerFunc(func(context.Context, *consumer.Message) error { return consumer.Permanent(errBoom) })
-	wantResult(t, consumer.Process(ctx, poison, msg("1", "")), consumer.ActionDeadLetter, consumer.ReasonPermanent)
+	wantResult(t, consumer.Process(ctx, poison, msg("1", "")), consumer.ActionDeadLetter, consumer.OutcomePermanent)
 
 	// While the consumer stops, nothing is dead-lettered: the error may
 	// come from the stop itself.
 	cctx, cancel := context.WithCancel(ctx)
 	cancel()
 	r := consumer.Process(cctx, poison, msg("1", ""))
-	wantResult(t, r, consumer.ActionRetry, consumer.ReasonTransient)
+	wantResult(t, r, consumer.ActionRetry, consumer.OutcomeTransient)
 	if !errors.Is(r.Err, errBoom) {
 		t.Fatalf("Result.Err = %v, want the handler's error", r.Err)
 	}
 	dup := consumer.HandlerFunc(func(context.Context, *consumer.Message) error { return dedup.ErrDuplicate })
-	wantResult(t, consumer.Process(cctx, dup, msg("1", "")), consumer.ActionAck, consumer.ReasonDuplicate)
+	wantResult(t, consumer.Process(cctx, dup, msg("1", "")), consumer.ActionAck, consumer.OutcomeDuplicate)
 }
+
+// isPermanent reports whether Decide dead-letters err.
+func isPermanent(err error) bool { return consumer.Decide(err).Action == consumer.ActionDeadLetter }

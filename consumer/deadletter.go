@@ -7,24 +7,24 @@ import (
 	"time"
 )
 
-// DeadLetterFunc parks a message that will never succeed: publish it to a
-// dead-letter topic or queue, or write it to a table. reason and cause say
-// why. It returns nil only once the message is safely stored, because the
-// message is acknowledged right after.
-type DeadLetterFunc func(ctx context.Context, msg *Message, reason Reason, cause error) error
-
 // deadLetterTimeout bounds the hook. The hook runs with
 // context.WithoutCancel, so a stop that begins while it runs does not abort a
 // publish that is nearly done.
 const deadLetterTimeout = 30 * time.Second
 
-// DeadLetter returns middleware that hands dead messages to hook: when Decide
+// DeadLetter returns middleware that hands dead messages to hook, which parks
+// a message that will never succeed: it publishes it to a dead-letter topic or
+// queue, or writes it to a table; reason and cause say why. The hook returns
+// nil only once the message is safely stored, because the message is
+// acknowledged right after.
+//
+// When Decide
 // classifies the inner chain's error as ActionDeadLetter (a Permanent error,
 // a panic, a fingerprint mismatch, an invalid key, exhausted retries), it
 // calls hook, and then:
 //
-//   - hook returned nil: DeadLetter returns a *DeadLetteredError, which
-//     Decide acknowledges (Result.DeadLettered, Reason kept);
+//   - hook returned nil: DeadLetter returns an error that Decide
+//     acknowledges (Result.DeadLettered, Reason kept);
 //   - hook failed: DeadLetter returns a transient error wrapping both the
 //     hook's error and the cause; the message is not acknowledged, so it is
 //     never lost, and the redelivery tries again.
@@ -36,7 +36,7 @@ const deadLetterTimeout = 30 * time.Second
 // The hook gets context.WithoutCancel(ctx) with a 30s timeout. Other errors,
 // and nil, pass through unchanged. Put DeadLetter outermost, so it sees the
 // error after Retry gave up.
-func DeadLetter(hook DeadLetterFunc) (Middleware, error) {
+func DeadLetter(hook func(ctx context.Context, msg *Message, reason Outcome, cause error) error) (Middleware, error) {
 	if hook == nil {
 		return nil, errors.New("consumer: DeadLetter: hook is nil; without a place to park dead messages, leave DeadLetter out and let the adapter act on ActionDeadLetter")
 	}
@@ -58,7 +58,7 @@ func DeadLetter(hook DeadLetterFunc) (Middleware, error) {
 			if herr := hook(hctx, msg, r.Reason, err); herr != nil {
 				return &deadLetterFailedError{reason: r.Reason, cause: err, why: fmt.Errorf("dead-letter hook: %w", herr)}
 			}
-			return &DeadLetteredError{Reason: r.Reason, Err: err}
+			return &deadLetteredError{Reason: r.Reason, Err: err}
 		})
 	}, nil
 }

@@ -42,25 +42,6 @@ func (a Action) String() string {
 	return "Action(" + strconv.Itoa(int(a)) + ")"
 }
 
-// Reason says why Decide chose its Action. It is a short snake_case word,
-// usable as a metric label.
-type Reason string
-
-// Reasons.
-const (
-	ReasonNone                Reason = ""                     // success
-	ReasonDuplicate           Reason = "duplicate"            // Ack: the key was already processed
-	ReasonInFlight            Reason = "in_flight"            // Retry: another owner holds the key
-	ReasonLeaseLost           Reason = "lease_lost"           // Retry: our lease expired or was taken over
-	ReasonTimeout             Reason = "timeout"              // Retry: the Timeout middleware's deadline fired
-	ReasonTransient           Reason = "transient"            // Retry: any other error
-	ReasonPanic               Reason = "panic"                // DeadLetter: the handler panicked
-	ReasonFingerprintMismatch Reason = "fingerprint_mismatch" // DeadLetter: same key, different content
-	ReasonInvalidKey          Reason = "invalid_key"          // DeadLetter: the key is empty, too long or has control bytes
-	ReasonRetriesExhausted    Reason = "retries_exhausted"    // DeadLetter: Retry gave up
-	ReasonPermanent           Reason = "permanent"            // DeadLetter: marked with Permanent
-)
-
 // Result is the ACK rule applied to one delivery. Adapters act on Action;
 // the other fields are for logs, metrics and delays.
 type Result struct {
@@ -72,12 +53,18 @@ type Result struct {
 	// DeadLettered is set when the message is acknowledged because a
 	// DeadLetter middleware already parked it; Reason is why.
 	DeadLettered bool
-	// Reason says why.
-	Reason Reason
+	// Reason says why, in the Outcome vocabulary: OutcomeDuplicate,
+	// OutcomeInFlight, OutcomeLeaseLost, OutcomeTimeout or
+	// OutcomeTransient for a retry; OutcomePanic,
+	// OutcomeFingerprintMismatch, OutcomeInvalidKey,
+	// OutcomeRetriesExhausted or OutcomePermanent for a dead letter (an
+	// adapter may add its own, such as a redelivery limit). Empty on
+	// success.
+	Reason Outcome
 	// Err is the handler chain's error, nil on success.
 	Err error
 	// RetryAfter is a hint for the delay before the retry: for
-	// ReasonInFlight, how long the other owner's lease has left when the
+	// OutcomeInFlight, how long the other owner's lease has left when the
 	// store can tell; zero otherwise.
 	RetryAfter time.Duration
 }
@@ -86,7 +73,7 @@ type Result struct {
 // first matching line wins:
 //
 //  1. nil: Ack.
-//  2. the DeadLetter middleware parked the message (*DeadLetteredError): Ack,
+//  2. the DeadLetter middleware parked the message: Ack,
 //     DeadLettered, with the dead-letter reason.
 //  3. the DeadLetter middleware could not park it (its hook failed, or the
 //     consumer was stopping): Retry, transient. A message is never
@@ -99,8 +86,8 @@ type Result struct {
 //  7. *PanicError: DeadLetter, panic.
 //  8. dedup.ErrFingerprintMismatch: DeadLetter, fingerprint_mismatch.
 //  9. dedup.ErrInvalidKey: DeadLetter, invalid_key.
-//  10. ErrRetriesExhausted: DeadLetter, retries_exhausted.
-//  11. *TimeoutError: Retry, timeout.
+//  10. *RetriesExhaustedError: DeadLetter, retries_exhausted.
+//  11. the Timeout middleware's deadline ended the handler: Retry, timeout.
 //  12. marked with Permanent: DeadLetter, permanent.
 //  13. anything else, including context.Canceled and
 //     context.DeadlineExceeded: Retry, transient.
@@ -125,41 +112,42 @@ func Decide(err error) Result {
 	}
 	r := Result{Err: err}
 	var (
-		dl  *DeadLetteredError
+		dl  *deadLetteredError
 		dlf *deadLetterFailedError
 		pe  *PanicError
-		te  *TimeoutError
+		rx  *RetriesExhaustedError
+		te  *timeoutError
 		pm  *permanentError
 	)
 	switch {
 	case errors.As(err, &dl):
 		r.Action, r.DeadLettered, r.Reason = ActionAck, true, dl.Reason
 	case errors.As(err, &dlf):
-		r.Action, r.Reason = ActionRetry, ReasonTransient
+		r.Action, r.Reason = ActionRetry, OutcomeTransient
 	case errors.Is(err, dedup.ErrDuplicate):
-		r.Action, r.Duplicate, r.Reason = ActionAck, true, ReasonDuplicate
+		r.Action, r.Duplicate, r.Reason = ActionAck, true, OutcomeDuplicate
 	case errors.Is(err, dedup.ErrLeaseLost):
-		r.Action, r.Reason = ActionRetry, ReasonLeaseLost
+		r.Action, r.Reason = ActionRetry, OutcomeLeaseLost
 	case errors.Is(err, dedup.ErrInFlight):
-		r.Action, r.Reason = ActionRetry, ReasonInFlight
+		r.Action, r.Reason = ActionRetry, OutcomeInFlight
 		var ce *dedup.ClaimError
 		if errors.As(err, &ce) && ce.RetryAfter > 0 {
 			r.RetryAfter = ce.RetryAfter
 		}
 	case errors.As(err, &pe):
-		r.Action, r.Reason = ActionDeadLetter, ReasonPanic
+		r.Action, r.Reason = ActionDeadLetter, OutcomePanic
 	case errors.Is(err, dedup.ErrFingerprintMismatch):
-		r.Action, r.Reason = ActionDeadLetter, ReasonFingerprintMismatch
+		r.Action, r.Reason = ActionDeadLetter, OutcomeFingerprintMismatch
 	case errors.Is(err, dedup.ErrInvalidKey):
-		r.Action, r.Reason = ActionDeadLetter, ReasonInvalidKey
-	case errors.Is(err, ErrRetriesExhausted):
-		r.Action, r.Reason = ActionDeadLetter, ReasonRetriesExhausted
+		r.Action, r.Reason = ActionDeadLetter, OutcomeInvalidKey
+	case errors.As(err, &rx):
+		r.Action, r.Reason = ActionDeadLetter, OutcomeRetriesExhausted
 	case errors.As(err, &te):
-		r.Action, r.Reason = ActionRetry, ReasonTimeout
+		r.Action, r.Reason = ActionRetry, OutcomeTimeout
 	case errors.As(err, &pm):
-		r.Action, r.Reason = ActionDeadLetter, ReasonPermanent
+		r.Action, r.Reason = ActionDeadLetter, OutcomePermanent
 	default:
-		r.Action, r.Reason = ActionRetry, ReasonTransient
+		r.Action, r.Reason = ActionRetry, OutcomeTransient
 	}
 	return r
 }
@@ -170,12 +158,12 @@ func Decide(err error) Result {
 // On top of Decide, Process never dead-letters while ctx is done: an error
 // that arrives while the consumer is stopping may be a consequence of the
 // stop, so the message is left for the redelivery to classify again
-// (ActionRetry, ReasonTransient).
+// (ActionRetry, OutcomeTransient).
 func Process(ctx context.Context, h Handler, msg *Message) Result {
 	err := h.Handle(ctx, msg)
 	r := Decide(err)
 	if r.Action == ActionDeadLetter && ctx.Err() != nil {
-		r = Result{Action: ActionRetry, Reason: ReasonTransient, Err: err}
+		r = Result{Action: ActionRetry, Reason: OutcomeTransient, Err: err}
 	}
 	return r
 }

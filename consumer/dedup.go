@@ -24,7 +24,7 @@ type DedupOptions struct {
 	// validated like a key part (at most MaxKeyLen bytes, no control bytes).
 	Scope string
 	// KeyFunc returns a message's id. Defaults to Message.ID. An empty or
-	// malformed id is dead-lettered (ReasonInvalidKey). An error returned by
+	// malformed id is dead-lettered (OutcomeInvalidKey). An error returned by
 	// KeyFunc is classified as usual: wrap it with Permanent (or
 	// dedup.ErrInvalidKey) when the message can never have a key.
 	//
@@ -34,7 +34,7 @@ type DedupOptions struct {
 	KeyFunc func(*Message) (string, error)
 	// Fingerprint returns the digest of a message's content; the same id
 	// with another fingerprint is dead-lettered
-	// (ReasonFingerprintMismatch). Defaults to
+	// (OutcomeFingerprintMismatch). Defaults to
 	// dedup.FingerprintOf(msg.Payload). Return the zero Fingerprint to
 	// disable the check.
 	Fingerprint func(*Message) dedup.Fingerprint

@@ -14,6 +14,7 @@ import (
 	"github.com/idemkit/idem/consumer"
 	"github.com/idemkit/idem/dedup"
 	"github.com/idemkit/idem/dedup/memstore"
+	"github.com/idemkit/idem/internal/testkit/clocktest"
 )
 
 // effects is the oracle: every side effect a handler performs is appended,
@@ -76,11 +77,11 @@ func TestDedupConcurrentDeliveries(t *testing.T) {
 	var firsts, dups, inFlight int
 	for _, r := range results {
 		switch {
-		case r.Action == consumer.ActionAck && !r.Duplicate && r.Reason == consumer.ReasonNone:
+		case r.Action == consumer.ActionAck && !r.Duplicate && r.Reason == "":
 			firsts++
 		case r.Action == consumer.ActionAck && r.Duplicate:
 			dups++
-		case r.Action == consumer.ActionRetry && r.Reason == consumer.ReasonInFlight:
+		case r.Action == consumer.ActionRetry && r.Reason == consumer.OutcomeInFlight:
 			inFlight++
 			if r.RetryAfter <= 0 {
 				t.Errorf("in-flight result without RetryAfter: %+v", r)
@@ -207,7 +208,7 @@ func TestDedupFailureReleases(t *testing.T) {
 	ctx := t.Context()
 
 	r := consumer.Process(ctx, h, msg("m1", "p"))
-	wantResult(t, r, consumer.ActionRetry, consumer.ReasonTransient)
+	wantResult(t, r, consumer.ActionRetry, consumer.OutcomeTransient)
 	if r.Err != errBoom {
 		t.Fatalf("Result.Err = %v, want the handler's error unchanged", r.Err)
 	}
@@ -216,9 +217,9 @@ func TestDedupFailureReleases(t *testing.T) {
 	}
 
 	fail = false
-	wantResult(t, consumer.Process(ctx, h, msg("m1", "p")), consumer.ActionAck, consumer.ReasonNone)
+	wantResult(t, consumer.Process(ctx, h, msg("m1", "p")), consumer.ActionAck, "")
 	r = consumer.Process(ctx, h, msg("m1", "p"))
-	wantResult(t, r, consumer.ActionAck, consumer.ReasonDuplicate)
+	wantResult(t, r, consumer.ActionAck, consumer.OutcomeDuplicate)
 	if res, ok := dedup.StoredResult(r.Err); !ok || string(res) != "receipt" {
 		t.Fatalf("StoredResult = %q, %v; want the handler's result", res, ok)
 	}
@@ -241,7 +242,7 @@ func TestDedupPanicReleasesAndRecoverConverts(t *testing.T) {
 	}), consumer.Recover(), mustDedup(t, cs, consumer.DedupOptions{Scope: "s", ExtendEvery: time.Millisecond}))
 
 	r := consumer.Process(t.Context(), h, msg("m1", "p"))
-	wantResult(t, r, consumer.ActionDeadLetter, consumer.ReasonPanic)
+	wantResult(t, r, consumer.ActionDeadLetter, consumer.OutcomePanic)
 	var pe *consumer.PanicError
 	if !errors.As(r.Err, &pe) || pe.Value != "poison" || !strings.Contains(string(pe.Stack), "TestDedupPanicReleasesAndRecoverConverts") {
 		t.Fatalf("Result.Err = %v, want a PanicError with the handler's value and stack", r.Err)
@@ -296,7 +297,7 @@ func TestDedupHeartbeatExtends(t *testing.T) {
 		})
 		r := consumer.Process(t.Context(), h, msg("slow", "p"))
 		wg.Wait()
-		wantResult(t, r, consumer.ActionAck, consumer.ReasonNone)
+		wantResult(t, r, consumer.ActionAck, "")
 		if stolen.Load() != 0 {
 			t.Fatalf("a second owner claimed the key %d times while the handler ran", stolen.Load())
 		}
@@ -315,7 +316,7 @@ func TestDedupHeartbeatExtends(t *testing.T) {
 // When the lease expires and a second owner takes the key, the heartbeat's
 // Extend fails and the handler's context is cancelled with ErrLeaseLost.
 func TestDedupLeaseLostCancelsHandler(t *testing.T) {
-	clock := dedup.NewManualClock(time.Date(2026, 1, 1, 0, 0, 0, 0, time.UTC))
+	clock := clocktest.NewManual(time.Date(2026, 1, 1, 0, 0, 0, 0, time.UTC))
 	store := newStore(t, memstore.Options{Lease: time.Second, Clock: clock})
 	cs := &countingStore{LeaseStore: store}
 	started := make(chan struct{})
@@ -341,7 +342,7 @@ func TestDedupLeaseLostCancelsHandler(t *testing.T) {
 	}
 	// The handler said Permanent, but the lease was lost: the redelivery
 	// must find the new owner's state, not a dead letter.
-	wantResult(t, r, consumer.ActionRetry, consumer.ReasonLeaseLost)
+	wantResult(t, r, consumer.ActionRetry, consumer.OutcomeLeaseLost)
 	if cs.releases.Load() != 0 || cs.completes.Load() != 0 {
 		t.Fatalf("stale owner called Release %d and Complete %d times, want 0", cs.releases.Load(), cs.completes.Load())
 	}
@@ -361,7 +362,7 @@ func TestDedupStoreDownFailsClosed(t *testing.T) {
 		return nil
 	}), mustDedup(t, store, consumer.DedupOptions{OnOutcome: func(_ context.Context, r consumer.Report) { outcome = r.Outcome }}))
 	r := consumer.Process(t.Context(), h, msg("m1", "p"))
-	wantResult(t, r, consumer.ActionRetry, consumer.ReasonTransient)
+	wantResult(t, r, consumer.ActionRetry, consumer.OutcomeTransient)
 	if ran {
 		t.Fatal("handler ran while the store was down")
 	}
@@ -375,17 +376,17 @@ func TestDedupFingerprintMismatch(t *testing.T) {
 	var runs int
 	inner := consumer.HandlerFunc(func(context.Context, *consumer.Message) error { runs++; return nil })
 	dd := mustDedup(t, store, consumer.DedupOptions{})
-	wantResult(t, consumer.Process(t.Context(), consumer.Chain(inner, dd), msg("m1", "amount=100")), consumer.ActionAck, consumer.ReasonNone)
+	wantResult(t, consumer.Process(t.Context(), consumer.Chain(inner, dd), msg("m1", "amount=100")), consumer.ActionAck, "")
 
 	// Without DeadLetter: the adapter is told to dead-letter it.
 	r := consumer.Process(t.Context(), consumer.Chain(inner, dd), msg("m1", "amount=999"))
-	wantResult(t, r, consumer.ActionDeadLetter, consumer.ReasonFingerprintMismatch)
+	wantResult(t, r, consumer.ActionDeadLetter, consumer.OutcomeFingerprintMismatch)
 
 	// With the full chain: the hook gets it, then it is acknowledged.
-	var hooked []consumer.Reason
+	var hooked []consumer.Outcome
 	var hookCause error
 	h := consumer.Chain(inner,
-		mustDeadLetter(t, func(_ context.Context, m *consumer.Message, reason consumer.Reason, cause error) error {
+		mustDeadLetter(t, func(_ context.Context, m *consumer.Message, reason consumer.Outcome, cause error) error {
 			hooked = append(hooked, reason)
 			hookCause = cause
 			return nil
@@ -395,10 +396,10 @@ func TestDedupFingerprintMismatch(t *testing.T) {
 		consumer.Timeout(time.Minute),
 		dd)
 	r = consumer.Process(t.Context(), h, msg("m1", "amount=999"))
-	if r.Action != consumer.ActionAck || !r.DeadLettered || r.Reason != consumer.ReasonFingerprintMismatch {
+	if r.Action != consumer.ActionAck || !r.DeadLettered || r.Reason != consumer.OutcomeFingerprintMismatch {
 		t.Fatalf("result %+v, want ack, dead-lettered, fingerprint_mismatch", r)
 	}
-	if len(hooked) != 1 || hooked[0] != consumer.ReasonFingerprintMismatch || !errors.Is(hookCause, dedup.ErrFingerprintMismatch) {
+	if len(hooked) != 1 || hooked[0] != consumer.OutcomeFingerprintMismatch || !errors.Is(hookCause, dedup.ErrFingerprintMismatch) {
 		t.Fatalf("hook got %v (cause %v), want one fingerprint_mismatch", hooked, hookCause)
 	}
 	if runs != 1 {
@@ -420,7 +421,7 @@ func TestDedupInvalidKey(t *testing.T) {
 	} {
 		t.Run(name, func(t *testing.T) {
 			r := consumer.Process(t.Context(), h, msg(id, "p"))
-			wantResult(t, r, consumer.ActionDeadLetter, consumer.ReasonInvalidKey)
+			wantResult(t, r, consumer.ActionDeadLetter, consumer.OutcomeInvalidKey)
 			if !errors.Is(r.Err, dedup.ErrInvalidKey) {
 				t.Fatalf("err %v does not wrap ErrInvalidKey", r.Err)
 			}
@@ -432,7 +433,7 @@ func TestDedupInvalidKey(t *testing.T) {
 	// A longer limit (matching the store's) lets a longer id through.
 	long := mustDedup(t, newStore(t, memstore.Options{MaxKeyLen: 1000}), consumer.DedupOptions{MaxKeyLen: 1000})
 	ok := consumer.HandlerFunc(func(context.Context, *consumer.Message) error { return nil })
-	wantResult(t, consumer.Process(t.Context(), consumer.Chain(ok, long), msg(strings.Repeat("x", 300), "p")), consumer.ActionAck, consumer.ReasonNone)
+	wantResult(t, consumer.Process(t.Context(), consumer.Chain(ok, long), msg(strings.Repeat("x", 300), "p")), consumer.ActionAck, "")
 }
 
 func TestDedupKeyFuncAndFingerprint(t *testing.T) {
@@ -457,12 +458,12 @@ func TestDedupKeyFuncAndFingerprint(t *testing.T) {
 		m.Headers = map[string]string{"ce_id": ceID}
 		return m
 	}
-	wantResult(t, consumer.Process(t.Context(), h, with("e1", "a")), consumer.ActionAck, consumer.ReasonNone)
+	wantResult(t, consumer.Process(t.Context(), h, with("e1", "a")), consumer.ActionAck, "")
 	// Fingerprint disabled: other content under the same id is a duplicate.
-	wantResult(t, consumer.Process(t.Context(), h, with("e1", "b")), consumer.ActionAck, consumer.ReasonDuplicate)
-	wantResult(t, consumer.Process(t.Context(), h, with("", "a")), consumer.ActionDeadLetter, consumer.ReasonInvalidKey)
-	wantResult(t, consumer.Process(t.Context(), h, with("broken", "a")), consumer.ActionRetry, consumer.ReasonTransient)
-	wantResult(t, consumer.Process(t.Context(), h, with("poison", "a")), consumer.ActionDeadLetter, consumer.ReasonPermanent)
+	wantResult(t, consumer.Process(t.Context(), h, with("e1", "b")), consumer.ActionAck, consumer.OutcomeDuplicate)
+	wantResult(t, consumer.Process(t.Context(), h, with("", "a")), consumer.ActionDeadLetter, consumer.OutcomeInvalidKey)
+	wantResult(t, consumer.Process(t.Context(), h, with("broken", "a")), consumer.ActionRetry, consumer.OutcomeTransient)
+	wantResult(t, consumer.Process(t.Context(), h, with("poison", "a")), consumer.ActionDeadLetter, consumer.OutcomePermanent)
 	if runs != 1 {
 		t.Fatalf("handler ran %d times, want 1", runs)
 	}
@@ -496,7 +497,7 @@ func TestDedupCompletesAfterCancel(t *testing.T) {
 		cancel()
 		return nil
 	}), mustDedup(t, store, consumer.DedupOptions{Scope: "s"}))
-	wantResult(t, consumer.Process(ctx, h, msg("m1", "p")), consumer.ActionAck, consumer.ReasonNone)
+	wantResult(t, consumer.Process(ctx, h, msg("m1", "p")), consumer.ActionAck, "")
 	if _, err := store.Claim(t.Context(), dedup.NewKey("s", "m1", []byte("p"))); !errors.Is(err, dedup.ErrDuplicate) {
 		t.Fatalf("claim after completion = %v, want duplicate", err)
 	}
@@ -514,10 +515,10 @@ func TestDedupCompleteFails(t *testing.T) {
 	ok := consumer.HandlerFunc(func(context.Context, *consumer.Message) error { return nil })
 	for _, c := range []struct {
 		err    error
-		reason consumer.Reason
+		reason consumer.Outcome
 	}{
-		{errBoom, consumer.ReasonTransient},
-		{fmt.Errorf("token mismatch: %w", dedup.ErrLeaseLost), consumer.ReasonLeaseLost},
+		{errBoom, consumer.OutcomeTransient},
+		{fmt.Errorf("token mismatch: %w", dedup.ErrLeaseLost), consumer.OutcomeLeaseLost},
 	} {
 		var outcome consumer.Outcome
 		h := consumer.Chain(ok, mustDedup(t, failingCompleteStore{store, c.err}, consumer.DedupOptions{
@@ -571,7 +572,7 @@ func TestDedupHeartbeatOutlivesConsumerContext(t *testing.T) {
 		}
 		return nil
 	}), mustDedup(t, cs, consumer.DedupOptions{Scope: "s", ExtendEvery: time.Millisecond}))
-	wantResult(t, consumer.Process(ctx, h, msg("m1", "p")), consumer.ActionAck, consumer.ReasonNone)
+	wantResult(t, consumer.Process(ctx, h, msg("m1", "p")), consumer.ActionAck, "")
 	if _, err := cs.Claim(t.Context(), dedup.NewKey("s", "m1", []byte("p"))); !errors.Is(err, dedup.ErrDuplicate) {
 		t.Fatalf("claim after completion = %v, want duplicate", err)
 	}

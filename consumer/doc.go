@@ -31,7 +31,7 @@
 //
 // Every error is transient unless marked with Permanent or permanent by
 // nature (dedup.ErrFingerprintMismatch, dedup.ErrInvalidKey, a PanicError,
-// ErrRetriesExhausted). Errors about the key's state outrank the mark:
+// RetriesExhaustedError). Errors about the key's state outrank the mark:
 // Permanent(dedup.ErrDuplicate) is still acknowledged and
 // Permanent(dedup.ErrInFlight) still retried. A cancelled context is
 // transient: when the consumer stops, the message is simply not

@@ -1,20 +1,12 @@
 package consumer
 
 import (
-	"errors"
 	"fmt"
 	"time"
 )
 
-// ErrRetriesExhausted is wrapped by the error the Retry middleware returns
-// when every attempt failed. Decide dead-letters it (ReasonRetriesExhausted),
-// except when the last attempt found the key in flight elsewhere or lost its
-// lease: those are about who owns the key, not about the message, so they
-// stay retries.
-var ErrRetriesExhausted = errors.New("consumer: retries exhausted")
-
 // Permanent marks err as not worth retrying: Decide dead-letters it with
-// ReasonPermanent. errors.Is and errors.As see through the mark to err.
+// OutcomePermanent. errors.Is and errors.As see through the mark to err.
 // Permanent(nil) is nil.
 //
 // Some errors cannot be made permanent by the mark because they describe the
@@ -36,14 +28,6 @@ type permanentError struct{ err error }
 func (e *permanentError) Error() string { return e.err.Error() }
 func (e *permanentError) Unwrap() error { return e.err }
 
-// IsPermanent reports whether err will not be retried: Decide classifies it as
-// ActionDeadLetter. That covers errors marked with Permanent, errors wrapping
-// dedup.ErrFingerprintMismatch or dedup.ErrInvalidKey, panics recovered by
-// Recover and exhausted retries.
-func IsPermanent(err error) bool {
-	return Decide(err).Action == ActionDeadLetter
-}
-
 // PanicError is a panic recovered by the Recover middleware. Recover returns
 // it marked Permanent: a handler that panics on a message is expected to
 // panic on every redelivery of it (poison message).
@@ -60,8 +44,11 @@ type PanicError struct {
 func (e *PanicError) Error() string { return fmt.Sprintf("consumer: handler panicked: %v", e.Value) }
 
 // RetriesExhaustedError is returned by the Retry middleware when every
-// attempt failed with a retryable error. errors.Is(err, ErrRetriesExhausted)
-// is true and errors.Is/As see through to the last attempt's error.
+// attempt failed with a retryable error; errors.As finds it, and errors.Is/As
+// see through to the last attempt's error. Decide dead-letters it
+// (OutcomeRetriesExhausted), except when the last attempt found the key in
+// flight elsewhere or lost its lease: those are about who owns the key, not
+// about the message, so they stay retries.
 type RetriesExhaustedError struct {
 	// Attempts is how many times the handler ran.
 	Attempts int
@@ -75,47 +62,44 @@ func (e *RetriesExhaustedError) Error() string {
 
 func (e *RetriesExhaustedError) Unwrap() error { return e.Err }
 
-// Is reports whether target is ErrRetriesExhausted.
-func (e *RetriesExhaustedError) Is(target error) bool { return target == ErrRetriesExhausted }
-
-// TimeoutError is returned by the Timeout middleware when its deadline, not
+// timeoutError is returned by the Timeout middleware when its deadline, not
 // the caller's context, ended the handler. Decide retries it with
-// ReasonTimeout.
-type TimeoutError struct {
+// OutcomeTimeout.
+type timeoutError struct {
 	// Timeout is the middleware's per-message limit.
 	Timeout time.Duration
 	// Err is what the handler returned after the deadline.
 	Err error
 }
 
-func (e *TimeoutError) Error() string {
+func (e *timeoutError) Error() string {
 	return fmt.Sprintf("consumer: handler timed out after %v: %v", e.Timeout, e.Err)
 }
 
-func (e *TimeoutError) Unwrap() error { return e.Err }
+func (e *timeoutError) Unwrap() error { return e.Err }
 
-// DeadLetteredError is returned by the DeadLetter middleware after its hook
+// deadLetteredError is returned by the DeadLetter middleware after its hook
 // parked the message. Decide acknowledges it (Result.DeadLettered) and keeps
 // its Reason. errors.Is/As see through to the cause.
-type DeadLetteredError struct {
+type deadLetteredError struct {
 	// Reason is why the message was dead-lettered.
-	Reason Reason
+	Reason Outcome
 	// Err is the error that made the message dead.
 	Err error
 }
 
-func (e *DeadLetteredError) Error() string {
+func (e *deadLetteredError) Error() string {
 	return fmt.Sprintf("consumer: dead-lettered (%s): %v", e.Reason, e.Err)
 }
 
-func (e *DeadLetteredError) Unwrap() error { return e.Err }
+func (e *deadLetteredError) Unwrap() error { return e.Err }
 
 // deadLetterFailedError is returned by the DeadLetter middleware when the
 // message should have been dead-lettered but was not (the hook failed, or the
 // consumer is stopping). Decide retries it whatever the cause says: the
 // message must not be acknowledged before it is parked somewhere.
 type deadLetterFailedError struct {
-	reason Reason
+	reason Outcome
 	cause  error
 	why    error
 }

@@ -27,7 +27,7 @@ func Example() {
 		return nil
 	})
 
-	deadLetter, err := consumer.DeadLetter(func(ctx context.Context, msg *consumer.Message, reason consumer.Reason, cause error) error {
+	deadLetter, err := consumer.DeadLetter(func(ctx context.Context, msg *consumer.Message, reason consumer.Outcome, cause error) error {
 		fmt.Printf("dead letter %s: %s\n", msg.ID, reason)
 		return nil
 	})
@@ -68,11 +68,11 @@ func ExampleDecide() {
 	key := dedup.Key{Scope: "billing/charge-card", ID: "order-1"}
 	for _, err := range []error{
 		nil,
-		dedup.Duplicate(key, nil),
-		dedup.InFlight(key, 5*time.Second),
+		&dedup.ClaimError{Err: dedup.ErrDuplicate, Key: key},
+		&dedup.ClaimError{Err: dedup.ErrInFlight, Key: key, RetryAfter: 5 * time.Second},
 		errors.New("connection reset"),
 		consumer.Permanent(errors.New("amount is negative")),
-		dedup.Mismatch(key),
+		&dedup.ClaimError{Err: dedup.ErrFingerprintMismatch, Key: key},
 		fmt.Errorf("wrapped: %w", consumer.Permanent(dedup.ErrInFlight)),
 	} {
 		r := consumer.Decide(err)

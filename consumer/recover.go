@@ -7,7 +7,7 @@ import (
 
 // Recover returns middleware that turns a panic in the inner chain into
 // Permanent(&PanicError{...}): the panic is treated as a poison message,
-// dead-lettered with ReasonPanic rather than retried, since a handler that
+// dead-lettered with OutcomePanic rather than retried, since a handler that
 // panics on a message will panic on every redelivery of it. The stack is
 // kept in the PanicError for the logs.
 //

@@ -10,8 +10,9 @@ import (
 
 // Outcome is how idem handled one message or request. Every component
 // reports with the same vocabulary: the consumer middleware, the Kafka,
-// RabbitMQ and Watermill adapters and the HTTP middleware. The value is a
-// short snake_case word, usable as a metric label.
+// RabbitMQ and Watermill adapters and the HTTP middleware. The same words
+// say why Decide chose its Action (Result.Reason). The value is a short
+// snake_case word, usable as a metric label.
 type Outcome string
 
 // Outcomes.
@@ -43,6 +44,21 @@ const (
 	// The input needed no key and went to the handler unclaimed (the HTTP
 	// middleware passes methods it does not guard).
 	OutcomePassed Outcome = "passed"
+
+	// The following are reasons of a Result (Result.Reason) only, next to
+	// OutcomeDuplicate, OutcomeInFlight, OutcomeLeaseLost,
+	// OutcomeFingerprintMismatch and OutcomeInvalidKey.
+
+	// Retry: the Timeout middleware's deadline fired.
+	OutcomeTimeout Outcome = "timeout"
+	// Retry: any other error.
+	OutcomeTransient Outcome = "transient"
+	// Dead letter: the handler panicked.
+	OutcomePanic Outcome = "panic"
+	// Dead letter: the Retry middleware gave up.
+	OutcomeRetriesExhausted Outcome = "retries_exhausted"
+	// Dead letter: the error was marked with Permanent.
+	OutcomePermanent Outcome = "permanent"
 )
 
 // Report is what an OnOutcome callback receives, once per message or
@@ -75,40 +91,27 @@ type Report struct {
 	Status int
 }
 
-// OutcomeOf is the Outcome of a verdict reached without a claim in sight:
-// what an adapter reports from the Result of a chain (success, a
-// duplicate, a key in flight, poison, or a handler error).
-func OutcomeOf(r Result) Outcome {
-	switch {
-	case r.Duplicate:
-		return OutcomeDuplicate
-	case r.Err == nil:
-		return OutcomeCompleted
-	}
-	return errOutcome(r.Err)
-}
-
-// errOutcome names the outcome of a chain's error: a claim that did not
-// grant ownership, a lost lease, or, failing those, a handler's failure.
-func errOutcome(err error) Outcome {
-	switch {
-	case errors.Is(err, dedup.ErrDuplicate):
-		return OutcomeDuplicate
-	case errors.Is(err, dedup.ErrInFlight):
-		return OutcomeInFlight
-	case errors.Is(err, dedup.ErrFingerprintMismatch):
-		return OutcomeFingerprintMismatch
-	case errors.Is(err, dedup.ErrInvalidKey):
-		return OutcomeInvalidKey
-	case errors.Is(err, dedup.ErrLeaseLost):
-		return OutcomeLeaseLost
-	}
-	return OutcomeFailed
-}
-
 // report calls fn, if set.
 func report(ctx context.Context, fn func(context.Context, Report), r Report) {
 	if fn != nil {
 		fn(ctx, r)
 	}
+}
+
+// Outcome is the Outcome of a verdict reached without a claim in sight:
+// what an adapter reports from the Result of a chain (success, a
+// duplicate, a key in flight, poison, or a handler error).
+func (r Result) Outcome() Outcome {
+	switch {
+	case r.Duplicate:
+		return OutcomeDuplicate
+	case r.Err == nil:
+		return OutcomeCompleted
+	case errors.Is(r.Err, dedup.ErrLeaseLost):
+		return OutcomeLeaseLost
+	}
+	if o := claimOutcome(r.Err); o != OutcomeStoreError {
+		return o
+	}
+	return OutcomeFailed
 }

@@ -58,8 +58,8 @@ type RetryOptions struct {
 //   - ctx is done (an error wrapping ctx.Err(): transient, no ACK — the
 //     consumer is stopping);
 //   - MaxAttempts attempts failed: a *RetriesExhaustedError wrapping
-//     ErrRetriesExhausted and the last error, which Decide dead-letters
-//     (ReasonRetriesExhausted) — unless the last error was
+//     the last error, which Decide dead-letters
+//     (OutcomeRetriesExhausted) — unless the last error was
 //     dedup.ErrInFlight or dedup.ErrLeaseLost, which stay retries: another
 //     consumer owns the message, it is not poison.
 //

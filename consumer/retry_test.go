@@ -44,9 +44,9 @@ func TestRetryExhaustsWithFullJitter(t *testing.T) {
 			}), mustRetry(t, consumer.RetryOptions{MaxAttempts: attempts, Initial: initial, Max: maxDelay, Jitter: jitter.fn, Sleep: rec.sleep}))
 			m := msg("m1", "p")
 			r := consumer.Process(t.Context(), h, m)
-			wantResult(t, r, consumer.ActionDeadLetter, consumer.ReasonRetriesExhausted)
+			wantResult(t, r, consumer.ActionDeadLetter, consumer.OutcomeRetriesExhausted)
 			var ex *consumer.RetriesExhaustedError
-			if !errors.As(r.Err, &ex) || ex.Attempts != attempts || !errors.Is(r.Err, errBoom) || !errors.Is(r.Err, consumer.ErrRetriesExhausted) {
+			if !errors.As(r.Err, &ex) || ex.Attempts != attempts || !errors.Is(r.Err, errBoom) {
 				t.Fatalf("err %v, want RetriesExhaustedError{%d} wrapping errBoom", r.Err, attempts)
 			}
 			if len(seen) != attempts || seen[0] != 1 || seen[attempts-1] != attempts {
@@ -87,7 +87,7 @@ func TestRetrySucceedsAfterTransient(t *testing.T) {
 		}
 		return nil
 	}), mustRetry(t, consumer.RetryOptions{Sleep: noSleep}))
-	wantResult(t, consumer.Process(t.Context(), h, msg("m1", "p")), consumer.ActionAck, consumer.ReasonNone)
+	wantResult(t, consumer.Process(t.Context(), h, msg("m1", "p")), consumer.ActionAck, "")
 	if calls != 3 {
 		t.Fatalf("calls = %d, want 3", calls)
 	}
@@ -98,13 +98,13 @@ func TestRetryDoesNotRetryPermanent(t *testing.T) {
 	for name, c := range map[string]struct {
 		err    error
 		action consumer.Action
-		reason consumer.Reason
+		reason consumer.Outcome
 	}{
-		"permanent":   {consumer.Permanent(errBoom), consumer.ActionDeadLetter, consumer.ReasonPermanent},
-		"duplicate":   {dedup.Duplicate(key, nil), consumer.ActionAck, consumer.ReasonDuplicate},
-		"mismatch":    {dedup.Mismatch(key), consumer.ActionDeadLetter, consumer.ReasonFingerprintMismatch},
-		"invalid key": {dedup.ErrInvalidKey, consumer.ActionDeadLetter, consumer.ReasonInvalidKey},
-		"panic":       {consumer.Permanent(&consumer.PanicError{Value: 1}), consumer.ActionDeadLetter, consumer.ReasonPanic},
+		"permanent":   {consumer.Permanent(errBoom), consumer.ActionDeadLetter, consumer.OutcomePermanent},
+		"duplicate":   {&dedup.ClaimError{Err: dedup.ErrDuplicate, Key: key}, consumer.ActionAck, consumer.OutcomeDuplicate},
+		"mismatch":    {&dedup.ClaimError{Err: dedup.ErrFingerprintMismatch, Key: key}, consumer.ActionDeadLetter, consumer.OutcomeFingerprintMismatch},
+		"invalid key": {dedup.ErrInvalidKey, consumer.ActionDeadLetter, consumer.OutcomeInvalidKey},
+		"panic":       {consumer.Permanent(&consumer.PanicError{Value: 1}), consumer.ActionDeadLetter, consumer.OutcomePanic},
 	} {
 		t.Run(name, func(t *testing.T) {
 			calls := 0
@@ -132,11 +132,12 @@ func TestRetryInFlight(t *testing.T) {
 	} {
 		rec := &recordSleep{}
 		h := consumer.Chain(consumer.HandlerFunc(func(context.Context, *consumer.Message) error {
-			return dedup.InFlight(dedup.Key{Scope: "s", ID: "i"}, c.after)
+			return &dedup.ClaimError{Err: dedup.ErrInFlight, Key: dedup.Key{Scope: "s", ID: "i"}, RetryAfter: c.after}
 		}), mustRetry(t, consumer.RetryOptions{MaxAttempts: 3, Initial: time.Millisecond, Sleep: rec.sleep}))
 		r := consumer.Process(t.Context(), h, msg("m1", "p"))
-		wantResult(t, r, consumer.ActionRetry, consumer.ReasonInFlight)
-		if !errors.Is(r.Err, consumer.ErrRetriesExhausted) || r.RetryAfter != c.after {
+		wantResult(t, r, consumer.ActionRetry, consumer.OutcomeInFlight)
+		var ex *consumer.RetriesExhaustedError
+		if !errors.As(r.Err, &ex) || r.RetryAfter != c.after {
 			t.Fatalf("err %v RetryAfter %v, want exhausted and %v", r.Err, r.RetryAfter, c.after)
 		}
 		if len(rec.delays) != 2 || rec.delays[0] != c.want || rec.delays[1] != c.want {
@@ -155,7 +156,7 @@ func TestRetryStopsOnCancel(t *testing.T) {
 			return consumer.Permanent(ctx.Err()) // Permanent must not leak through a stop
 		}), mustRetry(t, consumer.RetryOptions{ShouldRetry: func(error) bool { return true }, Sleep: noSleep}))
 		r := consumer.Process(ctx, h, msg("m1", "p"))
-		wantResult(t, r, consumer.ActionRetry, consumer.ReasonTransient)
+		wantResult(t, r, consumer.ActionRetry, consumer.OutcomeTransient)
 		if calls != 1 || !errors.Is(r.Err, context.Canceled) {
 			t.Fatalf("calls=%d err=%v; want one call and context.Canceled", calls, r.Err)
 		}
@@ -173,8 +174,8 @@ func TestRetryStopsOnCancel(t *testing.T) {
 				return ctx.Err()
 			}}))
 		r := consumer.Process(ctx, h, msg("m1", "p"))
-		wantResult(t, r, consumer.ActionRetry, consumer.ReasonTransient)
-		if calls != 1 || !errors.Is(r.Err, context.Canceled) || errors.Is(r.Err, consumer.ErrRetriesExhausted) {
+		wantResult(t, r, consumer.ActionRetry, consumer.OutcomeTransient)
+		if calls != 1 || !errors.Is(r.Err, context.Canceled) || errors.As(r.Err, new(*consumer.RetriesExhaustedError)) {
 			t.Fatalf("calls=%d err=%v; want one call and context.Canceled", calls, r.Err)
 		}
 	})
@@ -187,7 +188,7 @@ func TestRetryStopsOnCancel(t *testing.T) {
 			return errBoom
 		}), mustRetry(t, consumer.RetryOptions{Initial: time.Hour, Max: time.Hour, Jitter: func(n time.Duration) time.Duration { return n - 1 }}))
 		r := consumer.Process(ctx, h, msg("m1", "p"))
-		wantResult(t, r, consumer.ActionRetry, consumer.ReasonTransient)
+		wantResult(t, r, consumer.ActionRetry, consumer.OutcomeTransient)
 		if !errors.Is(r.Err, context.Canceled) {
 			t.Fatalf("err %v, want context.Canceled", r.Err)
 		}
@@ -200,7 +201,7 @@ func TestRetryShouldRetry(t *testing.T) {
 		calls++
 		return errBoom
 	}), mustRetry(t, consumer.RetryOptions{ShouldRetry: func(err error) bool { return false }, Sleep: noSleep}))
-	wantResult(t, consumer.Process(t.Context(), h, msg("m1", "p")), consumer.ActionRetry, consumer.ReasonTransient)
+	wantResult(t, consumer.Process(t.Context(), h, msg("m1", "p")), consumer.ActionRetry, consumer.OutcomeTransient)
 	if calls != 1 {
 		t.Fatalf("calls = %d, want 1", calls)
 	}
@@ -219,7 +220,7 @@ func TestRetryAroundDedupReclaims(t *testing.T) {
 		fx.add(m.ID)
 		return nil
 	}), mustRetry(t, consumer.RetryOptions{Sleep: noSleep}), consumer.Recover(), mustDedup(t, cs, consumer.DedupOptions{}))
-	wantResult(t, consumer.Process(t.Context(), h, msg("m1", "p")), consumer.ActionAck, consumer.ReasonNone)
+	wantResult(t, consumer.Process(t.Context(), h, msg("m1", "p")), consumer.ActionAck, "")
 	if cs.claims.Load() != 3 || cs.releases.Load() != 2 || cs.completes.Load() != 1 || fx.counts()["m1"] != 1 {
 		t.Fatalf("claims=%d releases=%d completes=%d effects=%d; want 3, 2, 1, 1",
 			cs.claims.Load(), cs.releases.Load(), cs.completes.Load(), fx.counts()["m1"])

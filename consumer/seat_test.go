@@ -12,6 +12,7 @@ import (
 	"github.com/idemkit/idem/consumer"
 	"github.com/idemkit/idem/dedup"
 	"github.com/idemkit/idem/dedup/memstore"
+	"github.com/idemkit/idem/internal/testkit/clocktest"
 	"github.com/idemkit/idem/internal/testkit/testenv"
 )
 
@@ -220,7 +221,7 @@ func waitForSlot(ctx context.Context, t *testing.T, store dedup.LeaseStore, opts
 // context ends meanwhile, the lease is released at once.
 func TestDedupSlotWaitKeepsTheLease(t *testing.T) {
 	t.Run("lost", func(t *testing.T) {
-		clock := dedup.NewManualClock(time.Date(2026, 1, 1, 0, 0, 0, 0, time.UTC))
+		clock := clocktest.NewManual(time.Date(2026, 1, 1, 0, 0, 0, 0, time.UTC))
 		store := newStore(t, memstore.Options{Lease: time.Second, Clock: clock})
 		w := waitForSlot(t.Context(), t, store, consumer.DedupOptions{Scope: "s", ExtendEvery: 2 * time.Millisecond})
 		// Let a few beats pass: the lease must be kept while waiting.
@@ -230,7 +231,7 @@ func TestDedupSlotWaitKeepsTheLease(t *testing.T) {
 		if err != nil {
 			t.Fatalf("second owner's claim after expiry = %v, want a lease", err)
 		}
-		wantResult(t, resultWithin(t, w.res), consumer.ActionRetry, consumer.ReasonLeaseLost)
+		wantResult(t, resultWithin(t, w.res), consumer.ActionRetry, consumer.OutcomeLeaseLost)
 		if w.ran.Load() {
 			t.Fatal("the handler ran after its lease was lost")
 		}

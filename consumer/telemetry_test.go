@@ -15,6 +15,7 @@ import (
 	"github.com/idemkit/idem/dedup"
 	"github.com/idemkit/idem/dedup/memstore"
 	"github.com/idemkit/idem/internal/telemetry"
+	"github.com/idemkit/idem/internal/testkit/clocktest"
 	"github.com/idemkit/idem/internal/testkit/telemetrytest"
 )
 
@@ -84,7 +85,7 @@ func TestDedupMetricsByOutcome(t *testing.T) {
 
 func TestDedupMetricsLeaseLost(t *testing.T) {
 	mp := telemetrytest.NewMetrics(t)
-	clock := dedup.NewManualClock(time.Date(2026, 1, 1, 0, 0, 0, 0, time.UTC))
+	clock := clocktest.NewManual(time.Date(2026, 1, 1, 0, 0, 0, 0, time.UTC))
 	store := newStore(t, memstore.Options{Lease: time.Second, Clock: clock})
 	started := make(chan struct{})
 	h := consumer.Chain(consumer.HandlerFunc(func(ctx context.Context, _ *consumer.Message) error {

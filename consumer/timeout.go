@@ -11,7 +11,7 @@ var errTimeout = errors.New("consumer: per-message timeout")
 // Timeout returns middleware that gives each message at most d: the inner
 // chain's context gets a deadline d from now. When that deadline (and not the
 // caller's context) ended a failing handler, the error becomes a
-// *TimeoutError: transient, retried with ReasonTimeout. A handler that
+// timeout error: transient, retried with OutcomeTimeout. A handler that
 // returns nil after the deadline still succeeded.
 //
 // The handler must honour its context; Timeout does not abandon a handler
@@ -27,7 +27,7 @@ func Timeout(d time.Duration) Middleware {
 			defer cancel()
 			err := next.Handle(tctx, msg)
 			if err != nil && ctx.Err() == nil && errors.Is(context.Cause(tctx), errTimeout) {
-				return &TimeoutError{Timeout: d, Err: err}
+				return &timeoutError{Timeout: d, Err: err}
 			}
 			return err
 		})

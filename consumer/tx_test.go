@@ -47,9 +47,9 @@ func (s *txStore) Process(ctx context.Context, key dedup.Key, fn dedup.TxFunc[*f
 	id := dedup.Key{Scope: key.Scope, ID: key.ID}
 	if row, ok := s.done[id]; ok {
 		if !key.Fingerprint.Matches(row.fp) {
-			return nil, dedup.Mismatch(key)
+			return nil, &dedup.ClaimError{Err: dedup.ErrFingerprintMismatch, Key: key}
 		}
-		return nil, dedup.Duplicate(key, row.result)
+		return nil, &dedup.ClaimError{Err: dedup.ErrDuplicate, Key: key, Result: row.result}
 	}
 	tx := &fakeTx{}
 	res, err := fn(ctx, tx) // a panic unlocks and commits nothing
@@ -58,7 +58,7 @@ func (s *txStore) Process(ctx context.Context, key dedup.Key, fn dedup.TxFunc[*f
 	}
 	if s.stolen {
 		s.done[id] = txRow{fp: key.Fingerprint, result: []byte("theirs")}
-		return nil, dedup.Duplicate(key, []byte("theirs"))
+		return nil, &dedup.ClaimError{Err: dedup.ErrDuplicate, Key: key, Result: []byte("theirs")}
 	}
 	s.done[id] = txRow{fp: key.Fingerprint, result: res}
 	s.committed = append(s.committed, tx.writes...)
@@ -102,7 +102,7 @@ func TestTransactional(t *testing.T) {
 	ctx := t.Context()
 
 	r := consumer.Process(ctx, h, msg("m1", "p"))
-	wantResult(t, r, consumer.ActionRetry, consumer.ReasonTransient)
+	wantResult(t, r, consumer.ActionRetry, consumer.OutcomeTransient)
 	if r.Err != errBoom || len(store.writes()) != 0 {
 		t.Fatalf("err %v writes %v; want the handler's error and nothing committed", r.Err, store.writes())
 	}
@@ -137,14 +137,14 @@ func TestTransactional(t *testing.T) {
 	}
 	mu.Unlock()
 
-	wantResult(t, consumer.Process(ctx, h, msg("m1", "other")), consumer.ActionDeadLetter, consumer.ReasonFingerprintMismatch)
-	wantResult(t, consumer.Process(ctx, h, msg("", "p")), consumer.ActionDeadLetter, consumer.ReasonInvalidKey)
-	wantResult(t, consumer.Process(ctx, h, msg("a\x01", "p")), consumer.ActionDeadLetter, consumer.ReasonInvalidKey)
+	wantResult(t, consumer.Process(ctx, h, msg("m1", "other")), consumer.ActionDeadLetter, consumer.OutcomeFingerprintMismatch)
+	wantResult(t, consumer.Process(ctx, h, msg("", "p")), consumer.ActionDeadLetter, consumer.OutcomeInvalidKey)
+	wantResult(t, consumer.Process(ctx, h, msg("a\x01", "p")), consumer.ActionDeadLetter, consumer.OutcomeInvalidKey)
 
 	store.mu.Lock()
 	store.down = true
 	store.mu.Unlock()
-	wantResult(t, consumer.Process(ctx, h, msg("m2", "p")), consumer.ActionRetry, consumer.ReasonTransient)
+	wantResult(t, consumer.Process(ctx, h, msg("m2", "p")), consumer.ActionRetry, consumer.OutcomeTransient)
 	if store.writes()["debit m2"] != 0 {
 		t.Fatal("handler committed while the store was down")
 	}
@@ -159,7 +159,7 @@ func TestTransactionalPanic(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	wantResult(t, consumer.Process(t.Context(), consumer.Chain(h, consumer.Recover()), msg("m1", "p")), consumer.ActionDeadLetter, consumer.ReasonPanic)
+	wantResult(t, consumer.Process(t.Context(), consumer.Chain(h, consumer.Recover()), msg("m1", "p")), consumer.ActionDeadLetter, consumer.OutcomePanic)
 	if len(store.writes()) != 0 {
 		t.Fatal("a panicking handler's writes were committed")
 	}

@@ -1,43 +1,11 @@
 package dedup
 
-import (
-	"sync"
-	"time"
-)
+import "time"
 
 // Clock tells the time. Stores that keep time themselves (memstore) take one
 // so tests can move time by hand; stores backed by a server use the server's
-// clock instead.
+// clock instead. Where a Clock is optional, the default is the wall clock
+// (time.Now).
 type Clock interface {
 	Now() time.Time
-}
-
-// SystemClock is the wall clock.
-type SystemClock struct{}
-
-// Now returns time.Now().
-func (SystemClock) Now() time.Time { return time.Now() }
-
-// ManualClock is a Clock that moves only when told to. It is safe for
-// concurrent use.
-type ManualClock struct {
-	mu  sync.Mutex
-	now time.Time
-}
-
-// NewManualClock returns a ManualClock set to start.
-func NewManualClock(start time.Time) *ManualClock { return &ManualClock{now: start} }
-
-// Now returns the clock's time.
-func (c *ManualClock) Now() time.Time {
-	c.mu.Lock()
-	defer c.mu.Unlock()
-	return c.now
-}
-
-// Advance moves the clock forward by d.
-func (c *ManualClock) Advance(d time.Duration) {
-	c.mu.Lock()
-	c.now = c.now.Add(d)
-	c.mu.Unlock()
 }

@@ -46,24 +46,6 @@ func (e *ClaimError) Error() string {
 
 func (e *ClaimError) Unwrap() error { return e.Err }
 
-// Duplicate returns a *ClaimError for ErrDuplicate.
-func Duplicate(k Key, result []byte) error {
-	return &ClaimError{Err: ErrDuplicate, Key: k, Result: result}
-}
-
-// InFlight returns a *ClaimError for ErrInFlight.
-func InFlight(k Key, retryAfter time.Duration) error {
-	if retryAfter < 0 {
-		retryAfter = 0
-	}
-	return &ClaimError{Err: ErrInFlight, Key: k, RetryAfter: retryAfter}
-}
-
-// Mismatch returns a *ClaimError for ErrFingerprintMismatch.
-func Mismatch(k Key) error {
-	return &ClaimError{Err: ErrFingerprintMismatch, Key: k}
-}
-
 // StoredResult returns the result carried by a duplicate error, and whether
 // err is a duplicate at all.
 func StoredResult(err error) ([]byte, bool) {
@@ -77,13 +59,4 @@ func StoredResult(err error) ([]byte, bool) {
 		return ce.Result, true
 	}
 	return nil, errors.Is(err, ErrDuplicate)
-}
-
-// Held reports whether err is a store's answer that another claim holds
-// the key: ErrDuplicate, ErrInFlight or ErrFingerprintMismatch. A caller
-// acts on it like on the answer to its own claim, even when it came after
-// its handler ran (pgtable.Process losing to a claim that does not take the
-// key's lock).
-func Held(err error) bool {
-	return errors.Is(err, ErrDuplicate) || errors.Is(err, ErrInFlight) || errors.Is(err, ErrFingerprintMismatch)
 }

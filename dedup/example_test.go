@@ -66,7 +66,7 @@ func ExampleStoredResult() {
 	key := dedup.NewKey("billing-consumer/charge", "order-A-1", []byte(`{"amount":100}`))
 
 	// What a store returns for a completed key, wrapped by a caller.
-	err := fmt.Errorf("handle delivery: %w", dedup.Duplicate(key, []byte("charged ch_42")))
+	err := fmt.Errorf("handle delivery: %w", &dedup.ClaimError{Err: dedup.ErrDuplicate, Key: key, Result: []byte("charged ch_42")})
 	fmt.Println(err)
 	fmt.Println("duplicate:", errors.Is(err, dedup.ErrDuplicate))
 	if result, ok := dedup.StoredResult(err); ok {
@@ -74,7 +74,7 @@ func ExampleStoredResult() {
 	}
 
 	// Another owner holds the lease: retry later, after RetryAfter.
-	err = dedup.InFlight(key, 12*time.Second)
+	err = &dedup.ClaimError{Err: dedup.ErrInFlight, Key: key, RetryAfter: 12 * time.Second}
 	var ce *dedup.ClaimError
 	if errors.As(err, &ce) && errors.Is(err, dedup.ErrInFlight) {
 		fmt.Println("in flight, retry after", ce.RetryAfter)
@@ -83,7 +83,7 @@ func ExampleStoredResult() {
 	fmt.Println("in flight is a duplicate:", ok)
 
 	// Same key, different content: never processed, dead-lettered.
-	err = dedup.Mismatch(key)
+	err = &dedup.ClaimError{Err: dedup.ErrFingerprintMismatch, Key: key}
 	fmt.Println("mismatch:", errors.Is(err, dedup.ErrFingerprintMismatch))
 	// Output:
 	// handle delivery: dedup: duplicate: already processed (key #4d142f57c24bd397)
@@ -92,15 +92,4 @@ func ExampleStoredResult() {
 	// in flight, retry after 12s
 	// in flight is a duplicate: false
 	// mismatch: true
-}
-
-// A ManualClock moves only when told to, so lease and retention expiry can be
-// tested without sleeping.
-func ExampleManualClock() {
-	clock := dedup.NewManualClock(time.Date(2026, 1, 1, 12, 0, 0, 0, time.UTC))
-	leaseEnds := clock.Now().Add(30 * time.Second)
-	clock.Advance(31 * time.Second)
-	fmt.Println(clock.Now().Format(time.TimeOnly), "lease expired:", !clock.Now().Before(leaseEnds))
-	// Output:
-	// 12:00:31 lease expired: true
 }

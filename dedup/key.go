@@ -75,20 +75,6 @@ func (f Fingerprint) String() string {
 	return hex.EncodeToString(f[:])
 }
 
-// FingerprintFromBytes converts stored bytes back into a Fingerprint. Empty
-// input gives the zero fingerprint; any other length is an error.
-func FingerprintFromBytes(b []byte) (Fingerprint, error) {
-	var f Fingerprint
-	if len(b) == 0 {
-		return f, nil
-	}
-	if len(b) != len(f) {
-		return f, fmt.Errorf("dedup: stored fingerprint has %d bytes, want %d", len(b), len(f))
-	}
-	copy(f[:], b)
-	return f, nil
-}
-
 // Key identifies one message for one processor.
 type Key struct {
 	// Scope names who processes the message: consumer group and handler,

@@ -724,7 +724,7 @@ func (c *Consumer) handle(ctx, hctx context.Context, s *consSession, a *consAcke
 			Err: fmt.Errorf("delivered %d times without being settled (MaxDeliveries %d)", n+1, c.opts.MaxDeliveries)}
 		out = c.deadLetter(mctx, s, &d, msg, r.Reason, r.Err)
 	case merr != nil:
-		r = consumer.Result{Action: consumer.ActionDeadLetter, Reason: consumer.ReasonInvalidKey, Err: merr}
+		r = consumer.Result{Action: consumer.ActionDeadLetter, Reason: consumer.OutcomeInvalidKey, Err: merr}
 		out = c.deadLetter(mctx, s, &d, msg, r.Reason, r.Err)
 	default:
 		if excl {
@@ -832,7 +832,7 @@ func (c *Consumer) report(mctx context.Context, msg *consumer.Message, r consume
 		if out == settledAbandoned {
 			err = errAbandoned
 		}
-		c.opts.OnOutcome(mctx, consumer.Report{Outcome: consumer.OutcomeOf(r), Message: msg, Result: v, Err: err})
+		c.opts.OnOutcome(mctx, consumer.Report{Outcome: r.Outcome(), Message: msg, Result: v, Err: err})
 	}
 }
 
@@ -852,7 +852,7 @@ func applied(r consumer.Result, out settlement) consumer.Result {
 		return r
 	case settledDeadLettered:
 		if r.Action == consumer.ActionRetry {
-			reason := consumer.ReasonRetriesExhausted
+			reason := consumer.OutcomeRetriesExhausted
 			if consOwned(r) {
 				reason = ReasonWaitLimit
 			}
@@ -944,7 +944,7 @@ func (c *Consumer) settle(hctx context.Context, s *consSession, d *amqp091.Deliv
 			if err == nil {
 				err = errors.New("retry requested")
 			}
-			return c.deadLetter(hctx, s, d, msg, consumer.ReasonRetriesExhausted,
+			return c.deadLetter(hctx, s, d, msg, consumer.OutcomeRetriesExhausted,
 				&consumer.RetriesExhaustedError{Attempts: msg.Attempt, Err: err})
 		}
 		delay = c.retryDelay(msg.Attempt, r.RetryAfter)
@@ -971,7 +971,7 @@ func (c *Consumer) settle(hctx context.Context, s *consSession, d *amqp091.Deliv
 // consOwned reports whether r retries a message because another owner
 // holds its key (in_flight, lease_lost): a wait, not a failure.
 func consOwned(r consumer.Result) bool {
-	return r.Reason == consumer.ReasonInFlight || r.Reason == consumer.ReasonLeaseLost
+	return r.Reason == consumer.OutcomeInFlight || r.Reason == consumer.OutcomeLeaseLost
 }
 
 // retryDelay is the delay before the attempt after attempt: the configured
@@ -992,7 +992,7 @@ func (c *Consumer) retryDelay(attempt int, hint time.Duration) time.Duration {
 	return d
 }
 
-func (c *Consumer) deadLetter(hctx context.Context, s *consSession, d *amqp091.Delivery, msg *consumer.Message, reason consumer.Reason, cause error) settlement {
+func (c *Consumer) deadLetter(hctx context.Context, s *consSession, d *amqp091.Delivery, msg *consumer.Message, reason consumer.Outcome, cause error) settlement {
 	p := c.copyOf(d, msg.Attempt)
 	p.MessageId = c.deadLetterID(d, msg)
 	p.Headers[HeaderReason] = string(reason)

@@ -259,7 +259,7 @@ func TestConsumerWaitsDoNotSpendAttempts(t *testing.T) {
 	var waits atomic.Int64
 	c, err := NewConsumer(url, q, h, consOpts(ConsumerOptions{MaxAttempts: 3,
 		OnOutcome: func(_ context.Context, r consumer.Report) {
-			if r.Result.Reason == consumer.ReasonInFlight && r.Result.Action == consumer.ActionRetry && waits.Add(1) == 3 {
+			if r.Result.Reason == consumer.OutcomeInFlight && r.Result.Action == consumer.ActionRetry && waits.Add(1) == 3 {
 				release()
 			}
 		}}))
@@ -282,7 +282,7 @@ func TestConsumerWaitsDoNotSpendAttempts(t *testing.T) {
 	d := dead[0]
 	n, _ := consHeaderInt(d.Headers[HeaderAttempt])
 	w, _ := consHeaderInt(d.Headers[HeaderWaits])
-	if d.Headers[HeaderReason] != string(consumer.ReasonRetriesExhausted) || n != 3 || w != 3 {
+	if d.Headers[HeaderReason] != string(consumer.OutcomeRetriesExhausted) || n != 3 || w != 3 {
 		t.Errorf("dead letter: %s %v, %s %d, %s %d; want retries_exhausted, 3, 3", HeaderReason, d.Headers[HeaderReason], HeaderAttempt, n, HeaderWaits, w)
 	}
 }

@@ -32,7 +32,7 @@ const (
 	// change it: only a retry the consumer decided counts.
 	HeaderAttempt = "x-idem-attempt"
 	// HeaderReason is why the message was dead-lettered: a
-	// consumer.Reason such as "permanent", "invalid_key",
+	// consumer.Outcome such as "permanent", "invalid_key",
 	// "fingerprint_mismatch" or "retries_exhausted".
 	HeaderReason = "x-idem-reason"
 	// HeaderWaits counts the retries of a message whose key another owner
@@ -74,13 +74,13 @@ const (
 // OnOutcome report) of a message dead-lettered because the broker delivered it more
 // than ConsumerOptions.MaxDeliveries times without it being settled: it
 // crashed or stalled every worker that took it.
-const ReasonRedeliveryLimit consumer.Reason = "redelivery_limit"
+const ReasonRedeliveryLimit consumer.Outcome = "redelivery_limit"
 
 // ReasonWaitLimit is the HeaderReason (and the Result.Reason in the
 // OnOutcome report, and the verdict's idem.reason) of a message
 // dead-lettered because its key was held by another owner (in_flight,
 // lease_lost) for longer than ConsumerOptions.MaxWait.
-const ReasonWaitLimit consumer.Reason = "wait_limit"
+const ReasonWaitLimit consumer.Outcome = "wait_limit"
 
 // ConsumerBinding binds the work queue to an exchange. The exchange must
 // exist (it is the producer's); the binding is declared on every connect.

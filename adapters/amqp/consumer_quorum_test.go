@@ -260,7 +260,7 @@ func TestConsumerQuorumRedeliveryLimitAcrossWaits(t *testing.T) {
 	c, err := NewConsumer(url, q, h, consOpts(ConsumerOptions{
 		QuorumQueue: true, MaxDeliveries: maxDeliveries, Prefetch: 1,
 		OnOutcome: func(_ context.Context, r consumer.Report) {
-			if r.Result.Reason == consumer.ReasonInFlight {
+			if r.Result.Reason == consumer.OutcomeInFlight {
 				waits.Add(1)
 			}
 		},

@@ -386,7 +386,7 @@ func TestConsumerIDHeaderNotString(t *testing.T) {
 	for i, want := range []string{`header "x-request-id" holds a int32, not a string`, `header "x-request-id" is empty`} {
 		d := dead[i]
 		e, _ := d.Headers[HeaderError].(string)
-		if d.Headers[HeaderReason] != string(consumer.ReasonInvalidKey) || !strings.Contains(e, want) {
+		if d.Headers[HeaderReason] != string(consumer.OutcomeInvalidKey) || !strings.Contains(e, want) {
 			t.Errorf("dead letter %s: %s %v, %s %q; want invalid_key, %q", d.MessageId, HeaderReason, d.Headers[HeaderReason], HeaderError, e, want)
 		}
 	}

@@ -174,9 +174,9 @@ func TestConsumerMetricsByVerdict(t *testing.T) {
 	mp.CheckVerdicts("rabbitmq", queue, 7,
 		telemetrytest.Verdict{Result: "ack", Want: 2},
 		telemetrytest.Verdict{Result: "retry", Want: 2},
-		telemetrytest.Verdict{Result: "dead_letter", Reason: string(consumer.ReasonPermanent), Want: 1},
-		telemetrytest.Verdict{Result: "dead_letter", Reason: string(consumer.ReasonRetriesExhausted), Want: 1},
-		telemetrytest.Verdict{Result: "dead_letter", Reason: string(consumer.ReasonInvalidKey), Want: 1})
+		telemetrytest.Verdict{Result: "dead_letter", Reason: string(consumer.OutcomePermanent), Want: 1},
+		telemetrytest.Verdict{Result: "dead_letter", Reason: string(consumer.OutcomeRetriesExhausted), Want: 1},
+		telemetrytest.Verdict{Result: "dead_letter", Reason: string(consumer.OutcomeInvalidKey), Want: 1})
 	mp.NoValueContains("secret-")
 	testenv.Eventually(t, 10*time.Second, "the dead-letter log lines", func() bool {
 		return strings.Count(logs.String(), "message dead-lettered") == 3

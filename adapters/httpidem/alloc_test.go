@@ -41,7 +41,7 @@ func TestReplayPathAllocations(t *testing.T) {
 	h := http.Header{}
 	h.Set("Content-Type", "application/json")
 	h.Set("Location", "/payments/1")
-	stored := encodeResponse(http.StatusCreated, h, DefaultReplayHeaders, []byte(`{"id":1}`))
+	stored := encodeResponse(http.StatusCreated, h, defaultReplayHeaders, []byte(`{"id":1}`))
 	check("decodeRecord", 2, func() { _, _ = decodeRecord(stored) })
 
 	rec, err := decodeRecord(stored)
@@ -65,6 +65,6 @@ func TestReplayPathAllocations(t *testing.T) {
 		_, _ = readBody(r, defaultMaxBodyBytes)
 	})
 
-	dup := dedup.Duplicate(dedup.Key{Scope: "s", ID: "k"}, stored)
+	dup := &dedup.ClaimError{Err: dedup.ErrDuplicate, Key: dedup.Key{Scope: "s", ID: "k"}, Result: stored}
 	check("dedup.StoredResult", 0, func() { _, _ = dedup.StoredResult(dup) })
 }

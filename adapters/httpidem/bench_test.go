@@ -118,7 +118,7 @@ func benchVariants(b *testing.B) []benchVariant {
 	if err != nil {
 		b.Fatal(err)
 	}
-	pgs, err := pgtable.New(pool, pgtable.Options{Schema: schema, Retention: httpidem.DefaultRetention})
+	pgs, err := pgtable.New(pool, pgtable.Options{Schema: schema, Retention: 24 * time.Hour})
 	if err != nil {
 		b.Fatal(err)
 	}
@@ -184,7 +184,7 @@ func (s *benchServer) close() {
 func (s *benchServer) post(key string) (int, error) {
 	req, _ := http.NewRequest(http.MethodPost, s.srv.URL+"/payments", strings.NewReader(benchBody))
 	req.Header.Set("Content-Type", "application/json")
-	req.Header.Set(httpidem.HeaderKey, key)
+	req.Header.Set("Idempotency-Key", key)
 	resp, err := s.client.Do(req)
 	if err != nil {
 		return 0, err
@@ -334,7 +334,7 @@ func BenchmarkServeHTTP(b *testing.B) {
 			b.ReportAllocs()
 			for i := 0; b.Loop(); i++ {
 				r := httptest.NewRequest(http.MethodPost, "/payments", strings.NewReader(benchBody))
-				r.Header.Set(httpidem.HeaderKey, v.key(i))
+				r.Header.Set("Idempotency-Key", v.key(i))
 				w := httptest.NewRecorder()
 				v.h.ServeHTTP(w, r)
 				if w.Code != http.StatusCreated {
@@ -368,7 +368,7 @@ func BenchmarkServeHTTPStores(b *testing.B) {
 			serve := func(key string) int {
 				r := httptest.NewRequest(http.MethodPost, "/payments", strings.NewReader(benchBody))
 				r.Header.Set("Content-Type", "application/json")
-				r.Header.Set(httpidem.HeaderKey, key)
+				r.Header.Set("Idempotency-Key", key)
 				w := httptest.NewRecorder()
 				v.h.ServeHTTP(w, r)
 				return w.Code

@@ -115,8 +115,8 @@ func replay(w http.ResponseWriter, r *record) {
 	for _, f := range r.header {
 		add(f[0], f[1])
 	}
-	delete(h, HeaderReplayed)
-	add(HeaderReplayed, "true")
+	delete(h, headerReplayed)
+	add(headerReplayed, "true")
 	if bodyAllowed(r.status) {
 		delete(h, "Content-Length")
 		add("Content-Length", strconv.Itoa(len(r.body)))

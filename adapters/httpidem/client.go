@@ -136,8 +136,8 @@ func WithKey(ctx context.Context, key string) context.Context {
 	return context.WithValue(ctx, keyCtx{}, key)
 }
 
-// KeyFrom returns the key WithKey put in ctx, if any.
-func KeyFrom(ctx context.Context) (string, bool) {
+// keyFrom returns the key WithKey put in ctx, if any.
+func keyFrom(ctx context.Context) (string, bool) {
 	k, ok := ctx.Value(keyCtx{}).(string)
 	return k, ok && k != ""
 }
@@ -160,9 +160,9 @@ var idempotentMethods = []string{
 // RoundTrip implements http.RoundTripper.
 func (t *Transport) RoundTrip(req *http.Request) (*http.Response, error) {
 	ctx := req.Context()
-	header := req.Header.Get(HeaderKey)
+	header := req.Header.Get(headerKey)
 	if header == "" {
-		key, ok := KeyFrom(ctx)
+		key, ok := keyFrom(ctx)
 		if !ok && slices.Contains(t.opts.Methods, req.Method) {
 			key, ok = t.opts.NewKey(), true
 		}
@@ -185,7 +185,7 @@ func (t *Transport) RoundTrip(req *http.Request) (*http.Response, error) {
 	for attempt := 1; ; attempt++ {
 		r := req.Clone(ctx)
 		if header != "" {
-			r.Header.Set(HeaderKey, header)
+			r.Header.Set(headerKey, header)
 		}
 		if attempt > 1 && hasBody {
 			body, err := req.GetBody()
@@ -238,7 +238,7 @@ func shouldRetry(ctx context.Context, resp *http.Response, err error) bool {
 		}
 		return true
 	}
-	if resp.Header.Get(HeaderReplayed) == "true" {
+	if resp.Header.Get(headerReplayed) == "true" {
 		return false
 	}
 	switch s := resp.StatusCode; s {

@@ -29,7 +29,7 @@ func (s *script) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	b, _ := io.ReadAll(r.Body)
 	s.mu.Lock()
 	n := len(s.keys)
-	s.keys = append(s.keys, r.Header.Get(httpidem.HeaderKey))
+	s.keys = append(s.keys, r.Header.Get("Idempotency-Key"))
 	s.bodies = append(s.bodies, string(b))
 	s.mu.Unlock()
 	s.steps[min(n, len(s.steps)-1)](w)
@@ -158,7 +158,7 @@ func TestTransportKeySources(t *testing.T) {
 	}
 	// The request's own header wins and is sent as it is.
 	rq, _ := http.NewRequest(http.MethodPatch, srv.URL, strings.NewReader("{}"))
-	rq.Header.Set(httpidem.HeaderKey, `"mine"`)
+	rq.Header.Set("Idempotency-Key", `"mine"`)
 	resp, err := tr.RoundTrip(rq)
 	if err != nil {
 		t.Fatal(err)
@@ -181,7 +181,7 @@ func TestTransportDoesNotRetry(t *testing.T) {
 		step   func(http.ResponseWriter)
 		want   int
 	}{
-		{"a replayed 500 is final", http.MethodPost, status(http.StatusInternalServerError, httpidem.HeaderReplayed, "true"), http.StatusInternalServerError},
+		{"a replayed 500 is final", http.MethodPost, status(http.StatusInternalServerError, "Idempotent-Replayed", "true"), http.StatusInternalServerError},
 		{"400", http.MethodPost, status(http.StatusBadRequest), http.StatusBadRequest},
 		{"422", http.MethodPost, status(http.StatusUnprocessableEntity), http.StatusUnprocessableEntity},
 		{"501", http.MethodPost, status(http.StatusNotImplemented), http.StatusNotImplemented},

@@ -88,8 +88,8 @@
 // duplicate of that claim (a replay, 409 or 422).
 //
 // How long keys and responses are kept is the store's retention: 24 hours
-// (DefaultRetention) for memstore and redisnx; set pgtable.Options.Retention
-// to it, and run pgtable's CleanupLoop. Redis marks are best effort (see
+// (Stripe's) for memstore and redisnx; set pgtable.Options.Retention to 24
+// hours, and run pgtable's CleanupLoop. Redis marks are best effort (see
 // dedup/redisnx).
 //
 // # Metrics and traces
@@ -144,7 +144,7 @@
 //
 // NewWebhook and NewWebhookTx receive signed webhooks. The signature (HMAC-
 // SHA256 over the timestamp and the raw body, several secrets for rotation,
-// a timestamp tolerance, constant-time comparison; VerifySignature) is
+// a timestamp tolerance, constant-time comparison) is
 // checked before the event id is claimed, so a forged request that reuses a
 // real event id is refused (401) without a claim and cannot block the real
 // event. A duplicate is answered with the stored 2xx so the provider stops

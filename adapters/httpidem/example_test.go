@@ -62,7 +62,7 @@ func Example() {
 		}
 		defer resp.Body.Close()
 		b, _ := io.ReadAll(resp.Body)
-		if resp.Header.Get("Content-Type") == httpidem.ContentTypeProblem {
+		if resp.Header.Get("Content-Type") == "application/problem+json" {
 			var p httpidem.Problem
 			_ = json.Unmarshal(b, &p)
 			fmt.Println(resp.StatusCode, p.Title)
@@ -220,7 +220,7 @@ func ExampleNewTx() {
 	if err != nil {
 		log.Fatal(err)
 	}
-	store, err := pgtable.New(pool, pgtable.Options{Retention: httpidem.DefaultRetention})
+	store, err := pgtable.New(pool, pgtable.Options{Retention: 24 * time.Hour})
 	if err != nil {
 		log.Fatal(err)
 	}

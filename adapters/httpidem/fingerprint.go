@@ -17,20 +17,17 @@ import (
 	"github.com/idemkit/idem/dedup"
 )
 
-// Fingerprint is the default Options.Fingerprint: SHA-256 over the method,
-// the route, the request target (path and query, as sent) and the body
-// byte for byte. Each part is length-prefixed exactly as dedup.FingerprintOf
-// does, so moving bytes from one part to the next changes the fingerprint.
-//
-// The request target is included because the route is usually a pattern:
-// a key reused on POST /payments/1/refunds and POST /payments/2/refunds
-// (same pattern, same body) is a conflict (422), not a replay of the wrong
-// refund.
-func Fingerprint(r *http.Request, route string, body []byte) dedup.Fingerprint {
+// requestFingerprint is the default Options.Fingerprint: SHA-256 over the
+// method, the route, the request target (path and query, as sent) and the
+// body byte for byte. Each part is length-prefixed exactly as
+// dedup.FingerprintOf does, so moving bytes from one part to the next
+// changes the fingerprint.
+func requestFingerprint(r *http.Request, route string, body []byte) dedup.Fingerprint {
 	return fingerprint(r.Method, route, r.URL.RequestURI(), body)
 }
 
-// FingerprintJSON is Fingerprint with the body canonicalised first when it
+// FingerprintJSON is the default Options.Fingerprint with the body
+// canonicalised first when it
 // is one JSON value: object members sorted by name, insignificant
 // whitespace removed, strings re-escaped in one way. Two bodies that encode
 // the same JSON value then have the same fingerprint, so a client that

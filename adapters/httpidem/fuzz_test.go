@@ -88,17 +88,17 @@ func FuzzParseSignature(f *testing.F) {
 			return
 		}
 		now := time.Unix(unix&(1<<40-1), 0)
-		if VerifySignature(header, "v1", body, [][]byte{secret}, now, 5*time.Minute) == nil {
+		if verifySignature(header, "v1", body, [][]byte{secret}, now, 5*time.Minute) == nil {
 			if !strings.Contains(strings.ToLower(header), hex.EncodeToString(signature(secret, ts, body))) {
 				t.Fatalf("%q verified without the signature", header)
 			}
 		}
 		// A signature made with the secret verifies; one bit off does not.
 		good := SignWebhook(secret, now, body)
-		if err := VerifySignature(good, "v1", body, [][]byte{[]byte("other"), secret}, now, time.Minute); err != nil {
+		if err := verifySignature(good, "v1", body, [][]byte{[]byte("other"), secret}, now, time.Minute); err != nil {
 			t.Fatalf("own signature %q: %v", good, err)
 		}
-		if err := VerifySignature(good, "v1", append(bytes.Clone(body), 'x'), [][]byte{secret}, now, time.Minute); !errors.Is(err, ErrSignatureMismatch) {
+		if err := verifySignature(good, "v1", append(bytes.Clone(body), 'x'), [][]byte{secret}, now, time.Minute); !errors.Is(err, errSignatureMismatch) {
 			t.Fatalf("signature over another body: %v", err)
 		}
 	})

@@ -62,7 +62,7 @@ type response struct {
 	body   []byte
 }
 
-func (r response) replayed() bool { return r.header.Get(httpidem.HeaderReplayed) == "true" }
+func (r response) replayed() bool { return r.header.Get("Idempotent-Replayed") == "true" }
 
 func (r response) problem(t testing.TB) httpidem.Problem {
 	t.Helper()
@@ -110,7 +110,7 @@ func send(ctx context.Context, c *http.Client, base string, rq req) (response, e
 		return response{}, err
 	}
 	if rq.key != "" {
-		r.Header.Set(httpidem.HeaderKey, rq.key)
+		r.Header.Set("Idempotency-Key", rq.key)
 	}
 	for k, v := range rq.header {
 		r.Header.Set(k, v)

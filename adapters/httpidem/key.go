@@ -12,13 +12,11 @@ import (
 	"github.com/idemkit/idem/dedup"
 )
 
-// Header names.
+// Header names: the request's Idempotency-Key, and Idempotent-Replayed,
+// set to "true" on a response that replays a stored one.
 const (
-	// HeaderKey carries the client's idempotency key.
-	HeaderKey = "Idempotency-Key"
-	// HeaderReplayed is set to "true" on a response that replays a stored
-	// one.
-	HeaderReplayed = "Idempotent-Replayed"
+	headerKey      = "Idempotency-Key"
+	headerReplayed = "Idempotent-Replayed"
 )
 
 // ErrInvalidKey is wrapped by the errors ParseKey returns.

@@ -71,8 +71,8 @@ func New(store dedup.LeaseStore, opts Options) (*Middleware, error) {
 // one transaction, and the response is sent to the client only after the
 // commit. A response that is not to be stored, a handler whose statement
 // failed (the transaction is aborted) and a panic roll everything back, so
-// a retry runs the handler again. Set pgtable.Options.Retention to
-// DefaultRetention (24 hours) for HTTP keys; pgtable defaults to 7 days.
+// a retry runs the handler again. Set pgtable.Options.Retention to 24
+// hours for HTTP keys; pgtable defaults to 7 days.
 func NewTx(store dedup.TxStore[pgx.Tx], opts Options) (*Middleware, error) {
 	if store == nil {
 		return nil, errors.New("httpidem: NewTx: store is nil; pass a *pgtable.Store")
@@ -119,7 +119,7 @@ func (m *Middleware) Check(r *http.Request) (dedup.Key, error) {
 	if !m.handles(r.Method) {
 		return dedup.Key{}, ErrNoKey
 	}
-	vals := r.Header.Values(HeaderKey)
+	vals := r.Header.Values(headerKey)
 	switch {
 	case len(vals) == 0 && m.opts.Optional:
 		return dedup.Key{}, ErrNoKey
@@ -356,7 +356,7 @@ func tooLargeProblem(limit int) *Problem {
 func problemRecord(p *Problem) *record {
 	return &record{
 		status: p.Status,
-		header: [][2]string{{"Content-Type", ContentTypeProblem}},
+		header: [][2]string{{"Content-Type", contentTypeProblem}},
 		body:   p.body(),
 	}
 }

@@ -21,6 +21,7 @@ import (
 	"github.com/idemkit/idem/consumer"
 	"github.com/idemkit/idem/dedup"
 	"github.com/idemkit/idem/dedup/memstore"
+	"github.com/idemkit/idem/internal/testkit/clocktest"
 )
 
 func TestReplayAfterCompletion(t *testing.T) {
@@ -135,7 +136,7 @@ func TestInvalidKeys(t *testing.T) {
 	// handler called directly, can.
 	for _, key := range []string{"k\x01y", "k\x7fy", "\"k\x01y\"", "k\ty", "ключ"} {
 		r := httptest.NewRequest(http.MethodPost, "/payments", strings.NewReader("{}"))
-		r.Header.Set(httpidem.HeaderKey, key)
+		r.Header.Set("Idempotency-Key", key)
 		resp := serveDirect(mw.Handler(h), r)
 		if resp.status != http.StatusBadRequest || resp.problem(t).Type != problemKeyInvalid {
 			t.Fatalf("key %q: %d %s", key, resp.status, resp.body)
@@ -147,8 +148,8 @@ func TestInvalidKeys(t *testing.T) {
 	}
 	// Two fields.
 	r := httptest.NewRequest(http.MethodPost, "/payments", strings.NewReader("{}"))
-	r.Header.Add(httpidem.HeaderKey, "a")
-	r.Header.Add(httpidem.HeaderKey, "b")
+	r.Header.Add("Idempotency-Key", "a")
+	r.Header.Add("Idempotency-Key", "b")
 	if resp := serveDirect(mw.Handler(h), r); resp.status != http.StatusBadRequest {
 		t.Fatalf("two key fields: %d", resp.status)
 	}
@@ -245,7 +246,7 @@ func TestBodyTooLarge(t *testing.T) {
 		_ = pw.Close()
 	}()
 	rq, _ := http.NewRequest(http.MethodPost, srv.URL+"/payments", pr)
-	rq.Header.Set(httpidem.HeaderKey, "chunked")
+	rq.Header.Set("Idempotency-Key", "chunked")
 	resp, err := http.DefaultClient.Do(rq)
 	if err != nil {
 		t.Fatal(err)
@@ -298,7 +299,7 @@ func TestPanicReleasesKey(t *testing.T) {
 			}
 		}()
 		r := httptest.NewRequest(http.MethodPost, "/payments", strings.NewReader("{}"))
-		r.Header.Set(httpidem.HeaderKey, "p")
+		r.Header.Set("Idempotency-Key", "p")
 		serveDirect(mw.Handler(h), r)
 	}()
 	srv := quietServer(t, mw.Handler(h))
@@ -500,7 +501,7 @@ func (s *stampedStore) extendedFrom() time.Time {
 }
 
 func TestLeaseIsExtendedWhileHandlerRuns(t *testing.T) {
-	clock := dedup.NewManualClock(time.Unix(1_700_000_000, 0))
+	clock := clocktest.NewManual(time.Unix(1_700_000_000, 0))
 	mem := newMem(t, memstore.Options{Clock: clock, Lease: 30 * time.Second})
 	store := &stampedStore{LeaseStore: mem, clock: clock}
 	h := http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
@@ -526,7 +527,7 @@ func TestLeaseIsExtendedWhileHandlerRuns(t *testing.T) {
 }
 
 func TestLeaseLost(t *testing.T) {
-	clock := dedup.NewManualClock(time.Unix(1_700_000_000, 0))
+	clock := clocktest.NewManual(time.Unix(1_700_000_000, 0))
 	store := newMem(t, memstore.Options{Clock: clock, Lease: 30 * time.Second})
 	var calls atomic.Int64
 	var cause error
@@ -576,7 +577,7 @@ func TestStoredResultUnreadable(t *testing.T) {
 	store := newMem(t, memstore.Options{})
 	mw := newMW(t, store, httpidem.Options{})
 	r := httptest.NewRequest(http.MethodPost, "/payments", strings.NewReader("{}"))
-	r.Header.Set(httpidem.HeaderKey, "foreign")
+	r.Header.Set("Idempotency-Key", "foreign")
 	key, err := mw.Check(r)
 	if err != nil {
 		t.Fatal(err)
@@ -595,7 +596,7 @@ func TestStoredResultUnreadable(t *testing.T) {
 		t.Fatal(resp.status)
 	}
 	r = httptest.NewRequest(http.MethodPost, "/payments", strings.NewReader("{}"))
-	r.Header.Set(httpidem.HeaderKey, "foreign")
+	r.Header.Set("Idempotency-Key", "foreign")
 	resp = serveDirect(mw.Handler(h), r)
 	if resp.status != http.StatusInternalServerError || resp.problem(t).Type != problemStoredUnreadable || h.calls.Load() != 0 {
 		t.Fatalf("unreadable stored result: %d, calls %d", resp.status, h.calls.Load())
@@ -606,7 +607,7 @@ func TestCheckOnItsOwn(t *testing.T) {
 	store := newMem(t, memstore.Options{})
 	mw := newMW(t, store, httpidem.Options{Principal: func(r *http.Request) string { return "acct_1" }})
 	r := httptest.NewRequest(http.MethodPost, "/payments?x=1", strings.NewReader(`{"amount":1}`))
-	r.Header.Set(httpidem.HeaderKey, `"abc"`)
+	r.Header.Set("Idempotency-Key", `"abc"`)
 	key, err := mw.Check(r)
 	if err != nil {
 		t.Fatal(err)
@@ -649,7 +650,7 @@ func TestHandlerOutlivesClient(t *testing.T) {
 		mw := newMW(t, store, httpidem.Options{CancelWithClient: cancelWithClient})
 		ctx, cancel := context.WithCancel(context.Background())
 		r := httptest.NewRequest(http.MethodPost, "/payments", strings.NewReader("{}")).WithContext(ctx)
-		r.Header.Set(httpidem.HeaderKey, fmt.Sprint("gone-", cancelWithClient))
+		r.Header.Set("Idempotency-Key", fmt.Sprint("gone-", cancelWithClient))
 		done := make(chan response)
 		go func() { done <- serveDirect(mw.Handler(h), r) }()
 		<-entered

@@ -22,33 +22,21 @@ const (
 	defaultPollInterval     = 50 * time.Millisecond
 	defaultRetryAfter       = time.Second
 	defaultFinishTimeout    = 10 * time.Second
-	// DefaultRetention is how long a completed key and its response should
-	// be kept, Stripe's 24 hours. Retention is the store's setting:
-	// memstore and redisnx default to it; set pgtable.Options.Retention to
-	// it (pgtable defaults to 7 days, for brokers).
-	DefaultRetention = 24 * time.Hour
 )
 
 // defaultMethods are the methods that need a key by default: the ones that
 // are not idempotent by definition.
 var defaultMethods = []string{http.MethodPost, http.MethodPatch}
 
-// DefaultReplayHeaders are the response headers stored and replayed by
-// default: those that describe the representation or the created resource.
-// Anything else (Set-Cookie, Date, tracing ids) is sent with the first
-// response only.
-var DefaultReplayHeaders = []string{
+// defaultReplayHeaders are the response headers stored and replayed by
+// default (see Options.ReplayHeaders).
+var defaultReplayHeaders = []string{
 	"Cache-Control", "Content-Encoding", "Content-Language", "Content-Location",
 	"Content-Type", "ETag", "Last-Modified", "Link", "Location", "Vary",
 }
 
-// DefaultStoreResponse is the default Options.StoreResponse, the rule
-// Stripe follows: every response of a handler that started is stored,
-// 2xx to 5xx, except 401, 403 and 429, which say the request was refused
-// before it did anything (and 1xx, never final). Requests the middleware
-// rejects itself (400, 413, 422, 409) are never stored, nor are responses
-// of a handler that panicked or called Release.
-func DefaultStoreResponse(status int) bool {
+// defaultStoreResponse is the default Options.StoreResponse.
+func defaultStoreResponse(status int) bool {
 	switch status {
 	case http.StatusUnauthorized, http.StatusForbidden, http.StatusTooManyRequests:
 		return false
@@ -96,17 +84,31 @@ type Options struct {
 	// pattern that matched (r.Pattern), or else the URL path.
 	Route func(r *http.Request) string
 	// Fingerprint returns the digest of the request; the same key with
-	// another fingerprint is answered 422. Defaults to Fingerprint
-	// (method, route, request target and body). FingerprintJSON ignores
-	// JSON formatting differences.
+	// another fingerprint is answered 422. Defaults to SHA-256 over the
+	// method, the route, the request target (path and query, as sent) and
+	// the body byte for byte, each part length-prefixed. The request target
+	// is included because the route is usually a pattern: a key reused on
+	// POST /payments/1/refunds and POST /payments/2/refunds (same pattern,
+	// same body) is a conflict (422), not a replay of the wrong refund.
+	// FingerprintJSON is the same digest with JSON formatting differences
+	// ignored.
 	Fingerprint func(r *http.Request, route string, body []byte) dedup.Fingerprint
 	// StoreResponse decides from the status code whether a response is
 	// stored and replayed. A response that is not stored releases the key
 	// (transactional stores: rolls the transaction back), so a retry runs
-	// the handler again. Defaults to DefaultStoreResponse.
+	// the handler again. Defaults to the rule Stripe follows: every
+	// response of a handler that started is stored, 2xx to 5xx, except
+	// 401, 403 and 429, which say the request was refused before it did
+	// anything (and 1xx, never final). Requests the middleware rejects
+	// itself (400, 413, 422, 409) are never stored, nor are responses of a
+	// handler that panicked or called Release.
 	StoreResponse func(status int) bool
 	// ReplayHeaders are the response headers stored with the response and
-	// replayed. Defaults to DefaultReplayHeaders.
+	// replayed. Defaults to those that describe the representation or the
+	// created resource: Cache-Control, Content-Encoding, Content-Language,
+	// Content-Location, Content-Type, ETag, Last-Modified, Link, Location
+	// and Vary. Anything else (Set-Cookie, Date, tracing ids) is sent with
+	// the first response only. To add one, list it with those.
 	ReplayHeaders []string
 	// Wait is how long a request whose key is in flight waits for the
 	// first request to finish, polling the store every PollInterval, and
@@ -293,7 +295,7 @@ func (o *Options) fillLists(who string) error {
 		}
 	}
 	if o.ReplayHeaders == nil {
-		o.ReplayHeaders = DefaultReplayHeaders
+		o.ReplayHeaders = defaultReplayHeaders
 	}
 	names := make([]string, 0, len(o.ReplayHeaders))
 	for _, h := range o.ReplayHeaders {
@@ -346,10 +348,10 @@ func (o *Options) fill(who string) error {
 		o.Route = defaultRoute
 	}
 	if o.Fingerprint == nil {
-		o.Fingerprint = Fingerprint
+		o.Fingerprint = requestFingerprint
 	}
 	if o.StoreResponse == nil {
-		o.StoreResponse = DefaultStoreResponse
+		o.StoreResponse = defaultStoreResponse
 	}
 	if o.PollInterval == 0 {
 		o.PollInterval = defaultPollInterval

@@ -25,8 +25,8 @@ const (
 	problemEventIDMissing   = "tag:idemkit,2026:http/webhook-event-id-missing"
 )
 
-// ContentTypeProblem is the media type of problem details (RFC 9457).
-const ContentTypeProblem = "application/problem+json"
+// contentTypeProblem is the media type of problem details (RFC 9457).
+const contentTypeProblem = "application/problem+json"
 
 // Problem is an RFC 9457 problem details object. The middleware answers with
 // one, as application/problem+json, whenever it answers instead of the
@@ -75,7 +75,7 @@ func (p *Problem) body() []byte {
 // Retry-After header when p.RetryAfter is positive.
 func WriteProblem(w http.ResponseWriter, p *Problem) {
 	h := w.Header()
-	h.Set("Content-Type", ContentTypeProblem)
+	h.Set("Content-Type", contentTypeProblem)
 	h.Set("Cache-Control", "no-store")
 	if p.RetryAfter > 0 {
 		h.Set("Retry-After", retryAfterSeconds(p.RetryAfter))

@@ -47,7 +47,7 @@ func TestRecordManyFields(t *testing.T) {
 			t.Fatalf("%s replayed as %q, want %q", name, got[name], h[name])
 		}
 	}
-	if got.Get("X-Not-Kept") != "" || got.Get(HeaderReplayed) != "true" || got.Get("Content-Length") != "8" {
+	if got.Get("X-Not-Kept") != "" || got.Get(headerReplayed) != "true" || got.Get("Content-Length") != "8" {
 		t.Fatalf("replayed header %v", got)
 	}
 }
@@ -65,7 +65,7 @@ func TestReplayOntoExistingHeader(t *testing.T) {
 	w := httptest.NewRecorder()
 	w.Header().Set("Vary", "Origin")
 	w.Header().Set("Content-Length", "999")
-	w.Header().Set(HeaderReplayed, "false")
+	w.Header().Set(headerReplayed, "false")
 	replay(w, r)
 	got := w.Result().Header
 	if v := got.Values("Vary"); len(v) != 2 || v[0] != "Origin" || v[1] != "Accept" {
@@ -74,14 +74,14 @@ func TestReplayOntoExistingHeader(t *testing.T) {
 	if v := got.Values("Content-Length"); len(v) != 1 || v[0] != "5" {
 		t.Fatalf("Content-Length %q, want 5", v)
 	}
-	if v := got.Values(HeaderReplayed); len(v) != 1 || v[0] != "true" {
-		t.Fatalf("%s %q, want true", HeaderReplayed, v)
+	if v := got.Values(headerReplayed); len(v) != 1 || v[0] != "true" {
+		t.Fatalf("%s %q, want true", headerReplayed, v)
 	}
 	// The fields a replay added are distinct slices: appending to one
 	// does not change another.
 	w.Header()["Content-Length"] = append(w.Header()["Content-Length"], "x")
-	if got := w.Header().Values(HeaderReplayed); len(got) != 1 || got[0] != "true" {
-		t.Fatalf("%s changed to %q by an append to another field", HeaderReplayed, got)
+	if got := w.Header().Values(headerReplayed); len(got) != 1 || got[0] != "true" {
+		t.Fatalf("%s changed to %q by an append to another field", headerReplayed, got)
 	}
 }
 

@@ -98,7 +98,7 @@ var memStores sync.Map
 
 func pgStore(t *testing.T, pool *pgxpool.Pool, schema string) *pgtable.Store {
 	t.Helper()
-	s, err := pgtable.New(pool, pgtable.Options{Schema: schema, Retention: httpidem.DefaultRetention, Lease: 10 * time.Second})
+	s, err := pgtable.New(pool, pgtable.Options{Schema: schema, Retention: 24 * time.Hour, Lease: 10 * time.Second})
 	if err != nil {
 		t.Fatal(err)
 	}

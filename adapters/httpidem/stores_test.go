@@ -267,7 +267,7 @@ func TestClientRetriesThroughDroppedResponse(t *testing.T) {
 	)
 	srv := quietServer(t, http.HandlerFunc(func(rw http.ResponseWriter, r *http.Request) {
 		mu.Lock()
-		keys = append(keys, r.Header.Get(httpidem.HeaderKey))
+		keys = append(keys, r.Header.Get("Idempotency-Key"))
 		first := len(keys) == 1
 		mu.Unlock()
 		if !first {
@@ -300,8 +300,8 @@ func TestClientRetriesThroughDroppedResponse(t *testing.T) {
 	}
 	defer resp.Body.Close()
 	b, _ := io.ReadAll(resp.Body)
-	if resp.StatusCode != http.StatusCreated || resp.Header.Get(httpidem.HeaderReplayed) != "true" {
-		t.Fatalf("after the dropped response: %d replayed=%q %s", resp.StatusCode, resp.Header.Get(httpidem.HeaderReplayed), b)
+	if resp.StatusCode != http.StatusCreated || resp.Header.Get("Idempotent-Replayed") != "true" {
+		t.Fatalf("after the dropped response: %d replayed=%q %s", resp.StatusCode, resp.Header.Get("Idempotent-Replayed"), b)
 	}
 	mu.Lock()
 	defer mu.Unlock()

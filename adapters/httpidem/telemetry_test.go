@@ -89,7 +89,7 @@ func keyOf(t *testing.T, mw *httpidem.Middleware, rq req) dedup.Key {
 	t.Helper()
 	r := httptest.NewRequest(http.MethodPost, "/payments", strings.NewReader(rq.body))
 	r.Pattern = route
-	r.Header.Set(httpidem.HeaderKey, rq.key)
+	r.Header.Set("Idempotency-Key", rq.key)
 	for k, v := range rq.header {
 		r.Header.Set(k, v)
 	}

@@ -84,12 +84,12 @@ func (t *txRequest) Process(ctx context.Context, key dedup.Key, fn dedup.TxFunc[
 	switch {
 	case !t.ran && isLockTimeout(err):
 		return nil, lockTimeout{err}
-	case t.ran && t.stored && err != nil && !dedup.Held(err) && t.ctx.Err() == nil:
+	case t.ran && t.stored && err != nil && !txflow.Held(err) && t.ctx.Err() == nil:
 		// Storing the response or the commit failed after the handler
 		// ran. When the connection broke during COMMIT, the transaction
 		// may have committed all the same: the key's row says.
 		t.recheck = m.commitOutcome(t.ctx, key)
-		if dedup.Held(t.recheck) {
+		if txflow.Held(t.recheck) {
 			m.opts.Logger.WarnContext(t.ctx, "httpidem: the commit failed after the handler ran; the key's row shows how the request ended, answering from it",
 				slog.String("key_hash", key.Hash()), slog.Any("error", err))
 		}
@@ -166,7 +166,7 @@ func (m *Middleware) settleTx(w http.ResponseWriter, r *http.Request, rq *reques
 		// and the verdict on that claim is answered as if it had come
 		// first: a replay of its response, 409 or 422.
 		m.answer(w, r, rq, res.Verdict())
-	case t.recheck != nil && dedup.Held(t.recheck):
+	case t.recheck != nil && txflow.Held(t.recheck):
 		// The commit failed, and the key's row says how the request
 		// ended: committed (its stored response is replayed) or, having
 		// rolled back, another request with the key got it since

@@ -18,12 +18,14 @@ import (
 	"github.com/idemkit/idem/internal/leasekeep"
 )
 
-// Webhook signature errors, wrapped by the errors of VerifySignature.
+// Webhook signature errors. A WebhookOptions.Verify function returns one of
+// the two exported ones (wrapped) to have the request answered 400 rather
+// than 401.
 var (
 	ErrSignatureMissing   = errors.New("httpidem: webhook signature header missing")
 	ErrSignatureMalformed = errors.New("httpidem: webhook signature header malformed")
-	ErrSignatureMismatch  = errors.New("httpidem: webhook signature does not match")
-	ErrSignatureStale     = errors.New("httpidem: webhook timestamp outside the tolerance")
+	errSignatureMismatch  = errors.New("httpidem: webhook signature does not match")
+	errSignatureStale     = errors.New("httpidem: webhook timestamp outside the tolerance")
 )
 
 // Webhook defaults.
@@ -68,8 +70,8 @@ type WebhookOptions struct {
 	// Defaults to "webhook:" and the route (the ServeMux pattern, or the
 	// URL path).
 	Scope string
-	// Clock tells the time for the tolerance check. Defaults to
-	// dedup.SystemClock.
+	// Clock tells the time for the tolerance check. Defaults to the wall
+	// clock (time.Now).
 	Clock dedup.Clock
 	// Options are the deduplication settings. Methods defaults to POST
 	// only and StoreResponse to 2xx only: a failed delivery releases the
@@ -157,7 +159,7 @@ func newWebhook(who string, opts WebhookOptions) (*Webhook, error) {
 		}
 	}
 	if opts.Clock == nil {
-		opts.Clock = dedup.SystemClock{}
+		opts.Clock = wallClock{}
 	}
 	mo := opts.Options
 	if mo.Methods == nil {
@@ -208,7 +210,7 @@ func (wh *Webhook) Check(r *http.Request) (dedup.Key, error) {
 	if o.Verify != nil {
 		err = o.Verify(r, body)
 	} else {
-		err = VerifySignature(r.Header.Get(o.SignatureHeader), o.SignatureVersion, body, o.Secrets, o.Clock.Now(), o.Tolerance)
+		err = verifySignature(r.Header.Get(o.SignatureHeader), o.SignatureVersion, body, o.Secrets, o.Clock.Now(), o.Tolerance)
 	}
 	if err != nil {
 		status := http.StatusUnauthorized
@@ -259,7 +261,7 @@ func EventIDJSON(name string) func(r *http.Request, body []byte) (string, error)
 
 // SignWebhook returns a signature header value for body sent at t, as a
 // provider would: "t=<unix>,v1=<hex of HMAC-SHA256(secret, "<unix>." + body)>".
-// Tests and senders use it; receivers use VerifySignature.
+// Tests and senders use it; receivers use NewWebhook or NewWebhookTx.
 func SignWebhook(secret []byte, t time.Time, body []byte) string {
 	ts := strconv.FormatInt(t.Unix(), 10)
 	return "t=" + ts + "," + defaultSignatureVersion + "=" + hex.EncodeToString(signature(secret, ts, body))
@@ -323,20 +325,20 @@ func parseSignature(header, version string) (ts string, unix int64, sigs [][]byt
 	return ts, unix, sigs, nil
 }
 
-// VerifySignature checks a signature header value,
+// verifySignature checks a signature header value,
 // "t=<unix seconds>,<version>=<hex>[,<version>=<hex>...]" (items of other
 // names are ignored; "t" must appear once, as decimal digits), against body: the timestamp must be within tolerance of now, either way,
 // and one of the signatures must equal HMAC-SHA256(secret, ts + "." + body)
 // for one of the secrets, compared in constant time. The timestamp is
 // checked first, so a stale request costs no HMAC.
-func VerifySignature(header, version string, body []byte, secrets [][]byte, now time.Time, tolerance time.Duration) error {
+func verifySignature(header, version string, body []byte, secrets [][]byte, now time.Time, tolerance time.Duration) error {
 	ts, unix, sigs, err := parseSignature(header, version)
 	if err != nil {
 		return err
 	}
 	age := now.Sub(time.Unix(unix, 0))
 	if age > tolerance || age < -tolerance {
-		return fmt.Errorf("%w: signed at %s, %v from now (tolerance %v)", ErrSignatureStale,
+		return fmt.Errorf("%w: signed at %s, %v from now (tolerance %v)", errSignatureStale,
 			time.Unix(unix, 0).UTC().Format(time.RFC3339), age.Round(time.Second), tolerance)
 	}
 	for _, secret := range secrets {
@@ -347,5 +349,10 @@ func VerifySignature(header, version string, body []byte, secrets [][]byte, now 
 			}
 		}
 	}
-	return ErrSignatureMismatch
+	return errSignatureMismatch
 }
+
+// wallClock is the default Clock: time.Now.
+type wallClock struct{}
+
+func (wallClock) Now() time.Time { return time.Now() }

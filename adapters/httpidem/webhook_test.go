@@ -13,6 +13,7 @@ import (
 	"github.com/idemkit/idem/adapters/httpidem"
 	"github.com/idemkit/idem/dedup"
 	"github.com/idemkit/idem/dedup/memstore"
+	"github.com/idemkit/idem/internal/testkit/clocktest"
 	"github.com/idemkit/idem/internal/testkit/testenv"
 )
 
@@ -72,7 +73,7 @@ func newWebhookEnv(t *testing.T, store dedup.LeaseStore, clock dedup.Clock) *web
 
 func TestWebhook(t *testing.T) {
 	now := time.Unix(1_760_000_000, 0)
-	clock := dedup.NewManualClock(now)
+	clock := clocktest.NewManual(now)
 	store := newMem(t, memstore.Options{})
 	env := newWebhookEnv(t, store, clock)
 	body := `{"id":"evt_1","type":"payment.succeeded"}`

@@ -13,23 +13,13 @@ import (
 // order: typically in one database transaction, with one batch claim
 // (kafkapg.Batch). NewBatchConsumer runs it.
 //
-// HandleBatch returns nil when every message is done (its effect committed,
-// or it was a duplicate). A *BatchError reports per-message outcomes of a
-// batch that otherwise committed. Any other error means nothing of the batch
+// It returns nil when every message is done (its effect committed, or it
+// was a duplicate). A *BatchError reports per-message outcomes of a batch
+// that otherwise committed. Any other error means nothing of the batch
 // committed: the Consumer then hands the messages over again one at a time,
 // in order, so that one poison message is isolated and dead-lettered without
 // holding the others back.
-type BatchHandler interface {
-	HandleBatch(ctx context.Context, msgs []*consumer.Message) error
-}
-
-// BatchHandlerFunc adapts a function to a BatchHandler.
-type BatchHandlerFunc func(ctx context.Context, msgs []*consumer.Message) error
-
-// HandleBatch calls f(ctx, msgs).
-func (f BatchHandlerFunc) HandleBatch(ctx context.Context, msgs []*consumer.Message) error {
-	return f(ctx, msgs)
-}
+type BatchHandler func(ctx context.Context, msgs []*consumer.Message) error
 
 // BatchError reports the outcome of some messages of a batch whose other
 // messages are done. Errs maps an index in the batch to that message's error,

@@ -106,8 +106,8 @@ func counting(n int) (*atomic.Int64, chan struct{}, func(context.Context, *consu
 	}
 }
 
-func benchOptions(b *testing.B, topic string, onResult func(context.Context, *consumer.Message, consumer.Result)) idemkafka.Options {
-	return idemkafka.Options{
+func benchOptions(b *testing.B, topic string, onResult func(context.Context, *consumer.Message, consumer.Result)) idemkafka.ConsumerOptions {
+	return idemkafka.ConsumerOptions{
 		CommitEvery:     100 / benchPartitions,
 		CommitInterval:  time.Hour,
 		DeadLetterTopic: topic + "_dlq",

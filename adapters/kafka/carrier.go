@@ -8,7 +8,7 @@ import (
 )
 
 // HeaderCarrier adapts a record's headers to OpenTelemetry's
-// propagation.TextMapCarrier, for the Consumer's Options.Propagator and for
+// propagation.TextMapCarrier, for the Consumer's ConsumerOptions.Propagator and for
 // producers that inject a trace context themselves:
 //
 //	prop.Inject(ctx, (*idemkafka.HeaderCarrier)(&rec.Headers))

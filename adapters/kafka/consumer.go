@@ -31,7 +31,7 @@ type Consumer struct {
 	h  consumer.Handler
 	bh BatchHandler
 
-	opts     Options
+	opts     ConsumerOptions
 	msgOpts  MessageOptions
 	log      *slog.Logger
 	tel      *telemetry.Adapter
@@ -67,14 +67,14 @@ type hooks struct {
 // used as kafka-go documents them, except that MaxWait defaults to 1s instead
 // of 10s: a partition Reader's Close waits for the fetch in flight. GroupID is
 // required; Partition and CommitInterval must be left zero (the group
-// assigns partitions, Options.CommitEvery and CommitInterval set the commit
+// assigns partitions, ConsumerOptions.CommitEvery and CommitInterval set the commit
 // policy).
 //
 // h is any consumer.Handler: a chain of idem middleware
 // (consumer.Dedup, consumer.Transactional, Retry, Recover, Timeout,
 // DeadLetter) around the business handler. The Consumer acts on
 // consumer.Process's Result: see the package documentation.
-func NewConsumer(cfg kafkago.ReaderConfig, h consumer.Handler, opts Options) (*Consumer, error) {
+func NewConsumer(cfg kafkago.ReaderConfig, h consumer.Handler, opts ConsumerOptions) (*Consumer, error) {
 	if h == nil {
 		return nil, errors.New("kafka: NewConsumer: handler is nil")
 	}
@@ -87,14 +87,14 @@ func NewConsumer(cfg kafkago.ReaderConfig, h consumer.Handler, opts Options) (*C
 }
 
 // NewBatchConsumer is NewConsumer for a BatchHandler: each partition's
-// records are handed over in batches of up to Options.BatchSize, in offset
-// order. Options.Workers must be 1.
-func NewBatchConsumer(cfg kafkago.ReaderConfig, h BatchHandler, opts Options) (*Consumer, error) {
+// records are handed over in batches of up to ConsumerOptions.BatchSize, in offset
+// order. ConsumerOptions.Workers must be 1.
+func NewBatchConsumer(cfg kafkago.ReaderConfig, h BatchHandler, opts ConsumerOptions) (*Consumer, error) {
 	if h == nil {
 		return nil, errors.New("kafka: NewBatchConsumer: handler is nil")
 	}
 	if opts.Workers > 1 {
-		return nil, fmt.Errorf("kafka: NewBatchConsumer: Options.Workers is %d; batches keep offset order, use 1 (the default)", opts.Workers)
+		return nil, fmt.Errorf("kafka: NewBatchConsumer: ConsumerOptions.Workers is %d; batches keep offset order, use 1 (the default)", opts.Workers)
 	}
 	c, err := newConsumer(cfg, opts)
 	if err != nil {
@@ -104,7 +104,7 @@ func NewBatchConsumer(cfg kafkago.ReaderConfig, h BatchHandler, opts Options) (*
 	return c, nil
 }
 
-func newConsumer(cfg kafkago.ReaderConfig, opts Options) (*Consumer, error) {
+func newConsumer(cfg kafkago.ReaderConfig, opts ConsumerOptions) (*Consumer, error) {
 	switch {
 	case cfg.GroupID == "":
 		return nil, errors.New("kafka: ReaderConfig.GroupID is required: the Consumer is a member of a consumer group and commits through it")
@@ -113,7 +113,7 @@ func newConsumer(cfg kafkago.ReaderConfig, opts Options) (*Consumer, error) {
 	case cfg.Partition != 0:
 		return nil, errors.New("kafka: ReaderConfig.Partition must be zero: the group assigns partitions")
 	case cfg.CommitInterval != 0:
-		return nil, errors.New("kafka: ReaderConfig.CommitInterval must be zero: set Options.CommitEvery and Options.CommitInterval instead")
+		return nil, errors.New("kafka: ReaderConfig.CommitInterval must be zero: set ConsumerOptions.CommitEvery and ConsumerOptions.CommitInterval instead")
 	case cfg.Topic != "" && len(cfg.GroupTopics) > 0:
 		return nil, errors.New("kafka: set ReaderConfig.Topic or ReaderConfig.GroupTopics, not both")
 	case cfg.Topic == "" && len(cfg.GroupTopics) == 0:
@@ -194,12 +194,12 @@ func newConsumer(cfg kafkago.ReaderConfig, opts Options) (*Consumer, error) {
 func (c *Consumer) setDeadLetter(cfg kafkago.ReaderConfig) error {
 	o := c.opts
 	if w := o.DeadLetterWriter; w != nil {
-		if err := checkWriter("Options.DeadLetterWriter", w); err != nil {
+		if err := checkWriter("ConsumerOptions.DeadLetterWriter", w); err != nil {
 			return err
 		}
 		switch {
 		case w.Topic != "" && o.DeadLetterTopic != "" && w.Topic != o.DeadLetterTopic:
-			return fmt.Errorf("kafka: Options.DeadLetterTopic is %q but DeadLetterWriter.Topic is %q; set one of them", o.DeadLetterTopic, w.Topic)
+			return fmt.Errorf("kafka: ConsumerOptions.DeadLetterTopic is %q but DeadLetterWriter.Topic is %q; set one of them", o.DeadLetterTopic, w.Topic)
 		case w.Topic != "":
 			c.dlqTopic = w.Topic
 		case o.DeadLetterTopic == "":
@@ -215,7 +215,7 @@ func (c *Consumer) setDeadLetter(cfg kafkago.ReaderConfig) error {
 	}
 	for _, t := range c.topics {
 		if t == o.DeadLetterTopic {
-			return fmt.Errorf("kafka: Options.DeadLetterTopic %q is a topic the Consumer reads", t)
+			return fmt.Errorf("kafka: ConsumerOptions.DeadLetterTopic %q is a topic the Consumer reads", t)
 		}
 	}
 	d := c.dialer

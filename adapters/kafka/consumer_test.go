@@ -66,7 +66,7 @@ func TestCommitOrder(t *testing.T) {
 		hmu.Unlock()
 		return nil
 	})
-	c, err := idemkafka.NewConsumer(k.readerConfig(group, topic), h, idemkafka.Options{
+	c, err := idemkafka.NewConsumer(k.readerConfig(group, topic), h, idemkafka.ConsumerOptions{
 		Workers:         8,
 		CommitEvery:     10,
 		CommitInterval:  20 * time.Millisecond,
@@ -144,7 +144,7 @@ func TestRetryInPlaceKeepsOrder(t *testing.T) {
 		return nil
 	})
 	var retries atomic.Int64
-	c, err := idemkafka.NewConsumer(k.readerConfig(group, topic), h, idemkafka.Options{
+	c, err := idemkafka.NewConsumer(k.readerConfig(group, topic), h, idemkafka.ConsumerOptions{
 		RetryInitial:    time.Millisecond,
 		RetryMax:        5 * time.Millisecond,
 		DeadLetterTopic: k.dlq(t, topic),
@@ -187,17 +187,17 @@ func TestPoisonToDeadLetter(t *testing.T) {
 
 	type poison struct {
 		rec    kafkago.Message
-		reason consumer.Reason
+		reason consumer.Outcome
 	}
 	bad := []poison{
-		{rec(0, "a", "", "no id header"), consumer.ReasonInvalidKey},
-		{rec(1, "b", "bad\x01id", "control byte in the id"), consumer.ReasonInvalidKey},
-		{rec(0, "c", string(make([]byte, 300)), "id too long"), consumer.ReasonInvalidKey},
-		{rec(1, "d", "perm-1", "permanent"), consumer.ReasonPermanent},
-		{rec(0, "e", "panic-1", "panic"), consumer.ReasonPanic},
-		{rec(1, "f", "flaky-1", "always transient"), consumer.ReasonRetriesExhausted},
+		{rec(0, "a", "", "no id header"), consumer.OutcomeInvalidKey},
+		{rec(1, "b", "bad\x01id", "control byte in the id"), consumer.OutcomeInvalidKey},
+		{rec(0, "c", string(make([]byte, 300)), "id too long"), consumer.OutcomeInvalidKey},
+		{rec(1, "d", "perm-1", "permanent"), consumer.OutcomePermanent},
+		{rec(0, "e", "panic-1", "panic"), consumer.OutcomePanic},
+		{rec(1, "f", "flaky-1", "always transient"), consumer.OutcomeRetriesExhausted},
 		// In good-3's partition, after it.
-		{rec(1, "g", "good-3", "same id as good-3, other payload"), consumer.ReasonFingerprintMismatch},
+		{rec(1, "g", "good-3", "same id as good-3, other payload"), consumer.OutcomeFingerprintMismatch},
 	}
 	var recs []kafkago.Message
 	good := map[string]bool{}
@@ -243,7 +243,7 @@ func TestPoisonToDeadLetter(t *testing.T) {
 		return nil
 	}), retry, consumer.Recover(), dd)
 
-	c, err := idemkafka.NewConsumer(k.readerConfig(group, topic), h, idemkafka.Options{
+	c, err := idemkafka.NewConsumer(k.readerConfig(group, topic), h, idemkafka.ConsumerOptions{
 		DeadLetterTopic: dlq,
 		Logger:          testLogger(t),
 		RetryInitial:    time.Millisecond,
@@ -309,7 +309,7 @@ func TestPoisonToDeadLetter(t *testing.T) {
 			t.Errorf("%q: error %q, group %q, key %q", b.rec.Value, hs[idemkafka.HeaderError], hs[idemkafka.HeaderGroup], m.Key)
 		}
 		wantAttempts := "1"
-		if b.reason == consumer.ReasonRetriesExhausted {
+		if b.reason == consumer.OutcomeRetriesExhausted {
 			wantAttempts = "3"
 		}
 		if hs[idemkafka.HeaderAttempts] != wantAttempts {
@@ -334,7 +334,7 @@ func TestDeadLetterTopicMissing(t *testing.T) {
 		handled.Add(1)
 		return nil
 	})
-	for _, opts := range []idemkafka.Options{
+	for _, opts := range []idemkafka.ConsumerOptions{
 		{DeadLetterTopic: missing},
 		{DeadLetterWriter: &kafkago.Writer{Addr: kafkago.TCP(k.brokers...), Topic: missing, RequiredAcks: kafkago.RequireAll, Transport: k.tr}},
 	} {
@@ -399,7 +399,7 @@ func TestProducerDuplicates(t *testing.T) {
 		mu.Unlock()
 		return nil
 	}), dd)
-	c, err := idemkafka.NewConsumer(k.readerConfig(group, topic), h, idemkafka.Options{
+	c, err := idemkafka.NewConsumer(k.readerConfig(group, topic), h, idemkafka.ConsumerOptions{
 		DeadLetterTopic: k.dlq(t, topic),
 		Logger:          testLogger(t),
 		CommitInterval:  50 * time.Millisecond,
@@ -457,7 +457,7 @@ func TestMessageMapping(t *testing.T) {
 		got <- msg
 		return nil
 	})
-	c, err := idemkafka.NewConsumer(k.readerConfig(group, topic), h, idemkafka.Options{OffsetID: true, DeadLetterTopic: k.dlq(t, topic)})
+	c, err := idemkafka.NewConsumer(k.readerConfig(group, topic), h, idemkafka.ConsumerOptions{OffsetID: true, DeadLetterTopic: k.dlq(t, topic)})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -501,7 +501,7 @@ func TestIDFunc(t *testing.T) {
 		mu.Unlock()
 		return nil
 	})
-	c, err := idemkafka.NewConsumer(k.readerConfig(group, topic), h, idemkafka.Options{
+	c, err := idemkafka.NewConsumer(k.readerConfig(group, topic), h, idemkafka.ConsumerOptions{
 		DeadLetterTopic: dlq,
 		Logger:          testLogger(t),
 		IDFunc: func(km *kafkago.Message) (string, error) {
@@ -528,7 +528,7 @@ func TestIDFunc(t *testing.T) {
 		t.Fatalf("dead letters %v", dl)
 	}
 	for _, h := range dl[0].Headers {
-		if h.Key == idemkafka.HeaderReason && string(h.Value) != string(consumer.ReasonInvalidKey) {
+		if h.Key == idemkafka.HeaderReason && string(h.Value) != string(consumer.OutcomeInvalidKey) {
 			t.Fatalf("reason %s", h.Value)
 		}
 	}
@@ -547,7 +547,7 @@ func TestShutdownCommitsDone(t *testing.T) {
 	k.produce(t, topic, recs...)
 	var handled atomic.Int64
 	h := consumer.HandlerFunc(func(context.Context, *consumer.Message) error { handled.Add(1); return nil })
-	c, err := idemkafka.NewConsumer(k.readerConfig(group, topic), h, idemkafka.Options{
+	c, err := idemkafka.NewConsumer(k.readerConfig(group, topic), h, idemkafka.ConsumerOptions{
 		CommitEvery:     1 << 30,
 		CommitInterval:  time.Hour,
 		DeadLetterTopic: k.dlq(t, topic),
@@ -570,11 +570,11 @@ func TestShutdownCommitsDone(t *testing.T) {
 func TestNewConsumerValidation(t *testing.T) {
 	h := consumer.HandlerFunc(func(context.Context, *consumer.Message) error { return nil })
 	cfg := kafkago.ReaderConfig{Brokers: []string{"127.0.0.1:1"}, GroupID: "g", Topic: "t"}
-	ok := idemkafka.Options{DeadLetterTopic: "t.dlq"}
+	ok := idemkafka.ConsumerOptions{DeadLetterTopic: "t.dlq"}
 	for _, tc := range []struct {
 		name string
 		cfg  func(*kafkago.ReaderConfig)
-		opts func(*idemkafka.Options)
+		opts func(*idemkafka.ConsumerOptions)
 	}{
 		{"no group", func(c *kafkago.ReaderConfig) { c.GroupID = "" }, nil},
 		{"no brokers", func(c *kafkago.ReaderConfig) { c.Brokers = nil }, nil},
@@ -582,17 +582,17 @@ func TestNewConsumerValidation(t *testing.T) {
 		{"partition", func(c *kafkago.ReaderConfig) { c.Partition = 3 }, nil},
 		{"commit interval", func(c *kafkago.ReaderConfig) { c.CommitInterval = time.Second }, nil},
 		{"both topics", func(c *kafkago.ReaderConfig) { c.GroupTopics = []string{"u"} }, nil},
-		{"no dead-letter topic", nil, func(o *idemkafka.Options) { o.DeadLetterTopic = "" }},
-		{"dead-letter topic is read", nil, func(o *idemkafka.Options) { o.DeadLetterTopic = "t" }},
-		{"negative workers", nil, func(o *idemkafka.Options) { o.Workers = -1 }},
-		{"async dead-letter writer", nil, func(o *idemkafka.Options) {
+		{"no dead-letter topic", nil, func(o *idemkafka.ConsumerOptions) { o.DeadLetterTopic = "" }},
+		{"dead-letter topic is read", nil, func(o *idemkafka.ConsumerOptions) { o.DeadLetterTopic = "t" }},
+		{"negative workers", nil, func(o *idemkafka.ConsumerOptions) { o.Workers = -1 }},
+		{"async dead-letter writer", nil, func(o *idemkafka.ConsumerOptions) {
 			o.DeadLetterWriter = &kafkago.Writer{Addr: kafkago.TCP("x"), Async: true, RequiredAcks: kafkago.RequireAll}
 		}},
-		{"dead-letter writer without acks", nil, func(o *idemkafka.Options) {
+		{"dead-letter writer without acks", nil, func(o *idemkafka.ConsumerOptions) {
 			o.DeadLetterWriter = &kafkago.Writer{Addr: kafkago.TCP("x")}
 		}},
 		{"read backoff min above the default max", func(c *kafkago.ReaderConfig) { c.ReadBackoffMin = 2 * time.Second }, nil},
-		{"retry initial above max", nil, func(o *idemkafka.Options) { o.RetryInitial, o.RetryMax = time.Second, time.Millisecond }},
+		{"retry initial above max", nil, func(o *idemkafka.ConsumerOptions) { o.RetryInitial, o.RetryMax = time.Second, time.Millisecond }},
 	} {
 		c, o := cfg, ok
 		if tc.cfg != nil {
@@ -608,8 +608,8 @@ func TestNewConsumerValidation(t *testing.T) {
 	if _, err := idemkafka.NewConsumer(cfg, nil, ok); err == nil {
 		t.Error("nil handler accepted")
 	}
-	bh := idemkafka.BatchHandlerFunc(func(context.Context, []*consumer.Message) error { return nil })
-	if _, err := idemkafka.NewBatchConsumer(cfg, bh, idemkafka.Options{DeadLetterTopic: "d", Workers: 2}); err == nil {
+	bh := idemkafka.BatchHandler(func(context.Context, []*consumer.Message) error { return nil })
+	if _, err := idemkafka.NewBatchConsumer(cfg, bh, idemkafka.ConsumerOptions{DeadLetterTopic: "d", Workers: 2}); err == nil {
 		t.Error("batch consumer with 2 workers accepted")
 	}
 	if _, err := idemkafka.NewConsumer(cfg, h, ok); err != nil {
@@ -639,7 +639,7 @@ func TestStartAtLastOffset(t *testing.T) {
 	cfg := k.readerConfig(group, topic)
 	cfg.StartOffset = kafkago.LastOffset
 	dlq := k.dlq(t, topic)
-	c, err := idemkafka.NewConsumer(cfg, h, idemkafka.Options{DeadLetterTopic: dlq, CommitInterval: 20 * time.Millisecond, Logger: testLogger(t)})
+	c, err := idemkafka.NewConsumer(cfg, h, idemkafka.ConsumerOptions{DeadLetterTopic: dlq, CommitInterval: 20 * time.Millisecond, Logger: testLogger(t)})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -648,7 +648,7 @@ func TestStartAtLastOffset(t *testing.T) {
 	r.stop(t)
 	k.produce(t, topic, rec(0, "k", "new-1", "v"))
 
-	c2, err := idemkafka.NewConsumer(cfg, h, idemkafka.Options{DeadLetterTopic: dlq, CommitInterval: 20 * time.Millisecond, Logger: testLogger(t)})
+	c2, err := idemkafka.NewConsumer(cfg, h, idemkafka.ConsumerOptions{DeadLetterTopic: dlq, CommitInterval: 20 * time.Millisecond, Logger: testLogger(t)})
 	if err != nil {
 		t.Fatal(err)
 	}

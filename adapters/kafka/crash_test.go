@@ -134,7 +134,7 @@ func childMain() int {
 		ReadBackoffMin:    10 * time.Millisecond,
 		ReadBackoffMax:    100 * time.Millisecond,
 	}
-	opts := idemkafka.Options{
+	opts := idemkafka.ConsumerOptions{
 		CommitEvery:     50,
 		CommitInterval:  100 * time.Millisecond,
 		DeadLetterTopic: topic + "_dlq",
@@ -379,7 +379,7 @@ func (r *crashRun) finish(pool *pgxpool.Pool, want int, caughtUp func() bool) in
 		case <-ch.exited:
 			r.dumpLogs()
 			r.t.Fatalf("the last child exited early (%v) at %d of %d ids:\n%s", ch.err, n, want, ch.stderr.String())
-		default:
+		case <-time.After(200 * time.Millisecond):
 		}
 		if time.Now().After(deadline) {
 			_ = ch.cmd.Process.Kill()
@@ -387,7 +387,6 @@ func (r *crashRun) finish(pool *pgxpool.Pool, want int, caughtUp func() bool) in
 			r.dumpLogs()
 			r.t.Fatalf("gave up: %d of %d ids have an effect", n, want)
 		}
-		time.Sleep(200 * time.Millisecond)
 	}
 	select {
 	case <-ch.ready: // a SIGTERM before the handler is installed would kill it

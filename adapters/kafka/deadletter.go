@@ -16,37 +16,38 @@ import (
 	"github.com/idemkit/idem/internal/backoff"
 )
 
-// Headers added to a dead-lettered record. The record keeps its key, value
-// and headers (the message id among them); headers with the HeaderDeadLetter
-// prefix from an earlier dead-lettering are replaced.
+// Headers added to a dead-lettered record; the package doc lists them all.
+// The record keeps its key, value and headers (the message id among them);
+// headers with the headerDeadLetter prefix from an earlier dead-lettering are
+// replaced.
 const (
-	// HeaderDeadLetter is the prefix of every dead-letter header.
-	HeaderDeadLetter = "idem-dlq-"
-	// HeaderReason is the consumer.Reason: permanent, panic,
+	// headerDeadLetter is the prefix of every dead-letter header.
+	headerDeadLetter = "idem-dlq-"
+	// HeaderReason is the consumer.Outcome: permanent, panic,
 	// fingerprint_mismatch, invalid_key, retries_exhausted.
 	HeaderReason = "idem-dlq-reason"
-	// HeaderError is the error's text, cut at 4 KiB.
-	HeaderError = "idem-dlq-error"
-	// HeaderTopic, HeaderPartition and HeaderOffset locate the original
+	// headerError is the error's text, cut at 4 KiB.
+	headerError = "idem-dlq-error"
+	// headerTopic, headerPartition and headerOffset locate the original
 	// record.
-	HeaderTopic     = "idem-dlq-topic"
-	HeaderPartition = "idem-dlq-partition"
-	HeaderOffset    = "idem-dlq-offset"
-	// HeaderAttempts is how many times the handler ran on the record in its
+	headerTopic     = "idem-dlq-topic"
+	headerPartition = "idem-dlq-partition"
+	headerOffset    = "idem-dlq-offset"
+	// headerAttempts is how many times the handler ran on the record in its
 	// last delivery: the Consumer's in-place retries, or the attempts of a
 	// consumer.Retry middleware that gave up when that is more.
-	HeaderAttempts = "idem-dlq-attempts"
-	// HeaderGroup is the consumer group that dead-lettered the record.
-	HeaderGroup = "idem-dlq-group"
+	headerAttempts = "idem-dlq-attempts"
+	// headerGroup is the consumer group that dead-lettered the record.
+	headerGroup = "idem-dlq-group"
 	// HeaderID is the dead letter's own message id,
 	// "topic/partition/offset" of the original record: the same each time
 	// that record is dead-lettered. A record can be dead-lettered twice
 	// (a crash or a rebalance after the dead-letter write and before the
 	// offset commit), so a consumer of the dead-letter topic deduplicates
-	// with idem on this id: a Consumer with Options.IDHeader set to
+	// with idem on this id: a Consumer with ConsumerOptions.IDHeader set to
 	// HeaderID. (Two groups that dead-letter the same record to one topic
 	// share the id; give each group its own dead-letter topic, or add
-	// HeaderGroup to the id with Options.IDFunc.)
+	// idem-dlq-group to the id with ConsumerOptions.IDFunc.)
 	HeaderID = "idem-dlq-id"
 )
 
@@ -56,7 +57,7 @@ const maxErrorHeader = 4 << 10
 // answer that the dead-letter topic does not exist: a poison record could
 // not be parked and would stop its partition, so the Consumer does not
 // start. Create the topic, or name an existing one in
-// Options.DeadLetterTopic (or DeadLetterWriter.Topic). A DeadLetterWriter
+// ConsumerOptions.DeadLetterTopic (or DeadLetterWriter.Topic). A DeadLetterWriter
 // with AllowAutoTopicCreation set is not checked.
 var ErrDeadLetterTopicMissing = errors.New("kafka: the dead-letter topic does not exist")
 
@@ -75,7 +76,7 @@ func (c *Consumer) checkDeadLetterTopic(ctx context.Context) error {
 				switch {
 				case t.Name != c.dlqTopic:
 				case errors.Is(t.Error, kafkago.UnknownTopicOrPartition):
-					return fmt.Errorf("%w: %q: create it (kafka-topics.sh --create --topic %s) or set Options.DeadLetterTopic to a topic that exists; poison records of group %q are parked there: %w",
+					return fmt.Errorf("%w: %q: create it (kafka-topics.sh --create --topic %s) or set ConsumerOptions.DeadLetterTopic to a topic that exists; poison records of group %q are parked there: %w",
 						ErrDeadLetterTopicMissing, c.dlqTopic, c.dlqTopic, c.group, t.Error)
 				case t.Error != nil:
 					err = t.Error
@@ -113,7 +114,7 @@ func deadLetterAttempts(attempts int, r consumer.Result) int {
 func (c *Consumer) deadLetterRecord(km *kafkago.Message, attempts int, r consumer.Result) kafkago.Message {
 	hs := make([]kafkago.Header, 0, len(km.Headers)+8)
 	for _, h := range km.Headers {
-		if !strings.HasPrefix(h.Key, HeaderDeadLetter) {
+		if !strings.HasPrefix(h.Key, headerDeadLetter) {
 			hs = append(hs, h)
 		}
 	}
@@ -126,16 +127,16 @@ func (c *Consumer) deadLetterRecord(km *kafkago.Message, attempts int, r consume
 	}
 	reason := string(r.Reason)
 	if reason == "" {
-		reason = string(consumer.ReasonPermanent)
+		reason = string(consumer.OutcomePermanent)
 	}
 	hs = append(hs,
 		kafkago.Header{Key: HeaderReason, Value: []byte(reason)},
-		kafkago.Header{Key: HeaderError, Value: []byte(errText)},
-		kafkago.Header{Key: HeaderTopic, Value: []byte(km.Topic)},
-		kafkago.Header{Key: HeaderPartition, Value: []byte(strconv.Itoa(km.Partition))},
-		kafkago.Header{Key: HeaderOffset, Value: []byte(strconv.FormatInt(km.Offset, 10))},
-		kafkago.Header{Key: HeaderAttempts, Value: []byte(strconv.Itoa(attempts))},
-		kafkago.Header{Key: HeaderGroup, Value: []byte(c.group)},
+		kafkago.Header{Key: headerError, Value: []byte(errText)},
+		kafkago.Header{Key: headerTopic, Value: []byte(km.Topic)},
+		kafkago.Header{Key: headerPartition, Value: []byte(strconv.Itoa(km.Partition))},
+		kafkago.Header{Key: headerOffset, Value: []byte(strconv.FormatInt(km.Offset, 10))},
+		kafkago.Header{Key: headerAttempts, Value: []byte(strconv.Itoa(attempts))},
+		kafkago.Header{Key: headerGroup, Value: []byte(c.group)},
 		kafkago.Header{Key: HeaderID, Value: []byte(offsetID(km.Topic, km.Partition, km.Offset))},
 	)
 	out := kafkago.Message{Key: km.Key, Value: km.Value, Headers: hs}

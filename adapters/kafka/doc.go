@@ -6,19 +6,19 @@
 //
 // NewConsumer takes the kafkago.ReaderConfig a kafka-go user already has
 // (Brokers, GroupID, Topic or GroupTopics, Dialer, group and fetch
-// settings), a consumer.Handler and Options:
+// settings), a consumer.Handler and ConsumerOptions:
 //
 //	dd, _ := consumer.Dedup(store, consumer.DedupOptions{Scope: "billing/charge-card"})
 //	c, _ := idemkafka.NewConsumer(kafkago.ReaderConfig{
 //		Brokers: []string{"localhost:9092"},
 //		GroupID: "billing",
 //		Topic:   "payments",
-//	}, consumer.Chain(charge, consumer.Recover(), dd), idemkafka.Options{DeadLetterTopic: "payments.dlq"})
+//	}, consumer.Chain(charge, consumer.Recover(), dd), idemkafka.ConsumerOptions{DeadLetterTopic: "payments.dlq"})
 //	err := c.Run(ctx) // until ctx is done
 //
 // Partitions are consumed in parallel, each by a partition Reader seeked to
 // its start position. Within a partition records are handled one after
-// another in offset order (Options.Workers = 1, the default), or by key with
+// another in offset order (ConsumerOptions.Workers = 1, the default), or by key with
 // several workers: records with the same key in order, different keys in
 // parallel.
 //
@@ -30,32 +30,45 @@
 // contiguous-done watermark: the oldest record not done yet, so it never
 // passes unfinished work, whatever order records finish in (a slow record
 // at offset 5 holds the commit at 5 while 6–100 finish). Commits are batched:
-// every Options.CommitEvery records done and every Options.CommitInterval.
+// every ConsumerOptions.CommitEvery records done and every ConsumerOptions.CommitInterval.
 //
 // The Consumer acts on consumer.Process's Result:
 //
 //   - ActionAck: the record is done.
 //   - ActionRetry (transient errors, an unavailable store, a key in flight
 //     elsewhere): the record is run again in place after a backoff
-//     (Options.RetryInitial doubling to RetryMax, at least Result.RetryAfter
+//     (ConsumerOptions.RetryInitial doubling to RetryMax, at least Result.RetryAfter
 //     up to RetryMax), as long as the Consumer runs. Nothing is skipped: the
 //     partition waits, so its order holds. Put a consumer.Retry middleware in
 //     the chain to turn endless failures into retries_exhausted dead letters.
 //   - ActionDeadLetter (consumer.Permanent errors, panics caught by
 //     consumer.Recover, fingerprint mismatches, invalid ids, exhausted
 //     retries): the record is published to the dead-letter topic, with its
-//     key, value and headers and the headers HeaderReason, HeaderError,
-//     HeaderTopic, HeaderPartition, HeaderOffset, HeaderAttempts,
-//     HeaderGroup and HeaderID. Only once the write is confirmed (all
-//     in-sync replicas) is the record done; until then the partition retries
-//     the write. A poison record never stops its partition. The dead-letter
-//     topic must exist: Run checks it before it consumes.
+//     key, value and headers and the dead-letter headers below. Only once
+//     the write is confirmed (all in-sync replicas) is the record done;
+//     until then the partition retries the write. A poison record never
+//     stops its partition. The dead-letter topic must exist: Run checks it
+//     before it consumes.
+//
+// The dead-letter headers (those from an earlier dead-lettering, starting
+// with "idem-dlq-", are replaced):
+//
+//   - idem-dlq-reason (HeaderReason): why, a consumer.Outcome: permanent,
+//     panic, fingerprint_mismatch, invalid_key, retries_exhausted;
+//   - idem-dlq-error: the error's text, cut at 4 KiB;
+//   - idem-dlq-topic, idem-dlq-partition, idem-dlq-offset: where the
+//     original record is;
+//   - idem-dlq-attempts: how many times the handler ran on the record in
+//     its last delivery (the Consumer's in-place retries, or the attempts
+//     of a consumer.Retry middleware that gave up when that is more);
+//   - idem-dlq-group: the consumer group that dead-lettered it;
+//   - idem-dlq-id (HeaderID): the dead letter's own message id.
 //
 // A crash or a rebalance between the dead-letter write and the offset
 // commit dead-letters the record again. Every dead letter of one record
 // carries the same HeaderID, "topic/partition/offset" of the record, so
 // the consumer of the dead-letter topic deduplicates them with idem itself:
-// a Consumer on the dead-letter topic with Options.IDHeader set to HeaderID
+// a Consumer on the dead-letter topic with ConsumerOptions.IDHeader set to HeaderID
 // and a consumer.Dedup (or Transactional) in its chain handles each poison
 // record once. A BatchHandler's records without a valid id are
 // dead-lettered after their batch, so a rebalance that cancels the batch
@@ -63,17 +76,18 @@
 //
 // # Message ids
 //
-// The id half of the dedup key is read from a header, Options.IDHeader
+// The id half of the dedup key is read from a header, ConsumerOptions.IDHeader
 // (default outbox.HeaderMessageID, which the outbox publishers set). A record
-// without it, or with an id that is empty, longer than Options.MaxIDLen or
-// holds control bytes, is dead-lettered with consumer.ReasonInvalidKey
-// without reaching the handler. Options.OffsetID instead gives such a record
+// without it, or with an id that is empty, longer than ConsumerOptions.MaxIDLen or
+// holds control bytes, is dead-lettered with consumer.OutcomeInvalidKey
+// without reaching the handler. ConsumerOptions.OffsetID instead gives such a record
 // the id "topic/partition/offset": that catches the broker delivering the same
 // record again, never a producer publishing the same message twice (two
-// records, two offsets, two ids). Options.IDFunc takes the id from anywhere
+// records, two offsets, two ids). ConsumerOptions.IDFunc takes the id from anywhere
 // else in the record. The handler sees the key, value, headers,
 // topic and timestamp in consumer.Message, the partition, offset and group in
-// Message.Metadata (MetadataPartition, MetadataOffset, MetadataGroup).
+// Message.Metadata: "kafka.partition" and "kafka.offset" (in decimal) and
+// "kafka.group".
 //
 // # Your own kafka-go loop
 //
@@ -110,7 +124,7 @@
 // commits through Generation.CommitOffsets, which carries the generation id.
 // When the generation ends (a member joins or leaves, the coordinator moves,
 // or Run's context is done), the Consumer stops fetching, gives running
-// handlers Options.ShutdownTimeout to finish and then cancels their context,
+// handlers ConsumerOptions.ShutdownTimeout to finish and then cancels their context,
 // abandons records not started, commits what is done through the ending
 // generation, and returns. kafka-go joins the next generation only after
 // that, so no offset is ever committed through another generation than the
@@ -127,8 +141,8 @@
 //
 // # Batches and offsets in PostgreSQL
 //
-// NewBatchConsumer runs a BatchHandler over up to Options.BatchSize records
-// of a partition at a time, and Options.Offsets keeps the group's positions
+// NewBatchConsumer runs a BatchHandler over up to ConsumerOptions.BatchSize records
+// of a partition at a time, and ConsumerOptions.Offsets keeps the group's positions
 // in an OffsetStore, from which assigned partitions are consumed. PositionAfter
 // tells a handler what to store. The kafkapg package implements both on
 // PostgreSQL: a batch claim in one transaction, and offsets written in the
@@ -141,7 +155,7 @@
 // Each handler run has an OpenTelemetry consumer span, "process <topic>",
 // whose parent is the trace context in the record's headers (the W3C
 // traceparent the outbox stored at Enqueue time and the Publisher sent),
-// read through Options.Propagator and HeaderCarrier. The handler chain runs
+// read through ConsumerOptions.Propagator and HeaderCarrier. The handler chain runs
 // in the span's context, so the claim, handle and commit spans of
 // consumer.Dedup and consumer.Transactional are its children, and a handler
 // that enqueues to the outbox passes the trace on. A BatchHandler call has

@@ -13,6 +13,7 @@ import (
 	kafkago "github.com/segmentio/kafka-go"
 
 	"github.com/idemkit/idem/internal/testkit/kafkatest"
+	"github.com/idemkit/idem/internal/testkit/testenv"
 	"github.com/idemkit/idem/outbox"
 )
 
@@ -219,17 +220,11 @@ func (w tWriter) Write(p []byte) (int, error) {
 	return len(p), nil
 }
 
-// eventually polls cond every 20ms until it holds, failing the test after
-// limit. It bounds a wait, it does not measure one.
+// eventually polls cond until it holds, failing the test after limit. It
+// bounds a wait, it does not measure one.
 func eventually(t testing.TB, limit time.Duration, what string, cond func() bool) {
 	t.Helper()
-	deadline := time.Now().Add(limit)
-	for !cond() {
-		if time.Now().After(deadline) {
-			t.Fatalf("gave up waiting after %v: %s", limit, what)
-		}
-		time.Sleep(20 * time.Millisecond)
-	}
+	testenv.Eventually(t, limit, what, cond)
 }
 
 // running runs c until the test ends (or stop is called) and fails the test

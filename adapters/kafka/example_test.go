@@ -72,7 +72,7 @@ func Example() {
 		Brokers: brokers,
 		GroupID: "billing",
 		Topic:   "payments",
-	}, consumer.Chain(charge, consumer.Recover(), dd), idemkafka.Options{
+	}, consumer.Chain(charge, consumer.Recover(), dd), idemkafka.ConsumerOptions{
 		DeadLetterTopic: "payments.dlq",
 		OnResult: func(_ context.Context, msg *consumer.Message, r consumer.Result) {
 			if r.Duplicate {
@@ -149,7 +149,7 @@ func ExampleMessageFrom() {
 			panic(err)
 		}
 		msg, err := idemkafka.MessageFrom(&km, idemkafka.MessageOptions{Group: "billing"})
-		res := consumer.Result{Action: consumer.ActionDeadLetter, Reason: consumer.ReasonInvalidKey, Err: err}
+		res := consumer.Result{Action: consumer.ActionDeadLetter, Reason: consumer.OutcomeInvalidKey, Err: err}
 		for err == nil {
 			if res = consumer.Process(ctx, h, msg); res.Action != consumer.ActionRetry {
 				break

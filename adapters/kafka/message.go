@@ -15,12 +15,12 @@ import (
 
 // Metadata keys the Consumer sets on consumer.Message.Metadata.
 const (
-	// MetadataPartition is the partition number, in decimal.
-	MetadataPartition = "kafka.partition"
-	// MetadataOffset is the record's offset, in decimal.
-	MetadataOffset = "kafka.offset"
-	// MetadataGroup is the consumer group.
-	MetadataGroup = "kafka.group"
+	// metadataPartition is the partition number, in decimal.
+	metadataPartition = "kafka.partition"
+	// metadataOffset is the record's offset, in decimal.
+	metadataOffset = "kafka.offset"
+	// metadataGroup is the consumer group.
+	metadataGroup = "kafka.group"
 )
 
 // idScope stands in for the scope when a message id is validated: the
@@ -28,14 +28,14 @@ const (
 const idScope = "kafka"
 
 // MessageOptions configure MessageFrom: how a record's id is found, as the
-// Consumer's Options say. The zero value is usable.
+// Consumer's ConsumerOptions say. The zero value is usable.
 type MessageOptions struct {
 	// IDHeader names the header that carries the message id. Defaults to
 	// outbox.HeaderMessageID, which the outbox publishers set. (For
 	// records of the CloudEvents Kafka binding, set it to "ce_id".)
 	IDHeader string
 	// OffsetID gives a record without the IDHeader header the id
-	// "topic/partition/offset"; see Options.OffsetID for what such an id
+	// "topic/partition/offset"; see ConsumerOptions.OffsetID for what such an id
 	// catches. Defaults to false: such a record is an error.
 	OffsetID bool
 	// IDFunc, if set, returns the id instead of IDHeader and OffsetID.
@@ -43,14 +43,16 @@ type MessageOptions struct {
 	// MaxIDLen limits the id, in bytes. Defaults to
 	// dedup.DefaultMaxKeyLen.
 	MaxIDLen int
-	// Group, if set, is stored in Metadata[MetadataGroup].
+	// Group, if set, is stored in Metadata["kafka.group"].
 	Group string
 }
 
 // MessageFrom turns a record fetched by the application's own kafka-go
 // loop into the consumer.Message that idem's handlers take, as the Consumer
 // does: key, value, topic, timestamp and headers (a repeated header: the
-// last one), the partition, offset and group in Metadata, and the id from
+// last one), the partition and offset in Metadata["kafka.partition"] and
+// Metadata["kafka.offset"] (in decimal) and the group in
+// Metadata["kafka.group"], and the id from
 // opts (by default the outbox.HeaderMessageID header).
 //
 // A negative opts.MaxIDLen is a configuration error: MessageFrom then
@@ -58,7 +60,7 @@ type MessageOptions struct {
 // dedup.ErrInvalidKey: the record has no usable id (none, empty, too long,
 // control bytes, or IDFunc failed). The message is returned all the same, without an id, for the dead-letter
 // path: treat the record as consumer.ActionDeadLetter with
-// consumer.ReasonInvalidKey, never run the handler on it. See the example
+// consumer.OutcomeInvalidKey, never run the handler on it. See the example
 // for the loop around it.
 func MessageFrom(km *kafkago.Message, opts MessageOptions) (*consumer.Message, error) {
 	if opts.MaxIDLen < 0 {
@@ -73,9 +75,9 @@ func MessageFrom(km *kafkago.Message, opts MessageOptions) (*consumer.Message, e
 	return toMessage(km, strconv.Itoa(km.Partition), &opts)
 }
 
-// messageOptions are the Consumer's MessageOptions (its Options with the
+// messageOptions are the Consumer's MessageOptions (its ConsumerOptions with the
 // defaults filled in).
-func (o *Options) messageOptions(group string) MessageOptions {
+func (o *ConsumerOptions) messageOptions(group string) MessageOptions {
 	return MessageOptions{IDHeader: o.IDHeader, OffsetID: o.OffsetID, IDFunc: o.IDFunc, MaxIDLen: o.MaxIDLen, Group: group}
 }
 
@@ -94,12 +96,12 @@ func toMessage(km *kafkago.Message, partStr string, opts *MessageOptions) (*cons
 		Topic:   km.Topic,
 		Time:    km.Time,
 		Metadata: map[string]string{
-			MetadataPartition: partStr,
-			MetadataOffset:    strconv.FormatInt(km.Offset, 10),
+			metadataPartition: partStr,
+			metadataOffset:    strconv.FormatInt(km.Offset, 10),
 		},
 	}
 	if opts.Group != "" {
-		msg.Metadata[MetadataGroup] = opts.Group
+		msg.Metadata[metadataGroup] = opts.Group
 	}
 	if len(km.Headers) > 0 {
 		msg.Headers = make(map[string]string, len(km.Headers))
@@ -123,7 +125,7 @@ func toMessage(km *kafkago.Message, partStr string, opts *MessageOptions) (*cons
 		id, ok = offsetID(km.Topic, km.Partition, km.Offset), true
 	}
 	if !ok {
-		return msg, fmt.Errorf("kafka: record %s/%d@%d has no %q header (the producer sets it; see Options.IDHeader and Options.OffsetID): %w",
+		return msg, fmt.Errorf("kafka: record %s/%d@%d has no %q header (the producer sets it; see ConsumerOptions.IDHeader and ConsumerOptions.OffsetID): %w",
 			km.Topic, km.Partition, km.Offset, opts.IDHeader, dedup.ErrInvalidKey)
 	}
 	msg.ID = id
@@ -133,7 +135,7 @@ func toMessage(km *kafkago.Message, partStr string, opts *MessageOptions) (*cons
 	return msg, nil
 }
 
-// offsetID is the fallback id of Options.OffsetID.
+// offsetID is the fallback id of ConsumerOptions.OffsetID.
 func offsetID(topic string, partition int, offset int64) string {
 	return topic + "/" + strconv.Itoa(partition) + "/" + strconv.FormatInt(offset, 10)
 }
@@ -151,7 +153,7 @@ type Position struct {
 type handlingKey struct{}
 
 // handling is what PositionAfter needs: the partition and the records handed
-// to the current HandleBatch or Handle call.
+// to the current BatchHandler or Handler call.
 type handling struct {
 	p     *partition
 	items []*item
@@ -166,7 +168,7 @@ type handling struct {
 // A handler that stores the position in the transaction of its effect (see
 // the kafkapg package) calls it just before committing: if the transaction
 // commits, the position is exact or behind, never ahead of unfinished work.
-// With Options.Workers at 1 the position after a message is its offset + 1.
+// With ConsumerOptions.Workers at 1 the position after a message is its offset + 1.
 //
 // ok is false outside a Consumer's handler, or when one of msgs was not
 // handed to the current call. Call it only while the call runs.

@@ -20,7 +20,7 @@ func FuzzMessage(f *testing.F) {
 	f.Add("nope", "id", outbox.HeaderMessageID, "a\x00b", true)
 	f.Add(outbox.HeaderMessageID, "\xff\xfe", outbox.HeaderMessageID, "ok", false)
 	f.Fuzz(func(t *testing.T, k1, v1, k2, v2 string, offsetID bool) {
-		opts := Options{OffsetID: offsetID}
+		opts := ConsumerOptions{OffsetID: offsetID}
 		if err := opts.setDefaults(1, 1); err != nil {
 			t.Fatal(err)
 		}

@@ -70,7 +70,7 @@ func TestKeyWorkers(t *testing.T) {
 		handled.Add(1)
 		return nil
 	})
-	c, err := idemkafka.NewConsumer(k.readerConfig(group, topic), h, idemkafka.Options{
+	c, err := idemkafka.NewConsumer(k.readerConfig(group, topic), h, idemkafka.ConsumerOptions{
 		Workers:         4,
 		CommitInterval:  20 * time.Millisecond,
 		DeadLetterTopic: k.dlq(t, topic),
@@ -128,7 +128,7 @@ func TestBatchConsumer(t *testing.T) {
 		positions int
 	)
 	errPoison := errors.New("cannot parse")
-	bh := idemkafka.BatchHandlerFunc(func(ctx context.Context, msgs []*consumer.Message) error {
+	bh := idemkafka.BatchHandler(func(ctx context.Context, msgs []*consumer.Message) error {
 		mu.Lock()
 		defer mu.Unlock()
 		sizes = append(sizes, len(msgs))
@@ -148,7 +148,7 @@ func TestBatchConsumer(t *testing.T) {
 			case "poison-in-batch":
 				be.Errs[i] = consumer.Permanent(errPoison)
 			case "dup":
-				be.Errs[i] = dedup.Duplicate(dedup.Key{Scope: "s", ID: m.ID}, nil)
+				be.Errs[i] = &dedup.ClaimError{Err: dedup.ErrDuplicate, Key: dedup.Key{Scope: "s", ID: m.ID}}
 				ok = append(ok, m)
 			default:
 				ok = append(ok, m)
@@ -169,7 +169,7 @@ func TestBatchConsumer(t *testing.T) {
 		}
 		return nil
 	})
-	c, err := idemkafka.NewBatchConsumer(k.readerConfig(group, topic), bh, idemkafka.Options{
+	c, err := idemkafka.NewBatchConsumer(k.readerConfig(group, topic), bh, idemkafka.ConsumerOptions{
 		BatchSize:       16,
 		DeadLetterTopic: dlq,
 		Logger:          testLogger(t),
@@ -218,7 +218,7 @@ func TestBatchConsumer(t *testing.T) {
 			}
 		}
 	}
-	if reasons[string(consumer.ReasonPermanent)] != 4 || len(reasons) != 1 {
+	if reasons[string(consumer.OutcomePermanent)] != 4 || len(reasons) != 1 {
 		t.Errorf("dead letters by reason %v, want 4 permanent", reasons)
 	}
 }
@@ -259,7 +259,7 @@ func TestBatchDeadLettersOnce(t *testing.T) {
 	// short, and fails.
 	queued, cut := make(chan struct{}), make(chan struct{})
 	var cutOnce sync.Once
-	bhA := idemkafka.BatchHandlerFunc(func(ctx context.Context, msgs []*consumer.Message) error {
+	bhA := idemkafka.BatchHandler(func(ctx context.Context, msgs []*consumer.Message) error {
 		for i := 1; i < len(msgs); i++ {
 			if offsetOf(t, msgs[i]) != offsetOf(t, msgs[i-1])+1 {
 				cutOnce.Do(func() { close(cut) })
@@ -274,7 +274,7 @@ func TestBatchDeadLettersOnce(t *testing.T) {
 			return ctx.Err()
 		}
 	})
-	opts := idemkafka.Options{
+	opts := idemkafka.ConsumerOptions{
 		DeadLetterTopic: dlq,
 		CommitInterval:  20 * time.Millisecond,
 		ShutdownTimeout: 100 * time.Millisecond,
@@ -299,7 +299,7 @@ func TestBatchDeadLettersOnce(t *testing.T) {
 
 	// Member B finishes the partition.
 	var handled atomic.Int64
-	b, err := idemkafka.NewBatchConsumer(k.readerConfig(group, topic), idemkafka.BatchHandlerFunc(func(_ context.Context, msgs []*consumer.Message) error {
+	b, err := idemkafka.NewBatchConsumer(k.readerConfig(group, topic), idemkafka.BatchHandler(func(_ context.Context, msgs []*consumer.Message) error {
 		handled.Add(int64(len(msgs)))
 		return nil
 	}), opts)

@@ -18,9 +18,9 @@ import (
 	"github.com/idemkit/idem/outbox"
 )
 
-// Options configure a Consumer. Only the dead-letter topic is required:
+// ConsumerOptions configure a Consumer. Only the dead-letter topic is required:
 // DeadLetterTopic, or a DeadLetterWriter whose Topic is set.
-type Options struct {
+type ConsumerOptions struct {
 	// IDHeader names the header that carries the producer-assigned message
 	// id, the id half of the dedup key. Defaults to outbox.HeaderMessageID,
 	// which the outbox publishers set.
@@ -30,16 +30,16 @@ type Options struct {
 	// delivering the same record again (a crash or a rebalance before the
 	// commit), never a producer that sends the same message twice: that is
 	// two records at two offsets, with two ids. Defaults to false: a record
-	// without an id is dead-lettered with consumer.ReasonInvalidKey.
+	// without an id is dead-lettered with consumer.OutcomeInvalidKey.
 	OffsetID bool
 	// IDFunc, if set, returns a record's id instead of the IDHeader header
 	// and OffsetID: for an id carried elsewhere, a field of the payload for
 	// example. An error, or an empty or malformed id, dead-letters the
-	// record with consumer.ReasonInvalidKey. It must be safe for concurrent
+	// record with consumer.OutcomeInvalidKey. It must be safe for concurrent
 	// use.
 	IDFunc func(km *kafkago.Message) (string, error)
 	// MaxIDLen limits the id, in bytes; a longer one is dead-lettered with
-	// consumer.ReasonInvalidKey. Defaults to dedup.DefaultMaxKeyLen.
+	// consumer.OutcomeInvalidKey. Defaults to dedup.DefaultMaxKeyLen.
 	MaxIDLen int
 
 	// Workers is how many records of one partition are handled at once.
@@ -50,7 +50,7 @@ type Options struct {
 	// moves only past records whose every predecessor is done. Partitions
 	// are always handled in parallel. Must be 1 with a BatchHandler.
 	Workers int
-	// BatchSize caps the records handed to one HandleBatch call (a
+	// BatchSize caps the records handed to one BatchHandler call (a
 	// BatchHandler only): the records already fetched, never waiting for
 	// more. Defaults to 100.
 	BatchSize int
@@ -140,7 +140,7 @@ type Options struct {
 }
 
 // OffsetStore keeps a consumer group's positions outside Kafka; see
-// Options.Offsets. kafkapg.Offsets keeps them in PostgreSQL.
+// ConsumerOptions.Offsets. kafkapg.Offsets keeps them in PostgreSQL.
 type OffsetStore interface {
 	// LoadOffsets returns the stored position of each of partitions of
 	// topic; a partition with nothing stored is absent from the map.
@@ -150,7 +150,7 @@ type OffsetStore interface {
 	SaveOffsets(ctx context.Context, group string, offsets map[string]map[int]int64) error
 }
 
-func (o *Options) setDefaults(session, rebalance time.Duration) error {
+func (o *ConsumerOptions) setDefaults(session, rebalance time.Duration) error {
 	ints := []struct {
 		name string
 		v    *int
@@ -164,7 +164,7 @@ func (o *Options) setDefaults(session, rebalance time.Duration) error {
 	}
 	for _, f := range ints {
 		if *f.v < 0 {
-			return fmt.Errorf("kafka: Options.%s is %d; it must be positive (or zero for %d)", f.name, *f.v, f.def)
+			return fmt.Errorf("kafka: ConsumerOptions.%s is %d; it must be positive (or zero for %d)", f.name, *f.v, f.def)
 		}
 		if *f.v == 0 {
 			*f.v = f.def
@@ -182,17 +182,17 @@ func (o *Options) setDefaults(session, rebalance time.Duration) error {
 	}
 	for _, f := range durs {
 		if *f.v < 0 {
-			return fmt.Errorf("kafka: Options.%s is %v; it must be positive (or zero for %v)", f.name, *f.v, f.def)
+			return fmt.Errorf("kafka: ConsumerOptions.%s is %v; it must be positive (or zero for %v)", f.name, *f.v, f.def)
 		}
 		if *f.v == 0 {
 			*f.v = f.def
 		}
 	}
 	if o.RetryInitial > o.RetryMax {
-		return fmt.Errorf("kafka: Options.RetryInitial (%v) is greater than RetryMax (%v)", o.RetryInitial, o.RetryMax)
+		return fmt.Errorf("kafka: ConsumerOptions.RetryInitial (%v) is greater than RetryMax (%v)", o.RetryInitial, o.RetryMax)
 	}
 	if o.MaxInFlight < o.Workers {
-		return fmt.Errorf("kafka: Options.MaxInFlight (%d) is less than Workers (%d)", o.MaxInFlight, o.Workers)
+		return fmt.Errorf("kafka: ConsumerOptions.MaxInFlight (%d) is less than Workers (%d)", o.MaxInFlight, o.Workers)
 	}
 	if o.IDHeader == "" {
 		o.IDHeader = outbox.HeaderMessageID
@@ -219,4 +219,4 @@ func checkWriter(field string, w *kafkago.Writer) error {
 	return nil
 }
 
-var errNoDeadLetterTopic = errors.New("kafka: Options.DeadLetterTopic is required: poison records are published there, then committed past, so that they never stop their partition")
+var errNoDeadLetterTopic = errors.New("kafka: ConsumerOptions.DeadLetterTopic is required: poison records are published there, then committed past, so that they never stop their partition")

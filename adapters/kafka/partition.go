@@ -25,7 +25,7 @@ type item struct {
 
 // partition consumes one assigned partition for the length of a generation:
 // a fetch loop that runs each record itself (one worker, consumer.Handler),
-// or feeds Options.Workers workers (several workers, or a BatchHandler); and
+// or feeds ConsumerOptions.Workers workers (several workers, or a BatchHandler); and
 // a commit tracker.
 type partition struct {
 	c     *Consumer
@@ -197,7 +197,7 @@ gather:
 
 // runOne runs one record until it is done (acknowledged or dead-lettered) or
 // abandoned (stop done while it waits for a retry or a dead-letter write).
-// Each run has its consumer span (see Options.TracerProvider) and verdict.
+// Each run has its consumer span (see ConsumerOptions.TracerProvider) and verdict.
 func (p *partition) runOne(stop context.Context, rn *runner, it *item, attempt int) {
 	msg, idErr := p.mapped(it)
 	ctx := rn.single(it)
@@ -206,7 +206,7 @@ func (p *partition) runOne(stop context.Context, rn *runner, it *item, attempt i
 		msg.Attempt = attempt
 		var r consumer.Result
 		if idErr != nil {
-			r = consumer.Result{Action: consumer.ActionDeadLetter, Reason: consumer.ReasonInvalidKey, Err: idErr}
+			r = consumer.Result{Action: consumer.ActionDeadLetter, Reason: consumer.OutcomeInvalidKey, Err: idErr}
 		} else {
 			r = p.process(hctx, msg)
 		}
@@ -258,7 +258,7 @@ func (p *partition) process(ctx context.Context, msg *consumer.Message) consumer
 	if p.c.h != nil {
 		return consumer.Process(ctx, p.c.h, msg)
 	}
-	err := p.c.bh.HandleBatch(ctx, []*consumer.Message{msg})
+	err := p.c.bh(ctx, []*consumer.Message{msg})
 	var be *BatchError
 	if errors.As(err, &be) {
 		err = be.Errs[0]
@@ -271,7 +271,7 @@ func (p *partition) process(ctx context.Context, msg *consumer.Message) consumer
 func decide(ctx context.Context, err error) consumer.Result {
 	r := consumer.Decide(err)
 	if r.Action == consumer.ActionDeadLetter && ctx.Err() != nil {
-		r = consumer.Result{Action: consumer.ActionRetry, Reason: consumer.ReasonTransient, Err: err}
+		r = consumer.Result{Action: consumer.ActionRetry, Reason: consumer.OutcomeTransient, Err: err}
 	}
 	return r
 }
@@ -370,7 +370,7 @@ func (p *partition) runBatchHandler(stop context.Context, rn *runner, valid []*i
 		it.msg.Attempt = 1
 		msgs[i] = it.msg
 	}
-	err := p.c.bh.HandleBatch(ctx, msgs)
+	err := p.c.bh(ctx, msgs)
 	var be *BatchError
 	switch {
 	case err == nil:

@@ -89,7 +89,7 @@ func TestRebalance(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		c, err := idemkafka.NewConsumer(k.readerConfig(group, topic), h, idemkafka.Options{
+		c, err := idemkafka.NewConsumer(k.readerConfig(group, topic), h, idemkafka.ConsumerOptions{
 			CommitEvery:     20,
 			CommitInterval:  50 * time.Millisecond,
 			DeadLetterTopic: dlq,
@@ -197,7 +197,7 @@ func TestOffsetsInPostgresReachKafka(t *testing.T) {
 	// session or the rebalance times out.
 	cfg.SessionTimeout, cfg.RebalanceTimeout, cfg.HeartbeatInterval = time.Second, 2*time.Second, 100*time.Millisecond
 	var acked atomic.Int64
-	opts := idemkafka.Options{
+	opts := idemkafka.ConsumerOptions{
 		Offsets:         offsets,
 		DeadLetterTopic: dlq,
 		// No Kafka commit while records are handled: only the

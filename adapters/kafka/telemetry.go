@@ -57,7 +57,7 @@ func (p *partition) startAttempt(ctx context.Context, it *item) (context.Context
 	return ctx, attemptTel{start: start, end: end}
 }
 
-// startBatch starts the span of one HandleBatch call: a consumer span with
+// startBatch starts the span of one BatchHandler call: a consumer span with
 // a link to the trace of each record (a batch has no single parent).
 func (p *partition) startBatch(ctx context.Context, items []*item) (context.Context, attemptTel) {
 	start := time.Now()
@@ -118,7 +118,7 @@ func verdictOf(r consumer.Result, parked bool) (result, reason string) {
 	case r.Action == consumer.ActionAck:
 		return resultAck, ""
 	case r.Action == consumer.ActionDeadLetter && parked:
-		return resultDeadLetter, string(cmp.Or(r.Reason, consumer.ReasonPermanent))
+		return resultDeadLetter, string(cmp.Or(r.Reason, consumer.OutcomePermanent))
 	}
 	return resultRetry, ""
 }

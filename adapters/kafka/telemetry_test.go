@@ -80,7 +80,7 @@ func TestConsumerContinuesOutboxTrace(t *testing.T) {
 		handlerTrace.Store(trace.SpanContextFromContext(ctx))
 		return nil
 	}), dd)
-	c, err := idemkafka.NewConsumer(k.readerConfig(testenv.Name("g"), topic), h, idemkafka.Options{
+	c, err := idemkafka.NewConsumer(k.readerConfig(testenv.Name("g"), topic), h, idemkafka.ConsumerOptions{
 		DeadLetterTopic: k.dlq(t, topic),
 		TracerProvider:  spans,
 		Logger:          testLogger(t),
@@ -144,7 +144,7 @@ func TestConsumerMetricsByVerdict(t *testing.T) {
 		return nil
 	})
 	var logs telemetrytest.LogBuffer
-	c, err := idemkafka.NewConsumer(k.readerConfig(testenv.Name("g"), topic), h, idemkafka.Options{
+	c, err := idemkafka.NewConsumer(k.readerConfig(testenv.Name("g"), topic), h, idemkafka.ConsumerOptions{
 		DeadLetterTopic: dlq,
 		MeterProvider:   mp,
 		RetryInitial:    time.Millisecond,
@@ -160,8 +160,8 @@ func TestConsumerMetricsByVerdict(t *testing.T) {
 	mp.CheckVerdicts("kafka", topic, 5,
 		telemetrytest.Verdict{Result: "ack", Want: 2},
 		telemetrytest.Verdict{Result: "retry", Want: 1},
-		telemetrytest.Verdict{Result: "dead_letter", Reason: string(consumer.ReasonPermanent), Want: 1},
-		telemetrytest.Verdict{Result: "dead_letter", Reason: string(consumer.ReasonInvalidKey), Want: 1})
+		telemetrytest.Verdict{Result: "dead_letter", Reason: string(consumer.OutcomePermanent), Want: 1},
+		telemetrytest.Verdict{Result: "dead_letter", Reason: string(consumer.OutcomeInvalidKey), Want: 1})
 	mp.NoValueContains("secret-")
 	eventually(t, 10*time.Second, "the dead-letter log lines", func() bool {
 		return strings.Count(logs.String(), "record dead-lettered") == 2
@@ -194,14 +194,14 @@ func TestBatchConsumerLinksTraces(t *testing.T) {
 	// The batch handler waits until every record is fetched, so that they
 	// arrive as one batch.
 	var calls atomic.Int64
-	bh := idemkafka.BatchHandlerFunc(func(ctx context.Context, msgs []*consumer.Message) error {
+	bh := idemkafka.BatchHandler(func(ctx context.Context, msgs []*consumer.Message) error {
 		calls.Add(1)
 		if !trace.SpanFromContext(ctx).SpanContext().IsValid() {
 			return errors.New("no span in the batch's context")
 		}
 		return nil
 	})
-	c, err := idemkafka.NewBatchConsumer(k.readerConfig(testenv.Name("g"), topic), bh, idemkafka.Options{
+	c, err := idemkafka.NewBatchConsumer(k.readerConfig(testenv.Name("g"), topic), bh, idemkafka.ConsumerOptions{
 		DeadLetterTopic: k.dlq(t, topic),
 		TracerProvider:  spans,
 		MeterProvider:   mp,
@@ -244,7 +244,7 @@ func TestBatchConsumerLinksTraces(t *testing.T) {
 			t.Errorf("producer span %v neither linked nor parent", p.SpanID())
 		}
 	}
-	t.Logf("%d HandleBatch calls, %d batch spans", calls.Load(), batchSpans)
+	t.Logf("%d batch handler calls, %d batch spans", calls.Load(), batchSpans)
 }
 
 // Hostile trace headers (huge, malformed) never reach the propagator's
@@ -271,7 +271,7 @@ func TestConsumerHostileTraceHeaders(t *testing.T) {
 	var acked atomic.Int64
 	c, err := idemkafka.NewConsumer(k.readerConfig(testenv.Name("g"), topic),
 		consumer.HandlerFunc(func(context.Context, *consumer.Message) error { return nil }),
-		idemkafka.Options{
+		idemkafka.ConsumerOptions{
 			DeadLetterTopic: k.dlq(t, topic),
 			TracerProvider:  spans,
 			Logger:          testLogger(t),

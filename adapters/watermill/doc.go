@@ -60,7 +60,7 @@
 // With Options.PoisonQueue (the middleware from Watermill's
 // middleware.PoisonQueue or PoisonQueueWithFilter) the idem middleware hands
 // such a message to the poison queue itself, which publishes it and lets it be
-// acknowledged; otherwise it returns a *PoisonError marked consumer.Permanent
+// acknowledged; otherwise it returns a poison error (IsPoison) marked consumer.Permanent
 // and sets MetadataReason on the message. IsPoison is a filter for
 // PoisonQueueWithFilter and Retryable a ShouldRetry for the Retry middleware.
 //

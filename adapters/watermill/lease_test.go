@@ -165,9 +165,9 @@ func TestDedupLeaseLostPolled(t *testing.T) {
 	var herr, cause error
 	h := mw(func(m *message.Message) ([]*message.Message, error) {
 		ctx := m.Context()
-		deadline := time.Now().Add(10 * time.Second)
-		for ctx.Err() == nil && time.Now().Before(deadline) {
-			time.Sleep(time.Millisecond)
+		select {
+		case <-ctx.Done():
+		case <-time.After(10 * time.Second):
 		}
 		herr, cause = ctx.Err(), context.Cause(ctx)
 		return nil, nil

@@ -19,8 +19,8 @@ import (
 	"github.com/idemkit/idem/outbox"
 )
 
-// DefaultFinishTimeout is the default Options.FinishTimeout.
-const DefaultFinishTimeout = 10 * time.Second
+// defaultFinishTimeout is the default Options.FinishTimeout.
+const defaultFinishTimeout = 10 * time.Second
 
 // Options configure Dedup and Transactional. The zero value is usable; each
 // field says its default.
@@ -39,7 +39,7 @@ type Options struct {
 	// which idem's outbox Publisher sets to the outbox row id.
 	KeyMetadata string
 	// KeyFunc returns a message's id; when set, KeyMetadata is ignored. An
-	// empty or malformed id makes the message poison (ReasonInvalidKey, see
+	// empty or malformed id makes the message poison (OutcomeInvalidKey, see
 	// Options.PoisonQueue); so does an error that wraps
 	// dedup.ErrInvalidKey or is marked consumer.Permanent. Any other error
 	// is returned as is (the message is retried).
@@ -51,7 +51,7 @@ type Options struct {
 	KeyFunc func(msg *message.Message) (string, error)
 	// Fingerprint returns the digest of a message's content. The same id
 	// with another fingerprint is a conflict: the message is poison
-	// (ReasonFingerprintMismatch) and never processed. Defaults to
+	// (OutcomeFingerprintMismatch) and never processed. Defaults to
 	// dedup.FingerprintOf(msg.Payload). Return the zero Fingerprint to
 	// turn the check off.
 	Fingerprint func(msg *message.Message) dedup.Fingerprint
@@ -63,12 +63,12 @@ type Options struct {
 	// unprocessable: a fingerprint mismatch or an invalid key. Pass
 	// the middleware built by Watermill's middleware.PoisonQueue or
 	// middleware.PoisonQueueWithFilter; the idem middleware runs it around
-	// a handler that returns the *PoisonError, so the poison queue's filter
+	// a handler that returns the poison error, so the poison queue's filter
 	// decides and, when it takes the message, publishes it to its topic and
 	// the message is acknowledged. The handler does not run.
 	//
 	// Defaults to nil: the message's metadata gets MetadataReason and the
-	// *PoisonError is returned, marked consumer.Permanent; the router nacks
+	// a poison error (IsPoison) is returned, marked consumer.Permanent; the router nacks
 	// it unless a poison queue further out takes it (see IsPoison).
 	PoisonQueue message.HandlerMiddleware
 
@@ -82,7 +82,7 @@ type Options struct {
 	// FinishTimeout bounds Dedup's Complete and Release calls, which run
 	// with context.WithoutCancel so that a handler that succeeded just as
 	// the router stopped is still recorded. Defaults to
-	// DefaultFinishTimeout. Not used by Transactional.
+	// 10s. Not used by Transactional.
 	FinishTimeout time.Duration
 
 	// Outbox, when set, makes Transactional write the messages the
@@ -175,10 +175,10 @@ func newConfig(who string, opts Options, store any) (*config, error) {
 		}
 	}
 	if opts.FinishTimeout < 0 {
-		return nil, fmt.Errorf("watermill: %s: Options.FinishTimeout is %v; it must be positive (or zero for %v)", who, opts.FinishTimeout, DefaultFinishTimeout)
+		return nil, fmt.Errorf("watermill: %s: Options.FinishTimeout is %v; it must be positive (or zero for %v)", who, opts.FinishTimeout, defaultFinishTimeout)
 	}
 	if opts.FinishTimeout == 0 {
-		opts.FinishTimeout = DefaultFinishTimeout
+		opts.FinishTimeout = defaultFinishTimeout
 	}
 	if opts.Logger == nil {
 		opts.Logger = slog.New(slog.DiscardHandler)
@@ -229,7 +229,7 @@ type keyBuilder struct {
 	maxLen      int
 }
 
-// build returns msg's key. An error is either a *PoisonError (invalid key),
+// build returns msg's key. An error is either a *poisonError (invalid key),
 // or a transient error (the key function failed, no scope).
 func (b *keyBuilder) build(msg *message.Message) (dedup.Key, error) {
 	scope := b.scope
@@ -264,8 +264,8 @@ func (b *keyBuilder) build(msg *message.Message) (dedup.Key, error) {
 }
 
 func keyFuncError(err error) error {
-	if errors.Is(err, dedup.ErrInvalidKey) || consumer.IsPermanent(err) {
-		return &PoisonError{Reason: consumer.ReasonInvalidKey, Err: fmt.Errorf("watermill: key function: %w", err)}
+	if errors.Is(err, dedup.ErrInvalidKey) || consumer.Decide(err).Action == consumer.ActionDeadLetter {
+		return &poisonError{Reason: consumer.OutcomeInvalidKey, Err: fmt.Errorf("watermill: key function: %w", err)}
 	}
 	return fmt.Errorf("watermill: key function: %w", err)
 }
@@ -285,5 +285,5 @@ func (b *keyBuilder) invalid(scope string, err error) error {
 	case b.keyMetadata != "":
 		where = fmt.Sprintf("metadata %q", b.keyMetadata)
 	}
-	return &PoisonError{Reason: consumer.ReasonInvalidKey, Err: fmt.Errorf("watermill: message id from %s: %w", where, err)}
+	return &poisonError{Reason: consumer.OutcomeInvalidKey, Err: fmt.Errorf("watermill: message id from %s: %w", where, err)}
 }

@@ -12,45 +12,47 @@ import (
 )
 
 // MetadataReason is the metadata field the middleware sets on a message it
-// rejects as poison, to consumer.ReasonFingerprintMismatch
-// ("fingerprint_mismatch") or consumer.ReasonInvalidKey ("invalid_key"). It
+// rejects as poison, to consumer.OutcomeFingerprintMismatch
+// ("fingerprint_mismatch") or consumer.OutcomeInvalidKey ("invalid_key"). It
 // travels with the message to the poison queue, next to the fields
 // Watermill's PoisonQueue sets (reason_poisoned, topic_poisoned, ...).
 const MetadataReason = "idem_reason"
 
-// PoisonError is returned for a message the middleware will never process:
+// poisonError is returned for a message the middleware will never process:
 // its key was already seen with other content (Reason
-// consumer.ReasonFingerprintMismatch), or it has no valid key (Reason
-// consumer.ReasonInvalidKey). errors.Is sees through to
+// consumer.OutcomeFingerprintMismatch), or it has no valid key (Reason
+// consumer.OutcomeInvalidKey). errors.Is sees through to
 // dedup.ErrFingerprintMismatch or dedup.ErrInvalidKey.
 //
 // The middleware returns it marked consumer.Permanent, or hands it to
 // Options.PoisonQueue.
-type PoisonError struct {
+type poisonError struct {
 	// Reason is why the message is poison.
-	Reason consumer.Reason
+	Reason consumer.Outcome
 	// Err is the cause.
 	Err error
 }
 
-func (e *PoisonError) Error() string {
+func (e *poisonError) Error() string {
 	return fmt.Sprintf("idem: poison message (%s): %v", e.Reason, e.Err)
 }
 
-func (e *PoisonError) Unwrap() error { return e.Err }
+func (e *poisonError) Unwrap() error { return e.Err }
 
-// IsPoison reports whether err is, or wraps, a *PoisonError. It is the filter
+// IsPoison reports whether err is the middleware's rejection of a poison
+// message: a message whose key was already seen with other content, or that
+// has no valid key (the reason is in its MetadataReason field). It is the filter
 // for Watermill's poison queue when only idem's rejections should go there:
 //
 //	pq, err := middleware.PoisonQueueWithFilter(pub, "poison", watermill.IsPoison)
 func IsPoison(err error) bool {
-	var pe *PoisonError
+	var pe *poisonError
 	return errors.As(err, &pe)
 }
 
 // Retryable reports whether running the handler again can change the outcome
 // of err, by idem's ACK rule (consumer.Decide): false for nil, for a
-// *PoisonError, for errors marked consumer.Permanent and for consumer's panic
+// poison error (IsPoison), for errors marked consumer.Permanent and for consumer's panic
 // and retries-exhausted errors; true for everything else, including
 // dedup.ErrInFlight and dedup.ErrLeaseLost. Plug it into Watermill's Retry
 // middleware so that poison goes straight to the poison queue instead of
@@ -66,7 +68,7 @@ func Retryable(err error) bool {
 
 // poison rejects msg: the reason goes to its metadata, then the error goes to
 // the poison queue middleware when there is one, else back to the router.
-func (c *config) poison(d *delivery, msg *message.Message, pe *PoisonError) ([]*message.Message, error) {
+func (c *config) poison(d *delivery, msg *message.Message, pe *poisonError) ([]*message.Message, error) {
 	d.poison = pe.Reason
 	if msg.Metadata == nil {
 		msg.Metadata = make(message.Metadata)
@@ -80,13 +82,13 @@ func (c *config) poison(d *delivery, msg *message.Message, pe *PoisonError) ([]*
 	return c.PoisonQueue(reject)(msg)
 }
 
-// rejectKey handles an error from keyBuilder.build: a *PoisonError is an
+// rejectKey handles an error from keyBuilder.build: a *poisonError is an
 // invalid key; anything else (no scope, a key function that failed) is
 // retried and counted as a claim error.
 func (c *config) rejectKey(d *delivery, msg *message.Message, err error) ([]*message.Message, error) {
 	c.outcome(msg, dedup.Key{}, consumer.OutcomeInvalidKey, err)
 	tel := c.tel.Get(c.scopeOf(msg))
-	var pe *PoisonError
+	var pe *poisonError
 	if errors.As(err, &pe) {
 		tel.Claimed(d.ctx, telemetry.ClaimInvalidKey, 0)
 		return c.poison(d, msg, pe)
@@ -106,10 +108,10 @@ func (c *config) claimFailed(d *delivery, msg *message.Message, key dedup.Key, e
 		return nil, nil
 	case errors.Is(err, dedup.ErrFingerprintMismatch):
 		c.outcome(msg, key, consumer.OutcomeFingerprintMismatch, err)
-		return c.poison(d, msg, &PoisonError{Reason: consumer.ReasonFingerprintMismatch, Err: fmt.Errorf("watermill: claim %s: %w", key, err)})
+		return c.poison(d, msg, &poisonError{Reason: consumer.OutcomeFingerprintMismatch, Err: fmt.Errorf("watermill: claim %s: %w", key, err)})
 	case errors.Is(err, dedup.ErrInvalidKey):
 		c.outcome(msg, key, consumer.OutcomeInvalidKey, err)
-		return c.poison(d, msg, &PoisonError{Reason: consumer.ReasonInvalidKey, Err: fmt.Errorf("watermill: claim %s: %w", key, err)})
+		return c.poison(d, msg, &poisonError{Reason: consumer.OutcomeInvalidKey, Err: fmt.Errorf("watermill: claim %s: %w", key, err)})
 	case errors.Is(err, dedup.ErrInFlight):
 		c.outcome(msg, key, consumer.OutcomeInFlight, err)
 	default:

@@ -59,8 +59,8 @@ func TestPoisonQueueOption(t *testing.T) {
 			for i, want := range []struct {
 				uuid, reason, cause string
 			}{
-				{forged.UUID, string(consumer.ReasonFingerprintMismatch), "fingerprint mismatch"},
-				{noID.UUID, string(consumer.ReasonInvalidKey), `metadata "event_id"`},
+				{forged.UUID, string(consumer.OutcomeFingerprintMismatch), "fingerprint mismatch"},
+				{noID.UUID, string(consumer.OutcomeInvalidKey), `metadata "event_id"`},
 			} {
 				m := got[i]
 				if topics[i] != "poison" || m.UUID != want.uuid {
@@ -95,14 +95,14 @@ func TestPoisonWithoutQueue(t *testing.T) {
 	cases := []struct {
 		name   string
 		msg    *message.Message
-		reason consumer.Reason
+		reason consumer.Outcome
 		is     error
 	}{
-		{"fingerprint_mismatch", message.NewMessage(orig.UUID, []byte("b")), consumer.ReasonFingerprintMismatch, dedup.ErrFingerprintMismatch},
-		{"empty_uuid", message.NewMessage("", []byte("c")), consumer.ReasonInvalidKey, dedup.ErrInvalidKey},
-		{"control_byte", message.NewMessage("id\n2", []byte("d")), consumer.ReasonInvalidKey, dedup.ErrInvalidKey},
-		{"too_long", message.NewMessage(strings.Repeat("x", 256), []byte("e")), consumer.ReasonInvalidKey, dedup.ErrInvalidKey},
-		{"nil_metadata", &message.Message{UUID: "", Payload: []byte("f")}, consumer.ReasonInvalidKey, dedup.ErrInvalidKey},
+		{"fingerprint_mismatch", message.NewMessage(orig.UUID, []byte("b")), consumer.OutcomeFingerprintMismatch, dedup.ErrFingerprintMismatch},
+		{"empty_uuid", message.NewMessage("", []byte("c")), consumer.OutcomeInvalidKey, dedup.ErrInvalidKey},
+		{"control_byte", message.NewMessage("id\n2", []byte("d")), consumer.OutcomeInvalidKey, dedup.ErrInvalidKey},
+		{"too_long", message.NewMessage(strings.Repeat("x", 256), []byte("e")), consumer.OutcomeInvalidKey, dedup.ErrInvalidKey},
+		{"nil_metadata", &message.Message{UUID: "", Payload: []byte("f")}, consumer.OutcomeInvalidKey, dedup.ErrInvalidKey},
 	}
 	for _, c := range cases {
 		t.Run(c.name, func(t *testing.T) {
@@ -111,8 +111,8 @@ func TestPoisonWithoutQueue(t *testing.T) {
 			if !errors.As(err, &pe) || pe.Reason != c.reason || !errors.Is(err, c.is) {
 				t.Fatalf("err = %v, want a *PoisonError (%s) wrapping %v", err, c.reason, c.is)
 			}
-			if !idemwm.IsPoison(err) || idemwm.Retryable(err) || !consumer.IsPermanent(err) {
-				t.Errorf("IsPoison %v, Retryable %v, IsPermanent %v", idemwm.IsPoison(err), idemwm.Retryable(err), consumer.IsPermanent(err))
+			if !idemwm.IsPoison(err) || idemwm.Retryable(err) || consumer.Decide(err).Action != consumer.ActionDeadLetter {
+				t.Errorf("IsPoison %v, Retryable %v, dead-lettered %v", idemwm.IsPoison(err), idemwm.Retryable(err), consumer.Decide(err).Action == consumer.ActionDeadLetter)
 			}
 			if got := c.msg.Metadata.Get(idemwm.MetadataReason); got != string(c.reason) {
 				t.Errorf("metadata %s = %q, want %q", idemwm.MetadataReason, got, c.reason)
@@ -168,7 +168,7 @@ func TestPoisonQueueWithFilterOutside(t *testing.T) {
 		t.Errorf("handler ran %d times, want 3 (a, b failing, b again)", runs.Load())
 	}
 	_, got := poisonPub.published()
-	if len(got) != 1 || got[0].UUID != forged.UUID || got[0].Metadata.Get(idemwm.MetadataReason) != string(consumer.ReasonFingerprintMismatch) {
+	if len(got) != 1 || got[0].UUID != forged.UUID || got[0].Metadata.Get(idemwm.MetadataReason) != string(consumer.OutcomeFingerprintMismatch) {
 		t.Fatalf("poison queue got %v", got)
 	}
 	if retried.Load() != 1 || notRetried.Load() != 1 {

@@ -77,7 +77,7 @@ type delivery struct {
 	timed  bool                           // messaging.process.duration records
 	start  time.Time                      // when timed
 	end    func(result string, err error) // ends the consumer span
-	poison consumer.Reason                // the middleware found msg poison
+	poison consumer.Outcome               // the middleware found msg poison
 	done   bool
 }
 
@@ -111,7 +111,7 @@ func noEnd(string, error) {}
 // verdict records the middleware's answer on the message.
 func (d *delivery) verdict(out []*message.Message, err error) ([]*message.Message, error) {
 	d.done = true
-	result, reason := resultAck, consumer.ReasonNone
+	result, reason := resultAck, consumer.Outcome("")
 	switch {
 	case d.poison != "" && err == nil:
 		// A poison queue took the message.

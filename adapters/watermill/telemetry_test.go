@@ -495,13 +495,12 @@ func TestTraceThroughOutbox(t *testing.T) {
 	}
 	// The downstream handler returned; its span ends right after.
 	var down sdktrace.ReadOnlySpan
-	for deadline := time.Now().Add(time.Minute); down == nil; time.Sleep(time.Millisecond) {
+	testenv.Eventually(t, time.Minute, "the downstream consumer span", func() bool {
 		if s := tp.Named("process receipts"); len(s) == 1 {
 			down = s[0]
-		} else if time.Now().After(deadline) {
-			t.Fatal("no downstream consumer span")
 		}
-	}
+		return down != nil
+	})
 	if down.Parent().SpanID() != handle.SpanContext().SpanID() || down.SpanContext().TraceID() != producer.SpanContext().TraceID() {
 		t.Errorf("downstream consumer span's parent %v (trace %v), want the upstream idem.handle %v in the producer's trace",
 			down.Parent().SpanID(), down.SpanContext().TraceID(), handle.SpanContext().SpanID())

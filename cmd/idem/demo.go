@@ -285,7 +285,7 @@ func deliveryID(msg *consumer.Message) string {
 	if seq := msg.Headers[headerPublish]; seq != "" {
 		return "pub:" + seq
 	}
-	return msg.Metadata[idemkafka.MetadataPartition] + "/" + msg.Metadata[idemkafka.MetadataOffset]
+	return msg.Metadata["kafka.partition"] + "/" + msg.Metadata["kafka.offset"]
 }
 
 // classify records a delivery of this pipeline's record, the broker's copy
@@ -862,7 +862,7 @@ func submitOne(ctx context.Context, c *http.Client, l *ledger, p *payment) {
 				return
 			}
 			req.Header.Set("Content-Type", "application/json")
-			req.Header.Set(httpidem.HeaderKey, p.key)
+			req.Header.Set("Idempotency-Key", p.key)
 			resp, err := c.Do(req)
 			if err != nil {
 				return
@@ -959,7 +959,7 @@ func (a *api) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		http.Error(w, err.Error(), http.StatusBadRequest)
 		return
 	}
-	id := r.Header.Get(httpidem.HeaderKey)
+	id := r.Header.Get("Idempotency-Key")
 	if a.path == pathNaive {
 		id = fmt.Sprintf("naive-%d", a.seq.Add(1))
 	}
@@ -1245,8 +1245,8 @@ func (g *group) crashing(inst *instance, next consumer.Handler) consumer.Handler
 				return err
 			}
 		}
-		part, _ := strconv.Atoi(msg.Metadata[idemkafka.MetadataPartition])
-		off, _ := strconv.ParseInt(msg.Metadata[idemkafka.MetadataOffset], 10, 64)
+		part, _ := strconv.Atoi(msg.Metadata["kafka.partition"])
+		off, _ := strconv.ParseInt(msg.Metadata["kafka.offset"], 10, 64)
 		g.offsets.save(part, off+1)
 		g.markHandled(deliveryID(msg))
 		return err // nil, or a completed duplicate's
@@ -1276,7 +1276,7 @@ func (g *group) runInstance(ctx context.Context, inst *instance) error {
 		MinBytes: 1,
 		MaxBytes: 10 << 20,
 		MaxWait:  50 * time.Millisecond,
-	}, g.crashing(inst, g.handler()), idemkafka.Options{
+	}, g.crashing(inst, g.handler()), idemkafka.ConsumerOptions{
 		DeadLetterTopic: g.br.dlq,
 		Logger:          g.logger,
 		CommitEvery:     500,

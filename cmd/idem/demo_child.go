@@ -249,7 +249,7 @@ func (c *child) run(ctx context.Context) error {
 			JoinGroupBackoff:  100 * time.Millisecond,
 			ReadBackoffMin:    10 * time.Millisecond,
 			ReadBackoffMax:    100 * time.Millisecond,
-		}, h, idemkafka.Options{
+		}, h, idemkafka.ConsumerOptions{
 			DeadLetterTopic: cfg.DLQ,
 			Logger:          c.logger,
 			CommitEvery:     200,

@@ -182,7 +182,7 @@ func chargeTxHandler(store *pgtable.Store, charges string) (consumer.Handler, er
 // pgDemoStore is the demo's pgtable store in schema.
 func pgDemoStore(pool pgtable.DB, schema string) (*pgtable.Store, error) {
 	return pgtable.New(pool, pgtable.Options{
-		Schema: schema, Table: pgDedupTable, Retention: httpidem.DefaultRetention, Logger: slog.New(slog.DiscardHandler),
+		Schema: schema, Table: pgDedupTable, Retention: 24 * time.Hour, Logger: slog.New(slog.DiscardHandler),
 	})
 }
 

@@ -107,7 +107,7 @@ func TestRelay(t *testing.T) {
 				ccancel()
 			}
 			return nil
-		}), idemkafka.Options{DeadLetterTopic: "payments.dlq"})
+		}), idemkafka.ConsumerOptions{DeadLetterTopic: "payments.dlq"})
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -101,7 +101,7 @@ func TestRelayWAL(t *testing.T) {
 				ccancel()
 			}
 			return nil
-		}), idemkafka.Options{DeadLetterTopic: "payments.dlq"})
+		}), idemkafka.ConsumerOptions{DeadLetterTopic: "payments.dlq"})
 	if err != nil {
 		t.Fatal(err)
 	}

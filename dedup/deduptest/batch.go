@@ -15,11 +15,11 @@ func testLeaseBatch(t *testing.T, h LeaseHarness) {
 	if !ok {
 		t.Skip("store has no batch claim")
 	}
-	ctx := Ctx(t)
-	scope := UniqueID("scope")
-	k1 := dedup.NewKey(scope, UniqueID("a"), []byte("1"))
-	k2 := dedup.NewKey(scope, UniqueID("b"), []byte("2"))
-	k3 := dedup.NewKey(scope, UniqueID("c"), []byte("3"))
+	ctx := testCtx(t)
+	scope := uniqueID("scope")
+	k1 := dedup.NewKey(scope, uniqueID("a"), []byte("1"))
+	k2 := dedup.NewKey(scope, uniqueID("b"), []byte("2"))
+	k3 := dedup.NewKey(scope, uniqueID("c"), []byte("3"))
 	bad := dedup.Key{Scope: scope, ID: "bad\x00"}
 
 	res, err := bs.ClaimBatch(ctx, []dedup.Key{k1, k2, k1, bad})

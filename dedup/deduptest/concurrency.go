@@ -13,8 +13,8 @@ import (
 // the stored result.
 func testLeaseConcurrency(t *testing.T, h LeaseHarness) {
 	inst := h.New(t, longConfig())
-	ctx := Ctx(t)
-	key := dedup.NewKey(UniqueID("scope"), UniqueID("pay"), []byte(`{"amount":100}`))
+	ctx := testCtx(t)
+	key := dedup.NewKey(uniqueID("scope"), uniqueID("pay"), []byte(`{"amount":100}`))
 
 	var (
 		mu       sync.Mutex

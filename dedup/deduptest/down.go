@@ -15,8 +15,8 @@ func testLeaseDown(t *testing.T, h LeaseHarness) {
 		t.Fatal("LeaseHarness.Down is nil: every store must show that it fails closed")
 	}
 	s := h.Down(t)
-	ctx := Ctx(t)
-	key := dedup.NewKey(UniqueID("scope"), UniqueID("pay"), []byte("p"))
+	ctx := testCtx(t)
+	key := dedup.NewKey(uniqueID("scope"), uniqueID("pay"), []byte("p"))
 	start := time.Now()
 	l, err := s.Claim(ctx, key)
 	if err == nil || l != nil {

@@ -18,8 +18,8 @@ func shortConfig(h LeaseHarness, inst func(Config) LeaseInstance) (LeaseInstance
 // without touching the new owner's claim.
 func testLeaseExpiry(t *testing.T, h LeaseHarness) {
 	inst, cfg := shortConfig(h, func(c Config) LeaseInstance { return h.New(t, c) })
-	ctx := Ctx(t)
-	key := dedup.NewKey(UniqueID("scope"), UniqueID("pay"), []byte("p"))
+	ctx := testCtx(t)
+	key := dedup.NewKey(uniqueID("scope"), uniqueID("pay"), []byte("p"))
 
 	first, err := inst.Store.Claim(ctx, key)
 	if err != nil {
@@ -59,8 +59,8 @@ func testLeaseExpiry(t *testing.T, h LeaseHarness) {
 // testLeaseExtend: an extended lease outlives its first term.
 func testLeaseExtend(t *testing.T, h LeaseHarness) {
 	inst, cfg := shortConfig(h, func(c Config) LeaseInstance { return h.New(t, c) })
-	ctx := Ctx(t)
-	key := dedup.NewKey(UniqueID("scope"), UniqueID("pay"), []byte("p"))
+	ctx := testCtx(t)
+	key := dedup.NewKey(uniqueID("scope"), uniqueID("pay"), []byte("p"))
 
 	began := time.Now()
 	l, err := inst.Store.Claim(ctx, key)
@@ -95,8 +95,8 @@ func testLeaseExtend(t *testing.T, h LeaseHarness) {
 // testLeaseTTL: a completed key is forgotten after its TTL.
 func testLeaseTTL(t *testing.T, h LeaseHarness) {
 	inst, cfg := shortConfig(h, func(c Config) LeaseInstance { return h.New(t, c) })
-	ctx := Ctx(t)
-	key := dedup.NewKey(UniqueID("scope"), UniqueID("pay"), []byte("p"))
+	ctx := testCtx(t)
+	key := dedup.NewKey(uniqueID("scope"), uniqueID("pay"), []byte("p"))
 
 	l, err := inst.Store.Claim(ctx, key)
 	if err != nil {

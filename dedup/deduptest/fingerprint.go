@@ -11,8 +11,8 @@ import (
 // ErrFingerprintMismatch; the same content, or no fingerprint, is a duplicate.
 func testLeaseFingerprint(t *testing.T, h LeaseHarness) {
 	inst := h.New(t, longConfig())
-	ctx := Ctx(t)
-	scope, id := UniqueID("scope"), UniqueID("pay")
+	ctx := testCtx(t)
+	scope, id := uniqueID("scope"), uniqueID("pay")
 	a := dedup.NewKey(scope, id, []byte(`{"amount":100}`))
 	b := dedup.NewKey(scope, id, []byte(`{"amount":900}`))
 

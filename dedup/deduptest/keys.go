@@ -8,8 +8,8 @@ import (
 	"github.com/idemkit/idem/dedup"
 )
 
-// InvalidKeys are keys every store must refuse with dedup.ErrInvalidKey.
-func InvalidKeys() map[string]dedup.Key {
+// invalidKeys are keys every store must refuse with dedup.ErrInvalidKey.
+func invalidKeys() map[string]dedup.Key {
 	return map[string]dedup.Key{
 		"empty id":        {Scope: "s", ID: ""},
 		"empty scope":     {Scope: "", ID: "x"},
@@ -28,14 +28,14 @@ func InvalidKeys() map[string]dedup.Key {
 // panics; a key of exactly the limit is fine.
 func testLeaseInvalidKeys(t *testing.T, h LeaseHarness) {
 	inst := h.New(t, longConfig())
-	ctx := Ctx(t)
-	for name, k := range InvalidKeys() {
+	ctx := testCtx(t)
+	for name, k := range invalidKeys() {
 		l, err := inst.Store.Claim(ctx, k)
 		if !errors.Is(err, dedup.ErrInvalidKey) || l != nil {
 			t.Errorf("%s: Claim = (%v, %v), want ErrInvalidKey and no lease", name, l, err)
 		}
 	}
-	full := dedup.Key{Scope: UniqueID("s"), ID: UniqueID("x")}
+	full := dedup.Key{Scope: uniqueID("s"), ID: uniqueID("x")}
 	full.ID += strings.Repeat("a", dedup.DefaultMaxKeyLen-len(full.ID))
 	l, err := inst.Store.Claim(ctx, full)
 	if err != nil {
@@ -44,7 +44,7 @@ func testLeaseInvalidKeys(t *testing.T, h LeaseHarness) {
 	if err := inst.Store.Release(ctx, l); err != nil {
 		t.Fatalf("Release: %v", err)
 	}
-	unicodeKey := dedup.Key{Scope: UniqueID("s"), ID: UniqueID("заказ-订单")}
+	unicodeKey := dedup.Key{Scope: uniqueID("s"), ID: uniqueID("заказ-订单")}
 	l, err = inst.Store.Claim(ctx, unicodeKey)
 	if err != nil {
 		t.Fatalf("printable UTF-8 key: %v", err)

@@ -11,8 +11,8 @@ import (
 // claims it again; a release or complete with a foreign token is refused.
 func testLeaseRelease(t *testing.T, h LeaseHarness) {
 	inst := h.New(t, longConfig())
-	ctx := Ctx(t)
-	key := dedup.NewKey(UniqueID("scope"), UniqueID("pay"), []byte("p"))
+	ctx := testCtx(t)
+	key := dedup.NewKey(uniqueID("scope"), uniqueID("pay"), []byte("p"))
 
 	l1, err := inst.Store.Claim(ctx, key)
 	if err != nil {
@@ -65,9 +65,9 @@ func testLeaseRelease(t *testing.T, h LeaseHarness) {
 // testLeaseScopes: two scopes with the same id each run once.
 func testLeaseScopes(t *testing.T, h LeaseHarness) {
 	inst := h.New(t, longConfig())
-	ctx := Ctx(t)
-	id := UniqueID("evt")
-	for _, scope := range []string{UniqueID("billing"), UniqueID("email")} {
+	ctx := testCtx(t)
+	id := uniqueID("evt")
+	for _, scope := range []string{uniqueID("billing"), uniqueID("email")} {
 		key := dedup.NewKey(scope, id, []byte("same event"))
 		l, err := inst.Store.Claim(ctx, key)
 		if err != nil {

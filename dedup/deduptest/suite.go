@@ -52,17 +52,17 @@ type LeaseHarness struct {
 	RealClockUnit time.Duration
 }
 
-// Ctx returns a context that ends with the test, with a generous deadline so
+// testCtx returns a context that ends with the test, with a generous deadline so
 // a hung store fails the test instead of hanging CI.
-func Ctx(t testing.TB) context.Context {
+func testCtx(t testing.TB) context.Context {
 	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
 	t.Cleanup(cancel)
 	return ctx
 }
 
-// UniqueID returns a random id, so runs against a shared server never see
+// uniqueID returns a random id, so runs against a shared server never see
 // each other's keys.
-func UniqueID(prefix string) string {
+func uniqueID(prefix string) string {
 	var b [8]byte
 	_, _ = rand.Read(b[:])
 	return prefix + "-" + hex.EncodeToString(b[:])

@@ -63,8 +63,8 @@ func processUntilSettled[Tx any](ctx context.Context, s dedup.TxStore[Tx], k ded
 
 func testTxConcurrency[Tx any](t *testing.T, h TxHarness[Tx]) {
 	s := h.New(t)
-	ctx := Ctx(t)
-	key := dedup.NewKey(UniqueID("scope"), UniqueID("pay"), []byte(`{"amount":100}`))
+	ctx := testCtx(t)
+	key := dedup.NewKey(uniqueID("scope"), uniqueID("pay"), []byte(`{"amount":100}`))
 	var runs atomic.Int64
 	fn := func(ctx context.Context, tx Tx) ([]byte, error) {
 		runs.Add(1)
@@ -115,8 +115,8 @@ var errHandler = errors.New("deduptest: handler failed")
 
 func testTxRollback[Tx any](t *testing.T, h TxHarness[Tx]) {
 	s := h.New(t)
-	ctx := Ctx(t)
-	key := dedup.NewKey(UniqueID("scope"), UniqueID("pay"), []byte("p"))
+	ctx := testCtx(t)
+	key := dedup.NewKey(uniqueID("scope"), uniqueID("pay"), []byte("p"))
 	_, err := s.Process(ctx, key, func(context.Context, Tx) ([]byte, error) { return nil, errHandler })
 	if !errors.Is(err, errHandler) {
 		t.Fatalf("Process with a failing fn = %v, want the fn's error", err)
@@ -133,7 +133,7 @@ func testTxRollback[Tx any](t *testing.T, h TxHarness[Tx]) {
 	}
 
 	// A panic in fn rolls back too, and the panic reaches the caller.
-	pkey := dedup.NewKey(UniqueID("scope"), UniqueID("panic"), []byte("p"))
+	pkey := dedup.NewKey(uniqueID("scope"), uniqueID("panic"), []byte("p"))
 	func() {
 		defer func() {
 			if recover() == nil {
@@ -152,9 +152,9 @@ func testTxRollback[Tx any](t *testing.T, h TxHarness[Tx]) {
 // does not run; if the first rolls back, the duplicate runs.
 func testTxWaits[Tx any](t *testing.T, h TxHarness[Tx]) {
 	s := h.New(t)
-	ctx := Ctx(t)
+	ctx := testCtx(t)
 	for _, firstFails := range []bool{true, false} {
-		key := dedup.NewKey(UniqueID("scope"), UniqueID("pay"), []byte("p"))
+		key := dedup.NewKey(uniqueID("scope"), uniqueID("pay"), []byte("p"))
 		inFirst := make(chan struct{})
 		finish := make(chan struct{})
 		firstDone := make(chan error, 1)
@@ -199,11 +199,11 @@ func testTxWaits[Tx any](t *testing.T, h TxHarness[Tx]) {
 
 func testTxScopes[Tx any](t *testing.T, h TxHarness[Tx]) {
 	s := h.New(t)
-	ctx := Ctx(t)
-	id := UniqueID("evt")
+	ctx := testCtx(t)
+	id := uniqueID("evt")
 	var runs atomic.Int64
 	fn := func(context.Context, Tx) ([]byte, error) { runs.Add(1); return nil, nil }
-	for _, scope := range []string{UniqueID("billing"), UniqueID("email")} {
+	for _, scope := range []string{uniqueID("billing"), uniqueID("email")} {
 		k := dedup.NewKey(scope, id, []byte("same"))
 		for i := range 2 {
 			_, err := s.Process(ctx, k, fn)
@@ -222,8 +222,8 @@ func testTxScopes[Tx any](t *testing.T, h TxHarness[Tx]) {
 
 func testTxFingerprint[Tx any](t *testing.T, h TxHarness[Tx]) {
 	s := h.New(t)
-	ctx := Ctx(t)
-	scope, id := UniqueID("scope"), UniqueID("pay")
+	ctx := testCtx(t)
+	scope, id := uniqueID("scope"), uniqueID("pay")
 	a := dedup.NewKey(scope, id, []byte("100"))
 	b := dedup.NewKey(scope, id, []byte("900"))
 	if _, err := s.Process(ctx, a, func(context.Context, Tx) ([]byte, error) { return nil, nil }); err != nil {
@@ -243,8 +243,8 @@ func testTxFingerprint[Tx any](t *testing.T, h TxHarness[Tx]) {
 
 func testTxInvalidKeys[Tx any](t *testing.T, h TxHarness[Tx]) {
 	s := h.New(t)
-	ctx := Ctx(t)
-	for name, k := range InvalidKeys() {
+	ctx := testCtx(t)
+	for name, k := range invalidKeys() {
 		_, err := s.Process(ctx, k, func(context.Context, Tx) ([]byte, error) {
 			t.Errorf("%s: fn ran", name)
 			return nil, nil
@@ -260,8 +260,8 @@ func testTxDown[Tx any](t *testing.T, h TxHarness[Tx]) {
 		t.Fatal("TxHarness.Down is nil: every store must show that it fails closed")
 	}
 	s := h.Down(t)
-	ctx := Ctx(t)
-	key := dedup.NewKey(UniqueID("scope"), UniqueID("pay"), []byte("p"))
+	ctx := testCtx(t)
+	key := dedup.NewKey(uniqueID("scope"), uniqueID("pay"), []byte("p"))
 	_, err := s.Process(ctx, key, func(context.Context, Tx) ([]byte, error) {
 		t.Error("fn ran on a down store")
 		return nil, nil
@@ -277,8 +277,8 @@ func testTxExpire[Tx any](t *testing.T, h TxHarness[Tx]) {
 		t.Fatal("TxHarness.Expire is nil: every store must show its retention")
 	}
 	s := h.New(t)
-	ctx := Ctx(t)
-	key := dedup.NewKey(UniqueID("scope"), UniqueID("pay"), []byte("p"))
+	ctx := testCtx(t)
+	key := dedup.NewKey(uniqueID("scope"), uniqueID("pay"), []byte("p"))
 	var runs atomic.Int64
 	fn := func(context.Context, Tx) ([]byte, error) { runs.Add(1); return nil, nil }
 	if _, err := s.Process(ctx, key, fn); err != nil {

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"sync"
 	"time"
 
 	"github.com/idemkit/idem/dedup"
@@ -85,13 +86,13 @@ func ExampleStore_Release() {
 	// attempt 2: sent
 }
 
-// With a ManualClock the lease runs out without sleeping. While the lease is
+// With a clock that moves only when told to, the lease runs out without sleeping. While the lease is
 // live a second claim is in flight and told how long to wait; once it has
 // expired the key can be claimed again, and the first owner, now stale, can
 // no longer complete.
 func ExampleNew_manualClock() {
 	ctx := context.Background()
-	clock := dedup.NewManualClock(time.Date(2026, 1, 1, 0, 0, 0, 0, time.UTC))
+	clock := &manualClock{now: time.Date(2026, 1, 1, 0, 0, 0, 0, time.UTC)}
 	store, err := memstore.New(memstore.Options{Lease: 30 * time.Second, Clock: clock})
 	if err != nil {
 		fmt.Println(err)
@@ -126,4 +127,22 @@ func ExampleNew_manualClock() {
 	// claimed after expiry: true
 	// stale owner completes: true
 	// new owner completes: true
+}
+
+// manualClock is a dedup.Clock that moves only when told to.
+type manualClock struct {
+	mu  sync.Mutex
+	now time.Time
+}
+
+func (c *manualClock) Now() time.Time {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.now
+}
+
+func (c *manualClock) Advance(d time.Duration) {
+	c.mu.Lock()
+	c.now = c.now.Add(d)
+	c.mu.Unlock()
 }

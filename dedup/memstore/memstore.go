@@ -31,7 +31,7 @@ type Options struct {
 	// MaxKeyLen limits scope and id, in bytes. Defaults to
 	// dedup.DefaultMaxKeyLen.
 	MaxKeyLen int
-	// Clock tells the time. Defaults to dedup.SystemClock.
+	// Clock tells the time. Defaults to the wall clock (time.Now).
 	Clock dedup.Clock
 	// SweepInterval is how often expired entries are removed in the
 	// background. Defaults to one minute; negative disables the sweeper
@@ -91,7 +91,7 @@ func New(opts Options) (*Store, error) {
 		opts.MaxKeyLen = dedup.DefaultMaxKeyLen
 	}
 	if opts.Clock == nil {
-		opts.Clock = dedup.SystemClock{}
+		opts.Clock = wallClock{}
 	}
 	if opts.SweepInterval == 0 {
 		opts.SweepInterval = time.Minute
@@ -174,12 +174,12 @@ func (s *Store) claimLocked(key dedup.Key, now time.Time) (*dedup.Lease, error) 
 	if e, ok := s.entries[mk]; ok && now.Before(e.expires) {
 		switch {
 		case !key.Fingerprint.Matches(e.fp):
-			return nil, dedup.Mismatch(key)
+			return nil, &dedup.ClaimError{Err: dedup.ErrFingerprintMismatch, Key: key}
 		case e.done():
 			// A copy: the caller may change what it is handed.
-			return nil, dedup.Duplicate(key, append([]byte(nil), e.result...))
+			return nil, &dedup.ClaimError{Err: dedup.ErrDuplicate, Key: key, Result: append([]byte(nil), e.result...)}
 		default:
-			return nil, dedup.InFlight(key, e.expires.Sub(now))
+			return nil, &dedup.ClaimError{Err: dedup.ErrInFlight, Key: key, RetryAfter: max(e.expires.Sub(now), 0)}
 		}
 	}
 	s.seq++
@@ -257,3 +257,8 @@ func (s *Store) Release(ctx context.Context, l *dedup.Lease) error {
 		delete(s.entries, mk)
 	})
 }
+
+// wallClock is the default Clock: time.Now.
+type wallClock struct{}
+
+func (wallClock) Now() time.Time { return time.Now() }

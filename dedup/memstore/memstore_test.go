@@ -13,6 +13,8 @@ import (
 	"github.com/idemkit/idem/dedup"
 	"github.com/idemkit/idem/dedup/deduptest"
 	"github.com/idemkit/idem/dedup/memstore"
+	"github.com/idemkit/idem/internal/testkit/clocktest"
+	"github.com/idemkit/idem/internal/testkit/testenv"
 )
 
 func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
@@ -20,7 +22,7 @@ func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
 func TestConformance(t *testing.T) {
 	deduptest.RunLease(t, deduptest.LeaseHarness{
 		New: func(t testing.TB, cfg deduptest.Config) deduptest.LeaseInstance {
-			clock := dedup.NewManualClock(time.Date(2026, 1, 1, 0, 0, 0, 0, time.UTC))
+			clock := clocktest.NewManual(time.Date(2026, 1, 1, 0, 0, 0, 0, time.UTC))
 			s, err := memstore.New(memstore.Options{Lease: cfg.Lease, TTL: cfg.TTL, Clock: clock})
 			if err != nil {
 				t.Fatal(err)
@@ -124,7 +126,7 @@ func TestTokens(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer s.Close()
-	ctx := deduptest.Ctx(t)
+	ctx := testenv.Ctx(t)
 	const n = 1000
 	leases := make([]*dedup.Lease, n)
 	tokens := make(map[string]bool, n)

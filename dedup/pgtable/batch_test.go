@@ -9,7 +9,6 @@ import (
 	"github.com/jackc/pgx/v5"
 
 	"github.com/idemkit/idem/dedup"
-	"github.com/idemkit/idem/dedup/deduptest"
 	"github.com/idemkit/idem/dedup/pgtable"
 	"github.com/idemkit/idem/internal/testkit/testenv"
 )
@@ -17,7 +16,7 @@ import (
 func TestClaimBatchTx(t *testing.T) {
 	pool := testenv.Pool(t, 8)
 	s := newStore(t, pool, pgtable.Options{})
-	ctx := deduptest.Ctx(t)
+	ctx := testenv.Ctx(t)
 	a := dedup.NewKey("b", "a", []byte("1"))
 	b := dedup.NewKey("b", "b", []byte("2"))
 	aOther := dedup.NewKey("b", "a", []byte("other"))
@@ -73,7 +72,7 @@ func TestClaimBatchTxConcurrentOverlap(t *testing.T) {
 func testClaimBatchOverlap(t *testing.T, partitioned bool) {
 	pool := testenv.Pool(t, 16)
 	s := newStore(t, pool, pgtable.Options{Partitioned: partitioned})
-	ctx := deduptest.Ctx(t)
+	ctx := testenv.Ctx(t)
 	const workers, keysPer, universe = 8, 200, 500
 	var mu sync.Mutex
 	wins := map[string]int{}

@@ -29,17 +29,17 @@ type existing struct {
 
 // verdict turns a found row into the claim error.
 func verdict(key dedup.Key, e existing) error {
-	stored, err := dedup.FingerprintFromBytes(e.fp)
+	stored, err := fingerprintFromBytes(e.fp)
 	if err != nil {
 		return err
 	}
 	if !key.Fingerprint.Matches(stored) {
-		return dedup.Mismatch(key)
+		return &dedup.ClaimError{Err: dedup.ErrFingerprintMismatch, Key: key}
 	}
 	if e.state == stateDone {
-		return dedup.Duplicate(key, e.result)
+		return &dedup.ClaimError{Err: dedup.ErrDuplicate, Key: key, Result: e.result}
 	}
-	return dedup.InFlight(key, time.Duration(e.leaseMs)*time.Millisecond)
+	return &dedup.ClaimError{Err: dedup.ErrInFlight, Key: key, RetryAfter: max(time.Duration(e.leaseMs)*time.Millisecond, 0)}
 }
 
 type querier interface {
@@ -252,7 +252,7 @@ func (s *Store) ClaimBatchTx(ctx context.Context, tx pgx.Tx, keys []dedup.Key) (
 		if !ok {
 			// Inserted by a concurrent batch that rolled back after we
 			// waited on it: not ours, not done. The caller retries.
-			out[pos[j]] = dedup.InFlight(k, 0)
+			out[pos[j]] = &dedup.ClaimError{Err: dedup.ErrInFlight, Key: k}
 			continue
 		}
 		out[pos[j]] = verdict(k, row)
@@ -321,4 +321,18 @@ func (s *Store) claimBatchInsert(ctx context.Context, tx pgx.Tx, b *claimBatch) 
 		return nil, fmt.Errorf("pgtable: batch claim: %w", err)
 	}
 	return won, nil
+}
+
+// fingerprintFromBytes converts stored bytes back into a dedup.Fingerprint. Empty
+// input gives the zero fingerprint; any other length is an error.
+func fingerprintFromBytes(b []byte) (dedup.Fingerprint, error) {
+	var f dedup.Fingerprint
+	if len(b) == 0 {
+		return f, nil
+	}
+	if len(b) != len(f) {
+		return f, fmt.Errorf("dedup: stored fingerprint has %d bytes, want %d", len(b), len(f))
+	}
+	copy(f[:], b)
+	return f, nil
 }

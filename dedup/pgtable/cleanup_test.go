@@ -6,7 +6,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/idemkit/idem/dedup/deduptest"
 	"github.com/idemkit/idem/dedup/pgtable"
 	"github.com/idemkit/idem/internal/testkit/testenv"
 )
@@ -32,7 +31,7 @@ func (n planNode) walk(f func(planNode)) {
 func TestCleanupUsesExpiresAtIndex(t *testing.T) {
 	pool := testenv.Pool(t, 2)
 	s := newStore(t, pool, pgtable.Options{})
-	ctx := deduptest.Ctx(t)
+	ctx := testenv.Ctx(t)
 	// 50,000 rows, expiring from a day ago to a day ahead in random order.
 	if _, err := pool.Exec(ctx, `INSERT INTO `+s.Table()+` (key, fingerprint, expires_at)
 		SELECT `+pgtable.KeySQL("'plan'", "'id-' || g")+`, '\x00', now() + (random() * 2 - 1) * interval '1 day'
@@ -73,7 +72,7 @@ func TestCleanupUsesExpiresAtIndex(t *testing.T) {
 func TestCleanupDeletesExpiredOnly(t *testing.T) {
 	pool := testenv.Pool(t, 2)
 	s := newStore(t, pool, pgtable.Options{CleanupBatch: 64, KeepKeys: true})
-	ctx := deduptest.Ctx(t)
+	ctx := testenv.Ctx(t)
 	// Even ids expired (up to an hour ago), odd ids live (from a minute
 	// to an hour ahead).
 	if _, err := pool.Exec(ctx, `INSERT INTO `+s.Table()+` (key, scope, id, expires_at)

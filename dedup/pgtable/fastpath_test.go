@@ -8,7 +8,6 @@ import (
 	"github.com/jackc/pgx/v5"
 
 	"github.com/idemkit/idem/dedup"
-	"github.com/idemkit/idem/dedup/deduptest"
 	"github.com/idemkit/idem/dedup/pgtable"
 	"github.com/idemkit/idem/internal/testkit/testenv"
 )
@@ -18,7 +17,7 @@ import (
 func TestProcessHostileKeys(t *testing.T) {
 	pool := testenv.Pool(t, 4)
 	schema := testenv.Schema(t, pool)
-	ctx := deduptest.Ctx(t)
+	ctx := testenv.Ctx(t)
 	conn, err := pgx.Connect(ctx, testenv.PostgresURL())
 	if err != nil {
 		t.Fatal(err)
@@ -65,7 +64,7 @@ func TestProcessHostileKeys(t *testing.T) {
 func TestProcessExpiredRowIsReclaimed(t *testing.T) {
 	pool := testenv.Pool(t, 4)
 	s := newStore(t, pool, pgtable.Options{})
-	ctx := deduptest.Ctx(t)
+	ctx := testenv.Ctx(t)
 	key := dedup.NewKey("s", "old", []byte("x"))
 	noop := func(context.Context, pgx.Tx) ([]byte, error) { return nil, nil }
 	if _, err := s.Process(ctx, key, noop); err != nil {
@@ -92,7 +91,7 @@ func TestProcessExpiredRowIsReclaimed(t *testing.T) {
 func TestProcessInsideTx(t *testing.T) {
 	pool := testenv.Pool(t, 4)
 	base := newStore(t, pool, pgtable.Options{})
-	ctx := deduptest.Ctx(t)
+	ctx := testenv.Ctx(t)
 	tx, err := pool.Begin(ctx)
 	if err != nil {
 		t.Fatal(err)

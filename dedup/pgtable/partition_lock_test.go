@@ -11,7 +11,6 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/idemkit/idem/dedup"
-	"github.com/idemkit/idem/dedup/deduptest"
 	"github.com/idemkit/idem/dedup/pgtable"
 	"github.com/idemkit/idem/internal/testkit/testenv"
 )
@@ -118,7 +117,7 @@ func claimDoesNotWait(t *testing.T, pool *pgxpool.Pool, s *pgtable.Store, held p
 func TestPartitionedCleanupNeverMakesClaimsWait(t *testing.T) {
 	pool := testenv.Pool(t, 6)
 	s := newStore(t, pool, pgtable.Options{Partitioned: true, Retention: 24 * time.Hour, PartitionLockTimeout: time.Hour, KeepKeys: true})
-	ctx := deduptest.Ctx(t)
+	ctx := testenv.Ctx(t)
 	day := time.Now().UTC().AddDate(0, 0, -1)
 	addPastPartition(t, pool, s, day.Format("20060102"), day.Format(time.DateOnly), day.AddDate(0, 0, 1).Format(time.DateOnly), 5)
 	long := holdClaim(t, pool, s, "long")
@@ -186,7 +185,7 @@ func TestPartitionedCleanupNeverMakesClaimsWait(t *testing.T) {
 func TestPartitionedCleanupFinishesInterruptedDetach(t *testing.T) {
 	pool := testenv.Pool(t, 6)
 	s := newStore(t, pool, pgtable.Options{Partitioned: true, Retention: 24 * time.Hour, PartitionLockTimeout: 20 * time.Millisecond})
-	ctx := deduptest.Ctx(t)
+	ctx := testenv.Ctx(t)
 	day := time.Now().UTC().AddDate(0, 0, -1)
 	name := "processed_events_p" + day.Format("20060102")
 	addPastPartition(t, pool, s, day.Format("20060102"), day.Format(time.DateOnly), day.AddDate(0, 0, 1).Format(time.DateOnly), 5)
@@ -238,7 +237,7 @@ func TestPartitionedCleanupFinishesInterruptedDetach(t *testing.T) {
 func TestEnsurePartitionsNeverMakesClaimsWait(t *testing.T) {
 	pool := testenv.Pool(t, 6)
 	s := newStore(t, pool, pgtable.Options{Partitioned: true, Retention: 24 * time.Hour, PartitionLockTimeout: time.Hour})
-	ctx := deduptest.Ctx(t)
+	ctx := testenv.Ctx(t)
 	parts := partitionNames(t, pool, s)
 	last := parts[len(parts)-1]
 	if _, err := pool.Exec(ctx, `DROP TABLE "`+s.Options().Schema+`".`+last); err != nil {

@@ -102,7 +102,7 @@ func addPastPartition(t testing.TB, pool *pgxpool.Pool, s *pgtable.Store, suffix
 func TestPartitionedCleanupDropsPastDays(t *testing.T) {
 	pool := testenv.Pool(t, 4)
 	s := newStore(t, pool, pgtable.Options{Partitioned: true, Retention: 24 * time.Hour})
-	ctx := deduptest.Ctx(t)
+	ctx := testenv.Ctx(t)
 	// Migrate made today .. today+3: the retention and a margin of two
 	// days.
 	today := time.Now().UTC()
@@ -178,7 +178,7 @@ func TestConformancePartitionedHourlyTx(t *testing.T) {
 // partitions of past hours only.
 func TestPartitionedHourly(t *testing.T) {
 	pool := testenv.Pool(t, 4)
-	ctx := deduptest.Ctx(t)
+	ctx := testenv.Ctx(t)
 	dbHour := func() time.Time {
 		var now time.Time
 		if err := pool.QueryRow(ctx, "SELECT clock_timestamp()").Scan(&now); err != nil {
@@ -242,7 +242,7 @@ func TestPartitionWidthIsPartOfTheLayout(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	ctx := deduptest.Ctx(t)
+	ctx := testenv.Ctx(t)
 	for name, f := range map[string]func(context.Context) error{"Migrate": hourly.Migrate, "EnsurePartitions": hourly.EnsurePartitions} {
 		if err := f(ctx); err == nil || !strings.Contains(err.Error(), "partitioned by part_day") {
 			t.Errorf("%s of an hourly store on a daily table = %v, want an error naming part_day", name, err)
@@ -256,7 +256,7 @@ func TestPartitionWidthIsPartOfTheLayout(t *testing.T) {
 func TestMigrateFoldsDefaultPartition(t *testing.T) {
 	pool := testenv.Pool(t, 4)
 	schema := testenv.Schema(t, pool)
-	ctx := deduptest.Ctx(t)
+	ctx := testenv.Ctx(t)
 	tbl := `"` + schema + `".processed_events`
 	if _, err := pool.Exec(ctx, `
 CREATE TABLE `+tbl+` (
@@ -304,7 +304,7 @@ FROM generate_series(1, 4) g`); err != nil {
 func TestPartitionedClaimWithoutPartition(t *testing.T) {
 	pool := testenv.Pool(t, 4)
 	s := newStore(t, pool, pgtable.Options{Partitioned: true, PartitionWidth: time.Hour, Retention: time.Hour})
-	ctx := deduptest.Ctx(t)
+	ctx := testenv.Ctx(t)
 	for _, p := range partitionNames(t, pool, s) {
 		if _, err := pool.Exec(ctx, `DROP TABLE "`+s.Options().Schema+`".`+p); err != nil {
 			t.Fatal(err)

@@ -148,7 +148,7 @@ func TestMigrateConcurrentAndIdempotent(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	ctx := deduptest.Ctx(t)
+	ctx := testenv.Ctx(t)
 	before, err := s.MigrationStatus(ctx)
 	if err != nil || len(before) != 0 {
 		t.Fatalf("status before Migrate = %v, %v; want none", before, err)
@@ -201,10 +201,10 @@ func TestMigrateConcurrentAndIdempotent(t *testing.T) {
 func TestCleanupBoundedBatches(t *testing.T) {
 	pool := testenv.Pool(t, 4)
 	s := newStore(t, pool, pgtable.Options{CleanupBatch: 7, KeepKeys: true})
-	ctx := deduptest.Ctx(t)
+	ctx := testenv.Ctx(t)
 	keys := make([]dedup.Key, 50)
 	for i := range keys {
-		keys[i] = dedup.Key{Scope: "c", ID: deduptest.UniqueID("k")}
+		keys[i] = dedup.Key{Scope: "c", ID: testenv.UniqueID("k")}
 	}
 	if err := pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
 		_, err := s.ClaimBatchTx(ctx, tx, keys)

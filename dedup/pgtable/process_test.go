@@ -22,6 +22,7 @@ import (
 	"github.com/idemkit/idem/dedup/deduptest"
 	"github.com/idemkit/idem/dedup/pgtable"
 	"github.com/idemkit/idem/internal/testkit/testenv"
+	"github.com/idemkit/idem/internal/txflow"
 )
 
 // procVariant is one way Process runs.
@@ -179,8 +180,8 @@ func TestProcessConcurrentOneEffect(t *testing.T) {
 	for _, v := range procVariants {
 		t.Run(v.name, func(t *testing.T) {
 			w := newProcWorld(t, pool, v, pgtable.Options{})
-			ctx := deduptest.Ctx(t)
-			key := dedup.NewKey("pay", deduptest.UniqueID("k"), []byte(`{"amount":100}`))
+			ctx := testenv.Ctx(t)
+			key := dedup.NewKey("pay", testenv.UniqueID("k"), []byte(`{"amount":100}`))
 			const n = 100
 			var runs atomic.Int64
 			holder := make(chan uint32, n) // fn's session, once it holds the key
@@ -263,8 +264,8 @@ func TestProcessLeaseRowIsInFlight(t *testing.T) {
 	for _, v := range procVariants {
 		t.Run(v.name, func(t *testing.T) {
 			w := newProcWorld(t, pool, v, pgtable.Options{})
-			ctx := deduptest.Ctx(t)
-			key := dedup.NewKey("mail", deduptest.UniqueID("k"), []byte("p"))
+			ctx := testenv.Ctx(t)
+			key := dedup.NewKey("mail", testenv.UniqueID("k"), []byte("p"))
 			lease, err := w.s.Lease().Claim(ctx, key)
 			if err != nil {
 				t.Fatal(err)
@@ -370,8 +371,8 @@ func TestProcessLosesToWritersWithoutTheLock(t *testing.T) {
 		}
 		t.Run(v.name+"/claimtx_commits_first", func(t *testing.T) {
 			w := newProcWorld(t, pool, v, pgtable.Options{})
-			ctx := deduptest.Ctx(t)
-			key := dedup.NewKey("pay", deduptest.UniqueID("k"), []byte("p"))
+			ctx := testenv.Ctx(t)
+			key := dedup.NewKey("pay", testenv.UniqueID("k"), []byte("p"))
 			bp := w.processInBackground(ctx, key, "mine")
 			bp.waitInFn(t)
 			if err := w.claimOwnTx(ctx, t, key, "theirs").Commit(ctx); err != nil {
@@ -396,8 +397,8 @@ func TestProcessLosesToWritersWithoutTheLock(t *testing.T) {
 			}
 			t.Run(v.name+"/"+name, func(t *testing.T) {
 				w := newProcWorld(t, pool, v, pgtable.Options{})
-				ctx := deduptest.Ctx(t)
-				key := dedup.NewKey("pay", deduptest.UniqueID("k"), []byte("p"))
+				ctx := testenv.Ctx(t)
+				key := dedup.NewKey("pay", testenv.UniqueID("k"), []byte("p"))
 				bp := w.processInBackground(ctx, key, "mine")
 				bp.waitInFn(t)
 				tx := w.claimOwnTx(ctx, t, key, "theirs")
@@ -435,8 +436,8 @@ func TestProcessLosesToWritersWithoutTheLock(t *testing.T) {
 		}
 		t.Run(v.name+"/claimtx_other_fingerprint", func(t *testing.T) {
 			w := newProcWorld(t, pool, v, pgtable.Options{})
-			ctx := deduptest.Ctx(t)
-			key := dedup.NewKey("pay", deduptest.UniqueID("k"), []byte("100"))
+			ctx := testenv.Ctx(t)
+			key := dedup.NewKey("pay", testenv.UniqueID("k"), []byte("100"))
 			bp := w.processInBackground(ctx, key, "mine")
 			bp.waitInFn(t)
 			other := dedup.NewKey(key.Scope, key.ID, []byte("900"))
@@ -454,8 +455,8 @@ func TestProcessLosesToWritersWithoutTheLock(t *testing.T) {
 		})
 		t.Run(v.name+"/lease_claims", func(t *testing.T) {
 			w := newProcWorld(t, pool, v, pgtable.Options{})
-			ctx := deduptest.Ctx(t)
-			key := dedup.NewKey("pay", deduptest.UniqueID("k"), []byte("p"))
+			ctx := testenv.Ctx(t)
+			key := dedup.NewKey("pay", testenv.UniqueID("k"), []byte("p"))
 			bp := w.processInBackground(ctx, key, "mine")
 			bp.waitInFn(t)
 			lease, err := w.s.Lease().Claim(ctx, key)
@@ -483,8 +484,8 @@ func TestProcessLosesToWritersWithoutTheLock(t *testing.T) {
 		})
 		t.Run(v.name+"/lease_runs_out_before_the_commit", func(t *testing.T) {
 			w := newProcWorld(t, pool, v, pgtable.Options{Lease: 50 * time.Millisecond})
-			ctx := deduptest.Ctx(t)
-			key := dedup.NewKey("pay", deduptest.UniqueID("k"), []byte("p"))
+			ctx := testenv.Ctx(t)
+			key := dedup.NewKey("pay", testenv.UniqueID("k"), []byte("p"))
 			bp := w.processInBackground(ctx, key, "mine")
 			bp.waitInFn(t)
 			if _, err := w.s.Lease().Claim(ctx, key); err != nil {
@@ -493,7 +494,7 @@ func TestProcessLosesToWritersWithoutTheLock(t *testing.T) {
 			w.waitLeaseRunOut(t, key)
 			close(bp.cont)
 			r := <-bp.done
-			if !errors.Is(r.err, pgtable.ErrLostRace) || dedup.Held(r.err) {
+			if !errors.Is(r.err, pgtable.ErrLostRace) || txflow.Held(r.err) {
 				t.Fatalf("Process = %v, want ErrLostRace (the winner's row expired before it was read)", r.err)
 			}
 			if got := w.count(t, key.ID); len(got) != 0 {
@@ -524,8 +525,8 @@ func TestProcessPartitionedWritersWait(t *testing.T) {
 		}
 		t.Run(v.name, func(t *testing.T) {
 			w := newProcWorld(t, pool, v, pgtable.Options{})
-			ctx := deduptest.Ctx(t)
-			key := dedup.NewKey("pay", deduptest.UniqueID("k"), []byte("p"))
+			ctx := testenv.Ctx(t)
+			key := dedup.NewKey("pay", testenv.UniqueID("k"), []byte("p"))
 			bp := w.processInBackground(ctx, key, "mine")
 			bp.waitInFn(t)
 			claimed := make(chan error, 1)
@@ -573,7 +574,7 @@ func TestProcessExpiredRowRunsAgain(t *testing.T) {
 	for _, v := range procVariants {
 		t.Run(v.name, func(t *testing.T) {
 			w := newProcWorld(t, pool, v, pgtable.Options{Lease: 50 * time.Millisecond})
-			ctx := deduptest.Ctx(t)
+			ctx := testenv.Ctx(t)
 			run := func(key dedup.Key, result string, during func()) error {
 				res, err := w.s.Process(ctx, key, func(ctx context.Context, tx pgx.Tx) ([]byte, error) {
 					if during != nil {
@@ -587,7 +588,7 @@ func TestProcessExpiredRowRunsAgain(t *testing.T) {
 				return err
 			}
 			// Past its retention.
-			key := dedup.NewKey("s", deduptest.UniqueID("k"), []byte("p"))
+			key := dedup.NewKey("s", testenv.UniqueID("k"), []byte("p"))
 			if err := run(key, "one", nil); err != nil {
 				t.Fatal(err)
 			}
@@ -606,7 +607,7 @@ func TestProcessExpiredRowRunsAgain(t *testing.T) {
 			}
 
 			// A lease that ran out.
-			lkey := dedup.NewKey("s", deduptest.UniqueID("k"), []byte("p"))
+			lkey := dedup.NewKey("s", testenv.UniqueID("k"), []byte("p"))
 			if _, err := w.s.Lease().Claim(ctx, lkey); err != nil {
 				t.Fatal(err)
 			}
@@ -619,7 +620,7 @@ func TestProcessExpiredRowRunsAgain(t *testing.T) {
 			}
 
 			// Deleted by cleanup while fn runs.
-			ckey := dedup.NewKey("s", deduptest.UniqueID("k"), []byte("p"))
+			ckey := dedup.NewKey("s", testenv.UniqueID("k"), []byte("p"))
 			if err := run(ckey, "first", nil); err != nil {
 				t.Fatal(err)
 			}
@@ -657,7 +658,7 @@ func TestProcessFailureWritesNothing(t *testing.T) {
 	for _, v := range procVariants {
 		t.Run(v.name, func(t *testing.T) {
 			w := newProcWorld(t, pool, v, pgtable.Options{})
-			ctx := deduptest.Ctx(t)
+			ctx := testenv.Ctx(t)
 			boom := errors.New("boom")
 			cases := map[string]func(ctx context.Context, tx pgx.Tx, id string) ([]byte, error){
 				"error": func(ctx context.Context, tx pgx.Tx, id string) ([]byte, error) {
@@ -678,7 +679,7 @@ func TestProcessFailureWritesNothing(t *testing.T) {
 				},
 			}
 			for name, fn := range cases {
-				key := dedup.NewKey("s", deduptest.UniqueID(name), []byte("p"))
+				key := dedup.NewKey("s", testenv.UniqueID(name), []byte("p"))
 				func() {
 					defer func() {
 						p := recover()
@@ -687,7 +688,7 @@ func TestProcessFailureWritesNothing(t *testing.T) {
 						}
 					}()
 					_, err := w.s.Process(ctx, key, func(ctx context.Context, tx pgx.Tx) ([]byte, error) { return fn(ctx, tx, key.ID) })
-					if err == nil || dedup.Held(err) {
+					if err == nil || txflow.Held(err) {
 						t.Errorf("%s: Process = %v, want fn's failure", name, err)
 					}
 					if name == "error" && !errors.Is(err, boom) {
@@ -727,8 +728,8 @@ func TestProcessWritesTheRowOnce(t *testing.T) {
 	for _, v := range procVariants {
 		t.Run(v.name, func(t *testing.T) {
 			w := newProcWorld(t, pool, v, pgtable.Options{Retention: 72 * time.Hour})
-			ctx := deduptest.Ctx(t)
-			key := dedup.NewKey("s", deduptest.UniqueID("k"), []byte("p"))
+			ctx := testenv.Ctx(t)
+			key := dedup.NewKey("s", testenv.UniqueID("k"), []byte("p"))
 			var before, after time.Time
 			if err := pool.QueryRow(ctx, "SELECT clock_timestamp()").Scan(&before); err != nil {
 				t.Fatal(err)
@@ -772,8 +773,8 @@ func TestProcessLockNamespace(t *testing.T) {
 	for _, v := range procVariants {
 		t.Run(v.name, func(t *testing.T) {
 			w := newProcWorld(t, pool, v, pgtable.Options{})
-			ctx := deduptest.Ctx(t)
-			key := dedup.NewKey("sc'ope", deduptest.UniqueID("k"), []byte("p"))
+			ctx := testenv.Ctx(t)
+			key := dedup.NewKey("sc'ope", testenv.UniqueID("k"), []byte("p"))
 			var want int64
 			if err := pool.QueryRow(ctx, "SELECT ('x' || left(replace(("+pgtable.KeySQL("$1::text", "$2::text")+")::text, '-', ''), 16))::bit(64)::bigint # $3",
 				key.Scope, key.ID, pgtable.LockSeed(w.s)).Scan(&want); err != nil {
@@ -824,8 +825,8 @@ func TestProcessCancelledWhileWaiting(t *testing.T) {
 	for _, v := range procVariants {
 		t.Run(v.name, func(t *testing.T) {
 			w := newProcWorld(t, pool, v, pgtable.Options{})
-			ctx := deduptest.Ctx(t)
-			key := dedup.NewKey("s", deduptest.UniqueID("k"), []byte("p"))
+			ctx := testenv.Ctx(t)
+			key := dedup.NewKey("s", testenv.UniqueID("k"), []byte("p"))
 			bp := w.processInBackground(ctx, key, "first")
 			bp.waitInFn(t)
 			wctx, cancel := context.WithTimeout(ctx, 200*time.Millisecond)
@@ -835,7 +836,7 @@ func TestProcessCancelledWhileWaiting(t *testing.T) {
 				return nil, nil
 			})
 			cancel()
-			if err == nil || dedup.Held(err) {
+			if err == nil || txflow.Held(err) {
 				t.Fatalf("cancelled duplicate = %v, want a context error", err)
 			}
 			if d := time.Since(start); d > 5*time.Second {

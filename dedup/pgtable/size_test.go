@@ -7,7 +7,6 @@ import (
 	"github.com/jackc/pgx/v5"
 
 	"github.com/idemkit/idem/dedup"
-	"github.com/idemkit/idem/dedup/deduptest"
 	"github.com/idemkit/idem/dedup/pgtable"
 	"github.com/idemkit/idem/internal/testkit/testenv"
 )
@@ -25,7 +24,7 @@ func TestRowSize(t *testing.T) {
 	const rows, batch = 100_000, 1000
 	pool := testenv.Pool(t, 2)
 	s := newStore(t, pool, pgtable.Options{})
-	ctx := deduptest.Ctx(t)
+	ctx := testenv.Ctx(t)
 	walBytes := func() int64 {
 		var lsn string
 		if err := pool.QueryRow(ctx, "SELECT pg_current_wal_lsn()::text").Scan(&lsn); err != nil {
@@ -41,7 +40,7 @@ func TestRowSize(t *testing.T) {
 	wal0 := walBytes()
 	for b := range rows / batch {
 		for i := range keys {
-			keys[i] = dedup.Key{Scope: "orders/charge", ID: "order-" + strconv.Itoa(b*batch+i) + "-" + deduptest.UniqueID("")}
+			keys[i] = dedup.Key{Scope: "orders/charge", ID: "order-" + strconv.Itoa(b*batch+i) + "-" + testenv.UniqueID("")}
 		}
 		var errs []error
 		err := pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {

@@ -12,7 +12,6 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/idemkit/idem/dedup"
-	"github.com/idemkit/idem/dedup/deduptest"
 	"github.com/idemkit/idem/dedup/pgtable"
 	"github.com/idemkit/idem/internal/testkit/testenv"
 )
@@ -49,7 +48,7 @@ CREATE TABLE %s (
 //   - done/expired: a done mark past its retention.
 func keyedTable(t *testing.T, pool *pgxpool.Pool, schema string, partitioned bool) {
 	t.Helper()
-	ctx := deduptest.Ctx(t)
+	ctx := testenv.Ctx(t)
 	tbl := `"` + schema + `".processed_events`
 	versions := []string{"0001_processed_events"}
 	var ddl, partCol, partVal string
@@ -117,7 +116,7 @@ func TestMigrateConvertsKeyedTable(t *testing.T) {
 }
 
 func checkConverted(t *testing.T, pool *pgxpool.Pool, s *pgtable.Store, partitioned, keep bool) {
-	ctx := deduptest.Ctx(t)
+	ctx := testenv.Ctx(t)
 	want := "0001_processed_events,0002_key_digest"
 	if partitioned {
 		want = "0001_processed_events,0002_no_default_partition,0003_key_digest"

@@ -8,7 +8,6 @@ import (
 	"time"
 
 	"github.com/idemkit/idem/dedup"
-	"github.com/idemkit/idem/dedup/deduptest"
 	"github.com/idemkit/idem/dedup/redisnx"
 	"github.com/idemkit/idem/internal/testkit/testenv"
 )
@@ -42,7 +41,7 @@ func BenchmarkLease(b *testing.B) {
 	b.Run("idem", func(b *testing.B) {
 		s, _ := newStore(b, redisnx.Options{Prefix: testenv.Name("bench_idem")})
 		ctx := context.Background()
-		scope := deduptest.UniqueID("bench")
+		scope := testenv.UniqueID("bench")
 		result := []byte("ok")
 		var n atomic.Int64
 		b.ResetTimer()
@@ -66,7 +65,7 @@ func BenchmarkLease(b *testing.B) {
 		const batch = 1000
 		s, _ := newStore(b, redisnx.Options{Prefix: testenv.Name("bench_batch")})
 		ctx := context.Background()
-		scope := deduptest.UniqueID("bench")
+		scope := testenv.UniqueID("bench")
 		keys := make([]dedup.Key, batch)
 		var n int64
 		b.ResetTimer()

@@ -84,7 +84,7 @@ func newClusterLoad(t *testing.T, clientOpts redis.ClusterOptions) (*rediscluste
 	if err != nil {
 		t.Fatal(err)
 	}
-	shards, err := c.Shards(deduptest.Ctx(t))
+	shards, err := c.Shards(testenv.Ctx(t))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -95,7 +95,7 @@ func newClusterLoad(t *testing.T, clientOpts redis.ClusterOptions) (*rediscluste
 // key returns a fresh key whose slot the shard owns.
 func (l *shardLoad) key(shard int) dedup.Key {
 	for {
-		k := dedup.NewKey("cluster/load", deduptest.UniqueID("m"), []byte("payload"))
+		k := dedup.NewKey("cluster/load", testenv.UniqueID("m"), []byte("payload"))
 		if l.shards[shard].Owns(slot(l.s.RedisKey(k))) {
 			return k
 		}
@@ -174,7 +174,7 @@ func waitFor(t *testing.T, what string, cond func() bool) {
 // completed mark is still there at the end.
 func TestClusterMasterKilledUnderLoad(t *testing.T) {
 	c, l := newClusterLoad(t, redis.ClusterOptions{ClusterStateReloadInterval: time.Hour})
-	s, shards, ctx := l.s, l.shards, deduptest.Ctx(t)
+	s, shards, ctx := l.s, l.shards, testenv.Ctx(t)
 	const victim, perShard = 0, 4
 	l.victimShard = victim
 	healthy := func() (n int64) {
@@ -321,7 +321,7 @@ func TestClusterFrozenMasterDelaysOnlyItsKeys(t *testing.T) {
 	// Long timeouts: the frozen node's claim stays in flight until the
 	// node is resumed.
 	c, l := newClusterLoad(t, redis.ClusterOptions{ReadTimeout: 2 * time.Minute, WriteTimeout: 2 * time.Minute})
-	s, shards, ctx, client := l.s, l.shards, deduptest.Ctx(t), l.client
+	s, shards, ctx, client := l.s, l.shards, testenv.Ctx(t), l.client
 	for i := range shards { // connections to every master
 		if _, err := s.Claim(ctx, l.key(i)); err != nil {
 			t.Fatal(err)

@@ -85,11 +85,11 @@ func TestConformanceLegacy(t *testing.T) {
 // script and claims again.
 func TestClaimBatchLoadsMissingScript(t *testing.T) {
 	s, c := legacyStore(t, Options{})
-	ctx := deduptest.Ctx(t)
+	ctx := testenv.Ctx(t)
 	if ok := s.claim.Exists(ctx, c).Val(); len(ok) != 1 || ok[0] {
 		t.Fatalf("SCRIPT EXISTS = %v, want the fresh script unknown", ok)
 	}
-	scope := deduptest.UniqueID("s")
+	scope := testenv.UniqueID("s")
 	k1 := dedup.NewKey(scope, "a", []byte("1"))
 	k2 := dedup.NewKey(scope, "b", []byte("2"))
 	res, err := s.ClaimBatch(ctx, []dedup.Key{k1, k2, k1})
@@ -160,8 +160,8 @@ func TestOldRedisFallsBack(t *testing.T) {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { deleteKeys(t, c, prefix) })
-	ctx := deduptest.Ctx(t)
-	key := dedup.NewKey(deduptest.UniqueID("s"), "a", []byte("1"))
+	ctx := testenv.Ctx(t)
+	key := dedup.NewKey(testenv.UniqueID("s"), "a", []byte("1"))
 	l, err := s.Claim(ctx, key)
 	if err != nil {
 		t.Fatalf("Claim on an old Redis: %v", err)
@@ -270,9 +270,9 @@ func TestClaimResult(t *testing.T) {
 // of the previous layout answers the claim and the claim leaves no key.
 func TestLegacyReadsPreviousLayout(t *testing.T) {
 	s, c := legacyStore(t, Options{})
-	ctx := deduptest.Ctx(t)
+	ctx := testenv.Ctx(t)
 	fp := dedup.FingerprintOf([]byte("p"))
-	done := dedup.Key{Scope: deduptest.UniqueID("s"), ID: "done", Fingerprint: fp}
+	done := dedup.Key{Scope: testenv.UniqueID("s"), ID: "done", Fingerprint: fp}
 	busy := dedup.Key{Scope: done.Scope, ID: "busy"}
 	if err := c.Set(ctx, s.oldKey(done), string(append(append([]byte{stateDone}, fp[:]...), "r"...)), time.Hour).Err(); err != nil {
 		t.Fatal(err)

@@ -12,7 +12,6 @@ import (
 	"github.com/redis/go-redis/v9"
 
 	"github.com/idemkit/idem/dedup"
-	"github.com/idemkit/idem/dedup/deduptest"
 	"github.com/idemkit/idem/internal/testkit/rediscluster"
 	"github.com/idemkit/idem/internal/testkit/testenv"
 )
@@ -53,7 +52,7 @@ func TestNodeGroupsShrink(t *testing.T) {
 		}
 	}
 
-	ctx := deduptest.Ctx(t)
+	ctx := testenv.Ctx(t)
 	shards, err := c.Shards(ctx)
 	if err != nil {
 		t.Fatal(err)
@@ -62,7 +61,7 @@ func TestNodeGroupsShrink(t *testing.T) {
 	keys := make([][]dedup.Key, len(shards))
 	for i, sh := range shards {
 		for len(keys[i]) < 8 {
-			k := dedup.NewKey("prune", deduptest.UniqueID("m"), nil)
+			k := dedup.NewKey("prune", testenv.UniqueID("m"), nil)
 			m, err := client.MasterForKey(ctx, s.RedisKey(k))
 			if err != nil {
 				t.Fatal(err)

@@ -707,15 +707,15 @@ func (s *Store) answer(op *claimOp, stored string) (*dedup.Lease, error) {
 	case !ok:
 		return nil, fmt.Errorf("redisnx: claim %s: its Redis key (Store.RedisKey) holds a value that is not an idem record; refusing to process (delete the key if it is stale, and give idem its own Options.Prefix)", op.key)
 	case !op.key.Fingerprint.Matches(fp):
-		return nil, dedup.Mismatch(op.key)
+		return nil, &dedup.ClaimError{Err: dedup.ErrFingerprintMismatch, Key: op.key}
 	case state == stateDone:
 		var result []byte
 		if rest != "" {
 			result = []byte(rest)
 		}
-		return nil, dedup.Duplicate(op.key, result)
+		return nil, &dedup.ClaimError{Err: dedup.ErrDuplicate, Key: op.key, Result: result}
 	}
-	return nil, dedup.InFlight(op.key, op.retryAfter) // PTTL's -1 and -2 become 0
+	return nil, &dedup.ClaimError{Err: dedup.ErrInFlight, Key: op.key, RetryAfter: max(op.retryAfter, 0)} // PTTL's -1 and -2 become 0
 }
 
 // Claim implements dedup.LeaseStore in one round trip (SET NX GET PX), plus

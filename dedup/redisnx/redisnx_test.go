@@ -139,8 +139,8 @@ func TestNewErrors(t *testing.T) {
 
 func TestDefaults(t *testing.T) {
 	s, c := newStore(t, redisnx.Options{})
-	ctx := deduptest.Ctx(t)
-	l, err := s.Claim(ctx, dedup.NewKey(deduptest.UniqueID("s"), deduptest.UniqueID("id"), []byte("p")))
+	ctx := testenv.Ctx(t)
+	l, err := s.Claim(ctx, dedup.NewKey(testenv.UniqueID("s"), testenv.UniqueID("id"), []byte("p")))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -174,8 +174,8 @@ func TestDefaults(t *testing.T) {
 func TestExpiries(t *testing.T) {
 	const lease, ttl = 20 * time.Second, 3 * time.Hour
 	s, c := newStore(t, redisnx.Options{Lease: lease, TTL: ttl})
-	ctx := deduptest.Ctx(t)
-	key := dedup.NewKey(deduptest.UniqueID("s"), deduptest.UniqueID("id"), []byte("p"))
+	ctx := testenv.Ctx(t)
+	key := dedup.NewKey(testenv.UniqueID("s"), testenv.UniqueID("id"), []byte("p"))
 	rk := s.RedisKey(key)
 	near := func(what string, got, want time.Duration) {
 		t.Helper()
@@ -262,7 +262,7 @@ func TestKeyEncodingNeverCollides(t *testing.T) {
 	}
 	// And against Redis (the store's prefix is unique to this test): every
 	// pair is claimed independently.
-	ctx := deduptest.Ctx(t)
+	ctx := testenv.Ctx(t)
 	for _, k := range collisionKeys {
 		l, err := s.Claim(ctx, k)
 		if err != nil {
@@ -339,8 +339,8 @@ func TestHashTag(t *testing.T) {
 func TestOneRedisKeyPerMessage(t *testing.T) {
 	prefix := testenv.Name("redisnx")
 	s, c := newStore(t, redisnx.Options{Prefix: prefix})
-	ctx := deduptest.Ctx(t)
-	key := dedup.NewKey("billing:{charge}", deduptest.UniqueID("order:{1}"), []byte("p"))
+	ctx := testenv.Ctx(t)
+	key := dedup.NewKey("billing:{charge}", testenv.UniqueID("order:{1}"), []byte("p"))
 	l, err := s.Claim(ctx, key)
 	if err != nil {
 		t.Fatal(err)
@@ -367,8 +367,8 @@ func TestOneRedisKeyPerMessage(t *testing.T) {
 
 func TestResults(t *testing.T) {
 	s, _ := newStore(t, redisnx.Options{})
-	ctx := deduptest.Ctx(t)
-	scope := deduptest.UniqueID("s")
+	ctx := testenv.Ctx(t)
+	scope := testenv.UniqueID("s")
 	for name, result := range map[string][]byte{
 		"nil":    nil,
 		"empty":  {},
@@ -376,7 +376,7 @@ func TestResults(t *testing.T) {
 		"json":   []byte(`{"status":"charged","id":"ch_1"}`),
 		"large":  []byte(strings.Repeat("r", 1<<20)),
 	} {
-		key := dedup.NewKey(scope, deduptest.UniqueID(name), []byte(name))
+		key := dedup.NewKey(scope, testenv.UniqueID(name), []byte(name))
 		l, err := s.Claim(ctx, key)
 		if err != nil {
 			t.Fatalf("%s: %v", name, err)
@@ -399,8 +399,8 @@ func TestResults(t *testing.T) {
 // error, never a duplicate or in-flight answer.
 func TestForeignValue(t *testing.T) {
 	s, c := newStore(t, redisnx.Options{})
-	ctx := deduptest.Ctx(t)
-	scope := deduptest.UniqueID("s")
+	ctx := testenv.Ctx(t)
+	scope := testenv.UniqueID("s")
 	short := dedup.Key{Scope: scope, ID: "short"}
 	c.Set(ctx, s.RedisKey(short), "hello", time.Minute)
 	badState := dedup.Key{Scope: scope, ID: "bad-state"}
@@ -433,7 +433,7 @@ func TestForeignValue(t *testing.T) {
 
 func TestNilLeaseAndCanceledContext(t *testing.T) {
 	s, _ := newStore(t, redisnx.Options{})
-	ctx := deduptest.Ctx(t)
+	ctx := testenv.Ctx(t)
 	if err := s.Extend(ctx, nil); !errors.Is(err, dedup.ErrLeaseLost) {
 		t.Fatalf("Extend(nil) = %v", err)
 	}
@@ -445,7 +445,7 @@ func TestNilLeaseAndCanceledContext(t *testing.T) {
 	}
 	canceled, cancel := context.WithCancel(ctx)
 	cancel()
-	key := dedup.NewKey(deduptest.UniqueID("s"), deduptest.UniqueID("id"), nil)
+	key := dedup.NewKey(testenv.UniqueID("s"), testenv.UniqueID("id"), nil)
 	if l, err := s.Claim(canceled, key); !errors.Is(err, context.Canceled) || l != nil {
 		t.Fatalf("Claim on a canceled context = (%v, %v)", l, err)
 	}
@@ -463,7 +463,7 @@ func TestStoreDown(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	ctx := deduptest.Ctx(t)
+	ctx := testenv.Ctx(t)
 	key := dedup.NewKey("s", "id", []byte("p"))
 	res, err := s.ClaimBatch(ctx, []dedup.Key{key, key, {Scope: "s", ID: ""}})
 	if err == nil || res != nil {
@@ -489,8 +489,8 @@ func TestStoreDown(t *testing.T) {
 func TestPrefixesAreIsolated(t *testing.T) {
 	a, _ := newStore(t, redisnx.Options{})
 	b, _ := newStore(t, redisnx.Options{})
-	ctx := deduptest.Ctx(t)
-	key := dedup.NewKey(deduptest.UniqueID("s"), deduptest.UniqueID("id"), []byte("p"))
+	ctx := testenv.Ctx(t)
+	key := dedup.NewKey(testenv.UniqueID("s"), testenv.UniqueID("id"), []byte("p"))
 	if _, err := a.Claim(ctx, key); err != nil {
 		t.Fatal(err)
 	}
@@ -501,11 +501,11 @@ func TestPrefixesAreIsolated(t *testing.T) {
 
 func TestClaimBatchLarge(t *testing.T) {
 	s, _ := newStore(t, redisnx.Options{})
-	ctx := deduptest.Ctx(t)
-	scope := deduptest.UniqueID("s")
+	ctx := testenv.Ctx(t)
+	scope := testenv.UniqueID("s")
 	keys := make([]dedup.Key, 2000)
 	for i := range keys {
-		keys[i] = dedup.NewKey(scope, deduptest.UniqueID("id"), []byte{byte(i)})
+		keys[i] = dedup.NewKey(scope, testenv.UniqueID("id"), []byte{byte(i)})
 	}
 	res, err := s.ClaimBatch(ctx, keys)
 	if err != nil {
@@ -736,8 +736,8 @@ func previousRecord(state byte, fp dedup.Fingerprint, rest string) string {
 func TestReadsPreviousLayout(t *testing.T) {
 	prefix := testenv.Name("redisnx")
 	s, c := newStore(t, redisnx.Options{Prefix: prefix})
-	ctx := deduptest.Ctx(t)
-	scope := deduptest.UniqueID("billing/charge")
+	ctx := testenv.Ctx(t)
+	scope := testenv.UniqueID("billing/charge")
 	fpA := dedup.FingerprintOf([]byte("a"))
 	fpB := dedup.FingerprintOf([]byte("b"))
 	type tc struct {
@@ -766,7 +766,7 @@ func TestReadsPreviousLayout(t *testing.T) {
 				}
 				var err error
 				if batch {
-					res, berr := s.ClaimBatch(ctx, []dedup.Key{tc.key, dedup.NewKey(scope, deduptest.UniqueID("fresh"), nil)})
+					res, berr := s.ClaimBatch(ctx, []dedup.Key{tc.key, dedup.NewKey(scope, testenv.UniqueID("fresh"), nil)})
 					if berr != nil {
 						t.Fatal(berr)
 					}
@@ -815,9 +815,9 @@ func TestReadsPreviousLayout(t *testing.T) {
 // a done record holds the result only when there is one.
 func TestRecordsWithoutFingerprint(t *testing.T) {
 	s, c := newStore(t, redisnx.Options{})
-	ctx := deduptest.Ctx(t)
+	ctx := testenv.Ctx(t)
 	for _, result := range []string{"", "r"} {
-		key := dedup.Key{Scope: deduptest.UniqueID("s"), ID: deduptest.UniqueID("id")}
+		key := dedup.Key{Scope: testenv.UniqueID("s"), ID: testenv.UniqueID("id")}
 		l, err := s.Claim(ctx, key)
 		if err != nil {
 			t.Fatal(err)

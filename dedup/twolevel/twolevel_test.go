@@ -147,8 +147,8 @@ func TestConformance(t *testing.T) {
 // answered by the cache.
 func TestHotDuplicatesSkipTheDatabase(t *testing.T) {
 	f := newFixture(t, testenv.Pool(t, 8), testenv.Redis(t))
-	ctx := deduptest.Ctx(t)
-	key := dedup.NewKey("pay", deduptest.UniqueID("p"), []byte("100"))
+	ctx := testenv.Ctx(t)
+	key := dedup.NewKey("pay", testenv.UniqueID("p"), []byte("100"))
 	noop := func(context.Context, pgx.Tx) ([]byte, error) { return []byte("ok"), nil }
 	if _, err := f.store.Process(ctx, key, noop); err != nil {
 		t.Fatal(err)
@@ -170,13 +170,13 @@ func TestHotDuplicatesSkipTheDatabase(t *testing.T) {
 func TestLostCacheCostsOnlyARoundTrip(t *testing.T) {
 	pool := testenv.Pool(t, 8)
 	f := newFixture(t, pool, testenv.Redis(t))
-	ctx := deduptest.Ctx(t)
+	ctx := testenv.Ctx(t)
 	var effects atomic.Int64
 	fn := func(context.Context, pgx.Tx) ([]byte, error) { effects.Add(1); return []byte("r"), nil }
 	const n = 100
 	keys := make([]dedup.Key, n)
 	for i := range keys {
-		keys[i] = dedup.NewKey("pay", deduptest.UniqueID("p"), []byte("x"))
+		keys[i] = dedup.NewKey("pay", testenv.UniqueID("p"), []byte("x"))
 		if _, err := f.store.Process(ctx, keys[i], fn); err != nil {
 			t.Fatal(err)
 		}
@@ -226,8 +226,8 @@ func TestCacheDownDatabaseDecides(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	ctx := deduptest.Ctx(t)
-	key := dedup.NewKey("pay", deduptest.UniqueID("p"), []byte("x"))
+	ctx := testenv.Ctx(t)
+	key := dedup.NewKey("pay", testenv.UniqueID("p"), []byte("x"))
 	var effects atomic.Int64
 	var wg sync.WaitGroup
 	for range 30 {

@@ -38,6 +38,7 @@ import (
 	"github.com/idemkit/idem/dedup/pgtable"
 	"github.com/idemkit/idem/dedup/twolevel"
 	"github.com/idemkit/idem/internal/telemetry"
+	"github.com/idemkit/idem/internal/testkit/clocktest"
 	"github.com/idemkit/idem/internal/testkit/fault"
 	"github.com/idemkit/idem/internal/testkit/testenv"
 	"github.com/idemkit/idem/outbox"
@@ -485,7 +486,7 @@ func leaseClaims(t *testing.T, mp *sdkmetric.MeterProvider) {
 // key.
 func leaseLost(t *testing.T, mp *sdkmetric.MeterProvider) {
 	t.Helper()
-	clock := dedup.NewManualClock(time.Date(2026, 1, 1, 0, 0, 0, 0, time.UTC))
+	clock := clocktest.NewManual(time.Date(2026, 1, 1, 0, 0, 0, 0, time.UTC))
 	store, err := memstore.New(memstore.Options{Lease: time.Second, Clock: clock, SweepInterval: -1})
 	if err != nil {
 		t.Fatal(err)

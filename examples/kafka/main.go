@@ -223,7 +223,7 @@ func run(cfg config) error {
 		MaxWait:  100 * time.Millisecond,
 		MinBytes: 1,
 		MaxBytes: 10 << 20,
-	}, handler, idemkafka.Options{
+	}, handler, idemkafka.ConsumerOptions{
 		DeadLetterTopic: dlq,
 		Logger:          slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelError})),
 		OnResult: func(_ context.Context, _ *consumer.Message, r consumer.Result) {

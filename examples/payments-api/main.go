@@ -47,6 +47,9 @@ import (
 	"github.com/idemkit/idem/outbox/pgoutbox"
 )
 
+// retention is how long a key and its response are kept: Stripe's 24 hours.
+const retention = 24 * time.Hour
+
 func main() {
 	var cfg config
 	flag.StringVar(&cfg.postgres, "postgres", envOr("DATABASE_URL", "postgres://postgres@127.0.0.1:5432/test?sslmode=disable"), "PostgreSQL URL (or DATABASE_URL)")
@@ -199,10 +202,14 @@ func newApp(ctx context.Context, cfg config) (*app, error) {
 		return nil, err
 	}
 	a.idem, err = httpidem.NewTx(a.store, httpidem.Options{
-		Principal:     principal,
-		Fingerprint:   httpidem.FingerprintJSON, // a retry may re-encode the JSON body
-		ReplayHeaders: append([]string{"X-Payment-Id"}, httpidem.DefaultReplayHeaders...),
-		Logger:        slog.Default(),
+		Principal:   principal,
+		Fingerprint: httpidem.FingerprintJSON, // a retry may re-encode the JSON body
+		// The middleware's default replay headers, and the payment id.
+		ReplayHeaders: []string{
+			"Cache-Control", "Content-Encoding", "Content-Language", "Content-Location",
+			"Content-Type", "ETag", "Last-Modified", "Link", "Location", "Vary", "X-Payment-Id",
+		},
+		Logger: slog.Default(),
 	})
 	if err != nil {
 		pool.Close()
@@ -242,7 +249,7 @@ func (a *app) migrate(ctx context.Context) error {
 		return err
 	}
 	var err error
-	a.store, err = pgtable.New(a.pool, pgtable.Options{Schema: a.cfg.schema, Retention: httpidem.DefaultRetention})
+	a.store, err = pgtable.New(a.pool, pgtable.Options{Schema: a.cfg.schema, Retention: retention})
 	if err != nil {
 		return err
 	}
@@ -321,7 +328,7 @@ func (a *app) issueKey(w http.ResponseWriter, r *http.Request) {
 	w.WriteHeader(http.StatusCreated)
 	_ = json.NewEncoder(w).Encode(map[string]any{
 		"idempotency_key": key,
-		"expires_in":      int(httpidem.DefaultRetention.Seconds()),
+		"expires_in":      int(retention.Seconds()),
 	})
 }
 
@@ -330,7 +337,7 @@ func (a *app) issueKey(w http.ResponseWriter, r *http.Request) {
 // anything.
 func (a *app) keyPolicy(next http.Handler) http.Handler {
 	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		key, err := httpidem.ParseKey(r.Header.Get(httpidem.HeaderKey), 0)
+		key, err := httpidem.ParseKey(r.Header.Get("Idempotency-Key"), 0)
 		if err == nil && (strings.HasPrefix(key, "ik_") || a.cfg.issuedKeysOnly) && !a.issued(principal(r), key) {
 			problem(w, http.StatusBadRequest, "Idempotency-Key not issued by this server",
 				"get a key from POST /idempotency-keys")

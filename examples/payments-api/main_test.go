@@ -64,7 +64,7 @@ type reply struct {
 	body   []byte
 }
 
-func (r reply) replayed() bool { return r.header.Get(httpidem.HeaderReplayed) == "true" }
+func (r reply) replayed() bool { return r.header.Get("Idempotent-Replayed") == "true" }
 
 func (api *testAPI) call(client *http.Client, method, path, user, key, body string) (reply, error) {
 	req, err := http.NewRequest(method, api.url+path, strings.NewReader(body))
@@ -75,7 +75,7 @@ func (api *testAPI) call(client *http.Client, method, path, user, key, body stri
 		req.Header.Set("X-User-ID", user)
 	}
 	if key != "" {
-		req.Header.Set(httpidem.HeaderKey, key)
+		req.Header.Set("Idempotency-Key", key)
 	}
 	if client == nil {
 		client = http.DefaultClient

@@ -9,6 +9,7 @@ package txflow
 
 import (
 	"context"
+	"errors"
 	"time"
 
 	"github.com/idemkit/idem/dedup"
@@ -33,7 +34,7 @@ func (r Result) Handled() string {
 	switch {
 	case r.Err == nil:
 		return telemetry.HandledCompleted
-	case r.HandlerErr != nil, dedup.Held(r.Err):
+	case r.HandlerErr != nil, Held(r.Err):
 		// The handler failed, or a claim that does not wait for this
 		// transaction took the key first: rolled back either way.
 		return telemetry.HandledReleased
@@ -50,7 +51,7 @@ func (r Result) Handled() string {
 // transaction (pgtable's lease mode on the same table) has that claim's
 // verdict too: it is answered as if it had come first.
 func (r Result) Verdict() error {
-	if r.Ran && !dedup.Held(r.Err) {
+	if r.Ran && !Held(r.Err) {
 		return nil
 	}
 	return r.Err
@@ -114,4 +115,13 @@ func Process[Tx any](ctx context.Context, store dedup.TxStore[Tx], key dedup.Key
 	}
 	tel.Handled(ctx, r.Handled(), end.Sub(hStart))
 	return r
+}
+
+// Held reports whether err is a store's answer that another claim holds
+// the key: dedup.ErrDuplicate, dedup.ErrInFlight or
+// dedup.ErrFingerprintMismatch. A caller acts on it like on the answer to its
+// own claim, even when it came after its handler ran (pgtable.Process losing
+// to a claim that does not take the key's lock).
+func Held(err error) bool {
+	return errors.Is(err, dedup.ErrDuplicate) || errors.Is(err, dedup.ErrInFlight) || errors.Is(err, dedup.ErrFingerprintMismatch)
 }

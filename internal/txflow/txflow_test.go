@@ -1,8 +1,11 @@
 package txflow
 
 import (
+	"context"
 	"errors"
+	"fmt"
 	"testing"
+	"time"
 
 	"github.com/idemkit/idem/dedup"
 	"github.com/idemkit/idem/internal/telemetry"
@@ -14,7 +17,7 @@ func TestResult(t *testing.T) {
 	key := dedup.Key{Scope: "s", ID: "1"}
 	herr := errors.New("handler failed")
 	commit := errors.New("commit failed")
-	dup := dedup.Duplicate(key, nil)
+	dup := &dedup.ClaimError{Err: dedup.ErrDuplicate, Key: key}
 	cases := []struct {
 		name    string
 		r       Result
@@ -36,6 +39,29 @@ func TestResult(t *testing.T) {
 		}
 		if got := c.r.Verdict(); !errors.Is(got, c.verdict) || (c.verdict == nil) != (got == nil) {
 			t.Errorf("%s: Verdict() = %v, want %v", c.name, got, c.verdict)
+		}
+	}
+}
+
+func TestHeld(t *testing.T) {
+	k := dedup.Key{Scope: "s", ID: "i"}
+	for _, c := range []struct {
+		err  error
+		want bool
+	}{
+		{&dedup.ClaimError{Err: dedup.ErrDuplicate, Key: k, Result: []byte("r")}, true},
+		{&dedup.ClaimError{Err: dedup.ErrInFlight, Key: k, RetryAfter: time.Second}, true},
+		{&dedup.ClaimError{Err: dedup.ErrFingerprintMismatch, Key: k}, true},
+		{fmt.Errorf("pgtable: commit: %w", &dedup.ClaimError{Err: dedup.ErrDuplicate, Key: k}), true},
+		{nil, false},
+		{dedup.ErrLeaseLost, false},
+		{dedup.ErrInvalidKey, false},
+		{dedup.ErrClosed, false},
+		{context.DeadlineExceeded, false},
+		{errors.New("connection refused"), false},
+	} {
+		if got := Held(c.err); got != c.want {
+			t.Errorf("Held(%v) = %v, want %v", c.err, got, c.want)
 		}
 	}
 }

@@ -184,7 +184,7 @@ func TestRelayToKafka(t *testing.T) {
 		dups     atomic.Int64
 		dead     atomic.Int64
 	)
-	c, err := idemkafka.NewConsumer(k.readerConfig(testenv.Name("idemtest_g"), topic), consumer.Chain(apply, consumer.Recover()), idemkafka.Options{
+	c, err := idemkafka.NewConsumer(k.readerConfig(testenv.Name("idemtest_g"), topic), consumer.Chain(apply, consumer.Recover()), idemkafka.ConsumerOptions{
 		DeadLetterTopic: dlq,
 		Logger:          quiet(),
 		OnResult: func(_ context.Context, m *consumer.Message, r consumer.Result) {

@@ -241,7 +241,7 @@ func httpChild(ctx context.Context) error {
 	var mw *httpidem.Middleware
 	switch cfg.Store {
 	case storePG:
-		store, err := pgtable.New(pool, pgtable.Options{Schema: cfg.Schema, Retention: httpidem.DefaultRetention, Logger: childLogger()})
+		store, err := pgtable.New(pool, pgtable.Options{Schema: cfg.Schema, Retention: 24 * time.Hour, Logger: childLogger()})
 		if err != nil {
 			return err
 		}
@@ -287,7 +287,7 @@ func httpChild(ctx context.Context) error {
 	mux.Handle("POST /charge", mw.Handler(app))
 	srv := &http.Server{
 		Handler: http.HandlerFunc(func(w http.ResponseWriter, req *http.Request) {
-			if key, err := httpidem.ParseKey(req.Header.Get(httpidem.HeaderKey), 0); err == nil {
+			if key, err := httpidem.ParseKey(req.Header.Get("Idempotency-Key"), 0); err == nil {
 				r.log.record(key)
 			}
 			r.kill.at(pointBeforeTx)

@@ -287,7 +287,7 @@ func kafkaChild(ctx context.Context) error {
 		return err
 	}
 	defer closer()
-	c, err := idemkafka.NewConsumer(kafkaReaderConfig(r.cfg.Brokers, r.cfg.Group, r.cfg.Topic, kafkaSession), h, idemkafka.Options{
+	c, err := idemkafka.NewConsumer(kafkaReaderConfig(r.cfg.Brokers, r.cfg.Group, r.cfg.Topic, kafkaSession), h, idemkafka.ConsumerOptions{
 		CommitEvery:     50,
 		CommitInterval:  100 * time.Millisecond,
 		RetryInitial:    50 * time.Millisecond,

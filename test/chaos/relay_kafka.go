@@ -46,7 +46,7 @@ func newKafkaSink(ctx context.Context, b *cellBase) (*kafkaSink, func(), error) 
 	if err != nil {
 		return fail(err)
 	}
-	c, err := idemkafka.NewConsumer(kafkaReaderConfig(k.brokers, s.group, s.topicN, 10*time.Second), h, idemkafka.Options{
+	c, err := idemkafka.NewConsumer(kafkaReaderConfig(k.brokers, s.group, s.topicN, 10*time.Second), h, idemkafka.ConsumerOptions{
 		CommitEvery: 50, CommitInterval: 100 * time.Millisecond, DeadLetterTopic: s.topicN + "_dlq", Logger: quietLogger(),
 	})
 	if err != nil {

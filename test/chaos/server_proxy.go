@@ -346,7 +346,7 @@ func srvProxyOutboxKafka(ctx context.Context, env *Env) (res Result, err error) 
 		HeartbeatInterval: 100 * time.Millisecond, SessionTimeout: 10 * time.Second, RebalanceTimeout: 10 * time.Second,
 		JoinGroupBackoff: 100 * time.Millisecond, MaxWait: 100 * time.Millisecond,
 		ReadBackoffMin: 10 * time.Millisecond, ReadBackoffMax: 100 * time.Millisecond,
-	}, consumer.Chain(apply, consumer.Recover()), idemkafka.Options{
+	}, consumer.Chain(apply, consumer.Recover()), idemkafka.ConsumerOptions{
 		DeadLetterTopic: dlq, Logger: srvQuiet,
 		OnResult: func(_ context.Context, m *consumer.Message, r consumer.Result) {
 			switch r.Action {

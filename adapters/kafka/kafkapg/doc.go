@@ -20,7 +20,7 @@
 //	offsets, _ := kafkapg.NewOffsets(pool, kafkapg.OffsetsOptions{})
 //	_ = offsets.Migrate(ctx)
 //	h, _ := kafkapg.Transactional(claims, offsets, consumer.TxOptions{Scope: "billing/ledger"}, ledger)
-//	c, _ := idemkafka.NewConsumer(readerConfig, h, idemkafka.Options{Offsets: offsets, DeadLetterTopic: "billing.dlq"})
+//	c, _ := idemkafka.NewConsumer(readerConfig, h, idemkafka.ConsumerOptions{Offsets: offsets, DeadLetterTopic: "billing.dlq"})
 //
 // A position only moves forward (the greater offset wins), so a late write
 // from a member that lost the partition in a rebalance cannot move it back;
@@ -36,11 +36,11 @@
 //
 // # Batches
 //
-// Batch handles up to Options.BatchSize records of a partition in one
+// Batch handles up to ConsumerOptions.BatchSize records of a partition in one
 // transaction with one claim statement, with or without Offsets:
 //
 //	bh, _ := kafkapg.Batch(pool, claims, kafkapg.BatchOptions{Scope: "billing/ledger", Offsets: offsets}, ledger)
-//	c, _ := idemkafka.NewBatchConsumer(readerConfig, bh, idemkafka.Options{Offsets: offsets, DeadLetterTopic: "billing.dlq"})
+//	c, _ := idemkafka.NewBatchConsumer(readerConfig, bh, idemkafka.ConsumerOptions{Offsets: offsets, DeadLetterTopic: "billing.dlq"})
 //
 // # Schema
 //

@@ -4,10 +4,8 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"time"
 
 	"github.com/jackc/pgx/v5"
-	"go.opentelemetry.io/otel/attribute"
 	"go.opentelemetry.io/otel/metric"
 	"go.opentelemetry.io/otel/trace"
 
@@ -16,6 +14,7 @@ import (
 	"github.com/idemkit/idem/dedup"
 	"github.com/idemkit/idem/dedup/pgtable"
 	"github.com/idemkit/idem/internal/telemetry"
+	"github.com/idemkit/idem/internal/txflow"
 )
 
 // errNoPosition is returned by the handlers when they do not run under a
@@ -25,12 +24,12 @@ var errNoPosition = errors.New("kafkapg: no partition position in the context: r
 // Transactional is consumer.Transactional that also stores the record's
 // partition position (idemkafka.PositionAfter) in the transaction: the claim,
 // the handler's writes and the position commit together. Give the Consumer
-// the same offsets as Options.Offsets, so that a partition assigned to it is
+// the same offsets as ConsumerOptions.Offsets, so that a partition assigned to it is
 // consumed from the stored position: after a crash, consumption resumes
 // exactly after the last committed transaction.
 //
 // A duplicate runs no transaction, so its position is stored by the
-// Consumer's next commit instead (Options.CommitEvery, CommitInterval).
+// Consumer's next commit instead (ConsumerOptions.CommitEvery, CommitInterval).
 func Transactional(claims dedup.TxStore[pgx.Tx], offsets *Offsets, opts consumer.TxOptions, h consumer.TxHandler[pgx.Tx]) (consumer.Handler, error) {
 	if offsets == nil {
 		return nil, errors.New("kafkapg: Transactional: offsets is nil; without offsets use consumer.Transactional")
@@ -62,7 +61,7 @@ type BatchOptions struct {
 	// disable the check.
 	Fingerprint func(*consumer.Message) dedup.Fingerprint
 	// Offsets, when set, stores the partition's position in each batch's
-	// transaction. Give the Consumer the same one as Options.Offsets.
+	// transaction. Give the Consumer the same one as ConsumerOptions.Offsets.
 	Offsets *Offsets
 	// OnOutcome, if set, is called once per message of a committed batch
 	// with its Report: consumer.OutcomeCompleted, OutcomeDuplicate,
@@ -94,7 +93,7 @@ type BatchOptions struct {
 // later commit). When h fails, or a key is held by a lease-mode claim, the
 // whole transaction rolls back and the Consumer hands the records over one at
 // a time. consumer.SetResult has no effect in a batch.
-func Batch(db DB, claims *pgtable.Store, opts BatchOptions, h consumer.TxHandler[pgx.Tx]) (idemkafka.BatchHandler, error) {
+func Batch(db pgtable.DB, claims *pgtable.Store, opts BatchOptions, h consumer.TxHandler[pgx.Tx]) (idemkafka.BatchHandler, error) {
 	switch {
 	case db == nil:
 		return nil, errors.New("kafkapg: Batch: db is nil: pass the *pgxpool.Pool of the store")
@@ -115,54 +114,16 @@ func Batch(db DB, claims *pgtable.Store, opts BatchOptions, h consumer.TxHandler
 		opts.Fingerprint = func(m *consumer.Message) dedup.Fingerprint { return dedup.FingerprintOf(m.Payload) }
 	}
 	tel := telemetry.NewDedup(opts.MeterProvider, opts.TracerProvider, opts.Scope, telemetry.StoreName(claims))
-	return &batch{db: db, claims: claims, opts: opts, h: h, tel: tel}, nil
+	b := &batch{db: db, claims: claims, opts: opts, h: h, tel: tel}
+	return b.handle, nil
 }
 
 type batch struct {
-	db     DB
+	db     pgtable.DB
 	claims *pgtable.Store
 	opts   BatchOptions
 	h      consumer.TxHandler[pgx.Tx]
 	tel    *telemetry.Dedup
-}
-
-// attrBatchCount is the claim span's number of keys.
-const attrBatchCount = attribute.Key("messaging.batch.message_count")
-
-// claimOutcome is the idem.claims outcome of a key's verdict.
-func claimOutcome(v error) string {
-	switch {
-	case v == nil:
-		return telemetry.ClaimFirst
-	case errors.Is(v, dedup.ErrDuplicate):
-		return telemetry.ClaimDuplicate
-	case errors.Is(v, dedup.ErrFingerprintMismatch):
-		return telemetry.ClaimFingerprintMismatch
-	case errors.Is(v, dedup.ErrInvalidKey):
-		return telemetry.ClaimInvalidKey
-	case errors.Is(v, dedup.ErrInFlight):
-		return telemetry.ClaimInFlight
-	}
-	return telemetry.ClaimError
-}
-
-// recordClaims counts the verdicts of one batch claim that took took.
-func (b *batch) recordClaims(ctx context.Context, verdicts []error, took time.Duration) {
-	var n [6]int
-	names := [6]string{telemetry.ClaimFirst, telemetry.ClaimDuplicate, telemetry.ClaimFingerprintMismatch,
-		telemetry.ClaimInvalidKey, telemetry.ClaimInFlight, telemetry.ClaimError}
-	for _, v := range verdicts {
-		o := claimOutcome(v)
-		for i, name := range names {
-			if name == o {
-				n[i]++
-				break
-			}
-		}
-	}
-	for i, name := range names {
-		b.tel.ClaimedN(ctx, name, n[i], took)
-	}
 }
 
 func (b *batch) outcome(ctx context.Context, msg *consumer.Message, key dedup.Key, o consumer.Outcome, err error) {
@@ -171,7 +132,10 @@ func (b *batch) outcome(ctx context.Context, msg *consumer.Message, key dedup.Ke
 	}
 }
 
-func (b *batch) HandleBatch(ctx context.Context, msgs []*consumer.Message) (err error) {
+// handle is the BatchHandler: the batch's keys are claimed, its handlers
+// run and its position is written in one transaction (txflow.ProcessBatch);
+// the verdicts that are not the batch's to decide roll it back.
+func (b *batch) handle(ctx context.Context, msgs []*consumer.Message) error {
 	errs := map[int]error{}
 	keys := make([]dedup.Key, 0, len(msgs))
 	at := make([]int, 0, len(msgs)) // keys[j] is msgs[at[j]]'s
@@ -187,56 +151,41 @@ func (b *batch) HandleBatch(ctx context.Context, msgs []*consumer.Message) (err 
 		at = append(at, i)
 		keyOf[i] = keys[len(keys)-1]
 	}
-	tx, err := b.db.Begin(ctx)
+	outcomes := make([]consumer.Outcome, len(msgs))
+	err := txflow.ProcessBatch(ctx, b.tel, keys, txflow.BatchSteps[pgx.Tx]{
+		Who:   "kafkapg",
+		Begin: b.db.Begin,
+		Claim: b.claims.ClaimBatchTx,
+		Work: func(ctx context.Context, tx pgx.Tx, verdicts []error, run func(int, func(context.Context) error) error) error {
+			return b.work(ctx, tx, msgs, keys, at, verdicts, run, errs, outcomes)
+		},
+	})
 	if err != nil {
-		return fmt.Errorf("kafkapg: begin: %w", err)
-	}
-	committed := false
-	// ran holds the time each handler run took; they are recorded with
-	// how the batch ended.
-	ran := make([]time.Duration, 0, len(keys))
-	handled := consumer.OutcomeReleased
-	defer func() {
-		if !committed {
-			rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 5*time.Second)
-			_ = tx.Rollback(rctx)
-			cancel()
-		}
-		for _, d := range ran {
-			b.tel.Handled(ctx, string(handled), d)
-		}
-	}()
-	// Span attributes are built only under a recording span (the key
-	// hashes cost a SHA-256 each).
-	tracing := telemetry.Recording(ctx)
-	start := time.Now()
-	cctx, endClaim := ctx, func(error, ...attribute.KeyValue) {}
-	if tracing {
-		cctx, endClaim = telemetry.StartSpan(ctx, b.tel.Tracer, "idem.claim",
-			telemetry.AttrScope.String(b.tel.Scope()), telemetry.AttrStore.String(b.tel.Store()), attrBatchCount.Int(len(keys)))
-	}
-	verdicts, err := b.claims.ClaimBatchTx(cctx, tx, keys)
-	took := time.Since(start)
-	endClaim(err)
-	if err != nil {
-		b.tel.ClaimedN(ctx, telemetry.ClaimError, len(keys), took)
 		return err
 	}
-	b.recordClaims(ctx, verdicts, took)
+	for i, o := range outcomes {
+		if o != "" {
+			b.outcome(ctx, msgs[i], keyOf[i], o, errs[i])
+		}
+	}
+	if len(errs) > 0 {
+		return &idemkafka.BatchError{Errs: errs}
+	}
+	return nil
+}
+
+// work acts on the batch claim's verdicts in tx: the handler runs for each
+// key claimed first, duplicates and poison are noted in errs and outcomes,
+// and with BatchOptions.Offsets the partition's position after the done
+// messages is written.
+func (b *batch) work(ctx context.Context, tx pgx.Tx, msgs []*consumer.Message, keys []dedup.Key, at []int, verdicts []error,
+	run func(int, func(context.Context) error) error, errs map[int]error, outcomes []consumer.Outcome) error {
 	done := make([]*consumer.Message, 0, len(msgs))
-	outcomes := make([]consumer.Outcome, len(msgs))
 	for j, i := range at {
 		v := verdicts[j]
 		switch {
 		case v == nil:
-			hctx, endHandle := ctx, func(error, ...attribute.KeyValue) {}
-			if tracing {
-				hctx, endHandle = telemetry.StartSpan(ctx, b.tel.Tracer, "idem.handle", telemetry.AttrKeyHash.String(keys[j].Hash()))
-			}
-			hstart := time.Now()
-			herr := callEnding(hctx, tx, msgs[i], b.h, endHandle)
-			ran = append(ran, time.Since(hstart))
-			if herr != nil {
+			if herr := run(j, func(hctx context.Context) error { return b.h(hctx, tx, msgs[i]) }); herr != nil {
 				return fmt.Errorf("kafkapg: message %d of the batch (%s): %w", i, keys[j], herr)
 			}
 			done = append(done, msgs[i])
@@ -257,46 +206,12 @@ func (b *batch) HandleBatch(ctx context.Context, msgs []*consumer.Message) (err 
 			return fmt.Errorf("kafkapg: message %d of the batch (%s): %w", i, keys[j], v)
 		}
 	}
-	if b.opts.Offsets != nil {
-		pos, ok := idemkafka.PositionAfter(ctx, done...)
-		if !ok {
-			return consumer.Permanent(errNoPosition)
-		}
-		if err := b.opts.Offsets.SaveTx(ctx, tx, pos); err != nil {
-			return err
-		}
+	if b.opts.Offsets == nil {
+		return nil
 	}
-	cmStart := time.Now()
-	if err := tx.Commit(ctx); err != nil {
-		telemetry.RecordSpan(ctx, b.tel.Tracer, "idem.commit", cmStart, time.Now(), err)
-		handled = consumer.OutcomeCompleteFailed
-		return fmt.Errorf("kafkapg: commit: %w", err)
+	pos, ok := idemkafka.PositionAfter(ctx, done...)
+	if !ok {
+		return consumer.Permanent(errNoPosition)
 	}
-	telemetry.RecordSpan(ctx, b.tel.Tracer, "idem.commit", cmStart, time.Now(), nil)
-	committed = true
-	handled = consumer.OutcomeCompleted
-	for i, o := range outcomes {
-		if o != "" {
-			b.outcome(ctx, msgs[i], keyOf[i], o, errs[i])
-		}
-	}
-	if len(errs) > 0 {
-		return &idemkafka.BatchError{Errs: errs}
-	}
-	return nil
-}
-
-// callEnding runs h and ends its span, also when h panics (the panic goes
-// on, and the batch's transaction rolls back).
-func callEnding(ctx context.Context, tx pgx.Tx, msg *consumer.Message, h func(context.Context, pgx.Tx, *consumer.Message) error, end func(error, ...attribute.KeyValue)) (err error) {
-	ended := false
-	defer func() {
-		if !ended {
-			end(errors.New("kafkapg: the handler panicked"))
-		}
-	}()
-	err = h(ctx, tx, msg)
-	ended = true
-	end(err)
-	return err
+	return b.opts.Offsets.SaveTx(ctx, tx, pos)
 }

@@ -131,14 +131,14 @@ func TestBatch(t *testing.T) {
 		return n
 	}
 
-	if err := bh.HandleBatch(ctx, []*consumer.Message{msg("a", "1"), msg("b", "2")}); err != nil {
+	if err := bh(ctx, []*consumer.Message{msg("a", "1"), msg("b", "2")}); err != nil {
 		t.Fatal(err)
 	}
 	// a again (duplicate), a in the same batch twice, b with other content.
-	err = bh.HandleBatch(ctx, []*consumer.Message{msg("a", "1"), msg("c", "3"), msg("c", "3"), msg("b", "other")})
+	err = bh(ctx, []*consumer.Message{msg("a", "1"), msg("c", "3"), msg("c", "3"), msg("b", "other")})
 	var be *idemkafka.BatchError
 	if !errors.As(err, &be) {
-		t.Fatalf("HandleBatch = %v; want a BatchError", err)
+		t.Fatalf("batch handler = %v; want a BatchError", err)
 	}
 	if !errors.Is(be.Errs[0], dedup.ErrDuplicate) || be.Errs[1] != nil || !errors.Is(be.Errs[2], dedup.ErrDuplicate) ||
 		!errors.Is(be.Errs[3], dedup.ErrFingerprintMismatch) {
@@ -148,14 +148,14 @@ func TestBatch(t *testing.T) {
 		t.Fatalf("%d effects, want 3 (a, b, c)", n)
 	}
 	// A failing handler rolls back the batch: d's effect and claim too.
-	err = bh.HandleBatch(ctx, []*consumer.Message{msg("d", "4"), msg("e", "boom")})
+	err = bh(ctx, []*consumer.Message{msg("d", "4"), msg("e", "boom")})
 	if !errors.Is(err, errBoom) {
-		t.Fatalf("HandleBatch = %v; want errBoom", err)
+		t.Fatalf("batch handler = %v; want errBoom", err)
 	}
 	if n := count(); n != 3 {
 		t.Fatalf("%d effects after a failed batch, want 3", n)
 	}
-	if err := bh.HandleBatch(ctx, []*consumer.Message{msg("d", "4")}); err != nil {
+	if err := bh(ctx, []*consumer.Message{msg("d", "4")}); err != nil {
 		t.Fatalf("d again after the rollback: %v", err)
 	}
 	if n := count(); n != 4 {
@@ -178,8 +178,8 @@ func TestBatch(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if err := bo.HandleBatch(ctx, []*consumer.Message{msg("f", "6")}); !consumer.IsPermanent(err) {
-		t.Fatalf("HandleBatch outside a Consumer = %v; want a permanent error", err)
+	if err := bo(ctx, []*consumer.Message{msg("f", "6")}); consumer.Decide(err).Action != consumer.ActionDeadLetter {
+		t.Fatalf("batch handler outside a Consumer = %v; want a permanent error", err)
 	}
 	if n := count(); n != 4 {
 		t.Fatalf("%d effects, want 4: the batch without a position must roll back", n)

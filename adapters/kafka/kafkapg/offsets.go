@@ -11,18 +11,10 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	idemkafka "github.com/idemkit/idem/adapters/kafka"
+	"github.com/idemkit/idem/dedup/pgtable"
 	"github.com/idemkit/idem/internal/pgmigrate"
 	"github.com/idemkit/idem/internal/sqlname"
 )
-
-// DB is what Offsets and Batch run statements on: a *pgxpool.Pool or a
-// *pgx.Conn.
-type DB interface {
-	Begin(ctx context.Context) (pgx.Tx, error)
-	Exec(ctx context.Context, sql string, args ...any) (pgconn.CommandTag, error)
-	Query(ctx context.Context, sql string, args ...any) (pgx.Rows, error)
-	QueryRow(ctx context.Context, sql string, args ...any) pgx.Row
-}
 
 // OffsetsOptions configure Offsets. The zero value is usable.
 type OffsetsOptions struct {
@@ -39,7 +31,7 @@ type OffsetsOptions struct {
 // offset, so a late write from a member that lost the partition cannot move
 // it back. To rewind a group, update or delete its rows while no member runs.
 type Offsets struct {
-	db    DB
+	db    pgtable.DB
 	opts  OffsetsOptions
 	table string // quoted, schema-qualified
 	save  string
@@ -50,7 +42,7 @@ var _ idemkafka.OffsetStore = (*Offsets)(nil)
 
 // NewOffsets returns an Offsets on db. It does not touch the database: call
 // Migrate (or apply SQL) once before use.
-func NewOffsets(db DB, opts OffsetsOptions) (*Offsets, error) {
+func NewOffsets(db pgtable.DB, opts OffsetsOptions) (*Offsets, error) {
 	switch v := db.(type) {
 	case nil:
 		return nil, errors.New("kafkapg: NewOffsets: db is nil: pass a *pgxpool.Pool or *pgx.Conn")
@@ -147,15 +139,12 @@ func (o *Offsets) SaveTx(ctx context.Context, tx pgx.Tx, pos idemkafka.Position)
 //go:embed migrations/*.sql
 var migrationFS embed.FS
 
-// Migration is one embedded schema change, rendered for a schema and table.
-type Migration = pgmigrate.Migration
-
 type tmplData struct{ schema, table string }
 
 func (d tmplData) Table() string { return sqlname.Qualified(d.schema, d.table) }
 
 // Migrations returns the migrations in order.
-func (o *Offsets) Migrations() ([]Migration, error) {
+func (o *Offsets) Migrations() ([]pgtable.Migration, error) {
 	return pgmigrate.Render("kafkapg", migrationFS, "migrations", tmplData{schema: o.opts.Schema, table: o.opts.Table})
 }
 

@@ -47,16 +47,16 @@ func TestBatchTelemetry(t *testing.T) {
 		return &consumer.Message{ID: "secret-" + id, Payload: []byte(payload)}
 	}
 	bctx, batchSpan := spans.Tracer("test").Start(ctx, "process batch")
-	_ = bh.HandleBatch(bctx, []*consumer.Message{msg("a", "1"), msg("b", "2")})
-	_ = bh.HandleBatch(bctx, []*consumer.Message{msg("a", "1"), msg("c", "3"), msg("c", "3"), msg("b", "other")})
-	_ = bh.HandleBatch(bctx, []*consumer.Message{msg("d", "4"), msg("e", "boom")})
+	_ = bh(bctx, []*consumer.Message{msg("a", "1"), msg("b", "2")})
+	_ = bh(bctx, []*consumer.Message{msg("a", "1"), msg("c", "3"), msg("c", "3"), msg("b", "other")})
+	_ = bh(bctx, []*consumer.Message{msg("d", "4"), msg("e", "boom")})
 	batchSpan.End()
 
 	scope, store := telemetry.AttrScope.String("test/batch"), telemetry.AttrStore.String("pgtable")
 	for outcome, want := range map[string]float64{
 		telemetry.ClaimFirst: 5, telemetry.ClaimDuplicate: 2, telemetry.ClaimFingerprintMismatch: 1,
 	} {
-		if got := mp.Sum(telemetry.MetricClaims, scope, store, telemetry.AttrOutcome.String(string(outcome))); got != want {
+		if got := mp.Sum(telemetry.MetricClaims, scope, store, telemetry.AttrOutcome.String(outcome)); got != want {
 			t.Errorf("%s{outcome=%s} = %v, want %v", telemetry.MetricClaims, outcome, got, want)
 		}
 	}

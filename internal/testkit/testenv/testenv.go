@@ -187,3 +187,19 @@ func Eventually(t testing.TB, timeout time.Duration, what string, cond func() bo
 		<-tick.C
 	}
 }
+
+// Ctx returns a context that ends with the test, with a generous deadline so
+// a hung store fails the test instead of hanging CI.
+func Ctx(t testing.TB) context.Context {
+	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+	t.Cleanup(cancel)
+	return ctx
+}
+
+// UniqueID returns a random id that starts with prefix, so runs against a
+// shared server never see each other's keys.
+func UniqueID(prefix string) string {
+	var b [8]byte
+	_, _ = rand.Read(b[:])
+	return prefix + "-" + hex.EncodeToString(b[:])
+}

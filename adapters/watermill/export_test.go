@@ -1,0 +1,4 @@
+package watermill
+
+// PoisonError is the middleware's error for a poison message, for the tests.
+type PoisonError = poisonError
