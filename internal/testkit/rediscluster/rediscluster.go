@@ -311,28 +311,33 @@ func (c *Cluster) WaitAgreed(ctx context.Context, slot int, master string) error
 			return nil
 		}
 		if perr := pause(ctx); perr != nil {
-			return fmt.Errorf("rediscluster: the nodes do not all name %s as the master of slot %d (last error: %v): %w", master, slot, err, perr)
+			return fmt.Errorf("rediscluster: the nodes do not all name %s as the master of slot %d (last error: %w): %w", master, slot, err, perr)
 		}
 	}
 }
 
 // agreed reports whether every running node names master as the owner of
-// slot.
+// slot (CLUSTER SHARDS on each).
 func (c *Cluster) agreed(ctx context.Context, slot int, master string) (bool, error) {
 	for _, addr := range c.addrs {
 		if !c.nodes[addr].Running() {
 			continue
 		}
 		n := redis.NewClient(&redis.Options{Addr: addr, MaxRetries: -1})
-		slots, err := n.ClusterSlots(ctx).Result()
+		shards, err := n.ClusterShards(ctx).Result()
 		_ = n.Close()
 		if err != nil {
-			return false, fmt.Errorf("CLUSTER SLOTS on %s: %w", addr, err)
+			return false, fmt.Errorf("CLUSTER SHARDS on %s: %w", addr, err)
 		}
 		owner := ""
-		for _, r := range slots {
-			if slot >= r.Start && slot <= r.End && len(r.Nodes) > 0 {
-				owner = r.Nodes[0].Addr
+		for _, rs := range shards {
+			if !(Shard{Slots: rs.Slots}).Owns(slot) {
+				continue
+			}
+			for _, node := range rs.Nodes {
+				if node.Role == "master" && node.Health == "online" {
+					owner = fmt.Sprintf("%s:%d", node.IP, node.Port)
+				}
 			}
 		}
 		if owner != master {
