@@ -94,24 +94,24 @@ func benchConsumer(b *testing.B, n int, done *atomic.Int64, finished chan struct
 	reportRate(b, n, elapsed)
 }
 
-// counting returns an OnResult that counts acknowledged records and closes
+// counting returns an OnOutcome that counts acknowledged records and closes
 // finished at n.
-func counting(n int) (*atomic.Int64, chan struct{}, func(context.Context, *consumer.Message, consumer.Result)) {
+func counting(n int) (*atomic.Int64, chan struct{}, func(context.Context, consumer.Report)) {
 	var done atomic.Int64
 	finished := make(chan struct{})
-	return &done, finished, func(_ context.Context, _ *consumer.Message, r consumer.Result) {
-		if r.Action == consumer.ActionAck && done.Add(1) == int64(n) {
+	return &done, finished, func(_ context.Context, r consumer.Report) {
+		if r.Result.Action == consumer.ActionAck && done.Add(1) == int64(n) {
 			close(finished)
 		}
 	}
 }
 
-func benchOptions(b *testing.B, topic string, onResult func(context.Context, *consumer.Message, consumer.Result)) idemkafka.ConsumerOptions {
+func benchOptions(b *testing.B, topic string, onOutcome func(context.Context, consumer.Report)) idemkafka.ConsumerOptions {
 	return idemkafka.ConsumerOptions{
 		CommitEvery:     100 / benchPartitions,
 		CommitInterval:  time.Hour,
 		DeadLetterTopic: topic + "_dlq",
-		OnResult:        onResult,
+		OnOutcome:       onOutcome,
 		Logger:          slog.New(slog.NewTextHandler(tWriter{b}, &slog.HandlerOptions{Level: slog.LevelWarn})),
 	}
 }

@@ -300,8 +300,8 @@ func (c *Consumer) closeInBackground(r io.Closer) {
 }
 
 func (c *Consumer) report(ctx context.Context, msg *consumer.Message, r consumer.Result) {
-	if c.opts.OnResult != nil {
-		c.opts.OnResult(ctx, msg, r)
+	if c.opts.OnOutcome != nil {
+		c.opts.OnOutcome(ctx, consumer.Report{Outcome: r.Outcome(), Message: msg, Result: r, Err: r.Err})
 	}
 }
 

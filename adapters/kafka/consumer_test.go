@@ -149,7 +149,8 @@ func TestRetryInPlaceKeepsOrder(t *testing.T) {
 		RetryMax:        5 * time.Millisecond,
 		DeadLetterTopic: k.dlq(t, topic),
 		Logger:          testLogger(t),
-		OnResult: func(_ context.Context, _ *consumer.Message, r consumer.Result) {
+		OnOutcome: func(_ context.Context, rep consumer.Report) {
+			r := rep.Result
 			if r.Action == consumer.ActionRetry {
 				retries.Add(1)
 			}
@@ -403,7 +404,8 @@ func TestProducerDuplicates(t *testing.T) {
 		DeadLetterTopic: k.dlq(t, topic),
 		Logger:          testLogger(t),
 		CommitInterval:  50 * time.Millisecond,
-		OnResult: func(_ context.Context, _ *consumer.Message, r consumer.Result) {
+		OnOutcome: func(_ context.Context, rep consumer.Report) {
+			r := rep.Result
 			if r.Duplicate {
 				dupes.Add(1)
 			}

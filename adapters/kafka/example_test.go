@@ -74,7 +74,8 @@ func Example() {
 		Topic:   "payments",
 	}, consumer.Chain(charge, consumer.Recover(), dd), idemkafka.ConsumerOptions{
 		DeadLetterTopic: "payments.dlq",
-		OnResult: func(_ context.Context, msg *consumer.Message, r consumer.Result) {
+		OnOutcome: func(_ context.Context, rep consumer.Report) {
+			msg, r := rep.Message, rep.Result
 			if r.Duplicate {
 				fmt.Printf("%s again: duplicate, acknowledged\n", msg.ID)
 			}

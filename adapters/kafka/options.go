@@ -111,10 +111,11 @@ type ConsumerOptions struct {
 	// (message_id_hash, dedup.HashKey with an empty scope), keys and
 	// payloads never. Defaults to slog.Default().
 	Logger *slog.Logger
-	// OnResult, if set, is called after each handler run with the
-	// consumer.Result the Consumer acts on, for metrics. It must be fast and
-	// safe for concurrent use.
-	OnResult func(ctx context.Context, msg *consumer.Message, r consumer.Result)
+	// OnOutcome, if set, is called after each handler run, with the
+	// record's Message, the consumer.Result the Consumer acts on and its
+	// Outcome (Result.Outcome). It must be fast and safe for concurrent
+	// use.
+	OnOutcome func(ctx context.Context, r consumer.Report)
 
 	// MeterProvider receives idem.messages (each handler run's verdict:
 	// ack, retry or dead_letter, with the dead-letter reason) and

@@ -94,7 +94,8 @@ func TestRebalance(t *testing.T) {
 			CommitInterval:  50 * time.Millisecond,
 			DeadLetterTopic: dlq,
 			Logger:          testLogger(t),
-			OnResult: func(_ context.Context, _ *consumer.Message, r consumer.Result) {
+			OnOutcome: func(_ context.Context, rep consumer.Report) {
+				r := rep.Result
 				if r.Action == consumer.ActionAck && !r.Duplicate {
 					total.Add(1)
 					perMember[i].Add(1)
@@ -205,7 +206,8 @@ func TestOffsetsInPostgresReachKafka(t *testing.T) {
 		CommitEvery:    1 << 20,
 		CommitInterval: time.Hour,
 		Logger:         testLogger(t),
-		OnResult: func(_ context.Context, _ *consumer.Message, r consumer.Result) {
+		OnOutcome: func(_ context.Context, rep consumer.Report) {
+			r := rep.Result
 			if r.Action == consumer.ActionAck {
 				acked.Add(1)
 			}
@@ -250,7 +252,7 @@ func TestOffsetsInPostgresReachKafka(t *testing.T) {
 		t.Fatalf("PostgreSQL positions %s, want %s", got, want)
 	}
 
-	opts.OnResult = nil
+	opts.OnOutcome = nil
 	b, err := idemkafka.NewConsumer(cfg, h, opts)
 	if err != nil {
 		t.Fatal(err)

@@ -275,7 +275,8 @@ func TestConsumerHostileTraceHeaders(t *testing.T) {
 			DeadLetterTopic: k.dlq(t, topic),
 			TracerProvider:  spans,
 			Logger:          testLogger(t),
-			OnResult: func(_ context.Context, _ *consumer.Message, r consumer.Result) {
+			OnOutcome: func(_ context.Context, rep consumer.Report) {
+				r := rep.Result
 				if r.Action == consumer.ActionAck {
 					acked.Add(1)
 				}

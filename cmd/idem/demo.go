@@ -1283,7 +1283,8 @@ func (g *group) runInstance(ctx context.Context, inst *instance) error {
 		CommitInterval:  500 * time.Millisecond,
 		ShutdownTimeout: time.Second,
 		Offsets:         &instanceOffsets{store: g.offsets, inst: inst},
-		OnResult: func(_ context.Context, msg *consumer.Message, r consumer.Result) {
+		OnOutcome: func(_ context.Context, rep consumer.Report) {
+			msg, r := rep.Message, rep.Result
 			if r.Action == consumer.ActionRetry || inst.dead.Load() {
 				return
 			}

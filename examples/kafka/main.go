@@ -226,7 +226,8 @@ func run(cfg config) error {
 	}, handler, idemkafka.ConsumerOptions{
 		DeadLetterTopic: dlq,
 		Logger:          slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelError})),
-		OnResult: func(_ context.Context, _ *consumer.Message, r consumer.Result) {
+		OnOutcome: func(_ context.Context, rep consumer.Report) {
+			r := rep.Result
 			switch {
 			case r.Action == consumer.ActionRetry:
 				return

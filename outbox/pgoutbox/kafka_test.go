@@ -187,7 +187,8 @@ func TestRelayToKafka(t *testing.T) {
 	c, err := idemkafka.NewConsumer(k.readerConfig(testenv.Name("idemtest_g"), topic), consumer.Chain(apply, consumer.Recover()), idemkafka.ConsumerOptions{
 		DeadLetterTopic: dlq,
 		Logger:          quiet(),
-		OnResult: func(_ context.Context, m *consumer.Message, r consumer.Result) {
+		OnOutcome: func(_ context.Context, rep consumer.Report) {
+			m, r := rep.Message, rep.Result
 			switch r.Action {
 			case consumer.ActionAck:
 				if r.Duplicate {

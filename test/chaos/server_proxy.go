@@ -348,7 +348,8 @@ func srvProxyOutboxKafka(ctx context.Context, env *Env) (res Result, err error) 
 		ReadBackoffMin: 10 * time.Millisecond, ReadBackoffMax: 100 * time.Millisecond,
 	}, consumer.Chain(apply, consumer.Recover()), idemkafka.ConsumerOptions{
 		DeadLetterTopic: dlq, Logger: srvQuiet,
-		OnResult: func(_ context.Context, m *consumer.Message, r consumer.Result) {
+		OnOutcome: func(_ context.Context, rep consumer.Report) {
+			m, r := rep.Message, rep.Result
 			switch r.Action {
 			case consumer.ActionAck:
 				acks.Add(1)
