@@ -215,47 +215,66 @@ func (d *dedupMiddleware) handle(ctx context.Context, msg *Message, next Handler
 		return err
 	}
 	// The clock is read only for the duration histograms, when a meter
-	// provider records them.
-	timed := d.tel.Timed(ctx)
-	var start time.Time
-	if timed {
-		start = time.Now()
+	// provider records them; span attributes are built only under a
+	// recording span (a variadic call through a func value would allocate
+	// them every time).
+	m := dedupCall{msg: msg, key: key, st: slotOf(ctx, msg), timed: d.tel.Timed(ctx), recording: telemetry.Recording(ctx)}
+	lease, err := d.claim(ctx, &m)
+	if err != nil {
+		return err
 	}
-	// The span's attributes are built only under a recording span: a
-	// variadic call through a func value would allocate them every time.
-	recording := telemetry.Recording(ctx)
+	return d.run(ctx, &m, lease, next)
+}
+
+// dedupCall is what handle knows of one message on its way through Dedup.
+type dedupCall struct {
+	msg           *Message
+	key           dedup.Key
+	st            handlerSlot // nil: no handler slot to give up
+	timed         bool        // record durations
+	recording     bool        // under a recording span
+	start, hstart time.Time   // when the claim and the handler started, when timed
+}
+
+// claim claims m's key. The claim's round trip need not hold a handler slot
+// (Message.Slot): another delivery's handler may run meanwhile.
+func (d *dedupMiddleware) claim(ctx context.Context, m *dedupCall) (*dedup.Lease, error) {
+	if m.timed {
+		m.start = time.Now()
+	}
 	cctx, endClaim := ctx, noEnd
-	if recording {
-		cctx, endClaim = telemetry.StartSpan(ctx, d.tel.Tracer, "idem.claim", d.tel.SpanAttrs(key.Hash())...)
+	if m.recording {
+		cctx, endClaim = telemetry.StartSpan(ctx, d.tel.Tracer, "idem.claim", d.tel.SpanAttrs(m.key.Hash())...)
 	}
-	// The claim's round trip need not hold a handler slot (Message.Slot):
-	// another delivery's handler may run meanwhile.
-	st := slotOf(ctx, msg)
-	if st != nil {
-		st.Away()
+	if m.st != nil {
+		m.st.Away()
 	}
-	lease, err := d.store.Claim(cctx, key)
+	lease, err := d.store.Claim(cctx, m.key)
 	if err == nil && lease == nil {
 		err = errors.New("the store returned neither a lease nor an error")
 	}
 	if err != nil {
-		o := claimOutcome(err)
-		d.tel.Claimed(ctx, telemetry.ClaimOutcome(err), since(timed, start))
-		if recording {
+		d.tel.Claimed(ctx, telemetry.ClaimOutcome(err), since(m.timed, m.start))
+		if m.recording {
 			endClaim(telemetry.SpanErr(err), telemetry.AttrOutcome.String(telemetry.ClaimOutcome(err)))
 		}
-		d.outcome(ctx, msg, key, o, err)
-		return fmt.Errorf("consumer: claim %s: %w", key, err)
+		d.outcome(ctx, m.msg, m.key, claimOutcome(err), err)
+		return nil, fmt.Errorf("consumer: claim %s: %w", m.key, err)
 	}
-	var hstart time.Time
-	if timed {
-		hstart = time.Now()
+	if m.timed {
+		m.hstart = time.Now()
 	}
-	d.tel.Claimed(ctx, telemetry.ClaimFirst, hstart.Sub(start))
-	if recording {
+	d.tel.Claimed(ctx, telemetry.ClaimFirst, m.hstart.Sub(m.start))
+	if m.recording {
 		endClaim(nil, telemetry.AttrOutcome.String(telemetry.ClaimFirst))
 	}
+	return lease, nil
+}
 
+// run runs next under lease: the heartbeat, the wait for the handler slot,
+// the handler, then Complete or Release.
+func (d *dedupMiddleware) run(ctx context.Context, m *dedupCall, lease *dedup.Lease, next Handler) error {
+	msg, key, st := m.msg, m.key, m.st
 	run := &dedupRun{}
 	every := d.opts.ExtendEvery
 	if every == 0 {
@@ -282,12 +301,12 @@ func (d *dedupMiddleware) handle(ctx context.Context, msg *Message, next Handler
 		d.outcome(ctx, msg, key, OutcomeReleased, err)
 		return fmt.Errorf("consumer: waiting for a handler slot for %s: %w", key, err)
 	}
-	if timed && st != nil {
-		hstart = time.Now() // the handler's duration leaves the wait out
+	if m.timed && st != nil {
+		m.hstart = time.Now() // the handler's duration leaves the wait out
 	}
 	hctx, endHandle := telemetry.StartSpan(hctx, d.tel.Tracer, "idem.handle")
 	end := func(outcome string, err error) {
-		d.tel.Handled(ctx, outcome, since(timed, hstart))
+		d.tel.Handled(ctx, outcome, since(m.timed, m.hstart))
 		d.outcome(ctx, msg, key, Outcome(outcome), err)
 	}
 
@@ -308,7 +327,7 @@ func (d *dedupMiddleware) handle(ctx context.Context, msg *Message, next Handler
 		st.Away() // Complete or Release need no handler slot either
 	}
 	var tracer trace.Tracer
-	if recording {
+	if m.recording {
 		tracer = d.tel.Tracer
 	}
 	o, err := run.Settle(herr, run.slot.get(), tracer)
