@@ -41,7 +41,7 @@ func (c Config) sizes() sizes {
 	if c.Quick {
 		return sizes{records: 3000, deliveries: 1500, duration: time.Second, pgbench: 2}
 	}
-	return sizes{records: 30000, deliveries: 10000, duration: 5 * time.Second, pgbench: 5}
+	return sizes{records: 100000, deliveries: 20000, duration: 10 * time.Second, pgbench: 10}
 }
 
 // side runs one round of one side of a row and returns its rate. warm is a
@@ -196,6 +196,9 @@ func printTable(w io.Writer, results []result, floors map[*floor]floorResult, st
 		}
 		p("| %s | %s | %s | %.2f | %s | %s |\n", r.path, rate(fb, r.unit), rate(fi, r.unit), fi/fb, goB, goI)
 	}
+	p("\nfloor ratio is idem's floor over the baseline's: the ratio the SQL alone allows on this machine; " +
+		"baseline / its floor and idem / its floor are the Go paths' rates over the pgbench rate of their statements " +
+		"(pgbench is a client on the same cores, so a Go path can pass it).\n")
 	for f, res := range floors {
 		if res.err != nil {
 			p("\nfloor %s not measured: %v", f.name, res.err)

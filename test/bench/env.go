@@ -213,10 +213,10 @@ func newMeter(n int) *meter { return &meter{n: int64(n), done: make(chan struct{
 
 // tick counts one unit done.
 func (m *meter) tick() {
-	switch c := m.count.Add(1); {
-	case c == 1:
+	switch m.count.Add(1) {
+	case 1:
 		m.first.Store(time.Now().UnixNano())
-	case c == m.n:
+	case m.n:
 		m.last = time.Now().UnixNano()
 		close(m.done)
 	}

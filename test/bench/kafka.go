@@ -44,10 +44,15 @@ func startKafka(bin string) (*kafkaBroker, error) {
 		}
 		bin = filepath.Join(filepath.Dir(exe), "kfake")
 	}
-	cmd := exec.Command(bin)
+	// The broker stops when its stdin closes: when stop closes it, or
+	// when this process dies.
+	cmd := exec.Command(bin, "-stdin")
 	cmd.Stderr = os.Stderr
 	out, err := cmd.StdoutPipe()
 	if err != nil {
+		return nil, err
+	}
+	if _, err := cmd.StdinPipe(); err != nil {
 		return nil, err
 	}
 	if err := cmd.Start(); err != nil {

@@ -34,8 +34,9 @@ func main() {
 		cfg.Only = re
 	}
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
-	defer stop()
-	if err := bench.Run(ctx, cfg); err != nil {
+	err := bench.Run(ctx, cfg)
+	stop()
+	if err != nil {
 		fmt.Fprintln(os.Stderr, "bench:", err)
 		os.Exit(1)
 	}
