@@ -30,6 +30,8 @@ type env struct {
 	log     *slog.Logger // for the components under test: warnings only
 	seq     atomic.Int64
 
+	floorOnce sync.Once // creates the pgbench scripts' tables
+
 	mu       sync.Mutex
 	cleanups []func(ctx context.Context)
 }

@@ -10,7 +10,6 @@ import (
 	"path/filepath"
 	"regexp"
 	"strconv"
-	"sync"
 
 	"github.com/idemkit/idem/adapters/kafka/kafkapg"
 	"github.com/idemkit/idem/dedup/pgtable"
@@ -45,12 +44,10 @@ type floorResult struct {
 	err        error
 }
 
-var floorTables sync.Once
-
 // measureFloor runs f's two scripts in alternating rounds, like a row.
 func measureFloor(ctx context.Context, e *env, f *floor) floorResult {
 	var err error
-	floorTables.Do(func() { err = e.floorTables(ctx) })
+	e.floorOnce.Do(func() { err = e.floorTables(ctx) })
 	if err != nil {
 		return floorResult{err: err}
 	}
