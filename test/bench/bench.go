@@ -62,8 +62,9 @@ type row struct {
 // result is a measured row.
 type result struct {
 	row
-	bare, idem []float64 // rates per round
-	err        error     // why the row was not measured
+	bare, idem []float64    // rates per round
+	err        error        // why the row was not measured
+	sql        *floorResult // the row's SQL floor, measured right after it
 }
 
 func (r result) ratio() float64 { return median(r.idem) / median(r.bare) }
@@ -86,7 +87,6 @@ func Run(ctx context.Context, cfg Config) error {
 	defer e.close()
 	started := time.Now()
 	var results []result
-	floors := map[*floor]floorResult{}
 	for _, r := range rows() {
 		if cfg.Only != nil && !cfg.Only.MatchString(r.path) {
 			continue
@@ -96,14 +96,13 @@ func Run(ctx context.Context, cfg Config) error {
 		if res.err != nil {
 			e.logf("%s: not measured: %v", r.path, res.err)
 		}
-		results = append(results, res)
-		if f := r.floor; f != nil {
-			if _, done := floors[f]; !done {
-				floors[f] = measureFloor(ctx, e, f)
-			}
+		if r.floor != nil {
+			f := measureFloor(ctx, e, r.floor)
+			res.sql = &f
 		}
+		results = append(results, res)
 	}
-	printTable(cfg.Out, results, floors, started, cfg)
+	printTable(cfg.Out, results, started, cfg)
 	return nil
 }
 
@@ -154,7 +153,7 @@ func median(xs []float64) float64 {
 	return s[len(s)/2]
 }
 
-func printTable(w io.Writer, results []result, floors map[*floor]floorResult, started time.Time, cfg Config) {
+func printTable(w io.Writer, results []result, started time.Time, cfg Config) {
 	p := func(format string, args ...any) { _, _ = fmt.Fprintf(w, format, args...) }
 	kind := "full run"
 	if cfg.Quick {
@@ -172,17 +171,17 @@ func printTable(w io.Writer, results []result, floors map[*floor]floorResult, st
 	}
 	for _, r := range results {
 		if r.err != nil {
-			p("\nnot measured: %s: %v", r.path, r.err)
+			p("\nnot measured: %s: %v\n", r.path, r.err)
 		}
 	}
-	if len(floors) == 0 {
+	if !slices.ContainsFunc(results, func(r result) bool { return r.sql != nil }) {
 		return
 	}
 	p("\nSQL floors (pgbench -M prepared -c %d -j %d, the statements each side sends; test/bench/testdata):\n\n", pgbenchClients, pgbenchThreads)
 	p("| path | baseline floor | idem floor | floor ratio | baseline / its floor | idem / its floor |\n|---|---:|---:|---:|---:|---:|\n")
 	for _, r := range results {
-		f, ok := floors[r.floor]
-		if r.floor == nil || !ok {
+		f := r.sql
+		if f == nil {
 			continue
 		}
 		if f.err != nil {
@@ -199,9 +198,9 @@ func printTable(w io.Writer, results []result, floors map[*floor]floorResult, st
 	p("\nfloor ratio is idem's floor over the baseline's: the ratio the SQL alone allows on this machine; " +
 		"baseline / its floor and idem / its floor are the Go paths' rates over the pgbench rate of their statements " +
 		"(pgbench is a client on the same cores, so a Go path can pass it).\n")
-	for f, res := range floors {
-		if res.err != nil {
-			p("\nfloor %s not measured: %v", f.name, res.err)
+	for _, r := range results {
+		if r.sql != nil && r.sql.err != nil {
+			p("\nSQL floor of %s not measured: %v\n", r.path, r.sql.err)
 		}
 	}
 	p("\n")
