@@ -20,15 +20,21 @@ import (
 // relay's batch, the bare publisher's window of unconfirmed messages.
 const outboxBatch = 500
 
-// counting is an outbox.Publisher that counts the messages confirmed.
+// counting is an outbox.Publisher that counts the messages confirmed and
+// times them from its first batch on, so that the relay's start (its
+// connections, the first poll) is not counted, as the bare publisher's
+// connection is not.
 type counting struct {
 	outbox.Publisher
-	n    atomic.Int64
-	want int64
-	done chan struct{}
+	n     atomic.Int64
+	first atomic.Int64 // UnixNano of the first Publish
+	want  int64
+	done  chan struct{}
+	end   time.Time
 }
 
 func (c *counting) Publish(ctx context.Context, msgs []*outbox.Message) error {
+	c.first.CompareAndSwap(0, time.Now().UnixNano())
 	err := c.Publisher.Publish(ctx, msgs)
 	var pe *outbox.PublishError
 	ok := int64(len(msgs))
@@ -37,7 +43,8 @@ func (c *counting) Publish(ctx context.Context, msgs []*outbox.Message) error {
 	} else if err != nil {
 		ok = 0
 	}
-	if prev := c.n.Add(ok); prev >= c.want && prev-ok < c.want {
+	if total := c.n.Add(ok); total >= c.want && total-ok < c.want {
+		c.end = time.Now()
 		close(c.done)
 	}
 	return err
@@ -150,7 +157,6 @@ func outboxRelay(ctx context.Context, e *env, exchange string, n int) (float64, 
 	ctx, cancel := context.WithCancel(ctx)
 	defer cancel()
 	errc := make(chan error, 1)
-	start := time.Now()
 	go func() { errc <- r.Run(ctx) }()
 	select {
 	case <-pub.done:
@@ -159,7 +165,7 @@ func outboxRelay(ctx context.Context, e *env, exchange string, n int) (float64, 
 	case <-time.After(10 * time.Minute):
 		return 0, fmt.Errorf("relay published %d of %d in 10 minutes", pub.n.Load(), n)
 	}
-	rate := float64(n) / time.Since(start).Seconds()
+	rate := float64(n) / pub.end.Sub(time.Unix(0, pub.first.Load())).Seconds()
 	cancel()
 	if err := <-errc; err != nil && !errors.Is(err, context.Canceled) {
 		return 0, err
