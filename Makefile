@@ -4,14 +4,14 @@
 #   make test-go services up, every test with -race, the allocation tests without (no chaos matrix)
 #   make lint    gofmt, go vet, golangci-lint (installed on first use)
 #   make chaos   the reliability matrix (CHAOS_SCALE=small|full, CHAOS_SEED, CHAOS_ONLY)
-#   make bench   side-by-side benchmarks in interleaved rounds (ROUNDS, BENCHTIME)
+#   make bench   the benchmark table: each path against its baseline (QUICK=1: smoke run)
 #   make up      start or check PostgreSQL, Redis, RabbitMQ (scripts/services.sh)
 #   make down    stop what `make up` started with docker compose
 #   make status  probe the services
 #   make fmt     gofmt -s -w every Go file
 #
 # Variables: GOTESTFLAGS (extra go test flags, e.g. GOTESTFLAGS='-run TestX -v'),
-# PKGS (default ./...), ROUNDS and BENCHTIME for make bench (default 5 and 3s).
+# PKGS (default ./...), QUICK=1 and ROUNDS (default 3) for make bench.
 
 SHELL := bash
 .SHELLFLAGS := -eu -o pipefail -c
@@ -105,6 +105,7 @@ tools:
 fmt:
 	@files='$(GOFILES)'; [ -z "$$files" ] || gofmt -s -w $$files
 
-# Interleaved rounds of the side-by-side benchmarks (docs/BENCHMARKS.md).
+# The benchmark table of docs/BENCHMARKS.md (test/bench): every row against
+# its baseline in alternating rounds, and the SQL floors with pgbench.
 bench:
-	@scripts/bench.sh $(or $(ROUNDS),5) $(or $(BENCHTIME),3s)
+	@scripts/bench.sh -rounds $(or $(ROUNDS),3) $(if $(QUICK),-quick)

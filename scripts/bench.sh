@@ -1,28 +1,19 @@
 #!/usr/bin/env bash
-# bench.sh: run idem's side-by-side benchmarks in interleaved rounds.
+# bench.sh: idem's benchmark table (test/bench), every row side by side with
+# its baseline, and the SQL floors of the database paths (pgbench).
 #
-#   scripts/bench.sh [ROUNDS] [BENCHTIME]     (defaults: 5 rounds, 3s)
+#   scripts/bench.sh [-quick] [-rounds N] [-only REGEXP]
 #
-# Each round runs every benchmark once (-count 1), so the bare client and idem
-# alternate round after round and share whatever the machine is doing; the
-# ratio of their medians is what docs/BENCHMARKS.md records. Raw output goes
-# to bench.out; benchstat (golang.org/x/perf/cmd/benchstat), when installed,
-# summarises it.
+# It builds the harness and the kfake broker it runs Kafka on (a child
+# process), makes sure PostgreSQL, Redis and RabbitMQ are up, and prints
+# the table on stdout (progress on stderr). docs/BENCHMARKS.md holds the
+# output of the latest full run.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
-rounds=${1:-5}
-benchtime=${2:-3s}
-out=${BENCH_OUT:-bench.out}
-: >"$out"
-scripts/services.sh up postgres redis >/dev/null
-for ((i = 1; i <= rounds; i++)); do
-	echo "bench: round $i/$rounds (load: $(cut -d' ' -f1-3 /proc/loadavg))" >&2
-	go test -run '^$' -bench 'ClaimTx|ClaimBatch' -benchtime "$benchtime" -count 1 ./dedup/pgtable/ | grep -E '^(Benchmark|goos|goarch|pkg|cpu)' >>"$out"
-	go test -run '^$' -bench 'Lease|ClaimBatch' -benchtime "$benchtime" -count 1 ./dedup/redisnx/ | grep -E '^(Benchmark|goos|goarch|pkg|cpu)' >>"$out"
-done
-if command -v benchstat >/dev/null 2>&1; then
-	benchstat "$out"
-else
-	echo "bench: raw results in $out (install benchstat for a summary: go install golang.org/x/perf/cmd/benchstat@latest)" >&2
-	cat "$out"
-fi
+command -v pgbench >/dev/null || echo "bench: pgbench is not installed: the SQL floors will not be measured" >&2
+scripts/services.sh up postgres redis rabbitmq >/dev/null
+bin=$(mktemp -d)
+trap 'rm -rf "$bin"' EXIT
+go build -o "$bin/bench" ./test/bench/cmd/bench
+go build -o "$bin/kfake" ./test/bench/cmd/kfake
+"$bin/bench" -kfake "$bin/kfake" "$@"

@@ -1,0 +1,43 @@
+// Command bench runs idem's benchmark table (test/bench) and prints it:
+// each production path against the baseline a user would write, side by
+// side, and the SQL floors of the database paths. `make bench` builds and
+// runs it; `make bench QUICK=1` is a smoke run of a few minutes.
+//
+//	bench [-quick] [-rounds 3] [-only REGEXP] [-kfake PATH]
+package main
+
+import (
+	"context"
+	"flag"
+	"fmt"
+	"os"
+	"os/signal"
+	"regexp"
+	"syscall"
+
+	"github.com/idemkit/idem/test/bench"
+)
+
+func main() {
+	var cfg bench.Config
+	only := flag.String("only", "", "run only the rows whose path matches this regular expression")
+	flag.BoolVar(&cfg.Quick, "quick", false, "a smoke run of a few minutes: small rounds, noisy figures")
+	flag.IntVar(&cfg.Rounds, "rounds", 3, "measured rounds per row (medians are reported)")
+	flag.StringVar(&cfg.Kfake, "kfake", "", "the kfake command (test/bench/cmd/kfake); defaults to kfake next to this binary")
+	flag.Parse()
+	if *only != "" {
+		re, err := regexp.Compile(*only)
+		if err != nil {
+			fmt.Fprintln(os.Stderr, "bench: -only:", err)
+			os.Exit(2)
+		}
+		cfg.Only = re
+	}
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	err := bench.Run(ctx, cfg)
+	stop()
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "bench:", err)
+		os.Exit(1)
+	}
+}

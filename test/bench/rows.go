@@ -1,0 +1,36 @@
+package bench
+
+import "encoding/json"
+
+// rows is the table, in the order docs/BENCHMARKS.md shows it.
+func rows() []row {
+	return []row{
+		kafkaTxRow(),
+		kafkaBatchRow(),
+		amqpTxRow(),
+		amqpLeaseRow(),
+		wmTxRow(),
+		wmMemRow(),
+		httpPgRow(),
+		httpReplayRow(),
+		pgtableRow(),
+		redisnxRow(),
+		outboxRow(),
+	}
+}
+
+// payload is every message's body: an order, as JSON.
+var payload = []byte(`{"amount":4200,"currency":"EUR","customer":"cus_8Rn2xM"}`)
+
+// order is payload decoded: the work of the rows whose handler touches no
+// database.
+type order struct {
+	Amount   int64  `json:"amount"`
+	Currency string `json:"currency"`
+	Customer string `json:"customer"`
+}
+
+func decodeOrder(b []byte) error {
+	var o order
+	return json.Unmarshal(b, &o)
+}

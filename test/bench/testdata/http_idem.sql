@@ -1,0 +1,21 @@
+-- What httpidem's transactional middleware sends for a first request
+-- (pgtable's Process): BEGIN, the key's advisory lock and the read of its
+-- row; the handler's INSERT ... RETURNING; the key's row, completed with the
+-- stored response (about 200 bytes), and COMMIT.
+\set k random(1, 4000000000000000000)
+\set a random(-2147483648, 2147483647)
+\set b random(-2147483648, 2147483647)
+\startpipeline
+BEGIN;
+SELECT pg_advisory_xact_lock(:a, :b);
+SELECT CASE WHEN e.token IS NULL THEN 2 ELSE 1 END::smallint, e.fingerprint, e.result,
+       CASE WHEN e.token IS NOT NULL THEN GREATEST(0, (extract(epoch FROM (e.expires_at - clock_timestamp())) * 1000)::bigint) END,
+       (e.expires_at <= clock_timestamp())
+FROM floor_claims e WHERE e.key = md5(:k::text)::uuid;
+\endpipeline
+INSERT INTO floor_payments_idem (amount, currency, customer) VALUES (4200, 'EUR', 'cus_' || :k::text) RETURNING id;
+\startpipeline
+INSERT INTO floor_claims (key, expires_at, fingerprint, result, scope, id)
+VALUES (md5(:k::text)::uuid, clock_timestamp() + 86400000 * interval '1 millisecond', sha256(:k::text::bytea), convert_to(repeat('r', 200), 'UTF8'), NULL, NULL);
+COMMIT;
+\endpipeline
