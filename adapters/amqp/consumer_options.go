@@ -263,7 +263,7 @@ type ConsumerOptions struct {
 	Logger *slog.Logger
 	// OnOutcome, if set, is called once per delivery, after it was
 	// settled, with its consumer.Report: Outcome is the chain's
-	// (consumer.OutcomeOf), Message the delivery's message, and Result the
+	// (Result.Outcome), Message the delivery's message, and Result the
 	// verdict the Consumer carried out. Result.Action is ActionAck (the
 	// delivery was acknowledged: its effect committed, it was a duplicate,
 	// or a consumer.DeadLetter middleware parked it), ActionDeadLetter (a

@@ -24,7 +24,7 @@ type PublisherOptions struct {
 // its outbox id in the IDHeader header, so that a re-publish after a relay
 // crash is deduplicated by the consumers. The headers carry what the outbox
 // stored with the message, the W3C traceparent and tracestate of the context
-// given to outbox.Enqueue among them, so the Consumer's span continues the
+// given to Outbox.Enqueue among them, so the Consumer's span continues the
 // producer's trace.
 type Publisher struct {
 	w        *kafkago.Writer

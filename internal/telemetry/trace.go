@@ -29,7 +29,7 @@ const MaxHeaderValue = 8 << 10
 // StartConsumer starts the span of one delivery: a consumer span named
 // "process <destination>" that continues the trace found in carrier
 // (its parent is the producer's context, the one present at
-// outbox.Enqueue), with p (nil: DefaultPropagator). end records the verdict
+// Outbox.Enqueue), with p (nil: DefaultPropagator). end records the verdict
 // and ends the span.
 func (a *Adapter) StartConsumer(ctx context.Context, p propagation.TextMapPropagator, carrier propagation.TextMapCarrier, destination string) (context.Context, func(result string, err error)) {
 	if !Tracing(a.tp) {

@@ -222,10 +222,10 @@ func kafkaBare(ctx context.Context, k *kafkaBroker, topic string, n int, batch b
 // BatchHandler) until n records are acknowledged.
 func kafkaIdem(ctx context.Context, e *env, k *kafkaBroker, topic string, n int, h any, offsets *kafkapg.Offsets) (float64, error) {
 	m := newMeter(n)
-	opts := idemkafka.Options{
+	opts := idemkafka.ConsumerOptions{
 		CommitEvery: 100, DeadLetterTopic: topic + "_dlq", Logger: e.log,
-		OnResult: func(_ context.Context, _ *consumer.Message, r consumer.Result) {
-			if r.Action == consumer.ActionAck {
+		OnOutcome: func(_ context.Context, r consumer.Report) {
+			if r.Result.Action == consumer.ActionAck {
 				m.tick()
 			}
 		},
