@@ -47,7 +47,7 @@ func post(ctx context.Context, client *http.Client, url, key string) error {
 		return err
 	}
 	req.Header.Set("Content-Type", "application/json")
-	req.Header.Set(httpidem.HeaderKey, key)
+	req.Header.Set("Idempotency-Key", key)
 	resp, err := client.Do(req)
 	if err != nil {
 		return err
@@ -99,7 +99,7 @@ func httpPgRow() row {
 			if err != nil {
 				return nil, nil, err
 			}
-			claims, err := e.claims(ctx, "http_claims", pgtable.Options{Retention: httpidem.DefaultRetention})
+			claims, err := e.claims(ctx, "http_claims", pgtable.Options{Retention: 24 * time.Hour}) // the middleware's default retention
 			if err != nil {
 				return nil, nil, err
 			}
