@@ -33,7 +33,7 @@ func committed(t *testing.T, fx *fixture, scope, id string) (effects, claims int
 	if err := fx.pool.QueryRow(ctx, "SELECT count(*) FROM "+pgx.Identifier{fx.schema, "effects"}.Sanitize()+" WHERE id = $1", id).Scan(&effects); err != nil {
 		t.Fatal(err)
 	}
-	if err := fx.pool.QueryRow(ctx, "SELECT count(*) FROM "+fx.pgStore.Table()+" WHERE key = encode(substring(sha256(convert_to($1::text, 'UTF8') || '\\x00'::bytea || convert_to($2::text, 'UTF8')) FROM 1 FOR 16), 'hex')::uuid", scope, id).Scan(&claims); err != nil {
+	if err := fx.pool.QueryRow(ctx, "SELECT count(*) FROM "+fx.pgStore.Table()+" WHERE key = encode(substring(sha256(convert_to($1::text, 'UTF8') || decode('00', 'hex') || convert_to($2::text, 'UTF8')) FROM 1 FOR 16), 'hex')::uuid", scope, id).Scan(&claims); err != nil {
 		t.Fatal(err)
 	}
 	return effects, claims

@@ -107,6 +107,8 @@ func runMigrate(ctx context.Context, args []string, stdout, stderr io.Writer) er
 	fs := newFlagSet("migrate", migrateSynopsis, stderr)
 	var pg pgFlags
 	pg.register(fs, withDedup|withOutbox)
+	keepKeys := fs.Bool("keep-keys", false, "the dedup table keeps each key's scope and id readable (pgtable.Options.KeepKeys; give the application's setting: converting an older table without it drops them)")
+	partitioned := fs.Bool("partitioned", false, "the dedup table is partitioned by expiry (pgtable.Options.Partitioned; give the application's setting)")
 	// Accept the action before or after the flags.
 	var action string
 	if len(args) > 0 && !strings.HasPrefix(args[0], "-") {
@@ -141,7 +143,7 @@ func runMigrate(ctx context.Context, args []string, stdout, stderr io.Writer) er
 		defer pool.Close()
 		db = pool
 	}
-	store, err := pgtable.New(db, pgtable.Options{Schema: pg.schema, Table: pg.dedupTable})
+	store, err := pgtable.New(db, pgtable.Options{Schema: pg.schema, Table: pg.dedupTable, KeepKeys: *keepKeys, Partitioned: *partitioned})
 	if err != nil {
 		return err
 	}

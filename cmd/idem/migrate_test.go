@@ -83,3 +83,22 @@ func TestMigrateSQL(t *testing.T) {
 		t.Fatalf("applying migrate sql: %v", err)
 	}
 }
+
+// TestMigrateDedupLayoutFlags: --partitioned and --keep-keys give the dedup
+// table the layout the application runs with, so that converting an older
+// table keeps what the application keeps.
+func TestMigrateDedupLayoutFlags(t *testing.T) {
+	_, plain, _ := runCmd(context.Background(), t, "migrate", "sql", "--schema", "billing")
+	code, out, errOut := runCmd(context.Background(), t, "migrate", "sql", "--schema", "billing", "--partitioned", "--keep-keys")
+	if code != 0 {
+		t.Fatalf("exit %d: %s", code, errOut)
+	}
+	if strings.Contains(plain, "PARTITION BY RANGE") || !strings.Contains(out, "PARTITION BY RANGE") {
+		t.Errorf("--partitioned: the partitioned layout only with the flag (with: %t, without: %t)",
+			strings.Contains(out, "PARTITION BY RANGE"), strings.Contains(plain, "PARTITION BY RANGE"))
+	}
+	_, kept, _ := runCmd(context.Background(), t, "migrate", "sql", "--schema", "billing", "--keep-keys")
+	if !strings.Contains(plain, "scope TYPE text USING NULL") || !strings.Contains(kept, "scope TYPE text USING scope") {
+		t.Errorf("--keep-keys: the conversion of an older table keeps scope only with the flag")
+	}
+}

@@ -27,7 +27,7 @@ func keyDigest(scope, id string) pgtype.UUID {
 // keySQL is the SQL expression of keyDigest over the text expressions scope
 // and id.
 func keySQL(scope, id string) string {
-	return "encode(substring(sha256(convert_to(" + scope + ", 'UTF8') || '\\x00'::bytea || convert_to(" + id +
+	return "encode(substring(sha256(convert_to(" + scope + ", 'UTF8') || decode('00', 'hex') || convert_to(" + id +
 		", 'UTF8')) FROM 1 FOR 16), 'hex')::uuid"
 }
 

@@ -108,6 +108,7 @@ type Store struct {
 	pruneAt time.Time
 	now     func() time.Time // time.Now; tests move it on
 	pruned  func()           // called when a look at the topology ends; tests wait on it
+	pruning atomic.Bool      // a look is running: the next one waits for its turn
 }
 
 // nodeIdle is how long a cluster master's groups outlive their last use,
@@ -256,7 +257,9 @@ func (s *Store) nodeOf(ctx context.Context, rkey string) (*node, error) {
 		// In its own goroutine, which ends within pruneTimeout: the
 		// CLUSTER SLOTS it sends may go to a frozen or dead node, and the
 		// call that happened to start the look must not wait for it.
-		go s.pruneNodes(context.WithoutCancel(ctx), now)
+		if s.pruning.CompareAndSwap(false, true) {
+			go s.pruneNodes(context.WithoutCancel(ctx), now)
+		}
 	}
 	return n, nil
 }
@@ -268,6 +271,7 @@ func (s *Store) nodeOf(ctx context.Context, rkey string) (*node, error) {
 // still holds a dropped node's groups finishes with them; the next call
 // for that address starts new ones.
 func (s *Store) pruneNodes(ctx context.Context, now time.Time) {
+	defer s.pruning.Store(false)
 	if s.pruned != nil {
 		defer s.pruned()
 	}

@@ -15,6 +15,10 @@ BEGIN
                    WHERE attrelid = '{{.Table}}'::regclass AND attname = 'state' AND NOT attisdropped) THEN
         RETURN; -- made in this layout
     END IF;
+    -- The conversion locks the table: it waits at most 5 s for the lock (a
+    -- long transaction on the table would otherwise queue every claim
+    -- behind it), then fails with a lock timeout; run the migration again.
+    PERFORM set_config('lock_timeout', '5s', true);
     SELECT conname INTO pk FROM pg_constraint WHERE conrelid = '{{.Table}}'::regclass AND contype = 'p';
     -- Every writer of the first layout kept these already: a done row has
     -- no token, an in-flight row's lease ends at expires_at.
@@ -22,7 +26,7 @@ BEGIN
                           expires_at = CASE WHEN state = 1 THEN lease_until ELSE expires_at END
     WHERE (state = 2 AND token IS NOT NULL) OR (state = 1 AND expires_at IS DISTINCT FROM lease_until);
     ALTER TABLE {{.Table}} ADD COLUMN key uuid;
-    -- One rewrite, which also clears the dropped columns from every row.
+    -- One rewrite of every row.
     EXECUTE format($f$
         ALTER TABLE {{.Table}}
             DROP CONSTRAINT %I,
