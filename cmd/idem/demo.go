@@ -365,12 +365,6 @@ func (s copySet) add(c copyID) bool {
 	return true
 }
 
-func (s copySet) has(c copyID) bool {
-	bits := s[c.partition]
-	w := int(c.offset / 64)
-	return c.offset >= 0 && w < len(bits) && bits[w]&(1<<(c.offset%64)) != 0
-}
-
 // seenID reports whether message id h of payment n was delivered, and
 // records it.
 func (l *ledger) seenID(n int, h uint64) bool {
@@ -729,6 +723,10 @@ func demo(ctx context.Context, cfg demoConfig, stdout io.Writer) (*demoResult, e
 			stopAll()
 		}
 	})
+	if t := br.trimmer; t != nil {
+		t.groups = groups
+		wg.Go(func() { t.run(runCtx) })
+	}
 	for _, g := range groups {
 		wg.Go(func() {
 			if err := g.run(runCtx); err != nil {
