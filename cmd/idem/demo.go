@@ -231,88 +231,197 @@ type payment struct {
 }
 
 // ledger is one pipeline's effect sink and counters. Everything is guarded
-// by mu.
+// by mu. It keeps a few bytes per payment and a bit per broker copy, not the
+// deliveries themselves: a run of maxPayments fits in a few megabytes.
 type ledger struct {
 	mu sync.Mutex
 	// accepted are the payments the API answered with success.
-	accepted map[int]bool
-	// charges counts the charges applied per payment: the effect sink.
-	charges map[int]int
-	amounts map[int]int64
+	accepted map[int32]struct{}
+	// charges counts the charges applied per payment (the effect sink),
+	// amounts is the amount of each, both indexed by payment number.
+	charges []uint32
+	amounts []int32
 	// deliveries of this pipeline's records, by cause.
 	deliveries int
 	causes     map[string]int
-	// classification state of the consumer group.
-	seenOffset  map[string]bool
-	seenID      map[string]bool
-	firstReason map[int]string
+	// classification state of the consumer group: the broker copies
+	// delivered, and per payment the request of its first delivery
+	// (reasons[firstReason[n]-1]; 0: none yet) and the message ids
+	// delivered (see seenID).
+	seenCopy    copySet
+	firstReason []uint8
+	reasons     []string
+	firstID     []uint64
+	moreIDs     map[paymentID]struct{}
 	// replayed counts API answers replayed by the idem middleware.
 	replayed int
 	crashes  int
 }
 
-func newLedger() *ledger {
+// paymentID is one of a payment's message ids, hashed (idHash).
+type paymentID struct {
+	payment int32
+	id      uint64
+}
+
+// idHash is a 64-bit FNV-1a hash of a message id, never 0. Ids are compared
+// only among the few of one payment, where a collision has a chance of one
+// in 2^64.
+func idHash(id string) uint64 {
+	h := uint64(14695981039346656037)
+	for i := range len(id) {
+		h = (h ^ uint64(id[i])) * 1099511628211
+	}
+	return h | 1
+}
+
+func newLedger(payments int) *ledger {
 	return &ledger{
-		accepted:    map[int]bool{},
-		charges:     map[int]int{},
-		amounts:     map[int]int64{},
+		accepted:    map[int32]struct{}{},
+		charges:     make([]uint32, payments),
+		amounts:     make([]int32, payments),
 		causes:      map[string]int{},
-		seenOffset:  map[string]bool{},
-		seenID:      map[string]bool{},
-		firstReason: map[int]string{},
+		seenCopy:    copySet{},
+		firstReason: make([]uint8, payments),
+		firstID:     make([]uint64, payments),
+		moreIDs:     map[paymentID]struct{}{},
 	}
 }
 
+// valid reports whether n is a payment number of the run.
+func (l *ledger) valid(n int) bool { return n >= 0 && n < len(l.charges) }
+
 func (l *ledger) accept(n int) {
 	l.mu.Lock()
-	l.accepted[n] = true
+	if l.valid(n) {
+		l.accepted[int32(n)] = struct{}{}
+	}
 	l.mu.Unlock()
 }
 
 func (l *ledger) charge(n int, cents int64) {
 	l.mu.Lock()
-	l.charges[n]++
-	l.amounts[n] = cents
+	if l.valid(n) {
+		l.charges[n]++
+		l.amounts[n] = int32(min(cents, math.MaxInt32))
+	}
 	l.mu.Unlock()
 }
 
-// deliveryID names the broker's copy of a message: its partition and offset
-// on Kafka; on RabbitMQ, which has no offsets, the publish sequence number
-// the demo's publisher stamps on each copy it sends (headerPublish). A
-// second delivery with the same name is the broker delivering the same copy
-// again; another name with the same message id is a re-publish.
-func deliveryID(msg *consumer.Message) string {
+// copyID names the broker's copy of a message: its partition and offset on
+// Kafka; on RabbitMQ, which has no offsets, the publish sequence number the
+// demo's publisher stamps on each copy it sends (headerPublish), with
+// partition -1. A second delivery of the same copy is the broker delivering
+// it again; another copy with the same message id is a re-publish.
+type copyID struct {
+	partition int
+	offset    int64
+}
+
+// deliveryID returns the copy msg is.
+func deliveryID(msg *consumer.Message) copyID {
 	if seq := msg.Headers[headerPublish]; seq != "" {
-		return "pub:" + seq
+		n, _ := strconv.ParseInt(seq, 10, 64)
+		return copyID{partition: -1, offset: n}
 	}
-	return msg.Metadata["kafka.partition"] + "/" + msg.Metadata["kafka.offset"]
+	p, _ := strconv.Atoi(msg.Metadata["kafka.partition"])
+	o, _ := strconv.ParseInt(msg.Metadata["kafka.offset"], 10, 64)
+	return copyID{partition: p, offset: o}
+}
+
+// String is the copy as the child processes report it: partition/offset.
+func (c copyID) String() string {
+	return strconv.Itoa(c.partition) + "/" + strconv.FormatInt(c.offset, 10)
+}
+
+// parseCopyID reads a copyID's String.
+func parseCopyID(s string) (copyID, bool) {
+	ps, os, ok := strings.Cut(s, "/")
+	p, err1 := strconv.Atoi(ps)
+	o, err2 := strconv.ParseInt(os, 10, 64)
+	return copyID{partition: p, offset: o}, ok && err1 == nil && err2 == nil
+}
+
+// copySet is a set of broker copies: a bitset of offsets per partition. The
+// offsets of a partition (and the publish sequence numbers) are dense from
+// 0, so a copy costs a bit.
+type copySet map[int][]uint64
+
+// add adds c and reports whether it was new.
+func (s copySet) add(c copyID) bool {
+	if c.offset < 0 {
+		return false
+	}
+	bits := s[c.partition]
+	w, b := int(c.offset/64), uint64(1)<<(c.offset%64)
+	if w >= len(bits) {
+		bits = append(bits, make([]uint64, w+1-len(bits))...)
+		s[c.partition] = bits
+	}
+	if bits[w]&b != 0 {
+		return false
+	}
+	bits[w] |= b
+	return true
+}
+
+// seenID reports whether message id h of payment n was delivered, and
+// records it.
+func (l *ledger) seenID(n int, h uint64) bool {
+	switch l.firstID[n] {
+	case 0:
+		l.firstID[n] = h
+		return false
+	case h:
+		return true
+	}
+	k := paymentID{payment: int32(n), id: h}
+	if _, ok := l.moreIDs[k]; ok {
+		return true
+	}
+	l.moreIDs[k] = struct{}{}
+	return false
+}
+
+// reason returns the code of request in firstReason, adding it to reasons.
+func (l *ledger) reason(request string) uint8 {
+	for i, r := range l.reasons {
+		if r == request {
+			return uint8(i + 1)
+		}
+	}
+	l.reasons = append(l.reasons, request)
+	return uint8(len(l.reasons))
 }
 
 // classify records a delivery of this pipeline's record, the broker's copy
 // po of message id with the demo-request header request, and returns why it
 // is a duplicate (causeFirst when it is not).
-func (l *ledger) classify(po, id, request string, n int) string {
+func (l *ledger) classify(po copyID, id, request string, n int) string {
 	l.mu.Lock()
 	defer l.mu.Unlock()
+	if !l.valid(n) {
+		return causeFirst
+	}
 	cause := causeFirst
-	switch first, seen := l.firstReason[n]; {
-	case l.seenOffset[po]:
+	redelivered := !l.seenCopy.add(po)
+	republished := l.seenID(n, idHash(id))
+	switch first := l.firstReason[n]; {
+	case redelivered:
 		cause = causeRedelivery
-	case l.seenID[id]:
+	case republished:
 		cause = causeRepublish
-	case seen:
+	case first != 0:
 		// Another request of the same payment: a double click or a retry.
 		// When the double click's second request was published first,
 		// this one says "original": the duplicate is still the click's.
 		cause = request
 		if cause == causeFirst || cause == "" {
-			cause = first
+			cause = l.reasons[first-1]
 		}
 	default:
-		l.firstReason[n] = request
+		l.firstReason[n] = l.reason(request)
 	}
-	l.seenOffset[po] = true
-	l.seenID[id] = true
 	l.deliveries++
 	if cause != causeFirst {
 		l.causes[cause]++
@@ -335,7 +444,7 @@ func (l *ledger) effects() int {
 	defer l.mu.Unlock()
 	e := 0
 	for _, c := range l.charges {
-		e += c
+		e += int(c)
 	}
 	return e
 }
@@ -346,7 +455,9 @@ func (l *ledger) extra() int {
 	defer l.mu.Unlock()
 	e := 0
 	for _, c := range l.charges {
-		e += c - 1
+		if c > 1 {
+			e += int(c) - 1
+		}
 	}
 	return e
 }
@@ -356,7 +467,9 @@ func (l *ledger) extraCents() int64 {
 	defer l.mu.Unlock()
 	var e int64
 	for n, c := range l.charges {
-		e += int64(c-1) * l.amounts[n]
+		if c > 1 {
+			e += int64(c-1) * int64(l.amounts[n])
+		}
 	}
 	return e
 }
@@ -396,7 +509,7 @@ type demoResult struct {
 func demo(ctx context.Context, cfg demoConfig, stdout io.Writer) (*demoResult, error) {
 	start := time.Now()
 	runID := newRunID()
-	res := &demoResult{cfg: cfg, naive: newLedger(), idem: newLedger()}
+	res := &demoResult{cfg: cfg, naive: newLedger(cfg.payments), idem: newLedger(cfg.payments)}
 	pl := &plan{cfg: cfg, runID: runID}
 	logger := slog.New(slog.DiscardHandler)
 
@@ -566,7 +679,7 @@ func demo(ctx context.Context, cfg demoConfig, stdout io.Writer) (*demoResult, e
 		// seed, whatever the other does meanwhile.
 		g.crashRate, g.rng = cfg.crashRate, &lockedRand{r: mrand.New(mrand.NewPCG(cfg.seed, uint64(3+i)))}
 		g.offsets = &offsetStore{pos: map[int]int64{}, partitions: cfg.partitions}
-		g.seen, g.crashed = map[string]bool{}, map[int]bool{}
+		g.seen, g.crashed = copySet{}, map[int]bool{}
 		if g.path != pathIdem {
 			continue
 		}
@@ -610,6 +723,10 @@ func demo(ctx context.Context, cfg demoConfig, stdout io.Writer) (*demoResult, e
 			stopAll()
 		}
 	})
+	if t := br.trimmer; t != nil {
+		t.groups = groups
+		wg.Go(func() { t.run(runCtx) })
+	}
 	for _, g := range groups {
 		wg.Go(func() {
 			if err := g.run(runCtx); err != nil {
@@ -1129,7 +1246,7 @@ type group struct {
 
 	mu       sync.Mutex
 	handled  atomic.Int64 // distinct records handled, of both pipelines
-	seen     map[string]bool
+	seen     copySet      // the broker copies handled
 	crashes  atomic.Int64
 	kills    atomic.Int64 // child processes SIGKILLed
 	restarts atomic.Int64 // child processes started after a kill
@@ -1165,10 +1282,9 @@ func (g *group) run(ctx context.Context) error {
 }
 
 // markHandled counts the broker's copy po as handled by the group.
-func (g *group) markHandled(po string) {
+func (g *group) markHandled(po copyID) {
 	g.mu.Lock()
-	if !g.seen[po] {
-		g.seen[po] = true
+	if g.seen.add(po) {
 		g.handled.Add(1)
 	}
 	g.mu.Unlock()

@@ -3,11 +3,13 @@ package main
 import (
 	"context"
 	"fmt"
+	"strconv"
 	"strings"
 	"time"
 
 	kafkago "github.com/segmentio/kafka-go"
 	"github.com/twmb/franz-go/pkg/kfake"
+	"github.com/twmb/franz-go/pkg/kgo"
 
 	"github.com/idemkit/idem/adapters/kafka"
 	"github.com/idemkit/idem/outbox"
@@ -43,6 +45,9 @@ type demoBroker struct {
 	brokers []string
 	dlq     string
 	session time.Duration // of the child processes' consumer group
+	// trimmer, set on the in-process kfake cluster, trims the topic
+	// below what the consumer groups committed (demo_trim.go).
+	trimmer *logTrimmer
 
 	// RabbitMQ.
 	amqpURL string
@@ -73,7 +78,8 @@ func setupKafka(ctx context.Context, cfg demoConfig, runID string) (*demoBroker,
 	}()
 	if cfg.kafkaBrokers == "" {
 		cluster, err := kfake.NewCluster(kfake.NumBrokers(1), kfake.GroupMinSessionTimeout(100*time.Millisecond),
-			kfake.SeedTopics(int32(cfg.partitions), topic), kfake.SeedTopics(1, dlq))
+			kfake.SeedTopics(int32(cfg.partitions), topic), kfake.SeedTopics(1, dlq),
+			kfake.BrokerConfigs(map[string]string{"log.segment.bytes": strconv.Itoa(kfakeSegment)}))
 		if err != nil {
 			return nil, fmt.Errorf("start kfake: %w", err)
 		}
@@ -90,6 +96,20 @@ func setupKafka(ctx context.Context, cfg demoConfig, runID string) (*demoBroker,
 	}
 	transport := &kafkago.Transport{}
 	b.closers = append(b.closers, transport.CloseIdleConnections)
+	if cfg.kafkaBrokers == "" {
+		client, err := kgo.NewClient(kgo.SeedBrokers(b.brokers...))
+		if err != nil {
+			return nil, fmt.Errorf("kfake client: %w", err)
+		}
+		b.closers = append(b.closers, client.Close)
+		b.trimmer = &logTrimmer{
+			client:     client,
+			offsets:    &kafkago.Client{Addr: kafkago.TCP(b.brokers...), Transport: transport, Timeout: 5 * time.Second},
+			topic:      topic,
+			partitions: cfg.partitions,
+			trimmed:    map[int]int64{},
+		}
+	}
 	if cfg.kafkaBrokers != "" {
 		if err := createTopics(ctx, b.brokers, transport, cfg.partitions, topic, dlq); err != nil {
 			return nil, err

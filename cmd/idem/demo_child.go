@@ -32,7 +32,7 @@ import (
 // what the child reports on its stdout, one line per event, each written
 // with one write call, so that a SIGKILL loses none that happened:
 //
-//	d PO ID PAYMENT REQUEST  a delivery of an idem record (PO: deliveryID)
+//	d PO ID PAYMENT REQUEST  a delivery of an idem record (PO: copyID.String)
 //	c PAYMENT CENTS          a charge, with --redis (with --postgres the
 //	                         charges are rows in the oracle table)
 //	h PO OWN                 a record handled, about to be acknowledged

@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"math"
 	mrand "math/rand/v2"
 	"net/http"
 	"regexp"
@@ -209,7 +210,9 @@ func (d *pgDemo) count(ctx context.Context, l *ledger) error {
 			rows.Close()
 			return err
 		}
-		l.charges[n], l.amounts[n] = c, cents
+		if l.valid(n) {
+			l.charges[n], l.amounts[n] = uint32(c), int32(min(cents, math.MaxInt32))
+		}
 	}
 	rows.Close()
 	if err := rows.Err(); err != nil {
@@ -225,7 +228,9 @@ func (d *pgDemo) count(ctx context.Context, l *ledger) error {
 			rows.Close()
 			return err
 		}
-		l.accepted[n] = true
+		if l.valid(n) {
+			l.accepted[int32(n)] = struct{}{}
+		}
 	}
 	rows.Close()
 	if err := rows.Err(); err != nil {
@@ -242,7 +247,9 @@ func (d *pgDemo) count(ctx context.Context, l *ledger) error {
 	}
 	le, ll := 0, 0
 	for _, c := range l.charges {
-		le += c - 1
+		if c > 0 {
+			le += int(c) - 1
+		}
 	}
 	for n := range l.accepted {
 		if l.charges[n] == 0 {

@@ -103,12 +103,16 @@ func (g *group) report(p *childProc, line string) {
 		if len(f) != 5 {
 			return
 		}
+		po, ok := parseCopyID(f[1])
+		if !ok {
+			return
+		}
 		n, _ := strconv.Atoi(f[3])
 		req := f[4]
 		if req == "-" {
 			req = ""
 		}
-		g.ledger.classify(f[1], f[2], req, n)
+		g.ledger.classify(po, f[2], req, n)
 	case "c":
 		if len(f) != 3 {
 			return
@@ -120,7 +124,9 @@ func (g *group) report(p *childProc, line string) {
 		if len(f) != 3 {
 			return
 		}
-		g.markHandled(f[1])
+		if po, ok := parseCopyID(f[1]); ok {
+			g.markHandled(po)
+		}
 		if f[2] == "1" && !p.crashing && g.rng.Float64() < g.crashRate {
 			p.crashing = true
 			p.crashOnce.Do(func() { close(p.crash) })

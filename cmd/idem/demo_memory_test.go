@@ -1,0 +1,68 @@
+package main
+
+import (
+	"context"
+	"io"
+	"runtime"
+	"runtime/metrics"
+	"strconv"
+	"sync"
+	"testing"
+	"time"
+)
+
+// peakLiveHeap runs the embedded demo in process with payments and returns
+// the largest live heap (what the last GC found reachable) seen while it
+// ran.
+func peakLiveHeap(t *testing.T, payments int) uint64 {
+	t.Helper()
+	runtime.GC()
+	sample := []metrics.Sample{{Name: "/gc/heap/live:bytes"}}
+	var peak uint64
+	var mu sync.Mutex
+	done := make(chan struct{})
+	var wg sync.WaitGroup
+	wg.Go(func() {
+		tick := time.NewTicker(10 * time.Millisecond)
+		defer tick.Stop()
+		for {
+			metrics.Read(sample)
+			mu.Lock()
+			peak = max(peak, sample[0].Value.Uint64())
+			mu.Unlock()
+			select {
+			case <-done:
+				return
+			case <-tick.C:
+			}
+		}
+	})
+	start := time.Now()
+	code := run(context.Background(), []string{"demo", "--payments", strconv.Itoa(payments), "--seed", "5", "--progress", "none"}, io.Discard, io.Discard)
+	close(done)
+	wg.Wait()
+	if code != 0 {
+		t.Fatalf("demo --payments %d: exit status %d", payments, code)
+	}
+	t.Logf("%d payments: peak live heap %.1f MB, %v", payments, float64(peak)/(1<<20), time.Since(start))
+	return peak
+}
+
+// TestDemoMemoryPerPayment runs the embedded demo at two sizes and bounds
+// how much its peak live heap grows per payment. What it must keep per
+// payment is two dedup marks in memstore (the idempotency key's and the
+// charge's, about 250 bytes each: the product's own cost) and the oracle's
+// few counters, about 700 bytes in all; the broker's log of every record
+// (about 400 bytes per payment) or maps of every delivery (about 700) on top
+// would exceed the bound.
+func TestDemoMemoryPerPayment(t *testing.T) {
+	const small, large = 5000, 25000
+	const perPayment = 900 // bytes
+	a, b := peakLiveHeap(t, small), peakLiveHeap(t, large)
+	growth := (float64(b) - float64(a)) / (large - small)
+	t.Logf("growth: %.0f bytes per payment", growth)
+	if growth > perPayment {
+		t.Errorf("peak live heap grew by %.0f bytes per payment from %d to %d payments (%.1f MB to %.1f MB), want at most %d",
+			growth, small, large, float64(a)/(1<<20), float64(b)/(1<<20), perPayment)
+	}
+}
