@@ -271,10 +271,10 @@ func (s *Store) nodeOf(ctx context.Context, rkey string) (*node, error) {
 // still holds a dropped node's groups finishes with them; the next call
 // for that address starts new ones.
 func (s *Store) pruneNodes(ctx context.Context, now time.Time) {
-	defer s.pruning.Store(false)
 	if s.pruned != nil {
-		defer s.pruned()
+		defer s.pruned() // after the flag below is cleared
 	}
+	defer s.pruning.Store(false)
 	ctx, cancel := context.WithTimeout(ctx, pruneTimeout)
 	defer cancel()
 	var mu sync.Mutex
