@@ -156,7 +156,7 @@ func (b *batch) handle(ctx context.Context, msgs []*consumer.Message) error {
 		Who:   "kafkapg",
 		Begin: b.db.Begin,
 		Claim: b.claims.ClaimBatchTx,
-		Work: func(ctx context.Context, tx pgx.Tx, verdicts []error, run func(int, func(context.Context) error) error) error {
+		Work: func(ctx context.Context, tx pgx.Tx, verdicts []error, run func(func(context.Context) error, ...int) error) error {
 			return b.work(ctx, tx, msgs, keys, at, verdicts, run, errs, outcomes)
 		},
 	})
@@ -179,13 +179,13 @@ func (b *batch) handle(ctx context.Context, msgs []*consumer.Message) error {
 // and with BatchOptions.Offsets the partition's position after the done
 // messages is written.
 func (b *batch) work(ctx context.Context, tx pgx.Tx, msgs []*consumer.Message, keys []dedup.Key, at []int, verdicts []error,
-	run func(int, func(context.Context) error) error, errs map[int]error, outcomes []consumer.Outcome) error {
+	run func(func(context.Context) error, ...int) error, errs map[int]error, outcomes []consumer.Outcome) error {
 	done := make([]*consumer.Message, 0, len(msgs))
 	for j, i := range at {
 		v := verdicts[j]
 		switch {
 		case v == nil:
-			if herr := run(j, func(hctx context.Context) error { return b.h(hctx, tx, msgs[i]) }); herr != nil {
+			if herr := run(func(hctx context.Context) error { return b.h(hctx, tx, msgs[i]) }, j); herr != nil {
 				return fmt.Errorf("kafkapg: message %d of the batch (%s): %w", i, keys[j], herr)
 			}
 			done = append(done, msgs[i])
