@@ -27,10 +27,11 @@ type BatchSteps[T Tx] struct {
 	// Claim claims every key in tx with one statement and returns one
 	// verdict per key: nil for a key claimed first, else the claim error.
 	Claim func(ctx context.Context, tx T, keys []dedup.Key) ([]error, error)
-	// Work acts on the verdicts in tx: it calls run(j, h) for each key j it
-	// runs the handler for, and writes whatever else commits with the
-	// batch. An error rolls everything back.
-	Work func(ctx context.Context, tx T, verdicts []error, run func(j int, h func(ctx context.Context) error) error) error
+	// Work acts on the verdicts in tx: it calls run(h, js...) for each run
+	// of the handler, with the indexes js of the keys that run handles
+	// (one key, or several handled by one call), and writes whatever else
+	// commits with the batch. An error rolls everything back.
+	Work func(ctx context.Context, tx T, verdicts []error, run func(h func(ctx context.Context) error, js ...int) error) error
 }
 
 // attrBatchCount is the claim span's number of keys.
@@ -40,9 +41,10 @@ const attrBatchCount = attribute.Key("messaging.batch.message_count")
 // statement: begin, claim every key in the transaction, run the work, commit.
 // It records the telemetry on tel as Process does: idem.claims by verdict
 // with the claim's duration, the claim span (under a recording span, with
-// the number of keys), an idem.handle span and the handler duration of each
-// handler run, by how the batch ended (completed, released,
-// complete_failed), and the commit span. It returns nil once the batch
+// the number of keys), an idem.handle span (with the key's hash for a run
+// that handles one key, the number of keys for a run that handles several)
+// and one handler duration for each handler run, by how the batch ended
+// (completed, released, complete_failed), and the commit span. It returns nil once the batch
 // committed; the transaction is rolled back otherwise, also when a handler
 // panics (the panic goes on).
 func ProcessBatch[T Tx](ctx context.Context, tel *telemetry.Dedup, keys []dedup.Key, s BatchSteps[T]) (err error) {
@@ -72,10 +74,14 @@ func ProcessBatch[T Tx](ctx context.Context, tel *telemetry.Dedup, keys []dedup.
 	if err != nil {
 		return err
 	}
-	run := func(j int, h func(ctx context.Context) error) error {
+	run := func(h func(ctx context.Context) error, js ...int) error {
 		hctx, endHandle := ctx, func(error, ...attribute.KeyValue) {}
 		if tracing {
-			hctx, endHandle = telemetry.StartSpan(ctx, tel.Tracer, "idem.handle", telemetry.AttrKeyHash.String(keys[j].Hash()))
+			attr := attrBatchCount.Int(len(js))
+			if len(js) == 1 {
+				attr = telemetry.AttrKeyHash.String(keys[js[0]].Hash())
+			}
+			hctx, endHandle = telemetry.StartSpan(ctx, tel.Tracer, "idem.handle", attr)
 		}
 		start := time.Now()
 		herr := callEnding(hctx, h, endHandle)

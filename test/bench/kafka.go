@@ -312,7 +312,7 @@ func kafkaTxRow() row {
 
 func kafkaBatchRow() row {
 	return row{
-		path:     "Kafka, batch claim + offsets in PostgreSQL (kafkapg.Batch)",
+		path:     "Kafka, batch claim + offsets in PostgreSQL (kafkapg.BatchAll)",
 		baseline: "same Reader, one tx per fetched batch (up to 100) inserting the rows with unnest",
 		target:   0.85, unit: "msg/s", floor: batchFloor,
 		build: func(ctx context.Context, e *env) (side, side, error) {
@@ -320,7 +320,7 @@ func kafkaBatchRow() row {
 			if err != nil {
 				return nil, nil, err
 			}
-			idemInsert, err := e.effects(ctx, "kafka_batch_idem")
+			idemTable, err := e.table(ctx, "kafka_batch_idem", "id text NOT NULL, payload bytea, at timestamptz NOT NULL DEFAULT now()")
 			if err != nil {
 				return nil, nil, err
 			}
@@ -335,11 +335,20 @@ func kafkaBatchRow() row {
 			if err != nil {
 				return nil, nil, err
 			}
-			bh, err := kafkapg.Batch(e.pool, claims, kafkapg.BatchOptions{Scope: "bench/kafka", Offsets: offsets}, insertEffect(idemInsert))
+			unnest := "INSERT INTO " + bareTable + " (id, payload) SELECT * FROM unnest($1::text[], $2::bytea[])"
+			idemUnnest := "INSERT INTO " + idemTable + " (id, payload) SELECT * FROM unnest($1::text[], $2::bytea[])"
+			bh, err := kafkapg.BatchAll(e.pool, claims, kafkapg.BatchOptions{Scope: "bench/kafka", Offsets: offsets},
+				func(ctx context.Context, tx pgx.Tx, msgs []*consumer.Message) error {
+					ids, payloads := make([]string, len(msgs)), make([][]byte, len(msgs))
+					for i, m := range msgs {
+						ids[i], payloads[i] = m.ID, m.Payload
+					}
+					_, err := tx.Exec(ctx, idemUnnest, ids, payloads)
+					return err
+				})
 			if err != nil {
 				return nil, nil, err
 			}
-			unnest := "INSERT INTO " + bareTable + " (id, payload) SELECT * FROM unnest($1::text[], $2::bytea[])"
 			bare := kafkaSide(e, func(ctx context.Context, k *kafkaBroker, topic string, n int) (float64, error) {
 				return kafkaBare(ctx, k, topic, n, true, func(ctx context.Context, ms []kafkago.Message) error {
 					ids, payloads := make([]string, len(ms)), make([][]byte, len(ms))

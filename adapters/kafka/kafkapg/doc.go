@@ -42,6 +42,13 @@
 //	bh, _ := kafkapg.Batch(pool, claims, kafkapg.BatchOptions{Scope: "billing/ledger", Offsets: offsets}, ledger)
 //	c, _ := idemkafka.NewBatchConsumer(readerConfig, bh, idemkafka.ConsumerOptions{Offsets: offsets, DeadLetterTopic: "billing.dlq"})
 //
+// Batch calls its handler once per record claimed first. BatchAll calls it
+// once per batch with all of them, so that their effects are written in one
+// statement (INSERT ... SELECT FROM unnest, or CopyFrom):
+//
+//	bh, _ := kafkapg.BatchAll(pool, claims, kafkapg.BatchOptions{Scope: "billing/ledger", Offsets: offsets},
+//		func(ctx context.Context, tx pgx.Tx, msgs []*consumer.Message) error { return ledger.InsertAll(ctx, tx, msgs) })
+//
 // # Schema
 //
 // Schema and table names are options, checked against an allow-list and

@@ -69,14 +69,16 @@ type BatchOptions struct {
 	OnOutcome func(ctx context.Context, r consumer.Report)
 	// MeterProvider receives idem.claims (one per message, by outcome),
 	// idem.claim.duration (the batch claim's time, once per outcome) and
-	// idem.handler.duration (each message's handler run, by how the batch
-	// ended: completed, released, complete_failed), with idem.scope and
-	// idem.store "pgtable", as consumer.Transactional does. Defaults to the
+	// idem.handler.duration (each handler call, by how the batch ended:
+	// completed, released, complete_failed: one per message with Batch,
+	// one per batch with BatchAll), with idem.scope and idem.store
+	// "pgtable", as consumer.Transactional does. Defaults to the
 	// OpenTelemetry global, a no-op until the application installs a
 	// provider.
 	MeterProvider metric.MeterProvider
 	// TracerProvider records an idem.claim span around the batch claim, an
-	// idem.handle span per message and an idem.commit span, under the
+	// idem.handle span per handler call (per message with Batch, per batch
+	// with BatchAll) and an idem.commit span, under the
 	// recording span in the batch's context (the idemkafka.Consumer's batch
 	// span). Defaults to the OpenTelemetry global.
 	TracerProvider trace.TracerProvider
@@ -92,20 +94,58 @@ type BatchOptions struct {
 // for the dead-letter topic (after the commit, so its position is stored by a
 // later commit). When h fails, or a key is held by a lease-mode claim, the
 // whole transaction rolls back and the Consumer hands the records over one at
-// a time. consumer.SetResult has no effect in a batch.
+// a time. consumer.SetResult has no effect in a batch. BatchAll hands h all
+// the records claimed first in one call instead.
 func Batch(db pgtable.DB, claims *pgtable.Store, opts BatchOptions, h consumer.TxHandler[pgx.Tx]) (idemkafka.BatchHandler, error) {
+	if h == nil {
+		return nil, errors.New("kafkapg: Batch: handler h is nil")
+	}
+	b, err := newBatch("Batch", db, claims, opts)
+	if err != nil {
+		return nil, err
+	}
+	b.h = h
+	return b.handle, nil
+}
+
+// BatchAll is Batch with a handler for the whole batch: h is called once per
+// batch, in the batch's transaction, with every record claimed first, in
+// offset order, so that it can write their effects in one statement (an
+// INSERT ... SELECT FROM unnest, or CopyFrom). Duplicates, fingerprint
+// mismatches and records without a valid key are left out, as Batch leaves
+// them out of its handler; when no record is new, h is not called and the
+// transaction holds the claims and the position only. msgs is h's to keep.
+//
+// Effects, claims and position commit together, or not at all. When h
+// fails, the whole transaction rolls back and the Consumer hands the records
+// over one at a time: h is then called with one record, so that a permanent
+// error dead-letters that record alone, as with Batch.
+func BatchAll(db pgtable.DB, claims *pgtable.Store, opts BatchOptions,
+	h func(ctx context.Context, tx pgx.Tx, msgs []*consumer.Message) error) (idemkafka.BatchHandler, error) {
+	if h == nil {
+		return nil, errors.New("kafkapg: BatchAll: handler h is nil")
+	}
+	b, err := newBatch("BatchAll", db, claims, opts)
+	if err != nil {
+		return nil, err
+	}
+	b.all = h
+	return b.handle, nil
+}
+
+// newBatch checks the arguments of Batch and BatchAll (who) and fills in
+// opts' defaults.
+func newBatch(who string, db pgtable.DB, claims *pgtable.Store, opts BatchOptions) (*batch, error) {
 	switch {
 	case db == nil:
-		return nil, errors.New("kafkapg: Batch: db is nil: pass the *pgxpool.Pool of the store")
+		return nil, fmt.Errorf("kafkapg: %s: db is nil: pass the *pgxpool.Pool of the store", who)
 	case claims == nil:
-		return nil, errors.New("kafkapg: Batch: claims is nil: pass a *pgtable.Store")
-	case h == nil:
-		return nil, errors.New("kafkapg: Batch: handler h is nil")
+		return nil, fmt.Errorf("kafkapg: %s: claims is nil: pass a *pgtable.Store", who)
 	case opts.Scope == "":
-		return nil, errors.New("kafkapg: Batch: Scope is required: name the consumer group and handler, for example \"billing/charge-card\"")
+		return nil, fmt.Errorf("kafkapg: %s: Scope is required: name the consumer group and handler, for example \"billing/charge-card\"", who)
 	}
 	if err := dedup.ValidateKey(dedup.Key{Scope: opts.Scope, ID: "x"}, claims.Options().MaxKeyLen); err != nil {
-		return nil, fmt.Errorf("kafkapg: Batch: Scope %q: %w", opts.Scope, err)
+		return nil, fmt.Errorf("kafkapg: %s: Scope %q: %w", who, opts.Scope, err)
 	}
 	if opts.KeyFunc == nil {
 		opts.KeyFunc = func(m *consumer.Message) (string, error) { return m.ID, nil }
@@ -114,16 +154,18 @@ func Batch(db pgtable.DB, claims *pgtable.Store, opts BatchOptions, h consumer.T
 		opts.Fingerprint = func(m *consumer.Message) dedup.Fingerprint { return dedup.FingerprintOf(m.Payload) }
 	}
 	tel := telemetry.NewDedup(opts.MeterProvider, opts.TracerProvider, opts.Scope, telemetry.StoreName(claims))
-	b := &batch{db: db, claims: claims, opts: opts, h: h, tel: tel}
-	return b.handle, nil
+	return &batch{db: db, claims: claims, opts: opts, tel: tel}, nil
 }
 
 type batch struct {
 	db     pgtable.DB
 	claims *pgtable.Store
 	opts   BatchOptions
-	h      consumer.TxHandler[pgx.Tx]
-	tel    *telemetry.Dedup
+	// Either h runs for each record claimed first (Batch), or all runs
+	// once for all of them (BatchAll).
+	h   consumer.TxHandler[pgx.Tx]
+	all func(ctx context.Context, tx pgx.Tx, msgs []*consumer.Message) error
+	tel *telemetry.Dedup
 }
 
 func (b *batch) outcome(ctx context.Context, msg *consumer.Message, key dedup.Key, o consumer.Outcome, err error) {
@@ -156,7 +198,7 @@ func (b *batch) handle(ctx context.Context, msgs []*consumer.Message) error {
 		Who:   "kafkapg",
 		Begin: b.db.Begin,
 		Claim: b.claims.ClaimBatchTx,
-		Work: func(ctx context.Context, tx pgx.Tx, verdicts []error, run func(int, func(context.Context) error) error) error {
+		Work: func(ctx context.Context, tx pgx.Tx, verdicts []error, run func(func(context.Context) error, ...int) error) error {
 			return b.work(ctx, tx, msgs, keys, at, verdicts, run, errs, outcomes)
 		},
 	})
@@ -174,18 +216,25 @@ func (b *batch) handle(ctx context.Context, msgs []*consumer.Message) error {
 	return nil
 }
 
-// work acts on the batch claim's verdicts in tx: the handler runs for each
-// key claimed first, duplicates and poison are noted in errs and outcomes,
-// and with BatchOptions.Offsets the partition's position after the done
-// messages is written.
+// work acts on the batch claim's verdicts in tx: the handler runs for the
+// keys claimed first (h for each in turn, or all once for all of them),
+// duplicates and poison are noted in errs and outcomes, and with
+// BatchOptions.Offsets the partition's position after the done messages is
+// written.
 func (b *batch) work(ctx context.Context, tx pgx.Tx, msgs []*consumer.Message, keys []dedup.Key, at []int, verdicts []error,
-	run func(int, func(context.Context) error) error, errs map[int]error, outcomes []consumer.Outcome) error {
+	run func(func(context.Context) error, ...int) error, errs map[int]error, outcomes []consumer.Outcome) error {
 	done := make([]*consumer.Message, 0, len(msgs))
+	var (
+		fresh  []*consumer.Message // for all: the messages claimed first
+		freshJ []int               // and their keys' indexes
+	)
 	for j, i := range at {
 		v := verdicts[j]
 		switch {
 		case v == nil:
-			if herr := run(j, func(hctx context.Context) error { return b.h(hctx, tx, msgs[i]) }); herr != nil {
+			if b.all != nil {
+				fresh, freshJ = append(fresh, msgs[i]), append(freshJ, j)
+			} else if herr := run(func(hctx context.Context) error { return b.h(hctx, tx, msgs[i]) }, j); herr != nil {
 				return fmt.Errorf("kafkapg: message %d of the batch (%s): %w", i, keys[j], herr)
 			}
 			done = append(done, msgs[i])
@@ -204,6 +253,11 @@ func (b *batch) work(ctx context.Context, tx pgx.Tx, msgs []*consumer.Message, k
 			// In flight under a lease-mode claim, or a claim error: not
 			// this batch's to decide. Roll back, one at a time.
 			return fmt.Errorf("kafkapg: message %d of the batch (%s): %w", i, keys[j], v)
+		}
+	}
+	if len(fresh) > 0 {
+		if herr := run(func(hctx context.Context) error { return b.all(hctx, tx, fresh) }, freshJ...); herr != nil {
+			return fmt.Errorf("kafkapg: %d messages of the batch: %w", len(fresh), herr)
 		}
 	}
 	if b.opts.Offsets == nil {

@@ -205,4 +205,17 @@ func TestConstructors(t *testing.T) {
 	if _, err := kafkapg.Batch(pool, claims, kafkapg.BatchOptions{Scope: "s"}, nil); err == nil {
 		t.Error("Batch accepted a nil handler")
 	}
+	all := func(context.Context, pgx.Tx, []*consumer.Message) error { return nil }
+	if _, err := kafkapg.BatchAll(pool, claims, kafkapg.BatchOptions{}, all); err == nil {
+		t.Error("BatchAll accepted an empty scope")
+	}
+	if _, err := kafkapg.BatchAll(nil, claims, kafkapg.BatchOptions{Scope: "s"}, all); err == nil {
+		t.Error("BatchAll accepted a nil db")
+	}
+	if _, err := kafkapg.BatchAll(pool, nil, kafkapg.BatchOptions{Scope: "s"}, all); err == nil {
+		t.Error("BatchAll accepted nil claims")
+	}
+	if _, err := kafkapg.BatchAll(pool, claims, kafkapg.BatchOptions{Scope: "s"}, nil); err == nil {
+		t.Error("BatchAll accepted a nil handler")
+	}
 }
