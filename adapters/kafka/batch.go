@@ -11,7 +11,8 @@ import (
 
 // BatchHandler handles several records of one partition at once, in offset
 // order: typically in one database transaction, with one batch claim
-// (kafkapg.Batch). NewBatchConsumer runs it.
+// (kafkapg.Batch, or kafkapg.BatchAll for one handler call per batch).
+// NewBatchConsumer runs it.
 //
 // It returns nil when every message is done (its effect committed, or it
 // was a duplicate). A *BatchError reports per-message outcomes of a batch
