@@ -10,7 +10,6 @@ import (
 
 	idemamqp "github.com/idemkit/idem/adapters/amqp"
 	"github.com/idemkit/idem/consumer"
-	"github.com/idemkit/idem/dedup/pgtable"
 	"github.com/idemkit/idem/dedup/redisnx"
 )
 
@@ -116,19 +115,7 @@ func amqpTxRow() row {
 		baseline: "amqp091-go worker, prefetch 100, 8 goroutines, one tx per delivery, manual ACK",
 		target:   0.90, unit: "msg/s", floor: txFloor,
 		build: func(ctx context.Context, e *env) (side, side, error) {
-			bareInsert, err := e.effects(ctx, "amqp_tx_bare")
-			if err != nil {
-				return nil, nil, err
-			}
-			idemInsert, err := e.effects(ctx, "amqp_tx_idem")
-			if err != nil {
-				return nil, nil, err
-			}
-			claims, err := e.claims(ctx, "amqp_tx_claims", pgtable.Options{})
-			if err != nil {
-				return nil, nil, err
-			}
-			h, err := consumer.Transactional(claims, consumer.TxOptions{Scope: "bench/amqp"}, insertEffect(idemInsert))
+			bareInsert, h, err := e.txSides(ctx, "amqp_tx", "bench/amqp")
 			if err != nil {
 				return nil, nil, err
 			}

@@ -265,6 +265,27 @@ func (e *env) claims(ctx context.Context, name string, opts pgtable.Options) (*p
 
 // insertEffect is the consumer rows' business write in the transaction of
 // the claim.
+// txSides makes the tables of a transactional row whose tables are named
+// after prefix: the baseline's INSERT into its own effects table, and idem's
+// handler, consumer.Transactional on a fresh claims table doing the same
+// INSERT into another.
+func (e *env) txSides(ctx context.Context, prefix, scope string) (bareInsert string, h consumer.Handler, err error) {
+	bareInsert, err = e.effects(ctx, prefix+"_bare")
+	if err != nil {
+		return "", nil, err
+	}
+	idemInsert, err := e.effects(ctx, prefix+"_idem")
+	if err != nil {
+		return "", nil, err
+	}
+	claims, err := e.claims(ctx, prefix+"_claims", pgtable.Options{})
+	if err != nil {
+		return "", nil, err
+	}
+	h, err = consumer.Transactional(claims, consumer.TxOptions{Scope: scope}, insertEffect(idemInsert))
+	return bareInsert, h, err
+}
+
 func insertEffect(insert string) consumer.TxHandler[pgx.Tx] {
 	return func(ctx context.Context, tx pgx.Tx, msg *consumer.Message) error {
 		_, err := tx.Exec(ctx, insert, msg.ID, msg.Payload)
@@ -278,19 +299,7 @@ func kafkaTxRow() row {
 		baseline: "kafka-go group Reader, a goroutine per partition, one tx per record, commit every 100",
 		target:   0.90, unit: "msg/s", floor: txFloor,
 		build: func(ctx context.Context, e *env) (side, side, error) {
-			bareInsert, err := e.effects(ctx, "kafka_tx_bare")
-			if err != nil {
-				return nil, nil, err
-			}
-			idemInsert, err := e.effects(ctx, "kafka_tx_idem")
-			if err != nil {
-				return nil, nil, err
-			}
-			claims, err := e.claims(ctx, "kafka_tx_claims", pgtable.Options{})
-			if err != nil {
-				return nil, nil, err
-			}
-			h, err := consumer.Transactional(claims, consumer.TxOptions{Scope: "bench/kafka"}, insertEffect(idemInsert))
+			bareInsert, h, err := e.txSides(ctx, "kafka_tx", "bench/kafka")
 			if err != nil {
 				return nil, nil, err
 			}
