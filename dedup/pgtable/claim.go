@@ -137,33 +137,24 @@ func (s *Store) SetResultTx(ctx context.Context, tx pgx.Tx, key dedup.Key, resul
 }
 
 // Process implements dedup.TxStore: it begins a transaction on the store's
-// DB, runs fn in it and commits, with the key's row written once, at
-// commit, completed and holding fn's result (NULL when fn returns nil).
+// DB, claims key in it, runs fn in it, stores fn's result with the claim
+// (when it is not nil) and commits.
 //
-// Before fn runs, the transaction takes a transaction-scoped advisory lock on
-// the key and reads the key's row. A live row is answered without running
-// fn: an error wrapping dedup.ErrDuplicate (with the stored result, see
-// dedup.StoredResult), dedup.ErrInFlight (a lease-mode claim holds the key)
-// or dedup.ErrFingerprintMismatch. An expired row counts as absent. A
-// concurrent Process of the same key waits for the lock until this
-// transaction ends, then replays its result (or runs, if it rolled back).
+// The claim is the first statement of the transaction, sent with BEGIN. A
+// live row of the key is answered without running fn: an error wrapping
+// dedup.ErrDuplicate (with the stored result, see dedup.StoredResult),
+// dedup.ErrInFlight (a lease-mode claim holds the key) or
+// dedup.ErrFingerprintMismatch. An expired row counts as absent. A
+// concurrent claim of the same key (Process, ClaimTx, ClaimBatchTx, the
+// lease mode) waits until this transaction ends, then replays its result
+// (or runs, if it rolled back).
 //
 // When fn returns an error or panics, the transaction rolls back and nothing
 // is written, so a redelivery runs fn again. fn must not end tx itself
 // (Commit, Rollback): Process commits it once fn returns.
 //
-// In the plain layout, a writer that does not take the lock — ClaimTx or
-// ClaimBatchTx in a transaction of its own, the lease mode — can write the
-// key while fn runs (in the partitioned layout every writer takes it).
-// The commit's insert then loses to it: the transaction rolls back, fn's
-// writes with it, and Process returns the verdict on that writer's row (so
-// the effect stays single and a duplicate replays), or an error wrapping
-// ErrLostRace when that row is gone again.
-//
-// The lock is pg_advisory_xact_lock's two-int4 form on a 64-bit hash of the
-// table and the key (the partitioned layout: the single-bigint form, see
-// Options.Partitioned). It is held until the transaction ends, like the row
-// lock of ClaimTx.
+// With Options.Partitioned, the claim is the key's advisory lock and a read
+// of its row, and the row is written at commit (see the package doc).
 func (s *Store) Process(ctx context.Context, key dedup.Key, fn dedup.TxFunc[pgx.Tx]) (result []byte, err error) {
 	if fn == nil {
 		return nil, errors.New("pgtable: Process: fn is nil")

@@ -20,40 +20,31 @@
 // ClaimBatchTx claims many keys in one statement for consumers that handle a
 // batch in one transaction.
 //
-// Process wraps the whole shape and implements dedup.TxStore[pgx.Tx]. It
-// writes the key's row once, at commit, completed and with fn's result:
+// Process wraps the whole shape and implements dedup.TxStore[pgx.Tx]:
 //
-//  1. BEGIN, a transaction-scoped advisory lock on the key, and a read of
-//     the key's row, in one round trip. A live row is answered at once
+//  1. BEGIN and the claim, a single INSERT ... ON CONFLICT DO NOTHING of the
+//     key's row, in one round trip. A live row is answered at once
 //     (duplicate with the stored result, in flight, fingerprint mismatch)
-//     and fn does not run; an expired row counts as absent.
+//     and fn does not run; an expired row is taken over.
 //  2. fn runs in the transaction.
-//  3. The key's row is inserted and the transaction commits, in one round
-//     trip.
+//  3. fn's result, when there is one, is stored on the row and the
+//     transaction commits, in one round trip.
 //
 // A first message thus costs the round trips of the bare business
-// transaction and one row write beside its own. A concurrent Process of the
-// same key waits for the lock until the first transaction ends, then reads
-// its row (the read is a statement of its own, so under READ COMMITTED its
-// snapshot is taken after the lock was granted) and replays its result, or
-// runs if the first rolled back. When fn fails or panics, nothing is
+// transaction and one row insert beside its own. A concurrent claim of the
+// same key, by Process, ClaimTx, ClaimBatchTx or the lease mode, waits on
+// the primary key until the first transaction ends, then sees its row (a
+// duplicate replays its result), or claims the key if the first rolled
+// back. When fn fails or panics, the transaction rolls back and nothing is
 // written.
 //
-// ClaimTx, ClaimBatchTx and the lease mode do not take the lock. If
-// one of them writes the key while fn runs, the primary key makes step 3's
-// insert fail: the transaction rolls back with fn's writes, and Process
-// returns the verdict on the row that won (a duplicate replays its result),
-// or ErrLostRace when that row is already gone again. fn's effects on the
-// database happen once either way; fn itself may have run for nothing.
-//
-// The lock is pg_advisory_xact_lock(int4, int4), the two-key form, whose
-// lock space is apart from the single-bigint form that migration tools,
-// applications, idem's outbox and the partitioned layout use; its keys are
-// the two halves of the first 8 bytes of the key's digest, XORed with a
-// 64-bit hash of the schema and the table. A transaction-scoped lock suits
-// PgBouncer's transaction pooling. With Options.Partitioned, Process takes
-// the layout's own lock (the single-bigint form, on the same value), which
-// every writer of a partitioned table takes.
+// A partitioned table (Options.Partitioned) has no unique index across its
+// partitions: there Process, like every writer, takes a transaction-scoped
+// advisory lock on the key (pg_advisory_xact_lock's single-bigint form, on
+// the first 8 bytes of the key's digest XORed with a 64-bit hash of the
+// schema and the table), reads the key's row, and inserts the row with
+// fn's result at commit. A transaction-scoped lock suits PgBouncer's
+// transaction pooling.
 //
 // # Lease mode
 //

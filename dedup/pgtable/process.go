@@ -8,51 +8,55 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
-	"github.com/jackc/pgx/v5/pgtype"
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/idemkit/idem/dedup"
 )
 
-// How Process runs (its doc says what it guarantees). The key's row is
-// written once, at the end:
+// How Process runs (its doc says what it guarantees).
 //
-//  1. BEGIN, the key's lock, and a read of the key's row: one pgx batch
-//     (Batch.BeginTx), so one round trip, of prepared statements;
+// The plain layout claims first:
+//
+//  1. BEGIN and the claim, a single INSERT ... ON CONFLICT DO NOTHING of the
+//     key's row (completed, no result): one pgx batch (Batch.BeginTx), so
+//     one round trip, of prepared statements. A concurrent claim of the same
+//     key waits on the row's uniqueness check until the first transaction
+//     ends. When the insert found a row (it inserted nothing), the claim
+//     statement of ClaimTx runs in the same transaction with a new snapshot:
+//     it takes over an expired row, or answers the verdict on a live one
+//     (the transaction then rolls back and fn does not run);
+//  2. fn's statements;
+//  3. fn's result, when it is not nil (an UPDATE of the row), and COMMIT:
+//     one batch, one round trip.
+//
+// A first delivery therefore costs the round trips of a bare business
+// transaction (BEGIN, its statements, COMMIT) and one row insert beside its
+// own.
+//
+// The partitioned layout has no unique index across partitions, so every
+// writer of it takes the key's advisory lock, and Process writes the row
+// once, at the end:
+//
+//  1. BEGIN, the key's lock, and a read of the key's row: one batch;
 //  2. fn's statements;
 //  3. the delete of the key's expired row (only when step 1 found one), the
 //     INSERT of the key's row, completed and with fn's result, and COMMIT:
-//     one batch, one round trip.
+//     one batch.
 //
-// A first request therefore costs the round trips of a bare business
-// transaction (BEGIN, its statements, COMMIT) and one row write beside its
-// own, plus a lock and an index probe.
-//
-// The lock serializes Process calls of one key: a duplicate waits in step 1
-// until the first transaction has ended. The read is a statement of its own,
-// queued after the lock's, so it takes its snapshot after the lock was
-// granted: under READ COMMITTED every statement takes a new snapshot (in a
-// batch, at its Bind, which the server handles only after the previous
-// statement finished; in the simple protocol, which a pgx connection
-// configured for it uses for batches, each statement of the query string
-// takes one too). PostgreSQL releases a transaction's locks only after its
-// commit is visible to new snapshots, so the read sees the row the first
-// transaction committed (or none, if it rolled back).
-//
-// Writers that do not take the lock (ClaimTx and ClaimBatchTx in a
-// transaction of their own, the lease mode) may write the key between steps
-// 1 and 3. Step 3's INSERT then fails on the primary key (unique_violation;
-// a failed statement keeps the COMMIT queued after it from running), the
-// transaction rolls back with fn's writes, and Process reads the row that
-// won and returns the verdict on it. In the partitioned layout every writer
-// takes the lock, so step 3 cannot meet a live row there.
+// A duplicate waits in step 1 until the first transaction has ended. The
+// read is a statement of its own, queued after the lock's, so it takes its
+// snapshot after the lock was granted: under READ COMMITTED every statement
+// takes a new snapshot (in a batch, at its Bind, which the server handles
+// only after the previous statement finished; in the simple protocol, which
+// a pgx connection configured for it uses for batches, each statement of
+// the query string takes one too). PostgreSQL releases a transaction's locks
+// only after its commit is visible to new snapshots, so the read sees the row
+// the first transaction committed (or none, if it rolled back).
 //
 // A pool or a *pgx.Conn runs the steps as above (the fast path). Any other
 // DB, such as a pgx.Tx (Process then runs in a savepoint), takes the bound
-// path: Begin, then the lock and the read as one batch; at the end the
-// delete and the insert as one batch, then Commit.
-
-const uniqueViolation = "23505"
+// path: Begin, then step 1's statements as one batch; at the end step 3's
+// writes as one batch, then Commit.
 
 // keyRow is the key's row as a read found it.
 type keyRow struct {
@@ -60,15 +64,19 @@ type keyRow struct {
 	expired bool
 }
 
-// txRun is a transaction of Process that holds the key's lock and found no
-// live row of the key.
+// txRun is a transaction of Process that holds the key: its row is written
+// (the plain layout) or its lock is held and no live row was found (the
+// partitioned layout).
 type txRun struct {
 	tx pgx.Tx
 	// conn is the connection of a fast-path transaction; nil on the bound
 	// path.
 	conn *pgx.Conn
-	// expired: step 1 found an expired row of the key, which step 3
-	// deletes before its insert.
+	// claimed: step 1 wrote the key's row (the plain layout); step 3 only
+	// adds the result.
+	claimed bool
+	// expired: step 1 of the partitioned layout found an expired row of
+	// the key, which step 3 deletes before its insert.
 	expired bool
 	release func()
 	// key is what the statements need of the key.
@@ -81,23 +89,6 @@ func rollback(ctx context.Context, tx pgx.Tx) error {
 	rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 5*time.Second)
 	defer cancel()
 	return tx.Rollback(rctx)
-}
-
-// lostRace ends r, whose insert of the key's row lost to a writer that
-// does not take the key's lock: it rolls back, then reads the winner's
-// row through q and returns the verdict on it.
-func (s *Store) lostRace(ctx context.Context, r *txRun, key dedup.Key, q querier) error {
-	if err := rollback(ctx, r.tx); err != nil {
-		return fmt.Errorf("pgtable: commit %s: roll back: %w", key, err)
-	}
-	return s.settleLost(ctx, q, key, r.key.digest)
-}
-
-func (s *Store) lockSQL() string {
-	if s.opts.Partitioned {
-		return s.psql.lock
-	}
-	return s.sql.lock
 }
 
 // begin is step 1. It returns the transaction, or the verdict on a live row
@@ -130,15 +121,16 @@ func (s *Store) begin(ctx context.Context, key dedup.Key, a keyArgs) (*txRun, er
 func (s *Store) fastBegin(ctx context.Context, conn *pgx.Conn, key dedup.Key, a keyArgs) (*txRun, error) {
 	b := pgx.Batch{QueuedQueries: make([]*pgx.QueuedQuery, 0, 3)}
 	b.BeginTx(pgx.TxOptions{})
-	s.queueLockAndRead(&b, a)
+	s.queueStep1(&b, key, a)
 	br := conn.SendBatch(ctx, &b)
 	tx := br.Tx()
 	_, err := br.Exec() // BEGIN
-	row, err := readLockAndRow(ctx, br, tx, key, err)
+	r, err := s.readStep1(ctx, br, tx, key, a, err)
 	if err != nil {
 		return nil, err
 	}
-	return &txRun{tx: tx, conn: conn, expired: row != nil, key: a}, nil
+	r.conn = conn
+	return r, nil
 }
 
 // boundBegin is step 1 on the bound path.
@@ -148,45 +140,66 @@ func (s *Store) boundBegin(ctx context.Context, key dedup.Key, a keyArgs) (*txRu
 		return nil, fmt.Errorf("pgtable: begin: %w", err)
 	}
 	b := pgx.Batch{QueuedQueries: make([]*pgx.QueuedQuery, 0, 2)}
-	s.queueLockAndRead(&b, a)
-	row, err := readLockAndRow(ctx, tx.SendBatch(ctx, &b), tx, key, nil)
+	s.queueStep1(&b, key, a)
+	r, err := s.readStep1(ctx, tx.SendBatch(ctx, &b), tx, key, a, nil)
 	if err != nil {
 		return nil, err
 	}
-	return &txRun{tx: tx, expired: row != nil, release: func() {}, key: a}, nil
+	r.release = func() {}
+	return r, nil
 }
 
-// queueLockAndRead queues the key's advisory lock, then the read of its
-// row: two statements, so that the read's snapshot is taken once the lock
-// is held.
-func (s *Store) queueLockAndRead(b *pgx.Batch, a keyArgs) {
-	b.Queue(s.lockSQL(), a.lock)
-	b.Queue(s.sql.lookup, a.digest)
-}
-
-// readLockAndRow reads the results of queueLockAndRead's statements from br
-// (err is that of what br answered before them) and closes br. It returns
-// the key's row when the caller may go on: none, or an expired one. Else
-// it rolls tx back and returns the claim's error, or the verdict on the
-// row found.
-func readLockAndRow(ctx context.Context, br pgx.BatchResults, tx pgx.Tx, key dedup.Key, err error) (*keyRow, error) {
-	if err == nil {
-		_, err = br.Exec() // the lock: waits for a concurrent Process
+// queueStep1 queues step 1's statements after BEGIN: the claim's insert
+// (the plain layout), or the key's lock and then the read of its row, two
+// statements so that the read's snapshot is taken once the lock is held
+// (the partitioned layout).
+func (s *Store) queueStep1(b *pgx.Batch, key dedup.Key, a keyArgs) {
+	if s.opts.Partitioned {
+		b.Queue(s.psql.lock, a.lock)
+		b.Queue(s.sql.lookup, a.digest)
+		return
 	}
+	b.Queue(s.sql.claimFirst, a.digest, key.Fingerprint.Bytes(), s.retentionArg, a.scope, a.id)
+}
+
+// readStep1 reads the results of queueStep1's statements from br (err is
+// that of what br answered before them) and closes br. It returns the
+// transaction when the caller may go on. Else it rolls tx back and returns
+// the claim's error, or the verdict on the row found.
+func (s *Store) readStep1(ctx context.Context, br pgx.BatchResults, tx pgx.Tx, key dedup.Key, a keyArgs, err error) (*txRun, error) {
+	r := &txRun{tx: tx, key: a, claimed: !s.opts.Partitioned}
 	var row *keyRow
 	if err == nil {
-		row, err = scanKeyRow(br.QueryRow())
+		if r.claimed {
+			var tag pgconn.CommandTag
+			tag, err = br.Exec()
+			if err == nil {
+				err = br.Close()
+			}
+			if err == nil && tag.RowsAffected() == 0 {
+				// The key has a row: take it over if it expired, else
+				// answer the verdict on it.
+				err = s.claimOnce(ctx, tx, s.sql.claimTx, key, a.digest, a.digest, key.Fingerprint.Bytes(), s.retentionArg, a.scope, a.id)
+			}
+		} else {
+			_, err = br.Exec() // the lock: waits for a concurrent Process
+			if err == nil {
+				row, err = scanKeyRow(br.QueryRow())
+			}
+		}
 	}
 	if cerr := br.Close(); err == nil {
 		err = cerr
 	}
 	if err == nil && (row == nil || row.expired) {
-		return row, nil
+		r.expired = row != nil
+		return r, nil
 	}
-	if err != nil {
-		err = fmt.Errorf("pgtable: claim %s: %w", key, err)
-	} else {
+	switch {
+	case err == nil:
 		err = verdict(key, row.existing)
+	case !errors.As(err, new(*dedup.ClaimError)):
+		err = fmt.Errorf("pgtable: claim %s: %w", key, err)
 	}
 	// A closed tx (the batch failed before BEGIN) answers ErrTxClosed;
 	// a failed rollback closes the connection.
@@ -204,39 +217,43 @@ func (r *txRun) abort(ctx context.Context) {
 	_ = rollback(ctx, r.tx) // ErrTxClosed when the bound path committed
 }
 
-// queueWrite queues step 3's writes: the delete of an expired row when step
-// 1 found one, and the insert.
-func (s *Store) queueWrite(b *pgx.Batch, r *txRun, key dedup.Key, result []byte) {
-	del, ins := s.sql.deleteExpired, s.sql.insertDone
-	if s.opts.Partitioned {
-		del, ins = s.psql.deleteExpired, s.psql.insertDone
+// queueWrite queues step 3's writes and returns how many it queued: the
+// result of a row step 1 wrote (when there is one), or the delete of an
+// expired row when step 1 found one and the insert of the row.
+func (s *Store) queueWrite(b *pgx.Batch, r *txRun, key dedup.Key, result []byte) int {
+	if r.claimed {
+		if result == nil {
+			return 0
+		}
+		b.Queue(s.sql.setResult, r.key.digest, result)
+		return 1
 	}
+	n := 1
 	if r.expired {
-		b.Queue(del, r.key.digest)
+		b.Queue(s.psql.deleteExpired, r.key.digest)
+		n++
 	}
-	b.Queue(ins, r.key.digest, key.Fingerprint.Bytes(), s.retentionArg, result, r.key.scope, r.key.id)
+	b.Queue(s.psql.insertDone, r.key.digest, key.Fingerprint.Bytes(), s.retentionArg, result, r.key.scope, r.key.id)
+	return n
 }
 
-// execWrites reads the results of queueWrite's statements.
-func execWrites(br pgx.BatchResults, r *txRun) error {
-	if r.expired {
-		if _, err := br.Exec(); err != nil {
-			return err
+// execWrites reads the results of queueWrite's n statements. The last one
+// writes the key's row: it must change exactly one.
+func execWrites(br pgx.BatchResults, n int) error {
+	for i := range n {
+		tag, err := br.Exec()
+		if err != nil {
+			return partitionHint(err)
+		}
+		if i == n-1 && tag.RowsAffected() != 1 {
+			return fmt.Errorf("the write of the key's row changed %d rows, want 1", tag.RowsAffected())
 		}
 	}
-	_, err := br.Exec()
-	return partitionHint(err)
+	return nil
 }
 
-func isUniqueViolation(err error) bool {
-	var pgErr *pgconn.PgError
-	return errors.As(err, &pgErr) && pgErr.Code == uniqueViolation
-}
-
-// finish is step 3: it writes the key's row, completed with result, and
-// commits. When a writer that does not take the key's lock got the key
-// first, the transaction is rolled back and the error is the verdict on that
-// writer's row (see lost).
+// finish is step 3: it writes fn's result (and, in the partitioned layout,
+// the key's row) and commits.
 func (s *Store) finish(ctx context.Context, r *txRun, key dedup.Key, result []byte) error {
 	if r.conn == nil {
 		return s.boundFinish(ctx, r, key, result)
@@ -247,10 +264,10 @@ func (s *Store) finish(ctx context.Context, r *txRun, key dedup.Key, result []by
 		return fmt.Errorf("pgtable: commit %s: the transaction is not open (status %q): %w", key, st, pgx.ErrTxCommitRollback)
 	}
 	b := pgx.Batch{QueuedQueries: make([]*pgx.QueuedQuery, 0, 3)}
-	s.queueWrite(&b, r, key, result)
+	n := s.queueWrite(&b, r, key, result)
 	b.Queue("COMMIT")
 	br := r.conn.SendBatch(ctx, &b)
-	werr := execWrites(br, r)
+	werr := execWrites(br, n)
 	var (
 		tag  pgconn.CommandTag
 		cerr error
@@ -262,9 +279,6 @@ func (s *Store) finish(ctx context.Context, r *txRun, key dedup.Key, result []by
 		cerr = err
 	}
 	switch {
-	case isUniqueViolation(werr):
-		// The insert lost; the COMMIT behind it did not run.
-		return s.lostRace(ctx, r, key, r.conn)
 	case werr != nil:
 		return fmt.Errorf("pgtable: store %s: %w", key, werr)
 	case cerr != nil:
@@ -277,43 +291,20 @@ func (s *Store) finish(ctx context.Context, r *txRun, key dedup.Key, result []by
 
 func (s *Store) boundFinish(ctx context.Context, r *txRun, key dedup.Key, result []byte) error {
 	var b pgx.Batch
-	s.queueWrite(&b, r, key, result)
-	br := r.tx.SendBatch(ctx, &b)
-	err := execWrites(br, r)
-	if cerr := br.Close(); err == nil {
-		err = cerr
-	}
-	if isUniqueViolation(err) {
-		return s.lostRace(ctx, r, key, s.db)
-	}
-	if err != nil {
-		return fmt.Errorf("pgtable: store %s: %w", key, err)
+	if n := s.queueWrite(&b, r, key, result); n > 0 {
+		br := r.tx.SendBatch(ctx, &b)
+		err := execWrites(br, n)
+		if cerr := br.Close(); err == nil {
+			err = cerr
+		}
+		if err != nil {
+			return fmt.Errorf("pgtable: store %s: %w", key, err)
+		}
 	}
 	if err := r.tx.Commit(ctx); err != nil {
 		return fmt.Errorf("pgtable: commit %s: %w", key, err)
 	}
 	return nil
-}
-
-// ErrLostRace is wrapped by the error of Process when fn ran but its
-// transaction rolled back because a writer that does not take the key's lock
-// (ClaimTx in a transaction of its own, the lease mode) wrote the key meanwhile, and that
-// row was gone or expired again when Process read it. Nothing was committed:
-// a retry runs fn again.
-var ErrLostRace = errors.New("pgtable: the key was written concurrently by a claim that does not take its lock; nothing was committed, retry")
-
-// settleLost reads the key's row after step 3 lost, with a new statement (so
-// a new snapshot), and returns the verdict on it, or ErrLostRace when there
-// is no live row any more.
-func (s *Store) settleLost(ctx context.Context, q querier, key dedup.Key, digest pgtype.UUID) error {
-	row, err := scanKeyRow(q.QueryRow(ctx, s.sql.lookup, digest))
-	if err != nil {
-		return fmt.Errorf("pgtable: read %s: %w", key, err)
-	}
-	if row == nil || row.expired {
-		return fmt.Errorf("pgtable: commit %s: %w", key, ErrLostRace)
-	}
-	return verdict(key, row.existing)
 }
 
 func scanKeyRow(r pgx.Row) (*keyRow, error) {

@@ -10,20 +10,11 @@ import "strings"
 // one is done. Statements return the row's state as 1 (in flight) or 2
 // (done), and the time left of an in-flight row's lease in milliseconds.
 type statements struct {
-	claimTx, lookup, setResult                  string
-	lock, insertDone, deleteExpired             string
+	claimFirst, claimTx, lookup, setResult      string
 	claimBatchSorted, claimBatchLookup          string
 	leaseClaim, leaseExtend, leaseComplete      string
 	leaseRelease, cleanup, backdateForTestsOnly string
 }
-
-// lockSQL is the statement Process of the plain layout runs first in its
-// transaction: pg_advisory_xact_lock in its two-int4 form, on the two halves
-// of the key's lock (keyLock, parameter $1). The two-key form has a lock
-// space of its own, apart from the single-bigint locks of migration tools,
-// of applications, of the partitioned layout and of idem's outbox, so it
-// cannot make them wait.
-const lockSQL = "SELECT pg_advisory_xact_lock(($1::bigint >> 32)::int4, (($1::bigint << 32) >> 32)::int4)"
 
 // expiredRow is true for a row that no longer counts: a lease that ran out,
 // or a row past its retention (not yet deleted by cleanup). An in-flight
@@ -41,21 +32,15 @@ const leaseMsSQL = `CASE WHEN e.token IS NOT NULL
 func buildStatements(table string) statements {
 	r := strings.NewReplacer("{{T}}", table, "{{EXPIRED}}", expiredRow, "{{STATE}}", stateSQL, "{{LEASE}}", leaseMsSQL)
 	return statements{
-		// $1 the key's lock.
-		lock: lockSQL,
-
-		// $1 key, $2 fingerprint, $3 retention ms, $4 result, $5 scope,
-		// $6 id. The row Process writes at commit, completed and with
-		// fn's result. A plain INSERT: Process deletes an expired row
-		// first (deleteExpired), so a unique_violation means that a claim
-		// which does not take the key's lock holds the key.
-		insertDone: r.Replace(`
-INSERT INTO {{T}} (key, expires_at, fingerprint, result, scope, id)
-VALUES ($1, clock_timestamp() + $3 * interval '1 millisecond', $2, $4, $5, $6)`),
-
-		// $1 key. Deletes the key's row if it is expired (Process, under
-		// the key's lock, before insertDone).
-		deleteExpired: r.Replace(`DELETE FROM {{T}} e WHERE e.key = $1 AND {{EXPIRED}}`),
+		// $1 key, $2 fingerprint, $3 retention ms, $4 scope, $5 id.
+		// Process's claim: the key's row, completed, or nothing when the
+		// key has a row (expired or not; the caller then runs claimTx).
+		// A concurrent insert of the key makes it wait until that
+		// transaction ends.
+		claimFirst: r.Replace(`
+INSERT INTO {{T}} (key, expires_at, fingerprint, scope, id)
+VALUES ($1, clock_timestamp() + $3 * interval '1 millisecond', $2, $4, $5)
+ON CONFLICT (key) DO NOTHING`),
 
 		// $1 key, $2 fingerprint, $3 retention ms, $4 scope, $5 id.
 		// One round trip: the insert wins, or the existing row is read.

@@ -1,21 +1,16 @@
 -- What httpidem's transactional middleware sends for a first request
--- (pgtable's Process): BEGIN, the key's advisory lock and the read of its
--- row; the handler's INSERT ... RETURNING; the key's row, completed with the
--- stored response (about 200 bytes), and COMMIT.
+-- (pgtable's Process): BEGIN and the claim (the key's row, INSERT ... ON
+-- CONFLICT DO NOTHING); the handler's INSERT ... RETURNING; the stored
+-- response (about 200 bytes) added to the key's row, and COMMIT.
 \set k random(1, 4000000000000000000)
-\set a random(-2147483648, 2147483647)
-\set b random(-2147483648, 2147483647)
 \startpipeline
 BEGIN;
-SELECT pg_advisory_xact_lock(:a, :b);
-SELECT CASE WHEN e.token IS NULL THEN 2 ELSE 1 END::smallint, e.fingerprint, e.result,
-       CASE WHEN e.token IS NOT NULL THEN GREATEST(0, (extract(epoch FROM (e.expires_at - clock_timestamp())) * 1000)::bigint) END,
-       (e.expires_at <= clock_timestamp())
-FROM floor_claims e WHERE e.key = md5(:k::text)::uuid;
+INSERT INTO floor_claims (key, expires_at, fingerprint, scope, id)
+VALUES (md5(:k::text)::uuid, clock_timestamp() + 86400000 * interval '1 millisecond', sha256(:k::text::bytea), NULL, NULL)
+ON CONFLICT (key) DO NOTHING;
 \endpipeline
 INSERT INTO floor_payments_idem (amount, currency, customer) VALUES (4200, 'EUR', 'cus_' || :k::text) RETURNING id;
 \startpipeline
-INSERT INTO floor_claims (key, expires_at, fingerprint, result, scope, id)
-VALUES (md5(:k::text)::uuid, clock_timestamp() + 86400000 * interval '1 millisecond', sha256(:k::text::bytea), convert_to(repeat('r', 200), 'UTF8'), NULL, NULL);
+UPDATE floor_claims SET result = convert_to(repeat('r', 200), 'UTF8') WHERE key = md5(:k::text)::uuid AND token IS NULL;
 COMMIT;
 \endpipeline
