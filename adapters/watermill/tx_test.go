@@ -368,39 +368,50 @@ func TestTransactionalClaimErrors(t *testing.T) {
 	}
 }
 
-// TestTransactionalLosesTheKey: while the handler runs, a claim that does
-// not wait for its transaction (pgtable's lease mode on the same table)
-// takes and completes the key. The handler's transaction rolls back with its
-// effect, and the message is answered as the duplicate it now is:
-// acknowledged, not returned as a commit error (which would cost a
-// redelivery).
-func TestTransactionalLosesTheKey(t *testing.T) {
+// TestTransactionalLeaseClaimWaits: a claim that is not the middleware's
+// (pgtable's lease mode on the same table) of a key whose handler runs waits
+// for the handler's transaction, then sees the key done: the effect and the
+// key's row are the transaction's, once.
+func TestTransactionalLeaseClaimWaits(t *testing.T) {
 	fx := pgTxKind().setup(t)
 	var outcomes []string
 	mw := fx.middleware(t, idemwm.Options{Scope: "charge", OnOutcome: func(_ context.Context, r consumer.Report) { outcomes = append(outcomes, string(r.Outcome)) }})
 	msg := message.NewMessage(wm.NewUUID(), []byte(`{"amount":100}`))
+	leased := make(chan error, 1)
 	ran := 0
 	h := mw(func(msg *message.Message) ([]*message.Message, error) {
 		ran++
 		if err := fx.oracle.record(msg, "charge"); err != nil {
 			return nil, err
 		}
-		lease := fx.pgStore.Lease()
-		l, err := lease.Claim(context.Background(), dedup.Key{Scope: "charge", ID: msg.UUID, Fingerprint: dedup.FingerprintOf(msg.Payload)})
-		if err != nil {
-			return nil, fmt.Errorf("the lease claim beside the transaction: %w", err)
+		go func() {
+			_, err := fx.pgStore.Lease().Claim(context.Background(), dedup.Key{Scope: "charge", ID: msg.UUID, Fingerprint: dedup.FingerprintOf(msg.Payload)})
+			leased <- err
+		}()
+		var pid uint32
+		if err := idemwm.Tx(msg.Context()).QueryRow(msg.Context(), "SELECT pg_backend_pid()").Scan(&pid); err != nil {
+			return nil, err
 		}
-		return nil, lease.Complete(context.Background(), l, nil)
+		testenv.Eventually(t, 30*time.Second, "the lease claim to wait for the handler's transaction", func() bool {
+			var n int
+			err := fx.pool.QueryRow(context.Background(),
+				`SELECT count(*) FROM pg_stat_activity WHERE $1::int = ANY (pg_blocking_pids(pid))`, int32(pid)).Scan(&n)
+			return err == nil && n == 1
+		})
+		return nil, nil
 	})
 	out, err := h(msg)
 	if err != nil || out != nil {
-		t.Fatalf("the handler lost the key: returned %v, %v; want an acknowledged duplicate", out, err)
+		t.Fatalf("handler: returned %v, %v; want it acknowledged", out, err)
+	}
+	if err := <-leased; !errors.Is(err, dedup.ErrDuplicate) {
+		t.Fatalf("the lease claim after the commit = %v, want ErrDuplicate", err)
 	}
 	effects, claims := committed(t, fx, "charge", msg.UUID)
-	if ran != 1 || effects != 0 || claims != 1 {
-		t.Fatalf("ran %d, committed effects %d, key rows %d; want 1, 0 (rolled back), 1 (the lease's)", ran, effects, claims)
+	if ran != 1 || effects != 1 || claims != 1 {
+		t.Fatalf("ran %d, committed effects %d, key rows %d; want 1, 1, 1", ran, effects, claims)
 	}
-	if len(outcomes) != 1 || outcomes[0] != "duplicate" {
-		t.Fatalf("outcomes %v, want [duplicate]", outcomes)
+	if len(outcomes) != 1 || outcomes[0] != "completed" {
+		t.Fatalf("outcomes %v, want [completed]", outcomes)
 	}
 }
