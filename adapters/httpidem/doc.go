@@ -74,18 +74,14 @@
 // response, and 503 only means that it did not commit (or that PostgreSQL
 // cannot tell yet; a retry with the same key then replays or runs).
 //
-// pgtable begins the transaction with an advisory lock on the key and a read
-// of the key's row, runs the handler, and writes the key's row, with the
-// encoded response, only at commit: one row write beside the handler's, in
-// the round trips of the handler's own transaction. A duplicate that
-// arrives while the first request runs waits for that lock in PostgreSQL
-// (up to the connection's lock_timeout, if set, then 409), then replays the
-// first response; it runs if the first rolled back. A claim that does not
-// take the lock (a New middleware on pgtable's lease mode and the same
-// table) can
-// take the key while the handler runs: the transaction then rolls back, the
-// handler's response is dropped, and the request is answered as a
-// duplicate of that claim (a replay, 409 or 422).
+// pgtable begins the transaction with the key's row (the claim, sent with
+// BEGIN), runs the handler, and adds the encoded response to the row at
+// commit: the key's row is the only write beside the handler's, in the round
+// trips of the handler's own transaction. A duplicate that arrives while the first
+// request runs waits for that transaction in PostgreSQL (up to the
+// connection's lock_timeout, if set, then 409), then replays the first
+// response; it runs if the first rolled back. So does a claim of a New
+// middleware on pgtable's lease mode and the same table.
 //
 // How long keys and responses are kept is the store's retention: 24 hours
 // (Stripe's) for memstore and redisnx; set pgtable.Options.Retention to 24

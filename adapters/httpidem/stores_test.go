@@ -468,7 +468,7 @@ func TestTxAbandonedWaitFreesConnection(t *testing.T) {
 		if in.ID == "pay-held" {
 			once.Do(func() {
 				// The backend of the first request's transaction, which
-				// holds the key's lock.
+				// holds the key.
 				if err := httpidem.Tx(r.Context()).QueryRow(r.Context(), "SELECT pg_backend_pid()").Scan(&holder); err != nil {
 					t.Error(err)
 				}
@@ -491,11 +491,10 @@ func TestTxAbandonedWaitFreesConnection(t *testing.T) {
 		dup <- err
 	}()
 	admin := testenv.Pool(t, 1)
-	eventually(t, "the duplicate to wait for the key's lock, which the first holds", func() bool {
+	eventually(t, "the duplicate to wait for the first request's transaction", func() bool {
 		var n int
-		_ = admin.QueryRow(context.Background(), `SELECT count(*) FROM pg_locks w JOIN pg_locks h
-			ON h.locktype = w.locktype AND h.classid = w.classid AND h.objid = w.objid AND h.objsubid = w.objsubid
-			WHERE h.pid = $1 AND h.granted AND NOT w.granted`, holder).Scan(&n)
+		_ = admin.QueryRow(context.Background(),
+			`SELECT count(*) FROM pg_stat_activity WHERE $1::int = ANY (pg_blocking_pids(pid))`, holder).Scan(&n)
 		return n == 1
 	})
 	cancel() // the duplicate's client gives up
@@ -515,17 +514,16 @@ func TestTxAbandonedWaitFreesConnection(t *testing.T) {
 
 // A transactional instance and a lease-mode instance on the same pgtable
 // table (a deployment moving a route from one mode to the other): the lease
-// request claims the key while the transactional request's handler runs
-// (the transactional store writes the key's row only at commit), charges
-// and completes. The transactional request's commit then loses to that row:
-// its charge rolls back, and it answers with a replay of the lease
-// request's response, not 503. One charge.
-func TestTxCommitLosesToLeaseRequest(t *testing.T) {
+// request for a key whose transactional request runs waits for that
+// transaction (its claim is the key's row, written first), then answers with
+// a replay of the transactional request's response. One charge.
+func TestLeaseRequestWaitsForTxRequest(t *testing.T) {
 	pool := testenv.Pool(t, 6)
 	schema := testenv.Schema(t, pool)
 	o := testenv.NewCharges(t, pool, schema)
 	store := pgStore(t, pool, schema)
 	entered, unblock := make(chan struct{}), make(chan struct{})
+	var holder int32 // the transactional request's backend
 	txPay := &payments{o: o}
 	txMW, err := httpidem.NewTx(store, httpidem.Options{})
 	if err != nil {
@@ -533,10 +531,14 @@ func TestTxCommitLosesToLeaseRequest(t *testing.T) {
 	}
 	txSrv := quietServer(t, txMW.Handler(http.HandlerFunc(func(rw http.ResponseWriter, r *http.Request) {
 		txPay.ServeHTTP(rw, r) // charges in the request's transaction
+		if err := httpidem.Tx(r.Context()).QueryRow(r.Context(), "SELECT pg_backend_pid()").Scan(&holder); err != nil {
+			t.Error(err)
+		}
 		close(entered)
 		<-unblock
 	})))
-	leaseSrv := quietServer(t, newMW(t, store.Lease(), httpidem.Options{}).Handler(&payments{o: o, pool: pool}))
+	leasePay := &payments{o: o, pool: pool}
+	leaseSrv := quietServer(t, newMW(t, store.Lease(), httpidem.Options{}).Handler(leasePay))
 
 	first := make(chan response, 1)
 	go func() {
@@ -547,17 +549,34 @@ func TestTxCommitLosesToLeaseRequest(t *testing.T) {
 		first <- r
 	}()
 	<-entered
-	second := do(t, nil, leaseSrv.URL, payReq("pay-mixed"))
-	if second.status != http.StatusCreated || second.replayed() {
-		t.Fatalf("lease request while the transactional one runs: %d replayed=%v %s", second.status, second.replayed(), second.body)
-	}
+	second := make(chan response, 1)
+	go func() {
+		r, err := send(context.Background(), nil, leaseSrv.URL, payReq("pay-mixed"))
+		if err != nil {
+			t.Error(err)
+		}
+		second <- r
+	}()
+	admin := testenv.Pool(t, 1)
+	eventually(t, "the lease request to wait for the transactional one", func() bool {
+		var n int
+		_ = admin.QueryRow(context.Background(),
+			`SELECT count(*) FROM pg_stat_activity WHERE $1::int = ANY (pg_blocking_pids(pid))`, holder).Scan(&n)
+		return n == 1
+	})
 	close(unblock)
-	r := <-first
-	if r.status != http.StatusCreated || !r.replayed() || string(r.body) != string(second.body) {
-		t.Fatalf("transactional request whose commit lost: %d replayed=%v %s; want a replay of %s", r.status, r.replayed(), r.body, second.body)
+	r1, r2 := <-first, <-second
+	if r1.status != http.StatusCreated || r1.replayed() {
+		t.Fatalf("transactional request: %d replayed=%v %s; want 201, run", r1.status, r1.replayed(), r1.body)
+	}
+	if r2.status != http.StatusCreated || !r2.replayed() || string(r2.body) != string(r1.body) {
+		t.Fatalf("lease request that waited: %d replayed=%v %s; want a replay of %s", r2.status, r2.replayed(), r2.body, r1.body)
+	}
+	if n := leasePay.calls.Load(); n != 0 {
+		t.Fatalf("the lease instance's handler ran %d times, want 0", n)
 	}
 	var got paid
-	if err := json.Unmarshal(second.body, &got); err != nil {
+	if err := json.Unmarshal(r1.body, &got); err != nil {
 		t.Fatal(err)
 	}
 	o.Check(t, []string{"pay-mixed"}, map[string][]string{"pay-mixed": {got.Receipt}})

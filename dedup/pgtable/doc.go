@@ -91,8 +91,8 @@
 // New takes a *pgxpool.Pool, a *pgx.Conn or a pgx.Tx. With a pool, Process and
 // the lease mode run concurrently. A *pgx.Conn is not safe for concurrent use,
 // so neither is a store on one. With a pgx.Tx, Process runs in a savepoint of
-// that transaction (steps 1 and 3 take two round trips each then) and lease
-// operations commit only with it; the key's lock is held until that
+// that transaction (steps 1 and 3 take up to two round trips each then) and
+// lease operations commit only with it; the key stays held until that
 // transaction ends. Statements go through pgx, so the connection's
 // DefaultQueryExecMode applies (prepared statements by default).
 package pgtable
