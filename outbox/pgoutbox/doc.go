@@ -31,9 +31,14 @@
 // deletes them, RelayOptions.DeletePublished) and the failed ones for a retry
 // in the same transaction; a crash between publish and mark rolls the claim
 // back and the batch is published again — the consumer deduplicates on the
-// message id. It is woken by LISTEN/NOTIFY right after a commit, polls every
-// PollInterval in case a notification was lost, and reconnects with backoff
-// when its connection dies.
+// message id. While the broker confirms a full batch, the session claims
+// the next one in a second transaction on a second connection (the claim
+// passes over the rows of the batch in flight, and so over their keys), then
+// publishes it and marks the first: one batch per session awaits the broker
+// at a time, and the database work hides behind the broker's. It is woken by
+// LISTEN/NOTIFY right after a commit, polls every PollInterval in case a
+// notification was lost, and reconnects with backoff when a connection
+// dies.
 //
 // A message the publisher rejects (an *outbox.PublishError naming it) is
 // retried with exponential backoff, its available time pushed forward, and

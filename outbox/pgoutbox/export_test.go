@@ -8,8 +8,8 @@ import "github.com/idemkit/idem/outbox"
 // batch's rows are marked.
 func SetAfterPublish(r *Relay, f func(msgs []*outbox.Message, err error)) { r.hooks.afterPublish = f }
 
-// SetOnConnect makes r call f with the backend pid of each session it
-// connects.
+// SetOnConnect makes r call f with the backend pid of each connection its
+// sessions open.
 func SetOnConnect(r *Relay, f func(pid uint32)) { r.hooks.connected = f }
 
 // SetOnIdle makes r call f each time a session starts waiting for a

@@ -250,8 +250,16 @@ func (r *Relay) Options() RelayOptions { return r.opts }
 // does not run on it). On it the session LISTENs on the outbox's channel,
 // holds its shards' session-level advisory locks, and runs its claim
 // transactions, so a session whose connection drops loses its shards and its
-// claims at the same moment. The session reconnects with backoff; the
-// relay's cleanup and backlog sampling use the pool.
+// claims at the same moment. While a full batch awaits the broker, the
+// session claims the next batch on a second dedicated connection (opened
+// the first time a backlog needs it), starts publishing that batch once the
+// broker answered for the first, and marks the first meanwhile: the
+// database work of one batch overlaps the broker's work on the other, and at
+// most one batch per session awaits the broker. A claim still open on the
+// second connection when the first drops ends when the session notices, at
+// its next statement, and closes both; until then the rows it holds are
+// skipped by other claims like any held row. The session reconnects with
+// backoff; the relay's cleanup and backlog sampling use the pool.
 //
 // Every outage is retried, never returned: the database unreachable, the
 // connection killed, the broker down.

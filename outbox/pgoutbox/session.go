@@ -19,13 +19,17 @@ import (
 	"github.com/idemkit/idem/outbox"
 )
 
-// session is one claim loop on one dedicated connection. Only its goroutine
-// touches it (pgx calls OnNotification from the goroutine reading the
-// connection).
+// session is one claim loop on a dedicated connection, plus a second one
+// for the batch it claims while the previous batch is being published. Only
+// its goroutine touches it (pgx calls OnNotification from the goroutine
+// reading the connection).
 type session struct {
 	r    *Relay
 	idx  int
-	conn *pgx.Conn
+	conn *pgx.Conn // LISTENs, holds the shard locks, runs claims
+	aux  *pgx.Conn // runs the claim taken while conn's batch is published; opened on first use
+
+	flight *flight // the batch being published, nil when none
 
 	notified      bool    // a notification arrived since the last claim
 	rebalanceSoon bool    // another session joined or gave shards back
@@ -64,14 +68,13 @@ func (s *session) run(ctx context.Context) error {
 	}
 	defer s.close()
 	s.worked = true
-	if h := s.r.hooks.connected; h != nil {
-		h(s.conn.PgConn().PID())
-	}
 	for {
 		if ctx.Err() != nil {
 			return nil
 		}
-		if s.rebalanceSoon || !time.Now().Before(s.nextRebalance) {
+		// Rebalancing runs on conn, so not while conn's transaction holds
+		// the batch being published: the next cycle frees it.
+		if (s.rebalanceSoon || !time.Now().Before(s.nextRebalance)) && (s.flight == nil || s.flight.conn != s.conn) {
 			s.rebalanceSoon = false
 			if err := s.rebalance(ctx); err != nil {
 				return err
@@ -103,12 +106,17 @@ func (s *session) run(ctx context.Context) error {
 	}
 }
 
-func (s *session) connect(ctx context.Context) error {
+// dial opens a dedicated connection with the session settings; listen
+// makes it the session's main connection, which receives notifications.
+func (s *session) dial(ctx context.Context, listen bool) (*pgx.Conn, error) {
 	cfg := s.r.connCfg.Copy()
-	cfg.OnNotification = func(pc *pgconn.PgConn, n *pgconn.Notification) {
-		s.notified = true
-		if n.Payload == rebalancePayload && n.PID != pc.PID() {
-			s.rebalanceSoon = true
+	cfg.OnNotification = nil
+	if listen {
+		cfg.OnNotification = func(pc *pgconn.PgConn, n *pgconn.Notification) {
+			s.notified = true
+			if n.Payload == rebalancePayload && n.PID != pc.PID() {
+				s.rebalanceSoon = true
+			}
 		}
 	}
 	// A deadline, not a cancel request, ends WaitForNotification's wait:
@@ -127,9 +135,30 @@ func (s *session) connect(ctx context.Context) error {
 	defer cancel()
 	conn, err := pgx.ConnectConfig(cctx, cfg)
 	if err != nil {
-		return fmt.Errorf("connect: %w", err)
+		return nil, fmt.Errorf("connect: %w", err)
+	}
+	// These connections run only the relay's statements. The claim scans
+	// the pending rows in seq order and stops after ScanWindow of them;
+	// the planner, misjudging the shard filter's selectivity, would rather
+	// read and sort every pending row.
+	if _, err := conn.Exec(cctx, "SET enable_seqscan = off"); err != nil {
+		_ = conn.Close(cctx)
+		return nil, fmt.Errorf("session settings: %w", err)
+	}
+	if h := s.r.hooks.connected; h != nil {
+		h(conn.PgConn().PID())
+	}
+	return conn, nil
+}
+
+func (s *session) connect(ctx context.Context) error {
+	conn, err := s.dial(ctx, true)
+	if err != nil {
+		return err
 	}
 	s.conn = conn
+	cctx, cancel := context.WithTimeout(ctx, s.r.opts.QueryTimeout)
+	defer cancel()
 	var exists bool
 	if err := conn.QueryRow(cctx, "SELECT to_regclass($1) IS NOT NULL", s.r.ob.table).Scan(&exists); err != nil {
 		s.close()
@@ -138,14 +167,6 @@ func (s *session) connect(ctx context.Context) error {
 	if !exists {
 		s.close()
 		return fmt.Errorf("%w: table %s does not exist; run Outbox.Migrate or apply Outbox.SQL", errFatal, s.r.ob.table)
-	}
-	// This connection runs only the relay's statements. The claim scans
-	// the pending rows in seq order and stops after ScanWindow of them;
-	// the planner, misjudging the shard filter's selectivity, would rather
-	// read and sort every pending row.
-	if _, err := conn.Exec(cctx, "SET enable_seqscan = off"); err != nil {
-		s.close()
-		return fmt.Errorf("session settings: %w", err)
 	}
 	if _, err := conn.Exec(cctx, "LISTEN "+pgx.Identifier{s.r.ob.channel}.Sanitize()); err != nil {
 		s.close()
@@ -162,11 +183,24 @@ func (s *session) connect(ctx context.Context) error {
 }
 
 func (s *session) close() {
-	if s.conn == nil {
-		return
+	if f := s.flight; f != nil {
+		// Finish the batch being published (within ShutdownTimeout when
+		// Run's context ended): mark what the broker confirmed, or roll
+		// back so that it is sent again.
+		s.flight = nil
+		if _, err := s.land(f); err != nil && !errors.Is(err, context.Canceled) {
+			s.r.opts.Logger.Warn("pgoutbox: batch left for a later attempt", "table", s.r.ob.table, "session", s.idx, "err", err)
+		}
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 	defer cancel()
+	if s.aux != nil {
+		_ = s.aux.Close(ctx)
+		s.aux = nil
+	}
+	if s.conn == nil {
+		return
+	}
 	if len(s.owned) > 0 && !s.conn.IsClosed() {
 		// Leaving cleanly: give the shards back and say so, so the others
 		// take them now. Best effort: closing releases the locks anyway.
@@ -329,59 +363,153 @@ type claimed struct {
 	msg      *outbox.Message
 }
 
-// cycle claims a batch, publishes it and marks the result, in one
-// transaction that holds the batch's rows locked from the claim to the
-// commit. It returns the number of messages published or failed.
-func (s *session) cycle(ctx context.Context) (int, error) {
-	if len(s.owned) == 0 || s.mismatch || ctx.Err() != nil {
-		return 0, nil
-	}
-	bctx, done := graceful(ctx, s.r.opts.ShutdownTimeout)
-	defer done()
-
-	// BEGIN and the claim go in one round trip, the marks and COMMIT in
-	// another. Until COMMIT succeeded, any way out rolls back.
-	inTx := false
-	defer func() {
-		if inTx {
-			s.rollback()
-		}
-	}()
-	batch, claimedAt, err := s.begin(bctx, &inTx)
-	if err != nil || len(batch) == 0 {
-		return 0, err
-	}
-	pe, err := s.publish(bctx, batch, claimedAt)
-	if err != nil {
-		return 0, err
-	}
-	m := s.sortOut(batch, pe)
-	if err := s.markAndCommit(bctx, m); err != nil {
-		return 0, err
-	}
-	inTx = false
-	s.r.tel.counted(bctx, m.published, m.retried, m.dead)
-	return len(batch), nil
+// flight is a claimed batch: its transaction, open on conn, holds its rows
+// locked from the claim until its marks commit. Once started, its Publish
+// runs on a goroutine of its own while the session claims the next batch
+// on its other connection; done is closed when Publish returned.
+type flight struct {
+	conn      *pgx.Conn
+	batch     []claimed
+	claimedAt time.Time
+	ctx       context.Context // lives ShutdownTimeout past Run's context
+	release   func()          // ends ctx
+	started   bool
+	done      chan struct{}
+	pe        *outbox.PublishError // after done: the per-message failures
+	err       error                // after done: a publishFailure
 }
 
-// begin opens the cycle's transaction and claims a batch, in one round
-// trip, and returns when the claim was sent. inTx is set once BEGIN is
-// sent: the caller rolls back from then on.
-func (s *session) begin(ctx context.Context, inTx *bool) ([]claimed, time.Time, error) {
+// cycle moves the session's pipeline one step and returns the number of
+// messages claimed or marked. While a full batch is being published it
+// claims the next one on the other connection (the rows of the batch in
+// flight are locked, so the claim passes over their keys), waits for the
+// publish, starts publishing the new batch and then marks and commits the
+// previous one: the database work of one batch overlaps the broker's work
+// on the other, and at most one batch is unconfirmed at a time. After a
+// batch that was not full, it only waits for that batch and marks it, as
+// the rows left are likely of its keys.
+func (s *session) cycle(ctx context.Context) (int, error) {
+	prev := s.flight
+	s.flight = nil
+	if len(s.owned) == 0 || s.mismatch || ctx.Err() != nil || (prev != nil && len(prev.batch) < s.r.opts.BatchSize) {
+		if prev == nil {
+			return 0, nil
+		}
+		return s.land(prev)
+	}
+	conn := s.conn
+	if prev != nil && prev.conn == s.conn {
+		if s.aux == nil {
+			aux, err := s.dial(ctx, false)
+			if err != nil {
+				_, _ = s.land(prev)
+				return 0, err
+			}
+			s.aux = aux
+		}
+		conn = s.aux
+	}
+	next, err := s.claimOn(ctx, conn)
+	if err != nil {
+		_, _ = s.land(prev)
+		return 0, err
+	}
+	if prev != nil {
+		<-prev.done
+		if prev.err != nil { // outcome unknown: the next batch waits too
+			s.abandon(next)
+			return s.land(prev)
+		}
+	}
+	n := 0
+	if next != nil {
+		s.start(next)
+		s.flight = next
+		n = len(next.batch)
+	}
+	if prev != nil {
+		m, err := s.land(prev)
+		if err != nil {
+			return 0, err
+		}
+		n += m
+	}
+	return n, nil
+}
+
+// claimOn opens a transaction on conn and claims a batch, in one round
+// trip. It returns nil, with the transaction ended, when there is nothing
+// to claim.
+func (s *session) claimOn(ctx context.Context, conn *pgx.Conn) (*flight, error) {
 	o := &s.r.opts
-	qctx, cancel := context.WithTimeout(ctx, o.QueryTimeout)
+	fctx, release := graceful(ctx, o.ShutdownTimeout)
+	f := &flight{conn: conn, ctx: fctx, release: release, done: make(chan struct{})}
+	qctx, cancel := context.WithTimeout(fctx, o.QueryTimeout)
 	defer cancel()
 	claimBatch := &pgx.Batch{}
 	claimBatch.Queue("BEGIN")
 	claimBatch.Queue(s.r.ob.sql.claim, o.Shards, s.owned, o.ScanWindow, o.PerKeyBatch, o.BatchSize)
-	br := s.conn.SendBatch(qctx, claimBatch)
-	*inTx = true
-	claimedAt := time.Now()
+	br := conn.SendBatch(qctx, claimBatch)
+	f.claimedAt = time.Now()
 	batch, err := s.claim(br)
 	if cerr := br.Close(); err == nil && cerr != nil {
 		err = fmt.Errorf("claim: %w", cerr)
 	}
-	return batch, claimedAt, err
+	if err != nil || len(batch) == 0 {
+		s.abandon(f)
+		return nil, err
+	}
+	f.batch = batch
+	return f, nil
+}
+
+// start publishes f's batch on a goroutine of its own; land or abandon
+// waits for it.
+func (s *session) start(f *flight) {
+	f.started = true
+	go func() {
+		defer close(f.done)
+		f.pe, f.err = s.publish(f.ctx, f.batch, f.claimedAt)
+	}()
+}
+
+// abandon rolls f back without publishing it (or after its publish
+// failed as a whole): its rows are claimed again later.
+func (s *session) abandon(f *flight) {
+	if f == nil {
+		return
+	}
+	if f.started {
+		<-f.done
+	}
+	rollback(f.conn)
+	f.release()
+}
+
+// land waits for f's publish and marks its rows in its transaction, or
+// rolls it back when the publish failed as a whole (a publishFailure). It
+// returns the number of messages marked.
+func (s *session) land(f *flight) (int, error) {
+	if f == nil {
+		return 0, nil
+	}
+	if !f.started {
+		s.abandon(f)
+		return 0, nil
+	}
+	<-f.done
+	if f.err != nil {
+		s.abandon(f)
+		return 0, f.err
+	}
+	defer f.release()
+	m := s.sortOut(f.batch, f.pe)
+	if err := s.markAndCommit(f.ctx, f.conn, m); err != nil {
+		rollback(f.conn)
+		return 0, err
+	}
+	s.r.tel.counted(f.ctx, m.published, m.retried, m.dead)
+	return len(f.batch), nil
 }
 
 // publish hands the batch to the publisher and records it. It returns the
@@ -466,7 +594,7 @@ func (s *session) sortOut(batch []claimed, pe *outbox.PublishError) *marks {
 }
 
 // markAndCommit writes the marks and commits, in one round trip.
-func (s *session) markAndCommit(ctx context.Context, m *marks) error {
+func (s *session) markAndCommit(ctx context.Context, conn *pgx.Conn, m *marks) error {
 	o := &s.r.opts
 	mctx, mcancel := context.WithTimeout(ctx, o.QueryTimeout)
 	defer mcancel()
@@ -483,7 +611,7 @@ func (s *session) markAndCommit(ctx context.Context, m *marks) error {
 		s.retries = true
 	}
 	b.Queue("COMMIT")
-	mr := s.conn.SendBatch(mctx, b)
+	mr := conn.SendBatch(mctx, b)
 	var (
 		tag pgconn.CommandTag
 		err error
@@ -599,12 +727,12 @@ func decodeHeaders(js string) map[string]string {
 	return h
 }
 
-// rollback ends the session's transaction. If that fails the connection is
+// rollback ends conn's transaction. If that fails the connection is
 // broken; the next statement fails and the session reconnects.
-func (s *session) rollback() {
+func rollback(conn *pgx.Conn) {
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 	defer cancel()
-	_, _ = s.conn.Exec(ctx, "ROLLBACK")
+	_, _ = conn.Exec(ctx, "ROLLBACK")
 }
 
 // truncate cuts an error text for the last_error column: at most n bytes,

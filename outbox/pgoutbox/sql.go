@@ -40,17 +40,18 @@ ORDER BY u.ord`),
 		// win: the oldest $3 claimable rows of the owned shards. A key not
 		// blocked has every pending row claimable, so its rows in win are
 		// its oldest pending rows.
-		// cand: at most $4 rows per key (keyless rows are unordered), the
-		// oldest $5 of them.
-		// locked: cand locked, skipping rows another transaction holds;
-		// state = 0 is rechecked on the latest row version, so a row
-		// published meanwhile is skipped too.
-		// The result is every candidate in seq order, locked or not (no
-		// join: the generic plan's row estimates would make it a nested
-		// loop); the caller drops every row of a key from the first one
-		// not locked. The last column is a locked row's age in
-		// microseconds since it became available (its insert, or its
-		// retry falling due), for the idem.outbox.delay metric.
+		// cand: at most $4 rows per key (keyless rows are unordered).
+		// locked: the oldest $5 of cand that can be locked, skipping rows
+		// another transaction holds (another session's, or this session's
+		// batch still being published); state = 0 is rechecked on the
+		// latest row version, so a row published meanwhile is skipped too.
+		// The result is every locked row and every candidate before the
+		// last locked one that was skipped, in seq order (no join: the
+		// generic plan's row estimates would make it a nested loop); the
+		// caller drops every row of a key from the first one not locked.
+		// The last column is a locked row's age in microseconds since it
+		// became available (its insert, or its retry falling due), for the
+		// idem.outbox.delay metric.
 		claim: r.Replace(`
 WITH now AS MATERIALIZED (SELECT clock_timestamp() AS t),
 blocked AS MATERIALIZED (
@@ -70,19 +71,20 @@ cand AS MATERIALIZED (
         SELECT seq, key, row_number() OVER (PARTITION BY key ORDER BY seq) AS rn FROM win
     ) r
     WHERE r.key = ''::bytea OR r.rn <= $4
-    ORDER BY r.seq LIMIT $5
 ),
 locked AS MATERIALIZED (
     SELECT o.seq, o.key, o.id, o.topic, o.payload, o.headers, o.created_at, o.attempts, o.available_at
     FROM {{T}} o
     WHERE o.seq IN (SELECT seq FROM cand) AND o.state = 0
+    ORDER BY o.seq LIMIT $5
     FOR UPDATE SKIP LOCKED
 )
 SELECT l.seq, l.key, true, l.id::text, l.topic, l.payload, l.headers::text, l.created_at, l.attempts,
        (extract(epoch FROM ((SELECT t FROM now) - l.available_at)) * 1000000)::bigint
 FROM locked l
 UNION ALL
-SELECT c.seq, c.key, false, NULL, NULL, NULL, NULL, NULL, NULL, NULL FROM cand c WHERE c.seq NOT IN (SELECT seq FROM locked)
+SELECT c.seq, c.key, false, NULL, NULL, NULL, NULL, NULL, NULL, NULL FROM cand c
+WHERE c.seq < (SELECT max(seq) FROM locked) AND c.seq NOT IN (SELECT seq FROM locked)
 ORDER BY 1`),
 
 		// Milliseconds until the next retry in the owned shards is due,
