@@ -51,9 +51,10 @@
 //
 // The key space is split into RelayOptions.Shards shards (a hash of the key
 // modulo Shards). Each shard is owned by one session at a time through a
-// session-level advisory lock held on the session's own connection — the
-// connection that also runs its claims — so when a relay dies, its
-// connection closes, its locks and claims vanish together, and the other
+// session-level advisory lock held on the session's own connection, so when
+// a relay dies, its connections close, its locks and claims vanish together
+// (a batch still locked on the session's second connection holds its keys
+// back from the next owner until it ends), and the other
 // relays take its shards over at their next rebalance (RebalanceInterval).
 // Sessions count each other (a shared advisory lock) and each holds about
 // Shards/sessions shards; a session that joins, or gives shards back, tells
