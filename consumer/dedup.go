@@ -304,7 +304,10 @@ func (d *dedupMiddleware) run(ctx context.Context, m *dedupCall, lease *dedup.Le
 	if m.timed && st != nil {
 		m.hstart = time.Now() // the handler's duration leaves the wait out
 	}
-	hctx, endHandle := telemetry.StartSpan(hctx, d.tel.Tracer, "idem.handle")
+	endHandle := noEnd
+	if m.recording {
+		hctx, endHandle = telemetry.StartSpan(hctx, d.tel.Tracer, "idem.handle")
+	}
 	end := func(outcome string, err error) {
 		d.tel.Handled(ctx, outcome, since(m.timed, m.hstart))
 		d.outcome(ctx, msg, key, Outcome(outcome), err)

@@ -261,6 +261,31 @@ func (c *Consumer) Stats() ConsumerStats {
 
 type consDeliveryKey struct{}
 
+// consDelivery is what a worker needs for one delivery besides its
+// consumer.Message, in one allocation: the delivery, the context that
+// carries it (DeliveryFrom), its handler seat and, once its chain
+// acknowledged it, what the acker reports.
+type consDelivery struct {
+	d    amqp091.Delivery
+	ctx  consDeliveryCtx
+	st   seat
+	done consDone
+}
+
+// consDeliveryCtx is context.WithValue(parent, consDeliveryKey{}, d),
+// embedded in consDelivery instead of allocated.
+type consDeliveryCtx struct {
+	context.Context
+	d *amqp091.Delivery
+}
+
+func (c *consDeliveryCtx) Value(key any) any {
+	if _, ok := key.(consDeliveryKey); ok {
+		return c.d
+	}
+	return c.Context.Value(key)
+}
+
 // DeliveryFrom returns the raw delivery of the message being handled, for
 // handlers that need AMQP properties idem does not map (x-death, reply-to).
 // Do not acknowledge, nack or reject it: the Consumer does, possibly in one
@@ -641,11 +666,12 @@ func (c *Consumer) startWorkers(wctx, hctx context.Context, s *consSession, a *c
 		wg.Go(func() {
 			defer workers.Done()
 			for {
-				d, excl, ok := a.take(deliveries, c.alone)
+				cd := new(consDelivery)
+				excl, ok := a.take(deliveries, c.alone, &cd.d)
 				if !ok {
 					return
 				}
-				c.handle(wctx, hctx, s, a, seats, d, excl)
+				c.handle(wctx, hctx, s, a, seats, cd, excl)
 				a.untake(excl)
 			}
 		})
@@ -681,28 +707,31 @@ var errBrokerCancel = errors.New("the broker cancelled the consumer (was the que
 // isolation lock exclusively: before its chain runs, the acks of the
 // deliveries finished before it are written and their receipt confirmed;
 // its own ack is written at once, not coalesced, and confirmed too.
-func (c *Consumer) handle(ctx, hctx context.Context, s *consSession, a *consAcker, seats *gate, d amqp091.Delivery, excl bool) {
+func (c *Consumer) handle(ctx, hctx context.Context, s *consSession, a *consAcker, seats *gate, cd *consDelivery, excl bool) {
+	d := &cd.d
 	var st *seat
 	if seats != nil && ctx.Err() == nil {
-		st = new(seat)
+		st = &cd.st
 		if seats.take(ctx, st) == nil {
 			defer st.leave()
 		}
 	}
 	if ctx.Err() != nil {
 		// Prefetched but not started before the stop: give it back.
-		out := c.requeue(s, &d)
+		out := c.requeue(s, d)
 		a.settled(d.DeliveryTag, out == settledAbandoned)
 		return
 	}
 	start := time.Now()
-	msg, merr := c.message(&d, s.gen)
+	msg, merr := c.message(d, s.gen)
 	c.stats.delivered.Add(1)
 	if d.Redelivered {
 		c.stats.redelivered.Add(1)
 	}
-	// mctx only adds values to hctx: it is cancelled with it.
-	mctx := context.WithValue(hctx, consDeliveryKey{}, &d)
+	// mctx only adds the delivery to hctx's values: it is cancelled with
+	// hctx.
+	cd.ctx = consDeliveryCtx{Context: hctx, d: d}
+	var mctx context.Context = &cd.ctx
 	if st != nil {
 		msg.Slot = st
 	}
@@ -711,7 +740,7 @@ func (c *Consumer) handle(ctx, hctx context.Context, s *consSession, a *consAcke
 		r   consumer.Result
 		out settlement
 	)
-	switch n, over := c.overDelivered(&d); {
+	switch n, over := c.overDelivered(d); {
 	case over && (d.DeliveryTag == 1 || n >= 2*int64(c.opts.MaxDeliveries)):
 		// Poison: every earlier delivery died unsettled (a crash, a
 		// closed channel), and this one is the first the new channel
@@ -722,10 +751,10 @@ func (c *Consumer) handle(ctx, hctx context.Context, s *consSession, a *consAcke
 		// each of them may never be a channel's first delivery.
 		r = consumer.Result{Action: consumer.ActionDeadLetter, Reason: ReasonRedeliveryLimit,
 			Err: fmt.Errorf("delivered %d times without being settled (MaxDeliveries %d)", n+1, c.opts.MaxDeliveries)}
-		out = c.deadLetter(mctx, s, &d, msg, r.Reason, r.Err)
+		out = c.deadLetter(mctx, s, d, msg, r.Reason, r.Err)
 	case merr != nil:
 		r = consumer.Result{Action: consumer.ActionDeadLetter, Reason: consumer.OutcomeInvalidKey, Err: merr}
-		out = c.deadLetter(mctx, s, &d, msg, r.Reason, r.Err)
+		out = c.deadLetter(mctx, s, d, msg, r.Reason, r.Err)
 	default:
 		if excl {
 			a.flushAll(false)
@@ -734,10 +763,11 @@ func (c *Consumer) handle(ctx, hctx context.Context, s *consSession, a *consAcke
 		r = consumer.Process(mctx, c.h, msg)
 		if r.Action == consumer.ActionAck {
 			if !excl {
-				a.finished(&consDone{tag: d.DeliveryTag, at: time.Now(), start: start, ctx: mctx, msg: msg, r: r, end: end})
+				cd.done = consDone{tag: d.DeliveryTag, at: time.Now(), start: start, ctx: mctx, msg: msg, r: r, end: end}
+				a.finished(&cd.done)
 				return
 			}
-			if out = c.ack(s, &d); out == settledAcked {
+			if out = c.ack(s, d); out == settledAcked {
 				c.confirmAcks(s)
 				c.stats.acked.Add(1)
 				if r.Duplicate {
@@ -746,7 +776,7 @@ func (c *Consumer) handle(ctx, hctx context.Context, s *consSession, a *consAcke
 			}
 			break
 		}
-		out = c.settle(mctx, s, &d, msg, r)
+		out = c.settle(mctx, s, d, msg, r)
 	}
 	a.settled(d.DeliveryTag, out == settledAbandoned)
 	c.report(mctx, msg, r, out, start, end)

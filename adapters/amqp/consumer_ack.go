@@ -147,35 +147,36 @@ func newConsAcker(c *Consumer, s *consSession) *consAcker {
 // next receives the next delivery and registers it in flight; false when
 // deliveries is closed.
 func (a *consAcker) next(deliveries <-chan amqp091.Delivery) (amqp091.Delivery, bool) {
-	d, _, ok := a.take(deliveries, nil)
+	var d amqp091.Delivery
+	_, ok := a.take(deliveries, nil, &d)
 	return d, ok
 }
 
-// take is next that also takes the session's isolation lock (see
-// Consumer.alone) when alone is set: exclusively when alone(d) says d must
-// run alone, shared otherwise. It is taken in the order the deliveries
-// arrived, so a delivery that must run alone waits for every earlier one
-// to be settled, and no later one starts before it is. The caller
-// releases it with untake.
-func (a *consAcker) take(deliveries <-chan amqp091.Delivery, alone func(*amqp091.Delivery) bool) (d amqp091.Delivery, excl, ok bool) {
+// take is next, receiving into d, that also takes the session's
+// isolation lock (see Consumer.alone) when alone is set: exclusively when
+// alone(d) says d must run alone, shared otherwise. It is taken in the
+// order the deliveries arrived, so a delivery that must run alone waits
+// for every earlier one to be settled, and no later one starts before it
+// is. The caller releases it with untake.
+func (a *consAcker) take(deliveries <-chan amqp091.Delivery, alone func(*amqp091.Delivery) bool, d *amqp091.Delivery) (excl, ok bool) {
 	a.recv.Lock()
 	defer a.recv.Unlock()
-	d, ok = <-deliveries
+	*d, ok = <-deliveries
 	if !ok {
-		return d, false, false
+		return false, false
 	}
 	a.mu.Lock()
 	a.register(d.DeliveryTag)
 	a.mu.Unlock()
 	if alone != nil {
-		excl = alone(&d)
+		excl = alone(d)
 		if excl {
 			a.iso.Lock()
 		} else {
 			a.iso.RLock()
 		}
 	}
-	return d, excl, true
+	return excl, true
 }
 
 // untake releases the isolation lock take took.

@@ -107,12 +107,18 @@ func (s *seat) Back(ctx context.Context) error {
 		return errStopped
 	default:
 	}
+	// A free seat is taken without asking ctx for its Done channel: the
+	// handler context consumer.Dedup passes makes one only when asked.
 	select {
 	case s.g.seats <- struct{}{}:
-	case <-s.g.stopped:
-		return errStopped
-	case <-ctx.Done():
-		return context.Cause(ctx)
+	default:
+		select {
+		case s.g.seats <- struct{}{}:
+		case <-s.g.stopped:
+			return errStopped
+		case <-ctx.Done():
+			return context.Cause(ctx)
+		}
 	}
 	s.mu.Lock()
 	defer s.mu.Unlock()

@@ -245,3 +245,40 @@ func TestBackWithEndedContext(t *testing.T) {
 		}
 	})
 }
+
+// noDone is a context whose Done channel must not be asked for.
+type noDone struct {
+	context.Context
+	asked atomic.Bool
+}
+
+func (c *noDone) Done() <-chan struct{} {
+	c.asked.Store(true)
+	return c.Context.Done()
+}
+
+// Back takes a free seat without asking its context for a Done channel:
+// the handler context of consumer.Dedup makes one (a cancel context
+// registered with its parent) only when asked.
+func TestBackOnAFreeSeatLeavesDoneAlone(t *testing.T) {
+	g := newGate(1)
+	var s seat
+	if err := g.take(t.Context(), &s); err != nil {
+		t.Fatal(err)
+	}
+	s.Away()
+	ctx := &noDone{Context: t.Context()}
+	if err := s.Back(ctx); err != nil {
+		t.Fatalf("Back on a free seat = %v", err)
+	}
+	if ctx.asked.Load() {
+		t.Fatal("Back asked for the context's Done channel although a seat was free")
+	}
+	var other seat
+	full, cancel := context.WithTimeout(t.Context(), 20*time.Millisecond)
+	defer cancel()
+	if err := g.take(full, &other); !errors.Is(err, context.DeadlineExceeded) {
+		t.Fatalf("take on a full gate = %v, want the context's deadline: Back did not take the seat", err)
+	}
+	s.leave()
+}

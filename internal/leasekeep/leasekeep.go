@@ -164,12 +164,17 @@ func (h *Hold) Stop() error {
 	t.mu.Lock()
 	h.stopped = true
 	t.unlinkLocked(h)
-	cancel := h.cancel
+	cancel, beating, lost := h.cancel, h.beating, h.lost
 	t.mu.Unlock()
 	if cancel != nil {
 		cancel()
 	}
 	h.beats.Wait()
+	if !beating {
+		// No beat was under way, and unlinked, the Hold gets no other:
+		// lost is final.
+		return lost
+	}
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	return h.lost

@@ -3,6 +3,7 @@ package leasekeep
 import (
 	"context"
 	"errors"
+	"fmt"
 	"strconv"
 	"sync"
 	"sync/atomic"
@@ -146,6 +147,42 @@ func TestStopCancelsABeat(t *testing.T) {
 		}
 	default:
 		t.Fatal("Stop returned while the Extend still ran")
+	}
+}
+
+// losingStore's Extend waits until its context is done, then answers that
+// the lease is lost.
+type losingStore struct {
+	dedup.LeaseStore
+	entered chan struct{}
+}
+
+func (b *losingStore) Extend(ctx context.Context, l *dedup.Lease) error {
+	b.entered <- struct{}{}
+	<-ctx.Done()
+	return fmt.Errorf("extend %s: %w", l.Key, dedup.ErrLeaseLost)
+}
+
+// A beat in progress when Stop is called, which then finds the lease lost,
+// decides what Stop returns: the lease-lost error, not the nil seen
+// before the beat ended.
+func TestStopDuringALosingBeat(t *testing.T) {
+	s := newStore(t, time.Minute)
+	ls := &losingStore{LeaseStore: s, entered: make(chan struct{}, 1)}
+	k := New(ls, nil, "test")
+	l := claim(t, s, "losing")
+	var h Hold
+	k.Start(context.Background(), &h, l, 10*time.Millisecond, CancelFunc(func(error) {}))
+	select {
+	case <-ls.entered:
+	case <-time.After(5 * time.Second):
+		t.Fatal("no beat started")
+	}
+	if err := h.Stop(); !errors.Is(err, dedup.ErrLeaseLost) {
+		t.Fatalf("Stop returned %v, want an error wrapping ErrLeaseLost", err)
+	}
+	if err := h.Stop(); !errors.Is(err, dedup.ErrLeaseLost) {
+		t.Fatalf("a second Stop returned %v, want an error wrapping ErrLeaseLost", err)
 	}
 }
 
