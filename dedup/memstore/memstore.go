@@ -15,7 +15,6 @@
 package memstore
 
 import (
-	"bytes"
 	"context"
 	"crypto/rand"
 	"crypto/sha256"
@@ -88,7 +87,7 @@ type Store struct {
 
 	mu      sync.Mutex
 	marks   map[digest]mark
-	results map[digest][]byte // the results of done keys, when not empty
+	results map[digest]string // the results of done keys, when not empty
 	closed  bool
 	seq     uint64 // the number of the last lease granted
 
@@ -128,7 +127,7 @@ func New(opts Options) (*Store, error) {
 	var p [8]byte
 	_, _ = rand.Read(p[:])
 	s := &Store{opts: opts, epoch: opts.Clock.Now(),
-		marks: make(map[digest]mark), results: make(map[digest][]byte),
+		marks: make(map[digest]mark), results: make(map[digest]string),
 		stop: make(chan struct{}), tokenPrefix: hex.EncodeToString(p[:]) + "-"}
 	if opts.SweepInterval > 0 {
 		s.wg.Add(1)
@@ -228,8 +227,12 @@ func (s *Store) claimLocked(key dedup.Key, d digest, now int64) (*dedup.Lease, e
 		case !key.Fingerprint.Matches(m.fp):
 			return nil, &dedup.ClaimError{Err: dedup.ErrFingerprintMismatch, Key: key}
 		case m.done():
-			// A copy: the caller may change what it is handed.
-			return nil, &dedup.ClaimError{Err: dedup.ErrDuplicate, Key: key, Result: bytes.Clone(s.results[d])}
+			var result []byte
+			if r, ok := s.results[d]; ok {
+				// A copy: the caller may change what it is handed.
+				result = []byte(r)
+			}
+			return nil, &dedup.ClaimError{Err: dedup.ErrDuplicate, Key: key, Result: result}
 		default:
 			return nil, &dedup.ClaimError{Err: dedup.ErrInFlight, Key: key, RetryAfter: time.Duration(m.expires - now)}
 		}
@@ -313,10 +316,9 @@ func (s *Store) settle(ctx context.Context, l *dedup.Lease, op leaseOp, result [
 	}
 	seq := s.tokenSeq(l.Token)
 	d := digestOf(l.Key)
-	if op == opComplete && len(result) > 0 {
-		result = bytes.Clone(result)
-	} else {
-		result = nil
+	var stored string
+	if op == opComplete {
+		stored = string(result)
 	}
 	s.mu.Lock()
 	defer s.mu.Unlock()
@@ -335,8 +337,8 @@ func (s *Store) settle(ctx context.Context, l *dedup.Lease, op leaseOp, result [
 	case opComplete:
 		m.token, m.expires = 0, now+int64(s.opts.TTL)
 		s.marks[d] = m
-		if result != nil {
-			s.results[d] = result
+		if stored != "" {
+			s.results[d] = stored
 		}
 	case opRelease:
 		delete(s.marks, d)
