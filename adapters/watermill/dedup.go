@@ -71,8 +71,10 @@ func Dedup(store dedup.LeaseStore, opts Options) (message.HandlerMiddleware, err
 		// message needs meanwhile is in the call, on the heap. The
 		// handler's goroutine (a new one per message in Watermill's
 		// router) then needs little more stack than without the
-		// middleware, and is not grown (copied) a second time.
+		// middleware; growStack gives it that stack first, while it
+		// is shallow and cheap to copy (see stack.go).
 		return func(msg *message.Message) ([]*message.Message, error) {
+			growStack()
 			lc, out, err := d.claim(msg)
 			if lc == nil {
 				return out, err

@@ -236,7 +236,7 @@ type payment struct {
 type ledger struct {
 	mu sync.Mutex
 	// accepted are the payments the API answered with success.
-	accepted map[int32]struct{}
+	accepted paymentSet
 	// charges counts the charges applied per payment (the effect sink),
 	// amounts is the amount of each, both indexed by payment number.
 	charges []uint32
@@ -277,7 +277,7 @@ func idHash(id string) uint64 {
 
 func newLedger(payments int) *ledger {
 	return &ledger{
-		accepted:    map[int32]struct{}{},
+		accepted:    newPaymentSet(payments),
 		charges:     make([]uint32, payments),
 		amounts:     make([]int32, payments),
 		causes:      map[string]int{},
@@ -294,7 +294,7 @@ func (l *ledger) valid(n int) bool { return n >= 0 && n < len(l.charges) }
 func (l *ledger) accept(n int) {
 	l.mu.Lock()
 	if l.valid(n) {
-		l.accepted[int32(n)] = struct{}{}
+		l.accepted.add(n)
 	}
 	l.mu.Unlock()
 }
@@ -479,13 +479,38 @@ func (l *ledger) lost() int {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	lost := 0
-	for n := range l.accepted {
-		if l.charges[n] == 0 {
+	for n, c := range l.charges {
+		if c == 0 && l.accepted.has(n) {
 			lost++
 		}
 	}
 	return lost
 }
+
+// paymentSet is a set of a run's payment numbers: a bit per payment.
+type paymentSet struct {
+	bits []uint64
+	n    int
+}
+
+func newPaymentSet(payments int) paymentSet {
+	return paymentSet{bits: make([]uint64, (payments+63)/64)}
+}
+
+// add adds payment n, a valid payment number.
+func (s *paymentSet) add(n int) {
+	w, b := n/64, uint64(1)<<(n%64)
+	if s.bits[w]&b == 0 {
+		s.bits[w] |= b
+		s.n++
+	}
+}
+
+// has reports whether payment n is in the set.
+func (s *paymentSet) has(n int) bool { return s.bits[n/64]&(uint64(1)<<(n%64)) != 0 }
+
+// len returns the number of payments in the set.
+func (s *paymentSet) len() int { return s.n }
 
 // demoResult is what the demo prints.
 type demoResult struct {

@@ -229,7 +229,7 @@ func (d *pgDemo) count(ctx context.Context, l *ledger) error {
 			return err
 		}
 		if l.valid(n) {
-			l.accepted[int32(n)] = struct{}{}
+			l.accepted.add(n)
 		}
 	}
 	rows.Close()
@@ -251,8 +251,8 @@ func (d *pgDemo) count(ctx context.Context, l *ledger) error {
 			le += int(c) - 1
 		}
 	}
-	for n := range l.accepted {
-		if l.charges[n] == 0 {
+	for n, c := range l.charges {
+		if c == 0 && l.accepted.has(n) {
 			ll++
 		}
 	}

@@ -18,7 +18,7 @@ import (
 
 // kfakeSegment is the size of kfake's log segments: a trim frees whole
 // segments only, so a partition holds at most one segment beyond its lag.
-const kfakeSegment = 1 << 20
+const kfakeSegment = 256 << 10
 
 // trimInterval is how often the demo trims the payments topic.
 const trimInterval = 250 * time.Millisecond

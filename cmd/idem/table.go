@@ -13,7 +13,7 @@ func (r *demoResult) print(w io.Writer) {
 		r.cfg.payments, r.published, r.republish, r.relayCrash)
 	row := func(name string, a, b any) { fprintf(w, "%-32s %14v %14v\n", name, a, b) }
 	row("", "naive", "idem")
-	row("payments accepted by the API", len(n.accepted), len(d.accepted))
+	row("payments accepted by the API", n.accepted.len(), d.accepted.len())
 	row("  requests replayed by httpidem", "-", d.replayed)
 	row("deliveries to the consumer", n.deliveries, d.deliveries)
 	row("duplicate deliveries", n.duplicates(), d.duplicates())
