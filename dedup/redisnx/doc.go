@@ -15,8 +15,8 @@
 //
 // Claim is one round trip: SET key record NX GET PX lease, which sets the
 // key if it is absent and otherwise returns what is stored, atomically and
-// without a script (with a GET of the key's previous layout in the same
-// pipeline; see Key layout). From the stored record Claim answers
+// without a script (with a read, MGET, of the key's previous layout in the
+// same pipeline; see Key layout). From the stored record Claim answers
 // dedup.ErrFingerprintMismatch when both fingerprints are present and
 // differ, dedup.ErrDuplicate with the stored result when the key is done,
 // and dedup.ErrInFlight when another owner holds it (then one more round

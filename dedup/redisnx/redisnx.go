@@ -64,7 +64,7 @@ type Options struct {
 	// error at once (the slot map is still reloaded). Defaults to 2s.
 	FailoverWait time.Duration
 	// SkipPreviousLayout stops claims from reading the key of the
-	// previous key layout (see the package doc), which saves one GET per
+	// previous key layout (see the package doc), which saves one read per
 	// claim. Set it only when no mark of that layout can still be
 	// live: a TTL after the last process that wrote them stopped.
 	// Defaults to false (read it).
@@ -387,6 +387,11 @@ func validPrefix(p string) error {
 // fingerprint is not part of the key. See the package doc for the layout.
 func (s *Store) RedisKey(k dedup.Key) string {
 	sum := digest(k)
+	return s.redisKey(&sum)
+}
+
+// redisKey is RedisKey of the key whose digest is sum.
+func (s *Store) redisKey(sum *[sha256.Size]byte) string {
 	var b [16 + 1 + 11]byte
 	hex.Encode(b[:16], sum[:8])
 	b[16] = '}'
@@ -399,6 +404,11 @@ func (s *Store) RedisKey(k dedup.Key) string {
 // live in the same slot.
 func (s *Store) oldKey(k dedup.Key) string {
 	sum := digest(k)
+	return s.oldKeyOf(k, &sum)
+}
+
+// oldKeyOf is oldKey of k, whose digest is sum.
+func (s *Store) oldKeyOf(k dedup.Key, sum *[sha256.Size]byte) string {
 	var tag [16]byte
 	hex.Encode(tag[:], sum[:8])
 	n := strconv.Itoa(len(k.Scope))
@@ -483,7 +493,7 @@ type claimOp struct {
 	// old reads the key's record in the previous layout (oldKey); when
 	// there is one, it answers the claim (see claimAll).
 	oldKey string
-	old    *redis.StringCmd
+	old    *redis.SliceCmd
 	// retryAfter is the PTTL of a key found in flight.
 	retryAfter time.Duration
 	// args holds SET NX GET's arguments: passed as a slice of it, they
@@ -493,9 +503,10 @@ type claimOp struct {
 
 func (s *Store) newClaimOp(op *claimOp, key dedup.Key) {
 	op.key = key
-	op.rkey = s.RedisKey(key)
+	sum := digest(key)
+	op.rkey = s.redisKey(&sum)
 	if s.oldPrefix != "" {
-		op.oldKey = s.oldKey(key)
+		op.oldKey = s.oldKeyOf(key, &sum)
 	}
 	op.token = newToken()
 	op.rec = inFlightRecord(key.Fingerprint, op.token)
@@ -507,9 +518,15 @@ type cmdable interface {
 	Do(ctx context.Context, args ...any) *redis.Cmd
 }
 
-// send issues op's commands on p: the claim, and the read of the previous
-// layout's key (same slot, same node).
+// send issues op's commands on p: the read of the previous layout's key
+// (same slot, same node), and the claim. The read is an MGET, whose reply
+// is never the nil reply: a pipeline whose first reply is nil makes the
+// client run its retry classification on it (errors.As through a chain of
+// error types) on every round trip.
 func (s *Store) send(ctx context.Context, p redis.Pipeliner, op *claimOp, legacy bool) {
+	if op.oldKey != "" {
+		op.old = p.MGet(ctx, op.oldKey)
+	}
 	op.script = legacy
 	if legacy {
 		op.cmd = s.claim.EvalSha(ctx, p, []string{op.rkey}, op.rec, s.leaseArg)
@@ -518,9 +535,6 @@ func (s *Store) send(ctx context.Context, p redis.Pipeliner, op *claimOp, legacy
 		// stored. It needs Redis 7.0.
 		op.args = [7]any{"set", op.rkey, op.rec, "px", s.leaseArg, "nx", "get"}
 		op.cmd = p.Do(ctx, op.args[:]...)
-	}
-	if op.oldKey != "" {
-		op.old = p.Get(ctx, op.oldKey)
 	}
 }
 
@@ -552,8 +566,12 @@ func (op *claimOp) oldRecord() (string, bool) {
 	if op.old == nil {
 		return "", false
 	}
-	v, err := op.old.Result()
-	return v, err == nil
+	vals, err := op.old.Result()
+	if err != nil || len(vals) != 1 {
+		return "", false
+	}
+	v, ok := vals[0].(string)
+	return v, ok
 }
 
 // claimAll claims the keys of ops: two commands per key (the claim and the
