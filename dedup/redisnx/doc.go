@@ -35,11 +35,11 @@
 // returned wrapped and never as a duplicate or in-flight answer, so callers
 // fail closed: the message is not acknowledged and is delivered again.
 //
-// Concurrent calls share round trips, as a group commit does: a call that
-// finds fewer than two in flight is sent at once, and the calls that arrive
-// while two are go together in one pipeline when one returns. On a Redis
-// Cluster the calls are grouped per master node, so a dead or slow node
-// delays only the keys of its own slots.
+// Concurrent calls, claims and token scripts alike, share round trips, as a
+// group commit does: a call that finds fewer than two in flight is sent at
+// once, and the calls that arrive while two are go together in one pipeline
+// when one returns. On a Redis Cluster the calls are grouped per master
+// node, so a dead or slow node delays only the keys of its own slots.
 //
 // # Redis Cluster
 //
