@@ -15,8 +15,8 @@
 //
 // Claim is one round trip: SET key record NX GET PX lease, which sets the
 // key if it is absent and otherwise returns what is stored, atomically and
-// without a script (with a GET of the key's previous layout in the same
-// pipeline; see Key layout). From the stored record Claim answers
+// without a script (with a read, MGET, of the key's previous layout in the
+// same pipeline; see Key layout). From the stored record Claim answers
 // dedup.ErrFingerprintMismatch when both fingerprints are present and
 // differ, dedup.ErrDuplicate with the stored result when the key is done,
 // and dedup.ErrInFlight when another owner holds it (then one more round
@@ -35,11 +35,11 @@
 // returned wrapped and never as a duplicate or in-flight answer, so callers
 // fail closed: the message is not acknowledged and is delivered again.
 //
-// Concurrent calls share round trips, as a group commit does: a call that
-// finds fewer than two in flight is sent at once, and the calls that arrive
-// while two are go together in one pipeline when one returns. On a Redis
-// Cluster the calls are grouped per master node, so a dead or slow node
-// delays only the keys of its own slots.
+// Concurrent calls, claims and token scripts alike, share round trips, as a
+// group commit does: a call that finds fewer than two in flight is sent at
+// once, and the calls that arrive while two are go together in one pipeline
+// when one returns. On a Redis Cluster the calls are grouped per master
+// node, so a dead or slow node delays only the keys of its own slots.
 //
 // # Redis Cluster
 //

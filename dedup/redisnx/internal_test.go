@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"regexp"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -295,5 +296,114 @@ func TestLegacyReadsPreviousLayout(t *testing.T) {
 		if n := c.Exists(ctx, s.RedisKey(k)).Val(); n != 0 {
 			t.Fatalf("the claim of %s left its key behind", k)
 		}
+	}
+}
+
+// TestMixedBatch: one batch that carries claims and token scripts together
+// (a claim queued behind another caller's Complete) gives each its own
+// answer, also when the server lacks the scripts (NOSCRIPT for both kinds)
+// and when it refuses SET NX GET.
+func TestMixedBatch(t *testing.T) {
+	for _, tc := range []struct {
+		name  string
+		store func(t *testing.T) (*Store, *redis.Client)
+		// doneClaim is the answer to the claim of a key whose Complete
+		// is in the same batch: the scripts go first, but a script sent
+		// again after NOSCRIPT runs after the claims.
+		doneClaim error
+	}{
+		{"SET NX GET", func(t *testing.T) (*Store, *redis.Client) {
+			s, c := legacyStore(t, Options{})
+			s.legacy.Store(false)
+			return s, c
+		}, dedup.ErrDuplicate},
+		{"scripts unknown to the server", func(t *testing.T) (*Store, *redis.Client) {
+			s, c := legacyStore(t, Options{})
+			s.complete = redis.NewScript(completeSrc + "\n-- " + testenv.UniqueID("mixed") + "\n")
+			s.release = redis.NewScript(releaseSrc + "\n-- " + testenv.UniqueID("mixed") + "\n")
+			return s, c
+		}, dedup.ErrInFlight},
+		{"SET NX GET refused", func(t *testing.T) (*Store, *redis.Client) {
+			c := redis.NewClient(&redis.Options{Addr: testenv.RedisAddr()})
+			t.Cleanup(func() { _ = c.Close() })
+			testenv.Redis(t) // skips when Redis is missing
+			c.AddHook(oldRedis{})
+			prefix := testenv.Name("redisnx")
+			s, err := New(c, Options{Prefix: prefix})
+			if err != nil {
+				t.Fatal(err)
+			}
+			t.Cleanup(func() { deleteKeys(t, c, prefix) })
+			return s, c
+		}, dedup.ErrDuplicate},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			s, c := tc.store(t)
+			ctx := testenv.Ctx(t)
+			scope := testenv.UniqueID("s")
+			done := dedup.NewKey(scope, "done", []byte("1"))
+			gone := dedup.NewKey(scope, "gone", []byte("2"))
+			lDone, err := s.Claim(ctx, done)
+			if err != nil {
+				t.Fatal(err)
+			}
+			lGone, err := s.Claim(ctx, gone)
+			if err != nil {
+				t.Fatal(err)
+			}
+			fresh := dedup.NewKey(scope, "fresh", []byte("3"))
+			var claimFresh, claimDone claimOp
+			s.newClaimOp(&claimFresh, fresh)
+			s.newClaimOp(&claimDone, done) // in flight under lDone
+			complete := &scriptCall{script: s.complete, key: s.RedisKey(done), args: []any{lDone.Token, []byte("r"), s.ttlArg}}
+			stale := &scriptCall{script: s.complete, key: s.RedisKey(gone), args: []any{"not-the-token", []byte("x"), s.ttlArg}}
+			release := &scriptCall{script: s.release, key: s.RedisKey(gone), args: []any{lGone.Token}}
+			rt := &pipelineCount{}
+			c.AddHook(rt)
+			ops := []nodeOp{{call: complete}, {claim: &claimFresh}, {call: stale}, {claim: &claimDone}, {call: release}}
+			if err := s.runOps(ctx, ops); err != nil {
+				t.Fatalf("runOps: %v", err)
+			}
+			if n := rt.pipelines.Load(); tc.name == "SET NX GET" && n != 1 {
+				t.Errorf("the batch took %d pipelines, want 1", n)
+			}
+			for _, sc := range []struct {
+				name string
+				call *scriptCall
+				want int64
+			}{{"complete", complete, 1}, {"complete with a stale token", stale, 0}, {"release", release, 1}} {
+				if n, err := sc.call.cmd.Int64(); err != nil || n != sc.want {
+					t.Errorf("%s = (%d, %v), want %d", sc.name, n, err, sc.want)
+				}
+			}
+			if l, err := s.result(&claimFresh); err != nil || l.Token != claimFresh.token {
+				t.Errorf("claim of a fresh key = (%+v, %v), want its lease", l, err)
+			}
+			if _, err := s.result(&claimDone); !errors.Is(err, tc.doneClaim) {
+				t.Errorf("claim of the key completed in the same batch = %v, want %v", err, tc.doneClaim)
+			}
+			if r, ok := dedup.StoredResult(func() error { _, err := s.Claim(ctx, done); return err }()); !ok || string(r) != "r" {
+				t.Errorf("claim after the batch: result %q (duplicate %v), want the stored %q", r, ok, "r")
+			}
+			if l, err := s.Claim(ctx, gone); err != nil {
+				t.Errorf("claim of the released key = %v, want a lease", err)
+			} else if err := s.Complete(ctx, lGone, nil); !errors.Is(err, dedup.ErrLeaseLost) {
+				t.Errorf("Complete with the released lease = %v, want ErrLeaseLost", err)
+			} else {
+				_ = s.Release(ctx, l)
+			}
+		})
+	}
+}
+
+// pipelineCount counts the pipelines a client sends.
+type pipelineCount struct{ pipelines atomic.Int64 }
+
+func (*pipelineCount) DialHook(next redis.DialHook) redis.DialHook          { return next }
+func (*pipelineCount) ProcessHook(next redis.ProcessHook) redis.ProcessHook { return next }
+func (p *pipelineCount) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.ProcessPipelineHook {
+	return func(ctx context.Context, cmds []redis.Cmder) error {
+		p.pipelines.Add(1)
+		return next(ctx, cmds)
 	}
 }

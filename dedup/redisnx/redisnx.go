@@ -64,7 +64,7 @@ type Options struct {
 	// error at once (the slot map is still reloaded). Defaults to 2s.
 	FailoverWait time.Duration
 	// SkipPreviousLayout stops claims from reading the key of the
-	// previous key layout (see the package doc), which saves one GET per
+	// previous key layout (see the package doc), which saves one read per
 	// claim. Set it only when no mark of that layout can still be
 	// live: a TTL after the last process that wrote them stopped.
 	// Defaults to false (read it).
@@ -121,16 +121,31 @@ const nodeIdle = time.Minute
 const pruneTimeout = 10 * time.Second
 
 // node coalesces the concurrent claims and token scripts of the keys of
-// one Redis node into shared pipelines (see group). Grouping per node keeps
-// a node that is down or slow from delaying the keys of the others.
+// one Redis node into shared pipelines (see group): a claim and another
+// caller's Complete can share a round trip. Grouping per node keeps a node
+// that is down or slow from delaying the keys of the others.
 type node struct {
-	claims *group[*claimOp]
-	calls  *group[*scriptCall]
-	used   time.Time // the last nodeOf that returned it; under Store.nodesMu
+	ops  *group[nodeOp]
+	used time.Time // the last nodeOf that returned it; under Store.nodesMu
 }
 
 // busy reports whether a batch of the node is in flight.
-func (n *node) busy() bool { return n.claims.busy() || n.calls.busy() }
+func (n *node) busy() bool { return n.ops.busy() }
+
+// nodeOp is one item of a node's batch: a claim or a token script.
+type nodeOp struct {
+	claim *claimOp
+	call  *scriptCall
+}
+
+// cmd is the item's command (the claim's SET NX GET or script), nil
+// before it is sent.
+func (o nodeOp) cmd() *redis.Cmd {
+	if o.claim != nil {
+		return o.claim.cmd
+	}
+	return o.call.cmd
+}
 
 var (
 	_ dedup.LeaseStore      = (*Store)(nil)
@@ -198,26 +213,13 @@ func New(client redis.UniversalClient, opts Options) (*Store, error) {
 
 func (s *Store) newNode() *node {
 	return &node{
-		claims: &group[*claimOp]{
-			run: func(ctx context.Context, ops []*claimOp) error {
-				return retryFailover(ctx, s, ops, s.claimAll, func(op *claimOp) *redis.Cmd { return op.cmd })
+		ops: &group[nodeOp]{
+			run: func(ctx context.Context, ops []nodeOp) error {
+				return retryFailover(ctx, s, ops, s.runOps, nodeOp.cmd)
 			},
-			errOf: func(ops []*claimOp, batchErr error) error {
-				for _, op := range ops {
-					if err := transportErr(op.cmd, batchErr); err != nil {
-						return err
-					}
-				}
-				return nil
-			},
-		},
-		calls: &group[*scriptCall]{
-			run: func(ctx context.Context, calls []*scriptCall) error {
-				return retryFailover(ctx, s, calls, s.runScripts, func(c *scriptCall) *redis.Cmd { return c.cmd })
-			},
-			errOf: func(calls []*scriptCall, batchErr error) error {
-				for _, c := range calls {
-					if err := transportErr(c.cmd, batchErr); err != nil {
+			errOf: func(ops []nodeOp, batchErr error) error {
+				for _, o := range ops {
+					if err := transportErr(o.cmd(), batchErr); err != nil {
 						return err
 					}
 				}
@@ -225,6 +227,52 @@ func (s *Store) newNode() *node {
 			},
 		},
 	}
+}
+
+// nodeOps wraps claims as items of a node's batch.
+func nodeOps(claims []*claimOp) []nodeOp {
+	ops := make([]nodeOp, len(claims))
+	for i, op := range claims {
+		ops[i].claim = op
+	}
+	return ops
+}
+
+// runOps sends the token scripts and the claims of ops in one pipeline (one
+// round trip), then finishes each kind as runScripts and claimAll do. It
+// returns an error only when Redis could not be reached.
+func (s *Store) runOps(ctx context.Context, ops []nodeOp) error {
+	var claims []*claimOp
+	var calls []*scriptCall
+	for _, o := range ops {
+		if o.claim != nil {
+			claims = append(claims, o.claim)
+		} else {
+			calls = append(calls, o.call)
+		}
+	}
+	switch {
+	case len(calls) == 0:
+		return s.claimAll(ctx, claims, false)
+	case len(claims) == 0:
+		return s.runScripts(ctx, calls, false)
+	}
+	legacy := s.legacy.Load()
+	// The scripts first: their replies are never nil (see send).
+	_, _ = s.client.Pipelined(ctx, func(p redis.Pipeliner) error {
+		for _, c := range calls {
+			c.cmd = c.script.EvalSha(ctx, p, []string{c.key}, c.args...)
+		}
+		for _, op := range claims {
+			s.send(ctx, p, op, legacy)
+		}
+		return nil
+	})
+	err := s.runScripts(ctx, calls, true)
+	if cerr := s.claimAll(ctx, claims, true); err == nil {
+		err = cerr
+	}
+	return err
 }
 
 // nodeOf returns the groups of the node that holds rkey: the one group of a
@@ -387,6 +435,11 @@ func validPrefix(p string) error {
 // fingerprint is not part of the key. See the package doc for the layout.
 func (s *Store) RedisKey(k dedup.Key) string {
 	sum := digest(k)
+	return s.redisKey(&sum)
+}
+
+// redisKey is RedisKey of the key whose digest is sum.
+func (s *Store) redisKey(sum *[sha256.Size]byte) string {
 	var b [16 + 1 + 11]byte
 	hex.Encode(b[:16], sum[:8])
 	b[16] = '}'
@@ -399,6 +452,11 @@ func (s *Store) RedisKey(k dedup.Key) string {
 // live in the same slot.
 func (s *Store) oldKey(k dedup.Key) string {
 	sum := digest(k)
+	return s.oldKeyOf(k, &sum)
+}
+
+// oldKeyOf is oldKey of k, whose digest is sum.
+func (s *Store) oldKeyOf(k dedup.Key, sum *[sha256.Size]byte) string {
 	var tag [16]byte
 	hex.Encode(tag[:], sum[:8])
 	n := strconv.Itoa(len(k.Scope))
@@ -483,7 +541,7 @@ type claimOp struct {
 	// old reads the key's record in the previous layout (oldKey); when
 	// there is one, it answers the claim (see claimAll).
 	oldKey string
-	old    *redis.StringCmd
+	old    *redis.SliceCmd
 	// retryAfter is the PTTL of a key found in flight.
 	retryAfter time.Duration
 	// args holds SET NX GET's arguments: passed as a slice of it, they
@@ -493,9 +551,10 @@ type claimOp struct {
 
 func (s *Store) newClaimOp(op *claimOp, key dedup.Key) {
 	op.key = key
-	op.rkey = s.RedisKey(key)
+	sum := digest(key)
+	op.rkey = s.redisKey(&sum)
 	if s.oldPrefix != "" {
-		op.oldKey = s.oldKey(key)
+		op.oldKey = s.oldKeyOf(key, &sum)
 	}
 	op.token = newToken()
 	op.rec = inFlightRecord(key.Fingerprint, op.token)
@@ -507,9 +566,15 @@ type cmdable interface {
 	Do(ctx context.Context, args ...any) *redis.Cmd
 }
 
-// send issues op's commands on p: the claim, and the read of the previous
-// layout's key (same slot, same node).
+// send issues op's commands on p: the read of the previous layout's key
+// (same slot, same node), and the claim. The read is an MGET, whose reply
+// is never the nil reply: a pipeline whose first reply is nil makes the
+// client run its retry classification on it (errors.As through a chain of
+// error types) on every round trip.
 func (s *Store) send(ctx context.Context, p redis.Pipeliner, op *claimOp, legacy bool) {
+	if op.oldKey != "" {
+		op.old = p.MGet(ctx, op.oldKey)
+	}
 	op.script = legacy
 	if legacy {
 		op.cmd = s.claim.EvalSha(ctx, p, []string{op.rkey}, op.rec, s.leaseArg)
@@ -518,9 +583,6 @@ func (s *Store) send(ctx context.Context, p redis.Pipeliner, op *claimOp, legacy
 		// stored. It needs Redis 7.0.
 		op.args = [7]any{"set", op.rkey, op.rec, "px", s.leaseArg, "nx", "get"}
 		op.cmd = p.Do(ctx, op.args[:]...)
-	}
-	if op.oldKey != "" {
-		op.old = p.Get(ctx, op.oldKey)
 	}
 }
 
@@ -552,8 +614,12 @@ func (op *claimOp) oldRecord() (string, bool) {
 	if op.old == nil {
 		return "", false
 	}
-	v, err := op.old.Result()
-	return v, err == nil
+	vals, err := op.old.Result()
+	if err != nil || len(vals) != 1 {
+		return "", false
+	}
+	v, ok := vals[0].(string)
+	return v, ok
 }
 
 // claimAll claims the keys of ops: two commands per key (the claim and the
@@ -572,16 +638,21 @@ func (op *claimOp) oldRecord() (string, bool) {
 // as the RetryAfter hint. Both go in one more round trip, which only these
 // cases need; the PTTL is only a hint, so a failure there leaves it at
 // zero, and a failed release leaves a lease that runs out.
-func (s *Store) claimAll(ctx context.Context, ops []*claimOp) error {
+//
+// With sent, the claims went out already (see runOps): it starts from
+// their replies.
+func (s *Store) claimAll(ctx context.Context, ops []*claimOp, sent bool) error {
 	todo := ops
 	for attempt := 0; attempt < 3 && len(todo) > 0; attempt++ {
-		legacy := s.legacy.Load()
-		_, _ = s.client.Pipelined(ctx, func(p redis.Pipeliner) error {
-			for _, op := range todo {
-				s.send(ctx, p, op, legacy)
-			}
-			return nil
-		})
+		if attempt > 0 || !sent {
+			legacy := s.legacy.Load()
+			_, _ = s.client.Pipelined(ctx, func(p redis.Pipeliner) error {
+				for _, op := range todo {
+					s.send(ctx, p, op, legacy)
+				}
+				return nil
+			})
+		}
 		var again []*claimOp
 		load := false
 		for _, op := range todo {
@@ -590,12 +661,12 @@ func (s *Store) claimAll(ctx context.Context, ops []*claimOp) error {
 			case err == nil || errors.Is(err, redis.Nil):
 			case !isReplyError(err):
 				return err
-			case !legacy && redis.HasErrorPrefix(err, "syntax error"):
+			case !op.script && redis.HasErrorPrefix(err, "syntax error"):
 				// Redis 6 answers "ERR syntax error" (HasErrorPrefix
 				// trims the "ERR ").
 				s.legacy.Store(true)
 				again = append(again, op)
-			case legacy && isNoScript(err):
+			case op.script && isNoScript(err):
 				load = true
 				again = append(again, op)
 			}
@@ -735,7 +806,7 @@ func (s *Store) Claim(ctx context.Context, key dedup.Key) (*dedup.Lease, error) 
 	s.newClaimOp(op, key)
 	n, err := s.nodeOf(ctx, op.rkey)
 	if err == nil {
-		err = n.claims.do(ctx, []*claimOp{op})
+		err = n.ops.do(ctx, []nodeOp{{claim: op}})
 	}
 	if err != nil {
 		return nil, fmt.Errorf("redisnx: claim %s: %w", key, err)
@@ -790,7 +861,7 @@ func (s *Store) ClaimBatch(ctx context.Context, keys []dedup.Key) ([]dedup.Batch
 // by side, and returns the first node's error, if any.
 func (s *Store) claimOnNodes(ctx context.Context, ops []*claimOp) error {
 	if s.cluster == nil {
-		return s.single.claims.do(ctx, ops)
+		return s.single.ops.do(ctx, nodeOps(ops))
 	}
 	byNode := map[*node][]*claimOp{}
 	var order []*node
@@ -805,12 +876,12 @@ func (s *Store) claimOnNodes(ctx context.Context, ops []*claimOp) error {
 		byNode[n] = append(byNode[n], op)
 	}
 	if len(order) == 1 {
-		return order[0].claims.do(ctx, ops)
+		return order[0].ops.do(ctx, nodeOps(ops))
 	}
 	errs := make([]error, len(order))
 	var wg sync.WaitGroup
 	for i, n := range order {
-		wg.Go(func() { errs[i] = n.claims.do(ctx, byNode[n]) })
+		wg.Go(func() { errs[i] = n.ops.do(ctx, nodeOps(byNode[n])) })
 	}
 	wg.Wait()
 	for _, err := range errs {
@@ -855,7 +926,7 @@ func (s *Store) owned(ctx context.Context, op string, sc *redis.Script, l *dedup
 	call := &scriptCall{script: sc, key: s.RedisKey(l.Key), args: args}
 	nd, err := s.nodeOf(ctx, call.key)
 	if err == nil {
-		err = nd.calls.do(ctx, []*scriptCall{call})
+		err = nd.ops.do(ctx, []nodeOp{{call: call}})
 	}
 	var n int64
 	if err == nil {
@@ -914,8 +985,9 @@ type scriptCall struct {
 // has had no effect: it is sent again with EVAL, the whole script, which
 // also caches it on that server (no SCRIPT LOAD, which on a cluster would
 // need every shard). It returns an error only when Redis could not be
-// reached; an error Redis returns for one call stays in its cmd.
-func (s *Store) runScripts(ctx context.Context, calls []*scriptCall) error {
+// reached; an error Redis returns for one call stays in its cmd. With sent,
+// the calls went out already (see runOps): it starts from their replies.
+func (s *Store) runScripts(ctx context.Context, calls []*scriptCall, sent bool) error {
 	send := func(todo []*scriptCall, full bool) {
 		do := func(c cmdable, sc *scriptCall) *redis.Cmd {
 			if full {
@@ -939,7 +1011,9 @@ func (s *Store) runScripts(ctx context.Context, calls []*scriptCall) error {
 	}
 	todo := calls
 	for _, full := range []bool{false, true} {
-		send(todo, full)
+		if full || !sent {
+			send(todo, full)
+		}
 		var again []*scriptCall
 		for _, c := range todo {
 			err := c.cmd.Err()
