@@ -32,8 +32,8 @@ const (
 	pgOutboxTable   = "demo_outbox"
 	pgPaymentsTable = "demo_payments"
 	pgChargesTable  = "demo_charges"
-	// pgMaxConns bounds the demo's pool. The relay's session opens one
-	// more, dedicated connection.
+	// pgMaxConns bounds the demo's pool. The relay's session opens up to
+	// two more, dedicated connections.
 	pgMaxConns = 8
 )
 
