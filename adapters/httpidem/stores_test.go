@@ -490,13 +490,7 @@ func TestTxAbandonedWaitFreesConnection(t *testing.T) {
 		_, err := send(ctx, nil, srv.URL, payReq("pay-held"))
 		dup <- err
 	}()
-	admin := testenv.Pool(t, 1)
-	eventually(t, "the duplicate to wait for the first request's transaction", func() bool {
-		var n int
-		_ = admin.QueryRow(context.Background(),
-			`SELECT count(*) FROM pg_stat_activity WHERE $1::int = ANY (pg_blocking_pids(pid))`, holder).Scan(&n)
-		return n == 1
-	})
+	waitBlockedBy(t, holder, "the duplicate to wait for the first request's transaction")
 	cancel() // the duplicate's client gives up
 	if err := <-dup; err == nil {
 		t.Fatal("the cancelled duplicate got a response")
@@ -557,13 +551,7 @@ func TestLeaseRequestWaitsForTxRequest(t *testing.T) {
 		}
 		second <- r
 	}()
-	admin := testenv.Pool(t, 1)
-	eventually(t, "the lease request to wait for the transactional one", func() bool {
-		var n int
-		_ = admin.QueryRow(context.Background(),
-			`SELECT count(*) FROM pg_stat_activity WHERE $1::int = ANY (pg_blocking_pids(pid))`, holder).Scan(&n)
-		return n == 1
-	})
+	waitBlockedBy(t, holder, "the lease request to wait for the transactional one")
 	close(unblock)
 	r1, r2 := <-first, <-second
 	if r1.status != http.StatusCreated || r1.replayed() {
@@ -580,4 +568,17 @@ func TestLeaseRequestWaitsForTxRequest(t *testing.T) {
 		t.Fatal(err)
 	}
 	o.Check(t, []string{"pay-mixed"}, map[string][]string{"pay-mixed": {got.Receipt}})
+}
+
+// waitBlockedBy waits until one session waits for a lock that the session
+// pid holds (here, for its transaction).
+func waitBlockedBy(t *testing.T, pid int32, what string) {
+	t.Helper()
+	admin := testenv.Pool(t, 1)
+	eventually(t, what, func() bool {
+		var n int
+		_ = admin.QueryRow(context.Background(),
+			`SELECT count(*) FROM pg_stat_activity WHERE $1::int = ANY (pg_blocking_pids(pid))`, pid).Scan(&n)
+		return n == 1
+	})
 }
