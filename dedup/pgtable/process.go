@@ -178,8 +178,11 @@ func (s *Store) readStep1(ctx context.Context, br pgx.BatchResults, tx pgx.Tx, k
 			}
 			if err == nil && tag.RowsAffected() == 0 {
 				// The key has a row: take it over if it expired, else
-				// answer the verdict on it.
-				err = s.claimOnce(ctx, tx, s.sql.claimTx, key, a.digest, a.digest, key.Fingerprint.Bytes(), s.retentionArg, a.scope, a.id)
+				// answer the verdict on it (or an error naming the claim).
+				if err := s.claimOnce(ctx, tx, s.sql.claimTx, key, a.digest, a.digest, key.Fingerprint.Bytes(), s.retentionArg, a.scope, a.id); err != nil {
+					_ = rollback(ctx, tx)
+					return nil, err
+				}
 			}
 		} else {
 			_, err = br.Exec() // the lock: waits for a concurrent Process
@@ -195,10 +198,9 @@ func (s *Store) readStep1(ctx context.Context, br pgx.BatchResults, tx pgx.Tx, k
 		r.expired = row != nil
 		return r, nil
 	}
-	switch {
-	case err == nil:
+	if err == nil {
 		err = verdict(key, row.existing)
-	case !errors.As(err, new(*dedup.ClaimError)):
+	} else {
 		err = fmt.Errorf("pgtable: claim %s: %w", key, err)
 	}
 	// A closed tx (the batch failed before BEGIN) answers ErrTxClosed;
