@@ -345,24 +345,42 @@ func parseCopyID(s string) (copyID, bool) {
 // copySet is a set of broker copies: a bitset of offsets per partition. The
 // offsets of a partition (and the publish sequence numbers) are dense from
 // 0, so a copy costs a bit.
-type copySet map[int][]uint64
+type copySet map[int]*bitset
 
 // add adds c and reports whether it was new.
 func (s copySet) add(c copyID) bool {
 	if c.offset < 0 {
 		return false
 	}
-	bits := s[c.partition]
-	w, b := int(c.offset/64), uint64(1)<<(c.offset%64)
-	if w >= len(bits) {
-		bits = append(bits, make([]uint64, w+1-len(bits))...)
-		s[c.partition] = bits
+	b := s[c.partition]
+	if b == nil {
+		b = new(bitset)
+		s[c.partition] = b
 	}
-	if bits[w]&b != 0 {
+	return b.add(int(c.offset))
+}
+
+// bitset is a set of non-negative integers that are dense from 0: a bit
+// each. It grows as numbers are added.
+type bitset []uint64
+
+// add adds n and reports whether it was new.
+func (s *bitset) add(n int) bool {
+	w, b := n/64, uint64(1)<<(n%64)
+	if w >= len(*s) {
+		*s = append(*s, make([]uint64, w+1-len(*s))...)
+	}
+	if (*s)[w]&b != 0 {
 		return false
 	}
-	bits[w] |= b
+	(*s)[w] |= b
 	return true
+}
+
+// has reports whether n is in the set.
+func (s bitset) has(n int) bool {
+	w := n / 64
+	return w < len(s) && s[w]&(uint64(1)<<(n%64)) != 0
 }
 
 // seenID reports whether message id h of payment n was delivered, and
@@ -487,27 +505,25 @@ func (l *ledger) lost() int {
 	return lost
 }
 
-// paymentSet is a set of a run's payment numbers: a bit per payment.
+// paymentSet is a set of a run's payment numbers, with its size.
 type paymentSet struct {
-	bits []uint64
+	bits bitset
 	n    int
 }
 
 func newPaymentSet(payments int) paymentSet {
-	return paymentSet{bits: make([]uint64, (payments+63)/64)}
+	return paymentSet{bits: make(bitset, (payments+63)/64)}
 }
 
-// add adds payment n, a valid payment number.
+// add adds payment n.
 func (s *paymentSet) add(n int) {
-	w, b := n/64, uint64(1)<<(n%64)
-	if s.bits[w]&b == 0 {
-		s.bits[w] |= b
+	if s.bits.add(n) {
 		s.n++
 	}
 }
 
 // has reports whether payment n is in the set.
-func (s *paymentSet) has(n int) bool { return s.bits[n/64]&(uint64(1)<<(n%64)) != 0 }
+func (s *paymentSet) has(n int) bool { return s.bits.has(n) }
 
 // len returns the number of payments in the set.
 func (s *paymentSet) len() int { return s.n }
