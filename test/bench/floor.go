@@ -125,6 +125,11 @@ func (e *env) pgbench(ctx context.Context, script string, secs int) (float64, er
 	if pw, ok := u.User.Password(); ok {
 		cmd.Env = append(cmd.Env, "PGPASSWORD="+pw)
 	}
+	// pgbench connects the way the Go paths do: libpq would otherwise
+	// default to sslmode=prefer and pay for TLS where the pool does not.
+	if m := u.Query().Get("sslmode"); m != "" {
+		cmd.Env = append(cmd.Env, "PGSSLMODE="+m)
+	}
 	out, err := cmd.CombinedOutput()
 	if err != nil {
 		return 0, fmt.Errorf("pgbench %s: %w: %s", filepath.Base(script), err, lastLines(out, 5))
