@@ -139,7 +139,7 @@ func amqpLeaseRow() row {
 		baseline: "amqp091-go worker, prefetch 100, 8 goroutines, same work (decode the order), manual ACK",
 		target:   0.70, unit: "msg/s",
 		build: func(_ context.Context, e *env) (side, side, error) {
-			store, err := redisnx.New(e.rdb, redisnx.Options{Prefix: e.redisPrefix("amqp"), TTL: 10 * time.Minute})
+			store, err := redisnx.New(e.rdb, redisnx.Options{Prefix: e.redisPrefix("amqp"), TTL: redisTTL})
 			if err != nil {
 				return nil, nil, err
 			}
@@ -153,6 +153,27 @@ func amqpLeaseRow() row {
 			})
 			idem := amqpSide(e, func(ctx context.Context, q string, n int) (float64, error) { return amqpIdem(ctx, e, q, n, h) })
 			return bare, idem, nil
+		},
+		// The baseline worker sending, per delivery, what consumer.Dedup
+		// on redisnx sends: the claim pipeline (the key of the delivery's
+		// MessageId, a record with the body's fingerprint), then, after
+		// the work, the complete script with an empty result.
+		clientFloor: func(_ context.Context, e *env) (side, error) {
+			h := newHandRedis(e.rdb, e.redisPrefix("amqphand"))
+			return amqpSide(e, func(ctx context.Context, q string, n int) (float64, error) {
+				return amqpBare(ctx, e, q, n, func(ctx context.Context, d *amqp091.Delivery) error {
+					key, old := h.keys("bench/amqp", d.MessageId)
+					token := handToken()
+					fp := fingerprint(d.Body)
+					if err := h.claimNew(ctx, key, old, inFlight(&fp, token)); err != nil {
+						return err
+					}
+					if err := decodeOrder(d.Body); err != nil {
+						return err
+					}
+					return h.complete(ctx, key, token, nil)
+				})
+			}), nil
 		},
 	}
 }

@@ -57,12 +57,18 @@ type row struct {
 	unit     string
 	floor    *floor // the SQL floor of a database path, or nil
 	build    func(ctx context.Context, e *env) (bare, idem side, err error)
+	// clientFloor, when set, builds the row's client floor: the
+	// baseline's work plus the Redis commands idem sends for the path,
+	// sent by hand with go-redis. It runs as a third side in the row's
+	// rounds.
+	clientFloor func(ctx context.Context, e *env) (side, error)
 }
 
 // result is a measured row.
 type result struct {
 	row
 	bare, idem []float64    // rates per round
+	hand       []float64    // the client floor's rates per round, when the row has one
 	err        error        // why the row was not measured
 	sql        *floorResult // the row's SQL floor, measured right after it
 }
@@ -92,7 +98,7 @@ func Run(ctx context.Context, cfg Config) error {
 			continue
 		}
 		res := result{row: r}
-		res.bare, res.idem, res.err = measureRow(ctx, e, r)
+		res.bare, res.idem, res.hand, res.err = measureRow(ctx, e, r)
 		if res.err != nil {
 			e.logf("%s: not measured: %v", r.path, res.err)
 		}
@@ -106,39 +112,57 @@ func Run(ctx context.Context, cfg Config) error {
 	return nil
 }
 
-func measureRow(ctx context.Context, e *env, r row) (bare, idem []float64, err error) {
+func measureRow(ctx context.Context, e *env, r row) (bare, idem, hand []float64, err error) {
 	e.logf("%s: setting up", r.path)
 	b, i, err := r.build(ctx, e)
 	if err != nil {
-		return nil, nil, err
+		return nil, nil, nil, err
 	}
-	return alternate(ctx, e, r.path, e.cfg.Rounds, b, i)
+	sides := []side{b, i}
+	if r.clientFloor != nil {
+		h, err := r.clientFloor(ctx, e)
+		if err != nil {
+			return nil, nil, nil, fmt.Errorf("client floor: %w", err)
+		}
+		sides = append(sides, h)
+	}
+	rates, err := alternate(ctx, e, r.path, e.cfg.Rounds, sides...)
+	if err != nil {
+		return nil, nil, nil, err
+	}
+	if r.clientFloor != nil {
+		hand = rates[2]
+	}
+	return rates[0], rates[1], hand, nil
 }
 
-// alternate runs a warm-up of both sides, then rounds in which a and b take
-// turns going first, and returns each side's rates.
-func alternate(ctx context.Context, e *env, name string, rounds int, a, b side) (ra, rb []float64, err error) {
-	for _, s := range []side{a, b} {
+// alternate runs a warm-up of every side, then rounds in which the sides
+// take turns going first (round i starts with side i mod len(sides), the
+// others following in their order), and returns each side's rates.
+func alternate(ctx context.Context, e *env, name string, rounds int, sides ...side) ([][]float64, error) {
+	for _, s := range sides {
 		if _, err := s(ctx, true); err != nil {
-			return nil, nil, fmt.Errorf("warm-up: %w", err)
+			return nil, fmt.Errorf("warm-up: %w", err)
 		}
 	}
+	rates := make([][]float64, len(sides))
+	got := make([]float64, len(sides))
 	for i := range rounds {
-		order := []int{0, 1}
-		if i%2 == 1 {
-			order = []int{1, 0}
-		}
-		var got [2]float64
-		for _, k := range order {
-			s := []side{a, b}[k]
-			if got[k], err = s(ctx, false); err != nil {
-				return nil, nil, fmt.Errorf("round %d: %w", i+1, err)
+		for j := range sides {
+			k := (i + j) % len(sides)
+			var err error
+			if got[k], err = sides[k](ctx, false); err != nil {
+				return nil, fmt.Errorf("round %d: %w", i+1, err)
 			}
 		}
-		ra, rb = append(ra, got[0]), append(rb, got[1])
-		e.logf("%s: round %d/%d: %.0f / %.0f (load %s)", name, i+1, rounds, got[0], got[1], loadavg())
+		figures := make([]string, len(sides))
+		for k, v := range got {
+			rates[k] = append(rates[k], v)
+			figures[k] = fmt.Sprintf("%.0f", v)
+		}
+		e.logf("%s: round %d/%d: %s (load %s)", name, i+1, rounds, strings.Join(figures, " / "), loadavg())
 	}
-	return ra, rb, nil
+	return rates, nil
 }
 
 func median(xs []float64) float64 {
@@ -174,6 +198,12 @@ func printTable(w io.Writer, results []result, started time.Time, cfg Config) {
 			p("\nnot measured: %s: %v\n", r.path, r.err)
 		}
 	}
+	printSQLFloors(p, results)
+	printClientFloors(p, results)
+}
+
+// printSQLFloors prints the table of the SQL floors, when a row has one.
+func printSQLFloors(p func(format string, args ...any), results []result) {
 	if !slices.ContainsFunc(results, func(r result) bool { return r.sql != nil }) {
 		return
 	}
@@ -204,6 +234,35 @@ func printTable(w io.Writer, results []result, started time.Time, cfg Config) {
 		}
 	}
 	p("\n")
+}
+
+// printClientFloors prints the table of the client floors, when a row has
+// one. A client floor shares its row's rounds: when the row was not
+// measured, neither was its floor, and the reason is under the first table.
+func printClientFloors(p func(format string, args ...any), results []result) {
+	if !slices.ContainsFunc(results, func(r result) bool { return r.clientFloor != nil }) {
+		return
+	}
+	p("\nClient floors (the Redis commands idem sends, by hand with go-redis):\n\n")
+	p("| path | baseline rate | commands-by-hand rate | hand ratio | idem / hand |\n|---|---:|---:|---:|---:|\n")
+	for _, r := range results {
+		if r.clientFloor == nil {
+			continue
+		}
+		if r.err != nil {
+			p("| %s | not measured | not measured | – | – |\n", r.path)
+			continue
+		}
+		b, i, h := median(r.bare), median(r.idem), median(r.hand)
+		p("| %s | %s | %s | %.2f | %.2f |\n", r.path, rate(b, r.unit), rate(h, r.unit), h/b, i/h)
+	}
+	p("\ncommands-by-hand is a third side in the row's rounds: the baseline's work plus the Redis commands idem sends " +
+		"for the path (the claim pipeline, MGET of the previous layout's key and SET NX GET PX, then EVALSHA of the complete script; " +
+		"a replay sends the pipeline alone), by the same clients with the bare go-redis client and no idem code, " +
+		"each message's commands in their own round trips (test/bench/hand.go). " +
+		"hand ratio is its rate over the baseline's: the ratio the commands alone allow on this machine; " +
+		"idem / hand is idem's rate over it: how close idem's Go path comes to its commands " +
+		"(above 1 when redisnx's group commit shares round trips between concurrent callers).\n\n")
 }
 
 func rate(v float64, unit string) string {

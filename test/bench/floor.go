@@ -73,12 +73,12 @@ func measureFloor(ctx context.Context, e *env, f *floor) floorResult {
 			return e.pgbench(ctx, path, secs)
 		}
 	}
-	var res floorResult
-	res.bare, res.idem, res.err = alternate(ctx, e, "SQL floor, "+f.name, e.cfg.Rounds, run(f.bare), run(f.idem))
-	if res.err != nil {
-		e.logf("SQL floor, %s: not measured: %v", f.name, res.err)
+	rates, err := alternate(ctx, e, "SQL floor, "+f.name, e.cfg.Rounds, run(f.bare), run(f.idem))
+	if err != nil {
+		e.logf("SQL floor, %s: not measured: %v", f.name, err)
+		return floorResult{err: err}
 	}
-	return res
+	return floorResult{bare: rates[0], idem: rates[1]}
 }
 
 func (e *env) floorTables(ctx context.Context) error {

@@ -2,6 +2,7 @@ package bench
 
 import (
 	"context"
+	"crypto/sha256"
 	"encoding/json"
 	"fmt"
 	"io"
@@ -129,7 +130,7 @@ func httpReplayRow() row {
 		baseline: "the bare handler (decode, answer 201), 8 clients",
 		target:   0.80, unit: "req/s",
 		build: func(ctx context.Context, e *env) (side, side, error) {
-			store, err := redisnx.New(e.rdb, redisnx.Options{Prefix: e.redisPrefix("http"), TTL: 10 * time.Minute})
+			store, err := redisnx.New(e.rdb, redisnx.Options{Prefix: e.redisPrefix("http"), TTL: redisTTL})
 			if err != nil {
 				return nil, nil, err
 			}
@@ -148,5 +149,81 @@ func httpReplayRow() row {
 			}
 			return httpSide(e, payments(nil), ""), httpSide(e, idem, hot), nil
 		},
+		clientFloor: func(ctx context.Context, e *env) (side, error) {
+			h := newHandRedis(e.rdb, e.redisPrefix("httphand"))
+			hot := e.id("hot-")
+			key, _ := h.keys(replayScope, hot)
+			if err := h.rdb.Set(ctx, key, handReplayRecord(), redisTTL).Err(); err != nil {
+				return nil, err
+			}
+			return httpSide(e, replayByHand(h), hot), nil
+		},
 	}
+}
+
+// replayScope is the scope httpidem gives the requests of the HTTP rows:
+// no principal, POST, the route /payments.
+const replayScope = "http:0::POST:/payments"
+
+// requestDigest is a request's fingerprint: SHA-256 of its method, path
+// and body.
+func requestDigest(method, path string, body []byte) [sha256.Size]byte {
+	d := sha256.New()
+	_, _ = io.WriteString(d, method+" "+path+"\n")
+	_, _ = d.Write(body)
+	var sum [sha256.Size]byte
+	d.Sum(sum[:0])
+	return sum
+}
+
+// handReplayRecord is the done record of the HTTP rows' first request, as
+// the client floor stores it by hand: 'D', the request's fingerprint, then
+// the response's status, Content-Type and Location, one line each, and its
+// body (what payments answers).
+func handReplayRecord() string {
+	fp := requestDigest(http.MethodPost, "/payments", payload)
+	return "D" + string(fp[:]) + "201\napplication/json\n/payments/0\n" + `{"id":0,"status":"succeeded"}` + "\n"
+}
+
+// replayByHand answers a replay with what httpidem.New sends to Redis for
+// one: it reads the body, sends redisnx's claim pipeline for the request's
+// key and fingerprint (one round trip), whose SET NX GET returns the
+// stored record, checks it is done with the same fingerprint, and answers
+// the stored response (see handReplayRecord).
+func replayByHand(h *handRedis) http.Handler {
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		body, err := io.ReadAll(r.Body)
+		if err != nil {
+			http.Error(w, "bad request", http.StatusBadRequest)
+			return
+		}
+		key, old := h.keys(replayScope, r.Header.Get("Idempotency-Key"))
+		fp := requestDigest(r.Method, r.URL.Path, body)
+		stored, found, err := h.claim(r.Context(), key, old, inFlight(&fp, handToken()))
+		if err != nil {
+			http.Error(w, err.Error(), http.StatusServiceUnavailable)
+			return
+		}
+		if !found || len(stored) < 1+sha256.Size || stored[0] != 'D' || stored[1:1+sha256.Size] != string(fp[:]) {
+			http.Error(w, "not a replay of a completed request", http.StatusInternalServerError)
+			return
+		}
+		fields := strings.SplitN(stored[1+sha256.Size:], "\n", 4)
+		if len(fields) != 4 {
+			http.Error(w, "stored response unreadable", http.StatusInternalServerError)
+			return
+		}
+		status, err := strconv.Atoi(fields[0])
+		if err != nil {
+			http.Error(w, "stored response unreadable", http.StatusInternalServerError)
+			return
+		}
+		hd := w.Header()
+		hd.Set("Content-Type", fields[1])
+		hd.Set("Location", fields[2])
+		hd.Set("Idempotent-Replayed", "true")
+		hd.Set("Content-Length", strconv.Itoa(len(fields[3])))
+		w.WriteHeader(status)
+		_, _ = io.WriteString(w, fields[3])
+	})
 }

@@ -63,7 +63,7 @@ func redisnxRow() row {
 		target:   0.45, unit: "op/s",
 		build: func(_ context.Context, e *env) (side, side, error) {
 			barePrefix := e.redisPrefix("setnx") + ":"
-			store, err := redisnx.New(e.rdb, redisnx.Options{Prefix: e.redisPrefix("lease"), TTL: 10 * time.Minute})
+			store, err := redisnx.New(e.rdb, redisnx.Options{Prefix: e.redisPrefix("lease"), TTL: redisTTL})
 			if err != nil {
 				return nil, nil, err
 			}
@@ -83,6 +83,22 @@ func redisnxRow() row {
 				})
 			}
 			return bare, idem, nil
+		},
+		// redisnx's claim pipeline then its complete script, on a fresh
+		// key without fingerprint, completed with the same result.
+		clientFloor: func(_ context.Context, e *env) (side, error) {
+			h := newHandRedis(e.rdb, e.redisPrefix("hand"))
+			result := []byte("ok")
+			return func(ctx context.Context, warm bool) (float64, error) {
+				return closedLoop(ctx, storeClients, warmedFor(e.size.duration, warm), func(ctx context.Context) error {
+					key, old := h.keys("bench", e.id(""))
+					token := handToken()
+					if err := h.claimNew(ctx, key, old, inFlight(nil, token)); err != nil {
+						return err
+					}
+					return h.complete(ctx, key, token, result)
+				})
+			}, nil
 		},
 	}
 }
