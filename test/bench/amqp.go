@@ -158,7 +158,7 @@ func amqpLeaseRow() row {
 		// on redisnx sends: the claim pipeline (the key of the delivery's
 		// MessageId, a record with the body's fingerprint), then, after
 		// the work, the complete script with an empty result.
-		clientFloor: func(_ context.Context, e *env) (side, error) {
+		byHand: func(_ context.Context, e *env) (side, error) {
 			h := newHandRedis(e.rdb, e.redisPrefix("amqphand"))
 			return amqpSide(e, func(ctx context.Context, q string, n int) (float64, error) {
 				return amqpBare(ctx, e, q, n, func(ctx context.Context, d *amqp091.Delivery) error {

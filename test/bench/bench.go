@@ -57,18 +57,18 @@ type row struct {
 	unit     string
 	floor    *floor // the SQL floor of a database path, or nil
 	build    func(ctx context.Context, e *env) (bare, idem side, err error)
-	// clientFloor, when set, builds the row's client floor: the
+	// byHand, when set, builds the row's commands-by-hand side: the
 	// baseline's work plus the Redis commands idem sends for the path,
 	// sent by hand with go-redis. It runs as a third side in the row's
 	// rounds.
-	clientFloor func(ctx context.Context, e *env) (side, error)
+	byHand func(ctx context.Context, e *env) (side, error)
 }
 
 // result is a measured row.
 type result struct {
 	row
 	bare, idem []float64    // rates per round
-	hand       []float64    // the client floor's rates per round, when the row has one
+	hand       []float64    // the commands-by-hand side's rates per round, when the row has one
 	err        error        // why the row was not measured
 	sql        *floorResult // the row's SQL floor, measured right after it
 }
@@ -119,10 +119,10 @@ func measureRow(ctx context.Context, e *env, r row) (bare, idem, hand []float64,
 		return nil, nil, nil, err
 	}
 	sides := []side{b, i}
-	if r.clientFloor != nil {
-		h, err := r.clientFloor(ctx, e)
+	if r.byHand != nil {
+		h, err := r.byHand(ctx, e)
 		if err != nil {
-			return nil, nil, nil, fmt.Errorf("client floor: %w", err)
+			return nil, nil, nil, fmt.Errorf("commands-by-hand side: %w", err)
 		}
 		sides = append(sides, h)
 	}
@@ -130,7 +130,7 @@ func measureRow(ctx context.Context, e *env, r row) (bare, idem, hand []float64,
 	if err != nil {
 		return nil, nil, nil, err
 	}
-	if r.clientFloor != nil {
+	if r.byHand != nil {
 		hand = rates[2]
 	}
 	return rates[0], rates[1], hand, nil
@@ -199,7 +199,7 @@ func printTable(w io.Writer, results []result, started time.Time, cfg Config) {
 		}
 	}
 	printSQLFloors(p, results)
-	printClientFloors(p, results)
+	printByHand(p, results)
 }
 
 // printSQLFloors prints the table of the SQL floors, when a row has one.
@@ -236,17 +236,17 @@ func printSQLFloors(p func(format string, args ...any), results []result) {
 	p("\n")
 }
 
-// printClientFloors prints the table of the client floors, when a row has
-// one. A client floor shares its row's rounds: when the row was not
-// measured, neither was its floor, and the reason is under the first table.
-func printClientFloors(p func(format string, args ...any), results []result) {
-	if !slices.ContainsFunc(results, func(r result) bool { return r.clientFloor != nil }) {
+// printByHand prints the table of the commands-by-hand sides, when a row
+// has one. Such a side shares its row's rounds: when the row was not
+// measured, neither was it, and the reason is under the first table.
+func printByHand(p func(format string, args ...any), results []result) {
+	if !slices.ContainsFunc(results, func(r result) bool { return r.byHand != nil }) {
 		return
 	}
-	p("\nClient floors (the Redis commands idem sends, by hand with go-redis):\n\n")
+	p("\nThe Redis commands idem sends, by hand with go-redis (a third side in the rounds of the Redis rows):\n\n")
 	p("| path | baseline rate | commands-by-hand rate | hand ratio | idem / hand |\n|---|---:|---:|---:|---:|\n")
 	for _, r := range results {
-		if r.clientFloor == nil {
+		if r.byHand == nil {
 			continue
 		}
 		if r.err != nil {
@@ -260,9 +260,9 @@ func printClientFloors(p func(format string, args ...any), results []result) {
 		"for the path (the claim pipeline, MGET of the previous layout's key and SET NX GET PX, then EVALSHA of the complete script; " +
 		"a replay sends the pipeline alone), by the same clients with the bare go-redis client and no idem code, " +
 		"each message's commands in their own round trips (test/bench/hand.go). " +
-		"hand ratio is its rate over the baseline's: the ratio the commands alone allow on this machine; " +
-		"idem / hand is idem's rate over it: how close idem's Go path comes to its commands " +
-		"(above 1 when redisnx's group commit shares round trips between concurrent callers).\n\n")
+		"hand ratio is its rate over the baseline's: what the commands cost a user who sends them a round trip per message; " +
+		"idem / hand is idem's rate over it: above 1 when redisnx's group commit shares round trips " +
+		"between concurrent callers.\n\n")
 }
 
 func rate(v float64, unit string) string {

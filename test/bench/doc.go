@@ -7,9 +7,9 @@
 // that alternate which side goes first; it reports the median rate of each
 // side and their ratio. The database paths also get their SQL floor: the
 // statements each side sends, replayed by pgbench (testdata/*.sql) with no Go
-// in the way. The Redis paths get a client floor: a third side in the same
-// rounds, the baseline's work plus the Redis commands idem sends for the
-// path, sent by hand with the bare go-redis client (hand.go).
+// in the way. The Redis paths get a third side in the same rounds, their
+// commands by hand: the baseline's work plus the Redis commands idem sends
+// for the path, sent with the bare go-redis client (hand.go).
 //
 // A run prints figures and never asserts them. Everything it creates (a
 // PostgreSQL schema, Redis keys, RabbitMQ queues and exchanges, Kafka

@@ -15,7 +15,7 @@ import (
 	"github.com/redis/go-redis/v9"
 )
 
-// The client floors of the Redis rows: the baseline's work plus the Redis
+// The commands-by-hand sides of the Redis rows: the baseline's work plus the Redis
 // commands idem sends for the path, sent by hand with the bare go-redis
 // client, on keys and values of redisnx's layout. Per message, redisnx
 // sends (MONITOR on a private redis-server shows it):
@@ -41,7 +41,7 @@ type handRedis struct {
 }
 
 // redisTTL is the retention of the Redis rows' stores (redisnx.Options.TTL),
-// which their client floors use too.
+// which their commands-by-hand sides use too.
 const redisTTL = 10 * time.Minute
 
 // newHandRedis returns the hand client of rdb on the keys of prefix (a

@@ -149,7 +149,7 @@ func httpReplayRow() row {
 			}
 			return httpSide(e, payments(nil), ""), httpSide(e, idem, hot), nil
 		},
-		clientFloor: func(ctx context.Context, e *env) (side, error) {
+		byHand: func(ctx context.Context, e *env) (side, error) {
 			h := newHandRedis(e.rdb, e.redisPrefix("httphand"))
 			hot := e.id("hot-")
 			key, _ := h.keys(replayScope, hot)
@@ -177,7 +177,7 @@ func requestDigest(method, path string, body []byte) [sha256.Size]byte {
 }
 
 // handReplayRecord is the done record of the HTTP rows' first request, as
-// the client floor stores it by hand: 'D', the request's fingerprint, then
+// the commands-by-hand side stores it by hand: 'D', the request's fingerprint, then
 // the response's status, Content-Type and Location, one line each, and its
 // body (what payments answers).
 func handReplayRecord() string {

@@ -86,7 +86,7 @@ func redisnxRow() row {
 		},
 		// redisnx's claim pipeline then its complete script, on a fresh
 		// key without fingerprint, completed with the same result.
-		clientFloor: func(_ context.Context, e *env) (side, error) {
+		byHand: func(_ context.Context, e *env) (side, error) {
 			h := newHandRedis(e.rdb, e.redisPrefix("hand"))
 			result := []byte("ok")
 			return func(ctx context.Context, warm bool) (float64, error) {
