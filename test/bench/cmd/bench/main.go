@@ -1,8 +1,8 @@
 // Command bench runs idem's benchmark table (test/bench) and prints it:
 // each production path against the baseline a user would write, side by
 // side, the SQL floors of the database paths, and the Redis paths'
-// commands sent by hand. `make bench` builds and runs it; `make bench QUICK=1` is a
-// smoke run of a few minutes.
+// commands sent by hand. `make bench` builds and runs it; `make bench
+// QUICK=1` is a smoke run of a few minutes.
 //
 //	bench [-quick] [-rounds 3] [-only REGEXP] [-kfake PATH]
 package main
