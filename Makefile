@@ -11,7 +11,8 @@
 #   make fmt     gofmt -s -w every Go file
 #
 # Variables: GOTESTFLAGS (extra go test flags, e.g. GOTESTFLAGS='-run TestX -v'),
-# PKGS (default ./...), QUICK=1 and ROUNDS (default 3) for make bench.
+# PKGS (default ./...), QUICK=1, ROUNDS (default 3) and ONLY (a regexp of
+# the rows' paths) for make bench.
 
 SHELL := bash
 .SHELLFLAGS := -eu -o pipefail -c
@@ -106,6 +107,7 @@ fmt:
 	@files='$(GOFILES)'; [ -z "$$files" ] || gofmt -s -w $$files
 
 # The benchmark table of docs/BENCHMARKS.md (test/bench): every row against
-# its baseline in alternating rounds, and the SQL floors with pgbench.
+# its baseline in alternating rounds, the SQL floors with pgbench, and the
+# Redis rows' commands by hand. ONLY=REGEXP keeps the rows whose path matches.
 bench:
-	@scripts/bench.sh -rounds $(or $(ROUNDS),3) $(if $(QUICK),-quick)
+	@scripts/bench.sh -rounds $(or $(ROUNDS),3) $(if $(QUICK),-quick) $(if $(ONLY),-only '$(ONLY)')
