@@ -132,8 +132,8 @@ func runOutbox(ctx context.Context, args []string, stdout, stderr io.Writer) err
 
 const dedupSynopsis = `dedup [flags] stats|cleanup
 
-  stats    rows per scope (of stores that keep scopes: pgtable Options.KeepKeys),
-           done and in flight, the next expiry
+  stats    rows per scope (of stores that keep scopes: pgtable Options.KeepKeys):
+           done and in flight, expired (cleanup deletes them), the next expiry
   cleanup  delete the expired rows now, in bounded batches`
 
 func runDedup(ctx context.Context, args []string, stdout, stderr io.Writer) error {
@@ -175,10 +175,17 @@ func runDedup(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 		fprintf(stdout, "%s: deleted %d expired rows\n", store.Table(), n)
 		return nil
 	}
-	// A row with a token is in flight; scope is NULL in the rows of a
-	// store that does not keep keys.
-	rows, err := pool.Query(ctx, "SELECT scope, count(*) FILTER (WHERE token IS NULL), count(*) FILTER (WHERE token IS NOT NULL), min(expires_at) FROM "+
-		store.Table()+" GROUP BY scope ORDER BY scope NULLS LAST")
+	// A row with a token is in flight, one without is done; a row whose
+	// expires_at has passed (a lease that ran out, a done key past its
+	// retention) counts as expired: it no longer holds its key, and
+	// cleanup deletes it. scope is NULL in the rows of a store that does
+	// not keep keys.
+	rows, err := pool.Query(ctx, `SELECT scope,
+    count(*) FILTER (WHERE token IS NULL AND expires_at > now()),
+    count(*) FILTER (WHERE token IS NOT NULL AND expires_at > now()),
+    count(*) FILTER (WHERE expires_at <= now()),
+    min(expires_at) FILTER (WHERE expires_at > now())
+FROM `+store.Table()+` GROUP BY scope ORDER BY scope NULLS LAST`)
 	if err != nil {
 		return fmt.Errorf("%s: %w", store.Table(), err)
 	}
@@ -186,11 +193,11 @@ func runDedup(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	n := 0
 	for rows.Next() {
 		var (
-			scope        *string
-			done, flight int64
-			next         time.Time
+			scope                 *string
+			done, flight, expired int64
+			next                  *time.Time
 		)
-		if err := rows.Scan(&scope, &done, &flight, &next); err != nil {
+		if err := rows.Scan(&scope, &done, &flight, &expired, &next); err != nil {
 			return err
 		}
 		n++
@@ -198,7 +205,11 @@ func runDedup(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 		if scope != nil {
 			name = *scope
 		}
-		fprintf(stdout, "%-40s %10d done %6d in flight  next expiry %s\n", name, done, flight, next.UTC().Format(time.RFC3339))
+		nextAt := "none"
+		if next != nil {
+			nextAt = next.UTC().Format(time.RFC3339)
+		}
+		fprintf(stdout, "%-40s %10d done %6d in flight %6d expired  next expiry %s\n", name, done, flight, expired, nextAt)
 	}
 	if err := rows.Err(); err != nil {
 		return err

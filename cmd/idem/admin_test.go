@@ -2,8 +2,10 @@ package main
 
 import (
 	"context"
+	"slices"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/jackc/pgx/v5"
 
@@ -69,6 +71,66 @@ func TestAdmin(t *testing.T) {
 	}
 	check("(scope not kept)", "dedup", "stats")
 	check("deleted 0 expired rows", "dedup", "cleanup")
+}
+
+// TestDedupStats checks what `dedup stats` counts: done keys and leases
+// in flight that still hold their key, and apart from them the rows whose
+// time ran out (a lease nobody completed, a done key past its retention).
+func TestDedupStats(t *testing.T) {
+	pool := testenv.Pool(t, 4)
+	schema := testenv.Schema(t, pool)
+	ctx := context.Background()
+	pg := []string{"--postgres", testenv.PostgresURL(), "--schema", schema}
+	if code, _, errOut := runCmd(ctx, t, append([]string{"migrate", "up"}, pg...)...); code != 0 {
+		t.Fatalf("migrate up: %s", errOut)
+	}
+	store, err := pgtable.New(pool, pgtable.Options{Schema: schema, KeepKeys: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	const scope = "billing/charge"
+	done := func(id string) {
+		t.Helper()
+		if _, err := store.Process(ctx, dedup.NewKey(scope, id, nil), func(context.Context, pgx.Tx) ([]byte, error) { return nil, nil }); err != nil {
+			t.Fatal(err)
+		}
+	}
+	lease := func(id string) {
+		t.Helper()
+		if _, err := store.Lease().Claim(ctx, dedup.NewKey(scope, id, nil)); err != nil {
+			t.Fatal(err)
+		}
+	}
+	done("p1")
+	done("p2")
+	lease("p3")
+	lease("p4")
+	done("p5")
+	// p4's lease ran out and p5 is past its retention.
+	if _, err := pool.Exec(ctx, "UPDATE "+store.Table()+" SET expires_at = now() - interval '1 minute' WHERE id IN ('p4', 'p5')"); err != nil {
+		t.Fatal(err)
+	}
+	code, out, errOut := runCmd(ctx, t, append([]string{"dedup", "stats"}, pg...)...)
+	if code != 0 {
+		t.Fatalf("dedup stats: exit %d, stderr %q", code, errOut)
+	}
+	fields := strings.Fields(out)
+	want := []string{scope, "2", "done", "1", "in", "flight", "2", "expired", "next", "expiry"}
+	if len(fields) != len(want)+1 || !slices.Equal(fields[:len(want)], want) {
+		t.Fatalf("dedup stats: %q; want %q and the next expiry", out, strings.Join(want, " "))
+	}
+	if _, err := time.Parse(time.RFC3339, fields[len(want)]); err != nil {
+		t.Errorf("next expiry %q: %v", fields[len(want)], err)
+	}
+
+	// Only expired rows left: no next expiry.
+	if _, err := pool.Exec(ctx, "UPDATE "+store.Table()+" SET expires_at = now() - interval '1 minute'"); err != nil {
+		t.Fatal(err)
+	}
+	_, out, _ = runCmd(ctx, t, append([]string{"dedup", "stats"}, pg...)...)
+	if got, want := strings.Join(strings.Fields(out), " "), scope+" 0 done 0 in flight 5 expired next expiry none"; got != want {
+		t.Errorf("dedup stats: %q; want %q", got, want)
+	}
 }
 
 func TestOutboxRequeueMalformedID(t *testing.T) {
