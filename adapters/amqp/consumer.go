@@ -298,7 +298,8 @@ func DeliveryFrom(ctx context.Context) (*amqp091.Delivery, bool) {
 
 // Run connects, declares the topology, consumes and reconnects until ctx
 // ends, then stops gracefully: it cancels the consumer, nacks with requeue
-// the prefetched deliveries no handler started, lets the running handlers
+// the prefetched deliveries no handler started (but runs those that one
+// more return would bring to MaxDeliveries), lets the running handlers
 // finish (their context is cancelled ShutdownTimeout after ctx ended),
 // settles them, sends the acknowledgements still being coalesced, closes
 // the connection and returns nil.
@@ -716,7 +717,7 @@ func (c *Consumer) handle(ctx, hctx context.Context, s *consSession, a *consAcke
 			defer st.leave()
 		}
 	}
-	if ctx.Err() != nil {
+	if ctx.Err() != nil && !c.finishOnStop(d) {
 		// Prefetched but not started before the stop: give it back.
 		out := c.requeue(s, d)
 		a.settled(d.DeliveryTag, out == settledAbandoned)
@@ -914,6 +915,18 @@ func (c *Consumer) overDelivered(d *amqp091.Delivery) (int64, bool) {
 	}
 	n := consReturns(d)
 	return n, n > 0 && n >= int64(c.opts.MaxDeliveries)
+}
+
+// finishOnStop reports whether a graceful stop settles d, prefetched and
+// not started, instead of giving it back: one more return would bring it
+// to MaxDeliveries, and the next channel's first delivery past the bound
+// is taken for the message that killed the previous worker (see handle)
+// and dead-lettered without running. So d runs (alone, as every returned
+// delivery), or is dead-lettered here if it already is that first
+// delivery.
+func (c *Consumer) finishOnStop(d *amqp091.Delivery) bool {
+	n := consReturns(d)
+	return c.opts.MaxDeliveries >= 0 && n > 0 && n+1 >= int64(c.opts.MaxDeliveries)
 }
 
 // consReturns is how many deliveries of d's message were returned

@@ -187,7 +187,11 @@ type ConsumerOptions struct {
 	//
 	// Deliveries the consumer itself gives back count too: a prefetched
 	// delivery requeued by a graceful stop, or one requeued because its
-	// retry or dead-letter copy could not be published. Retried copies
+	// retry or dead-letter copy could not be published. A graceful stop
+	// does not give back a returned delivery that one more return would
+	// bring to MaxDeliveries (it would come first on the next channel,
+	// past the bound, and be taken for the message that kills workers):
+	// it runs it, alone, before it closes the channel. Retried copies
 	// start again at zero (the consumer strips x-delivery-count from the
 	// copies it publishes), except those that waited for a key another
 	// owner held, which carry the count over in HeaderReturns.

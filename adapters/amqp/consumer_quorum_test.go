@@ -186,8 +186,9 @@ func TestConsumerQuorumCrashLoopSparesNeighbours(t *testing.T) {
 					}
 					// A redelivered copy the worker had prefetched
 					// but not started is requeued by the graceful
-					// stop (a ready count of zero does not show
-					// unacknowledged deliveries): the next worker
+					// stop, unless one more return would bring it to
+					// MaxDeliveries (a ready count of zero does not
+					// show unacknowledged deliveries): the next worker
 					// settles it.
 					if consDepth(t, url, q) == 0 {
 						break
@@ -289,5 +290,69 @@ func TestConsumerQuorumRedeliveryLimitAcrossWaits(t *testing.T) {
 	}
 	if _, ok := dead[0].Headers[HeaderReturns]; ok {
 		t.Errorf("the dead letter kept %s: %v", HeaderReturns, dead[0].Headers)
+	}
+}
+
+// A graceful stop right after crash redeliveries: a neighbour of the
+// crashing message, returned with it until one more return would bring it
+// to MaxDeliveries, is prefetched and not started when the stop comes. The
+// stop runs it instead of giving it back, where it would come first on the
+// next worker's channel past the bound and be dead-lettered as the message
+// that kills workers.
+func TestConsumerQuorumStopRunsNeighbourAtTheBound(t *testing.T) {
+	url := testenv.AMQPURL()
+	q := consQueueArgs(t, url, consTestDelays, amqp091.Table{"x-queue-type": "quorum"})
+	const maxDeliveries = 3
+	var (
+		holdRuns atomic.Int32
+		runs     consRuns
+		release  = make(chan struct{})
+	)
+	h := consumer.HandlerFunc(func(ctx context.Context, msg *consumer.Message) error {
+		runs.add(msg.ID)
+		if msg.ID != "hold" {
+			return nil
+		}
+		if holdRuns.Add(1) < maxDeliveries {
+			// A crash: the delivery and the neighbour prefetched
+			// behind it go back unsettled, counted.
+			d, ok := DeliveryFrom(ctx)
+			if !ok {
+				return errors.New("no delivery in the context")
+			}
+			return d.Acknowledger.(*amqp091.Channel).Close()
+		}
+		<-release
+		return nil
+	})
+	c, err := NewConsumer(url, q, h, consOpts(ConsumerOptions{
+		QuorumQueue: true, MaxDeliveries: maxDeliveries, Concurrency: 1, Prefetch: 10, ShutdownTimeout: 30 * time.Second,
+	}))
+	if err != nil {
+		t.Fatal(err)
+	}
+	consPublish(t, url, q, amqp091.Publishing{MessageId: "hold", Body: []byte("hold")}, amqp091.Publishing{MessageId: "neighbour", Body: []byte("neighbour")})
+	workersStopped := consWorkersStopped(t, c)
+	stop := consStart(t, c)
+	// hold's third delivery runs (two crashes before it), and the
+	// neighbour, returned twice with it, waits behind it.
+	testenv.Eventually(t, 60*time.Second, "hold's third delivery to run", func() bool { return holdRuns.Load() == maxDeliveries })
+	if n := runs.get("neighbour"); n != 0 {
+		t.Fatalf("the neighbour ran %d times before the stop; it should wait behind hold", n)
+	}
+	consStopThenRelease(stop, workersStopped, release)
+	st := c.Stats()
+	t.Logf("stats %+v", st)
+	if n := runs.get("neighbour"); n != 1 {
+		t.Errorf("the neighbour ran %d times, want once, during the stop", n)
+	}
+	if st.Requeued != 0 || st.DeadLettered != 0 {
+		t.Errorf("stats %+v: want nothing requeued or dead-lettered", st)
+	}
+	if left := consGetAll(t, url, q); len(left) != 0 {
+		t.Errorf("%d messages left in the queue (first %q)", len(left), left[0].MessageId)
+	}
+	if dead := consGetAll(t, url, q+".dlq"); len(dead) != 0 {
+		t.Errorf("%d dead letters (first %q)", len(dead), dead[0].MessageId)
 	}
 }
