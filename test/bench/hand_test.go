@@ -98,8 +98,8 @@ func recordingClient(t *testing.T) (*redis.Client, *recorder, string) {
 	return rdb, rec, prefix
 }
 
-// TestHandSendsRedisnxCommands checks that the commands-by-hand sides of the
-// redisnx and RabbitMQ lease rows send, round trip by round trip, the very
+// TestHandSendsRedisnxCommands checks that the commands-by-hand sides of
+// the redisnx and RabbitMQ lease rows send, round trip by round trip, the very
 // commands redisnx sends for a claim and a complete of the same key: the
 // same keys, values, arguments and script, but for the owner token, which
 // is random.
@@ -175,11 +175,11 @@ func TestHandSendsRedisnxCommands(t *testing.T) {
 	}
 }
 
-// TestHandReplaysAsHttpidem checks that the HTTP replay row's commands-by-hand side
-// sends what httpidem.New on redisnx sends for a replay: one round trip,
-// MGET of the previous layout's key and SET NX GET PX on the key, with an
-// in-flight record of the same size (the fingerprints differ: httpidem's
-// digests the request otherwise).
+// TestHandReplaysAsHttpidem checks that the HTTP replay row's
+// commands-by-hand side sends what httpidem.New on redisnx sends for a
+// replay: one round trip, MGET of the previous layout's key and SET NX GET
+// PX on the key, with an in-flight record of the same size (the
+// fingerprints differ: httpidem's digests the request otherwise).
 func TestHandReplaysAsHttpidem(t *testing.T) {
 	rdb, rec, prefix := recordingClient(t)
 	ctx := testenv.Ctx(t)
