@@ -200,6 +200,7 @@ func printTable(w io.Writer, results []result, started time.Time, cfg Config) {
 	}
 	printSQLFloors(p, results)
 	printByHand(p, results)
+	p("\n")
 }
 
 // printSQLFloors prints the table of the SQL floors, when a row has one.
@@ -233,7 +234,6 @@ func printSQLFloors(p func(format string, args ...any), results []result) {
 			p("\nSQL floor of %s not measured: %v\n", r.path, r.sql.err)
 		}
 	}
-	p("\n")
 }
 
 // printByHand prints the table of the commands-by-hand sides, when a row
@@ -262,7 +262,7 @@ func printByHand(p func(format string, args ...any), results []result) {
 		"each message's commands in their own round trips (test/bench/hand.go). " +
 		"hand ratio is its rate over the baseline's: what the commands cost a user who sends them a round trip per message; " +
 		"idem / hand is idem's rate over it: above 1 when redisnx's group commit shares round trips " +
-		"between concurrent callers.\n\n")
+		"between concurrent callers.\n")
 }
 
 func rate(v float64, unit string) string {
