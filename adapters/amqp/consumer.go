@@ -710,15 +710,21 @@ var errBrokerCancel = errors.New("the broker cancelled the consumer (was the que
 // its own ack is written at once, not coalesced, and confirmed too.
 func (c *Consumer) handle(ctx, hctx context.Context, s *consSession, a *consAcker, seats *gate, cd *consDelivery, excl bool) {
 	d := &cd.d
+	// A delivery that runs alone needs no seat: no other chain of the
+	// session runs meanwhile. Without one it cannot be cut short by a stop
+	// that takes the seats away (see finishOnStop).
 	var st *seat
-	if seats != nil && ctx.Err() == nil {
+	if seats != nil && !excl && ctx.Err() == nil {
 		st = &cd.st
 		if seats.take(ctx, st) == nil {
 			defer st.leave()
 		}
 	}
-	if ctx.Err() != nil && !c.finishOnStop(d) {
-		// Prefetched but not started before the stop: give it back.
+	if ctx.Err() != nil && (hctx.Err() != nil || s.isDead() || !c.finishOnStop(d)) {
+		// Prefetched but not started before the stop: give it back (a
+		// delivery at the edge of MaxDeliveries too, once the shutdown
+		// timeout has passed or the session is gone: it could not be
+		// settled any more).
 		out := c.requeue(s, d)
 		a.settled(d.DeliveryTag, out == settledAbandoned)
 		return
@@ -922,8 +928,10 @@ func (c *Consumer) overDelivered(d *amqp091.Delivery) (int64, bool) {
 // to MaxDeliveries, and the next channel's first delivery past the bound
 // is taken for the message that killed the previous worker (see handle)
 // and dead-lettered without running. So d runs (alone, as every returned
-// delivery), or is dead-lettered here if it already is that first
-// delivery.
+// delivery, within ShutdownTimeout), or is dead-lettered here if it
+// already is that first delivery. A crash loop with a large Prefetch can
+// leave many such deliveries: they run one at a time, so give the process
+// a kill deadline longer than ShutdownTimeout.
 func (c *Consumer) finishOnStop(d *amqp091.Delivery) bool {
 	n := consReturns(d)
 	return c.opts.MaxDeliveries >= 0 && n > 0 && n+1 >= int64(c.opts.MaxDeliveries)

@@ -191,7 +191,8 @@ type ConsumerOptions struct {
 	// does not give back a returned delivery that one more return would
 	// bring to MaxDeliveries (it would come first on the next channel,
 	// past the bound, and be taken for the message that kills workers):
-	// it runs it, alone, before it closes the channel. Retried copies
+	// it runs it, alone, before it closes the channel, within
+	// ShutdownTimeout. Retried copies
 	// start again at zero (the consumer strips x-delivery-count from the
 	// copies it publishes), except those that waited for a key another
 	// owner held, which carry the count over in HeaderReturns.

@@ -14,6 +14,7 @@ import (
 	amqp091 "github.com/rabbitmq/amqp091-go"
 
 	"github.com/idemkit/idem/consumer"
+	"github.com/idemkit/idem/dedup"
 	"github.com/idemkit/idem/dedup/memstore"
 	"github.com/idemkit/idem/internal/childproc"
 	"github.com/idemkit/idem/internal/testkit/testenv"
@@ -187,9 +188,9 @@ func TestConsumerQuorumCrashLoopSparesNeighbours(t *testing.T) {
 					// A redelivered copy the worker had prefetched
 					// but not started is requeued by the graceful
 					// stop, unless one more return would bring it to
-					// MaxDeliveries (a ready count of zero does not
-					// show unacknowledged deliveries): the next worker
-					// settles it.
+					// MaxDeliveries: the next worker settles it. (A
+					// ready count of zero does not show
+					// unacknowledged deliveries.)
 					if consDepth(t, url, q) == 0 {
 						break
 					}
@@ -355,4 +356,76 @@ func TestConsumerQuorumStopRunsNeighbourAtTheBound(t *testing.T) {
 	if dead := consGetAll(t, url, q+".dlq"); len(dead) != 0 {
 		t.Errorf("%d dead letters (first %q)", len(dead), dead[0].MessageId)
 	}
+}
+
+// A returned delivery one return short of MaxDeliveries is in its claim,
+// under consumer.Dedup with more deliveries in flight than handlers
+// (InFlight > Concurrency), when a graceful stop comes. It runs alone, so
+// it holds no handler seat that the stop could take away: it finishes and
+// is acknowledged instead of being given back to reach the bound.
+func TestConsumerQuorumStopDuringAloneClaim(t *testing.T) {
+	url := testenv.AMQPURL()
+	q := consQueueArgs(t, url, consTestDelays, amqp091.Table{"x-queue-type": "quorum"})
+	const maxDeliveries = 3
+	mem, err := memstore.New(memstore.Options{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = mem.Close() })
+	store := &gatedClaims{LeaseStore: mem, entered: make(chan struct{}), release: make(chan struct{})}
+	dd, err := consumer.Dedup(store, consumer.DedupOptions{Scope: "stop-alone"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var runs consRuns
+	h := consumer.Chain(consumer.HandlerFunc(func(_ context.Context, msg *consumer.Message) error {
+		runs.add(msg.ID)
+		return nil
+	}), dd)
+	c, err := NewConsumer(url, q, h, consOpts(ConsumerOptions{
+		QuorumQueue: true, MaxDeliveries: maxDeliveries, Concurrency: 1, InFlight: 2, Prefetch: 10,
+		ShutdownTimeout: 30 * time.Second,
+	}))
+	if err != nil {
+		t.Fatal(err)
+	}
+	// Returned twice already: the count a copy that waited for a held key
+	// carries over.
+	consPublish(t, url, q, amqp091.Publishing{MessageId: "neighbour", Body: []byte("neighbour"),
+		Headers: amqp091.Table{HeaderReturns: int32(maxDeliveries - 1)}})
+	workersStopped := consWorkersStopped(t, c)
+	stop := consStart(t, c)
+	select {
+	case <-store.entered:
+	case <-time.After(60 * time.Second):
+		t.Fatal("the delivery's claim did not start within a minute")
+	}
+	consStopThenRelease(stop, workersStopped, store.release)
+	st := c.Stats()
+	t.Logf("stats %+v", st)
+	if n := runs.get("neighbour"); n != 1 {
+		t.Errorf("the handler ran %d times, want once", n)
+	}
+	if st.Requeued != 0 || st.DeadLettered != 0 || st.Acked != 1 {
+		t.Errorf("stats %+v: want 1 acked, nothing requeued or dead-lettered", st)
+	}
+	if left := consGetAll(t, url, q); len(left) != 0 {
+		t.Errorf("%d messages left in the queue (first %q)", len(left), left[0].MessageId)
+	}
+}
+
+// gatedClaims is a lease store whose first claim waits for release, once
+// it has closed entered.
+type gatedClaims struct {
+	dedup.LeaseStore
+	once             sync.Once
+	entered, release chan struct{}
+}
+
+func (g *gatedClaims) Claim(ctx context.Context, k dedup.Key) (*dedup.Lease, error) {
+	g.once.Do(func() {
+		close(g.entered)
+		<-g.release
+	})
+	return g.LeaseStore.Claim(ctx, k)
 }

@@ -61,9 +61,9 @@
 // its x-delivery-count reaches MaxDeliveries; a neighbour that reaches
 // the count behind it runs, alone, when its turn comes. A graceful stop
 // does not give such a neighbour back (it would then be the next
-// channel's first delivery past the bound): a prefetched delivery that one
-// more return would bring to MaxDeliveries runs before the channel closes. With several
-// workers on the queue the poison message may keep reaching workers that
+// channel's first delivery past the bound): a prefetched delivery that
+// one more return would bring to MaxDeliveries runs before the channel
+// closes, within ShutdownTimeout. With several workers on the queue the poison message may keep reaching workers that
 // are already running, never as a first delivery: past twice MaxDeliveries
 // it is dead-lettered wherever it comes. The cost is one death per
 // delivery of the poison message, MaxDeliveries in all with one worker
