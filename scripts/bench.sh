@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # bench.sh: idem's benchmark table (test/bench), every row side by side with
-# its baseline, and the SQL floors of the database paths (pgbench).
+# its baseline, the SQL floors of the database paths (pgbench), and the
+# Redis rows' commands sent by hand.
 #
 #   scripts/bench.sh [-quick] [-rounds N] [-only REGEXP]
 #

@@ -125,8 +125,9 @@ func (e *env) pgbench(ctx context.Context, script string, secs int) (float64, er
 	if pw, ok := u.User.Password(); ok {
 		cmd.Env = append(cmd.Env, "PGPASSWORD="+pw)
 	}
-	// pgbench connects the way the Go paths do: libpq would otherwise
-	// default to sslmode=prefer and pay for TLS where the pool does not.
+	// pgbench connects with the URL's sslmode, as the Go paths' pool does;
+	// without it libpq would take its own default (prefer), which can
+	// differ from what the URL says.
 	if m := u.Query().Get("sslmode"); m != "" {
 		cmd.Env = append(cmd.Env, "PGSSLMODE="+m)
 	}

@@ -165,8 +165,9 @@ func httpReplayRow() row {
 // no principal, POST, the route /payments.
 const replayScope = "http:0::POST:/payments"
 
-// requestDigest is a request's fingerprint: SHA-256 of its method, path
-// and body.
+// requestDigest is the commands-by-hand side's own fingerprint of a
+// request: SHA-256 of its method, path and body, of the size and about the
+// cost of httpidem's (which digests the request otherwise).
 func requestDigest(method, path string, body []byte) [sha256.Size]byte {
 	d := sha256.New()
 	_, _ = io.WriteString(d, method+" "+path+"\n")
