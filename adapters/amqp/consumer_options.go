@@ -192,10 +192,10 @@ type ConsumerOptions struct {
 	// bring to MaxDeliveries (it would come first on the next channel,
 	// past the bound, and be taken for the message that kills workers):
 	// it runs it, alone, before it closes the channel, within
-	// ShutdownTimeout. Retried copies
-	// start again at zero (the consumer strips x-delivery-count from the
-	// copies it publishes), except those that waited for a key another
-	// owner held, which carry the count over in HeaderReturns.
+	// ShutdownTimeout. Retried copies start again at zero (the consumer
+	// strips x-delivery-count from the copies it publishes), except those
+	// that waited for a key another owner held, which carry the count over
+	// in HeaderReturns.
 	MaxDeliveries int
 	// Bindings bind the work queue to the producer's exchanges.
 	Bindings []ConsumerBinding
