@@ -8,6 +8,7 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/idemkit/idem/dedup"
 	"github.com/idemkit/idem/dedup/pgtable"
@@ -16,14 +17,23 @@ import (
 	"github.com/idemkit/idem/outbox/pgoutbox"
 )
 
-func TestAdmin(t *testing.T) {
-	pool := testenv.Pool(t, 4)
+// migratedSchema returns a pool of maxConns connections, a fresh schema
+// that `idem migrate up` has migrated, and the flags that point the
+// command at it.
+func migratedSchema(t *testing.T, maxConns int32) (*pgxpool.Pool, string, []string) {
+	t.Helper()
+	pool := testenv.Pool(t, maxConns)
 	schema := testenv.Schema(t, pool)
-	ctx := context.Background()
 	pg := []string{"--postgres", testenv.PostgresURL(), "--schema", schema}
-	if code, _, errOut := runCmd(ctx, t, append([]string{"migrate", "up"}, pg...)...); code != 0 {
+	if code, _, errOut := runCmd(context.Background(), t, append([]string{"migrate", "up"}, pg...)...); code != 0 {
 		t.Fatalf("migrate up: %s", errOut)
 	}
+	return pool, schema, pg
+}
+
+func TestAdmin(t *testing.T) {
+	pool, schema, pg := migratedSchema(t, 4)
+	ctx := context.Background()
 	ob, err := pgoutbox.New(pool, pgoutbox.Options{Schema: schema})
 	if err != nil {
 		t.Fatal(err)
@@ -77,13 +87,8 @@ func TestAdmin(t *testing.T) {
 // in flight that still hold their key, and apart from them the rows whose
 // time ran out (a lease nobody completed, a done key past its retention).
 func TestDedupStats(t *testing.T) {
-	pool := testenv.Pool(t, 4)
-	schema := testenv.Schema(t, pool)
+	pool, schema, pg := migratedSchema(t, 4)
 	ctx := context.Background()
-	pg := []string{"--postgres", testenv.PostgresURL(), "--schema", schema}
-	if code, _, errOut := runCmd(ctx, t, append([]string{"migrate", "up"}, pg...)...); code != 0 {
-		t.Fatalf("migrate up: %s", errOut)
-	}
 	store, err := pgtable.New(pool, pgtable.Options{Schema: schema, KeepKeys: true})
 	if err != nil {
 		t.Fatal(err)
@@ -134,13 +139,8 @@ func TestDedupStats(t *testing.T) {
 }
 
 func TestOutboxRequeueMalformedID(t *testing.T) {
-	pool := testenv.Pool(t, 2)
-	schema := testenv.Schema(t, pool)
+	_, _, pg := migratedSchema(t, 2)
 	ctx := context.Background()
-	pg := []string{"--postgres", testenv.PostgresURL(), "--schema", schema}
-	if code, _, errOut := runCmd(ctx, t, append([]string{"migrate", "up"}, pg...)...); code != 0 {
-		t.Fatalf("migrate up: %s", errOut)
-	}
 	code, out, errOut := runCmd(ctx, t, append([]string{"outbox", "requeue", "not-a-uuid"}, pg...)...)
 	if code != 2 || !strings.Contains(errOut, `"not-a-uuid" is not a message id`) || strings.Contains(errOut, "SQLSTATE") {
 		t.Errorf("requeue not-a-uuid: exit %d, stdout %q, stderr %q; want exit 2 and a message naming the id", code, out, errOut)
