@@ -5,7 +5,6 @@ import (
 	"crypto/rand"
 	"crypto/sha256"
 	"encoding/base64"
-	"encoding/binary"
 	"encoding/hex"
 	"errors"
 	"fmt"
@@ -13,6 +12,8 @@ import (
 	"time"
 
 	"github.com/redis/go-redis/v9"
+
+	"github.com/idemkit/idem/dedup"
 )
 
 // The commands-by-hand sides of the Redis rows: the baseline's work plus the Redis
@@ -68,17 +69,11 @@ func handToken() string {
 	return hex.EncodeToString(b[:])
 }
 
-// fingerprint is a message's fingerprint as dedup.FingerprintOf(body)
-// computes it: SHA-256 of the body's length (8 bytes, little endian) and
-// the body.
+// fingerprint is a message's fingerprint, dedup.FingerprintOf(body), as
+// the fixed-size array the records hold.
 func fingerprint(body []byte) [sha256.Size]byte {
-	d := sha256.New()
-	var n [8]byte
-	binary.LittleEndian.PutUint64(n[:], uint64(len(body)))
-	_, _ = d.Write(n[:])
-	_, _ = d.Write(body)
 	var sum [sha256.Size]byte
-	d.Sum(sum[:0])
+	copy(sum[:], dedup.FingerprintOf(body).Bytes())
 	return sum
 }
 
