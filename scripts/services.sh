@@ -5,24 +5,30 @@
 #   scripts/services.sh status [SERVICE...]   probe only; exit 1 if one is down
 #   scripts/services.sh down                  stop what `up` started with docker compose
 #
-# SERVICE is postgres, redis or rabbitmq (the default set), or kafka (only
-# through docker compose; the tests use kfake and need no broker).
+# SERVICE is postgres, redis, rabbitmq, mariadb or nats (the default set), or
+# kafka (only through docker compose; the tests use kfake and need no broker).
 #
 # `up`, for each service:
 #   1. if it answers on its address (TCP connect plus a readiness probe:
-#      pg_isready, a Redis PING, an AMQP protocol handshake), it is used as is;
+#      pg_isready, a Redis PING, an AMQP protocol handshake, the MySQL
+#      server greeting, the NATS INFO line), it is used as is;
 #   2. else, if a Docker engine runs, `docker compose up -d --wait` starts it
 #      from docker-compose.yml;
 #   3. else, on Debian as root, the missing Debian packages are installed
-#      (postgresql, redis-server, rabbitmq-server) and the servers started,
-#      bound to 127.0.0.1;
+#      (postgresql, redis-server, rabbitmq-server, mariadb-server,
+#      nats-server) and the servers started, bound to 127.0.0.1 (NATS with
+#      JetStream on);
 #   4. else it says which service is missing and what to do, and exits 1.
-# With PostgreSQL up, the test database is created if it is missing.
+# With PostgreSQL or MariaDB up, the test database is created if it is
+# missing; on a MariaDB this script installed, root@127.0.0.1 gets an empty
+# password, as the tests connect.
 #
 # Addresses, the same variables the tests read (internal/testkit/testenv):
 #   IDEM_TEST_POSTGRES_URL   postgres://postgres@127.0.0.1:5432/test?sslmode=disable
 #   IDEM_TEST_REDIS_ADDR     127.0.0.1:6379
 #   IDEM_TEST_AMQP_URL       amqp://guest:guest@127.0.0.1:5672/
+#   IDEM_TEST_MYSQL_DSN      root@tcp(127.0.0.1:3306)/test (go-sql-driver/mysql form)
+#   IDEM_TEST_NATS_URL       nats://127.0.0.1:4222
 #   IDEM_TEST_KAFKA_BROKERS  localhost:9092 (first broker; only for SERVICE kafka)
 # A service pointed anywhere but its default local port is only checked:
 # nothing is installed or started for it.
@@ -48,7 +54,7 @@ NO_DOCKER=${IDEM_SERVICES_NO_DOCKER:-0}
 NO_INSTALL=${IDEM_SERVICES_NO_INSTALL:-0}
 SIMULATE_DOWN=" ${IDEM_SERVICES_SIMULATE_DOWN:-} "
 
-DEFAULT_SERVICES=(postgres redis rabbitmq)
+DEFAULT_SERVICES=(postgres redis rabbitmq mariadb nats)
 
 # ---------------------------------------------------------------- helpers
 
@@ -174,6 +180,25 @@ split_url "${IDEM_TEST_AMQP_URL:-amqp://guest:guest@127.0.0.1:5672/}" 5672
 AMQP_HOST=$U_HOST AMQP_PORT=$U_PORT
 AMQP_FROM=${IDEM_TEST_AMQP_URL:+IDEM_TEST_AMQP_URL}
 
+# go-sql-driver/mysql's DSN: [user[:password]@][tcp(host:port)]/dbname[?params]
+MYSQL_DSN=${IDEM_TEST_MYSQL_DSN:-root@tcp(127.0.0.1:3306)/test}
+MYSQL_FROM=${IDEM_TEST_MYSQL_DSN:+IDEM_TEST_MYSQL_DSN}
+MYSQL_USER=root
+[[ $MYSQL_DSN == *@* ]] && MYSQL_USER=${MYSQL_DSN%%@*} && MYSQL_USER=${MYSQL_USER%%:*}
+MYSQL_ADDR=127.0.0.1:3306
+if [[ $MYSQL_DSN == *'tcp('*')'* ]]; then
+	MYSQL_ADDR=${MYSQL_DSN#*tcp(}
+	MYSQL_ADDR=${MYSQL_ADDR%%)*}
+fi
+split_hostport "$MYSQL_ADDR" 3306
+MYSQL_HOST=$SP_HOST MYSQL_PORT=$SP_PORT
+MYSQL_DB=${MYSQL_DSN#*/}
+MYSQL_DB=${MYSQL_DB%%\?*}
+
+split_url "${IDEM_TEST_NATS_URL:-nats://127.0.0.1:4222}" 4222
+NATS_HOST=$U_HOST NATS_PORT=$U_PORT
+NATS_FROM=${IDEM_TEST_NATS_URL:+IDEM_TEST_NATS_URL}
+
 split_hostport "${IDEM_TEST_KAFKA_BROKERS:-localhost:9092}" 9092
 KAFKA_HOST=${SP_HOST%%,*} KAFKA_PORT=${SP_PORT%%,*}
 KAFKA_FROM=${IDEM_TEST_KAFKA_BROKERS:+IDEM_TEST_KAFKA_BROKERS}
@@ -183,23 +208,27 @@ svc_host() {
 	case $1 in
 	postgres) say "$PG_HOST" ;; redis) say "$REDIS_HOST" ;;
 	rabbitmq) say "$AMQP_HOST" ;; kafka) say "$KAFKA_HOST" ;;
+	mariadb) say "$MYSQL_HOST" ;; nats) say "$NATS_HOST" ;;
 	esac
 }
 svc_port() {
 	case $1 in
 	postgres) say "$PG_PORT" ;; redis) say "$REDIS_PORT" ;;
 	rabbitmq) say "$AMQP_PORT" ;; kafka) say "$KAFKA_PORT" ;;
+	mariadb) say "$MYSQL_PORT" ;; nats) say "$NATS_PORT" ;;
 	esac
 }
 svc_from() {
 	case $1 in
 	postgres) say "$PG_FROM" ;; redis) say "$REDIS_FROM" ;;
 	rabbitmq) say "$AMQP_FROM" ;; kafka) say "$KAFKA_FROM" ;;
+	mariadb) say "$MYSQL_FROM" ;; nats) say "$NATS_FROM" ;;
 	esac
 }
 svc_default_port() {
 	case $1 in
 	postgres) say 5432 ;; redis) say 6379 ;; rabbitmq) say 5672 ;; kafka) say 9092 ;;
+	mariadb) say 3306 ;; nats) say 4222 ;;
 	esac
 }
 svc_addr() {
@@ -211,12 +240,14 @@ svc_addr() {
 svc_package() {
 	case $1 in
 	postgres) say postgresql ;; redis) say redis-server ;; rabbitmq) say rabbitmq-server ;;
+	mariadb) say mariadb-server ;; nats) say nats-server ;;
 	esac
 }
 svc_env_var() {
 	case $1 in
 	postgres) say IDEM_TEST_POSTGRES_URL ;; redis) say IDEM_TEST_REDIS_ADDR ;;
 	rabbitmq) say IDEM_TEST_AMQP_URL ;; kafka) say IDEM_TEST_KAFKA_BROKERS ;;
+	mariadb) say IDEM_TEST_MYSQL_DSN ;; nats) say IDEM_TEST_NATS_URL ;;
 	esac
 }
 
@@ -263,6 +294,30 @@ probe_rabbitmq() {
 	reply=$(tmo 10 bash -c 'exec 3<>"/dev/tcp/$0/$1" && printf "AMQP\000\000\011\001" >&3 &&
 		head -c 1 <&3 | od -An -tx1' "$AMQP_HOST" "$AMQP_PORT" 2>/dev/null) || return 1
 	[[ ${reply//[[:space:]]/} == 01 ]]
+}
+
+# The MySQL protocol: the server speaks first, a packet whose fifth byte is
+# the protocol version, 10 (0x0a). A server that refuses the host answers
+# an error packet (0xff) instead.
+probe_mariadb() {
+	tcp_open "$MYSQL_HOST" "$MYSQL_PORT" || return 1
+	local reply
+	# shellcheck disable=SC2016 # $0 and $1 expand in the inner shell
+	reply=$(tmo 10 bash -c 'exec 3<>"/dev/tcp/$0/$1" && head -c 5 <&3 | od -An -tx1' \
+		"$MYSQL_HOST" "$MYSQL_PORT" 2>/dev/null) || return 1
+	reply=${reply//[[:space:]]/}
+	[[ ${reply:8:2} == 0a ]]
+}
+
+# NATS: the server greets every connection with an INFO line; JetStream is
+# on when it says "jetstream":true.
+probe_nats() {
+	tcp_open "$NATS_HOST" "$NATS_PORT" || return 1
+	local line
+	# shellcheck disable=SC2016 # $0 and $1 expand in the inner shell
+	line=$(tmo 5 bash -c 'exec 3<>"/dev/tcp/$0/$1" && IFS= read -r line <&3 && printf "%s" "$line"' \
+		"$NATS_HOST" "$NATS_PORT" 2>/dev/null) || return 1
+	[[ $line == INFO* && $line == *'"jetstream":true'* ]]
 }
 
 probe_kafka() {
@@ -332,6 +387,29 @@ ensure_pg_db() {
 	err "postgres: $(svc_addr postgres) answers, but connecting with ${PG_FROM:-the default URL} ($PG_URL) fails:"
 	err "  ${out//$'\n'/$'\n'  }"
 	err "  the tests connect as user \"$PG_USER\" without a password unless the URL has one: allow it in pg_hba.conf (trust for 127.0.0.1/32), or set IDEM_TEST_POSTGRES_URL"
+	return 1
+}
+
+# ensure_mysql_db: connect as the tests do (when the mariadb client is
+# here) and create the test database if it is the only thing missing.
+ensure_mysql_db() {
+	local client
+	client=$(command -v mariadb || command -v mysql || true)
+	[[ -n $client ]] || return 0 # nothing to check with; the tests will say
+	local pw=() out
+	if [[ $MYSQL_DSN == *:*@* ]]; then
+		local up=${MYSQL_DSN%%@*}
+		pw=("--password=${up#*:}")
+	fi
+	if out=$(tmo 10 "$client" -h "$MYSQL_HOST" -P "$MYSQL_PORT" -u "$MYSQL_USER" ${pw[@]+"${pw[@]}"} \
+		-e "CREATE DATABASE IF NOT EXISTS \`${MYSQL_DB//\`/\`\`}\`" 2>&1); then
+		return 0
+	fi
+	err "mariadb: $(svc_addr mariadb) answers, but the tests' login (${MYSQL_FROM:-the default DSN} $MYSQL_DSN) fails:"
+	err "  ${out//$'\n'/$'\n'  }"
+	err "  the tests connect as $MYSQL_USER from 127.0.0.1 without a password unless the DSN has one:"
+	err "    mariadb -e \"CREATE USER IF NOT EXISTS 'root'@'127.0.0.1' IDENTIFIED BY ''; GRANT ALL ON *.* TO 'root'@'127.0.0.1' WITH GRANT OPTION\""
+	err "  or set IDEM_TEST_MYSQL_DSN"
 	return 1
 }
 
@@ -470,6 +548,40 @@ start_rabbitmq() {
 	run rabbitmq-server -detached || return 1
 }
 
+start_mariadb() {
+	[[ -x /usr/sbin/mariadbd ]] || {
+		err "mariadb: /usr/sbin/mariadbd not found"
+		return 2
+	}
+	run mkdir -p /run/mysqld
+	run chown mysql:mysql /run/mysqld
+	if [[ $INSTALLED_NOW == *" mariadb "* ]]; then
+		if [[ $DRY_RUN == 1 ]]; then
+			say "dry run: would write /etc/mysql/mariadb.conf.d/90-idem.cnf (bind-address = 127.0.0.1)"
+		else
+			mkdir -p /etc/mysql/mariadb.conf.d
+			printf '[mariadbd]\nbind-address = 127.0.0.1\nport = 3306\n' >/etc/mysql/mariadb.conf.d/90-idem.cnf
+		fi
+	fi
+	run start-stop-daemon --start --oknodo --background --exec /usr/sbin/mariadbd || return 1
+	if [[ $INSTALLED_NOW == *" mariadb "* && $DRY_RUN != 1 ]]; then
+		# A fresh install: root over TCP from 127.0.0.1 without a password,
+		# as the tests connect (a test server, never a production one).
+		wait_ready mariadb "$WAIT_TIMEOUT" || return 1
+		mariadb -e "CREATE USER IF NOT EXISTS 'root'@'127.0.0.1' IDENTIFIED BY ''; GRANT ALL ON *.* TO 'root'@'127.0.0.1' WITH GRANT OPTION" || return 1
+	fi
+}
+
+start_nats() {
+	have nats-server || {
+		err "nats: nats-server not found"
+		return 2
+	}
+	run mkdir -p /var/lib/nats-server /var/log
+	run start-stop-daemon --start --oknodo --background --exec "$(command -v nats-server)" -- \
+		-a 127.0.0.1 -p 4222 -js -sd /var/lib/nats-server -l /var/log/nats-server.log || return 1
+}
+
 # -------------------------------------------------------------- commands
 
 # missing_help NAME REASON: what the user must do.
@@ -492,6 +604,16 @@ missing_help() {
 		err "  start RabbitMQ on 127.0.0.1:5672 with the guest/guest user:"
 		err "    docker compose up -d --wait rabbitmq"
 		err "    apt-get install rabbitmq-server && rabbitmq-server -detached   (Debian, as root)"
+		;;
+	mariadb)
+		err "  start MariaDB (10.6 or later) or MySQL 8 on 127.0.0.1:3306 with root from 127.0.0.1 without a password and a database \"$MYSQL_DB\":"
+		err "    docker compose up -d --wait mariadb"
+		err "    apt-get install mariadb-server && start-stop-daemon --start --oknodo --background --exec /usr/sbin/mariadbd   (Debian, as root)"
+		;;
+	nats)
+		err "  start nats-server with JetStream on 127.0.0.1:4222:"
+		err "    docker compose up -d --wait nats"
+		err "    apt-get install nats-server && nats-server -a 127.0.0.1 -p 4222 -js -sd /var/lib/nats-server &   (Debian)"
 		;;
 	kafka)
 		err "  start a Kafka broker on localhost:9092: docker compose up -d --wait kafka"
@@ -526,6 +648,10 @@ cmd_up() {
 		from=$(svc_from "$s")
 		if probe "$s"; then
 			if [[ $s == postgres ]] && ! ensure_pg_db; then
+				failed+=("$s")
+				continue
+			fi
+			if [[ $s == mariadb ]] && ! ensure_mysql_db; then
 				failed+=("$s")
 				continue
 			fi
@@ -623,11 +749,17 @@ cmd_up() {
 				postgres) err "  log: /var/log/postgresql/" ;;
 				redis) err "  log: /var/log/redis/ci.log" ;;
 				rabbitmq) err "  log: /var/log/rabbitmq/" ;;
+				mariadb) err "  log: journalctl, or the error log under /var/lib/mysql/" ;;
+				nats) err "  log: /var/log/nats-server.log" ;;
 				esac
 				failed+=("$s")
 				continue
 			fi
 			if [[ $s == postgres ]] && ! ensure_pg_db; then
+				failed+=("$s")
+				continue
+			fi
+			if [[ $s == mariadb ]] && ! ensure_mysql_db; then
 				failed+=("$s")
 				continue
 			fi
@@ -654,7 +786,7 @@ cmd_down() {
 }
 
 usage() {
-	err "usage: $0 up|status|down [postgres|redis|rabbitmq|kafka ...]"
+	err "usage: $0 up|status|down [postgres|redis|rabbitmq|mariadb|nats|kafka ...]"
 	exit 2
 }
 
@@ -665,7 +797,7 @@ main() {
 	local s
 	for s in "$@"; do
 		case $s in
-		postgres | redis | rabbitmq | kafka) ;;
+		postgres | redis | rabbitmq | mariadb | nats | kafka) ;;
 		*)
 			err "services.sh: unknown service $s"
 			usage
