@@ -38,35 +38,23 @@ func backendByName(t testing.TB, name string) backend {
 	return backend{}
 }
 
-// waitingOnLock reports whether the session conn (its server-side id) waits
-// for a lock, as the server itself tells.
-func waitingOnLock(ctx context.Context, t testing.TB, b backend, db *sql.DB, id int64) bool {
+// waitingOnLock reports whether a statement on s's table waits for a
+// lock, as the server itself tells (each test has a table of its own).
+func waitingOnLock(ctx context.Context, t testing.TB, b backend, db *sql.DB, s *sqltable.Store) bool {
 	t.Helper()
 	var n int
 	var err error
 	if b.dialect == sqltable.MySQL {
-		err = db.QueryRowContext(ctx, "SELECT COUNT(*) FROM information_schema.innodb_trx WHERE trx_state = 'LOCK WAIT' AND trx_mysql_thread_id = ?", id).Scan(&n)
+		err = db.QueryRowContext(ctx, "SELECT COUNT(*) FROM information_schema.innodb_trx WHERE trx_state = 'LOCK WAIT' AND trx_query LIKE ?",
+			"%"+s.Table()+"%").Scan(&n)
 	} else {
-		err = db.QueryRowContext(ctx, "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND pid = $1", id).Scan(&n)
+		err = db.QueryRowContext(ctx, "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND query LIKE $1",
+			"%"+s.Table()+"%").Scan(&n)
 	}
 	if err != nil {
 		t.Fatal(err)
 	}
 	return n > 0
-}
-
-// sessionID is the server's id of conn's session.
-func sessionID(ctx context.Context, t testing.TB, b backend, conn *sql.Conn) int64 {
-	t.Helper()
-	q := "SELECT pg_backend_pid()"
-	if b.dialect == sqltable.MySQL {
-		q = "SELECT CONNECTION_ID()"
-	}
-	var id int64
-	if err := conn.QueryRowContext(ctx, q).Scan(&id); err != nil {
-		t.Fatal(err)
-	}
-	return id
 }
 
 // TestDuplicateWaitsOnFirst: while a first Process holds a key, a claim of
@@ -132,13 +120,7 @@ func testWaitsOnFirst(t *testing.T, b backend, db *sql.DB, s *sqltable.Store, fi
 		firstDone <- err
 	}()
 	<-inFirst
-	conn, err := db.Conn(ctx)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer func() { _ = conn.Close() }()
-	id := sessionID(ctx, t, b, conn)
-	tx, err := conn.BeginTx(ctx, nil)
+	tx, err := db.BeginTx(ctx, nil)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -146,7 +128,7 @@ func testWaitsOnFirst(t *testing.T, b backend, db *sql.DB, s *sqltable.Store, fi
 	secondDone := make(chan error, 1)
 	go func() { secondDone <- s.ClaimTx(ctx, tx, key) }()
 	testenv.Eventually(t, 30*time.Second, "the second claim to wait on the first's lock", func() bool {
-		return waitingOnLock(ctx, t, b, db, id)
+		return waitingOnLock(ctx, t, b, db, s)
 	})
 	select {
 	case err := <-secondDone:
