@@ -4,7 +4,6 @@ import (
 	"context"
 	"database/sql"
 	"fmt"
-	"strings"
 	"time"
 )
 
@@ -68,9 +67,9 @@ func (s *Store) cleanupMySQL(ctx context.Context, cutoff any) (int64, error) {
 	defer func() { _ = tx.Rollback() }()
 	rows, err := tx.QueryContext(ctx, s.sql.cleanupSelect, cutoff, s.opts.CleanupBatch)
 	if err != nil {
-		return 0, err
+		return 0, fmt.Errorf("select a batch: %w", err)
 	}
-	var digests []any
+	var digests [][]byte
 	for rows.Next() {
 		var d []byte
 		if err := rows.Scan(&d); err != nil {
@@ -86,14 +85,25 @@ func (s *Store) cleanupMySQL(ctx context.Context, cutoff any) (int64, error) {
 	if len(digests) == 0 {
 		return 0, tx.Commit()
 	}
-	stmt := s.sql.cleanupDelete + "(" + strings.TrimSuffix(strings.Repeat("?,", len(digests)), ",") + ")"
-	res, err := tx.ExecContext(ctx, stmt, digests...)
+	// One DELETE by primary key per row: a DELETE of a list of keys may
+	// be planned as a scan of the table, which waits for the rows claims
+	// hold locked.
+	del, err := tx.PrepareContext(ctx, s.sql.cleanupDelete)
 	if err != nil {
-		return 0, err
+		return 0, fmt.Errorf("delete a batch: %w", err)
 	}
-	n, err := res.RowsAffected()
-	if err != nil {
-		return 0, err
+	defer func() { _ = del.Close() }()
+	var n int64
+	for _, d := range digests {
+		res, err := del.ExecContext(ctx, d)
+		if err != nil {
+			return 0, fmt.Errorf("delete a batch: %w", err)
+		}
+		m, err := res.RowsAffected()
+		if err != nil {
+			return 0, fmt.Errorf("delete a batch: %w", err)
+		}
+		n += m
 	}
 	if err := tx.Commit(); err != nil {
 		return 0, err

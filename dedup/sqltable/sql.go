@@ -23,7 +23,7 @@ type statements struct {
 	setResult                   string
 	extend, complete, release   string
 	now, cleanup, cleanupSelect string
-	cleanupDelete               string // MySQL: followed by the list of digests
+	cleanupDelete               string // MySQL: one row of a batch
 }
 
 // clock is the SQL of a dialect's clock.
@@ -120,12 +120,12 @@ WHERE digest = ? AND token = ? AND expires_at > {{NOW}}`),
 		st.cleanup = q(`DELETE FROM {{T}} WHERE digest IN (
     SELECT digest FROM {{T}} WHERE expires_at <= ? ORDER BY expires_at LIMIT ?)`)
 	case sqldialect.MySQL:
-		// cutoff, batch; then the digests it found are deleted. MySQL
+		// cutoff, batch; then each digest it found is deleted. MySQL
 		// takes no LIMIT in an IN subquery and no SKIP LOCKED in a
 		// DELETE, so a batch is this select, under READ COMMITTED (no gap
-		// locks), and a delete of what it locked.
+		// locks), and a delete of each row it locked.
 		st.cleanupSelect = q(`SELECT digest FROM {{T}} WHERE expires_at <= ? ORDER BY expires_at LIMIT ? FOR UPDATE SKIP LOCKED`)
-		st.cleanupDelete = q(`DELETE FROM {{T}} WHERE digest IN `)
+		st.cleanupDelete = q(`DELETE FROM {{T}} WHERE digest = ?`)
 	}
 	return st
 }
