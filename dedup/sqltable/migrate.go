@@ -13,6 +13,7 @@ import (
 	"strconv"
 	"strings"
 	"text/template"
+	"time"
 )
 
 //go:embed migrations/*/*.sql
@@ -207,7 +208,7 @@ func (s *Store) migrateMySQL(ctx context.Context, conn *sql.Conn, ms []Migration
 		return errors.New("lock: another Migrate held the lock for 60s; run it again")
 	}
 	defer func() {
-		rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 5e9)
+		rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 5*time.Second)
 		defer cancel()
 		_, _ = conn.ExecContext(rctx, "DO RELEASE_LOCK(?)", s.lockName())
 	}()
