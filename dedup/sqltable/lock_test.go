@@ -280,3 +280,31 @@ func TestLockWaitTimeoutIsTransient(t *testing.T) {
 		t.Fatalf("retry after the first rolled back = %v (ran %v), want it to run", err, ran)
 	}
 }
+
+// TestClaimTxAfterSnapshot: on MariaDB at REPEATABLE READ, a transaction
+// whose snapshot was taken before a first transaction committed the key
+// still answers the duplicate with its result: the read after the INSERT
+// is a locking read, which sees the latest committed row.
+func TestClaimTxAfterSnapshot(t *testing.T) {
+	b := backendByName(t, "mysql")
+	db := testenv.MySQL(t, isolationParam(t, "REPEATABLE-READ"))
+	s := newStore(t, b, db, sqltable.Options{})
+	ctx := testenv.Ctx(t)
+	key := dedup.NewKey("pay", testenv.UniqueID("order"), []byte("1"))
+	tx, err := db.BeginTx(ctx, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = tx.Rollback() }()
+	var n int
+	if err := tx.QueryRowContext(ctx, "SELECT COUNT(*) FROM "+s.Table()).Scan(&n); err != nil { // the snapshot
+		t.Fatal(err)
+	}
+	if _, err := s.Process(ctx, key, func(context.Context, *sql.Tx) ([]byte, error) { return []byte("receipt"), nil }); err != nil {
+		t.Fatal(err)
+	}
+	err = s.ClaimTx(ctx, tx, key)
+	if res, ok := dedup.StoredResult(err); !ok || string(res) != "receipt" {
+		t.Fatalf("ClaimTx in an older snapshot = %v, want a duplicate with the first's result", err)
+	}
+}
