@@ -3,6 +3,7 @@ package main
 import (
 	"context"
 	"errors"
+	"flag"
 	"fmt"
 	"io"
 	"strings"
@@ -101,13 +102,19 @@ const migrateSynopsis = `migrate [flags] up|status|sql
   status  show the applied versions of both; exits 3 when a migration is
           pending, so that a deploy can check the schema before it starts
   sql     print both schemas as SQL, for goose, golang-migrate or by hand
-          (needs no database)`
+          (needs no database)
+
+  With --driver mysql|sqlite|postgres and --dsn, the same for the dedup
+  table of sqltable (database/sql) instead: MySQL/MariaDB, SQLite, or
+  PostgreSQL through database/sql.`
 
 func runMigrate(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	fs := newFlagSet("migrate", migrateSynopsis, stderr)
 	var pg pgFlags
 	pg.register(fs, withDedup|withOutbox)
 	keepKeys := fs.Bool("keep-keys", false, "the dedup table keeps each key's scope and id readable (pgtable.Options.KeepKeys; give the application's setting: converting an older table without it drops them)")
+	driver := fs.String("driver", envDefault("IDEM_DRIVER", ""), "migrate the dedup table of sqltable (database/sql) instead: mysql, sqlite or postgres (or IDEM_DRIVER); needs --dsn")
+	dsn := fs.String("dsn", envDefault("IDEM_DSN", ""), "the database/sql data source name of --driver (or IDEM_DSN), e.g. user@tcp(host:3306)/db or file:app.db")
 	partitioned := fs.Bool("partitioned", false, "the dedup table is partitioned by expiry (pgtable.Options.Partitioned; give the application's setting)")
 	// Accept the action before or after the flags.
 	var action string
@@ -130,6 +137,16 @@ func runMigrate(ctx context.Context, args []string, stdout, stderr io.Writer) er
 		return usageError(fs, "missing action: up, status or sql")
 	default:
 		return usageError(fs, "unknown action %q: want up, status or sql", action)
+	}
+
+	if *driver != "" {
+		schema := ""
+		fs.Visit(func(f *flag.Flag) {
+			if f.Name == "schema" {
+				schema = pg.schema
+			}
+		})
+		return sqlMigrate(ctx, action, *driver, *dsn, schema, pg.dedupTable, *keepKeys, stdout)
 	}
 
 	var db pgtable.DB = noDB{}

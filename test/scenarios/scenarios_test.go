@@ -121,6 +121,15 @@ func (p *leasePayments) charge(ctx context.Context, id string, amount int64, gat
 type backend struct {
 	name string
 	make func(t *testing.T, schema, prefix string, o *testenv.Charges) (payments, payments)
+	// own, when set, makes the instances and their oracle in a database
+	// of the backend's own instead (the stores on database/sql).
+	own func(t *testing.T) (payments, payments, oracle)
+}
+
+// oracle counts the charges of a scenario: testenv.Charges on PostgreSQL,
+// sqlCharges on the databases of sqltable.
+type oracle interface {
+	Check(t testing.TB, want []string, seen map[string][]string)
 }
 
 func newPool(t *testing.T) *pgxpool.Pool { return testenv.Pool(t, 12) }
@@ -147,16 +156,16 @@ func redisStore(t *testing.T, prefix string) *redisnx.Store {
 }
 
 var backends = []backend{
-	{"pgtable", func(t *testing.T, schema, _ string, o *testenv.Charges) (payments, payments) {
+	{name: "pgtable", make: func(t *testing.T, schema, _ string, o *testenv.Charges) (payments, payments) {
 		return &txPayments{pgStore(t, schema), o}, &txPayments{pgStore(t, schema), o}
 	}},
-	{"pgtable_lease", func(t *testing.T, schema, _ string, o *testenv.Charges) (payments, payments) {
+	{name: "pgtable_lease", make: func(t *testing.T, schema, _ string, o *testenv.Charges) (payments, payments) {
 		return &leasePayments{pgStore(t, schema).Lease(), o}, &leasePayments{pgStore(t, schema).Lease(), o}
 	}},
-	{"redisnx", func(t *testing.T, _, prefix string, o *testenv.Charges) (payments, payments) {
+	{name: "redisnx", make: func(t *testing.T, _, prefix string, o *testenv.Charges) (payments, payments) {
 		return &leasePayments{redisStore(t, prefix), o}, &leasePayments{redisStore(t, prefix), o}
 	}},
-	{"twolevel", func(t *testing.T, schema, prefix string, o *testenv.Charges) (payments, payments) {
+	{name: "twolevel", make: func(t *testing.T, schema, prefix string, o *testenv.Charges) (payments, payments) {
 		mk := func() payments {
 			s, err := twolevel.New(redisStore(t, prefix), pgStore(t, schema), twolevel.Options{})
 			if err != nil {
@@ -170,12 +179,17 @@ var backends = []backend{
 
 type env struct {
 	a, b payments
-	o    *testenv.Charges
+	o    oracle
 }
 
 func forEachBackend(t *testing.T, fn func(t *testing.T, e env)) {
 	for _, b := range backends {
 		t.Run(b.name, func(t *testing.T) {
+			if b.own != nil {
+				a, bb, o := b.own(t)
+				fn(t, env{a: a, b: bb, o: o})
+				return
+			}
 			admin := testenv.Pool(t, 3)
 			schema := testenv.Schema(t, admin)
 			o := testenv.NewCharges(t, admin, schema)
@@ -402,6 +416,8 @@ func TestQueueRedeliveryAfterCrash(t *testing.T) {
 				consumer.SetResult(ctx, []byte(r))
 				return err
 			}), consumer.Recover(), mw)
+		case *sqlPayments:
+			h = sqlHandler(t, p, mp, &midTxCrashes)
 		}
 		h = consumer.Chain(h, consumer.Recover())
 

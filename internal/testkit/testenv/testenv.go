@@ -5,9 +5,9 @@
 // start it — except under CI=true or IDEM_REQUIRE_SERVICES=1, where it fails:
 // in CI a missing service is a broken run, never a pass.
 //
-// Addresses come from IDEM_TEST_POSTGRES_URL, IDEM_TEST_REDIS_ADDR and
-// IDEM_TEST_AMQP_URL, defaulting to the local services on their standard
-// ports.
+// Addresses come from IDEM_TEST_POSTGRES_URL, IDEM_TEST_MYSQL_DSN,
+// IDEM_TEST_REDIS_ADDR and IDEM_TEST_AMQP_URL, defaulting to the local
+// services on their standard ports.
 package testenv
 
 import (
