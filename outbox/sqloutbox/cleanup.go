@@ -36,6 +36,9 @@ func (o *Outbox) deleteBatches(ctx context.Context, stmt string, age time.Durati
 			return total, fmt.Errorf("sqloutbox: cleanup %s: %w", o.table, err)
 		}
 		total += n
+		if h := o.afterCleanupBatch; h != nil {
+			h(n)
+		}
 		if n < int64(o.opts.CleanupBatch) {
 			return total, nil
 		}

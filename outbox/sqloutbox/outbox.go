@@ -96,6 +96,8 @@ type Outbox struct {
 	channel string // PostgreSQL: pgoutbox's LISTEN/NOTIFY channel
 	lockNS  int64  // PostgreSQL: pgoutbox's advisory lock namespace of the keys
 	sql     statements
+
+	afterCleanupBatch func(n int64) // test seam
 }
 
 // New returns the Outbox of the table named by opts, on db, which speaks
