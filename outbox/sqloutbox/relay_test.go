@@ -113,7 +113,8 @@ func (e *effects) count(t testing.TB) int {
 // some of them rolling back. Every committed message is published exactly
 // once, in per-key order, nothing of a rolled back transaction is, and a
 // message the broker always rejects is parked dead after MaxAttempts while
-// every other message, its key's later ones included, goes out.
+// every other message, its key's later ones included, goes out; a message
+// published at its third attempt still comes before its key's later ones.
 func TestMariaDBRelaysOracle(t *testing.T) {
 	db := mariaDB(t)
 	ob := newOutbox(t, db, sqloutbox.MySQL, sqloutbox.Options{})
@@ -125,8 +126,18 @@ func TestMariaDBRelaysOracle(t *testing.T) {
 		keyless     = 100
 		maxAttempts = 4
 		poison      = "k007/5"
+		flaky       = "f/1" // rejected at its first two attempts
 	)
-	isPoison := func(m *outbox.Message) bool { return string(m.Payload) == poison }
+	isPoison := func(m *outbox.Message) bool {
+		p := string(m.Payload)
+		return p == poison || (p == flaky && m.Attempt < 3)
+	}
+	// The flaky message's key has later messages before the relays start.
+	committed := map[string]string{} // id -> payload
+	for n := range 5 {
+		m := msg("orders", "f", fmt.Sprintf("f/%d", n))
+		committed[enqueue(t, db, ob, m)[0]] = string(m.Payload)
+	}
 	for i := range 3 {
 		r, err := sqloutbox.NewRelay(ob, &effPublisher{e: eff, relay: i, poison: isPoison}, fastRelay(sqloutbox.RelayOptions{
 			Sessions: 2, BatchSize: 50, MaxAttempts: maxAttempts, CleanupInterval: -1,
@@ -140,7 +151,6 @@ func TestMariaDBRelaysOracle(t *testing.T) {
 	ctx := testenv.Ctx(t)
 	var (
 		mu         sync.Mutex
-		committed  = map[string]string{} // id -> payload
 		rolledBack = map[string]bool{}
 		wg         sync.WaitGroup
 	)
