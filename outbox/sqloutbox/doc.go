@@ -23,8 +23,12 @@
 //     Enqueue locks a slot row of the key in <Table>_keys until the
 //     business transaction ends, so that one key's rows are numbered in
 //     commit order. There is no LISTEN/NOTIFY: an idle relay looks for
-//     work every RelayOptions.PollInterval. Cleanup deletes published rows
-//     with DELETE ... ORDER BY ... LIMIT in a loop.
+//     work every RelayOptions.PollInterval. A claim walks the pending rows
+//     in order until it has BatchSize claimable ones, so a large backlog
+//     on a few keys makes claims slower, not wrong. Writing in READ
+//     COMMITTED needs binlog_format ROW or MIXED where the binary log is
+//     on (the defaults of MySQL 8 and MariaDB). Cleanup deletes published
+//     rows with DELETE ... ORDER BY ... LIMIT in a loop.
 //   - SQLite 3.42 or later (modernc.org/sqlite or another driver):
 //     Enqueue, Migrate and a polling Relay, one relay with one session per
 //     table: SQLite has no SKIP LOCKED, and two relays would publish the
