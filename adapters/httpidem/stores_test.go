@@ -358,8 +358,9 @@ func TestTxStoreFailureAnswers503(t *testing.T) {
 // reply. The middleware reads how the transaction ended on a new connection
 // and replays the committed payment instead of answering 503 ("nothing
 // happened"), and the payment is charged once. When PostgreSQL cannot be
-// reached for that read either, the 503 says the outcome is unknown, and a
-// retry replays the payment.
+// reached for that read either, the 503 says the outcome is unknown, a retry
+// while it is still out of reach says the earlier request's outcome is
+// unknown, and a retry once it is back replays the payment.
 func TestTxCommitReplyLostReplaysCommitted(t *testing.T) {
 	t.Run("read", func(t *testing.T) { lostCommitReply(t, true) })
 	t.Run("unreachable", func(t *testing.T) { lostCommitReply(t, false) })
@@ -426,6 +427,19 @@ func lostCommitReply(t *testing.T, readable bool) {
 	if !readable {
 		if r1.status != http.StatusServiceUnavailable || !strings.Contains(r1.problem(t).Detail, "unknown") {
 			t.Fatalf("outcome unreadable: %d %s; want 503 saying the outcome is unknown", r1.status, r1.body)
+		}
+		// A retry while PostgreSQL is still out of reach cannot claim the
+		// key: its 503 says that this attempt did nothing and that the
+		// earlier request's outcome is unknown, not that the request with
+		// this key was not processed (it committed).
+		r2 := do(t, nil, srv.URL, req{key: "lost-commit", body: body})
+		p2 := r2.problem(t)
+		if r2.status != http.StatusServiceUnavailable || p2.Type != problemStoreUnavailable {
+			t.Fatalf("retry while PostgreSQL is unreachable: %d %s; want 503 %s", r2.status, r2.body, problemStoreUnavailable)
+		}
+		if !strings.Contains(p2.Detail, "earlier request with this key") || !strings.Contains(p2.Detail, "unknown") ||
+			strings.Contains(p2.Detail, "the request was not processed") {
+			t.Fatalf("retry while PostgreSQL is unreachable: detail %q; want it to say the earlier request's outcome is unknown", p2.Detail)
 		}
 		px.SetMode(fault.Pass, 0)
 		r1 = do(t, nil, srv.URL, req{key: "lost-commit", body: body})
