@@ -9,7 +9,8 @@
 //   - a live lease there is checked with one read of the key's committed
 //     row in the database, which does not wait for the lease's holder
 //     (pgtable.Store.Lookup): a committed row is the answer (a duplicate
-//     with its stored result), and without one the answer is ErrInFlight.
+//     with its stored result), without one the answer is ErrInFlight, and
+//     when the database cannot be read, its error.
 //     A lease whose completion failed (the cache was unreachable after the
 //     commit) stays live until it runs out; the read keeps it from hiding
 //     the committed row meanwhile;
@@ -160,8 +161,8 @@ func (s *Store) Process(ctx context.Context, key dedup.Key, fn dedup.TxFunc[pgx.
 // checkInFlight answers a key whose lease the cache holds (cerr, its
 // ErrInFlight) from the key's committed row in the database, when there is
 // one: the lease's holder may have committed and failed to complete the
-// mark. Without a committed row, or when the database cannot be read, the
-// cache's in-flight answer stands.
+// mark. Without a committed row the cache's in-flight answer stands; when
+// the database cannot be read, its error is the answer.
 func (s *Store) checkInFlight(ctx context.Context, key dedup.Key, cerr error) error {
 	err := s.db.Lookup(ctx, key)
 	switch {
@@ -175,11 +176,10 @@ func (s *Store) checkInFlight(ctx context.Context, key dedup.Key, cerr error) er
 		s.tel.Answered(ctx, telemetry.SourceDatabaseOther)
 		return err
 	default:
-		s.tel.Answered(ctx, telemetry.SourceCacheInFlight)
-		if ctx.Err() == nil {
-			s.opts.Logger.Warn("twolevel: reading the key's row of an in-flight lease failed; answering in flight", "err", err)
-		}
-		return cerr
+		// Whether the lease's holder committed is unknown: the
+		// database's error says so better than "in flight".
+		s.tel.Answered(ctx, telemetry.SourceDatabaseOther)
+		return err
 	}
 }
 

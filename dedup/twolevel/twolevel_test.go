@@ -359,3 +359,48 @@ func TestFailedCompleteDoesNotHideTheCommit(t *testing.T) {
 	}
 	charges.Check(t, []string{"pay-1", "pay-2"}, seen)
 }
+
+// TestInFlightUncheckedIsAnError: the cache holds the key's lease and the
+// database cannot be read, so whether the lease's holder committed is
+// unknown: Process answers the database's error, neither "in flight" nor a
+// run of fn.
+func TestInFlightUncheckedIsAnError(t *testing.T) {
+	rdb := testenv.Redis(t)
+	prefix := testenv.Name("idem2l")
+	t.Cleanup(func() { flushPrefix(t, rdb, prefix) })
+	cache, err := redisnx.New(rdb, redisnx.Options{Prefix: prefix})
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg, err := pgxpool.ParseConfig("postgres://postgres@" + testenv.DeadAddr(t) + "/test?connect_timeout=2")
+	if err != nil {
+		t.Fatal(err)
+	}
+	deadPool, err := pgxpool.NewWithConfig(context.Background(), cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(deadPool.Close)
+	db, err := pgtable.New(deadPool, pgtable.Options{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	mp := telemetrytest.NewMetrics(t)
+	s, err := twolevel.New(cache, db, twolevel.Options{CacheTimeout: 10 * time.Second, MeterProvider: mp})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx := testenv.Ctx(t)
+	key := dedup.NewKey("pay", testenv.UniqueID("p"), []byte("x"))
+	if _, err := cache.Claim(ctx, key); err != nil { // the lease of a holder whose outcome is unknown
+		t.Fatal(err)
+	}
+	ran := false
+	_, err = s.Process(ctx, key, func(context.Context, pgx.Tx) ([]byte, error) { ran = true; return nil, nil })
+	if err == nil || errors.Is(err, dedup.ErrInFlight) || errors.Is(err, dedup.ErrDuplicate) || ran {
+		t.Fatalf("Process with a cache lease and the database down = %v (fn ran: %v); want the database's error", err, ran)
+	}
+	if n := answers(mp, telemetry.SourceDatabaseOther); n != 1 {
+		t.Fatalf("db_other counted %d times, want 1", n)
+	}
+}
