@@ -49,10 +49,12 @@
 //	                           headers and Idempotent-Replayed: true
 //	500 Internal Server Error  the response passed MaxResponseBytes (see Options)      lease: yes
 //	503 Service Unavailable    the store failed, or the transaction did not commit;    no
-//	                           with Retry-After; nothing happened (fail closed),
-//	                           unless the detail says the outcome is unknown
-//	                           (PostgreSQL unreachable after a broken COMMIT):
-//	                           a retry with the key then replays or runs
+//	                           with Retry-After; this request changed nothing (fail
+//	                           closed), unless the detail says its outcome is unknown
+//	                           (PostgreSQL unreachable after a broken COMMIT). An
+//	                           earlier request with the key may have been processed
+//	                           (a store that cannot be reached says its outcome is
+//	                           unknown): a retry with the key then replays or runs
 //
 // # Stores
 //

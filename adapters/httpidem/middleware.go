@@ -313,8 +313,11 @@ func (m *Middleware) answer(w http.ResponseWriter, r *http.Request, rq *request,
 			m.opts.Logger.WarnContext(r.Context(), "httpidem: store failed; answering 503",
 				slog.String("key_hash", key.Hash()), slog.Any("error", err))
 		}
+		// The claim failed: this request ran nothing. What an earlier
+		// request with the key did (a commit whose reply was lost, a
+		// response whose storing failed) the store cannot say now.
 		p = newProblem(http.StatusServiceUnavailable, problemStoreUnavailable, "Idempotency store unavailable",
-			"the request was not processed; retry with the same key")
+			"this request was not run: the idempotency store could not be reached. Whether an earlier request with this key was processed is unknown; retry with the same key: the stored response of a processed request is replayed")
 		p.RetryAfter = m.opts.RetryAfter
 		o = outcomeStoreError
 	}

@@ -171,7 +171,8 @@ type Options struct {
 	//     stored.
 	//   - consumer.OutcomeStoreError: 503 (500 for a stored response that
 	//     cannot be decoded): the store failed, or a transaction did not
-	//     commit; nothing happened.
+	//     commit; this request changed nothing, unless its commit's
+	//     outcome is unknown.
 	//   - consumer.OutcomeLeaseLost: the lease ran out while the handler
 	//     ran; its response was sent but not stored.
 	//   - consumer.OutcomeReleased: the handler ran but nothing is stored,

@@ -20,9 +20,12 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/redis/go-redis/v9"
 
 	"github.com/idemkit/idem/adapters/httpidem"
 	"github.com/idemkit/idem/dedup/pgtable"
+	"github.com/idemkit/idem/dedup/redisnx"
+	"github.com/idemkit/idem/dedup/twolevel"
 	"github.com/idemkit/idem/internal/testkit/fault"
 	"github.com/idemkit/idem/internal/testkit/testenv"
 )
@@ -358,8 +361,9 @@ func TestTxStoreFailureAnswers503(t *testing.T) {
 // reply. The middleware reads how the transaction ended on a new connection
 // and replays the committed payment instead of answering 503 ("nothing
 // happened"), and the payment is charged once. When PostgreSQL cannot be
-// reached for that read either, the 503 says the outcome is unknown, and a
-// retry replays the payment.
+// reached for that read either, the 503 says the outcome is unknown, a retry
+// while it is still out of reach says the earlier request's outcome is
+// unknown, and a retry once it is back replays the payment.
 func TestTxCommitReplyLostReplaysCommitted(t *testing.T) {
 	t.Run("read", func(t *testing.T) { lostCommitReply(t, true) })
 	t.Run("unreachable", func(t *testing.T) { lostCommitReply(t, false) })
@@ -426,6 +430,19 @@ func lostCommitReply(t *testing.T, readable bool) {
 	if !readable {
 		if r1.status != http.StatusServiceUnavailable || !strings.Contains(r1.problem(t).Detail, "unknown") {
 			t.Fatalf("outcome unreadable: %d %s; want 503 saying the outcome is unknown", r1.status, r1.body)
+		}
+		// A retry while PostgreSQL is still out of reach cannot claim the
+		// key: its 503 says that this attempt did nothing and that the
+		// earlier request's outcome is unknown, not that the request with
+		// this key was not processed (it committed).
+		r2 := do(t, nil, srv.URL, req{key: "lost-commit", body: body})
+		p2 := r2.problem(t)
+		if r2.status != http.StatusServiceUnavailable || p2.Type != problemStoreUnavailable {
+			t.Fatalf("retry while PostgreSQL is unreachable: %d %s; want 503 %s", r2.status, r2.body, problemStoreUnavailable)
+		}
+		if !strings.Contains(p2.Detail, "earlier request with this key") || !strings.Contains(p2.Detail, "unknown") ||
+			strings.Contains(p2.Detail, "the request was not processed") {
+			t.Fatalf("retry while PostgreSQL is unreachable: detail %q; want it to say the earlier request's outcome is unknown", p2.Detail)
 		}
 		px.SetMode(fault.Pass, 0)
 		r1 = do(t, nil, srv.URL, req{key: "lost-commit", body: body})
@@ -581,4 +598,71 @@ func waitBlockedBy(t *testing.T, pid int32, what string) {
 			`SELECT count(*) FROM pg_stat_activity WHERE $1::int = ANY (pg_blocking_pids(pid))`, pid).Scan(&n)
 		return n == 1
 	})
+}
+
+// A twolevel store whose cache (Redis) is unreachable for a moment after the
+// payment committed keeps the key's Redis lease live, its Complete having
+// failed. The retry of the paid request is the replay of its 201, from the
+// committed row in PostgreSQL, not a 409 "in progress" for as long as the
+// lease lasts; the payment is charged once.
+func TestTwoLevelFailedCacheCompleteReplays(t *testing.T) {
+	direct := testenv.Redis(t)
+	prefix := testenv.Name("httpidem2l")
+	t.Cleanup(func() { // the lease the failed Complete left
+		keys, err := direct.Keys(context.Background(), prefix+":*").Result()
+		if err == nil && len(keys) > 0 {
+			err = direct.Del(context.Background(), keys...).Err()
+		}
+		if err != nil {
+			t.Errorf("cleanup: %v", err)
+		}
+	})
+	pool := testenv.Pool(t, 4)
+	schema := testenv.Schema(t, pool)
+	o := testenv.NewCharges(t, pool, schema)
+	px, err := fault.NewProxy(testenv.RedisAddr())
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = px.Close() })
+	rdb := redis.NewClient(&redis.Options{Addr: px.Addr(), MaxRetries: -1, DialerRetries: 1})
+	t.Cleanup(func() { _ = rdb.Close() })
+	cache, err := redisnx.New(rdb, redisnx.Options{Prefix: prefix}) // the default 30s lease
+	if err != nil {
+		t.Fatal(err)
+	}
+	store, err := twolevel.New(cache, pgStore(t, pool, schema), twolevel.Options{CacheTimeout: 10 * time.Second})
+	if err != nil {
+		t.Fatal(err)
+	}
+	mw, err := httpidem.NewTx(store, httpidem.Options{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	pay := &payments{o: o}
+	var cutNext atomic.Bool
+	srv := quietServer(t, mw.Handler(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		pay.ServeHTTP(w, r) // the charge, in the request's transaction
+		if cutNext.Load() {
+			px.SetMode(fault.Reset, 0) // the commit goes through; the cache's Complete fails
+		}
+	})))
+	body := `{"id":"pay-1","amount":100}`
+	cutNext.Store(true)
+	r1 := do(t, nil, srv.URL, req{key: "cache-cut", body: body})
+	cutNext.Store(false)
+	px.SetMode(fault.Pass, 0)
+	if r1.status != http.StatusCreated {
+		t.Fatalf("first payment: %d %s", r1.status, r1.body)
+	}
+	r2 := do(t, nil, srv.URL, req{key: "cache-cut", body: body})
+	if r2.status != http.StatusCreated || !r2.replayed() || string(r2.body) != string(r1.body) {
+		t.Fatalf("retry after the cache's Complete failed: %d %s (replayed %v); want the replay of %s", r2.status, r2.body, r2.replayed(), r1.body)
+	}
+	if n := o.Count(t); n != 1 {
+		t.Fatalf("%d charges, want 1", n)
+	}
+	if n := pay.calls.Load(); n != 1 {
+		t.Fatalf("the handler ran %d times, want 1", n)
+	}
 }

@@ -1,13 +1,19 @@
 // Package twolevel puts a fast lease store (dedup/redisnx, or memstore) in
-// front of dedup/pgtable: a cache answers hot
-// duplicates and in-flight collisions without touching PostgreSQL, and the
-// claim in the business transaction decides.
+// front of dedup/pgtable: a cache answers hot duplicates without touching
+// PostgreSQL, and the claim in the business transaction decides.
 //
 // Process first claims the key in the cache:
 //
 //   - a completed mark there is a duplicate, answered without the database;
-//   - a live lease there is ErrInFlight, answered without the database;
 //   - a fingerprint mismatch there is answered without the database;
+//   - a live lease there is checked with one read of the key's committed
+//     row in the database, which does not wait for the lease's holder
+//     (pgtable.Store.Lookup): a committed row is the answer (a duplicate
+//     with its stored result), without one the answer is ErrInFlight, and
+//     when the database cannot be read, its error.
+//     A lease whose completion failed (the cache was unreachable after the
+//     commit) stays live until it runs out; the read keeps it from hiding
+//     the committed row meanwhile;
 //   - otherwise (a new lease, or the cache is unreachable) the database claim
 //     runs in the transaction, exactly as pgtable.Store.Process does.
 //
@@ -21,11 +27,12 @@
 // Each Process call is counted by the level that answered it: the
 // OpenTelemetry counter idem.twolevel.answers, whose idem.source attribute is
 // cache_duplicate (a completed mark in the cache), cache_in_flight (a live
-// lease in the cache), cache_mismatch (a fingerprint mismatch in the cache),
-// cache_unavailable (the cache failed; the database decided alone), db_first
-// (the database claim won), db_duplicate (a duplicate the cache did not
-// know) or db_other (a mismatch, an error or a failed fn). A high
-// db_duplicate share means the cache loses its marks.
+// lease in the cache, and no committed row in the database), cache_mismatch
+// (a fingerprint mismatch in the cache), cache_unavailable (the cache
+// failed; the database decided alone), db_first (the database claim won),
+// db_duplicate (a duplicate the cache did not know, or held as in flight)
+// or db_other (a mismatch, an error or a failed fn). A high db_duplicate
+// share means the cache loses its marks or fails to complete them.
 package twolevel
 
 import (
@@ -112,8 +119,7 @@ func (s *Store) Process(ctx context.Context, key dedup.Key, fn dedup.TxFunc[pgx.
 		s.tel.Answered(ctx, telemetry.SourceCacheDuplicate)
 		return nil, cerr
 	case errors.Is(cerr, dedup.ErrInFlight):
-		s.tel.Answered(ctx, telemetry.SourceCacheInFlight)
-		return nil, cerr
+		return nil, s.checkInFlight(ctx, key, cerr)
 	case errors.Is(cerr, dedup.ErrFingerprintMismatch):
 		s.tel.Answered(ctx, telemetry.SourceCacheMismatch)
 		return nil, cerr
@@ -152,6 +158,31 @@ func (s *Store) Process(ctx context.Context, key dedup.Key, fn dedup.TxFunc[pgx.
 	}
 }
 
+// checkInFlight answers a key whose lease the cache holds (cerr, its
+// ErrInFlight) from the key's committed row in the database, when there is
+// one: the lease's holder may have committed and failed to complete the
+// mark. Without a committed row the cache's in-flight answer stands; when
+// the database cannot be read, its error is the answer.
+func (s *Store) checkInFlight(ctx context.Context, key dedup.Key, cerr error) error {
+	err := s.db.Lookup(ctx, key)
+	switch {
+	case err == nil, errors.Is(err, dedup.ErrInFlight):
+		s.tel.Answered(ctx, telemetry.SourceCacheInFlight)
+		return cerr
+	case errors.Is(err, dedup.ErrDuplicate):
+		s.tel.Answered(ctx, telemetry.SourceDatabaseDuplicate)
+		return err
+	case errors.Is(err, dedup.ErrFingerprintMismatch):
+		s.tel.Answered(ctx, telemetry.SourceDatabaseOther)
+		return err
+	default:
+		// Whether the lease's holder committed is unknown: the
+		// database's error says so better than "in flight".
+		s.tel.Answered(ctx, telemetry.SourceDatabaseOther)
+		return err
+	}
+}
+
 func (s *Store) complete(ctx context.Context, lease *dedup.Lease, result []byte) {
 	if lease == nil {
 		return
@@ -159,8 +190,10 @@ func (s *Store) complete(ctx context.Context, lease *dedup.Lease, result []byte)
 	cctx, cancel := s.cacheCtx(ctx)
 	defer cancel()
 	if err := s.cache.Complete(cctx, lease, result); err != nil {
-		// The database holds the truth; the next duplicate costs a
-		// database round trip and writes the mark back.
+		// The database holds the truth. The lease stays live until it
+		// runs out: meanwhile a duplicate finds it in flight and reads
+		// the committed row (checkInFlight); after it, the duplicate's
+		// database claim finds the row and writes the mark back.
 		s.opts.Logger.Warn("twolevel: completing the cache mark failed", "err", err)
 	}
 }

@@ -19,6 +19,7 @@ import (
 	"github.com/idemkit/idem/dedup/redisnx"
 	"github.com/idemkit/idem/dedup/twolevel"
 	"github.com/idemkit/idem/internal/telemetry"
+	"github.com/idemkit/idem/internal/testkit/fault"
 	"github.com/idemkit/idem/internal/testkit/telemetrytest"
 	"github.com/idemkit/idem/internal/testkit/testenv"
 )
@@ -265,5 +266,141 @@ func TestNewErrors(t *testing.T) {
 	}
 	if _, err := twolevel.New(cache, db, twolevel.Options{CacheTimeout: -1}); err == nil {
 		t.Error("negative CacheTimeout accepted")
+	}
+}
+
+// TestFailedCompleteDoesNotHideTheCommit: the cache becomes unreachable
+// between the database commit and the cache's Complete, so the cache keeps a
+// live lease for a key whose payment committed. The next duplicate, with
+// the cache reachable again and the lease still live, is answered from the
+// committed row (a duplicate with the receipt), not "in flight"; a key
+// whose transaction is really running is still in flight.
+func TestFailedCompleteDoesNotHideTheCommit(t *testing.T) {
+	pool := testenv.Pool(t, 8)
+	direct := testenv.Redis(t)
+	px, err := fault.NewProxy(testenv.RedisAddr())
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = px.Close() })
+	rdb := redis.NewClient(&redis.Options{Addr: px.Addr(), MaxRetries: -1, DialerRetries: 1})
+	t.Cleanup(func() { _ = rdb.Close() })
+	f := newFixture(t, pool, rdb)
+	t.Cleanup(func() { flushPrefix(t, direct, f.prefix) }) // the proxied client is closed by then
+	schema := testenv.Schema(t, pool)
+	charges := testenv.NewCharges(t, pool, schema)
+	ctx := testenv.Ctx(t)
+
+	pay := func(id string, then func()) dedup.TxFunc[pgx.Tx] {
+		return func(ctx context.Context, tx pgx.Tx) ([]byte, error) {
+			receipt := testenv.Receipt()
+			if _, err := tx.Exec(ctx, charges.Insert(), id, receipt, 100); err != nil {
+				return nil, err
+			}
+			then()
+			return []byte(receipt), nil
+		}
+	}
+	seen := map[string][]string{}
+	key := dedup.NewKey("pay", testenv.UniqueID("p"), []byte("100"))
+	// The cache is cut off once the charge is written: the commit goes
+	// through, the Complete that follows it fails.
+	res, err := f.store.Process(ctx, key, pay("pay-1", func() { px.SetMode(fault.Reset, 0) }))
+	if err != nil {
+		t.Fatalf("first payment: %v", err)
+	}
+	seen["pay-1"] = append(seen["pay-1"], string(res))
+	px.SetMode(fault.Pass, 0)
+
+	// The lease the failed Complete left behind is live.
+	probe, err := redisnx.New(direct, redisnx.Options{Prefix: f.prefix})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := probe.Claim(ctx, key); !errors.Is(err, dedup.ErrInFlight) {
+		t.Fatalf("cache claim after the failed Complete = %v; want the live lease (ErrInFlight)", err)
+	}
+
+	for i := range 3 {
+		_, err := f.store.Process(ctx, key, pay("pay-1", func() {}))
+		stored, ok := dedup.StoredResult(err)
+		if !ok {
+			t.Fatalf("duplicate %d after a failed Complete = %v; want ErrDuplicate with the committed receipt (answers %v)", i, err, f.stats())
+		}
+		seen["pay-1"] = append(seen["pay-1"], string(stored))
+	}
+	if n := f.count(telemetry.SourceDatabaseDuplicate); n != 3 {
+		t.Fatalf("answers %v: want 3 duplicates answered from the database", f.stats())
+	}
+
+	// A payment whose transaction is open is in flight, and the read of
+	// its row does not wait for it.
+	key2 := dedup.NewKey("pay", testenv.UniqueID("p"), []byte("100"))
+	entered, release := make(chan struct{}), make(chan struct{})
+	done := make(chan error, 1)
+	go func() {
+		res, err := f.store.Process(ctx, key2, pay("pay-2", func() { close(entered); <-release }))
+		if err == nil {
+			seen["pay-2"] = append(seen["pay-2"], string(res))
+		}
+		done <- err
+	}()
+	<-entered
+	_, err = f.store.Process(ctx, key2, pay("pay-2", func() {}))
+	close(release)
+	if werr := <-done; werr != nil {
+		t.Fatalf("second payment: %v", werr)
+	}
+	if !errors.Is(err, dedup.ErrInFlight) {
+		t.Fatalf("duplicate of a payment in progress = %v; want ErrInFlight", err)
+	}
+	if n := f.count(telemetry.SourceCacheInFlight); n != 1 {
+		t.Fatalf("answers %v: want 1 in-flight answer", f.stats())
+	}
+	charges.Check(t, []string{"pay-1", "pay-2"}, seen)
+}
+
+// TestInFlightUncheckedIsAnError: the cache holds the key's lease and the
+// database cannot be read, so whether the lease's holder committed is
+// unknown: Process answers the database's error, neither "in flight" nor a
+// run of fn.
+func TestInFlightUncheckedIsAnError(t *testing.T) {
+	rdb := testenv.Redis(t)
+	prefix := testenv.Name("idem2l")
+	t.Cleanup(func() { flushPrefix(t, rdb, prefix) })
+	cache, err := redisnx.New(rdb, redisnx.Options{Prefix: prefix})
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg, err := pgxpool.ParseConfig("postgres://postgres@" + testenv.DeadAddr(t) + "/test?connect_timeout=2")
+	if err != nil {
+		t.Fatal(err)
+	}
+	deadPool, err := pgxpool.NewWithConfig(context.Background(), cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(deadPool.Close)
+	db, err := pgtable.New(deadPool, pgtable.Options{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	mp := telemetrytest.NewMetrics(t)
+	s, err := twolevel.New(cache, db, twolevel.Options{CacheTimeout: 10 * time.Second, MeterProvider: mp})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx := testenv.Ctx(t)
+	key := dedup.NewKey("pay", testenv.UniqueID("p"), []byte("x"))
+	if _, err := cache.Claim(ctx, key); err != nil { // the lease of a holder whose outcome is unknown
+		t.Fatal(err)
+	}
+	ran := false
+	_, err = s.Process(ctx, key, func(context.Context, pgx.Tx) ([]byte, error) { ran = true; return nil, nil })
+	if err == nil || errors.Is(err, dedup.ErrInFlight) || errors.Is(err, dedup.ErrDuplicate) || ran {
+		t.Fatalf("Process with a cache lease and the database down = %v (fn ran: %v); want the database's error", err, ran)
+	}
+	if n := answers(mp, telemetry.SourceDatabaseOther); n != 1 {
+		t.Fatalf("db_other counted %d times, want 1", n)
 	}
 }
