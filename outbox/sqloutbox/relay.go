@@ -438,9 +438,9 @@ func (r *Relay) mark(ctx context.Context, tx *sql.Tx, batch []claimed, pe *outbo
 func (r *Relay) fatal(err error) error {
 	switch {
 	case missingTable(r.ob.dialect, err):
-		return fmt.Errorf("%w: %s does not exist; run Migrate: %v", errFatal, r.ob.table, err)
+		return fmt.Errorf("%w: %s does not exist; run Migrate: %w", errFatal, r.ob.table, err)
 	case r.ob.dialect == MySQL && mysqlErrorNumber(err) == 1064:
-		return fmt.Errorf("%w: the server does not understand the claim; the relay needs FOR UPDATE SKIP LOCKED (MySQL 8, MariaDB 10.6 or later): %v", errFatal, err)
+		return fmt.Errorf("%w: the server does not understand the claim; the relay needs FOR UPDATE SKIP LOCKED (MySQL 8, MariaDB 10.6 or later): %w", errFatal, err)
 	}
 	return nil
 }

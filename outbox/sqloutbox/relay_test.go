@@ -500,3 +500,49 @@ func TestRunWithoutTable(t *testing.T) {
 		})
 	}
 }
+
+// A relay stopped between publish and mark finishes the batch in flight
+// (within ShutdownTimeout): its rows are marked, and a relay started
+// afterwards publishes the rest, each message once.
+func TestMariaDBRelayStoppedBetweenPublishAndMark(t *testing.T) {
+	db := mariaDB(t)
+	ob := newOutbox(t, db, sqloutbox.MySQL, sqloutbox.Options{})
+	var want []string
+	for k := range 20 {
+		want = append(want, enqueue(t, db, ob, msg("t", fmt.Sprintf("k%02d", k), "x"))...)
+	}
+	pub := &memPublisher{}
+	r, err := sqloutbox.NewRelay(ob, pub, fastRelay(sqloutbox.RelayOptions{BatchSize: 5, CleanupInterval: -1}))
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(testenv.Ctx(t))
+	defer cancel()
+	var batch []string
+	sqloutbox.SetAfterPublish(r, func(_ *sql.Tx, msgs []*outbox.Message, _ error) {
+		if batch == nil {
+			for _, m := range msgs {
+				batch = append(batch, m.ID)
+			}
+			cancel()
+		}
+	})
+	if err := r.Run(ctx); err != nil {
+		t.Fatalf("Run: %v", err)
+	}
+	if len(batch) != 5 {
+		t.Fatalf("first batch of %d, want 5", len(batch))
+	}
+	if n := countState(t, db, ob, 1); n != len(batch) {
+		t.Fatalf("%d rows marked after the stop, want the %d of the batch in flight", n, len(batch))
+	}
+	sqloutbox.SetAfterPublish(r, nil)
+	start(t, r)
+	testenv.Eventually(t, 30*time.Second, "every row marked published", func() bool { return countState(t, db, ob, 1) == len(want) })
+	got := pub.publishedIDs()
+	for _, id := range want {
+		if got[id] != 1 {
+			t.Errorf("message %s published %d times, want 1", id, got[id])
+		}
+	}
+}
