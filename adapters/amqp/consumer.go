@@ -431,6 +431,9 @@ func (s *consSession) close() {
 func (c *Consumer) connect(ctx context.Context, wg *sync.WaitGroup) (*consSession, error) {
 	conn, err := c.dial(ctx)
 	if err != nil {
+		if c.shared {
+			return nil, err // ErrConnectionClosed: nothing was dialled
+		}
 		return nil, fmt.Errorf("dial: %w", err)
 	}
 	if conn == nil {
@@ -444,10 +447,10 @@ func (c *Consumer) connect(ctx context.Context, wg *sync.WaitGroup) (*consSessio
 		}
 	}()
 	if s.ch, err = conn.Channel(); err != nil {
-		return nil, fmt.Errorf("open channel: %w", err)
+		return nil, c.channelErr(conn, err)
 	}
 	if c.opts.NoDeclare {
-		err = c.check(s.ch)
+		err = c.check(conn, s.ch)
 	} else {
 		err = c.declare(s.ch)
 	}
@@ -458,7 +461,7 @@ func (c *Consumer) connect(ctx context.Context, wg *sync.WaitGroup) (*consSessio
 		return nil, fmt.Errorf("qos: %w", err)
 	}
 	if s.pub, err = conn.Channel(); err != nil {
-		return nil, fmt.Errorf("open channel: %w", err)
+		return nil, c.channelErr(conn, err)
 	}
 	if err := s.pub.Confirm(false); err != nil {
 		return nil, fmt.Errorf("confirm mode: %w", err)
@@ -501,67 +504,6 @@ func (c *Consumer) connect(ctx context.Context, wg *sync.WaitGroup) (*consSessio
 	ok = true
 	c.stats.connects.Add(1)
 	return s, nil
-}
-
-// check verifies, passively, that the topology Run uses exists when it is
-// declared elsewhere (ConsumerOptions.NoDeclare): the work queue, each
-// retry queue and the dead-letter exchange. The first one missing fails
-// with NOT_FOUND, which closes ch and makes Run return.
-func (c *Consumer) check(ch *amqp091.Channel) error {
-	type need struct{ what, name, hint string }
-	needs := []need{{"work queue", c.queue, ""}}
-	for _, d := range c.delays {
-		needs = append(needs, need{"retry queue", consRetryQueue(c.queue, d), fmt.Sprintf(
-			" (declare it with x-dead-letter-exchange \"\" and x-dead-letter-routing-key %q, and optionally x-message-ttl %d)", c.queue, d.Milliseconds())})
-	}
-	for _, n := range needs {
-		if _, err := ch.QueueDeclarePassive(n.name, false, false, false, false, nil); err != nil {
-			return fmt.Errorf("%w: %s %q: %w%s", ErrTopologyMissing, n.what, n.name, err, n.hint)
-		}
-	}
-	if err := ch.ExchangeDeclarePassive(c.opts.DeadLetterExchange, amqp091.ExchangeDirect, false, false, false, false, nil); err != nil {
-		return fmt.Errorf("%w: dead-letter exchange %q: %w (it must route routing key %q to a queue)", ErrTopologyMissing, c.opts.DeadLetterExchange, err, c.queue)
-	}
-	return nil
-}
-
-// ErrTopologyMissing is the cause of Run's error when
-// ConsumerOptions.NoDeclare is set and a queue or exchange it needs does
-// not exist.
-var ErrTopologyMissing = errors.New("amqp: topology declared elsewhere is missing (NoDeclare)")
-
-// declare declares the topology; every call is idempotent.
-func (c *Consumer) declare(ch *amqp091.Channel) error {
-	durable := !c.opts.NotDurable
-	if _, err := ch.QueueDeclare(c.queue, durable, false, false, false, c.opts.QueueArgs); err != nil {
-		return fmt.Errorf("declare queue %q: %w", c.queue, err)
-	}
-	for _, b := range c.opts.Bindings {
-		if err := ch.QueueBind(c.queue, b.Key, b.Exchange, false, b.Args); err != nil {
-			return fmt.Errorf("bind queue %q to exchange %q with key %q: %w", c.queue, b.Exchange, b.Key, err)
-		}
-	}
-	for _, d := range c.delays {
-		name := consRetryQueue(c.queue, d)
-		args := amqp091.Table{
-			"x-message-ttl":             d.Milliseconds(),
-			"x-dead-letter-exchange":    "",
-			"x-dead-letter-routing-key": c.queue,
-		}
-		if _, err := ch.QueueDeclare(name, durable, false, false, false, args); err != nil {
-			return fmt.Errorf("declare retry queue %q: %w", name, err)
-		}
-	}
-	if err := ch.ExchangeDeclare(c.opts.DeadLetterExchange, amqp091.ExchangeDirect, durable, false, false, false, nil); err != nil {
-		return fmt.Errorf("declare dead-letter exchange %q: %w", c.opts.DeadLetterExchange, err)
-	}
-	if _, err := ch.QueueDeclare(c.opts.DeadLetterQueue, durable, false, false, false, nil); err != nil {
-		return fmt.Errorf("declare dead-letter queue %q: %w", c.opts.DeadLetterQueue, err)
-	}
-	if err := ch.QueueBind(c.opts.DeadLetterQueue, c.queue, c.opts.DeadLetterExchange, false, nil); err != nil {
-		return fmt.Errorf("bind dead-letter queue %q: %w", c.opts.DeadLetterQueue, err)
-	}
-	return nil
 }
 
 // serve consumes on s until ctx ends (graceful stop, nil) or s dies (the
