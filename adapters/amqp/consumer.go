@@ -367,6 +367,9 @@ func (c *Consumer) Run(ctx context.Context) error {
 // consFatal reports whether err is a broker refusal that redialling will
 // not fix.
 func consFatal(err error) bool {
+	if errors.Is(err, ErrTopologyMissing) {
+		return true
+	}
 	var ae *amqp091.Error
 	if !errors.As(err, &ae) {
 		return false
@@ -387,6 +390,8 @@ type consSession struct {
 	shared bool // conn is the caller's: close only the channels
 	ch     *amqp091.Channel
 	pub    *amqp091.Channel
+	// returns counts the copies returned unroutable on pub.
+	returns *returnWatch
 	// rpc serialises the synchronous methods workers and the stop send on
 	// ch while deliveries run (basic.qos, basic.cancel): amqp091 matches a
 	// reply to whichever call reads it first.
@@ -466,6 +471,8 @@ func (c *Consumer) connect(ctx context.Context, wg *sync.WaitGroup) (*consSessio
 	if err := s.pub.Confirm(false); err != nil {
 		return nil, fmt.Errorf("confirm mode: %w", err)
 	}
+	s.returns = watchReturns(s.pub)
+	wg.Go(s.returns.loop)
 	s.gen = c.gen.Add(1)
 	// Buffered: the library sends at most one error on each, then closes
 	// them all when the connection (or the channel) shuts down. A
@@ -1054,12 +1061,14 @@ func (c *Consumer) publishFailed(hctx context.Context, s *consSession, d *amqp09
 	return c.requeue(s, d)
 }
 
-// publishCopy publishes p on s's confirm channel and waits for the
-// broker's confirm.
+// publishCopy publishes p, mandatory, on s's confirm channel and waits for
+// the broker's confirm; a copy the broker returned is an error (see
+// returnWatch).
 func (c *Consumer) publishCopy(s *consSession, exchange, key string, p amqp091.Publishing) error {
 	ctx, cancel := context.WithTimeout(context.Background(), c.opts.PublishTimeout)
 	defer cancel()
-	dc, err := s.pub.PublishWithDeferredConfirmWithContext(ctx, exchange, key, false, false, p)
+	returned := s.returns.count(exchange, key)
+	dc, err := s.pub.PublishWithDeferredConfirmWithContext(ctx, exchange, key, true, false, p)
 	if err != nil {
 		return err
 	}
@@ -1072,6 +1081,9 @@ func (c *Consumer) publishCopy(s *consSession, exchange, key string, p amqp091.P
 	}
 	if !acked {
 		return ErrUnconfirmed
+	}
+	if s.returns.count(exchange, key) != returned {
+		return c.unroutable(s, exchange, key)
 	}
 	return nil
 }

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"regexp"
 	"strconv"
+	"sync"
 	"time"
 
 	amqp091 "github.com/rabbitmq/amqp091-go"
@@ -250,4 +251,84 @@ func (c *Consumer) channelErr(conn *amqp091.Connection, err error) error {
 		return fmt.Errorf("%w: opening a channel on it failed: %w", ErrConnectionClosed, err)
 	}
 	return fmt.Errorf("open a channel on the connection given to the consumer: %w", err)
+}
+
+// returnWatch counts the copies the broker returned as unroutable on a
+// session's publishing channel, by exchange and routing key. The Consumer
+// publishes its retry and dead-letter copies mandatory: a copy no queue
+// takes (a retry queue deleted, a dead-letter exchange without a binding
+// for the work queue's name) comes back as basic.return, which RabbitMQ
+// sends before the copy's confirm. So a copy whose count moved between
+// its publish and its confirm was not routed, or shared its destination
+// with one that was not.
+type returnWatch struct {
+	mu sync.Mutex
+	n  map[returnDest]uint64
+	// returns and after are registered on the channel in that order:
+	// amqp091-go hands a basic.return to each in turn before it reads the
+	// next frame (the confirm), and loop counts a return before it takes
+	// the return's second copy from after, so the count has moved by the
+	// time the confirm is seen.
+	returns, after chan amqp091.Return
+}
+
+type returnDest struct{ exchange, key string }
+
+func watchReturns(ch *amqp091.Channel) *returnWatch {
+	return &returnWatch{
+		n:       make(map[returnDest]uint64),
+		returns: ch.NotifyReturn(make(chan amqp091.Return)),
+		after:   ch.NotifyReturn(make(chan amqp091.Return)),
+	}
+}
+
+// loop counts the returns until the channel closes.
+func (w *returnWatch) loop() {
+	returns, after := w.returns, w.after
+	for returns != nil || after != nil {
+		select {
+		case r, ok := <-returns:
+			if !ok {
+				returns = nil
+				continue
+			}
+			w.mu.Lock()
+			w.n[returnDest{r.Exchange, r.RoutingKey}]++
+			w.mu.Unlock()
+		case _, ok := <-after:
+			if !ok {
+				after = nil
+			}
+		}
+	}
+}
+
+func (w *returnWatch) count(exchange, key string) uint64 {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	return w.n[returnDest{exchange, key}]
+}
+
+// errUnroutable is the cause of a copy the broker returned. Under
+// NoDeclare it comes wrapped in ErrTopologyMissing, and Run returns it;
+// otherwise the session is given up, and the reconnect declares the
+// topology again.
+var errUnroutable = errors.New("no queue took the copy")
+
+// unroutable is publishCopy's error for a copy the broker returned: the
+// copy was not stored, so its delivery is not acknowledged. The session
+// is killed with it (the delivery comes back from the broker): under
+// NoDeclare it makes Run return, otherwise the reconnect declares the
+// topology again.
+func (c *Consumer) unroutable(s *consSession, exchange, key string) error {
+	what := fmt.Sprintf("retry queue %q does not exist", key)
+	if exchange != "" {
+		what = fmt.Sprintf("dead-letter exchange %q routes routing key %q to no queue (bind a dead-letter queue to it with that key)", exchange, key)
+	}
+	err := fmt.Errorf("%w: %s", errUnroutable, what)
+	if c.opts.NoDeclare {
+		err = fmt.Errorf("%w: %w", ErrTopologyMissing, err)
+	}
+	s.kill(err)
+	return err
 }

@@ -172,3 +172,159 @@ func TestTopologyNoDeclareChecksWithoutChanging(t *testing.T) {
 		return nil
 	})
 }
+
+// topoRunUntil runs a NoDeclare Consumer of q whose handler fails
+// permanently for message "bad" and transiently for "flaky" (its first
+// attempt), publishes msgs once it consumes, and returns Run's error, which
+// must come within 30s, and the Consumer.
+func topoRunUntil(t *testing.T, url, q string, msgs ...amqp091.Publishing) (*Consumer, error) {
+	t.Helper()
+	flaky := 0
+	h := consumer.HandlerFunc(func(_ context.Context, msg *consumer.Message) error {
+		switch msg.ID {
+		case "bad":
+			return consumer.Permanent(errors.New("cannot parse the payload"))
+		case "flaky":
+			if flaky++; flaky == 1 {
+				return errors.New("downstream unavailable")
+			}
+		}
+		return nil
+	})
+	c, err := NewConsumer(url, q, h, consOpts(ConsumerOptions{NoDeclare: true}))
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+	defer cancel()
+	done := make(chan error, 1)
+	go func() { done <- c.Run(ctx) }()
+	select {
+	case <-c.Ready():
+	case err := <-done:
+		t.Fatalf("Run refused the topology at start: %v", err)
+	}
+	consPublish(t, url, q, msgs...)
+	select {
+	case err := <-done:
+		return c, err
+	case <-time.After(30 * time.Second):
+		cancel()
+		<-done
+		t.Fatalf("Run went on for 30s with a copy no queue takes; stats %+v", c.Stats())
+		return c, nil
+	}
+}
+
+// A dead-letter exchange that routes the work queue's name to no queue
+// drops every dead letter (the broker confirms an unroutable message). AMQP
+// 0-9-1 cannot list an exchange's bindings, and a probe routed through it
+// would reach the dead-letter queue's readers; so the Consumer publishes its
+// copies mandatory: the first dead letter the broker returns makes Run
+// return an error naming the exchange and the routing key, and the message
+// stays in the work queue.
+func TestTopologyNoDeclareDeadLetterExchangeRoutesNowhere(t *testing.T) {
+	url := testenv.AMQPURL()
+	q := consQueue(t, url, consTestDelays)
+	topoDeclare(t, url, q, func(int, time.Duration) (bool, amqp091.Table) {
+		return true, amqp091.Table{argDeadLetterExchange: "", argDeadLetterRoutingKey: q}
+	}, false)
+	c, err := topoRunUntil(t, url, q, amqp091.Publishing{MessageId: "bad", Body: []byte("b")})
+	if !errors.Is(err, ErrTopologyMissing) || !strings.Contains(err.Error(), q+".dlx") || !strings.Contains(err.Error(), "routing key") {
+		t.Fatalf("Run returned %v; want ErrTopologyMissing naming the dead-letter exchange and the routing key", err)
+	}
+	t.Logf("Run: %v", err)
+	if st := c.Stats(); st.DeadLettered != 0 {
+		t.Errorf("stats %+v: a dead letter no queue took counted as dead-lettered", st)
+	}
+	if got := consGetAll(t, url, q); len(got) != 1 || got[0].MessageId != "bad" {
+		t.Errorf("work queue holds %d messages, want the message that could not be dead-lettered", len(got))
+	}
+}
+
+// A retry queue deleted under a running NoDeclare Consumer: the retried copy
+// the broker returns makes Run return an error naming the queue, and the
+// message stays in the work queue.
+func TestTopologyNoDeclareRetryQueueDeleted(t *testing.T) {
+	url := testenv.AMQPURL()
+	q := consQueue(t, url, consTestDelays)
+	topoDeclare(t, url, q, func(int, time.Duration) (bool, amqp091.Table) {
+		return true, amqp091.Table{argDeadLetterExchange: "", argDeadLetterRoutingKey: q}
+	}, true)
+	h := consumer.HandlerFunc(func(context.Context, *consumer.Message) error { return errors.New("downstream unavailable") })
+	c, err := NewConsumer(url, q, h, consOpts(ConsumerOptions{NoDeclare: true}))
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+	defer cancel()
+	done := make(chan error, 1)
+	go func() { done <- c.Run(ctx) }()
+	select {
+	case <-c.Ready():
+	case err := <-done:
+		t.Fatalf("Run refused the topology at start: %v", err)
+	}
+	first := consRetryQueue(q, consTestDelays[0])
+	consAdmin(t, url, func(ch *amqp091.Channel) error { _, err := ch.QueueDelete(first, false, false, false); return err })
+	consPublish(t, url, q, amqp091.Publishing{MessageId: "flaky", Body: []byte("f")})
+	select {
+	case err = <-done:
+	case <-time.After(30 * time.Second):
+		cancel()
+		<-done
+		t.Fatalf("Run went on for 30s without its retry queue; stats %+v", c.Stats())
+	}
+	if !errors.Is(err, ErrTopologyMissing) || !strings.Contains(err.Error(), first) {
+		t.Fatalf("Run returned %v; want ErrTopologyMissing naming %s", err, first)
+	}
+	if st := c.Stats(); st.Retried != 0 {
+		t.Errorf("stats %+v: a copy no queue took counted as retried", st)
+	}
+	if got := consGetAll(t, url, q); len(got) != 1 || got[0].MessageId != "flaky" {
+		t.Errorf("work queue holds %d messages, want the message that could not be retried", len(got))
+	}
+}
+
+// A Consumer that declares its topology finds it again when it was taken
+// apart under it: the dead-letter queue unbound, a retry queue deleted. The
+// copy the broker returns gives up the session, the reconnect declares the
+// topology again, and the message is retried and dead-lettered once: no
+// copy is lost.
+func TestTopologyDeclaredAgainAfterUnroutableCopy(t *testing.T) {
+	url := testenv.AMQPURL()
+	q := consQueue(t, url, consTestDelays)
+	var flaky int
+	h := consumer.Chain(consumer.HandlerFunc(func(_ context.Context, msg *consumer.Message) error {
+		if msg.ID == "bad" {
+			return consumer.Permanent(errors.New("cannot parse the payload"))
+		}
+		if flaky++; flaky == 1 {
+			return errors.New("downstream unavailable")
+		}
+		return nil
+	}), consumer.Recover(), consMemDedup(t, "test/topology-again"))
+	c, err := NewConsumer(url, q, h, consOpts(ConsumerOptions{}))
+	if err != nil {
+		t.Fatal(err)
+	}
+	stop := consStart(t, c)
+	consAdmin(t, url, func(ch *amqp091.Channel) error {
+		if _, err := ch.QueueDelete(consRetryQueue(q, consTestDelays[0]), false, false, false); err != nil {
+			return err
+		}
+		return ch.QueueUnbind(q+".dlq", q, q+".dlx", nil)
+	})
+	consPublish(t, url, q, amqp091.Publishing{MessageId: "bad", Body: []byte("b")}, amqp091.Publishing{MessageId: "flaky", Body: []byte("f")})
+	testenv.Eventually(t, 30*time.Second, "a dead letter, a retry and an ack", func() bool {
+		st := c.Stats()
+		return st.DeadLettered == 1 && st.Retried == 1 && st.Acked == 1
+	})
+	stop()
+	if st := c.Stats(); st.Connects < 2 {
+		t.Errorf("stats %+v: want a reconnect after the returned copies", st)
+	}
+	if dead := consGetAll(t, url, q+".dlq"); len(dead) != 1 || dead[0].MessageId != "bad" {
+		t.Errorf("dead-letter queue holds %d messages, want bad once", len(dead))
+	}
+}
