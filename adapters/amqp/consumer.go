@@ -348,7 +348,11 @@ func (c *Consumer) Run(ctx context.Context) error {
 			} else {
 				delay = min(2*delay, c.opts.MaxReconnectBackoff)
 			}
-			c.opts.Logger.Warn("amqp: consumer cannot connect; retrying", "queue", c.queue, "in", delay, "err", err)
+			msg := "amqp: consumer cannot connect; retrying"
+			if c.shared {
+				msg = "amqp: consumer cannot open its channels on the given connection; retrying"
+			}
+			c.opts.Logger.Warn(msg, "queue", c.queue, "in", delay, "err", err)
 			backoff.Sleep(ctx, backoff.Spread(delay))
 			continue
 		}

@@ -328,3 +328,116 @@ func TestTopologyDeclaredAgainAfterUnroutableCopy(t *testing.T) {
 		t.Errorf("dead-letter queue holds %d messages, want bad once", len(dead))
 	}
 }
+
+// topoExists reports whether the queue (or, with exchange set, the
+// exchange) name exists.
+func topoExists(t *testing.T, url, name string, exchange bool) bool {
+	t.Helper()
+	conn := consDial(t, url)
+	ch, err := conn.Channel()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ch.Close()
+	if exchange {
+		err = ch.ExchangeDeclarePassive(name, amqp091.ExchangeDirect, false, false, false, false, nil)
+	} else {
+		_, err = ch.QueueDeclarePassive(name, false, false, false, false, nil)
+	}
+	var ae *amqp091.Error
+	if errors.As(err, &ae) && ae.Code == amqp091.NotFound {
+		return false
+	}
+	if err != nil {
+		t.Fatal(err)
+	}
+	return true
+}
+
+// DeleteTopology deletes what a Consumer declared (its work, retry and
+// dead-letter queues and its dead-letter exchange, with their messages)
+// and nothing else: not a neighbour's queues, not a retry queue of a delay
+// it was not given, not the producer's exchange the work queue was bound
+// to.
+func TestTopologyDelete(t *testing.T) {
+	url := testenv.AMQPURL()
+	consRequireBroker(t, url)
+	q := testenv.Name("idemtest_topo")
+	producer := q + ".events"
+	neighbours := []string{q + "x", q + ".retry.999ms", q + ".dlq.archive"}
+	opts := consOpts(ConsumerOptions{
+		RetryDelays: []time.Duration{20 * time.Millisecond, 40 * time.Millisecond, 20 * time.Millisecond},
+		Bindings:    []ConsumerBinding{{Exchange: producer, Key: "order.created"}},
+	})
+	var mine []string
+	for _, d := range opts.RetryDelays {
+		mine = append(mine, consRetryQueue(q, d))
+	}
+	mine = append(mine, q, q+".dlq")
+	t.Cleanup(func() {
+		consAdmin(t, url, func(ch *amqp091.Channel) error {
+			for _, n := range append(neighbours, mine...) {
+				_, _ = ch.QueueDelete(n, false, false, false)
+			}
+			_ = ch.ExchangeDelete(q+".dlx", false, false)
+			return ch.ExchangeDelete(producer, false, false)
+		})
+	})
+	consAdmin(t, url, func(ch *amqp091.Channel) error {
+		for _, n := range neighbours {
+			if _, err := ch.QueueDeclare(n, true, false, false, false, nil); err != nil {
+				return err
+			}
+		}
+		return ch.ExchangeDeclare(producer, amqp091.ExchangeTopic, true, false, false, false, nil)
+	})
+	c, err := NewConsumer(url, q, consumer.HandlerFunc(func(context.Context, *consumer.Message) error { return nil }), opts)
+	if err != nil {
+		t.Fatal(err)
+	}
+	consStart(t, c)() // declares the topology, then stops
+	for _, n := range mine {
+		if !topoExists(t, url, n, false) {
+			t.Fatalf("the Consumer did not declare %s", n)
+		}
+	}
+	// Messages in the work and dead-letter queues go with them.
+	consPublish(t, url, q, consMsgs("left", 3)...)
+	consPublish(t, url, q+".dlq", consMsgs("dead", 2)...)
+
+	conn := consDial(t, url)
+	if err := DeleteTopology(context.Background(), conn, q, opts); err != nil {
+		t.Fatal(err)
+	}
+	for _, n := range mine {
+		if topoExists(t, url, n, false) {
+			t.Errorf("queue %s is left", n)
+		}
+	}
+	if topoExists(t, url, q+".dlx", true) {
+		t.Errorf("exchange %s is left", q+".dlx")
+	}
+	for _, n := range neighbours {
+		if !topoExists(t, url, n, false) {
+			t.Errorf("DeleteTopology deleted queue %s, which is not the Consumer's", n)
+		}
+	}
+	if !topoExists(t, url, producer, true) {
+		t.Errorf("DeleteTopology deleted the producer's exchange %s", producer)
+	}
+	if conn.IsClosed() {
+		t.Error("DeleteTopology closed the caller's connection")
+	}
+	// Once more: nothing to delete is no error.
+	if err := DeleteTopology(context.Background(), conn, q, opts); err != nil {
+		t.Errorf("DeleteTopology of a deleted topology: %v", err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	cancel()
+	if err := DeleteTopology(ctx, conn, q, opts); !errors.Is(err, context.Canceled) {
+		t.Errorf("DeleteTopology with a cancelled context returned %v", err)
+	}
+	if err := DeleteTopology(context.Background(), nil, q, opts); err == nil {
+		t.Error("DeleteTopology accepted a nil connection")
+	}
+}
