@@ -22,8 +22,8 @@ type connErrLog struct {
 }
 
 func (l *connErrLog) Enabled(context.Context, slog.Level) bool { return true }
-func (l *connErrLog) WithAttrs([]slog.Attr) slog.Handler        { return l }
-func (l *connErrLog) WithGroup(string) slog.Handler             { return l }
+func (l *connErrLog) WithAttrs([]slog.Attr) slog.Handler       { return l }
+func (l *connErrLog) WithGroup(string) slog.Handler            { return l }
 func (l *connErrLog) Handle(_ context.Context, r slog.Record) error {
 	var b strings.Builder
 	b.WriteString(r.Message)
