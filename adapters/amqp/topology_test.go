@@ -3,6 +3,7 @@ package idemamqp
 import (
 	"context"
 	"errors"
+	"os"
 	"strings"
 	"testing"
 	"time"
@@ -439,5 +440,32 @@ func TestTopologyDelete(t *testing.T) {
 	}
 	if err := DeleteTopology(context.Background(), nil, q, opts); err == nil {
 		t.Error("DeleteTopology accepted a nil connection")
+	}
+}
+
+// docs/rabbitmq.md shows chargeWorker, the transactional worker, as
+// ExampleNewConsumer_transactional compiles and runs it.
+func TestExampleChargeWorkerInDocs(t *testing.T) {
+	doc, err := os.ReadFile("../../docs/rabbitmq.md")
+	if err != nil {
+		t.Fatal(err)
+	}
+	example, err := os.ReadFile("example_test.go")
+	if err != nil {
+		t.Fatal(err)
+	}
+	fn := func(src, where string) string {
+		start := strings.Index(src, "\n// chargeWorker ")
+		if start < 0 {
+			t.Fatalf("%s has no chargeWorker", where)
+		}
+		end := strings.Index(src[start:], "\n}\n")
+		if end < 0 {
+			t.Fatalf("%s: chargeWorker does not end", where)
+		}
+		return src[start : start+end+3]
+	}
+	if d, e := fn(string(doc), "docs/rabbitmq.md"), fn(string(example), "example_test.go"); d != e {
+		t.Errorf("docs/rabbitmq.md's chargeWorker differs from example_test.go's:\n%s\nwant:\n%s", d, e)
 	}
 }
