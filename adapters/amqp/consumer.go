@@ -81,11 +81,16 @@ import (
 // slot: its handler runs inside the store's transaction.
 //
 // Topology is declared on every connect, idempotently: the work queue (with
-// QueueArgs and Bindings), one retry queue per distinct retry delay
-// (x-message-ttl, dead-lettering to the default exchange with the work
-// queue's name as routing key), the dead-letter exchange and queue. With
-// ConsumerOptions.NoDeclare, nothing is declared: Run checks passively
-// that what it needs exists and fails at start if not.
+// QueueArgs and Bindings), one retry queue "<queue>.retry.<ms>ms" per
+// distinct retry delay (x-message-ttl, dead-lettering to the default
+// exchange with the work queue's name as routing key), the dead-letter
+// exchange and queue ("<queue>.dlx" and "<queue>.dlq" by default). With
+// ConsumerOptions.NoDeclare, nothing is declared: Run checks that what it
+// needs exists, and that the retry queues bring their copies back, and
+// fails at start if not (ErrTopologyMissing). Retry and dead-letter copies
+// are published mandatory: one the broker returns because no queue took
+// it is not acknowledged (see ConsumerOptions.NoDeclare). DeleteTopology
+// deletes the topology.
 //
 // Reconnect: the connection and both channels (consuming, and publishing in
 // confirm mode) are watched with NotifyClose; when one closes, the
@@ -175,6 +180,11 @@ type consStats struct {
 // and it owns its connections: it redials one that fails and closes it
 // when Run returns. With ConsumerOptions.Dial set, url is not used (it
 // may be empty) and Dial opens the connections instead.
+//
+// Nor does it declare anything: Run declares the queues, and Ready is
+// closed once Run consumes. A message published to queue before then may
+// find no queue and be dropped, so start the producers (and report the
+// worker ready) after Ready.
 func NewConsumer(url, queue string, h consumer.Handler, opts ConsumerOptions) (*Consumer, error) {
 	var dial func(context.Context) (*amqp091.Connection, error)
 	if opts.Dial == nil {
@@ -243,8 +253,10 @@ func newConsumer(name string, dial func(context.Context) (*amqp091.Connection, e
 }
 
 // Ready is closed once the Consumer first consumes: its topology is
-// declared, so messages published to the work queue from then on are
-// routed.
+// declared (or, with ConsumerOptions.NoDeclare, checked), so messages
+// published to the work queue from then on are routed. It is never closed
+// if Run returns before consuming (the broker refused the topology or the
+// credentials): wait for Run's return too.
 func (c *Consumer) Ready() <-chan struct{} { return c.ready }
 
 // Stats returns the counters.
