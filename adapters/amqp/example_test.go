@@ -131,7 +131,9 @@ func ExampleNewConsumer_transactional() {
 	case err := <-published:
 		if err != nil {
 			cancel()
-			<-worker
+			if werr := <-worker; werr != nil {
+				fmt.Println(werr)
+			}
 			fmt.Println(err)
 			return
 		}

@@ -208,7 +208,7 @@ func DeleteTopology(ctx context.Context, conn *amqp091.Connection, queue string,
 	if err != nil {
 		return fmt.Errorf("amqp: DeleteTopology: open a channel: %w", err)
 	}
-	defer ch.Close()
+	defer func() { _ = ch.Close() }()
 	// A delete waits for the broker's answer; ctx ending closes the
 	// channel, which ends the wait.
 	stop := context.AfterFunc(ctx, func() { _ = ch.Close() })
@@ -304,6 +304,9 @@ func (w *returnWatch) loop() {
 }
 
 func (w *returnWatch) count(exchange, key string) uint64 {
+	if w == nil {
+		return 0
+	}
 	w.mu.Lock()
 	defer w.mu.Unlock()
 	return w.n[returnDest{exchange, key}]

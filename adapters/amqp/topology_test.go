@@ -59,7 +59,9 @@ func topoRun(t *testing.T, url, q string) error {
 	go func() { done <- c.Run(ctx) }()
 	defer func() {
 		cancel()
-		<-done
+		if err := <-done; err != nil {
+			t.Logf("Run: %v", err)
+		}
 	}()
 	select {
 	case <-c.Ready():
@@ -211,7 +213,7 @@ func topoRunUntil(t *testing.T, url, q string, msgs ...amqp091.Publishing) (*Con
 		return c, err
 	case <-time.After(30 * time.Second):
 		cancel()
-		<-done
+		t.Logf("Run: %v", <-done)
 		t.Fatalf("Run went on for 30s with a copy no queue takes; stats %+v", c.Stats())
 		return c, nil
 	}
@@ -273,7 +275,7 @@ func TestTopologyNoDeclareRetryQueueDeleted(t *testing.T) {
 	case err = <-done:
 	case <-time.After(30 * time.Second):
 		cancel()
-		<-done
+		t.Logf("Run: %v", <-done)
 		t.Fatalf("Run went on for 30s without its retry queue; stats %+v", c.Stats())
 	}
 	if !errors.Is(err, ErrTopologyMissing) || !strings.Contains(err.Error(), first) {
