@@ -4,6 +4,10 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"math/rand/v2"
+	"os/exec"
+	"slices"
+	"strconv"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -428,4 +432,170 @@ func (g *gatedClaims) Claim(ctx context.Context, k dedup.Key) (*dedup.Lease, err
 		<-g.release
 	})
 	return g.LeaseStore.Claim(ctx, k)
+}
+
+// Several worker processes on one quorum queue, several messages that kill
+// the worker process every time they run (a panic without Recover), and
+// ordinary messages around them, prefetched with them: the deaths return
+// the crash messages' neighbours unsettled, counted in x-delivery-count
+// like the crash messages themselves. Dead workers are restarted at once.
+// Every seed places the crash messages elsewhere; each one must end with
+// the crash messages dead-lettered once each with reason redelivery_limit,
+// no ordinary message dead-lettered, and every ordinary message applied
+// exactly once (the pgtable oracle: none lost, none twice).
+func TestConsumerQuorumCrashLoopSeveralWorkers(t *testing.T) {
+	const (
+		seeds         = 10
+		workers       = 3
+		ordinary      = 300
+		crashes       = 3
+		maxDeliveries = 5
+	)
+	url := testenv.AMQPURL()
+	consRequireBroker(t, url)
+	var innocentDead, crashDead, lost, twice, deathsAll int
+	for seed := range seeds {
+		t.Run(fmt.Sprintf("seed %d", seed), func(t *testing.T) {
+			q := consQueueArgs(t, url, consTestDelays, amqp091.Table{"x-queue-type": "quorum"})
+			o := consNewOracle(t, 2)
+			// Declared as the workers declare it, so that it can be
+			// watched before the first one started.
+			consAdmin(t, url, func(ch *amqp091.Channel) error {
+				_, err := ch.QueueDeclare(q+".dlq", true, false, false, false, nil)
+				return err
+			})
+			rng := rand.New(rand.NewPCG(uint64(seed), 0x1de))
+			msgs := make([]amqp091.Publishing, 0, ordinary+crashes)
+			for i := range ordinary {
+				id := fmt.Sprintf("ok-%d", i)
+				msgs = append(msgs, amqp091.Publishing{MessageId: id, Body: []byte("body of " + id)})
+			}
+			for i := range crashes {
+				id := fmt.Sprintf("poison-%d", i)
+				at := rng.IntN(len(msgs) + 1)
+				msgs = slices.Insert(msgs, at, amqp091.Publishing{MessageId: id, Body: []byte("body of " + id)})
+			}
+			consPublish(t, url, q, msgs...)
+			start := func() *childproc.Proc {
+				cmd := consPoisonChildCommand(url, q, o.schema, 4)
+				cmd.Env = append(cmd.Env, consChildMaxEnv+"="+strconv.Itoa(maxDeliveries))
+				p, err := childproc.Start(cmd, 64<<10, nil)
+				if err != nil {
+					t.Fatal(err)
+				}
+				return p
+			}
+			procs := make([]*childproc.Proc, workers)
+			for i := range procs {
+				procs[i] = start()
+			}
+			defer func() {
+				for _, p := range procs {
+					p.Kill()
+					<-p.Exited()
+				}
+			}()
+			deaths := 0
+			// Settled: nothing ready in the work queue, and every message
+			// applied or dead-lettered (or more dead-lettered than the
+			// crash messages: the outcome this test rejects).
+			settled := func() bool {
+				_, distinct := o.counts(t)
+				dead := consDepth(t, url, q+".dlq")
+				return consDepth(t, url, q) == 0 && dead >= crashes && distinct+dead >= ordinary+crashes
+			}
+			deadline := time.Now().Add(3 * time.Minute)
+			for stops := 0; ; stops++ {
+				for !settled() {
+					if time.Now().After(deadline) {
+						rows, distinct := o.counts(t)
+						t.Fatalf("not settled in 3 minutes: %d deaths, %d effect rows for %d ids, %d ready, %d dead letters",
+							deaths, rows, distinct, consDepth(t, url, q), consDepth(t, url, q+".dlq"))
+					}
+					for i, p := range procs {
+						select {
+						case <-p.Exited():
+						default:
+							continue
+						}
+						if !strings.Contains(p.Stderr(), "panic: poison message poison-") {
+							t.Fatalf("a worker died of something else: %v%s", p.ExitErr(), p.StderrTail())
+						}
+						deaths++
+						if deaths > 2*crashes*maxDeliveries+workers {
+							t.Fatalf("%d worker deaths for %d crash messages (MaxDeliveries %d)", deaths, crashes, maxDeliveries)
+						}
+						procs[i] = start()
+					}
+					time.Sleep(50 * time.Millisecond)
+				}
+				// Stop the workers gracefully, so that they send the acks
+				// they hold. One that had just been started may die of
+				// the signal before it handles it: then what it held
+				// comes back, and the workers run again.
+				for _, p := range procs {
+					_ = p.Cmd.Process.Signal(syscall.SIGTERM)
+				}
+				for _, p := range procs {
+					<-p.Exited()
+					if err := p.Err(); err != nil && !consDiedOf(p, syscall.SIGTERM) && !strings.Contains(p.Stderr(), "panic: poison message poison-") {
+						t.Fatalf("a worker's graceful stop: %v%s", err, p.StderrTail())
+					}
+				}
+				if consDepth(t, url, q) == 0 {
+					break
+				}
+				if stops >= 3 {
+					t.Fatalf("messages still come back to the queue after %d graceful stops", stops+1)
+				}
+				for i := range procs {
+					procs[i] = start()
+				}
+			}
+			deathsAll += deaths
+			dead := consGetAll(t, url, q+".dlq")
+			perCrash := map[string]int{}
+			var wrong []string
+			for _, d := range dead {
+				if strings.HasPrefix(d.MessageId, "poison-") && d.Headers[HeaderReason] == string(ReasonRedeliveryLimit) {
+					perCrash[d.MessageId]++
+					continue
+				}
+				wrong = append(wrong, fmt.Sprintf("%s (%v, %v deliveries)", d.MessageId, d.Headers[HeaderReason], d.Headers[HeaderError]))
+			}
+			innocentDead += len(wrong)
+			for i := range crashes {
+				id := fmt.Sprintf("poison-%d", i)
+				if n := perCrash[id]; n != 1 {
+					t.Errorf("%s dead-lettered %d times, want once", id, n)
+				}
+				crashDead += min(perCrash[id], 1)
+			}
+			if len(wrong) > 0 {
+				t.Errorf("%d other dead letters: %v", len(wrong), wrong)
+			}
+			rows, distinct := o.counts(t)
+			lost += ordinary - distinct
+			twice += rows - distinct
+			if rows != ordinary || distinct != ordinary {
+				t.Errorf("effects: %d rows for %d ids, want %d once each", rows, distinct, ordinary)
+			}
+			if n := consDepth(t, url, q); n != 0 {
+				t.Errorf("%d messages left in the queue", n)
+			}
+			t.Logf("seed %d: %d deaths, %d dead letters (%d ordinary), %d effect rows for %d ids", seed, deaths, len(dead), len(wrong), rows, distinct)
+		})
+	}
+	t.Logf("%d seeds, %d workers, %d ordinary and %d crash messages each: %d deaths, %d ordinary messages dead-lettered, %d of %d crash messages dead-lettered, %d lost, %d applied twice",
+		seeds, workers, ordinary, crashes, deathsAll, innocentDead, crashDead, seeds*crashes, lost, twice)
+}
+
+// consDiedOf reports whether the exited child p died of the signal sig.
+func consDiedOf(p *childproc.Proc, sig syscall.Signal) bool {
+	var ee *exec.ExitError
+	if errors.As(p.Err(), &ee) {
+		ws, ok := ee.Sys().(syscall.WaitStatus)
+		return ok && ws.Signaled() && ws.Signal() == sig
+	}
+	return false
 }
