@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"math/rand/v2"
+	"os"
 	"os/exec"
 	"slices"
 	"strconv"
@@ -455,6 +456,9 @@ func TestConsumerQuorumCrashLoopSeveralWorkers(t *testing.T) {
 	consRequireBroker(t, url)
 	var innocentDead, crashDead, lost, twice, deathsAll int
 	for seed := range seeds {
+		if os.Getenv("ZZSEED") != "" && os.Getenv("ZZSEED") != strconv.Itoa(seed) {
+			continue
+		}
 		t.Run(fmt.Sprintf("seed %d", seed), func(t *testing.T) {
 			q := consQueueArgs(t, url, consTestDelays, amqp091.Table{"x-queue-type": "quorum"})
 			o := consNewOracle(t, 2)
@@ -479,7 +483,7 @@ func TestConsumerQuorumCrashLoopSeveralWorkers(t *testing.T) {
 			start := func() *childproc.Proc {
 				cmd := consPoisonChildCommand(url, q, o.schema, 4)
 				cmd.Env = append(cmd.Env, consChildMaxEnv+"="+strconv.Itoa(maxDeliveries))
-				p, err := childproc.Start(cmd, 64<<10, nil)
+				p, err := childproc.Start(cmd, 64<<20, nil)
 				if err != nil {
 					t.Fatal(err)
 				}
@@ -522,6 +526,9 @@ func TestConsumerQuorumCrashLoopSeveralWorkers(t *testing.T) {
 							t.Fatalf("a worker died of something else: %v%s", p.ExitErr(), p.StderrTail())
 						}
 						deaths++
+						if os.Getenv("ZZDEBUG") != "" {
+							os.WriteFile(fmt.Sprintf("/tmp/qexp/death-%d-%d.log", seed, deaths), []byte(p.Stderr()), 0o644)
+						}
 						if deaths > 2*crashes*maxDeliveries+workers {
 							t.Fatalf("%d worker deaths for %d crash messages (MaxDeliveries %d)", deaths, crashes, maxDeliveries)
 						}
@@ -536,8 +543,11 @@ func TestConsumerQuorumCrashLoopSeveralWorkers(t *testing.T) {
 				for _, p := range procs {
 					_ = p.Cmd.Process.Signal(syscall.SIGTERM)
 				}
-				for _, p := range procs {
+				for i, p := range procs {
 					<-p.Exited()
+					if os.Getenv("ZZDEBUG") != "" {
+						os.WriteFile(fmt.Sprintf("/tmp/qexp/final-%d-%d-%d.log", seed, stops, i), []byte(p.Stderr()), 0o644)
+					}
 					if err := p.Err(); err != nil && !consDiedOf(p, syscall.SIGTERM) && !strings.Contains(p.Stderr(), "panic: poison message poison-") {
 						t.Fatalf("a worker's graceful stop: %v%s", err, p.StderrTail())
 					}
