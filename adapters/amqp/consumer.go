@@ -105,12 +105,14 @@ import (
 // Crash redeliveries (a message that kills the worker process, or whose
 // channel closes, every time) are bounded only on quorum queues
 // (ConsumerOptions.QuorumQueue): the broker counts them in x-delivery-count.
-// A returned delivery runs alone and is acknowledged at once, and the first
-// delivery of a channel past ConsumerOptions.MaxDeliveries is dead-lettered
-// with reason redelivery_limit before the handler runs, so that the
-// message's neighbours are not (see the package documentation, "A message
-// that crashes the worker every time"). A classic queue keeps no such
-// count, and there such a message is redelivered forever.
+// A returned delivery runs with nothing else of the process unsettled (the
+// consumer stops its flow first, and consumes with a window of one while
+// returned deliveries come), so that a crash returns, and counts, only the
+// message that caused it; a returned delivery past
+// ConsumerOptions.MaxDeliveries is dead-lettered with reason
+// redelivery_limit before the handler runs (see the package documentation,
+// "A message that crashes the worker every time"). A classic queue keeps no
+// such count, and there such a message is redelivered forever.
 //
 // Telemetry: each delivery has an OpenTelemetry consumer span, "process
 // <queue>", whose parent is the trace context in the delivery's headers (the
@@ -159,7 +161,10 @@ type ConsumerStats struct {
 	// Retried and DeadLettered count deliveries whose copy went to a retry
 	// queue or the dead-letter exchange (and which were then acked).
 	Retried, DeadLettered int64
-	// Requeued counts deliveries nacked with requeue; Abandoned those left
+	// Requeued counts deliveries given back to the queue: nacked with
+	// requeue, or, for a returned delivery that could not run alone yet,
+	// published again to the work queue (with its count of returns in
+	// HeaderReturns) and acknowledged. Abandoned counts those left
 	// unsettled because their channel closed.
 	Requeued, Abandoned int64
 	// Connects counts successful connections (1 plus the reconnects).
@@ -298,8 +303,8 @@ func DeliveryFrom(ctx context.Context) (*amqp091.Delivery, bool) {
 
 // Run connects, declares the topology, consumes and reconnects until ctx
 // ends, then stops gracefully: it cancels the consumer, nacks with requeue
-// the prefetched deliveries no handler started (but runs those that one
-// more return would bring to MaxDeliveries), lets the running handlers
+// the prefetched deliveries no handler started (and puts back, uncounted,
+// the returned ones waiting to run alone), lets the running handlers
 // finish (their context is cancelled ShutdownTimeout after ctx ended),
 // settles them, sends the acknowledgements still being coalesced, closes
 // the connection and returns nil.
@@ -873,7 +878,6 @@ func (c *Consumer) take(wctx, hctx context.Context, s *consSession, a *consAcker
 	d := &cd.d
 	switch alone := c.alone(d); {
 	case a.careful && alone:
-		c.opts.Logger.Debug("ZZ careful", "id", cd.d.MessageId, "xdc", cd.d.Headers[HeaderDeliveryCount], "ret", cd.d.Headers[HeaderReturns])
 		c.handle(wctx, hctx, s, a, nil, cd, true)
 	case a.careful:
 		a.ending.Store(true)
@@ -978,7 +982,6 @@ func (c *Consumer) runAlone(wctx, hctx context.Context, s *consSession, a *consA
 		out := c.putBack(hctx, s, &cd.d)
 		a.settled(cd.d.DeliveryTag, out == settledAbandoned)
 	default:
-		c.opts.Logger.Debug("ZZ alone", "id", cd.d.MessageId, "xdc", cd.d.Headers[HeaderDeliveryCount], "ret", cd.d.Headers[HeaderReturns])
 		c.handle(wctx, hctx, s, a, nil, cd, true)
 	}
 }

@@ -3,7 +3,6 @@ package idemamqp
 import (
 	"context"
 	"fmt"
-	"log/slog"
 	"os"
 	"os/exec"
 	"os/signal"
@@ -84,9 +83,6 @@ func consRunChild() int {
 		return fail(err)
 	}
 	opts := ConsumerOptions{Concurrency: 4, Prefetch: 50, Logger: consQuiet(), RetryDelays: consTestDelays}
-	if os.Getenv("ZZDEBUG") != "" {
-		opts.Logger = slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelDebug}))
-	}
 	var before func(context.Context, *consumer.Message) error
 	if os.Getenv(consChildEnv) == "poison" {
 		opts.QuorumQueue, opts.MaxDeliveries = true, consPoisonMaxDeliveries
