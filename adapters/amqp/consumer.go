@@ -203,9 +203,10 @@ var ErrConnectionClosed = errors.New("amqp: the connection given to the consumer
 // (consuming, and publishing with confirms) and closes only them, never
 // conn: the caller closes conn, after Run returned.
 //
-// When a channel of the Consumer closes (a channel error, the broker
-// cancelling the consumer) while conn stays open, Run opens new channels
-// on conn, with the same backoff as a reconnect. When conn itself closes,
+// When a channel of the Consumer closes while it consumes (a channel
+// error, the broker cancelling the consumer) and conn stays open, Run opens
+// new channels on conn, with the same backoff as a reconnect; a refusal
+// while it sets them up (see Run) ends Run. When conn itself closes,
 // Run returns an error wrapping ErrConnectionClosed: reconnecting is the
 // owner's job; make a new Consumer on the new connection (the
 // deliveries of the dead one come back from the broker, and the dedup
@@ -293,12 +294,36 @@ func (c *consDeliveryCtx) Value(key any) any {
 
 // DeliveryFrom returns the raw delivery of the message being handled, for
 // handlers that need AMQP properties idem does not map (x-death, reply-to).
-// Do not acknowledge, nack or reject it: the Consumer does, possibly in one
-// multiple ack with its neighbours, and a tag settled twice is a channel
-// error (PRECONDITION_FAILED) that stops Run.
+// The Consumer settles every delivery itself, by the ACK rule, possibly in
+// one multiple ack with its neighbours: a handler does not acknowledge,
+// nack or reject it. If it tries, the call does nothing on the channel and
+// returns an error wrapping ErrSettledByHandler, and the Consumer settles
+// the delivery as its chain's verdict says.
 func DeliveryFrom(ctx context.Context) (*amqp091.Delivery, bool) {
 	d, ok := ctx.Value(consDeliveryKey{}).(*amqp091.Delivery)
 	return d, ok
+}
+
+// ErrSettledByHandler is returned (wrapped) by Ack, Nack and Reject of a
+// delivery a Consumer handed to a handler (DeliveryFrom): only the
+// Consumer settles its deliveries.
+var ErrSettledByHandler = errors.New("amqp: the Consumer settles its deliveries; a handler must not ack, nack or reject them")
+
+// consGuard is the Acknowledger of a delivery while the Consumer's chain
+// runs on it: it refuses the handler's settlements (see DeliveryFrom).
+// The Consumer settles on the channel itself.
+type consGuard struct{ ch amqp091.Acknowledger }
+
+func (consGuard) Ack(tag uint64, _ bool) error {
+	return fmt.Errorf("ack of delivery %d: %w", tag, ErrSettledByHandler)
+}
+
+func (consGuard) Nack(tag uint64, _, _ bool) error {
+	return fmt.Errorf("nack of delivery %d: %w", tag, ErrSettledByHandler)
+}
+
+func (consGuard) Reject(tag uint64, _ bool) error {
+	return fmt.Errorf("reject of delivery %d: %w", tag, ErrSettledByHandler)
 }
 
 // Run connects, declares the topology, consumes and reconnects until ctx
@@ -310,9 +335,10 @@ func DeliveryFrom(ctx context.Context) (*amqp091.Delivery, bool) {
 // the connection and returns nil.
 //
 // Run returns an error at once when the broker refuses the topology or the
-// credentials (PRECONDITION_FAILED, ACCESS_REFUSED, NOT_FOUND: a
-// configuration mistake that redialling would not fix). A Consumer runs
-// once.
+// credentials while it sets a session up (PRECONDITION_FAILED,
+// ACCESS_REFUSED, NOT_FOUND: a configuration mistake that redialling would
+// not fix). A channel error while it consumes (a delivery acknowledgement
+// timeout, say) makes it reconnect. A Consumer runs once.
 func (c *Consumer) Run(ctx context.Context) error {
 	if !c.running.CompareAndSwap(false, true) {
 		return errors.New("amqp: Consumer.Run called twice")
@@ -359,7 +385,7 @@ func (c *Consumer) Run(ctx context.Context) error {
 		}
 		delay = 0
 		if err := c.serve(ctx, hctx, s, &wg); err != nil {
-			if consFatal(err) {
+			if consFatal(err) && !errors.Is(err, errSessionLost) {
 				return fmt.Errorf("amqp: consumer of %q: %w", c.queue, err)
 			}
 			c.opts.Logger.Warn("amqp: consumer lost its channel; reconnecting", "queue", c.queue, "err", err)
@@ -675,7 +701,7 @@ func (c *Consumer) round(ctx, hctx context.Context, s *consSession, tag string, 
 		// waiting for a handler slot give way instead of running.
 		seats.stop()
 		wg.Go(func() { workers.Wait(); stopWorkers() })
-		return roundDone, s.deadErr
+		return roundDone, fmt.Errorf("%w: %w", errSessionLost, s.deadErr)
 	}
 	c.stopSession(s, a, tag, stopWorkers, seats, workers)
 	return roundDone, nil
@@ -730,6 +756,7 @@ func (c *Consumer) startWorkers(wctx, hctx context.Context, s *consSession, a *c
 				if !a.take(deliveries, &cd.d) {
 					break
 				}
+				cd.d.Acknowledger = consGuard{ch: cd.d.Acknowledger}
 				c.take(wctx, hctx, s, a, seats, cd, workers)
 			}
 			if a.live.Add(-1) == 0 {
@@ -751,6 +778,12 @@ func brokerCancelled(cancelled <-chan string) bool {
 		return false
 	}
 }
+
+// errSessionLost wraps the error that closed a channel or the connection of
+// a session that was consuming: Run opens a new session, whatever the
+// error (a channel error such as PRECONDITION_FAILED for an acknowledgement
+// timeout included); only a refusal while it sets the session up ends Run.
+var errSessionLost = errors.New("the consumer's channel or connection closed")
 
 // errBrokerCancel is the error of a session whose consumer the broker
 // cancelled.
@@ -1053,7 +1086,14 @@ const (
 	// settled (or while its ack was being coalesced); the broker
 	// redelivers it.
 	settledAbandoned
+	// settledUnpublished: nacked with requeue because its retry or
+	// dead-letter copy was not confirmed.
+	settledUnpublished
 )
+
+// errUnpublished is the Report.Err of a delivery requeued because its
+// retry or dead-letter copy was not confirmed.
+var errUnpublished = errors.New("amqp: the delivery's retry or dead-letter copy was not confirmed; the delivery was requeued")
 
 // errAbandoned is the Report.Err of a delivery whose channel closed before
 // it was settled.
@@ -1079,13 +1119,13 @@ func (c *Consumer) report(mctx context.Context, msg *consumer.Message, r consume
 	v := applied(r, out)
 	result, reason := verdictOf(v)
 	c.tel.Result(mctx, c.queue, result, reason, time.Since(start))
-	end(result, r.Err)
+	end(result, v.Err)
 	if c.opts.OnOutcome != nil {
-		err := r.Err
+		err := v.Err
 		if out == settledAbandoned {
 			err = errAbandoned
 		}
-		c.opts.OnOutcome(mctx, consumer.Report{Outcome: r.Outcome(), Message: msg, Result: v, Err: err})
+		c.opts.OnOutcome(mctx, consumer.Report{Outcome: v.Outcome(), Message: msg, Result: v, Err: err})
 	}
 }
 
@@ -1103,6 +1143,11 @@ func applied(r consumer.Result, out settlement) consumer.Result {
 	switch out {
 	case settledAcked:
 		return r
+	case settledUnpublished:
+		// Not the verdict r asked for (a dead letter, maybe): the copy
+		// that carries it out was not confirmed, and the message comes
+		// back.
+		return consumer.Result{Action: consumer.ActionRetry, Reason: consumer.OutcomeTransient, Err: errUnpublished}
 	case settledDeadLettered:
 		if r.Action == consumer.ActionRetry {
 			reason := consumer.OutcomeRetriesExhausted
@@ -1311,7 +1356,10 @@ func (c *Consumer) publishFailed(hctx context.Context, s *consSession, d *amqp09
 	case <-s.dead:
 	case <-hctx.Done():
 	}
-	return c.requeue(s, d)
+	if out := c.requeue(s, d); out != settledRequeued {
+		return out
+	}
+	return settledUnpublished
 }
 
 // publishCopy publishes p on s's confirm channel and waits for the
@@ -1380,12 +1428,12 @@ func (c *Consumer) copyOf(d *amqp091.Delivery, attempt int) amqp091.Publishing {
 }
 
 func (c *Consumer) ack(s *consSession, d *amqp091.Delivery) settlement {
-	// The tag belongs to s's channel (d.Acknowledger): on a dead
+	// The tag belongs to s's channel: on a dead
 	// generation it must not, and cannot, be used.
 	if s.isDead() {
 		return c.abandon()
 	}
-	if err := d.Ack(false); err != nil {
+	if err := s.ch.Ack(d.DeliveryTag, false); err != nil {
 		return c.abandon()
 	}
 	return settledAcked
@@ -1395,7 +1443,7 @@ func (c *Consumer) requeue(s *consSession, d *amqp091.Delivery) settlement {
 	if s.isDead() {
 		return c.abandon()
 	}
-	if err := d.Nack(false, true); err != nil {
+	if err := s.ch.Nack(d.DeliveryTag, false, true); err != nil {
 		return c.abandon()
 	}
 	c.stats.requeued.Add(1)

@@ -264,20 +264,24 @@ type ConsumerOptions struct {
 	// scope), routing keys and bodies never. Defaults to slog.Default().
 	Logger *slog.Logger
 	// OnOutcome, if set, is called once per delivery, after it was
-	// settled, with its consumer.Report: Outcome is the chain's
-	// (Result.Outcome), Message the delivery's message, and Result the
-	// verdict the Consumer carried out. Result.Action is ActionAck (the
+	// settled, with its consumer.Report: Result is the verdict the
+	// Consumer carried out, Outcome is Result's (Result.Outcome), and
+	// Message the delivery's message. Result.Action is ActionAck (the
 	// delivery was acknowledged: its effect committed, it was a duplicate,
 	// or a consumer.DeadLetter middleware parked it), ActionDeadLetter (a
-	// copy went to the dead-letter exchange, then the delivery was
-	// acknowledged; Reason says why, retries_exhausted, wait_limit and
-	// redelivery_limit included) or ActionRetry (the message comes back: a
-	// copy went to a retry queue, or the delivery was nacked with requeue
-	// because the consumer stopped or a copy could not be published, or
-	// its channel closed before it was settled). Result.Err and Err are
-	// the chain's error, except for a delivery whose channel closed before
-	// it was settled (the broker redelivers it), where Err wraps
-	// amqp091.ErrClosed. Key is zero: consumer.Dedup's and
+	// copy went to the dead-letter exchange and was confirmed, then the
+	// delivery was acknowledged; Reason says why, retries_exhausted,
+	// wait_limit and redelivery_limit included) or ActionRetry (the
+	// message comes back: a copy went to a retry queue, or the delivery
+	// was nacked with requeue because the consumer stopped, or its channel
+	// closed before it was settled). A delivery whose retry or dead-letter
+	// copy was not confirmed is nacked with requeue and reported as
+	// ActionRetry, reason transient, whatever its chain asked for: only
+	// the delivery whose copy was confirmed reports the dead letter.
+	// Result.Err and Err are the chain's error, except for a delivery
+	// whose channel closed before it was settled (the broker redelivers
+	// it), where Err wraps amqp091.ErrClosed, and one whose copy was not
+	// confirmed, where they say so. Key is zero: consumer.Dedup's and
 	// consumer.Transactional's own OnOutcome report the key.
 	//
 	// For a delivery acknowledged on ActionAck it is called once the

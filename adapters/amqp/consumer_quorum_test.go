@@ -91,7 +91,7 @@ func TestConsumerQuorumRedeliveryLimit(t *testing.T) {
 		if !ok {
 			return errors.New("no delivery in the context")
 		}
-		return d.Acknowledger.(*amqp091.Channel).Close()
+		return consChannel(d).Close()
 	})
 	var limited atomic.Int32
 	c, err := NewConsumer(url, q, h, consOpts(ConsumerOptions{
@@ -258,7 +258,7 @@ func TestConsumerQuorumRedeliveryLimitAcrossWaits(t *testing.T) {
 		if !ok {
 			return errors.New("no delivery in the context")
 		}
-		_ = d.Acknowledger.(*amqp091.Channel).Close()
+		_ = consChannel(d).Close()
 		<-release // a dead worker's handler never returns
 		return nil
 	}), consumer.Recover(), dd)
@@ -325,7 +325,7 @@ func TestConsumerQuorumNeighbourNotCountedByLaterCrashes(t *testing.T) {
 			if !ok {
 				return errors.New("no delivery in the context")
 			}
-			return d.Acknowledger.(*amqp091.Channel).Close()
+			return consChannel(d).Close()
 		}
 		<-release
 		return nil
