@@ -603,7 +603,7 @@ func (c *Consumer) declare(ch *amqp091.Channel) error {
 //
 // It consumes in rounds: a round ends, and the next one consumes again on
 // the same channel, when a returned delivery had to run alone (see
-// suspect).
+// take).
 func (c *Consumer) serve(ctx, hctx context.Context, s *consSession, wg *sync.WaitGroup) error {
 	// A basic.cancel from the broker is announced here before the
 	// deliveries close (amqp091-go notifies, then closes).
@@ -630,7 +630,7 @@ const (
 )
 
 // round consumes on s with consumer tag tag until ctx ends (graceful stop,
-// nil), s dies (the reason), or the round stopped its flow (see suspect):
+// nil), s dies (the reason), or the round stopped its flow (see take):
 // then it says how the next round consumes.
 func (c *Consumer) round(ctx, hctx context.Context, s *consSession, tag string, careful bool, cancelled <-chan string, wg *sync.WaitGroup) (next int, err error) {
 	prefetch := c.opts.Prefetch
@@ -665,9 +665,8 @@ func (c *Consumer) round(ctx, hctx context.Context, s *consSession, tag string, 
 	// the broker cancels the consumer (basic.cancel: the queue was
 	// deleted, or a quorum queue lost its leader): then the workers all
 	// return, and the session is given up so that Run redeclares the
-	// topology and consumes again. They close too when the round cancelled
-	// its consumer to run a returned delivery alone: then, once it ran, the
-	// next round consumes again.
+	// topology and consumes again. They close too when the round stopped
+	// its flow (see take): then the next round consumes again.
 	drained := make(chan struct{})
 	wg.Go(func() { workers.Wait(); close(drained) })
 	select {
@@ -838,10 +837,11 @@ func (c *Consumer) handle(ctx, hctx context.Context, s *consSession, a *consAcke
 	)
 	switch n, over := c.overDelivered(d); {
 	case over:
-		// Returned MaxDeliveries times or more: this delivery runs alone
-		// (see runAlone), and so did each earlier delivery of it since it
-		// was first returned, so a worker that died meanwhile died
-		// running it. Running the handler again would only kill another
+		// Returned MaxDeliveries times or more. A returned delivery
+		// runs with nothing else of the process unsettled (see take), so
+		// the returns counted after its first one are, but for the few
+		// cases the package documentation lists, deaths of workers that
+		// ran it. Running the handler again would only kill another
 		// worker.
 		r = consumer.Result{Action: consumer.ActionDeadLetter, Reason: ReasonRedeliveryLimit,
 			Err: fmt.Errorf("delivered %d times without being settled (MaxDeliveries %d)", n+1, c.opts.MaxDeliveries)}
@@ -879,7 +879,7 @@ func (c *Consumer) handle(ctx, hctx context.Context, s *consSession, a *consAcke
 // alone reports whether d must run alone: it carries an x-delivery-count
 // (a quorum queue returned it unsettled before: a worker died or its
 // channel closed while it was delivered, or it was requeued), or it is a
-// copy that carries such a count in HeaderReturns (see suspect).
+// copy that carries such a count in HeaderReturns (see take).
 func (c *Consumer) alone(d *amqp091.Delivery) bool {
 	return c.opts.MaxDeliveries >= 0 && consReturns(d) > 0
 }

@@ -87,7 +87,7 @@ type consAcker struct {
 	// tag; careful when its prefetch is one. chosen is the returned
 	// delivery a round with the window of Prefetch runs alone, once the
 	// flow stopped and every other delivery of the round was settled (see
-	// Consumer.suspect), nil while none was chosen; held are the
+	// Consumer.take), nil while none was chosen; held are the
 	// deliveries received after it, which wait for the flow to stop
 	// (guarded by mu); ending is set when the round stopped its flow for
 	// another reason (a careful round met a delivery never returned).
