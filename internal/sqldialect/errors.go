@@ -51,7 +51,7 @@ func walk(err error, f func(error) bool) bool {
 func SQLState(err error) string {
 	var state string
 	walk(err, func(e error) bool {
-		if s, ok := e.(sqlStater); ok { //nolint:errorlint // walk unwraps
+		if s, ok := e.(sqlStater); ok { // walk unwraps
 			state = s.SQLState()
 			return true
 		}
