@@ -274,18 +274,44 @@ func (w *kafkaWorkload) drained(ctx context.Context, _ time.Duration) (bool, err
 	if err := w.stall.failed(); err != nil {
 		return false, err
 	}
-	return w.k.caughtUp(ctx, w.group, w.topic, w.partitions)
+	var ok bool
+	err := retryStale(ctx, func() (err error) {
+		ok, err = w.k.caughtUp(ctx, w.group, w.topic, w.partitions)
+		return err
+	})
+	return ok, err
 }
 
 func (w *kafkaWorkload) settle(ctx context.Context) error {
-	ok, err := w.k.caughtUp(ctx, w.group, w.topic, w.partitions)
+	var ok bool
+	err := retryStale(ctx, func() (err error) {
+		ok, err = w.k.caughtUp(ctx, w.group, w.topic, w.partitions)
+		return err
+	})
 	if err != nil {
 		return err
 	}
 	if !ok {
 		return errors.New("the group's committed offsets fell behind the ends after the children stopped")
 	}
-	return w.k.empty(ctx, w.topic+"_dlq", 1)
+	return retryStale(ctx, func() error { return w.k.empty(ctx, w.topic+"_dlq", 1) })
+}
+
+// retryStale runs fn until it succeeds, for up to 30s: the runner's
+// client asks the broker its metadata name, which may no longer lead the
+// partition or coordinate the group when leaders move (the failover cell);
+// the client's metadata catch up within seconds.
+func retryStale(ctx context.Context, fn func() error) error {
+	deadline := time.Now().Add(30 * time.Second)
+	for {
+		err := fn()
+		if err == nil || time.Now().After(deadline) {
+			return err
+		}
+		if err := sleepCtx(ctx, 200*time.Millisecond); err != nil {
+			return err
+		}
+	}
 }
 
 // kafkaChild is the kafka-consumer child: an adapters/kafka Consumer with
