@@ -72,6 +72,10 @@ func (c *Consumer) runGeneration(base, stop context.Context, gen *kafkago.Genera
 		slog.String("group", c.group), slog.Int("generation", int(gen.ID)))
 }
 
+// offsetStoreTimeout bounds each OffsetStore call and each resolution of a
+// start offset.
+const offsetStoreTimeout = 10 * time.Second
+
 type startPosition struct {
 	topic       string
 	partition   int
@@ -104,8 +108,16 @@ func (g *generation) startPositions(stop context.Context) (_ []startPosition, ok
 		}
 		var stored map[int]int64
 		if c.opts.Offsets != nil {
-			err := retry(stop, c, "loading stored offsets", func() (err error) {
-				stored, err = c.opts.Offsets.LoadOffsets(stop, c.group, topic, ids)
+			// Each try is bounded: a load stuck on its database (a
+			// pool waiting for a connection, a connection that no
+			// longer answers) would keep the partitions unfetched for
+			// as long as the generation lasts, which in a settled
+			// group is for good.
+			err := retry(stop, c, "loading stored offsets", func() error {
+				lctx, cancel := context.WithTimeout(stop, offsetStoreTimeout)
+				defer cancel()
+				var err error
+				stored, err = c.opts.Offsets.LoadOffsets(lctx, c.group, topic, ids)
 				return err
 			})
 			if err != nil {
@@ -123,8 +135,13 @@ func (g *generation) startPositions(stop context.Context) (_ []startPosition, ok
 				s.commitStart = off > a.Offset
 			}
 			if s.offset < 0 {
+				which := s.offset
 				err := retry(stop, c, "resolving the start offset", func() (err error) {
-					s.offset, err = c.resolveOffset(stop, topic, a.ID, s.offset)
+					// Bounded like the load above: a Dialer without
+					// a Timeout sets no deadline on the leader lookup.
+					rctx, cancel := context.WithTimeout(stop, offsetStoreTimeout)
+					defer cancel()
+					s.offset, err = c.resolveOffset(rctx, topic, a.ID, which)
 					return err
 				})
 				if err != nil {
@@ -237,7 +254,7 @@ func (g *generation) commit(ctx context.Context) {
 	if c.opts.Offsets != nil {
 		// Not cut short by the generation's end: the final commit would
 		// only repeat it.
-		sctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 10*time.Second)
+		sctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), offsetStoreTimeout)
 		serr := c.opts.Offsets.SaveOffsets(sctx, c.group, offsets)
 		cancel()
 		if serr != nil {
