@@ -65,7 +65,7 @@ func (c *Consumer) runGeneration(base, stop context.Context, gen *kafkago.Genera
 	// ShutdownTimeout to finish, then their context is cancelled; records
 	// not started are abandoned. Then what is done is committed.
 	t := time.AfterFunc(c.opts.ShutdownTimeout, cancelWork)
-	wg.Wait()
+	g.waitParts(base, &wg)
 	t.Stop()
 	g.commit(context.WithoutCancel(base))
 	c.log.LogAttrs(base, slog.LevelDebug, "idem: generation ended",
@@ -75,6 +75,29 @@ func (c *Consumer) runGeneration(base, stop context.Context, gen *kafkago.Genera
 // offsetStoreTimeout bounds each OffsetStore call and each resolution of a
 // start offset.
 const offsetStoreTimeout = 10 * time.Second
+
+// waitParts waits for the partitions' loops to return: at most
+// ShutdownTimeout after the handlers' context was cancelled. A handler that
+// ignores its context would otherwise hold the generation, and with it the
+// member's next join and Run's return, for as long as it runs. The records
+// it holds are not done, so they are not committed: the partition's next
+// owner runs them again.
+func (g *generation) waitParts(base context.Context, wg *sync.WaitGroup) {
+	c := g.c
+	finished := make(chan struct{})
+	go func() { // ends with the last partition loop
+		wg.Wait()
+		close(finished)
+	}()
+	t := time.NewTimer(2 * c.opts.ShutdownTimeout)
+	defer t.Stop()
+	select {
+	case <-finished:
+	case <-t.C:
+		c.log.LogAttrs(base, slog.LevelError, "idem: handlers did not return within ShutdownTimeout of their context's cancellation; the generation ends without them and their records are not committed",
+			slog.String("group", c.group), slog.Int("generation", int(g.gen.ID)))
+	}
+}
 
 type startPosition struct {
 	topic       string

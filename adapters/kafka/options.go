@@ -99,10 +99,11 @@ type ConsumerOptions struct {
 
 	// ShutdownTimeout is how long handlers running when a generation ends
 	// (rebalance, or Run's context done) may take to finish before their
-	// context is cancelled. Keep it well below the session timeout: the
-	// member sends no heartbeat meanwhile. Defaults to a third of the
-	// smaller of the session and rebalance timeouts (10s with kafka-go's
-	// defaults).
+	// context is cancelled; a handler still running ShutdownTimeout after
+	// that is left behind, its record not committed, and the generation
+	// ends without it. Keep it well below the session timeout: the member
+	// sends no heartbeat meanwhile. Defaults to a third of the smaller of
+	// the session and rebalance timeouts (10s with kafka-go's defaults).
 	ShutdownTimeout time.Duration
 
 	// Logger receives warnings (retries, dead letters, failed commits)
