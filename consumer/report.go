@@ -45,9 +45,11 @@ const (
 	// middleware passes methods it does not guard).
 	OutcomePassed Outcome = "passed"
 
-	// The following are reasons of a Result (Result.Reason) only, next to
+	// The following are reasons of a Result (Result.Reason), next to
 	// OutcomeDuplicate, OutcomeInFlight, OutcomeLeaseLost,
-	// OutcomeFingerprintMismatch and OutcomeInvalidKey.
+	// OutcomeFingerprintMismatch and OutcomeInvalidKey. The dead-letter
+	// reasons are outcomes as well: Result.Outcome of a dead-lettered
+	// message is its reason.
 
 	// Retry: the Timeout middleware's deadline fired.
 	OutcomeTimeout Outcome = "timeout"
@@ -77,8 +79,10 @@ type Report struct {
 	// message (Key.ID names them).
 	Message *Message
 	// Result is the ACK rule applied to the message: set by the Kafka and
-	// RabbitMQ adapters, which report after the broker was told; zero
-	// from middleware, which reports before the verdict exists.
+	// RabbitMQ adapters, which report once the message is settled
+	// (acknowledged, or written to the dead-letter path, and its offset
+	// marked for commit); zero from middleware, which reports before the
+	// verdict exists.
 	Result Result
 	// Err is the error that stopped the work, when there is one: the
 	// handler's, the store's, or the broker's when the verdict could not
@@ -100,11 +104,17 @@ func report(ctx context.Context, fn func(context.Context, Report), r Report) {
 
 // Outcome is the Outcome of a verdict reached without a claim in sight:
 // what an adapter reports from the Result of a chain (success, a
-// duplicate, a key in flight, poison, or a handler error).
+// duplicate, a key in flight, poison, or a handler error). A dead letter
+// (ActionDeadLetter, or DeadLettered by the DeadLetter middleware) is
+// reported with its Reason, the word an adapter also writes as the dead
+// letter's reason: permanent, panic, retries_exhausted,
+// fingerprint_mismatch, invalid_key, or an adapter's own.
 func (r Result) Outcome() Outcome {
 	switch {
 	case r.Duplicate:
 		return OutcomeDuplicate
+	case (r.Action == ActionDeadLetter || r.DeadLettered) && r.Reason != "":
+		return r.Reason
 	case r.Err == nil:
 		return OutcomeCompleted
 	case errors.Is(r.Err, dedup.ErrLeaseLost):

@@ -86,8 +86,9 @@
 // records, two offsets, two ids). ConsumerOptions.IDFunc takes the id from anywhere
 // else in the record. The handler sees the key, value, headers,
 // topic and timestamp in consumer.Message, the partition, offset and group in
-// Message.Metadata: "kafka.partition" and "kafka.offset" (in decimal) and
-// "kafka.group".
+// Message.Metadata under MetadataPartition ("kafka.partition") and
+// MetadataOffset ("kafka.offset"), in decimal, and MetadataGroup
+// ("kafka.group").
 //
 // # Your own kafka-go loop
 //

@@ -137,7 +137,8 @@ func ExampleMessageFrom() {
 		panic(err)
 	}
 	h := consumer.Chain(consumer.HandlerFunc(func(_ context.Context, msg *consumer.Message) error {
-		fmt.Printf("charged %s: %s\n", msg.ID, msg.Payload)
+		fmt.Printf("charged %s (partition %s, offset %s): %s\n", msg.ID,
+			msg.Metadata[idemkafka.MetadataPartition], msg.Metadata[idemkafka.MetadataOffset], msg.Payload)
 		return nil
 	}), consumer.Recover(), dd)
 
@@ -171,8 +172,8 @@ func ExampleMessageFrom() {
 	}
 
 	// Output:
-	// charged order-1: 10.00
+	// charged order-1 (partition 0, offset 0): 10.00
 	// order-1 again: duplicate
 	// offset 2 dead-lettered: invalid_key
-	// charged order-2: 7.50
+	// charged order-2 (partition 0, offset 3): 7.50
 }

@@ -22,17 +22,13 @@ func SetCommitHooks(c *Consumer, before, after func(offsets map[string]map[int]i
 // workers (several workers, or a BatchHandler). Call before Run.
 func SetQueued(c *Consumer, f func(km *kafkago.Message)) { c.hooks.queued = f }
 
-// The dead-letter headers and message metadata keys, as documented on
-// ConsumerOptions.DeadLetterTopic and MessageFrom.
+// The dead-letter headers, as documented on ConsumerOptions.DeadLetterTopic.
 const (
-	HeaderDeadLetter  = headerDeadLetter
-	HeaderError       = headerError
-	HeaderTopic       = headerTopic
-	HeaderPartition   = headerPartition
-	HeaderOffset      = headerOffset
-	HeaderAttempts    = headerAttempts
-	HeaderGroup       = headerGroup
-	MetadataPartition = metadataPartition
-	MetadataOffset    = metadataOffset
-	MetadataGroup     = metadataGroup
+	HeaderDeadLetter = headerDeadLetter
+	HeaderError      = headerError
+	HeaderTopic      = headerTopic
+	HeaderPartition  = headerPartition
+	HeaderOffset     = headerOffset
+	HeaderAttempts   = headerAttempts
+	HeaderGroup      = headerGroup
 )

@@ -65,11 +65,38 @@ func (c *Consumer) runGeneration(base, stop context.Context, gen *kafkago.Genera
 	// ShutdownTimeout to finish, then their context is cancelled; records
 	// not started are abandoned. Then what is done is committed.
 	t := time.AfterFunc(c.opts.ShutdownTimeout, cancelWork)
-	wg.Wait()
+	g.waitParts(base, &wg)
 	t.Stop()
 	g.commit(context.WithoutCancel(base))
 	c.log.LogAttrs(base, slog.LevelDebug, "idem: generation ended",
 		slog.String("group", c.group), slog.Int("generation", int(gen.ID)))
+}
+
+// offsetStoreTimeout bounds each OffsetStore call and each resolution of a
+// start offset.
+const offsetStoreTimeout = 10 * time.Second
+
+// waitParts waits for the partitions' loops to return: at most
+// ShutdownTimeout after the handlers' context was cancelled. A handler that
+// ignores its context would otherwise hold the generation, and with it the
+// member's next join and Run's return, for as long as it runs. The records
+// it holds are not done, so they are not committed: the partition's next
+// owner runs them again.
+func (g *generation) waitParts(base context.Context, wg *sync.WaitGroup) {
+	c := g.c
+	finished := make(chan struct{})
+	go func() { // ends with the last partition loop
+		wg.Wait()
+		close(finished)
+	}()
+	t := time.NewTimer(2 * c.opts.ShutdownTimeout)
+	defer t.Stop()
+	select {
+	case <-finished:
+	case <-t.C:
+		c.log.LogAttrs(base, slog.LevelError, "idem: handlers did not return within ShutdownTimeout of their context's cancellation; the generation ends without them and their records are not committed",
+			slog.String("group", c.group), slog.Int("generation", int(g.gen.ID)))
+	}
 }
 
 type startPosition struct {
@@ -104,8 +131,16 @@ func (g *generation) startPositions(stop context.Context) (_ []startPosition, ok
 		}
 		var stored map[int]int64
 		if c.opts.Offsets != nil {
-			err := retry(stop, c, "loading stored offsets", func() (err error) {
-				stored, err = c.opts.Offsets.LoadOffsets(stop, c.group, topic, ids)
+			// Each try is bounded: a load stuck on its database (a
+			// pool waiting for a connection, a connection that no
+			// longer answers) would keep the partitions unfetched for
+			// as long as the generation lasts, which in a settled
+			// group is for good.
+			err := retry(stop, c, "loading stored offsets", func() error {
+				lctx, cancel := context.WithTimeout(stop, offsetStoreTimeout)
+				defer cancel()
+				var err error
+				stored, err = c.opts.Offsets.LoadOffsets(lctx, c.group, topic, ids)
 				return err
 			})
 			if err != nil {
@@ -123,8 +158,13 @@ func (g *generation) startPositions(stop context.Context) (_ []startPosition, ok
 				s.commitStart = off > a.Offset
 			}
 			if s.offset < 0 {
+				which := s.offset
 				err := retry(stop, c, "resolving the start offset", func() (err error) {
-					s.offset, err = c.resolveOffset(stop, topic, a.ID, s.offset)
+					// Bounded like the load above: a Dialer without
+					// a Timeout sets no deadline on the leader lookup.
+					rctx, cancel := context.WithTimeout(stop, offsetStoreTimeout)
+					defer cancel()
+					s.offset, err = c.resolveOffset(rctx, topic, a.ID, which)
 					return err
 				})
 				if err != nil {
@@ -237,7 +277,7 @@ func (g *generation) commit(ctx context.Context) {
 	if c.opts.Offsets != nil {
 		// Not cut short by the generation's end: the final commit would
 		// only repeat it.
-		sctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 10*time.Second)
+		sctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), offsetStoreTimeout)
 		serr := c.opts.Offsets.SaveOffsets(sctx, c.group, offsets)
 		cancel()
 		if serr != nil {

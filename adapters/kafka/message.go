@@ -13,14 +13,15 @@ import (
 	"github.com/idemkit/idem/outbox"
 )
 
-// Metadata keys the Consumer sets on consumer.Message.Metadata.
+// Keys of consumer.Message.Metadata that the Consumer and MessageFrom set.
 const (
-	// metadataPartition is the partition number, in decimal.
-	metadataPartition = "kafka.partition"
-	// metadataOffset is the record's offset, in decimal.
-	metadataOffset = "kafka.offset"
-	// metadataGroup is the consumer group.
-	metadataGroup = "kafka.group"
+	// MetadataPartition is the record's partition number, in decimal.
+	MetadataPartition = "kafka.partition"
+	// MetadataOffset is the record's offset, in decimal.
+	MetadataOffset = "kafka.offset"
+	// MetadataGroup is the consumer group: the Consumer's, or
+	// MessageOptions.Group (absent when that is empty).
+	MetadataGroup = "kafka.group"
 )
 
 // idScope stands in for the scope when a message id is validated: the
@@ -43,17 +44,17 @@ type MessageOptions struct {
 	// MaxIDLen limits the id, in bytes. Defaults to
 	// dedup.DefaultMaxKeyLen.
 	MaxIDLen int
-	// Group, if set, is stored in Metadata["kafka.group"].
+	// Group, if set, is stored in Metadata[MetadataGroup].
 	Group string
 }
 
 // MessageFrom turns a record fetched by the application's own kafka-go
 // loop into the consumer.Message that idem's handlers take, as the Consumer
 // does: key, value, topic, timestamp and headers (a repeated header: the
-// last one), the partition and offset in Metadata["kafka.partition"] and
-// Metadata["kafka.offset"] (in decimal) and the group in
-// Metadata["kafka.group"], and the id from
-// opts (by default the outbox.HeaderMessageID header).
+// last one), the partition and offset in Metadata[MetadataPartition] and
+// Metadata[MetadataOffset] (in decimal) and the group in
+// Metadata[MetadataGroup], and the id from opts (by default the
+// outbox.HeaderMessageID header).
 //
 // A negative opts.MaxIDLen is a configuration error: MessageFrom then
 // returns a nil message. Otherwise the error, when not nil, wraps
@@ -96,12 +97,12 @@ func toMessage(km *kafkago.Message, partStr string, opts *MessageOptions) (*cons
 		Topic:   km.Topic,
 		Time:    km.Time,
 		Metadata: map[string]string{
-			metadataPartition: partStr,
-			metadataOffset:    strconv.FormatInt(km.Offset, 10),
+			MetadataPartition: partStr,
+			MetadataOffset:    strconv.FormatInt(km.Offset, 10),
 		},
 	}
 	if opts.Group != "" {
-		msg.Metadata[metadataGroup] = opts.Group
+		msg.Metadata[MetadataGroup] = opts.Group
 	}
 	if len(km.Headers) > 0 {
 		msg.Headers = make(map[string]string, len(km.Headers))

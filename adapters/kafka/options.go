@@ -99,10 +99,11 @@ type ConsumerOptions struct {
 
 	// ShutdownTimeout is how long handlers running when a generation ends
 	// (rebalance, or Run's context done) may take to finish before their
-	// context is cancelled. Keep it well below the session timeout: the
-	// member sends no heartbeat meanwhile. Defaults to a third of the
-	// smaller of the session and rebalance timeouts (10s with kafka-go's
-	// defaults).
+	// context is cancelled; a handler still running ShutdownTimeout after
+	// that is left behind, its record not committed, and the generation
+	// ends without it. Keep it well below the session timeout: the member
+	// sends no heartbeat meanwhile. Defaults to a third of the smaller of
+	// the session and rebalance timeouts (10s with kafka-go's defaults).
 	ShutdownTimeout time.Duration
 
 	// Logger receives warnings (retries, dead letters, failed commits)
@@ -111,10 +112,17 @@ type ConsumerOptions struct {
 	// (message_id_hash, dedup.HashKey with an empty scope), keys and
 	// payloads never. Defaults to slog.Default().
 	Logger *slog.Logger
-	// OnOutcome, if set, is called after each handler run, with the
-	// record's Message, the consumer.Result the Consumer acts on and its
-	// Outcome (Result.Outcome). It must be fast and safe for concurrent
-	// use.
+	// OnOutcome, if set, is called once per settled record, after the
+	// settlement: the record was acknowledged, or written to the
+	// dead-letter topic, and its offset marked for the next commit. It
+	// gets the record's Message, the consumer.Result the Consumer acted on
+	// and its Outcome (Result.Outcome: for a dead letter, the same reason
+	// as the HeaderReason header). A run that ends in a retry, and a record
+	// abandoned at a rebalance or a stop, are not reported: the record
+	// runs again and is reported when it settles. A record that comes back
+	// after a crash or a rebalance that came before its offset commit
+	// settles, and is reported, once more. It must be fast and safe for
+	// concurrent use.
 	OnOutcome func(ctx context.Context, r consumer.Report)
 
 	// MeterProvider receives idem.messages (each handler run's verdict:

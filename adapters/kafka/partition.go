@@ -210,7 +210,6 @@ func (p *partition) runOne(stop context.Context, rn *runner, it *item, attempt i
 		} else {
 			r = p.process(hctx, msg)
 		}
-		p.c.report(hctx, msg, r)
 		if p.settle(stop, hctx, at, it, attempt, r) {
 			return
 		}
@@ -278,7 +277,11 @@ func decide(ctx context.Context, err error) consumer.Result {
 
 // settle acts on a result and records the verdict (at; ctx is the run's
 // context, for logs). It returns true when the record is finished (done, or
-// abandoned because stop is done) and false when it must run again.
+// abandoned because stop is done) and false when it must run again. A
+// record is reported (OnOutcome) once it is done: acknowledged, or parked
+// in the dead-letter topic, and marked for commit. A retry and an
+// abandoned record are not reported: the record runs again, here or at the
+// partition's next owner, and is reported when that run settles it.
 func (p *partition) settle(stop, ctx context.Context, at attemptTel, it *item, attempt int, r consumer.Result) bool {
 	switch r.Action {
 	case consumer.ActionAck:
@@ -287,6 +290,7 @@ func (p *partition) settle(stop, ctx context.Context, at attemptTel, it *item, a
 		}
 		p.markDone(it)
 		p.c.verdict(ctx, it.km.Topic, at, r, false)
+		p.c.report(ctx, it.msg, r)
 		return true
 	case consumer.ActionDeadLetter:
 		parked := p.deadLetter(stop, ctx, it, attempt, r)
@@ -294,6 +298,9 @@ func (p *partition) settle(stop, ctx context.Context, at attemptTel, it *item, a
 			p.markDone(it)
 		}
 		p.c.verdict(ctx, it.km.Topic, at, r, parked)
+		if parked {
+			p.c.report(ctx, it.msg, r)
+		}
 		return true
 	}
 	p.c.verdict(ctx, it.km.Topic, at, r, false)
@@ -377,7 +384,6 @@ func (p *partition) runBatchHandler(stop context.Context, rn *runner, valid []*i
 		bt.end(resultAck, nil)
 		for _, it := range valid {
 			r := consumer.Result{Action: consumer.ActionAck}
-			p.c.report(ctx, it.msg, r)
 			p.settle(stop, ctx, at, it, 1, r)
 		}
 		return nil
@@ -385,7 +391,6 @@ func (p *partition) runBatchHandler(stop context.Context, rn *runner, valid []*i
 		bt.end("", nil)
 		for i, it := range valid {
 			r := decide(ctx, be.Errs[i])
-			p.c.report(ctx, it.msg, r)
 			if r.Action == consumer.ActionRetry {
 				p.c.verdict(ctx, it.km.Topic, at, r, false)
 				again = append(again, it)

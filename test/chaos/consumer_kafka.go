@@ -10,6 +10,7 @@ import (
 	"github.com/twmb/franz-go/pkg/kfake"
 
 	"github.com/idemkit/idem/adapters/kafka"
+	"github.com/idemkit/idem/consumer"
 	"github.com/idemkit/idem/outbox"
 )
 
@@ -33,8 +34,11 @@ type kafkaEnv struct {
 	client  *kafkago.Client
 }
 
-func newKafkaEnv() (*kafkaEnv, error) {
-	c, err := kfake.NewCluster(kfake.NumBrokers(1), kfake.GroupMinSessionTimeout(100*time.Millisecond))
+func newKafkaEnv() (*kafkaEnv, error) { return newKafkaEnvN(1) }
+
+// newKafkaEnvN is newKafkaEnv with n brokers.
+func newKafkaEnvN(n int) (*kafkaEnv, error) {
+	c, err := kfake.NewCluster(kfake.NumBrokers(n), kfake.GroupMinSessionTimeout(100*time.Millisecond))
 	if err != nil {
 		return nil, fmt.Errorf("kfake: %w", err)
 	}
@@ -195,24 +199,29 @@ func kafkaReaderConfig(brokers []string, group, topic string, session time.Durat
 	}
 }
 
-// kafkaWorkload feeds a topic consumed by kafka-consumer children.
+// kafkaWorkload feeds a topic consumed by kafka-consumer children (or
+// kafka-consumer-offsets children: positions in PostgreSQL through
+// kafkapg). A stall detector watches the group for the whole cell.
 type kafkaWorkload struct {
-	b      *cellBase
-	k      *kafkaEnv
-	topic  string
-	group  string
-	w      *kafkago.Writer
-	next   int
-	closer func()
+	b          *cellBase
+	k          *kafkaEnv
+	topic      string
+	group      string
+	partitions int
+	childName  string
+	w          *kafkago.Writer
+	next       int
+	stall      *stallDetector
+	closer     func()
 }
 
-func newKafkaWorkload(ctx context.Context, b *cellBase) (*kafkaWorkload, error) {
-	k, err := newKafkaEnv()
+func newKafkaWorkload(ctx context.Context, b *cellBase, childName string, partitions, brokers int) (*kafkaWorkload, error) {
+	k, err := newKafkaEnvN(brokers)
 	if err != nil {
 		return nil, err
 	}
-	w := &kafkaWorkload{b: b, k: k, topic: "chaos_" + b.suffix, group: "chaos_g_" + b.suffix}
-	if err := k.createTopic(ctx, w.topic, kafkaPartitions); err != nil {
+	w := &kafkaWorkload{b: b, k: k, topic: "chaos_" + b.suffix, group: "chaos_g_" + b.suffix, partitions: partitions, childName: childName}
+	if err := k.createTopic(ctx, w.topic, partitions); err != nil {
 		k.close()
 		return nil, err
 	}
@@ -221,14 +230,16 @@ func newKafkaWorkload(ctx context.Context, b *cellBase) (*kafkaWorkload, error) 
 		return nil, err
 	}
 	w.w = k.writer(w.topic)
+	w.stall = startStallDetector(ctx, k, w.group, w.topic, partitions, b.env.TempDir, stallBound)
 	w.closer = func() {
+		w.stall.close()
 		_ = w.w.Close()
 		k.close()
 	}
 	return w, nil
 }
 
-func (w *kafkaWorkload) child() string { return "kafka-consumer" }
+func (w *kafkaWorkload) child() string { return w.childName }
 
 func (w *kafkaWorkload) config(int) childConfig {
 	c := w.b.config()
@@ -240,7 +251,7 @@ func (w *kafkaWorkload) produce(ctx context.Context, ids []string) error {
 	recs := make([]kafkago.Message, 0, len(ids))
 	for _, id := range ids {
 		recs = append(recs, kafkago.Message{
-			Partition: w.next % kafkaPartitions,
+			Partition: w.next % w.partitions,
 			Key:       []byte(id),
 			Value:     []byte("payload-" + id),
 			Headers:   []kafkago.Header{{Key: outbox.HeaderMessageID, Value: []byte(id)}},
@@ -252,21 +263,55 @@ func (w *kafkaWorkload) produce(ctx context.Context, ids []string) error {
 	return w.w.WriteMessages(ctx, recs...)
 }
 
-func (w *kafkaWorkload) progress(ctx context.Context) (int, error) { return w.b.distinctEffects(ctx) }
+func (w *kafkaWorkload) progress(ctx context.Context) (int, error) {
+	if err := w.stall.failed(); err != nil {
+		return 0, err
+	}
+	return w.b.distinctEffects(ctx)
+}
 
 func (w *kafkaWorkload) drained(ctx context.Context, _ time.Duration) (bool, error) {
-	return w.k.caughtUp(ctx, w.group, w.topic, kafkaPartitions)
+	if err := w.stall.failed(); err != nil {
+		return false, err
+	}
+	var ok bool
+	err := retryStale(ctx, func() (err error) {
+		ok, err = w.k.caughtUp(ctx, w.group, w.topic, w.partitions)
+		return err
+	})
+	return ok, err
 }
 
 func (w *kafkaWorkload) settle(ctx context.Context) error {
-	ok, err := w.k.caughtUp(ctx, w.group, w.topic, kafkaPartitions)
+	var ok bool
+	err := retryStale(ctx, func() (err error) {
+		ok, err = w.k.caughtUp(ctx, w.group, w.topic, w.partitions)
+		return err
+	})
 	if err != nil {
 		return err
 	}
 	if !ok {
 		return errors.New("the group's committed offsets fell behind the ends after the children stopped")
 	}
-	return w.k.empty(ctx, w.topic+"_dlq", 1)
+	return retryStale(ctx, func() error { return w.k.empty(ctx, w.topic+"_dlq", 1) })
+}
+
+// retryStale runs fn until it succeeds, for up to 30s: the runner's
+// client asks the broker its metadata name, which may no longer lead the
+// partition or coordinate the group when leaders move (the failover cell);
+// the client's metadata catch up within seconds.
+func retryStale(ctx context.Context, fn func() error) error {
+	deadline := time.Now().Add(30 * time.Second)
+	for {
+		err := fn()
+		if err == nil || time.Now().After(deadline) {
+			return err
+		}
+		if err := sleepCtx(ctx, 200*time.Millisecond); err != nil {
+			return err
+		}
+	}
 }
 
 // kafkaChild is the kafka-consumer child: an adapters/kafka Consumer with
@@ -277,6 +322,11 @@ func kafkaChild(ctx context.Context) error {
 		return err
 	}
 	defer r.quit()
+	stopDump, err := dumpGoroutinesOn(r.cfg.Log)
+	if err != nil {
+		return err
+	}
+	defer stopDump()
 	pool, err := childPool(r.ctx, r.cfg.PGURL, 4)
 	if err != nil {
 		return err
@@ -287,12 +337,19 @@ func kafkaChild(ctx context.Context) error {
 		return err
 	}
 	defer closer()
+	return runKafkaChild(r, h, nil)
+}
+
+// runKafkaChild runs the cells' Consumer with h (and offsets, when set)
+// until SIGTERM.
+func runKafkaChild(r *childRun, h consumer.Handler, offsets idemkafka.OffsetStore) error {
 	c, err := idemkafka.NewConsumer(kafkaReaderConfig(r.cfg.Brokers, r.cfg.Group, r.cfg.Topic, kafkaSession), h, idemkafka.ConsumerOptions{
 		CommitEvery:     50,
 		CommitInterval:  100 * time.Millisecond,
 		RetryInitial:    50 * time.Millisecond,
 		RetryMax:        time.Second,
 		DeadLetterTopic: r.cfg.Topic + "_dlq",
+		Offsets:         offsets,
 		Logger:          childLogger(),
 	})
 	if err != nil {
@@ -310,7 +367,7 @@ func kafkaCell(name, store string) Cell {
 		Run: func(ctx context.Context, env *Env) (Result, error) {
 			n, kills := env.Scale.Pick(1000, 20000), env.Scale.Pick(8, 40)
 			return withBase(ctx, env, name, store, n, func(b *cellBase) (Result, error) {
-				w, err := newKafkaWorkload(ctx, b)
+				w, err := newKafkaWorkload(ctx, b, "kafka-consumer", kafkaPartitions, 1)
 				if err != nil {
 					return Result{}, err
 				}
