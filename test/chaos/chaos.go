@@ -96,7 +96,8 @@ type Result struct {
 // Cell is one entry of the matrix.
 type Cell struct {
 	Name string
-	// Last cells run after all others (RabbitMQ faults on the shared broker).
+	// Last cells run after all others (the rabbit/ cells, which boot a
+	// RabbitMQ node of their own).
 	Last bool
 	// ExpectDuplicates marks a cell whose guarantee does not cover
 	// duplicates (Redis without persistence): its duplicates are reported
