@@ -66,11 +66,11 @@ func rabbitSbin() (string, error) {
 	if err != nil {
 		return "", errors.New("rabbitmq-server is not installed (or set IDEM_RABBITMQ_SBIN to the directory of rabbitmq-server and rabbitmqctl)")
 	}
-	if real, err := filepath.EvalSymlinks(p); err == nil {
-		p = real
+	if target, err := filepath.EvalSymlinks(p); err == nil {
+		p = target
 	}
 	if filepath.Base(p) != "rabbitmq-server" {
-		return "", fmt.Errorf("%s is a wrapper (%s); set IDEM_RABBITMQ_SBIN to the directory of the real rabbitmq-server and rabbitmqctl", "rabbitmq-server", p)
+		return "", fmt.Errorf("rabbitmq-server is a wrapper (%s); set IDEM_RABBITMQ_SBIN to the directory of the real rabbitmq-server and rabbitmqctl", p)
 	}
 	return filepath.Dir(p), nil
 }
