@@ -196,7 +196,7 @@ func (lc *call) handled(outcome string, err error) {
 		took = time.Since(lc.hstart)
 	}
 	lc.tel.Handled(lc.parent, outcome, took)
-	lc.cfg.outcome(lc.msg, lc.key, consumer.Outcome(outcome), err)
+	lc.dl.report(lc.key, consumer.Outcome(outcome), err)
 }
 
 // cleanup runs after settle, or when the handler panicked: the message gets its

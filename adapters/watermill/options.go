@@ -109,9 +109,17 @@ type Options struct {
 	// (dedup.Key.Hash), never raw. Defaults to discarding them
 	// (slog.DiscardHandler).
 	Logger *slog.Logger
-	// OnOutcome, if set, is called once per message with its
-	// consumer.Report (Outcome, Key, Err; Message is nil, Key.ID names
-	// the message). It must be fast and safe for concurrent use.
+	// OnOutcome, if set, is called once per run of the middleware on a
+	// message with its consumer.Report (Outcome, Key, Err; Message is
+	// nil, Key.ID names the message), when the middleware's answer is
+	// final: after the key was completed or released (or the claiming
+	// transaction ended), and after a poison message was handed to
+	// Options.PoisonQueue. When the poison queue did not take it, Err
+	// holds the poison queue's error next to the poison error, and the
+	// router nacks the message. The router acknowledges or nacks the
+	// message once the middleware returned. With Watermill's Retry
+	// middleware outside this one, each attempt reports. It must be fast
+	// and safe for concurrent use.
 	OnOutcome func(ctx context.Context, r consumer.Report)
 
 	// MeterProvider receives the middleware's metrics: idem.claims,
@@ -202,12 +210,6 @@ func newConfig(who string, opts Options, store any) (*config, error) {
 		maxLen:      opts.MaxKeyLen,
 	}
 	return c, nil
-}
-
-func (c *config) outcome(msg *message.Message, key dedup.Key, o consumer.Outcome, err error) {
-	if c.OnOutcome != nil {
-		c.OnOutcome(msg.Context(), consumer.Report{Outcome: o, Key: key, Err: err})
-	}
 }
 
 // validateScope checks a scope like the scope half of a key.

@@ -86,7 +86,7 @@ func (c *config) poison(d *delivery, msg *message.Message, pe *poisonError) ([]*
 // invalid key; anything else (no scope, a key function that failed) is
 // retried and counted as a claim error.
 func (c *config) rejectKey(d *delivery, msg *message.Message, err error) ([]*message.Message, error) {
-	c.outcome(msg, dedup.Key{}, consumer.OutcomeInvalidKey, err)
+	d.report(dedup.Key{}, consumer.OutcomeInvalidKey, err)
 	tel := c.tel.Get(c.scopeOf(msg))
 	var pe *poisonError
 	if errors.As(err, &pe) {
@@ -104,18 +104,18 @@ func (c *config) rejectKey(d *delivery, msg *message.Message, err error) ([]*mes
 func (c *config) claimFailed(d *delivery, msg *message.Message, key dedup.Key, err error) ([]*message.Message, error) {
 	switch {
 	case errors.Is(err, dedup.ErrDuplicate):
-		c.outcome(msg, key, consumer.OutcomeDuplicate, err)
+		d.report(key, consumer.OutcomeDuplicate, err)
 		return nil, nil
 	case errors.Is(err, dedup.ErrFingerprintMismatch):
-		c.outcome(msg, key, consumer.OutcomeFingerprintMismatch, err)
+		d.report(key, consumer.OutcomeFingerprintMismatch, err)
 		return c.poison(d, msg, &poisonError{Reason: consumer.OutcomeFingerprintMismatch, Err: fmt.Errorf("watermill: claim %s: %w", key, err)})
 	case errors.Is(err, dedup.ErrInvalidKey):
-		c.outcome(msg, key, consumer.OutcomeInvalidKey, err)
+		d.report(key, consumer.OutcomeInvalidKey, err)
 		return c.poison(d, msg, &poisonError{Reason: consumer.OutcomeInvalidKey, Err: fmt.Errorf("watermill: claim %s: %w", key, err)})
 	case errors.Is(err, dedup.ErrInFlight):
-		c.outcome(msg, key, consumer.OutcomeInFlight, err)
+		d.report(key, consumer.OutcomeInFlight, err)
 	default:
-		c.outcome(msg, key, consumer.OutcomeStoreError, err)
+		d.report(key, consumer.OutcomeStoreError, err)
 	}
 	return nil, fmt.Errorf("watermill: claim %s: %w", key, err)
 }

@@ -1,9 +1,11 @@
 package watermill_test
 
 import (
+	"context"
 	"errors"
 	"fmt"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"testing"
 
@@ -213,5 +215,101 @@ func TestScopeFromHandlerName(t *testing.T) {
 	_, err := mw(func(*message.Message) ([]*message.Message, error) { return nil, nil })(message.NewMessage("a", nil))
 	if err == nil || idemwm.IsPoison(err) || !strings.Contains(err.Error(), "Options.Scope") {
 		t.Fatalf("err = %v", err)
+	}
+}
+
+// TestOnOutcomeAfterPoisonQueue: OnOutcome reports a poison message once,
+// after the poison queue took it (published to a real pub/sub, whose
+// subscriber received it); when the poison queue cannot publish, the
+// report's error says so next to the poison error.
+func TestOnOutcomeAfterPoisonQueue(t *testing.T) {
+	for _, k := range allKinds() {
+		t.Run(k.name, func(t *testing.T) {
+			fx := k.setup(t)
+			var (
+				mu     sync.Mutex
+				events []string
+				errs   = map[string]error{}
+			)
+			event := func(e string) {
+				mu.Lock()
+				defer mu.Unlock()
+				events = append(events, e)
+			}
+			onOutcome := func(_ context.Context, r consumer.Report) {
+				event("report " + string(r.Outcome))
+				mu.Lock()
+				defer mu.Unlock()
+				errs[string(r.Outcome)] = r.Err
+			}
+
+			poisonPS := newGoChannel(t)
+			poisonTopic := testenv.Name("poison")
+			poisoned, err := poisonPS.Subscribe(context.Background(), poisonTopic)
+			if err != nil {
+				t.Fatal(err)
+			}
+			subDone := make(chan struct{})
+			go func() {
+				defer close(subDone)
+				for m := range poisoned {
+					event("poisoned " + m.Metadata.Get(idemwm.MetadataReason))
+					m.Ack()
+				}
+			}()
+			pq := must(middleware.PoisonQueue(poisonPS, poisonTopic))
+
+			ps := newGoChannel(t)
+			r := newRouter(t)
+			r.AddMiddleware(fx.middleware(t, idemwm.Options{KeyMetadata: "event_id", PoisonQueue: pq, OnOutcome: onOutcome}))
+			topic := testenv.Name("payments")
+			r.AddConsumerHandler("charge", topic, ps, func(msg *message.Message) error {
+				return fx.oracle.record(msg, "charge")
+			})
+			startRouter(t, r)
+
+			orig := message.NewMessage(wm.NewUUID(), []byte(`{"amount":100}`))
+			orig.Metadata.Set("event_id", "evt-1")
+			forged := message.NewMessage(wm.NewUUID(), []byte(`{"amount":900}`))
+			forged.Metadata.Set("event_id", "evt-1")
+			for _, m := range []*message.Message{orig, forged} {
+				if err := ps.Publish(topic, m); err != nil {
+					t.Fatal(err)
+				}
+			}
+			mu.Lock()
+			got := strings.Join(events, ", ")
+			mu.Unlock()
+			if want := "report completed, poisoned fingerprint_mismatch, report fingerprint_mismatch"; got != want {
+				t.Fatalf("events %q, want %q", got, want)
+			}
+
+			// A poison queue that cannot publish: the same middleware
+			// on the same store, outside the router, after the poison
+			// pub/sub closed.
+			if err := poisonPS.Close(); err != nil {
+				t.Fatal(err)
+			}
+			<-subDone
+			mw := fx.middleware(t, idemwm.Options{Scope: "charge", KeyMetadata: "event_id", PoisonQueue: pq, OnOutcome: onOutcome})
+			again := message.NewMessage(wm.NewUUID(), []byte(`{"amount":901}`))
+			again.Metadata.Set("event_id", "evt-1")
+			_, herr := mw(func(*message.Message) ([]*message.Message, error) {
+				t.Error("the handler ran for a forged message")
+				return nil, nil
+			})(again)
+			if herr == nil {
+				t.Fatal("the poison queue could not publish, yet the middleware returned no error")
+			}
+			mu.Lock()
+			defer mu.Unlock()
+			if n := len(events); n != 4 || events[3] != "report fingerprint_mismatch" {
+				t.Fatalf("events %q, want one more report fingerprint_mismatch", events)
+			}
+			rerr := errs[string(consumer.OutcomeFingerprintMismatch)]
+			if !errors.Is(rerr, dedup.ErrFingerprintMismatch) || !strings.Contains(fmt.Sprint(rerr), "poison queue") {
+				t.Errorf("report error %v, want the fingerprint mismatch and the poison queue's failure", rerr)
+			}
+		})
 	}
 }

@@ -79,6 +79,11 @@ type delivery struct {
 	end    func(result string, err error) // ends the consumer span
 	poison consumer.Outcome               // the middleware found msg poison
 	done   bool
+	// The message's consumer.Report, sent to Options.OnOutcome once the
+	// middleware's answer is final (verdict, or finish after a panic).
+	outcome consumer.Outcome // "" until the outcome is known
+	key     dedup.Key
+	err     error
 }
 
 // begin starts msg's delivery: the consumer span, continuing the trace in
@@ -126,7 +131,29 @@ func (d *delivery) verdict(out []*message.Message, err error) ([]*message.Messag
 	}
 	d.c.msgs.Result(d.ctx, d.topic, result, string(reason), d.took())
 	d.end(result, err)
+	if d.poison != "" && err != nil && d.c.PoisonQueue != nil {
+		// The poison queue did not take the message: err says why,
+		// next to the poison error.
+		d.err = err
+	}
+	d.sendReport()
 	return out, err
+}
+
+// report keeps msg's outcome for the report sent when the middleware's
+// answer is final.
+func (d *delivery) report(key dedup.Key, o consumer.Outcome, err error) {
+	d.key, d.outcome, d.err = key, o, err
+}
+
+// sendReport calls Options.OnOutcome with the outcome kept by report, once.
+func (d *delivery) sendReport() {
+	if d.outcome == "" || d.c.OnOutcome == nil {
+		return
+	}
+	o := d.outcome
+	d.outcome = ""
+	d.c.OnOutcome(d.ctx, consumer.Report{Outcome: o, Key: d.key, Err: d.err})
 }
 
 // took is the time since the delivery began, or 0 when not timed.
@@ -144,6 +171,7 @@ func (d *delivery) finish() {
 	if !d.done {
 		d.c.msgs.Result(d.ctx, d.topic, resultRetry, "", d.took())
 		d.end(resultRetry, errPanicked)
+		d.sendReport()
 	}
 	d.msg.SetContext(d.orig)
 }

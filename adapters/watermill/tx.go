@@ -94,7 +94,7 @@ func (t *txMiddleware) handle(dl *delivery, h message.HandlerFunc, msg *message.
 		if !returned {
 			// The handler panicked: Process rolled back (and recorded
 			// the run as released).
-			t.outcome(msg, key, consumer.OutcomeReleased, errPanicked)
+			dl.report(key, consumer.OutcomeReleased, errPanicked)
 		}
 	}()
 	r := txflow.Process(orig, t.store, key, tel, func(ctx context.Context, tx pgx.Tx) ([]byte, error) {
@@ -114,7 +114,7 @@ func (t *txMiddleware) handle(dl *delivery, h message.HandlerFunc, msg *message.
 	if v := r.Verdict(); v != nil {
 		return t.claimFailed(dl, msg, key, v)
 	}
-	t.outcome(msg, key, consumer.Outcome(r.Handled()), r.Err)
+	dl.report(key, consumer.Outcome(r.Handled()), r.Err)
 	switch {
 	case r.Err == nil:
 		return out, nil

@@ -447,6 +447,13 @@ func (l *ledger) classify(po copyID, id, request string, n int) string {
 	return cause
 }
 
+// deliveryCount returns the deliveries classified so far.
+func (l *ledger) deliveryCount() int {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.deliveries
+}
+
 func (l *ledger) duplicates() int {
 	l.mu.Lock()
 	defer l.mu.Unlock()
@@ -790,6 +797,21 @@ func demo(ctx context.Context, cfg demoConfig, stdout io.Writer) (*demoResult, e
 	// Progress, and the end: every record published has been handled by
 	// both groups.
 	prog := newProgress(cfg.progress, cfg.progressOutput, cfg.payments)
+	state := func() progressState {
+		// The relay first: once it is done, what it published is final.
+		done := relayDone()
+		return progressState{
+			submitted:       submitted.Load(),
+			published:       published(),
+			naive:           groups[0].handled.Load(),
+			idem:            groups[1].handled.Load(),
+			naiveDeliveries: int64(res.naive.deliveryCount()),
+			idemDeliveries:  int64(res.idem.deliveryCount()),
+			naiveCrashes:    groups[0].crashes.Load(),
+			idemCrashes:     groups[1].crashes.Load(),
+			relayDone:       done,
+		}
+	}
 	tick := time.NewTicker(100 * time.Millisecond)
 	defer tick.Stop()
 	var waitErr error
@@ -801,23 +823,16 @@ loop:
 			break loop
 		case <-tick.C:
 		}
-		total := published()
-		relayDone := relayDone()
-		prog.update(progressState{
-			submitted: submitted.Load(),
-			published: total,
-			naive:     groups[0].handled.Load(),
-			idem:      groups[1].handled.Load(),
-			crashes:   groups[0].crashes.Load() + groups[1].crashes.Load(),
-			relayDone: relayDone,
-		})
-		if relayDone && groups[0].handled.Load() >= total && groups[1].handled.Load() >= total {
+		s := state()
+		prog.update(s)
+		if s.relayDone && s.naive >= s.published && s.idem >= s.published {
 			break loop
 		}
 	}
-	prog.finish()
 	stopAll()
 	wg.Wait()
+	// The consumers are stopped: the final state is the table's.
+	prog.finish(state())
 	close(errs)
 	for err := range errs {
 		return nil, err

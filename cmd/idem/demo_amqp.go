@@ -2,6 +2,7 @@ package main
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"log/slog"
 	"maps"
@@ -82,7 +83,7 @@ func setupAMQP(ctx context.Context, rawURL, runID string, logger *slog.Logger) (
 	}
 	conn, err := dialAMQP(rawURL, dialTimeout)
 	if err != nil {
-		return nil, fmt.Errorf("RabbitMQ at %s is unreachable: %w", where, err)
+		return nil, amqpDialError(where, err)
 	}
 	defer func() { _ = conn.CloseDeadline(time.Now().Add(2 * time.Second)) }()
 	b.closers = append(b.closers, func() { deleteAMQPTopology(rawURL, exchange, b.queues) })
@@ -120,6 +121,24 @@ func setupAMQP(ctx context.Context, rawURL, runID string, logger *slog.Logger) (
 	b.pub = &seqPublisher{pub: pub, exchange: exchange}
 	ok = true
 	return b, nil
+}
+
+// amqpDialError says why a connection to the broker at where failed: the
+// broker answered and refused the login or the virtual host, or it did not
+// answer at all.
+func amqpDialError(where string, err error) error {
+	var ae *amqp091.Error
+	code := 0
+	if errors.As(err, &ae) {
+		code = ae.Code
+	}
+	switch {
+	case errors.Is(err, amqp091.ErrVhost) || code == amqp091.NotAllowed:
+		return fmt.Errorf("RabbitMQ at %s refused the virtual host: it does not exist or the user may not use it (the path of --amqp names it): %w", where, err)
+	case errors.Is(err, amqp091.ErrCredentials) || code == amqp091.AccessRefused:
+		return fmt.Errorf("RabbitMQ at %s refused the login: check the user name and password in --amqp (or IDEM_AMQP_URL): %w", where, err)
+	}
+	return fmt.Errorf("RabbitMQ at %s is unreachable: %w", where, err)
 }
 
 // dialAMQP opens the demo's own connection, for the topology.

@@ -4,6 +4,7 @@ import (
 	"errors"
 	"net/url"
 	"regexp"
+	"strings"
 	"testing"
 	"time"
 
@@ -113,4 +114,34 @@ func TestDemoAMQPPostgres(t *testing.T) {
 		"--crash-rate", "0.002", "--republish-rate", "0.2", "--seed", "7")
 	checkChildren(t, r)
 	checkAMQPDeleted(t, r)
+}
+
+// TestDemoAMQPRefused: a broker that answers and refuses the login or the
+// virtual host says so, instead of calling the broker unreachable.
+func TestDemoAMQPRefused(t *testing.T) {
+	requireRabbitMQ(t)
+	u, err := url.Parse(testenv.AMQPURL())
+	if err != nil {
+		t.Fatal(err)
+	}
+	badPassword := *u
+	badPassword.User = url.UserPassword(u.User.Username(), "not-the-password")
+	badVhost := *u
+	badVhost.Path = "/" + testenv.Name("idem-no-such-vhost")
+	for _, tc := range []struct {
+		name, url, want string
+	}{
+		{"password", badPassword.String(), "refused the login: check the user name and password"},
+		{"vhost", badVhost.String(), "refused the virtual host"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			code, _, errOut := runCmd(t.Context(), t, "demo", "--amqp", tc.url, "--payments", "10", "--progress", "none")
+			if code != 1 || !strings.Contains(errOut, tc.want) || strings.Contains(errOut, "unreachable") {
+				t.Errorf("exit %d, stderr %q; want exit 1 and %q", code, errOut, tc.want)
+			}
+			if strings.Contains(errOut, "not-the-password") {
+				t.Errorf("stderr shows the password: %q", errOut)
+			}
+		})
+	}
 }

@@ -140,16 +140,28 @@ func newFlagSet(name, synopsis string, stderr io.Writer) *flag.FlagSet {
 	return fs
 }
 
-// parseFlags parses args, turning a parse error into errUsage (the flag
-// package printed it) and leaving flag.ErrHelp as it is.
+// parseFlags parses args. A parse error is printed as one line that names
+// the command, with a pointer to its flags ("idem demo: flag provided but
+// not defined: -bogus" / "Run 'idem demo -h' for its flags."), and returned
+// as errUsage; -h and -help print the usage and return flag.ErrHelp.
 func parseFlags(fs *flag.FlagSet, args []string) error {
-	if err := fs.Parse(args); err != nil {
-		if errors.Is(err, flag.ErrHelp) {
-			return err
-		}
-		return errUsage
+	out, usage := fs.Output(), fs.Usage
+	// The flag package prints a bare error and the whole usage on a
+	// parse error; this function prints its own.
+	fs.SetOutput(io.Discard)
+	fs.Usage = func() {}
+	err := fs.Parse(args)
+	fs.SetOutput(out)
+	fs.Usage = usage
+	switch {
+	case err == nil:
+		return nil
+	case errors.Is(err, flag.ErrHelp):
+		fs.Usage()
+		return err
 	}
-	return nil
+	fprintf(out, "%s: %v\nRun '%s -h' for its flags.\n", fs.Name(), err, fs.Name())
+	return errUsage
 }
 
 // usageError prints msg and the flag set's usage, and returns errUsage.

@@ -146,6 +146,32 @@ func TestFlagErrors(t *testing.T) {
 	}
 }
 
+// TestFlagErrorsNameTheCommand: a flag error names the command and points
+// to its -h, in every command.
+func TestFlagErrorsNameTheCommand(t *testing.T) {
+	for _, tc := range []struct {
+		args []string
+		cmd  string
+	}{
+		{[]string{"demo", "--bogus"}, "idem demo"},
+		{[]string{"demo", "--payments", "x"}, "idem demo"},
+		{[]string{"migrate", "up", "--bogus"}, "idem migrate"},
+		{[]string{"relay", "--bogus"}, "idem relay"},
+		{[]string{"relay", "slot", "show", "--bogus"}, "idem relay slot"},
+		{[]string{"outbox", "stats", "--bogus"}, "idem outbox"},
+		{[]string{"dedup", "stats", "--bogus"}, "idem dedup"},
+	} {
+		t.Run(strings.Join(tc.args, " "), func(t *testing.T) {
+			code, _, errOut := runCmd(context.Background(), t, tc.args...)
+			lines := strings.Split(strings.TrimSuffix(errOut, "\n"), "\n")
+			if code != 2 || len(lines) != 2 || !strings.HasPrefix(lines[0], tc.cmd+": ") ||
+				lines[1] != "Run '"+tc.cmd+" -h' for its flags." {
+				t.Errorf("exit %d, stderr:\n%s\nwant exit 2, a line starting %q and a pointer to %q", code, errOut, tc.cmd+": ", tc.cmd+" -h")
+			}
+		})
+	}
+}
+
 func TestHelp(t *testing.T) {
 	for _, cmd := range []string{"demo", "migrate", "relay", "outbox", "dedup"} {
 		code, _, errOut := runCmd(context.Background(), t, cmd, "-help")

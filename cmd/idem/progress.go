@@ -10,14 +10,18 @@ import (
 	"unicode/utf8"
 )
 
-// progressState is a snapshot of the demo's pipeline.
+// progressState is a snapshot of the demo's pipeline. The numbers shown
+// are the table's: deliveries and consumer crashes per pipeline.
 type progressState struct {
 	submitted int64
-	published int64
-	naive     int64 // records handled by the naive group
-	idem      int64 // records handled by the idem group
-	crashes   int64
-	relayDone bool
+	published int64 // records of both pipelines
+	naive     int64 // records (of both pipelines) handled by the naive group, for the fraction
+	idem      int64 // records (of both pipelines) handled by the idem group, for the fraction
+	// deliveries of each pipeline's records to its consumer, and the
+	// consumer crashes of each: the table's rows.
+	naiveDeliveries, idemDeliveries int64
+	naiveCrashes, idemCrashes       int64
+	relayDone                       bool
 }
 
 // progress shows the demo's progress: a bar redrawn in place on a terminal,
@@ -87,14 +91,14 @@ func (p *progress) fraction(s progressState) float64 {
 }
 
 func (p *progress) text(s progressState) string {
-	return fmt.Sprintf("payments %d/%d · published %d · handled naive %d, idem %d · consumer crashes %d",
-		s.submitted, p.payments, s.published, s.naive, s.idem, s.crashes)
+	return fmt.Sprintf("payments %d/%d · published %d · deliveries naive %d, idem %d · consumer crashes naive %d, idem %d",
+		s.submitted, p.payments, s.published, s.naiveDeliveries, s.idemDeliveries, s.naiveCrashes, s.idemCrashes)
 }
 
 // shortText is text for a narrow terminal.
 func (p *progress) shortText(s progressState) string {
-	return fmt.Sprintf("%d/%d paid, %d pub, naive %d, idem %d, %d crashes",
-		s.submitted, p.payments, s.published, s.naive, s.idem, s.crashes)
+	return fmt.Sprintf("%d/%d paid, %d pub, dlv %d/%d, crash %d/%d",
+		s.submitted, p.payments, s.published, s.naiveDeliveries, s.idemDeliveries, s.naiveCrashes, s.idemCrashes)
 }
 
 // barLine is the bar and the text, in fewer than p.cols columns: the
@@ -136,9 +140,16 @@ func (p *progress) update(s progressState) {
 	}
 }
 
-// finish ends the bar's line.
-func (p *progress) finish() {
-	if p.mode == "bar" && p.drawn {
-		fprint(p.w, "\r\x1b[K")
+// finish shows the final state s, the numbers the table prints: a plain
+// line, whatever the time since the last one; the bar is cleared instead,
+// the table following it.
+func (p *progress) finish(s progressState) {
+	switch p.mode {
+	case "bar":
+		if p.drawn {
+			fprint(p.w, "\r\x1b[K")
+		}
+	case "plain":
+		fprintf(p.w, "progress: %3.0f%% %s\n", p.fraction(s)*100, p.text(s))
 	}
 }

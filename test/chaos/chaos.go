@@ -8,8 +8,10 @@
 //
 // and the run ends with a total line. The run fails when a cell that
 // promises 0 duplicate effects or 0 lost does not hold; a cell marked
-// ExpectDuplicates (Redis without persistence) prints its rate and does not
-// fail on duplicates.
+// ExpectDuplicates (a lease store under a fault aimed at its window, such
+// as Redis without persistence) prints its rate and does not fail on
+// duplicates. The total line sums the duplicates of the two kinds of cell
+// apart: those where 0 was promised, and those of the lease cells.
 //
 // The oracle: effects are written to a table with no
 // unique constraint, duplicates are ids with more than one effect row, and
@@ -94,7 +96,8 @@ type Result struct {
 // Cell is one entry of the matrix.
 type Cell struct {
 	Name string
-	// Last cells run after all others (RabbitMQ faults on the shared broker).
+	// Last cells run after all others (the rabbit/ cells, which boot a
+	// RabbitMQ node of their own).
 	Last bool
 	// ExpectDuplicates marks a cell whose guarantee does not cover
 	// duplicates (Redis without persistence): its duplicates are reported
@@ -190,7 +193,7 @@ func Names() []string {
 // returns an error when a cell failed to run or broke its promise.
 func Run(ctx context.Context, cfg Config) error {
 	_, _ = fmt.Fprintf(cfg.Out, "chaos: scale %s, seed %d\n", cfg.Scale, cfg.Seed)
-	var total Result
+	var total tally
 	var failed []string
 	ran := 0
 	for _, name := range Names() {
@@ -215,14 +218,7 @@ func Run(ctx context.Context, cfg Config) error {
 		r, err := c.Run(ctx, env)
 		_ = os.RemoveAll(dir)
 		took := time.Since(start).Round(100 * time.Millisecond)
-		total.Messages += r.Messages
-		total.Kills += r.Kills
-		total.Restarts += r.Restarts
-		total.Redeliveries += r.Redeliveries
-		total.Lost += r.Lost
-		if !c.ExpectDuplicates {
-			total.Duplicates += r.Duplicates
-		}
+		total.add(c, r)
 		line := fmt.Sprintf("chaos: %s: %d messages, %d kills, %d restarts, %d redeliveries, %d duplicate effects, %d lost",
 			name, r.Messages, r.Kills, r.Restarts, r.Redeliveries, r.Duplicates, r.Lost)
 		if c.ExpectDuplicates && r.Messages > 0 {
@@ -248,8 +244,7 @@ func Run(ctx context.Context, cfg Config) error {
 			break
 		}
 	}
-	_, _ = fmt.Fprintf(cfg.Out, "chaos: total: %d messages, %d kills, %d restarts, %d duplicate effects, %d lost\n",
-		total.Messages, total.Kills, total.Restarts, total.Duplicates, total.Lost)
+	_, _ = fmt.Fprintln(cfg.Out, total.line())
 	if ran == 0 {
 		return ErrNoCells
 	}
@@ -260,6 +255,41 @@ func Run(ctx context.Context, cfg Config) error {
 		return ctx.Err()
 	}
 	return nil
+}
+
+// tally sums the cells' results for the total line. Duplicates in the
+// cells that promise none and duplicates in the cells marked
+// ExpectDuplicates are summed apart: the first must be 0, the second is
+// the lease stores' rate under faults aimed at their window.
+type tally struct {
+	Result
+	expectedDups int // duplicate effects in the ExpectDuplicates cells
+	expectedMsgs int // messages of the ExpectDuplicates cells
+}
+
+func (t *tally) add(c Cell, r Result) {
+	t.Messages += r.Messages
+	t.Kills += r.Kills
+	t.Restarts += r.Restarts
+	t.Redeliveries += r.Redeliveries
+	t.Lost += r.Lost
+	if c.ExpectDuplicates {
+		t.expectedDups += r.Duplicates
+		t.expectedMsgs += r.Messages
+	} else {
+		t.Duplicates += r.Duplicates
+	}
+}
+
+// line is the total line.
+func (t *tally) line() string {
+	s := fmt.Sprintf("chaos: total: %d messages, %d kills, %d restarts, %d redeliveries, %d duplicate effects where 0 was promised",
+		t.Messages, t.Kills, t.Restarts, t.Redeliveries, t.Duplicates)
+	if t.expectedMsgs > 0 {
+		s += fmt.Sprintf(", %d in the lease cells where they are expected (%.3f%% of their %d messages)",
+			t.expectedDups, 100*float64(t.expectedDups)/float64(t.expectedMsgs), t.expectedMsgs)
+	}
+	return s + fmt.Sprintf(", %d lost", t.Lost)
 }
 
 // ErrNoCells is returned by the command when -only matches nothing.

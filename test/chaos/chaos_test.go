@@ -143,3 +143,22 @@ func TestCellsRegistered(t *testing.T) {
 		t.Error("only the redisnx cells expect duplicates")
 	}
 }
+
+func TestTotalLineSeparatesExpectedDuplicates(t *testing.T) {
+	var total tally
+	total.add(Cell{Name: "pg"}, Result{Messages: 1000, Kills: 3, Restarts: 1, Redeliveries: 40})
+	total.add(Cell{Name: "lease", ExpectDuplicates: true}, Result{Messages: 2000, Kills: 2, Redeliveries: 10, Duplicates: 185})
+	total.add(Cell{Name: "broken"}, Result{Messages: 1000, Duplicates: 2, Lost: 1})
+	want := "chaos: total: 4000 messages, 5 kills, 1 restarts, 50 redeliveries, 2 duplicate effects where 0 was promised, " +
+		"185 in the lease cells where they are expected (9.250% of their 2000 messages), 1 lost"
+	if got := total.line(); got != want {
+		t.Fatalf("total line\n%s\nwant\n%s", got, want)
+	}
+
+	var none tally
+	none.add(Cell{Name: "pg"}, Result{Messages: 10})
+	want = "chaos: total: 10 messages, 0 kills, 0 restarts, 0 redeliveries, 0 duplicate effects where 0 was promised, 0 lost"
+	if got := none.line(); got != want {
+		t.Fatalf("total line without lease cells\n%s\nwant\n%s", got, want)
+	}
+}

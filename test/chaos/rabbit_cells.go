@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"path/filepath"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -13,13 +14,16 @@ import (
 	"github.com/idemkit/idem/outbox/pgoutbox"
 )
 
-// RabbitMQ fault cells (Last: they touch the shared broker). Each runs in a
-// virtual host of its own, with a durable queue and persistent messages,
-// and while inputs flow it closes every connection of the vhost with
-// `rabbitmqctl close_all_connections` several times, and once (twice at
-// full scale) stops and starts the broker's application (`rabbitmqctl
-// stop_app` / `start_app`: every connection on the node dies, the queue
-// and its messages come back from disk).
+// RabbitMQ fault cells. Each starts a RabbitMQ node of its own
+// (rabbitNode: own name, ports, data and cookie; the shared broker is
+// never touched) with a durable queue and persistent messages, and while
+// inputs flow it closes every client connection with `rabbitmqctl
+// close_all_connections` several times, and between them stops and starts
+// the node's application (`rabbitmqctl stop_app` / `start_app`: every
+// connection dies, the queue and its messages come back from disk) and
+// SIGKILLs the node and starts it again (a crash: what was confirmed is on
+// disk, acknowledgements not yet written come back as redeliveries), in
+// turn: one of each at small scale, two of each at full scale.
 //
 //   - rabbit/amqp/close-all+stop-app: two adapters/amqp Consumers in the
 //     runner (pgtable Transactional), fed by adapters/amqp's Publisher,
@@ -38,39 +42,42 @@ const rabbitWork = 20 * time.Millisecond
 type rabbitFaults struct {
 	closes, closed int // close_all_connections runs, connections they closed
 	stops          int // stop_app / start_app cycles
+	crashes        int // SIGKILLs of the node, each followed by a start
 	down           time.Duration
 }
 
 func (f rabbitFaults) note() string {
-	return fmt.Sprintf("%d close_all_connections closed %d connections; %d stop_app/start_app, broker down %v in all",
-		f.closes, f.closed, f.stops, f.down.Round(100*time.Millisecond))
+	return fmt.Sprintf("%d close_all_connections closed %d connections; %d stop_app/start_app, %d SIGKILL/start of the node, broker down %v in all",
+		f.closes, f.closed, f.stops, f.crashes, f.down.Round(100*time.Millisecond))
 }
 
-// faultLoop runs closes close_all_connections and stops stop_app/start_app
-// cycles, spread in between (the cycles in the middle), waiting a random
-// 200ms–1.2s (env.Rand) before each, and closes over when done.
-func faultLoop(ctx context.Context, env *Env, ctl *rabbitCtl, vhost string, closes, stops int, over chan<- struct{}) (rabbitFaults, error) {
+// faultLoop runs closes close_all_connections and stops outages of the
+// node, spread in between (the outages in the middle), waiting a random
+// 200ms–1.2s (env.Rand) before each, and closes over when done. The
+// outages are stop_app/start_app and SIGKILL/start in turn, beginning with
+// stop_app.
+func faultLoop(ctx context.Context, env *Env, node *rabbitNode, closes, stops int, over chan<- struct{}) (rabbitFaults, error) {
 	defer close(over)
 	var f rabbitFaults
 	total := closes + stops
-	stopAt := map[int]bool{}
+	stopAt := map[int]int{} // fault index -> outage number
 	for i := range stops {
-		stopAt[(i+1)*total/(stops+1)] = true
+		stopAt[(i+1)*total/(stops+1)] = i
 	}
 	for i := range total {
 		if err := sleepCtx(ctx, 200*time.Millisecond+time.Duration(env.Rand.Int64N(int64(time.Second)))); err != nil {
 			return f, err
 		}
-		if stopAt[i] {
+		outage, isOutage := stopAt[i]
+		switch {
+		case isOutage && outage%2 == 0:
 			t0 := time.Now()
-			_, stopErr := ctl.run(ctx, "--quiet", "stop_app")
+			_, stopErr := node.ctl.run(ctx, "--quiet", "stop_app")
 			if stopErr == nil {
 				f.stops++
 				_ = sleepCtx(ctx, 500*time.Millisecond+time.Duration(env.Rand.Int64N(int64(time.Second))))
 			}
-			// Whatever happened, the broker must be started again: the
-			// other cells and suites share it.
-			if err := startApp(ctx, ctl); err != nil {
+			if err := startApp(ctx, node); err != nil {
 				return f, err
 			}
 			if stopErr != nil {
@@ -78,8 +85,18 @@ func faultLoop(ctx context.Context, env *Env, ctl *rabbitCtl, vhost string, clos
 			}
 			f.down += time.Since(t0)
 			env.Logf("fault %d/%d: stop_app/start_app, down %v", i+1, total, time.Since(t0).Round(100*time.Millisecond))
-		} else {
-			n, err := ctl.closeAll(ctx, vhost)
+		case isOutage:
+			t0 := time.Now()
+			node.kill()
+			f.crashes++
+			_ = sleepCtx(ctx, 200*time.Millisecond+time.Duration(env.Rand.Int64N(int64(500*time.Millisecond))))
+			if err := node.restart(ctx); err != nil {
+				return f, fmt.Errorf("the node was SIGKILLed and did not start again: %w", err)
+			}
+			f.down += time.Since(t0)
+			env.Logf("fault %d/%d: SIGKILL/start of the node, down %v", i+1, total, time.Since(t0).Round(100*time.Millisecond))
+		default:
+			n, err := node.ctl.closeAll(ctx, "/")
 			if err != nil {
 				return f, err
 			}
@@ -91,26 +108,30 @@ func faultLoop(ctx context.Context, env *Env, ctl *rabbitCtl, vhost string, clos
 	return f, nil
 }
 
-// startApp starts the broker's application and waits for it, trying
-// three times.
-func startApp(ctx context.Context, ctl *rabbitCtl) error {
+// startApp starts the node's application and waits for it, trying three
+// times, and as a last resort kills and starts the node: the cell goes on
+// only with a running broker.
+func startApp(ctx context.Context, node *rabbitNode) error {
 	ctx = context.WithoutCancel(ctx)
 	var err error
 	for range 3 {
-		if _, err = ctl.run(ctx, "--quiet", "start_app"); err == nil {
-			if _, err = ctl.run(ctx, "--quiet", "await_startup"); err == nil {
-				return nil
-			}
+		// start_app returns once the application has started.
+		if _, err = node.ctl.run(ctx, "--quiet", "start_app"); err == nil {
+			return nil
 		}
 		time.Sleep(time.Second)
 	}
-	return fmt.Errorf("the broker was stopped and did not start again: %w", err)
+	node.kill()
+	if rerr := node.restart(ctx); rerr != nil {
+		return fmt.Errorf("the node's application was stopped and did not start again (%w), nor did the node: %w", err, rerr)
+	}
+	return nil
 }
 
 // faultSpan is about how long faultLoop takes: rabbitmqctl itself needs
-// about half a second per command.
+// about a second per command, and a node boots in several.
 func faultSpan(closes, stops int) time.Duration {
-	return time.Duration(closes)*1500*time.Millisecond + time.Duration(stops)*5*time.Second
+	return time.Duration(closes)*1500*time.Millisecond + time.Duration(stops)*10*time.Second
 }
 
 // paced sends ids through send in small batches every 100ms, spread over
@@ -138,19 +159,16 @@ func paced(ctx context.Context, ids []string, span time.Duration, over <-chan st
 	return nil
 }
 
-// rabbitVhost makes the cell's vhost and its queue.
-func rabbitVhost(ctx context.Context, env *Env, b *cellBase) (*amqpQueue, func(), error) {
-	ctl, err := newRabbitCtl(env.AMQPURL)
+// rabbitBroker starts the cell's RabbitMQ node and names its queue. The
+// returned function stops the node.
+func rabbitBroker(ctx context.Context, env *Env, b *cellBase) (*amqpQueue, *rabbitNode, func(), error) {
+	node, err := startRabbitNode(ctx, filepath.Join(env.TempDir, "rabbitmq"))
 	if err != nil {
-		return nil, nil, err
+		return nil, nil, nil, err
 	}
-	name := "chaos_" + b.suffix
-	vurl, del, err := ctl.vhost(ctx, env.AMQPURL, name)
-	if err != nil {
-		return nil, nil, err
-	}
-	q := &amqpQueue{url: vurl, vhost: name, queue: "chaos." + b.suffix, exchange: "chaos." + b.suffix + ".in", durable: true, ctl: ctl}
-	return q, del, nil
+	env.Logf("rabbitmq node %s on 127.0.0.1:%d", node.name, node.port)
+	q := &amqpQueue{url: node.url(), vhost: "/", queue: "chaos." + b.suffix, exchange: "chaos." + b.suffix + ".in", durable: true, ctl: node.ctl}
+	return q, node, node.close, nil
 }
 
 // rabbitDrain waits until sink caught up (and ready reports nothing
@@ -193,7 +211,7 @@ func rabbitDrain(ctx context.Context, b *cellBase, sink *amqpSink, pending func(
 
 // rabbitResult finishes a rabbit cell: the oracle over every input.
 func rabbitResult(ctx context.Context, b *cellBase, f rabbitFaults, runErr error) (Result, error) {
-	res := Result{Messages: len(b.ids), Kills: f.closed + f.stops, Restarts: f.stops, Note: f.note()}
+	res := Result{Messages: len(b.ids), Kills: f.closed + f.stops + f.crashes, Restarts: f.stops + f.crashes, Note: f.note()}
 	deliveries, distinct, err := countDeliveries(b.env.TempDir, "deliveries")
 	if err == nil {
 		res.Redeliveries = deliveries - distinct
@@ -213,15 +231,15 @@ func rabbitAMQPCell(name string) Cell {
 		Last: true,
 		Run: func(ctx context.Context, env *Env) (Result, error) {
 			n := env.Scale.Pick(1000, 10000)
-			closes, stops := env.Scale.Pick(4, 12), env.Scale.Pick(1, 2)
-			ctx, cancel := context.WithTimeout(ctx, time.Duration(env.Scale.Pick(120, 600))*time.Second)
+			closes, stops := env.Scale.Pick(4, 12), env.Scale.Pick(2, 4)
+			ctx, cancel := context.WithTimeout(ctx, time.Duration(env.Scale.Pick(600, 1200))*time.Second)
 			defer cancel()
 			return withBase(ctx, env, name, storePG, n, func(b *cellBase) (Result, error) {
-				q, del, err := rabbitVhost(ctx, env, b)
+				q, node, stopNode, err := rabbitBroker(ctx, env, b)
 				if err != nil {
 					return Result{}, err
 				}
-				defer del()
+				defer stopNode()
 				sink, cleanup, err := newAMQPSink(ctx, b, q, 2, rabbitWork)
 				if err != nil {
 					return Result{}, err
@@ -247,7 +265,7 @@ func rabbitAMQPCell(name string) Cell {
 						return err
 					})
 				}()
-				f, err := faultLoop(ctx, env, q.ctl, q.vhost, closes, stops, step)
+				f, err := faultLoop(ctx, env, node, closes, stops, step)
 				if err == nil {
 					select {
 					case err = <-prodDone:
@@ -273,8 +291,8 @@ func rabbitRelayCell(name string) Cell {
 		Last: true,
 		Run: func(ctx context.Context, env *Env) (Result, error) {
 			n := env.Scale.Pick(1000, 10000)
-			closes, stops := env.Scale.Pick(4, 12), env.Scale.Pick(1, 2)
-			ctx, cancel := context.WithTimeout(ctx, time.Duration(env.Scale.Pick(120, 600))*time.Second)
+			closes, stops := env.Scale.Pick(4, 12), env.Scale.Pick(2, 4)
+			ctx, cancel := context.WithTimeout(ctx, time.Duration(env.Scale.Pick(600, 1200))*time.Second)
 			defer cancel()
 			return withBase(ctx, env, name, storePG, n, func(b *cellBase) (Result, error) {
 				ids, err := uuidIDs(n)
@@ -282,11 +300,11 @@ func rabbitRelayCell(name string) Cell {
 					return Result{}, err
 				}
 				b.ids = ids
-				q, del, err := rabbitVhost(ctx, env, b)
+				q, node, stopNode, err := rabbitBroker(ctx, env, b)
 				if err != nil {
 					return Result{}, err
 				}
-				defer del()
+				defer stopNode()
 				sink, cleanup, err := newAMQPSink(ctx, b, q, 1, rabbitWork)
 				if err != nil {
 					return Result{}, err
@@ -347,7 +365,7 @@ func rabbitRelayCell(name string) Cell {
 						return enqueue(ctx, b.pool, ob, q.exchange, ids, &next)
 					})
 				}()
-				f, err := faultLoop(ctx, env, q.ctl, q.vhost, closes, stops, step)
+				f, err := faultLoop(ctx, env, node, closes, stops, step)
 				if err == nil {
 					err = <-prodDone
 				}

@@ -16,9 +16,13 @@ import (
 
 // rabbitCtl runs the broker's CLI, rabbitmqctl, which works only on the
 // broker's own machine (like internal/testkit/testenv.Rabbitmqctl, without a
-// testing.TB).
+// testing.TB): against the shared broker (newRabbitCtl), or against a
+// throwaway node (rabbitNode), named with -n and reached with the node's
+// environment (its HOME holds the Erlang cookie).
 type rabbitCtl struct {
-	bin string
+	bin  string
+	node string   // -n; empty: the default node
+	env  []string // added to the environment
 }
 
 // newRabbitCtl finds rabbitmqctl for the broker at amqpURL; it fails when
@@ -46,7 +50,14 @@ func newRabbitCtl(amqpURL string) (*rabbitCtl, error) {
 func (c *rabbitCtl) run(ctx context.Context, args ...string) (string, error) {
 	ctx, cancel := context.WithTimeout(ctx, 120*time.Second)
 	defer cancel()
-	out, err := exec.CommandContext(ctx, c.bin, args...).CombinedOutput()
+	if c.node != "" {
+		args = append([]string{"-n", c.node}, args...)
+	}
+	cmd := exec.CommandContext(ctx, c.bin, args...)
+	if c.env != nil {
+		cmd.Env = append(os.Environ(), c.env...)
+	}
+	out, err := cmd.CombinedOutput()
 	if err != nil {
 		return string(out), fmt.Errorf("rabbitmqctl %s: %w: %s", strings.Join(args, " "), err, strings.TrimSpace(string(out)))
 	}
