@@ -81,11 +81,16 @@ import (
 // slot: its handler runs inside the store's transaction.
 //
 // Topology is declared on every connect, idempotently: the work queue (with
-// QueueArgs and Bindings), one retry queue per distinct retry delay
-// (x-message-ttl, dead-lettering to the default exchange with the work
-// queue's name as routing key), the dead-letter exchange and queue. With
-// ConsumerOptions.NoDeclare, nothing is declared: Run checks passively
-// that what it needs exists and fails at start if not.
+// QueueArgs and Bindings), one retry queue "<queue>.retry.<ms>ms" per
+// distinct retry delay (x-message-ttl, dead-lettering to the default
+// exchange with the work queue's name as routing key), the dead-letter
+// exchange and queue ("<queue>.dlx" and "<queue>.dlq" by default). With
+// ConsumerOptions.NoDeclare, nothing is declared: Run checks that what it
+// needs exists, and that the retry queues bring their copies back, and
+// fails at start if not (ErrTopologyMissing). Retry and dead-letter copies
+// are published mandatory: one the broker returns because no queue took
+// it is not acknowledged (see ConsumerOptions.NoDeclare). DeleteTopology
+// deletes the topology.
 //
 // Reconnect: the connection and both channels (consuming, and publishing in
 // confirm mode) are watched with NotifyClose; when one closes, the
@@ -175,6 +180,11 @@ type consStats struct {
 // and it owns its connections: it redials one that fails and closes it
 // when Run returns. With ConsumerOptions.Dial set, url is not used (it
 // may be empty) and Dial opens the connections instead.
+//
+// Nor does it declare anything: Run declares the queues, and Ready is
+// closed once Run consumes. A message published to queue before then may
+// find no queue and be dropped, so start the producers (and report the
+// worker ready) after Ready.
 func NewConsumer(url, queue string, h consumer.Handler, opts ConsumerOptions) (*Consumer, error) {
 	var dial func(context.Context) (*amqp091.Connection, error)
 	if opts.Dial == nil {
@@ -243,8 +253,10 @@ func newConsumer(name string, dial func(context.Context) (*amqp091.Connection, e
 }
 
 // Ready is closed once the Consumer first consumes: its topology is
-// declared, so messages published to the work queue from then on are
-// routed.
+// declared (or, with ConsumerOptions.NoDeclare, checked), so messages
+// published to the work queue from then on are routed. It is never closed
+// if Run returns before consuming (the broker refused the topology or the
+// credentials): wait for Run's return too.
 func (c *Consumer) Ready() <-chan struct{} { return c.ready }
 
 // Stats returns the counters.
@@ -348,7 +360,11 @@ func (c *Consumer) Run(ctx context.Context) error {
 			} else {
 				delay = min(2*delay, c.opts.MaxReconnectBackoff)
 			}
-			c.opts.Logger.Warn("amqp: consumer cannot connect; retrying", "queue", c.queue, "in", delay, "err", err)
+			msg := "amqp: consumer cannot connect; retrying"
+			if c.shared {
+				msg = "amqp: consumer cannot open its channels on the given connection; retrying"
+			}
+			c.opts.Logger.Warn(msg, "queue", c.queue, "in", delay, "err", err)
 			backoff.Sleep(ctx, backoff.Spread(delay))
 			continue
 		}
@@ -367,6 +383,9 @@ func (c *Consumer) Run(ctx context.Context) error {
 // consFatal reports whether err is a broker refusal that redialling will
 // not fix.
 func consFatal(err error) bool {
+	if errors.Is(err, ErrTopologyMissing) {
+		return true
+	}
 	var ae *amqp091.Error
 	if !errors.As(err, &ae) {
 		return false
@@ -387,6 +406,8 @@ type consSession struct {
 	shared bool // conn is the caller's: close only the channels
 	ch     *amqp091.Channel
 	pub    *amqp091.Channel
+	// returns counts the copies returned unroutable on pub.
+	returns *returnWatch
 	// rpc serialises the synchronous methods workers and the stop send on
 	// ch while deliveries run (basic.qos, basic.cancel): amqp091 matches a
 	// reply to whichever call reads it first.
@@ -431,6 +452,9 @@ func (s *consSession) close() {
 func (c *Consumer) connect(ctx context.Context, wg *sync.WaitGroup) (*consSession, error) {
 	conn, err := c.dial(ctx)
 	if err != nil {
+		if c.shared {
+			return nil, err // ErrConnectionClosed: nothing was dialled
+		}
 		return nil, fmt.Errorf("dial: %w", err)
 	}
 	if conn == nil {
@@ -444,10 +468,10 @@ func (c *Consumer) connect(ctx context.Context, wg *sync.WaitGroup) (*consSessio
 		}
 	}()
 	if s.ch, err = conn.Channel(); err != nil {
-		return nil, fmt.Errorf("open channel: %w", err)
+		return nil, c.channelErr(conn, err)
 	}
 	if c.opts.NoDeclare {
-		err = c.check(s.ch)
+		err = c.check(conn, s.ch)
 	} else {
 		err = c.declare(s.ch)
 	}
@@ -458,11 +482,13 @@ func (c *Consumer) connect(ctx context.Context, wg *sync.WaitGroup) (*consSessio
 		return nil, fmt.Errorf("qos: %w", err)
 	}
 	if s.pub, err = conn.Channel(); err != nil {
-		return nil, fmt.Errorf("open channel: %w", err)
+		return nil, c.channelErr(conn, err)
 	}
 	if err := s.pub.Confirm(false); err != nil {
 		return nil, fmt.Errorf("confirm mode: %w", err)
 	}
+	s.returns = watchReturns(s.pub)
+	wg.Go(s.returns.loop)
 	s.gen = c.gen.Add(1)
 	// Buffered: the library sends at most one error on each, then closes
 	// them all when the connection (or the channel) shuts down. A
@@ -501,67 +527,6 @@ func (c *Consumer) connect(ctx context.Context, wg *sync.WaitGroup) (*consSessio
 	ok = true
 	c.stats.connects.Add(1)
 	return s, nil
-}
-
-// check verifies, passively, that the topology Run uses exists when it is
-// declared elsewhere (ConsumerOptions.NoDeclare): the work queue, each
-// retry queue and the dead-letter exchange. The first one missing fails
-// with NOT_FOUND, which closes ch and makes Run return.
-func (c *Consumer) check(ch *amqp091.Channel) error {
-	type need struct{ what, name, hint string }
-	needs := []need{{"work queue", c.queue, ""}}
-	for _, d := range c.delays {
-		needs = append(needs, need{"retry queue", consRetryQueue(c.queue, d), fmt.Sprintf(
-			" (declare it with x-dead-letter-exchange \"\" and x-dead-letter-routing-key %q, and optionally x-message-ttl %d)", c.queue, d.Milliseconds())})
-	}
-	for _, n := range needs {
-		if _, err := ch.QueueDeclarePassive(n.name, false, false, false, false, nil); err != nil {
-			return fmt.Errorf("%w: %s %q: %w%s", ErrTopologyMissing, n.what, n.name, err, n.hint)
-		}
-	}
-	if err := ch.ExchangeDeclarePassive(c.opts.DeadLetterExchange, amqp091.ExchangeDirect, false, false, false, false, nil); err != nil {
-		return fmt.Errorf("%w: dead-letter exchange %q: %w (it must route routing key %q to a queue)", ErrTopologyMissing, c.opts.DeadLetterExchange, err, c.queue)
-	}
-	return nil
-}
-
-// ErrTopologyMissing is the cause of Run's error when
-// ConsumerOptions.NoDeclare is set and a queue or exchange it needs does
-// not exist.
-var ErrTopologyMissing = errors.New("amqp: topology declared elsewhere is missing (NoDeclare)")
-
-// declare declares the topology; every call is idempotent.
-func (c *Consumer) declare(ch *amqp091.Channel) error {
-	durable := !c.opts.NotDurable
-	if _, err := ch.QueueDeclare(c.queue, durable, false, false, false, c.opts.QueueArgs); err != nil {
-		return fmt.Errorf("declare queue %q: %w", c.queue, err)
-	}
-	for _, b := range c.opts.Bindings {
-		if err := ch.QueueBind(c.queue, b.Key, b.Exchange, false, b.Args); err != nil {
-			return fmt.Errorf("bind queue %q to exchange %q with key %q: %w", c.queue, b.Exchange, b.Key, err)
-		}
-	}
-	for _, d := range c.delays {
-		name := consRetryQueue(c.queue, d)
-		args := amqp091.Table{
-			"x-message-ttl":             d.Milliseconds(),
-			"x-dead-letter-exchange":    "",
-			"x-dead-letter-routing-key": c.queue,
-		}
-		if _, err := ch.QueueDeclare(name, durable, false, false, false, args); err != nil {
-			return fmt.Errorf("declare retry queue %q: %w", name, err)
-		}
-	}
-	if err := ch.ExchangeDeclare(c.opts.DeadLetterExchange, amqp091.ExchangeDirect, durable, false, false, false, nil); err != nil {
-		return fmt.Errorf("declare dead-letter exchange %q: %w", c.opts.DeadLetterExchange, err)
-	}
-	if _, err := ch.QueueDeclare(c.opts.DeadLetterQueue, durable, false, false, false, nil); err != nil {
-		return fmt.Errorf("declare dead-letter queue %q: %w", c.opts.DeadLetterQueue, err)
-	}
-	if err := ch.QueueBind(c.opts.DeadLetterQueue, c.queue, c.opts.DeadLetterExchange, false, nil); err != nil {
-		return fmt.Errorf("bind dead-letter queue %q: %w", c.opts.DeadLetterQueue, err)
-	}
-	return nil
 }
 
 // serve consumes on s until ctx ends (graceful stop, nil) or s dies (the
@@ -1112,12 +1077,14 @@ func (c *Consumer) publishFailed(hctx context.Context, s *consSession, d *amqp09
 	return c.requeue(s, d)
 }
 
-// publishCopy publishes p on s's confirm channel and waits for the
-// broker's confirm.
+// publishCopy publishes p, mandatory, on s's confirm channel and waits for
+// the broker's confirm; a copy the broker returned is an error (see
+// returnWatch).
 func (c *Consumer) publishCopy(s *consSession, exchange, key string, p amqp091.Publishing) error {
 	ctx, cancel := context.WithTimeout(context.Background(), c.opts.PublishTimeout)
 	defer cancel()
-	dc, err := s.pub.PublishWithDeferredConfirmWithContext(ctx, exchange, key, false, false, p)
+	returned := s.returns.count(exchange, key)
+	dc, err := s.pub.PublishWithDeferredConfirmWithContext(ctx, exchange, key, true, false, p)
 	if err != nil {
 		return err
 	}
@@ -1130,6 +1097,9 @@ func (c *Consumer) publishCopy(s *consSession, exchange, key string, p amqp091.P
 	}
 	if !acked {
 		return ErrUnconfirmed
+	}
+	if s.returns.count(exchange, key) != returned {
+		return c.unroutable(s, exchange, key)
 	}
 	return nil
 }

@@ -203,17 +203,35 @@ type ConsumerOptions struct {
 	// own code, a definitions file, an operator): Run declares nothing —
 	// no queue, retry queue, exchange or binding, so QueueArgs,
 	// QuorumQueue, Bindings, NotDurable's effect on the queues and
-	// DeadLetterQueue are not used for that — and instead checks, with
-	// passive declares on each connect, that the work queue, each retry
-	// queue ("<queue>.retry.<ms>ms", one per distinct RetryDelays entry)
-	// and DeadLetterExchange exist. If one does not, Run returns an
-	// error wrapping ErrTopologyMissing that names it. What the Consumer
-	// needs of them: each retry queue dead-letters expired messages to
-	// the default exchange with the work queue's name as routing key
-	// (x-dead-letter-exchange "", x-dead-letter-routing-key <queue>; the
-	// copies carry their own per-message expiration), and
-	// DeadLetterExchange routes the work queue's name to a queue, or the
-	// dead letters are dropped. Defaults to false: Run declares it all.
+	// DeadLetterQueue are not used for that — and instead checks, on each
+	// connect, what the Consumer needs:
+	//
+	//   - the work queue, each retry queue ("<queue>.retry.<ms>ms", one
+	//     per distinct RetryDelays entry) and DeadLetterExchange exist
+	//     (passive declares);
+	//   - each retry queue dead-letters expired messages to the default
+	//     exchange with the work queue's name as routing key: it has the
+	//     queue arguments x-dead-letter-exchange "" and
+	//     x-dead-letter-routing-key <queue> (the copies carry their own
+	//     per-message expiration, so x-message-ttl is optional). AMQP
+	//     0-9-1 cannot read a queue's arguments: the check declares the
+	//     queue again with these two on a throwaway channel, which the
+	//     broker refuses with PRECONDITION_FAILED when they differ and
+	//     which changes nothing when they match; the queue's durability
+	//     and its other arguments are taken over from the broker's
+	//     refusal. Dead-lettering set by a policy instead of arguments is
+	//     not seen, and refused.
+	//
+	// If one is missing or differs, Run returns an error wrapping
+	// ErrTopologyMissing that names it. DeadLetterExchange must also
+	// route the work queue's name to a queue. Bindings cannot be read, so
+	// that is checked on the dead letters themselves, which are published
+	// mandatory: the first one the broker returns, unrouted, is not
+	// acknowledged (its delivery goes back to the queue) and Run returns
+	// an error wrapping ErrTopologyMissing that names the exchange and
+	// routing key. A retry copy returned because its retry queue was
+	// deleted does the same. Defaults to false: Run declares it all (and
+	// declares it again after a returned copy).
 	NoDeclare bool
 
 	// RetryDelays are the delays before the 2nd, 3rd, ... attempt; the last

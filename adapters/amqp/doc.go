@@ -8,9 +8,18 @@
 // service owns) runs an idem handler chain over a queue's deliveries and
 // settles each with idem's ACK rule: acknowledged only when the effect
 // committed, the message was a completed duplicate, or it was
-// dead-lettered. It declares its topology (the work queue, one retry queue
-// per retry delay, a dead-letter exchange and queue) unless
-// ConsumerOptions.NoDeclare says it is declared elsewhere.
+// dead-lettered. Run declares its topology on every connect: the work
+// queue "<queue>", one retry queue "<queue>.retry.<ms>ms" per distinct
+// retry delay (its expired copies go back to the work queue), the
+// dead-letter exchange "<queue>.dlx" and the dead-letter queue
+// "<queue>.dlq" bound to it. With ConsumerOptions.NoDeclare it is declared
+// elsewhere, and Run checks it instead. Nothing deletes it when the
+// Consumer stops; DeleteTopology does.
+//
+// Consumer.Ready is closed once Run consumes. Until then the work queue
+// may not exist, and a message published to it is unroutable and dropped:
+// a producer, a test or a readiness probe started with the worker waits
+// for Ready (ExampleNewConsumer, ExampleNewConsumer_transactional).
 //
 // # Your own loop
 //
