@@ -110,12 +110,14 @@ import (
 // Crash redeliveries (a message that kills the worker process, or whose
 // channel closes, every time) are bounded only on quorum queues
 // (ConsumerOptions.QuorumQueue): the broker counts them in x-delivery-count.
-// A returned delivery runs alone and is acknowledged at once, and the first
-// delivery of a channel past ConsumerOptions.MaxDeliveries is dead-lettered
-// with reason redelivery_limit before the handler runs, so that the
-// message's neighbours are not (see the package documentation, "A message
-// that crashes the worker every time"). A classic queue keeps no such
-// count, and there such a message is redelivered forever.
+// A returned delivery runs with nothing else of the process unsettled (the
+// consumer stops its flow first, and consumes with a window of one while
+// returned deliveries come), so that a crash returns, and counts, only the
+// message that caused it; a returned delivery past
+// ConsumerOptions.MaxDeliveries is dead-lettered with reason
+// redelivery_limit before the handler runs (see the package documentation,
+// "A message that crashes the worker every time"). A classic queue keeps no
+// such count, and there such a message is redelivered forever.
 //
 // Telemetry: each delivery has an OpenTelemetry consumer span, "process
 // <queue>", whose parent is the trace context in the delivery's headers (the
@@ -164,7 +166,10 @@ type ConsumerStats struct {
 	// Retried and DeadLettered count deliveries whose copy went to a retry
 	// queue or the dead-letter exchange (and which were then acked).
 	Retried, DeadLettered int64
-	// Requeued counts deliveries nacked with requeue; Abandoned those left
+	// Requeued counts deliveries given back to the queue: nacked with
+	// requeue, or, for a returned delivery that could not run alone yet,
+	// published again to the work queue (with its count of returns in
+	// HeaderReturns) and acknowledged. Abandoned counts those left
 	// unsettled because their channel closed.
 	Requeued, Abandoned int64
 	// Connects counts successful connections (1 plus the reconnects).
@@ -208,9 +213,10 @@ var ErrConnectionClosed = errors.New("amqp: the connection given to the consumer
 // (consuming, and publishing with confirms) and closes only them, never
 // conn: the caller closes conn, after Run returned.
 //
-// When a channel of the Consumer closes (a channel error, the broker
-// cancelling the consumer) while conn stays open, Run opens new channels
-// on conn, with the same backoff as a reconnect. When conn itself closes,
+// When a channel of the Consumer closes while it consumes (a channel
+// error, the broker cancelling the consumer) and conn stays open, Run opens
+// new channels on conn, with the same backoff as a reconnect; a refusal
+// while it sets them up (see Run) ends Run. When conn itself closes,
 // Run returns an error wrapping ErrConnectionClosed: reconnecting is the
 // owner's job; make a new Consumer on the new connection (the
 // deliveries of the dead one come back from the broker, and the dedup
@@ -300,26 +306,51 @@ func (c *consDeliveryCtx) Value(key any) any {
 
 // DeliveryFrom returns the raw delivery of the message being handled, for
 // handlers that need AMQP properties idem does not map (x-death, reply-to).
-// Do not acknowledge, nack or reject it: the Consumer does, possibly in one
-// multiple ack with its neighbours, and a tag settled twice is a channel
-// error (PRECONDITION_FAILED) that stops Run.
+// The Consumer settles every delivery itself, by the ACK rule, possibly in
+// one multiple ack with its neighbours: a handler does not acknowledge,
+// nack or reject it. If it tries, the call does nothing on the channel and
+// returns an error wrapping ErrSettledByHandler, and the Consumer settles
+// the delivery as its chain's verdict says.
 func DeliveryFrom(ctx context.Context) (*amqp091.Delivery, bool) {
 	d, ok := ctx.Value(consDeliveryKey{}).(*amqp091.Delivery)
 	return d, ok
 }
 
+// ErrSettledByHandler is returned (wrapped) by Ack, Nack and Reject of a
+// delivery a Consumer handed to a handler (DeliveryFrom): only the
+// Consumer settles its deliveries.
+var ErrSettledByHandler = errors.New("amqp: the Consumer settles its deliveries; a handler must not ack, nack or reject them")
+
+// consGuard is the Acknowledger of a delivery while the Consumer's chain
+// runs on it: it refuses the handler's settlements (see DeliveryFrom).
+// The Consumer settles on the channel itself.
+type consGuard struct{ ch amqp091.Acknowledger }
+
+func (consGuard) Ack(tag uint64, _ bool) error {
+	return fmt.Errorf("ack of delivery %d: %w", tag, ErrSettledByHandler)
+}
+
+func (consGuard) Nack(tag uint64, _, _ bool) error {
+	return fmt.Errorf("nack of delivery %d: %w", tag, ErrSettledByHandler)
+}
+
+func (consGuard) Reject(tag uint64, _ bool) error {
+	return fmt.Errorf("reject of delivery %d: %w", tag, ErrSettledByHandler)
+}
+
 // Run connects, declares the topology, consumes and reconnects until ctx
 // ends, then stops gracefully: it cancels the consumer, nacks with requeue
-// the prefetched deliveries no handler started (but runs those that one
-// more return would bring to MaxDeliveries), lets the running handlers
+// the prefetched deliveries no handler started (and puts back, uncounted,
+// the returned ones waiting to run alone), lets the running handlers
 // finish (their context is cancelled ShutdownTimeout after ctx ended),
 // settles them, sends the acknowledgements still being coalesced, closes
 // the connection and returns nil.
 //
 // Run returns an error at once when the broker refuses the topology or the
-// credentials (PRECONDITION_FAILED, ACCESS_REFUSED, NOT_FOUND: a
-// configuration mistake that redialling would not fix). A Consumer runs
-// once.
+// credentials while it sets a session up (PRECONDITION_FAILED,
+// ACCESS_REFUSED, NOT_FOUND: a configuration mistake that redialling would
+// not fix). A channel error while it consumes (a delivery acknowledgement
+// timeout, say) makes it reconnect. A Consumer runs once.
 func (c *Consumer) Run(ctx context.Context) error {
 	if !c.running.CompareAndSwap(false, true) {
 		return errors.New("amqp: Consumer.Run called twice")
@@ -370,7 +401,7 @@ func (c *Consumer) Run(ctx context.Context) error {
 		}
 		delay = 0
 		if err := c.serve(ctx, hctx, s, &wg); err != nil {
-			if consFatal(err) {
+			if consFatal(err) && !errors.Is(err, errSessionLost) {
 				return fmt.Errorf("amqp: consumer of %q: %w", c.queue, err)
 			}
 			c.opts.Logger.Warn("amqp: consumer lost its channel; reconnecting", "queue", c.queue, "err", err)
@@ -412,6 +443,8 @@ type consSession struct {
 	// ch while deliveries run (basic.qos, basic.cancel): amqp091 matches a
 	// reply to whichever call reads it first.
 	rpc sync.Mutex
+	// prefetch is the window of the current round's consumer (see serve).
+	prefetch atomic.Int32
 
 	dead     chan struct{}
 	deadOnce sync.Once
@@ -532,18 +565,59 @@ func (c *Consumer) connect(ctx context.Context, wg *sync.WaitGroup) (*consSessio
 // serve consumes on s until ctx ends (graceful stop, nil) or s dies (the
 // reason). Workers of a dead generation are left to finish on their own;
 // wg tracks them.
+//
+// It consumes in rounds: a round ends, and the next one consumes again on
+// the same channel, when a returned delivery had to run alone (see
+// take).
 func (c *Consumer) serve(ctx, hctx context.Context, s *consSession, wg *sync.WaitGroup) error {
-	tag := fmt.Sprintf("%s-%d", c.opts.ConnectionName, s.gen)
 	// A basic.cancel from the broker is announced here before the
 	// deliveries close (amqp091-go notifies, then closes).
 	cancelled := s.ch.NotifyCancel(make(chan string, 1))
+	careful := false
+	for round := 0; ; round++ {
+		tag := fmt.Sprintf("%s-%d", c.opts.ConnectionName, s.gen)
+		if round > 0 {
+			tag = fmt.Sprintf("%s.%d", tag, round)
+		}
+		next, err := c.round(ctx, hctx, s, tag, careful, cancelled, wg)
+		if next == roundDone {
+			return err
+		}
+		careful = next == roundCareful
+	}
+}
+
+// What follows a round.
+const (
+	roundDone    = iota // the session stops or died
+	roundNormal         // consume again with the window of Prefetch
+	roundCareful        // consume again with a window of one
+)
+
+// round consumes on s with consumer tag tag until ctx ends (graceful stop,
+// nil), s dies (the reason), or the round stopped its flow (see take):
+// then it says how the next round consumes.
+func (c *Consumer) round(ctx, hctx context.Context, s *consSession, tag string, careful bool, cancelled <-chan string, wg *sync.WaitGroup) (next int, err error) {
+	prefetch := c.opts.Prefetch
+	if careful {
+		prefetch = 1
+	}
+	s.prefetch.Store(int32(prefetch))
+	s.rpc.Lock()
+	err = s.ch.Qos(prefetch, 0, false)
+	s.rpc.Unlock()
+	if err != nil {
+		s.kill(err)
+		return roundDone, fmt.Errorf("qos: %w", err)
+	}
 	deliveries, err := s.ch.Consume(c.queue, tag, false, false, false, false, nil)
 	if err != nil {
 		s.kill(err)
-		return fmt.Errorf("consume %q: %w", c.queue, err)
+		return roundDone, fmt.Errorf("consume %q: %w", c.queue, err)
 	}
 	c.readyOnce.Do(func() { close(c.ready) })
 	a := newConsAcker(c, s)
+	a.tag, a.careful = tag, careful
 	wg.Go(a.loop)
 	// wctx tells the workers to stop starting deliveries: only once the
 	// broker confirmed the cancel, so that what they give back is not
@@ -556,7 +630,8 @@ func (c *Consumer) serve(ctx, hctx context.Context, s *consSession, wg *sync.Wai
 	// the broker cancels the consumer (basic.cancel: the queue was
 	// deleted, or a quorum queue lost its leader): then the workers all
 	// return, and the session is given up so that Run redeclares the
-	// topology and consumes again.
+	// topology and consumes again. They close too when the round stopped
+	// its flow (see take): then the next round consumes again.
 	drained := make(chan struct{})
 	wg.Go(func() { workers.Wait(); close(drained) })
 	select {
@@ -567,7 +642,15 @@ func (c *Consumer) serve(ctx, hctx context.Context, s *consSession, wg *sync.Wai
 			a.drain()
 			stopWorkers()
 			s.kill(errBrokerCancel)
-			return errBrokerCancel
+			return roundDone, errBrokerCancel
+		}
+		if ctx.Err() == nil && !s.isDead() && (a.chosen.Load() != nil || a.ending.Load()) {
+			a.drain()
+			stopWorkers()
+			if a.chosen.Load() != nil {
+				return roundCareful, nil
+			}
+			return roundNormal, nil
 		}
 		// Closed by the stop, or by the channel's death, whose close
 		// error (which may be fatal) comes through s.dead.
@@ -582,10 +665,10 @@ func (c *Consumer) serve(ctx, hctx context.Context, s *consSession, wg *sync.Wai
 		// waiting for a handler slot give way instead of running.
 		seats.stop()
 		wg.Go(func() { workers.Wait(); stopWorkers() })
-		return s.deadErr
+		return roundDone, fmt.Errorf("%w: %w", errSessionLost, s.deadErr)
 	}
 	c.stopSession(s, a, tag, stopWorkers, seats, workers)
-	return nil
+	return roundDone, nil
 }
 
 // stopSession ends a session gracefully once Run's context ended: it cancels the
@@ -627,18 +710,21 @@ func (c *Consumer) startWorkers(wctx, hctx context.Context, s *consSession, a *c
 		seats = newGate(c.opts.Concurrency)
 	}
 	workers := new(sync.WaitGroup)
+	a.live.Store(int32(c.opts.InFlight))
 	for range c.opts.InFlight {
 		workers.Add(1)
 		wg.Go(func() {
 			defer workers.Done()
 			for {
 				cd := new(consDelivery)
-				excl, ok := a.take(deliveries, c.alone, &cd.d)
-				if !ok {
-					return
+				if !a.take(deliveries, &cd.d) {
+					break
 				}
-				c.handle(wctx, hctx, s, a, seats, cd, excl)
-				a.untake(excl)
+				cd.d.Acknowledger = consGuard{ch: cd.d.Acknowledger}
+				c.take(wctx, hctx, s, a, seats, cd, workers)
+			}
+			if a.live.Add(-1) == 0 {
+				c.finishRound(wctx, hctx, s, a, seats)
 			}
 		})
 	}
@@ -657,6 +743,12 @@ func brokerCancelled(cancelled <-chan string) bool {
 	}
 }
 
+// errSessionLost wraps the error that closed a channel or the connection of
+// a session that was consuming: Run opens a new session, whatever the
+// error (a channel error such as PRECONDITION_FAILED for an acknowledgement
+// timeout included); only a refusal while it sets the session up ends Run.
+var errSessionLost = errors.New("the consumer's channel or connection closed")
+
 // errBrokerCancel is the error of a session whose consumer the broker
 // cancelled.
 var errBrokerCancel = errors.New("the broker cancelled the consumer (was the queue deleted?)")
@@ -669,15 +761,14 @@ var errBrokerCancel = errors.New("the broker cancelled the consumer (was the que
 // delivery's consumer span (see ConsumerOptions.TracerProvider), which ends
 // with the verdict.
 //
-// A delivery that runs alone (excl, see alone) holds the session's
-// isolation lock exclusively: before its chain runs, the acks of the
-// deliveries finished before it are written and their receipt confirmed;
-// its own ack is written at once, not coalesced, and confirmed too.
+// A delivery that runs alone (excl, see runAlone) is the only one of its
+// channel not settled: before its chain runs, the acks of the deliveries
+// finished before it are written and their receipt confirmed; its own ack
+// is written at once, not coalesced, and confirmed too.
 func (c *Consumer) handle(ctx, hctx context.Context, s *consSession, a *consAcker, seats *gate, cd *consDelivery, excl bool) {
 	d := &cd.d
 	// A delivery that runs alone needs no seat: no other chain of the
-	// session runs meanwhile. Without one it cannot be cut short by a stop
-	// that takes the seats away (see finishOnStop).
+	// session runs meanwhile.
 	var st *seat
 	if seats != nil && !excl && ctx.Err() == nil {
 		st = &cd.st
@@ -685,11 +776,8 @@ func (c *Consumer) handle(ctx, hctx context.Context, s *consSession, a *consAcke
 			defer st.leave()
 		}
 	}
-	if ctx.Err() != nil && (hctx.Err() != nil || s.isDead() || !c.finishOnStop(d)) {
-		// Prefetched but not started before the stop: give it back (a
-		// delivery at the edge of MaxDeliveries too, once the shutdown
-		// timeout has passed or the session is gone: it could not be
-		// settled any more).
+	if !excl && ctx.Err() != nil {
+		// Prefetched but not started before the stop: give it back.
 		out := c.requeue(s, d)
 		a.settled(d.DeliveryTag, out == settledAbandoned)
 		return
@@ -713,14 +801,13 @@ func (c *Consumer) handle(ctx, hctx context.Context, s *consSession, a *consAcke
 		out settlement
 	)
 	switch n, over := c.overDelivered(d); {
-	case over && (d.DeliveryTag == 1 || n >= 2*int64(c.opts.MaxDeliveries)):
-		// Poison: every earlier delivery died unsettled (a crash, a
-		// closed channel), and this one is the first the new channel
-		// took, the one that was running alone when the last one died
-		// (see alone). Running the handler again would only kill another
-		// worker. Past twice the bound it is dead-lettered wherever it
-		// comes: with several workers on the queue a message that kills
-		// each of them may never be a channel's first delivery.
+	case over:
+		// Returned MaxDeliveries times or more. A returned delivery
+		// runs with nothing else of the process unsettled (see take), so
+		// the returns counted after its first one are, but for the few
+		// cases the package documentation lists, deaths of workers that
+		// ran it. Running the handler again would only kill another
+		// worker.
 		r = consumer.Result{Action: consumer.ActionDeadLetter, Reason: ReasonRedeliveryLimit,
 			Err: fmt.Errorf("delivered %d times without being settled (MaxDeliveries %d)", n+1, c.opts.MaxDeliveries)}
 		out = c.deadLetter(mctx, s, d, msg, r.Reason, r.Err)
@@ -754,18 +841,180 @@ func (c *Consumer) handle(ctx, hctx context.Context, s *consSession, a *consAcke
 	c.report(mctx, msg, r, out, start, end)
 }
 
-// alone reports whether d must run alone on its channel: it carries an
-// x-delivery-count (a quorum queue returned it unsettled before: a worker
-// died or its channel closed while it was delivered, or it was requeued),
-// or it is a copy that waited for a held key and carries such a count in
-// HeaderReturns.
-// Such deliveries run one at a time, each acknowledged at once, so that
-// when one of them kills the worker every time, the deliveries before it
-// are settled first, it is the first delivery of the next channel, and it
-// alone is dead-lettered once it reaches MaxDeliveries (see handle); its
-// neighbours, counted with it, run and are acknowledged.
+// alone reports whether d must run alone: it carries an x-delivery-count
+// (a quorum queue returned it unsettled before: a worker died or its
+// channel closed while it was delivered, or it was requeued), or it is a
+// copy that carries such a count in HeaderReturns (see take).
 func (c *Consumer) alone(d *amqp091.Delivery) bool {
 	return c.opts.MaxDeliveries >= 0 && consReturns(d) > 0
+}
+
+// take acts on a delivery a worker of round a received. A delivery that
+// must run alone (see alone) may be the message that kills workers, and a
+// worker it kills returns every delivery not settled in the process, each
+// counted in x-delivery-count as if it had killed the worker too. So it
+// runs with no other delivery of the process unsettled:
+//
+//   - in a round with the window of Prefetch, the first such delivery is
+//     chosen. The deliveries received after it are held, not started, until
+//     every other one is settled and the window is full (or no delivery
+//     came for consQuietFlow); then the consumer is cancelled (with the window
+//     full the broker has no delivery of it in flight that the cancel
+//     could lose). Then the held deliveries run, those that must run alone
+//     among them are put back (see putBack), the chosen one runs alone
+//     (runAlone), and the next round consumes with a window of one.
+//   - in a round with a window of one (careful), each delivery is alone by
+//     construction. The first one that need not run alone ends the round:
+//     with the window full, the consumer is cancelled, the delivery runs,
+//     and the next round consumes with the window of Prefetch again.
+//
+// So a message returned once is counted again only for a death while it
+// ran alone, or while it waited for the flow to stop behind deliveries
+// whose worker died running a message for the first time, or when a stop
+// or a failed publish gave it back.
+func (c *Consumer) take(wctx, hctx context.Context, s *consSession, a *consAcker, seats *gate, cd *consDelivery, workers *sync.WaitGroup) {
+	d := &cd.d
+	switch alone := c.alone(d); {
+	case a.careful && alone:
+		c.handle(wctx, hctx, s, a, nil, cd, true)
+	case a.careful:
+		a.ending.Store(true)
+		c.stopFlow(s, a)
+		c.handle(wctx, hctx, s, a, seats, cd, false)
+	case a.chosen.Load() != nil:
+		a.hold(cd)
+	case alone && wctx.Err() == nil && a.chosen.CompareAndSwap(nil, cd):
+		workers.Go(func() { c.stopFlowWhenStill(wctx, s, a) })
+	case alone:
+		// The consumer stops: give it back without counting a return.
+		out := c.putBack(hctx, s, d)
+		a.settled(d.DeliveryTag, out == settledAbandoned)
+	default:
+		c.handle(wctx, hctx, s, a, seats, cd, false)
+	}
+}
+
+// consQuietFlow is how long a round waits for a delivery to fill its window
+// before it stops its flow with the window not full (see take).
+const consQuietFlow = 100 * time.Millisecond
+
+// stopFlowWhenStill cancels round a's consumer once every unsettled
+// delivery of the round is the chosen one or held, and the window is full
+// or no delivery came for consQuietFlow.
+func (c *Consumer) stopFlowWhenStill(wctx context.Context, s *consSession, a *consAcker) {
+	t := time.NewTicker(consQuietFlow / 50)
+	defer t.Stop()
+	seen, since := a.arrivals.Load(), time.Now()
+	for {
+		if n := a.arrivals.Load(); n != seen {
+			seen, since = n, time.Now()
+		}
+		if still, n := a.still(); still && (n >= int(s.prefetch.Load()) || time.Since(since) >= consQuietFlow) {
+			break
+		}
+		select {
+		case <-t.C:
+		case <-s.dead:
+			return
+		case <-wctx.Done():
+			// The stop cancels the consumer.
+			return
+		}
+	}
+	c.stopFlow(s, a)
+}
+
+// stopFlow cancels round a's consumer: its deliveries end, and the round
+// with them.
+func (c *Consumer) stopFlow(s *consSession, a *consAcker) {
+	a.stopFlow.Do(func() {
+		s.rpc.Lock()
+		err := s.ch.Cancel(a.tag, false)
+		s.rpc.Unlock()
+		if err != nil {
+			s.kill(err)
+		}
+	})
+}
+
+// finishRound runs, once round a's deliveries ended and its workers
+// stopped taking them, the deliveries held behind the chosen one (those
+// that must run alone are put back), then the chosen one alone.
+func (c *Consumer) finishRound(wctx, hctx context.Context, s *consSession, a *consAcker, seats *gate) {
+	cd := a.chosen.Load()
+	if cd == nil {
+		return
+	}
+	a.mu.Lock()
+	held := a.held
+	a.held = nil
+	a.mu.Unlock()
+	var running sync.WaitGroup
+	slots := make(chan struct{}, c.opts.Concurrency)
+	for _, h := range held {
+		if c.alone(&h.d) {
+			out := c.putBack(hctx, s, &h.d)
+			a.settled(h.d.DeliveryTag, out == settledAbandoned)
+			continue
+		}
+		slots <- struct{}{}
+		running.Go(func() {
+			defer func() { <-slots }()
+			c.handle(wctx, hctx, s, a, seats, h, false)
+		})
+	}
+	running.Wait()
+	c.runAlone(wctx, hctx, s, a, cd)
+}
+
+// runAlone runs the round's chosen delivery (see take), once every other
+// delivery of the round was settled: no other one is in flight, and the
+// flow stopped. A graceful stop that came first puts it back instead, and
+// a dead session leaves it to the broker.
+func (c *Consumer) runAlone(wctx, hctx context.Context, s *consSession, a *consAcker, cd *consDelivery) {
+	switch {
+	case s.isDead():
+		c.abandon()
+		a.settled(cd.d.DeliveryTag, true)
+	case wctx.Err() != nil:
+		out := c.putBack(hctx, s, &cd.d)
+		a.settled(cd.d.DeliveryTag, out == settledAbandoned)
+	default:
+		c.handle(wctx, hctx, s, a, nil, cd, true)
+	}
+}
+
+// putBack gives a returned delivery that did not run back to the work
+// queue without one more count in x-delivery-count: a copy, with the
+// count carried in HeaderReturns, is published to the work queue (through
+// the default exchange) and confirmed, then the delivery is acknowledged.
+// It counts as requeued. A copy that cannot be published is requeued
+// after a pause (see publishFailed).
+func (c *Consumer) putBack(hctx context.Context, s *consSession, d *amqp091.Delivery) settlement {
+	if s.isDead() {
+		return c.abandon()
+	}
+	attempt := 1
+	if n, ok := consHeaderInt(d.Headers[HeaderAttempt]); ok && n > 1 {
+		attempt = int(min(n, 1<<30))
+	}
+	p := c.copyOf(d, attempt)
+	if n := consReturns(d); n > 0 {
+		p.Headers[HeaderReturns] = n
+	}
+	// Nothing ran: a wait for a held key goes on from where it was.
+	if v, ok := d.Headers[HeaderWaitingSince]; ok {
+		p.Headers[HeaderWaitingSince] = v
+	}
+	if err := c.publishCopy(s, "", c.queue, p); err != nil {
+		return c.publishFailed(hctx, s, d, "work queue", err)
+	}
+	out := c.ack(s, d)
+	if out == settledAcked {
+		c.stats.requeued.Add(1)
+		return settledRequeued
+	}
+	return out
 }
 
 // confirmAcks waits until the broker processed every frame written on s's
@@ -777,7 +1026,7 @@ func (c *Consumer) confirmAcks(s *consSession) {
 	s.rpc.Lock()
 	defer s.rpc.Unlock()
 	if !s.isDead() {
-		_ = s.ch.Qos(c.opts.Prefetch, 0, false)
+		_ = s.ch.Qos(int(s.prefetch.Load()), 0, false)
 	}
 }
 
@@ -802,7 +1051,14 @@ const (
 	// settled (or while its ack was being coalesced); the broker
 	// redelivers it.
 	settledAbandoned
+	// settledUnpublished: nacked with requeue because its retry or
+	// dead-letter copy was not confirmed.
+	settledUnpublished
 )
+
+// errUnpublished is the Report.Err of a delivery requeued because its
+// retry or dead-letter copy was not confirmed.
+var errUnpublished = errors.New("amqp: the delivery's retry or dead-letter copy was not confirmed; the delivery was requeued")
 
 // errAbandoned is the Report.Err of a delivery whose channel closed before
 // it was settled.
@@ -828,13 +1084,13 @@ func (c *Consumer) report(mctx context.Context, msg *consumer.Message, r consume
 	v := applied(r, out)
 	result, reason := verdictOf(v)
 	c.tel.Result(mctx, c.queue, result, reason, time.Since(start))
-	end(result, r.Err)
+	end(result, v.Err)
 	if c.opts.OnOutcome != nil {
-		err := r.Err
+		err := v.Err
 		if out == settledAbandoned {
 			err = errAbandoned
 		}
-		c.opts.OnOutcome(mctx, consumer.Report{Outcome: r.Outcome(), Message: msg, Result: v, Err: err})
+		c.opts.OnOutcome(mctx, consumer.Report{Outcome: v.Outcome(), Message: msg, Result: v, Err: err})
 	}
 }
 
@@ -852,6 +1108,11 @@ func applied(r consumer.Result, out settlement) consumer.Result {
 	switch out {
 	case settledAcked:
 		return r
+	case settledUnpublished:
+		// Not the verdict r asked for (a dead letter, maybe): the copy
+		// that carries it out was not confirmed, and the message comes
+		// back.
+		return consumer.Result{Action: consumer.ActionRetry, Reason: consumer.OutcomeTransient, Err: errUnpublished}
 	case settledDeadLettered:
 		if r.Action == consumer.ActionRetry {
 			reason := consumer.OutcomeRetriesExhausted
@@ -886,20 +1147,6 @@ func (c *Consumer) overDelivered(d *amqp091.Delivery) (int64, bool) {
 	}
 	n := consReturns(d)
 	return n, n > 0 && n >= int64(c.opts.MaxDeliveries)
-}
-
-// finishOnStop reports whether a graceful stop settles d, prefetched and
-// not started, instead of giving it back: one more return would bring it
-// to MaxDeliveries, and the next channel's first delivery past the bound
-// is taken for the message that killed the previous worker (see handle)
-// and dead-lettered without running. So d runs (alone, as every returned
-// delivery, within ShutdownTimeout), or is dead-lettered here if it
-// already is that first delivery. A crash loop with a large Prefetch can
-// leave many such deliveries: they run one at a time, so give the process
-// a kill deadline longer than ShutdownTimeout.
-func (c *Consumer) finishOnStop(d *amqp091.Delivery) bool {
-	n := consReturns(d)
-	return c.opts.MaxDeliveries >= 0 && n > 0 && n+1 >= int64(c.opts.MaxDeliveries)
 }
 
 // consReturns is how many deliveries of d's message were returned
@@ -1074,7 +1321,10 @@ func (c *Consumer) publishFailed(hctx context.Context, s *consSession, d *amqp09
 	case <-s.dead:
 	case <-hctx.Done():
 	}
-	return c.requeue(s, d)
+	if out := c.requeue(s, d); out != settledRequeued {
+		return out
+	}
+	return settledUnpublished
 }
 
 // publishCopy publishes p, mandatory, on s's confirm channel and waits for
@@ -1148,12 +1398,12 @@ func (c *Consumer) copyOf(d *amqp091.Delivery, attempt int) amqp091.Publishing {
 }
 
 func (c *Consumer) ack(s *consSession, d *amqp091.Delivery) settlement {
-	// The tag belongs to s's channel (d.Acknowledger): on a dead
+	// The tag belongs to s's channel: on a dead
 	// generation it must not, and cannot, be used.
 	if s.isDead() {
 		return c.abandon()
 	}
-	if err := d.Ack(false); err != nil {
+	if err := s.ch.Ack(d.DeliveryTag, false); err != nil {
 		return c.abandon()
 	}
 	return settledAcked
@@ -1163,7 +1413,7 @@ func (c *Consumer) requeue(s *consSession, d *amqp091.Delivery) settlement {
 	if s.isDead() {
 		return c.abandon()
 	}
-	if err := d.Nack(false, true); err != nil {
+	if err := s.ch.Nack(d.DeliveryTag, false, true); err != nil {
 		return c.abandon()
 	}
 	c.stats.requeued.Add(1)

@@ -82,9 +82,25 @@ type consAcker struct {
 	// recv serializes receive-and-register, so tags register in the
 	// order the broker delivered them.
 	recv sync.Mutex
-	// iso is held shared by each delivery in the chain, exclusively by
-	// one that runs alone (see Consumer.alone).
-	iso sync.RWMutex
+
+	// The round the acker belongs to (see Consumer.serve): its consumer
+	// tag; careful when its prefetch is one. chosen is the returned
+	// delivery a round with the window of Prefetch runs alone, once the
+	// flow stopped and every other delivery of the round was settled (see
+	// Consumer.take), nil while none was chosen; held are the
+	// deliveries received after it, which wait for the flow to stop
+	// (guarded by mu); ending is set when the round stopped its flow for
+	// another reason (a careful round met a delivery never returned).
+	// arrivals counts the deliveries received; live the round's workers
+	// still taking deliveries: the last one to stop finishes the round.
+	tag      string
+	careful  bool
+	chosen   atomic.Pointer[consDelivery]
+	held     []*consDelivery
+	ending   atomic.Bool
+	arrivals atomic.Int64
+	live     atomic.Int32
+	stopFlow sync.Once
 
 	mu       sync.Mutex
 	idle     sync.Cond   // on mu; broadcast when a flush ends
@@ -148,49 +164,46 @@ func newConsAcker(c *Consumer, s *consSession) *consAcker {
 // deliveries is closed.
 func (a *consAcker) next(deliveries <-chan amqp091.Delivery) (amqp091.Delivery, bool) {
 	var d amqp091.Delivery
-	_, ok := a.take(deliveries, nil, &d)
+	ok := a.take(deliveries, &d)
 	return d, ok
 }
 
-// take is next, receiving into d, that also takes the session's
-// isolation lock (see Consumer.alone) when alone is set: exclusively when
-// alone(d) says d must run alone, shared otherwise. It is taken in the
-// order the deliveries arrived, so a delivery that must run alone waits
-// for every earlier one to be settled, and no later one starts before it
-// is. The caller releases it with untake.
-func (a *consAcker) take(deliveries <-chan amqp091.Delivery, alone func(*amqp091.Delivery) bool, d *amqp091.Delivery) (excl, ok bool) {
+// take is next, receiving into d.
+func (a *consAcker) take(deliveries <-chan amqp091.Delivery, d *amqp091.Delivery) bool {
 	a.recv.Lock()
 	defer a.recv.Unlock()
+	var ok bool
 	*d, ok = <-deliveries
 	if !ok {
-		return false, false
+		return false
 	}
 	a.mu.Lock()
 	a.register(d.DeliveryTag)
 	a.mu.Unlock()
-	if alone != nil {
-		excl = alone(d)
-		if excl {
-			a.iso.Lock()
-		} else {
-			a.iso.RLock()
-		}
-	}
-	return excl, true
+	a.arrivals.Add(1)
+	return true
 }
 
-// untake releases the isolation lock take took.
-func (a *consAcker) untake(excl bool) {
-	if excl {
-		a.iso.Unlock()
-	} else {
-		a.iso.RUnlock()
-	}
+// hold keeps cd, received after the round's chosen delivery, for when the
+// flow stopped.
+func (a *consAcker) hold(cd *consDelivery) {
+	a.mu.Lock()
+	a.held = append(a.held, cd)
+	a.mu.Unlock()
+}
+
+// still reports whether every unsettled delivery of the round is the
+// chosen one or held (none in flight, none finished and waiting for its
+// ack), and how many there are.
+func (a *consAcker) still() (ok bool, unsettled int) {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	return len(a.ents) == len(a.held)+1 && a.nfin == 0, len(a.ents)
 }
 
 // flushAll writes the acks of every finished delivery now. Called by a
-// delivery that runs alone, before its handler: no delivery below it is
-// in flight then, so the finished ones form one run. With final (drain),
+// delivery that runs alone, before its handler: no other delivery is in
+// flight then, so the finished ones form one run. With final (drain),
 // everything finished later goes at once too.
 func (a *consAcker) flushAll(final bool) {
 	a.mu.Lock()

@@ -117,7 +117,7 @@ func TestConsumerAckSlowLowTag(t *testing.T) {
 		n := runs.add(msg.ID)
 		if msg.ID == "slow-0" && n == 1 {
 			d, _ := DeliveryFrom(ctx)
-			slowCh.Store(d.Acknowledger.(*amqp091.Channel))
+			slowCh.Store(consChannel(d))
 			close(started)
 			select {
 			case <-release:
@@ -367,7 +367,7 @@ func TestConsumerAckChannelClosedRedeliversUnacked(t *testing.T) {
 	inner := o.handler(t, func(ctx context.Context, msg *consumer.Message) error {
 		if msg.ID == "slow-0" && first.CompareAndSwap(false, true) {
 			d, _ := DeliveryFrom(ctx)
-			slowCh.Store(d.Acknowledger.(*amqp091.Channel))
+			slowCh.Store(consChannel(d))
 			close(started)
 			select { // the effect commits after the channel died
 			case <-release:
@@ -447,7 +447,7 @@ func TestConsumerAckChannelClosedStress(t *testing.T) {
 		if closers[msg.ID] {
 			if _, again := closed.LoadOrStore(msg.ID, true); !again {
 				d, _ := DeliveryFrom(ctx)
-				return d.Acknowledger.(*amqp091.Channel).Close()
+				return consChannel(d).Close()
 			}
 		}
 		return nil

@@ -29,6 +29,9 @@ const (
 	consChildSchemaEnv = "IDEM_AMQP_CONSUMER_SCHEMA"
 	// consChildConcEnv, for the "poison" child, is its Concurrency.
 	consChildConcEnv = "IDEM_AMQP_CONSUMER_CONCURRENCY"
+	// consChildMaxEnv, for the "poison" child, is its MaxDeliveries
+	// when set; consPoisonMaxDeliveries otherwise.
+	consChildMaxEnv = "IDEM_AMQP_CONSUMER_MAX_DELIVERIES"
 )
 
 // consPoisonMaxDeliveries is the "poison" child's MaxDeliveries.
@@ -85,6 +88,11 @@ func consRunChild() int {
 		opts.QuorumQueue, opts.MaxDeliveries = true, consPoisonMaxDeliveries
 		if opts.Concurrency, err = strconv.Atoi(os.Getenv(consChildConcEnv)); err != nil {
 			return fail(err)
+		}
+		if v := os.Getenv(consChildMaxEnv); v != "" {
+			if opts.MaxDeliveries, err = strconv.Atoi(v); err != nil {
+				return fail(err)
+			}
 		}
 		before = func(_ context.Context, msg *consumer.Message) error {
 			if strings.HasPrefix(msg.ID, "poison") {

@@ -41,7 +41,7 @@ func TestConsumerConn(t *testing.T) {
 		if msg.ID == "close-channel" && closed.CompareAndSwap(false, true) {
 			// A channel error: the connection stays open.
 			d, _ := DeliveryFrom(ctx)
-			return d.Acknowledger.(*amqp091.Channel).Close()
+			return consChannel(d).Close()
 		}
 		handled.Add(1)
 		return nil

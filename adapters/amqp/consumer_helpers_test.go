@@ -306,3 +306,9 @@ func consVhost(t testing.TB, ctl func(args ...string)) (name, rawURL string) {
 }
 
 func consQuiet() *slog.Logger { return slog.New(slog.DiscardHandler) }
+
+// consChannel is the channel of a delivery a Consumer handed to its chain,
+// for tests that close it to simulate a crash.
+func consChannel(d *amqp091.Delivery) *amqp091.Channel {
+	return d.Acknowledger.(consGuard).ch.(*amqp091.Channel)
+}

@@ -60,9 +60,10 @@ const (
 	// the copies it publishes.
 	HeaderDeliveryCount = "x-delivery-count"
 	// HeaderReturns carries, on a copy retried because another owner held
-	// the key (in_flight, lease_lost), the x-delivery-count of the
-	// delivery it copies plus its own HeaderReturns: the deliveries of
-	// the message returned unsettled so far. MaxDeliveries bounds their
+	// the key (in_flight, lease_lost), or put back while it waited to run
+	// alone, the x-delivery-count of the delivery it copies plus its own
+	// HeaderReturns: the deliveries of the message returned unsettled so
+	// far. MaxDeliveries bounds their
 	// sum with the copy's own x-delivery-count, so a message that kills
 	// its worker while holding a lease (the next delivery waits for the
 	// lease, on a fresh copy) is still bounded. Copies for other reasons
@@ -171,13 +172,11 @@ type ConsumerOptions struct {
 	// closed channel or a nack with requeue) of MaxDeliveries or more —
 	// that is, the (MaxDeliveries+1)th delivery — is dead-lettered with
 	// reason redelivery_limit (ReasonRedeliveryLimit) without running the
-	// handler when it is the first delivery of its channel, where the
-	// message that killed the previous worker lands, and wherever it comes
-	// once it reaches twice MaxDeliveries. Any other returned
-	// delivery (x-delivery-count above 0) runs alone on its channel and is
-	// acknowledged at once, so that the neighbours of such a message,
-	// counted with it, are settled instead of dead-lettered (see the
-	// package documentation). Defaults to 10; -1 means no bound.
+	// handler. Every returned delivery (x-delivery-count above 0) runs
+	// with no other delivery of the process unsettled, so that a crash
+	// counts against the message that caused it and not against the
+	// deliveries prefetched with it (see the package documentation).
+	// Defaults to 10; -1 means no bound.
 	//
 	// Classic queues do not count deliveries: on a classic queue a message
 	// that kills every worker that takes it is redelivered forever (the
@@ -185,17 +184,15 @@ type ConsumerOptions struct {
 	// across crashes). Use QuorumQueue, or a quorum queue declared
 	// elsewhere, where that matters.
 	//
-	// Deliveries the consumer itself gives back count too: a prefetched
+	// Deliveries the consumer itself requeues count too: a prefetched
 	// delivery requeued by a graceful stop, or one requeued because its
-	// retry or dead-letter copy could not be published. A graceful stop
-	// does not give back a returned delivery that one more return would
-	// bring to MaxDeliveries (it would come first on the next channel,
-	// past the bound, and be taken for the message that kills workers):
-	// it runs it, alone, before it closes the channel, within
-	// ShutdownTimeout. Retried copies start again at zero (the consumer
-	// strips x-delivery-count from the copies it publishes), except those
-	// that waited for a key another owner held, which carry the count over
-	// in HeaderReturns.
+	// retry or dead-letter copy could not be published. A returned
+	// delivery that waits to run alone is put back without a count: a
+	// copy carrying its count in HeaderReturns is published to the work
+	// queue, then the delivery is acknowledged. Retried copies start
+	// again at zero (the consumer strips x-delivery-count from the copies
+	// it publishes), except those that waited for a key another owner
+	// held, which carry the count over in HeaderReturns.
 	MaxDeliveries int
 	// Bindings bind the work queue to the producer's exchanges.
 	Bindings []ConsumerBinding
@@ -285,20 +282,24 @@ type ConsumerOptions struct {
 	// scope), routing keys and bodies never. Defaults to slog.Default().
 	Logger *slog.Logger
 	// OnOutcome, if set, is called once per delivery, after it was
-	// settled, with its consumer.Report: Outcome is the chain's
-	// (Result.Outcome), Message the delivery's message, and Result the
-	// verdict the Consumer carried out. Result.Action is ActionAck (the
+	// settled, with its consumer.Report: Result is the verdict the
+	// Consumer carried out, Outcome is Result's (Result.Outcome), and
+	// Message the delivery's message. Result.Action is ActionAck (the
 	// delivery was acknowledged: its effect committed, it was a duplicate,
 	// or a consumer.DeadLetter middleware parked it), ActionDeadLetter (a
-	// copy went to the dead-letter exchange, then the delivery was
-	// acknowledged; Reason says why, retries_exhausted, wait_limit and
-	// redelivery_limit included) or ActionRetry (the message comes back: a
-	// copy went to a retry queue, or the delivery was nacked with requeue
-	// because the consumer stopped or a copy could not be published, or
-	// its channel closed before it was settled). Result.Err and Err are
-	// the chain's error, except for a delivery whose channel closed before
-	// it was settled (the broker redelivers it), where Err wraps
-	// amqp091.ErrClosed. Key is zero: consumer.Dedup's and
+	// copy went to the dead-letter exchange and was confirmed, then the
+	// delivery was acknowledged; Reason says why, retries_exhausted,
+	// wait_limit and redelivery_limit included) or ActionRetry (the
+	// message comes back: a copy went to a retry queue, or the delivery
+	// was nacked with requeue because the consumer stopped, or its channel
+	// closed before it was settled). A delivery whose retry or dead-letter
+	// copy was not confirmed is nacked with requeue and reported as
+	// ActionRetry, reason transient, whatever its chain asked for: only
+	// the delivery whose copy was confirmed reports the dead letter.
+	// Result.Err and Err are the chain's error, except for a delivery
+	// whose channel closed before it was settled (the broker redelivers
+	// it), where Err wraps amqp091.ErrClosed, and one whose copy was not
+	// confirmed, where they say so. Key is zero: consumer.Dedup's and
 	// consumer.Transactional's own OnOutcome report the key.
 	//
 	// For a delivery acknowledged on ActionAck it is called once the

@@ -4,6 +4,10 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"math/rand/v2"
+	"os/exec"
+	"slices"
+	"strconv"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -87,7 +91,7 @@ func TestConsumerQuorumRedeliveryLimit(t *testing.T) {
 		if !ok {
 			return errors.New("no delivery in the context")
 		}
-		return d.Acknowledger.(*amqp091.Channel).Close()
+		return consChannel(d).Close()
 	})
 	var limited atomic.Int32
 	c, err := NewConsumer(url, q, h, consOpts(ConsumerOptions{
@@ -254,7 +258,7 @@ func TestConsumerQuorumRedeliveryLimitAcrossWaits(t *testing.T) {
 		if !ok {
 			return errors.New("no delivery in the context")
 		}
-		_ = d.Acknowledger.(*amqp091.Channel).Close()
+		_ = consChannel(d).Close()
 		<-release // a dead worker's handler never returns
 		return nil
 	}), consumer.Recover(), dd)
@@ -294,13 +298,13 @@ func TestConsumerQuorumRedeliveryLimitAcrossWaits(t *testing.T) {
 	}
 }
 
-// A graceful stop right after crash redeliveries: a neighbour of the
-// crashing message, returned with it until one more return would bring it
-// to MaxDeliveries, is prefetched and not started when the stop comes. The
-// stop runs it instead of giving it back, where it would come first on the
-// next worker's channel past the bound and be dead-lettered as the message
-// that kills workers.
-func TestConsumerQuorumStopRunsNeighbourAtTheBound(t *testing.T) {
+// A message returned by crashes runs alone, and its neighbour, returned
+// with it by the first crash, is put back meanwhile instead of waiting
+// unacknowledged behind it: the later crashes do not count against the
+// neighbour. A graceful stop while the crashing message runs alone leaves
+// the neighbour in the queue, below MaxDeliveries; the next consumer runs
+// it once and dead-letters nothing.
+func TestConsumerQuorumNeighbourNotCountedByLaterCrashes(t *testing.T) {
 	url := testenv.AMQPURL()
 	q := consQueueArgs(t, url, consTestDelays, amqp091.Table{"x-queue-type": "quorum"})
 	const maxDeliveries = 3
@@ -315,40 +319,69 @@ func TestConsumerQuorumStopRunsNeighbourAtTheBound(t *testing.T) {
 			return nil
 		}
 		if holdRuns.Add(1) < maxDeliveries {
-			// A crash: the delivery and the neighbour prefetched
-			// behind it go back unsettled, counted.
+			// A crash: the delivery and every other one not settled
+			// go back unsettled, counted.
 			d, ok := DeliveryFrom(ctx)
 			if !ok {
 				return errors.New("no delivery in the context")
 			}
-			return d.Acknowledger.(*amqp091.Channel).Close()
+			return consChannel(d).Close()
 		}
 		<-release
 		return nil
 	})
-	c, err := NewConsumer(url, q, h, consOpts(ConsumerOptions{
+	opts := consOpts(ConsumerOptions{
 		QuorumQueue: true, MaxDeliveries: maxDeliveries, Concurrency: 1, Prefetch: 10, ShutdownTimeout: 30 * time.Second,
-	}))
+	})
+	c, err := NewConsumer(url, q, h, opts)
 	if err != nil {
 		t.Fatal(err)
 	}
 	consPublish(t, url, q, amqp091.Publishing{MessageId: "hold", Body: []byte("hold")}, amqp091.Publishing{MessageId: "neighbour", Body: []byte("neighbour")})
 	workersStopped := consWorkersStopped(t, c)
 	stop := consStart(t, c)
-	// hold's third delivery runs (two crashes before it), and the
-	// neighbour, returned twice with it, waits behind it.
+	// hold's third delivery runs (two crashes before it).
 	testenv.Eventually(t, 60*time.Second, "hold's third delivery to run", func() bool { return holdRuns.Load() == maxDeliveries })
-	if n := runs.get("neighbour"); n != 0 {
-		t.Fatalf("the neighbour ran %d times before the stop; it should wait behind hold", n)
-	}
 	consStopThenRelease(stop, workersStopped, release)
 	st := c.Stats()
-	t.Logf("stats %+v", st)
-	if n := runs.get("neighbour"); n != 1 {
-		t.Errorf("the neighbour ran %d times, want once, during the stop", n)
+	t.Logf("stats %+v; neighbour ran %d times", st, runs.get("neighbour"))
+	if st.DeadLettered != 0 {
+		t.Errorf("stats %+v: want nothing dead-lettered", st)
 	}
-	if st.Requeued != 0 || st.DeadLettered != 0 {
-		t.Errorf("stats %+v: want nothing requeued or dead-lettered", st)
+	left := consGetAll(t, url, q)
+	for _, d := range left {
+		if n := consReturns(&d); n >= maxDeliveries {
+			t.Errorf("%s left in the queue with %d returns counted, want fewer than MaxDeliveries (%d)", d.MessageId, n, maxDeliveries)
+		}
+	}
+	// The next consumer settles what is left.
+	consPublish(t, url, q, func() []amqp091.Publishing {
+		var ps []amqp091.Publishing
+		for _, d := range left {
+			// The count read here is carried over as the Consumer
+			// carries it on the copies it puts back.
+			h := amqp091.Table{}
+			for k, v := range d.Headers {
+				h[k] = v
+			}
+			delete(h, HeaderDeliveryCount)
+			h[HeaderReturns] = consReturns(&d)
+			ps = append(ps, amqp091.Publishing{MessageId: d.MessageId, Body: d.Body, Headers: h})
+		}
+		return ps
+	}()...)
+	c2, err := NewConsumer(url, q, h, opts)
+	if err != nil {
+		t.Fatal(err)
+	}
+	stop2 := consStart(t, c2)
+	testenv.Eventually(t, 60*time.Second, "the neighbour to run", func() bool { return runs.get("neighbour") >= 1 })
+	stop2()
+	if n := runs.get("neighbour"); n != 1 {
+		t.Errorf("the neighbour ran %d times, want once", n)
+	}
+	if st := c2.Stats(); st.DeadLettered != 0 {
+		t.Errorf("second consumer: stats %+v: want nothing dead-lettered", st)
 	}
 	if left := consGetAll(t, url, q); len(left) != 0 {
 		t.Errorf("%d messages left in the queue (first %q)", len(left), left[0].MessageId)
@@ -428,4 +461,170 @@ func (g *gatedClaims) Claim(ctx context.Context, k dedup.Key) (*dedup.Lease, err
 		<-g.release
 	})
 	return g.LeaseStore.Claim(ctx, k)
+}
+
+// Several worker processes on one quorum queue, several messages that kill
+// the worker process every time they run (a panic without Recover), and
+// ordinary messages around them, prefetched with them: the deaths return
+// the crash messages' neighbours unsettled, counted in x-delivery-count
+// like the crash messages themselves. Dead workers are restarted at once.
+// Every seed places the crash messages elsewhere; each one must end with
+// the crash messages dead-lettered once each with reason redelivery_limit,
+// no ordinary message dead-lettered, and every ordinary message applied
+// exactly once (the pgtable oracle: none lost, none twice).
+func TestConsumerQuorumCrashLoopSeveralWorkers(t *testing.T) {
+	const (
+		seeds         = 10
+		workers       = 3
+		ordinary      = 300
+		crashes       = 3
+		maxDeliveries = 5
+	)
+	url := testenv.AMQPURL()
+	consRequireBroker(t, url)
+	var innocentDead, crashDead, lost, twice, deathsAll int
+	for seed := range seeds {
+		t.Run(fmt.Sprintf("seed %d", seed), func(t *testing.T) {
+			q := consQueueArgs(t, url, consTestDelays, amqp091.Table{"x-queue-type": "quorum"})
+			o := consNewOracle(t, 2)
+			// Declared as the workers declare it, so that it can be
+			// watched before the first one started.
+			consAdmin(t, url, func(ch *amqp091.Channel) error {
+				_, err := ch.QueueDeclare(q+".dlq", true, false, false, false, nil)
+				return err
+			})
+			rng := rand.New(rand.NewPCG(uint64(seed), 0x1de))
+			msgs := make([]amqp091.Publishing, 0, ordinary+crashes)
+			for i := range ordinary {
+				id := fmt.Sprintf("ok-%d", i)
+				msgs = append(msgs, amqp091.Publishing{MessageId: id, Body: []byte("body of " + id)})
+			}
+			for i := range crashes {
+				id := fmt.Sprintf("poison-%d", i)
+				at := rng.IntN(len(msgs) + 1)
+				msgs = slices.Insert(msgs, at, amqp091.Publishing{MessageId: id, Body: []byte("body of " + id)})
+			}
+			consPublish(t, url, q, msgs...)
+			start := func() *childproc.Proc {
+				cmd := consPoisonChildCommand(url, q, o.schema, 4)
+				cmd.Env = append(cmd.Env, consChildMaxEnv+"="+strconv.Itoa(maxDeliveries))
+				p, err := childproc.Start(cmd, 64<<10, nil)
+				if err != nil {
+					t.Fatal(err)
+				}
+				return p
+			}
+			procs := make([]*childproc.Proc, workers)
+			for i := range procs {
+				procs[i] = start()
+			}
+			defer func() {
+				for _, p := range procs {
+					p.Kill()
+					<-p.Exited()
+				}
+			}()
+			deaths := 0
+			// Settled: nothing ready in the work queue, and every message
+			// applied or dead-lettered (or more dead-lettered than the
+			// crash messages: the outcome this test rejects).
+			settled := func() bool {
+				_, distinct := o.counts(t)
+				dead := consDepth(t, url, q+".dlq")
+				return consDepth(t, url, q) == 0 && dead >= crashes && distinct+dead >= ordinary+crashes
+			}
+			deadline := time.Now().Add(3 * time.Minute)
+			for stops := 0; ; stops++ {
+				for !settled() {
+					if time.Now().After(deadline) {
+						rows, distinct := o.counts(t)
+						t.Fatalf("not settled in 3 minutes: %d deaths, %d effect rows for %d ids, %d ready, %d dead letters",
+							deaths, rows, distinct, consDepth(t, url, q), consDepth(t, url, q+".dlq"))
+					}
+					for i, p := range procs {
+						select {
+						case <-p.Exited():
+						default:
+							continue
+						}
+						if !strings.Contains(p.Stderr(), "panic: poison message poison-") {
+							t.Fatalf("a worker died of something else: %v%s", p.ExitErr(), p.StderrTail())
+						}
+						deaths++
+						if deaths > 2*crashes*maxDeliveries+workers {
+							t.Fatalf("%d worker deaths for %d crash messages (MaxDeliveries %d)", deaths, crashes, maxDeliveries)
+						}
+						procs[i] = start()
+					}
+					time.Sleep(50 * time.Millisecond)
+				}
+				// Stop the workers gracefully, so that they send the acks
+				// they hold. One that had just been started may die of
+				// the signal before it handles it: then what it held
+				// comes back, and the workers run again.
+				for _, p := range procs {
+					_ = p.Cmd.Process.Signal(syscall.SIGTERM)
+				}
+				for _, p := range procs {
+					<-p.Exited()
+					if err := p.Err(); err != nil && !consDiedOf(p, syscall.SIGTERM) && !strings.Contains(p.Stderr(), "panic: poison message poison-") {
+						t.Fatalf("a worker's graceful stop: %v%s", err, p.StderrTail())
+					}
+				}
+				if consDepth(t, url, q) == 0 {
+					break
+				}
+				if stops >= 3 {
+					t.Fatalf("messages still come back to the queue after %d graceful stops", stops+1)
+				}
+				for i := range procs {
+					procs[i] = start()
+				}
+			}
+			deathsAll += deaths
+			dead := consGetAll(t, url, q+".dlq")
+			perCrash := map[string]int{}
+			var wrong []string
+			for _, d := range dead {
+				if strings.HasPrefix(d.MessageId, "poison-") && d.Headers[HeaderReason] == string(ReasonRedeliveryLimit) {
+					perCrash[d.MessageId]++
+					continue
+				}
+				wrong = append(wrong, fmt.Sprintf("%s (%v, %v deliveries)", d.MessageId, d.Headers[HeaderReason], d.Headers[HeaderError]))
+			}
+			innocentDead += len(wrong)
+			for i := range crashes {
+				id := fmt.Sprintf("poison-%d", i)
+				if n := perCrash[id]; n != 1 {
+					t.Errorf("%s dead-lettered %d times, want once", id, n)
+				}
+				crashDead += min(perCrash[id], 1)
+			}
+			if len(wrong) > 0 {
+				t.Errorf("%d other dead letters: %v", len(wrong), wrong)
+			}
+			rows, distinct := o.counts(t)
+			lost += ordinary - distinct
+			twice += rows - distinct
+			if rows != ordinary || distinct != ordinary {
+				t.Errorf("effects: %d rows for %d ids, want %d once each", rows, distinct, ordinary)
+			}
+			if n := consDepth(t, url, q); n != 0 {
+				t.Errorf("%d messages left in the queue", n)
+			}
+			t.Logf("seed %d: %d deaths, %d dead letters (%d ordinary), %d effect rows for %d ids", seed, deaths, len(dead), len(wrong), rows, distinct)
+		})
+	}
+	t.Logf("%d seeds, %d workers, %d ordinary and %d crash messages each: %d deaths, %d ordinary messages dead-lettered, %d of %d crash messages dead-lettered, %d lost, %d applied twice",
+		seeds, workers, ordinary, crashes, deathsAll, innocentDead, crashDead, seeds*crashes, lost, twice)
+}
+
+// consDiedOf reports whether the exited child p died of the signal sig.
+func consDiedOf(p *childproc.Proc, sig syscall.Signal) bool {
+	var ee *exec.ExitError
+	if errors.As(p.Err(), &ee) {
+		ws, ok := ee.Sys().(syscall.WaitStatus)
+		return ok && ws.Signaled() && ws.Signal() == sig
+	}
+	return false
 }

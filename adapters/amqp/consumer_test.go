@@ -121,7 +121,7 @@ func TestConsumerChannelClosedMidHandler(t *testing.T) {
 				return errors.New("no delivery in the context")
 			}
 			// The channel the delivery came on: close it under the handler.
-			return d.Acknowledger.(*amqp091.Channel).Close()
+			return consChannel(d).Close()
 		}
 		return nil
 	})
@@ -607,5 +607,131 @@ func TestConsumerBrokerCancel(t *testing.T) {
 	stop()
 	if n := handled.Load(); n != 2 {
 		t.Fatalf("handled %d messages, want 2", n)
+	}
+}
+
+// Poison messages whose dead-letter copies the broker refuses at first (a
+// policy makes the dead-letter queue reject publishes, so the confirms are
+// nacks): each such delivery is requeued and reported once, as a retry,
+// never as a dead letter; once the policy is gone, each message is
+// dead-lettered, and reported as a dead letter, exactly once. Every
+// delivery handed to the chain is reported once.
+func TestConsumerOutcomeOnceWhenDeadLetterUnconfirmed(t *testing.T) {
+	ctl := consRabbitmqctl(t)
+	vh, url := consVhost(t, ctl)
+	q := consQueue(t, url, consTestDelays)
+	ctl("set_policy", "-p", vh, "--apply-to", "queues", "refuse-dead-letters", "^"+q+`\.dlq$`,
+		`{"max-length":0,"overflow":"reject-publish"}`)
+	h := consumer.HandlerFunc(func(_ context.Context, msg *consumer.Message) error {
+		if strings.HasPrefix(msg.ID, "poison-") {
+			return consumer.Permanent(errors.New("poison"))
+		}
+		return nil
+	})
+	var (
+		mu        sync.Mutex
+		reports   int
+		deadRep   = map[string]int{}
+		claimDead int // reports that name the dead-letter reason without a dead letter
+		unconf    int
+	)
+	c, err := NewConsumer(url, q, h, consOpts(ConsumerOptions{OnOutcome: func(_ context.Context, r consumer.Report) {
+		mu.Lock()
+		defer mu.Unlock()
+		reports++
+		switch {
+		case r.Result.Action == consumer.ActionDeadLetter:
+			deadRep[r.Message.ID]++
+		case r.Result.Reason == consumer.OutcomePermanent || r.Outcome == consumer.OutcomePermanent:
+			claimDead++
+		case r.Result.Action == consumer.ActionRetry && errors.Is(r.Err, errUnpublished):
+			unconf++
+		}
+	}}))
+	if err != nil {
+		t.Fatal(err)
+	}
+	stop := consStart(t, c)
+	const poison = 3
+	consPublish(t, url, q, consMsgs("poison", poison)...)
+	consPublish(t, url, q, consMsgs("ok", 5)...)
+	testenv.Eventually(t, 60*time.Second, "every poison message requeued once", func() bool { return c.Stats().Requeued >= poison })
+	ctl("clear_policy", "-p", vh, "refuse-dead-letters")
+	testenv.Eventually(t, 60*time.Second, "the poison messages dead-lettered", func() bool { return consDepth(t, url, q+".dlq") >= poison })
+	stop()
+	st := c.Stats()
+	mu.Lock()
+	defer mu.Unlock()
+	t.Logf("stats %+v; %d reports: dead letters %v, %d unconfirmed retries, %d claiming a dead letter", st, reports, deadRep, unconf, claimDead)
+	if int64(reports) != st.Delivered {
+		t.Errorf("%d reports for %d deliveries, want one each", reports, st.Delivered)
+	}
+	dead := consGetAll(t, url, q+".dlq")
+	if len(dead) != poison || len(deadRep) != poison {
+		t.Errorf("%d dead letters, %d messages reported dead-lettered; want %d each", len(dead), len(deadRep), poison)
+	}
+	for id, n := range deadRep {
+		if n != 1 {
+			t.Errorf("%s reported dead-lettered %d times, want once", id, n)
+		}
+	}
+	if claimDead != 0 {
+		t.Errorf("%d reports of requeued deliveries name the dead letter's reason", claimDead)
+	}
+	if int64(unconf) != st.Requeued || st.DeadLettered != poison {
+		t.Errorf("%d unconfirmed retries reported, %d requeued, %d dead-lettered; want as many reported as requeued and %d dead letters", unconf, st.Requeued, st.DeadLettered, poison)
+	}
+}
+
+// A handler that settles its own delivery (DeliveryFrom, then Ack, Nack or
+// Reject): the call is refused with ErrSettledByHandler and sends nothing,
+// the Consumer settles the delivery as usual, and Run goes on: no channel
+// error, every message acknowledged once, the counts true.
+func TestConsumerHandlerSettlesItsDelivery(t *testing.T) {
+	url := testenv.AMQPURL()
+	q := consQueue(t, url, consTestDelays)
+	var refused, accepted atomic.Int64
+	h := consumer.HandlerFunc(func(ctx context.Context, msg *consumer.Message) error {
+		d, ok := DeliveryFrom(ctx)
+		if !ok {
+			return errors.New("no delivery in the context")
+		}
+		var err error
+		switch {
+		case strings.HasPrefix(msg.ID, "ack-"):
+			err = d.Ack(false)
+		case strings.HasPrefix(msg.ID, "nack-"):
+			err = d.Nack(false, true)
+		default:
+			err = d.Reject(false)
+		}
+		if errors.Is(err, ErrSettledByHandler) {
+			refused.Add(1)
+		} else {
+			accepted.Add(1)
+		}
+		return nil
+	})
+	c, err := NewConsumer(url, q, h, consOpts(ConsumerOptions{Concurrency: 4, Prefetch: 20}))
+	if err != nil {
+		t.Fatal(err)
+	}
+	stop := consStart(t, c)
+	const each = 10
+	consPublish(t, url, q, consMsgs("ack", each)...)
+	consPublish(t, url, q, consMsgs("nack", each)...)
+	consPublish(t, url, q, consMsgs("reject", each)...)
+	testenv.Eventually(t, 60*time.Second, "every message acknowledged", func() bool { return c.Stats().Acked >= 3*each })
+	stop() // fails the test if Run returned an error
+	st := c.Stats()
+	t.Logf("stats %+v; %d settlements refused, %d accepted", st, refused.Load(), accepted.Load())
+	if accepted.Load() != 0 || refused.Load() != 3*each {
+		t.Errorf("%d of the handler's settlements went through, %d refused; want all %d refused", accepted.Load(), refused.Load(), 3*each)
+	}
+	if st.Acked != 3*each || st.Delivered != 3*each || st.Connects != 1 || st.Abandoned != 0 {
+		t.Errorf("stats %+v: want %d delivered and acknowledged on one connection", st, 3*each)
+	}
+	if n := consDepth(t, url, q); n != 0 {
+		t.Errorf("%d messages back in the queue", n)
 	}
 }

@@ -56,35 +56,39 @@
 // (ConsumerOptions.MaxDeliveries).
 //
 // The neighbours of such a message, the deliveries prefetched with it,
-// die unsettled with it and are counted with it. The Consumer keeps them
-// out of the dead-letter queue: a delivery the broker returned before
-// (x-delivery-count above 0) runs alone on its channel, once the
-// deliveries before it are settled, and is acknowledged at once (the
-// broker confirms the ack before the next delivery starts), not in a
-// coalesced ack. So after the first death the neighbours run one at a
-// time: each one before the poison message is settled (a completed one
-// is acknowledged as a duplicate, its effect is not repeated), the poison
-// message kills the worker again, and it is then the first delivery on
-// the next worker's channel. Only the first delivery of a channel is
-// dead-lettered, with reason redelivery_limit and without running, once
-// its x-delivery-count reaches MaxDeliveries; a neighbour that reaches
-// the count behind it runs, alone, when its turn comes. A graceful stop
-// does not give such a neighbour back (it would then be the next
-// channel's first delivery past the bound): a prefetched delivery that
-// one more return would bring to MaxDeliveries runs before the channel
-// closes, within ShutdownTimeout. With several workers on the queue the poison message may keep reaching workers that
-// are already running, never as a first delivery: past twice MaxDeliveries
-// it is dead-lettered wherever it comes. The cost is one death per
-// delivery of the poison message, MaxDeliveries in all with one worker
-// and at most twice that with several, and the throughput of one handler
-// while returned deliveries are worked off. With MaxDeliveries -1 (no
-// bound) returned deliveries run as any other.
+// die unsettled with it, and the broker counts them as it counts the
+// message. The Consumer keeps them out of the dead-letter queue by never
+// leaving a neighbour unsettled while a returned delivery runs: a delivery
+// the broker returned before (x-delivery-count above 0) makes the Consumer
+// hold the deliveries that come after it, let those before it finish, and
+// cancel its consumer once its prefetch window is full (or nothing came for
+// a moment: with the window full, the broker has no delivery in flight that
+// the cancel could lose). Then it runs the held deliveries that were never
+// returned, puts the returned ones back (published again to the work queue
+// with their count in HeaderReturns, then acknowledged: not requeued, which
+// would count one more return), runs the returned delivery alone, and
+// consumes again with a prefetch window of one while returned deliveries
+// keep coming, each running alone; the first delivery that was never
+// returned ends that, and the window is Prefetch again.
+//
+// So a crash while a returned delivery runs returns, and counts, that
+// delivery only, and a returned delivery whose count reaches MaxDeliveries
+// is dead-lettered with reason redelivery_limit, without running, wherever
+// it comes. What else counts a return against a message: a crash of a
+// worker running, next to it, a message never returned before (the first
+// crash of each message that kills workers), a connection lost, a graceful
+// stop that requeues it before it was ever returned, a copy that could not
+// be published. A neighbour can so be dead-lettered only if MaxDeliveries
+// such returns meet it, for example as many different crashing messages
+// running for the first time beside it; keep MaxDeliveries above the number
+// of such messages expected at once. The cost of a crash loop is one death
+// per delivery of the crashing message, MaxDeliveries in all, one copy
+// published per returned delivery that has to wait, and the throughput of
+// one handler while returned deliveries are worked off. With MaxDeliveries
+// -1 (no bound) returned deliveries run as any other.
+//
 // A message that dies holding a dedup lease (consumer.Dedup over
 // redisnx, say) finds its key in flight on the next delivery and waits on
 // a fresh copy; the copy carries the count in HeaderReturns, so the bound
-// holds across the waits. What this cannot tell apart: several workers crash-looping at once may
-// hand a neighbour that waited behind the poison message through
-// MaxDeliveries deaths to a freshly started worker as its first
-// delivery; it is then dead-lettered with redelivery_limit, and a replay
-// from the dead-letter queue is deduplicated as usual.
+// holds across the waits.
 package idemamqp
