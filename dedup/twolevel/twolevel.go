@@ -113,6 +113,13 @@ func New[Tx any](cache dedup.LeaseStore, db DB[Tx], opts Options) (*Store[Tx], e
 	return &Store[Tx]{cache: cache, db: db, opts: opts, tel: telemetry.NewTwoLevel(opts.MeterProvider)}, nil
 }
 
+// TxAborted reports whether tx is in a failed state, when the database
+// store can tell (pgtable can); false otherwise.
+func (s *Store[Tx]) TxAborted(tx Tx) bool {
+	a, ok := s.db.(interface{ TxAborted(Tx) bool })
+	return ok && a.TxAborted(tx)
+}
+
 func (s *Store[Tx]) cacheCtx(ctx context.Context) (context.Context, context.CancelFunc) {
 	return context.WithTimeout(context.WithoutCancel(ctx), s.opts.CacheTimeout)
 }
