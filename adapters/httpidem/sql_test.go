@@ -7,8 +7,8 @@ import (
 	"os/exec"
 	"strings"
 	"sync"
-	"time"
 	"testing"
+	"time"
 
 	"github.com/idemkit/idem/adapters/httpidem"
 	"github.com/idemkit/idem/dedup/sqltable"
