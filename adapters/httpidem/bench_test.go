@@ -102,7 +102,7 @@ func benchVariants(b *testing.B) []benchVariant {
 			return
 		}
 		var id int64
-		if err := httpidem.Tx(r.Context()).QueryRow(r.Context(), insert, in.Amount, in.Currency, in.Customer).Scan(&id); err != nil {
+		if err := httpidem.Tx[pgx.Tx](r.Context()).QueryRow(r.Context(), insert, in.Amount, in.Currency, in.Customer).Scan(&id); err != nil {
 			http.Error(w, err.Error(), http.StatusInternalServerError)
 			return
 		}

@@ -4,8 +4,6 @@ import (
 	"context"
 	"sync/atomic"
 
-	"github.com/jackc/pgx/v5"
-
 	"github.com/idemkit/idem/dedup"
 	"github.com/idemkit/idem/internal/leasekeep"
 )
@@ -14,7 +12,7 @@ import (
 // through its context.
 type call struct {
 	key      dedup.Key
-	tx       pgx.Tx
+	tx       any // the claim's transaction (NewTx), of the store's type
 	released atomic.Bool
 
 	// Under a lease: the lease flow (the handler's context, cancelled
@@ -35,15 +33,20 @@ func callFrom(ctx context.Context) *call {
 }
 
 // Tx returns the transaction that holds the request's claim when the
-// handler runs under a transactional Middleware (NewTx), or nil. The
-// handler's writes through it commit together with the claim and the stored
-// response, or not at all. The handler must not commit or roll it back, and
-// must close any Rows it opens before returning.
-func Tx(ctx context.Context) pgx.Tx {
+// handler runs under a transactional Middleware (NewTx), or the zero T. T
+// is the store's transaction type: Tx[pgx.Tx](ctx) under pgtable,
+// Tx[*sql.Tx](ctx) under sqltable. The handler's writes through it commit
+// together with the claim and the stored response, or not at all. The
+// handler must not commit or roll it back, and must close any Rows it
+// opens before returning.
+func Tx[T any](ctx context.Context) T {
 	if c := callFrom(ctx); c != nil {
-		return c.tx
+		if tx, ok := c.tx.(T); ok {
+			return tx
+		}
 	}
-	return nil
+	var zero T
+	return zero
 }
 
 // RequestKey returns the dedup key of the request the handler is serving,

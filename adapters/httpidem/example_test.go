@@ -1,6 +1,8 @@
 package httpidem_test
 
 import (
+	"github.com/jackc/pgx/v5"
+
 	"context"
 	"encoding/json"
 	"errors"
@@ -237,7 +239,7 @@ func ExampleNewTx() {
 	}
 	mux := http.NewServeMux()
 	mux.Handle("POST /payments", mw.Handler(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		tx := httpidem.Tx(r.Context())
+		tx := httpidem.Tx[pgx.Tx](r.Context())
 		var id int64
 		if err := tx.QueryRow(r.Context(), "INSERT INTO payments (amount) VALUES (100) RETURNING id").Scan(&id); err != nil {
 			http.Error(w, "could not record the payment", http.StatusInternalServerError)

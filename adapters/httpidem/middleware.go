@@ -11,8 +11,6 @@ import (
 	"slices"
 	"time"
 
-	"github.com/jackc/pgx/v5"
-
 	"github.com/idemkit/idem/consumer"
 	"github.com/idemkit/idem/dedup"
 	"github.com/idemkit/idem/internal/leasekeep"
@@ -31,7 +29,7 @@ type Middleware struct {
 	lease dedup.LeaseStore
 	// keeper extends the leases of the handlers in flight (lease stores).
 	keeper *leasekeep.Keeper
-	tx     dedup.TxStore[pgx.Tx]
+	tx     txStore
 	// check builds a request's key: Check for the Idempotency-Key header,
 	// the webhook's verifier for webhooks.
 	check func(r *http.Request) (dedup.Key, error)
@@ -63,8 +61,10 @@ func New(store dedup.LeaseStore, opts Options) (*Middleware, error) {
 	return m, nil
 }
 
-// NewTx returns a Middleware on a transactional store: a *pgtable.Store (or
-// a *twolevel.Store in front of one).
+// NewTx returns a Middleware on a transactional store: a *pgtable.Store
+// (Tx is pgx.Tx), a *sqltable.Store (Tx is *sql.Tx: PostgreSQL, MySQL,
+// MariaDB or SQLite through database/sql), or a *twolevel.Store in front of
+// either. The handler reaches the transaction with Tx[T](r.Context()).
 //
 // Per request it calls store.Process: the key's claim, everything the
 // handler writes through Tx(r.Context()) and the encoded response commit in
@@ -73,14 +73,14 @@ func New(store dedup.LeaseStore, opts Options) (*Middleware, error) {
 // failed (the transaction is aborted) and a panic roll everything back, so
 // a retry runs the handler again. Set pgtable.Options.Retention to 24
 // hours for HTTP keys; pgtable defaults to 7 days.
-func NewTx(store dedup.TxStore[pgx.Tx], opts Options) (*Middleware, error) {
+func NewTx[Tx any](store dedup.TxStore[Tx], opts Options) (*Middleware, error) {
 	if store == nil {
-		return nil, errors.New("httpidem: NewTx: store is nil; pass a *pgtable.Store")
+		return nil, errors.New("httpidem: NewTx: store is nil; pass a *pgtable.Store or a *sqltable.Store")
 	}
 	if err := opts.fill("NewTx"); err != nil {
 		return nil, err
 	}
-	m := &Middleware{opts: opts, tx: store}
+	m := &Middleware{opts: opts, tx: eraseTx(store)}
 	m.check = m.Check
 	m.setTelemetry(store)
 	return m, nil

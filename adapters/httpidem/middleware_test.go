@@ -1,6 +1,8 @@
 package httpidem_test
 
 import (
+	"github.com/jackc/pgx/v5"
+
 	"bufio"
 	"bytes"
 	"context"
@@ -702,7 +704,7 @@ func TestOptionsValidation(t *testing.T) {
 	if _, err := httpidem.New(nil, httpidem.Options{}); err == nil {
 		t.Error("New(nil) succeeded")
 	}
-	if _, err := httpidem.NewTx(nil, httpidem.Options{}); err == nil {
+	if _, err := httpidem.NewTx[pgx.Tx](nil, httpidem.Options{}); err == nil {
 		t.Error("NewTx(nil) succeeded")
 	}
 	m := newMW(t, store, httpidem.Options{})

@@ -6,6 +6,8 @@ package httpidem_test
 // no unique constraint, so a duplicate effect shows up as a second row.
 
 import (
+	"github.com/jackc/pgx/v5"
+
 	"context"
 	"encoding/json"
 	"errors"
@@ -66,7 +68,7 @@ func (p *payments) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	rc := testenv.Receipt()
 	ctx := r.Context()
 	var err error
-	if tx := httpidem.Tx(ctx); tx != nil {
+	if tx := httpidem.Tx[pgx.Tx](ctx); tx != nil {
 		_, err = tx.Exec(ctx, p.o.Insert(), in.ID, rc, in.Amount)
 	} else {
 		_, err = p.pool.Exec(ctx, p.o.Insert(), in.ID, rc, in.Amount)

@@ -159,7 +159,7 @@ func TestTxFailedStatementIsNotStored(t *testing.T) {
 	w := newPGWorld(t, 3, nil)
 	var calls atomic.Int64
 	h := http.HandlerFunc(func(rw http.ResponseWriter, r *http.Request) {
-		tx := httpidem.Tx(r.Context())
+		tx := httpidem.Tx[pgx.Tx](r.Context())
 		if calls.Add(1) == 1 {
 			if _, err := tx.Exec(r.Context(), w.o.Insert(), "pay-fail", "rcpt", 1); err != nil {
 				t.Error(err)
@@ -195,7 +195,7 @@ func TestTxFailedStatementIsNotStored(t *testing.T) {
 func TestTxResponseTooLargeRollsBack(t *testing.T) {
 	w := newPGWorld(t, 3, nil)
 	h := http.HandlerFunc(func(rw http.ResponseWriter, r *http.Request) {
-		if _, err := httpidem.Tx(r.Context()).Exec(r.Context(), w.o.Insert(), "pay-big", "rcpt", 1); err != nil {
+		if _, err := httpidem.Tx[pgx.Tx](r.Context()).Exec(r.Context(), w.o.Insert(), "pay-big", "rcpt", 1); err != nil {
 			t.Error(err)
 		}
 		_, _ = rw.Write(make([]byte, 4096))
@@ -332,7 +332,7 @@ func TestClientRetriesThroughDroppedResponse(t *testing.T) {
 func TestTxStoreFailureAnswers503(t *testing.T) {
 	w := newPGWorld(t, 3, nil)
 	h := http.HandlerFunc(func(rw http.ResponseWriter, r *http.Request) {
-		tx := httpidem.Tx(r.Context())
+		tx := httpidem.Tx[pgx.Tx](r.Context())
 		var pid int
 		if err := tx.QueryRow(r.Context(), "SELECT pg_backend_pid()").Scan(&pid); err != nil {
 			t.Error(err)
@@ -486,7 +486,7 @@ func TestTxAbandonedWaitFreesConnection(t *testing.T) {
 			once.Do(func() {
 				// The backend of the first request's transaction, which
 				// holds the key.
-				if err := httpidem.Tx(r.Context()).QueryRow(r.Context(), "SELECT pg_backend_pid()").Scan(&holder); err != nil {
+				if err := httpidem.Tx[pgx.Tx](r.Context()).QueryRow(r.Context(), "SELECT pg_backend_pid()").Scan(&holder); err != nil {
 					t.Error(err)
 				}
 				close(entered)
@@ -542,7 +542,7 @@ func TestLeaseRequestWaitsForTxRequest(t *testing.T) {
 	}
 	txSrv := quietServer(t, txMW.Handler(http.HandlerFunc(func(rw http.ResponseWriter, r *http.Request) {
 		txPay.ServeHTTP(rw, r) // charges in the request's transaction
-		if err := httpidem.Tx(r.Context()).QueryRow(r.Context(), "SELECT pg_backend_pid()").Scan(&holder); err != nil {
+		if err := httpidem.Tx[pgx.Tx](r.Context()).QueryRow(r.Context(), "SELECT pg_backend_pid()").Scan(&holder); err != nil {
 			t.Error(err)
 		}
 		close(entered)

@@ -8,12 +8,10 @@ import (
 	"sync/atomic"
 	"time"
 
-	"github.com/jackc/pgx/v5"
-	"github.com/jackc/pgx/v5/pgconn"
-
 	"github.com/idemkit/idem/dedup"
 	"github.com/idemkit/idem/internal/backoff"
 	"github.com/idemkit/idem/internal/leasekeep"
+	"github.com/idemkit/idem/internal/sqldialect"
 	"github.com/idemkit/idem/internal/txflow"
 )
 
@@ -22,11 +20,40 @@ var (
 	errTooLarge  = errors.New("httpidem: response too large")
 )
 
-// txFailed reports whether tx is in a failed state: a statement of the
-// handler failed, so nothing it did can commit.
-func txFailed(tx pgx.Tx) bool {
-	conn := tx.Conn()
-	return conn != nil && conn.PgConn().TxStatus() == 'E'
+// txStore is a transactional store with its transaction type erased, so
+// that a Middleware is one type whatever the store's transaction is.
+type txStore interface {
+	// process is the store's Process, fn seeing the transaction as any.
+	process(ctx context.Context, key dedup.Key, fn dedup.TxFunc[any]) ([]byte, error)
+	// aborted reports whether tx is in a failed state: a statement of the
+	// handler failed, so nothing it did can commit. False when the store
+	// cannot tell.
+	aborted(tx any) bool
+}
+
+// txAborter is implemented by stores that can tell an aborted transaction
+// (pgtable, from the connection's transaction status).
+type txAborter[Tx any] interface {
+	TxAborted(tx Tx) bool
+}
+
+type typedTxStore[Tx any] struct {
+	store dedup.TxStore[Tx]
+}
+
+func eraseTx[Tx any](store dedup.TxStore[Tx]) txStore { return typedTxStore[Tx]{store} }
+
+func (s typedTxStore[Tx]) process(ctx context.Context, key dedup.Key, fn dedup.TxFunc[any]) ([]byte, error) {
+	return s.store.Process(ctx, key, func(ctx context.Context, tx Tx) ([]byte, error) { return fn(ctx, tx) })
+}
+
+func (s typedTxStore[Tx]) aborted(tx any) bool {
+	a, ok := s.store.(txAborter[Tx])
+	if !ok {
+		return false
+	}
+	t, ok := tx.(Tx)
+	return ok && a.TxAborted(t)
 }
 
 // txRequest is one request's run on a transactional store. It is the
@@ -49,16 +76,16 @@ type txRequest struct {
 
 // Process runs fn in the store's Process, again while the key is in
 // flight and Options.Wait allows.
-func (t *txRequest) Process(ctx context.Context, key dedup.Key, fn dedup.TxFunc[pgx.Tx]) ([]byte, error) {
+func (t *txRequest) Process(ctx context.Context, key dedup.Key, fn dedup.TxFunc[any]) ([]byte, error) {
 	m, rq := t.m, t.rq
-	run := func(ctx context.Context, tx pgx.Tx) ([]byte, error) {
+	run := func(ctx context.Context, tx any) ([]byte, error) {
 		if !m.opts.CancelWithClient && !t.phase.CompareAndSwap(0, 1) {
 			return nil, context.Canceled // the client left before the claim was won
 		}
 		t.ran = true
 		return fn(ctx, tx)
 	}
-	_, err := m.tx.Process(ctx, key, run)
+	_, err := m.tx.process(ctx, key, run)
 	for !t.ran && err != nil && m.opts.Wait > 0 && inFlight(err) {
 		d, ok := m.waitStep(rq.start)
 		if !ok {
@@ -70,7 +97,7 @@ func (t *txRequest) Process(ctx context.Context, key dedup.Key, fn dedup.TxFunc[
 			rq.waitedFor = time.Since(rq.start)
 			break
 		}
-		_, nerr := m.tx.Process(ctx, key, run)
+		_, nerr := m.tx.process(ctx, key, run)
 		rq.waitedFor = time.Since(rq.start)
 		// ctx ends with context.Canceled when the client leaves, whatever
 		// ended the request's context (phase 2: the claim had not been
@@ -138,14 +165,14 @@ func (m *Middleware) serveTx(w http.ResponseWriter, r *http.Request, next http.H
 		})
 		defer stop()
 	}
-	res := txflow.Process(pctx, t, key, rq.tel, func(ctx context.Context, tx pgx.Tx) ([]byte, error) {
+	res := txflow.Process(pctx, t, key, rq.tel, func(ctx context.Context, tx any) ([]byte, error) {
 		c.tx = tx
 		next.ServeHTTP(cw, r.WithContext(withCall(ctx, c)))
 		status, header := cw.final()
 		switch {
 		case cw.tooLarge:
 			return nil, errTooLarge
-		case c.released.Load() || !m.opts.StoreResponse(status) || txFailed(tx):
+		case c.released.Load() || !m.opts.StoreResponse(status) || m.tx.aborted(tx):
 			return nil, errNotStored
 		}
 		t.stored = true
@@ -222,16 +249,20 @@ var errNotCommitted = errors.New("httpidem: the transaction did not commit")
 func (m *Middleware) commitOutcome(ctx context.Context, key dedup.Key) error {
 	ctx, cancel := context.WithTimeout(ctx, m.opts.FinishTimeout)
 	defer cancel()
-	_, err := m.tx.Process(ctx, key, func(context.Context, pgx.Tx) ([]byte, error) {
+	_, err := m.tx.process(ctx, key, func(context.Context, any) ([]byte, error) {
 		return nil, errNotCommitted
 	})
 	return err
 }
 
-// isLockTimeout reports a PostgreSQL lock_timeout (lock_not_available):
-// a transactional claim that waited too long for an in-flight first
-// request.
+// isLockTimeout reports a lock wait the database gave up on: PostgreSQL's
+// lock_timeout (lock_not_available), or MySQL's and MariaDB's
+// innodb_lock_wait_timeout (error 1205): a transactional claim that waited
+// too long for an in-flight first request.
 func isLockTimeout(err error) bool {
-	var pgErr *pgconn.PgError
-	return errors.As(err, &pgErr) && pgErr.Code == "55P03"
+	if sqldialect.SQLState(err) == "55P03" {
+		return true
+	}
+	n, ok := sqldialect.MySQLNumber(err)
+	return ok && n == 1205
 }

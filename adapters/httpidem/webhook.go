@@ -12,8 +12,6 @@ import (
 	"strings"
 	"time"
 
-	"github.com/jackc/pgx/v5"
-
 	"github.com/idemkit/idem/dedup"
 	"github.com/idemkit/idem/internal/leasekeep"
 )
@@ -106,17 +104,17 @@ func NewWebhook(store dedup.LeaseStore, opts WebhookOptions) (*Webhook, error) {
 }
 
 // NewWebhookTx returns a Webhook that deduplicates events on a
-// transactional store: the handler's writes through Tx(r.Context()) commit
-// with the event's claim.
-func NewWebhookTx(store dedup.TxStore[pgx.Tx], opts WebhookOptions) (*Webhook, error) {
+// transactional store (see NewTx): the handler's writes through
+// Tx[T](r.Context()) commit with the event's claim.
+func NewWebhookTx[Tx any](store dedup.TxStore[Tx], opts WebhookOptions) (*Webhook, error) {
 	if store == nil {
-		return nil, errors.New("httpidem: NewWebhookTx: store is nil; pass a *pgtable.Store")
+		return nil, errors.New("httpidem: NewWebhookTx: store is nil; pass a *pgtable.Store or a *sqltable.Store")
 	}
 	wh, err := newWebhook("NewWebhookTx", opts)
 	if err != nil {
 		return nil, err
 	}
-	wh.m.tx = store
+	wh.m.tx = eraseTx(store)
 	wh.m.setTelemetry(store)
 	return wh, nil
 }

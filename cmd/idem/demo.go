@@ -1,6 +1,8 @@
 package main
 
 import (
+	"github.com/jackc/pgx/v5"
+
 	"bytes"
 	"context"
 	"crypto/rand"
@@ -1146,7 +1148,7 @@ func (a *api) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		http.Error(w, err.Error(), http.StatusServiceUnavailable)
 		return
 	}
-	if httpidem.Tx(r.Context()) == nil {
+	if httpidem.Tx[pgx.Tx](r.Context()) == nil {
 		// Under httpidem.NewTx the payment is accepted when the
 		// transaction commits: the client counts it on the response.
 		a.ledger.accept(p.Payment)

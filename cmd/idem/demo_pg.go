@@ -150,7 +150,7 @@ func (s *pgSink) enqueue(r *http.Request, p *paymentBody, msg *outbox.Message) e
 	m := *msg
 	m.ID = "" // pgoutbox gives it a UUIDv7: the message id downstream
 	m.Topic = s.topic
-	if tx := httpidem.Tx(ctx); tx != nil {
+	if tx := httpidem.Tx[pgx.Tx](ctx); tx != nil {
 		if _, err := tx.Exec(ctx, "INSERT INTO "+s.d.payments+" (payment, customer, cents) VALUES ($1, $2, $3)",
 			p.Payment, p.Customer, p.Cents); err != nil {
 			return err

@@ -4,6 +4,8 @@ import (
 	"context"
 	"fmt"
 
+	"github.com/jackc/pgx/v5"
+
 	"github.com/idemkit/idem/dedup"
 )
 
@@ -29,4 +31,12 @@ func (s *Store) Lookup(ctx context.Context, key dedup.Key) error {
 		return nil
 	}
 	return verdict(key, row.existing)
+}
+
+// TxAborted reports whether tx is in a failed state: one of its statements
+// failed, so nothing written through it can commit. A middleware that runs
+// a handler in Process asks it before storing a response (httpidem).
+func (s *Store) TxAborted(tx pgx.Tx) bool {
+	conn := tx.Conn()
+	return conn != nil && conn.PgConn().TxStatus() == 'E'
 }

@@ -19,6 +19,7 @@ import (
 type statements struct {
 	insertDone, insertLease     string
 	lookup                      string
+	peek                        string
 	takeoverDone, takeoverLease string
 	setResult                   string
 	extend, complete, release   string
@@ -92,6 +93,11 @@ VALUES (?, {{PLUS}}, ?, ?, ?, ?){{CONFLICT}}`),
 		lookup: q(`SELECT CASE WHEN token IS NULL THEN 2 ELSE 1 END, fingerprint, result,
     CASE WHEN token IS NULL THEN 0 ELSE {{LEFT}} END, CASE WHEN expires_at <= {{NOW}} THEN 1 ELSE 0 END
 FROM {{T}} WHERE digest = ?{{LOCKREAD}}`),
+		// The same read without a lock: the row as last committed, never
+		// waiting for a transaction that holds it (Lookup).
+		peek: q(`SELECT CASE WHEN token IS NULL THEN 2 ELSE 1 END, fingerprint, result,
+    CASE WHEN token IS NULL THEN 0 ELSE {{LEFT}} END, CASE WHEN expires_at <= {{NOW}} THEN 1 ELSE 0 END
+FROM {{T}} WHERE digest = ?`),
 		// retention ms, fingerprint, scope, id, digest. Takes over an
 		// expired row, done.
 		takeoverDone: q(`UPDATE {{T}} SET expires_at = {{PLUS}}, fingerprint = ?, token = NULL, result = NULL, scope = ?, id = ?

@@ -42,11 +42,9 @@ import (
 	"log/slog"
 	"time"
 
-	"github.com/jackc/pgx/v5"
 	"go.opentelemetry.io/otel/metric"
 
 	"github.com/idemkit/idem/dedup"
-	"github.com/idemkit/idem/dedup/pgtable"
 	"github.com/idemkit/idem/internal/telemetry"
 )
 
@@ -62,25 +60,46 @@ type Options struct {
 	// otel.GetMeterProvider(), a no-op until the application installs a
 	// provider.
 	MeterProvider metric.MeterProvider
+	// MaxKeyLen is the longest key, in bytes of scope plus id, that is
+	// claimed; a longer one is refused before the cache is asked. Set it
+	// to the database store's own when that is not the default. Defaults
+	// to dedup.DefaultMaxKeyLen.
+	MaxKeyLen int
 }
 
-// Store is a two-level dedup.TxStore[pgx.Tx].
-type Store struct {
+// DB is the transactional store behind the cache: a *pgtable.Store (Tx is
+// pgx.Tx) or a *sqltable.Store (Tx is *sql.Tx, on PostgreSQL, MySQL,
+// MariaDB or SQLite). Lookup reads a key's committed row without claiming
+// it and without waiting for a transaction that holds it, answering as a
+// claim would (nil when there is no live row).
+type DB[Tx any] interface {
+	dedup.TxStore[Tx]
+	Lookup(ctx context.Context, key dedup.Key) error
+}
+
+// Store is a two-level dedup.TxStore[Tx]: fn runs in the database store's
+// transaction type.
+type Store[Tx any] struct {
 	cache dedup.LeaseStore
-	db    *pgtable.Store
+	db    DB[Tx]
 	opts  Options
 	tel   *telemetry.TwoLevel
 }
 
-var _ dedup.TxStore[pgx.Tx] = (*Store)(nil)
-
-// New returns a Store with cache in front of db.
-func New(cache dedup.LeaseStore, db *pgtable.Store, opts Options) (*Store, error) {
+// New returns a Store with cache in front of db. The transaction type
+// follows from db: New(cache, pgStore, opts) is a *Store[pgx.Tx].
+func New[Tx any](cache dedup.LeaseStore, db DB[Tx], opts Options) (*Store[Tx], error) {
 	if cache == nil {
 		return nil, errors.New("twolevel: cache is nil: pass a redisnx or memstore store")
 	}
 	if db == nil {
-		return nil, errors.New("twolevel: db is nil: pass a *pgtable.Store")
+		return nil, errors.New("twolevel: db is nil: pass a *pgtable.Store or a *sqltable.Store")
+	}
+	if opts.MaxKeyLen < 0 {
+		return nil, fmt.Errorf("twolevel: Options.MaxKeyLen is %d; it must not be negative", opts.MaxKeyLen)
+	}
+	if opts.MaxKeyLen == 0 {
+		opts.MaxKeyLen = dedup.DefaultMaxKeyLen
 	}
 	if opts.CacheTimeout < 0 {
 		return nil, fmt.Errorf("twolevel: Options.CacheTimeout is %v; it must not be negative", opts.CacheTimeout)
@@ -91,20 +110,27 @@ func New(cache dedup.LeaseStore, db *pgtable.Store, opts Options) (*Store, error
 	if opts.Logger == nil {
 		opts.Logger = slog.Default()
 	}
-	return &Store{cache: cache, db: db, opts: opts, tel: telemetry.NewTwoLevel(opts.MeterProvider)}, nil
+	return &Store[Tx]{cache: cache, db: db, opts: opts, tel: telemetry.NewTwoLevel(opts.MeterProvider)}, nil
 }
 
-func (s *Store) cacheCtx(ctx context.Context) (context.Context, context.CancelFunc) {
+// TxAborted reports whether tx is in a failed state, when the database
+// store can tell (pgtable can); false otherwise.
+func (s *Store[Tx]) TxAborted(tx Tx) bool {
+	a, ok := s.db.(interface{ TxAborted(Tx) bool })
+	return ok && a.TxAborted(tx)
+}
+
+func (s *Store[Tx]) cacheCtx(ctx context.Context) (context.Context, context.CancelFunc) {
 	return context.WithTimeout(context.WithoutCancel(ctx), s.opts.CacheTimeout)
 }
 
 // Process implements dedup.TxStore. See the package doc for the order of the
 // checks.
-func (s *Store) Process(ctx context.Context, key dedup.Key, fn dedup.TxFunc[pgx.Tx]) ([]byte, error) {
+func (s *Store[Tx]) Process(ctx context.Context, key dedup.Key, fn dedup.TxFunc[Tx]) ([]byte, error) {
 	if fn == nil {
 		return nil, errors.New("twolevel: Process: fn is nil")
 	}
-	if err := dedup.ValidateKey(key, s.db.Options().MaxKeyLen); err != nil {
+	if err := dedup.ValidateKey(key, s.opts.MaxKeyLen); err != nil {
 		return nil, err
 	}
 	if err := ctx.Err(); err != nil {
@@ -163,7 +189,7 @@ func (s *Store) Process(ctx context.Context, key dedup.Key, fn dedup.TxFunc[pgx.
 // one: the lease's holder may have committed and failed to complete the
 // mark. Without a committed row the cache's in-flight answer stands; when
 // the database cannot be read, its error is the answer.
-func (s *Store) checkInFlight(ctx context.Context, key dedup.Key, cerr error) error {
+func (s *Store[Tx]) checkInFlight(ctx context.Context, key dedup.Key, cerr error) error {
 	err := s.db.Lookup(ctx, key)
 	switch {
 	case err == nil, errors.Is(err, dedup.ErrInFlight):
@@ -183,7 +209,7 @@ func (s *Store) checkInFlight(ctx context.Context, key dedup.Key, cerr error) er
 	}
 }
 
-func (s *Store) complete(ctx context.Context, lease *dedup.Lease, result []byte) {
+func (s *Store[Tx]) complete(ctx context.Context, lease *dedup.Lease, result []byte) {
 	if lease == nil {
 		return
 	}
@@ -198,7 +224,7 @@ func (s *Store) complete(ctx context.Context, lease *dedup.Lease, result []byte)
 	}
 }
 
-func (s *Store) release(ctx context.Context, lease *dedup.Lease) {
+func (s *Store[Tx]) release(ctx context.Context, lease *dedup.Lease) {
 	cctx, cancel := s.cacheCtx(ctx)
 	defer cancel()
 	if err := s.cache.Release(cctx, lease); err != nil {

@@ -27,7 +27,7 @@ import (
 func TestMain(m *testing.M) { goleak.VerifyTestMain(m, testenv.LeakOptions()...) }
 
 type fixture struct {
-	store  *twolevel.Store
+	store  *twolevel.Store[pgx.Tx]
 	db     *pgtable.Store
 	rdb    *redis.Client
 	prefix string
@@ -94,7 +94,7 @@ func flushPrefix(t testing.TB, rdb *redis.Client, prefix string) {
 	}
 }
 
-var registry sync.Map // *twolevel.Store -> *fixture
+var registry sync.Map // *twolevel.Store[pgx.Tx] -> *fixture
 
 func TestConformance(t *testing.T) {
 	pool := testenv.Pool(t, 20)
@@ -261,11 +261,14 @@ func TestNewErrors(t *testing.T) {
 	}
 	rdb := testenv.Redis(t)
 	cache, _ := redisnx.New(rdb, redisnx.Options{})
-	if _, err := twolevel.New(cache, nil, twolevel.Options{}); err == nil {
+	if _, err := twolevel.New[pgx.Tx](cache, nil, twolevel.Options{}); err == nil {
 		t.Error("nil db accepted")
 	}
 	if _, err := twolevel.New(cache, db, twolevel.Options{CacheTimeout: -1}); err == nil {
 		t.Error("negative CacheTimeout accepted")
+	}
+	if _, err := twolevel.New(cache, db, twolevel.Options{MaxKeyLen: -1}); err == nil {
+		t.Error("negative MaxKeyLen accepted")
 	}
 }
 

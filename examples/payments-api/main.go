@@ -394,7 +394,7 @@ func (a *app) createPayment(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	key, _ := httpidem.RequestKey(ctx)
-	tx := httpidem.Tx(ctx)
+	tx := httpidem.Tx[pgx.Tx](ctx)
 	p := paymentOut{ID: uuid.NewString(), Amount: in.Amount, Currency: in.Currency, Customer: in.Customer, Status: "succeeded"}
 	err = tx.QueryRow(ctx, "INSERT INTO "+a.payments+
 		" (id, principal, idempotency_key, amount, currency, customer, status) VALUES ($1, $2, $3, $4, $5, $6, $7) RETURNING created_at",

@@ -116,7 +116,7 @@ func httpPgRow() row {
 				return id, err
 			})
 			idem := mw.Handler(payments(func(ctx context.Context, o order) (id int64, err error) {
-				err = httpidem.Tx(ctx).QueryRow(ctx, "INSERT INTO "+idemT+ins, o.Amount, o.Currency, o.Customer).Scan(&id)
+				err = httpidem.Tx[pgx.Tx](ctx).QueryRow(ctx, "INSERT INTO "+idemT+ins, o.Amount, o.Currency, o.Customer).Scan(&id)
 				return id, err
 			}))
 			return httpSide(e, bare, ""), httpSide(e, idem, ""), nil

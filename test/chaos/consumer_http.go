@@ -1,6 +1,8 @@
 package chaos
 
 import (
+	"github.com/jackc/pgx/v5"
+
 	"context"
 	"errors"
 	"fmt"
@@ -267,7 +269,7 @@ func httpChild(ctx context.Context) error {
 		id := string(body)
 		ctx := req.Context()
 		if err == nil {
-			if tx := httpidem.Tx(ctx); tx != nil {
+			if tx := httpidem.Tx[pgx.Tx](ctx); tx != nil {
 				_, err = tx.Exec(ctx, ins, id, cfg.Name)
 			} else {
 				_, err = pool.Exec(ctx, ins, id, cfg.Name)
