@@ -60,6 +60,7 @@ var namePattern = regexp.MustCompile(`^[a-z_][a-z0-9_]{0,40}$`)
 func run(ctx context.Context, args []string, out io.Writer) error {
 	fs := flag.NewFlagSet("gorm-mysql", flag.ContinueOnError)
 	fs.SetOutput(out)
+	printf := func(format string, a ...any) { _, _ = fmt.Fprintf(out, format, a...) }
 	dsn := fs.String("mysql", envOr("IDEM_EXAMPLE_MYSQL_DSN", "root@tcp(127.0.0.1:3306)/test?parseTime=true"),
 		"go-sql-driver/mysql DSN (env IDEM_EXAMPLE_MYSQL_DSN)")
 	n := fs.Int("orders", 20, "number of orders; each is delivered twice")
@@ -84,7 +85,7 @@ func run(ctx context.Context, args []string, out io.Writer) error {
 	if err != nil {
 		return err
 	}
-	defer db.Close()
+	defer func() { _ = db.Close() }()
 	pingCtx, cancel := context.WithTimeout(ctx, 5*time.Second)
 	defer cancel()
 	if err := db.PingContext(pingCtx); err != nil {
@@ -115,7 +116,7 @@ func run(ctx context.Context, args []string, out io.Writer) error {
 			_, _ = db.ExecContext(context.WithoutCancel(ctx), "DROP TABLE IF EXISTS `"+ordersTable+"`, `"+eventsTable+"`, `"+eventsTable+"_migrations`")
 		}()
 	}
-	fmt.Fprintf(out, "tables %s (GORM) and %s (idem claims) on %s\n", ordersTable, eventsTable, redact(*dsn))
+	printf("tables %s (GORM) and %s (idem claims) on %s\n", ordersTable, eventsTable, redact(*dsn))
 
 	// The order whose first delivery fails after GORM wrote it: its
 	// transaction rolls back, the claim with it, and the redelivery writes
@@ -183,7 +184,7 @@ func run(ctx context.Context, args []string, out io.Writer) error {
 					applied.Add(1)
 					pending.Add(-1)
 				case r.Action == consumer.ActionRetry:
-					fmt.Fprintf(out, "%s: %v: not acknowledged, delivered again\n", m.ID, r.Err)
+					printf("%s: %v: not acknowledged, delivered again\n", m.ID, r.Err)
 					redelivered.Add(1)
 					queue <- m
 				default:
@@ -211,7 +212,7 @@ func run(ctx context.Context, args []string, out io.Writer) error {
 	if err := gdb.WithContext(ctx).Table(ordersTable).Distinct("order_id").Count(&distinct).Error; err != nil {
 		return err
 	}
-	fmt.Fprintf(out, "%d deliveries of %d orders: %d applied, %d duplicates dropped, %d redelivered after a rollback\n",
+	printf("%d deliveries of %d orders: %d applied, %d duplicates dropped, %d redelivered after a rollback\n",
 		len(deliveries), *n, applied.Load(), dropped.Load(), redelivered.Load())
 	if len(dupRows) > 0 {
 		return fmt.Errorf("duplicate effect: %d orders written more than once, such as %s (%d rows)", len(dupRows), dupRows[0].OrderID, dupRows[0].N)
@@ -219,7 +220,7 @@ func run(ctx context.Context, args []string, out io.Writer) error {
 	if distinct != int64(*n) {
 		return fmt.Errorf("lost effect: %d of %d orders written", distinct, *n)
 	}
-	fmt.Fprintf(out, "every order written exactly once (%d of %d)\n", distinct, *n)
+	printf("every order written exactly once (%d of %d)\n", distinct, *n)
 	return nil
 }
 

@@ -77,6 +77,7 @@ var namePattern = regexp.MustCompile(`^[a-z_][a-z0-9_]{0,40}$`)
 func run(ctx context.Context, args []string, out io.Writer) error {
 	fs := flag.NewFlagSet("sqlx-postgres", flag.ContinueOnError)
 	fs.SetOutput(out)
+	printf := func(format string, a ...any) { _, _ = fmt.Fprintf(out, format, a...) }
 	url := fs.String("postgres", envOr("IDEM_EXAMPLE_POSTGRES_URL", "postgres://postgres@127.0.0.1:5432/test?sslmode=disable"),
 		"PostgreSQL URL (env IDEM_EXAMPLE_POSTGRES_URL)")
 	n := fs.Int("orders", 20, "number of orders; each is delivered twice")
@@ -102,7 +103,7 @@ func run(ctx context.Context, args []string, out io.Writer) error {
 	if err != nil {
 		return err
 	}
-	defer db.Close()
+	defer func() { _ = db.Close() }()
 	pingCtx, cancel := context.WithTimeout(ctx, 5*time.Second)
 	defer cancel()
 	if err := db.PingContext(pingCtx); err != nil {
@@ -126,7 +127,7 @@ func run(ctx context.Context, args []string, out io.Writer) error {
 	if err := store.Migrate(ctx); err != nil {
 		return err
 	}
-	fmt.Fprintf(out, "schema %s: orders (sqlx) and %s (idem claims)\n", *schema, store.Table())
+	printf("schema %s: orders (sqlx) and %s (idem claims)\n", *schema, store.Table())
 
 	// The order whose first delivery fails after sqlx wrote it: its
 	// transaction rolls back, the claim with it, and the redelivery writes
@@ -194,7 +195,7 @@ func run(ctx context.Context, args []string, out io.Writer) error {
 					applied.Add(1)
 					pending.Add(-1)
 				case r.Action == consumer.ActionRetry:
-					fmt.Fprintf(out, "%s: %v: not acknowledged, delivered again\n", m.ID, r.Err)
+					printf("%s: %v: not acknowledged, delivered again\n", m.ID, r.Err)
 					redelivered.Add(1)
 					queue <- m
 				default:
@@ -221,7 +222,7 @@ func run(ctx context.Context, args []string, out io.Writer) error {
 	if err := db.GetContext(ctx, &distinct, `SELECT count(DISTINCT order_id) FROM `+orders); err != nil {
 		return err
 	}
-	fmt.Fprintf(out, "%d deliveries of %d orders: %d applied, %d duplicates dropped, %d redelivered after a rollback\n",
+	printf("%d deliveries of %d orders: %d applied, %d duplicates dropped, %d redelivered after a rollback\n",
 		len(deliveries), *n, applied.Load(), dropped.Load(), redelivered.Load())
 	if len(dupRows) > 0 {
 		return fmt.Errorf("duplicate effect: %d orders written more than once, such as %s (%d rows)", len(dupRows), dupRows[0].OrderID, dupRows[0].N)
@@ -229,7 +230,7 @@ func run(ctx context.Context, args []string, out io.Writer) error {
 	if distinct != *n {
 		return fmt.Errorf("lost effect: %d of %d orders written", distinct, *n)
 	}
-	fmt.Fprintf(out, "every order written exactly once (%d of %d)\n", distinct, *n)
+	printf("every order written exactly once (%d of %d)\n", distinct, *n)
 	return nil
 }
 
