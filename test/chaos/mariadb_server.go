@@ -53,8 +53,9 @@ func srvMyHandler(db *sql.DB, o *myOracle, name string, outcomes *srvCounts) (co
 		})
 }
 
-// srvMyFaults SIGKILLs and restarts m rounds times, with random gaps.
-func srvMyFaults(m *fault.MariaDB, rounds int, r *rand.Rand, res *Result, env *Env) func(ctx context.Context) error {
+// srvMyFaults SIGKILLs and restarts m rounds times, with random gaps. It
+// keeps in *slowest the longest restart (crash recovery included).
+func srvMyFaults(m *fault.MariaDB, rounds int, r *rand.Rand, res *Result, slowest *time.Duration, env *Env) func(ctx context.Context) error {
 	return func(ctx context.Context) error {
 		for i := range rounds {
 			if !srvSleep(ctx, srvBetween(r, 300*time.Millisecond, 900*time.Millisecond)) {
@@ -66,9 +67,11 @@ func srvMyFaults(m *fault.MariaDB, rounds int, r *rand.Rand, res *Result, env *E
 			res.Kills++
 			srvSleep(ctx, srvBetween(r, 100*time.Millisecond, 500*time.Millisecond))
 			// Start even when ctx ended: the cell reads the server after.
+			begin := time.Now()
 			if err := m.Start(context.WithoutCancel(ctx)); err != nil {
 				return fmt.Errorf("round %d: %w", i+1, err)
 			}
+			*slowest = max(*slowest, time.Since(begin))
 			res.Restarts++
 		}
 		env.Logf("%d SIGKILL rounds done", rounds)
@@ -117,7 +120,8 @@ func srvMariaDBSQLTable(ctx context.Context, env *Env) (res Result, err error) {
 	// A restart takes a few seconds (InnoDB recovery): pace the feed over
 	// the rounds.
 	plan := time.Duration(rounds) * 4 * time.Second
-	rep, runErr := srvRun(ctx, env, q, srvIDs(n), plan, 4, srvChain(h), srvMyFaults(m, rounds, srvRand(env), &res, env))
+	var slowest time.Duration
+	rep, runErr := srvRun(ctx, env, q, srvIDs(n), plan, 4, srvChain(h), srvMyFaults(m, rounds, srvRand(env), &res, &slowest, env))
 	res.Messages, res.Redeliveries = rep.released, rep.redeliveries
 	if !m.Running() {
 		if err := m.Start(context.WithoutCancel(ctx)); err != nil {
@@ -128,7 +132,8 @@ func srvMariaDBSQLTable(ctx context.Context, env *Env) (res Result, err error) {
 	if err := myCheck(context.WithoutCancel(ctx), o, rep.acked, &res); err != nil {
 		return res, errors.Join(runErr, err)
 	}
-	res.Note = fmt.Sprintf("sqltable on a throwaway MariaDB, SIGKILLed; %d acked after a lost commit reply (found as duplicate); %s", rep.firstDup, outcomes.String())
+	res.Note = fmt.Sprintf("sqltable on a throwaway MariaDB, SIGKILLed (slowest restart %v); %d acked after a lost commit reply (found as duplicate); %s",
+		slowest.Round(100*time.Millisecond), rep.firstDup, outcomes.String())
 	return res, runErr
 }
 
