@@ -94,7 +94,9 @@ func newMyOracle(ctx context.Context, db *sql.DB, cell string, seed uint64) (*my
 }
 
 // effectSQL is the statement that records an effect (placeholders ?).
-func (o *myOracle) effectSQL() string { return "INSERT INTO " + o.table + " (id, worker) VALUES (?, ?)" }
+func (o *myOracle) effectSQL() string {
+	return "INSERT INTO " + o.table + " (id, worker) VALUES (?, ?)"
+}
 
 // record writes one effect row for id in tx (the claim's transaction).
 func (o *myOracle) record(ctx context.Context, tx *sql.Tx, id, worker string) error {
