@@ -68,6 +68,7 @@ type childConfig struct {
 	PGURL     string   `json:"pg"`
 	RedisAddr string   `json:"redis"`
 	AMQPURL   string   `json:"amqp"`
+	MySQLDSN  string   `json:"mysql"`   // sqltable on MySQL/MariaDB (mariadb_*.go)
 	Schema    string   `json:"schema"`  // oracle schema: processed_events, outbox, watermill tables
 	Effects   string   `json:"effects"` // quoted effects table
 	Brokers   []string `json:"brokers"`

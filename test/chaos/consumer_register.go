@@ -9,6 +9,8 @@ func init() {
 	RegisterChild("watermill-consumer", wmChild)
 	RegisterChild("http-server", httpChild)
 	RegisterChild("relay", relayChild)
+	RegisterChild("kafka-sqltable-consumer", kafkaSQLChild)
+	Register(kafkaSQLCell("kafka/" + storeMySQL + "/sigkill"))
 	Register(relayKafkaCell("relay/kafka/sigkill"))
 	Register(relayAMQPCell("relay/amqp/sigkill"))
 	Register(rabbitAMQPCell("rabbit/amqp/close-all+stop-app"))

@@ -8,6 +8,10 @@
 //   - Redis: a throwaway redis-server without persistence (--save ""
 //     --appendonly no) that can be SIGKILLed and restarted empty, and whose
 //     client connections can be killed (CLIENT KILL).
+//   - MariaDB: a throwaway mariadbd (mariadb-install-db in a temporary
+//     directory, --no-defaults, its own port and socket) that can be
+//     SIGKILLed and started again on the same data directory, where InnoDB
+//     crash recovery keeps what committed.
 //   - Proxy: a small TCP proxy whose mode is switched at run time: pass,
 //     delay every chunk, reset the connections, or cut a connection after the
 //     request was forwarded and before the reply reaches the client (the
@@ -16,7 +20,7 @@
 //   - Pause and Resume: SIGSTOP and SIGCONT of a child process, for a
 //     handler frozen past its lease.
 //
-// Postgres, Redis, Pause and Resume need a Unix system (build tag unix);
+// Postgres, MariaDB, Redis, Pause and Resume need a Unix system (build tag unix);
 // the Proxy runs anywhere.
 //
 // Every server and proxy has an owner that stops it: Close stops the process
@@ -29,5 +33,7 @@
 // process) in a directory it owns; without such a user it fails with an
 // error that says so. The binaries are found in PostgresOptions.BinDir,
 // $IDEM_PG_BINDIR, `pg_config --bindir`, the newest
-// /usr/lib/postgresql/*/bin or $PATH, in that order.
+// /usr/lib/postgresql/*/bin or $PATH, in that order. MariaDB, run by root,
+// runs as the "mysql" OS user the same way; its binaries are found in
+// MariaDBOptions.BinDir, $IDEM_MARIADB_BINDIR, $PATH, /usr/sbin or /usr/bin.
 package fault
