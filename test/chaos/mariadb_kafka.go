@@ -141,7 +141,7 @@ func kafkaSQLCell(name string) Cell {
 			}
 			b := &cellBase{env: env, name: name, store: storeMySQL, scope: "chaos/" + name, suffix: randSuffix()}
 			b.ids = makeIDs("m"+b.suffix[:6], n)
-			kw, err := newKafkaWorkload(ctx, b)
+			kw, err := newKafkaWorkload(ctx, b, "kafka-sqltable-consumer", kafkaPartitions, 1)
 			if err != nil {
 				return res, err
 			}
