@@ -72,7 +72,7 @@ func TestSqlConsumerTransactionalOnMariaDB(t *testing.T) {
 		return d, acked
 	}
 	testenv.Eventually(t, 60*time.Second, "every copy to be acknowledged", func() bool {
-		d, a := dups()
+		_, a := dups()
 		return a >= 2*n
 	})
 	for _, stop := range stops {
