@@ -227,8 +227,12 @@ func (h *handSQL) process(ctx context.Context, scope, id string, body []byte) er
 		if err != nil {
 			return err
 		}
-		if n, err := res.RowsAffected(); err != nil || n != 1 {
-			return fmt.Errorf("hand claim of %s: %d rows affected (%v)", id, n, err)
+		n, err := res.RowsAffected()
+		if err != nil {
+			return err
+		}
+		if n != 1 {
+			return fmt.Errorf("hand claim of %s: %d rows affected, want 1", id, n)
 		}
 		_, err = tx.ExecContext(ctx, h.insert, id, body)
 		return err
