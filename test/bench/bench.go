@@ -62,6 +62,9 @@ type row struct {
 	// sent by hand with go-redis. It runs as a third side in the row's
 	// rounds.
 	byHand func(ctx context.Context, e *env) (side, error)
+	// handNote, when set, says under the table what the row's by-hand
+	// side sends; the Redis rows share one note.
+	handNote string
 }
 
 // result is a measured row.
@@ -236,18 +239,25 @@ func printSQLFloors(p func(format string, args ...any), results []result) {
 	}
 }
 
-// printByHand prints the table of the commands-by-hand sides, when a row
-// has one. Such a side shares its row's rounds: when the row was not
-// measured, neither was it, and the reason is under the first table.
+// printByHand prints the table of the by-hand sides, when a row has one.
+// Such a side shares its row's rounds: when the row was not measured,
+// neither was it, and the reason is under the first table.
 func printByHand(p func(format string, args ...any), results []result) {
 	if !slices.ContainsFunc(results, func(r result) bool { return r.byHand != nil }) {
 		return
 	}
-	p("\nThe Redis commands idem sends, by hand with go-redis (a third side in the rounds of the Redis rows):\n\n")
-	p("| path | baseline rate | commands-by-hand rate | hand ratio | idem / hand |\n|---|---:|---:|---:|---:|\n")
+	p("\nThe commands and statements idem sends, by hand with the bare client (a third side in the rounds of these rows):\n\n")
+	p("| path | baseline rate | by-hand rate | hand ratio | idem / hand |\n|---|---:|---:|---:|---:|\n")
+	redis := false
+	var notes []string
 	for _, r := range results {
 		if r.byHand == nil {
 			continue
+		}
+		if r.handNote == "" {
+			redis = true
+		} else if !slices.Contains(notes, r.handNote) {
+			notes = append(notes, r.handNote)
 		}
 		if r.err != nil {
 			p("| %s | not measured | not measured | – | – |\n", r.path)
@@ -256,13 +266,18 @@ func printByHand(p func(format string, args ...any), results []result) {
 		b, i, h := median(r.bare), median(r.idem), median(r.hand)
 		p("| %s | %s | %s | %.2f | %.2f |\n", r.path, rate(b, r.unit), rate(h, r.unit), h/b, i/h)
 	}
-	p("\ncommands-by-hand is a third side in the row's rounds: the baseline's work plus the Redis commands idem sends " +
-		"for the path (the claim pipeline, MGET of the previous layout's key and SET NX GET PX, then EVALSHA of the complete script; " +
-		"a replay sends the pipeline alone), by the same clients with the bare go-redis client and no idem code, " +
-		"each message's commands in their own round trips (test/bench/hand.go). " +
-		"hand ratio is its rate over the baseline's: what the commands cost a user who sends them a round trip per message; " +
-		"idem / hand is idem's rate over it: above 1 when redisnx's group commit shares round trips " +
-		"between concurrent callers.\n")
+	if redis {
+		p("\nFor the Redis rows, by-hand is the baseline's work plus the Redis commands idem sends " +
+			"for the path (the claim pipeline, MGET of the previous layout's key and SET NX GET PX, then EVALSHA of the complete script; " +
+			"a replay sends the pipeline alone), by the same clients with the bare go-redis client and no idem code, " +
+			"each message's commands in their own round trips (test/bench/hand.go). " +
+			"hand ratio is its rate over the baseline's: what the commands cost a user who sends them a round trip per message; " +
+			"idem / hand is idem's rate over it: above 1 when redisnx's group commit shares round trips " +
+			"between concurrent callers.\n")
+	}
+	for _, n := range notes {
+		p("\n%s\n", n)
+	}
 }
 
 func rate(v float64, unit string) string {

@@ -2,6 +2,7 @@ package bench
 
 import (
 	"context"
+	"database/sql"
 	"errors"
 	"fmt"
 	"log/slog"
@@ -26,6 +27,8 @@ type env struct {
 	rdb     *redis.Client
 	amqpURL string
 	kafka   *kafkaBroker // nil until a Kafka row starts it
+	mysql   *sql.DB      // MariaDB, nil until a sqltable row opens it
+	pgstd   *sql.DB      // PostgreSQL through pgx's stdlib driver, nil until a sqltable row opens it
 	schema  string       // every table of the run, dropped at the end
 	log     *slog.Logger // for the components under test: warnings only
 	seq     atomic.Int64
@@ -76,6 +79,11 @@ func (e *env) close() {
 	}
 	if e.rdb != nil {
 		_ = e.rdb.Close()
+	}
+	for _, db := range []*sql.DB{e.mysql, e.pgstd} {
+		if db != nil {
+			_ = db.Close()
+		}
 	}
 	e.pool.Close()
 }

@@ -13,6 +13,7 @@ import (
 
 	"github.com/idemkit/idem/adapters/kafka/kafkapg"
 	"github.com/idemkit/idem/dedup/pgtable"
+	"github.com/idemkit/idem/dedup/sqltable"
 	"github.com/idemkit/idem/internal/testkit/testenv"
 )
 
@@ -37,6 +38,9 @@ var (
 	txFloor    = &floor{name: "per-message transaction", bare: "tx_bare.sql", idem: "tx_idem.sql", rows: 1}
 	batchFloor = &floor{name: "Kafka batch", bare: "batch_bare.sql", idem: "batch_idem.sql", rows: 100}
 	httpFloor  = &floor{name: "HTTP first request", bare: "http_bare.sql", idem: "http_idem.sql", rows: 1}
+	// sqltableFloor compares sqltable's statements on PostgreSQL with
+	// pgtable's (the baseline of its row).
+	sqltableFloor = &floor{name: "sqltable on PostgreSQL", bare: "tx_idem.sql", idem: "sqltable_idem.sql", rows: 1}
 )
 
 type floorResult struct {
@@ -93,6 +97,13 @@ func (e *env) floorTables(ctx context.Context) error {
 		}
 	}
 	if _, err := e.claims(ctx, "floor_claims", pgtable.Options{}); err != nil {
+		return err
+	}
+	db, err := e.pgsql()
+	if err != nil {
+		return err
+	}
+	if _, err := e.sqlClaims(ctx, db, sqltable.Postgres, sqltable.Options{Schema: e.schema, Table: "floor_sqlclaims"}); err != nil {
 		return err
 	}
 	offsets, err := kafkapg.NewOffsets(e.pool, kafkapg.OffsetsOptions{Schema: e.schema, Table: "floor_offsets"})

@@ -14,6 +14,8 @@ func rows() []row {
 		httpPgRow(),
 		httpReplayRow(),
 		pgtableRow(),
+		sqltableMariaRow(),
+		sqltablePgRow(),
 		redisnxRow(),
 		outboxRow(),
 	}
