@@ -1,6 +1,8 @@
 package watermill_test
 
 import (
+	"github.com/jackc/pgx/v5"
+
 	"context"
 	"errors"
 	"fmt"
@@ -201,7 +203,7 @@ func ExampleTransactional() {
 	// itself publishes nothing.
 	router.AddHandler("place-order", "orders", pubSub, "orders.placed", pubSub, func(msg *message.Message) ([]*message.Message, error) {
 		ctx := msg.Context()
-		if _, err := idemwm.Tx(ctx).Exec(ctx, "INSERT INTO orders (id, body) VALUES ($1, $2)", msg.UUID, msg.Payload); err != nil {
+		if _, err := idemwm.Tx[pgx.Tx](ctx).Exec(ctx, "INSERT INTO orders (id, body) VALUES ($1, $2)", msg.UUID, msg.Payload); err != nil {
 			return nil, err
 		}
 		return []*message.Message{message.NewMessage(wm.NewUUID(), msg.Payload)}, nil

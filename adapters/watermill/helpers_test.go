@@ -135,7 +135,7 @@ func newPGOracle(t testing.TB, pool *pgxpool.Pool, schema string) *pgOracle {
 func (o *pgOracle) record(msg *message.Message, handler string) error {
 	ctx := msg.Context()
 	q := "INSERT INTO " + o.table + " (handler, id) VALUES ($1, $2)"
-	if tx := idemwm.Tx(ctx); tx != nil {
+	if tx := idemwm.Tx[pgx.Tx](ctx); tx != nil {
 		_, err := tx.Exec(ctx, q, handler, msg.UUID)
 		return err
 	}

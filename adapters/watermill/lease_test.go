@@ -323,7 +323,7 @@ func TestOptionsValidation(t *testing.T) {
 		{"negative MaxKeyLen", func() error { _, err := idemwm.Dedup(store, idemwm.Options{MaxKeyLen: -1}); return err }, "MaxKeyLen"},
 		{"bad scope", func() error { _, err := idemwm.Dedup(store, idemwm.Options{Scope: "a\x00b"}); return err }, "Scope"},
 		{"negative FinishTimeout", func() error { _, err := idemwm.Dedup(store, idemwm.Options{FinishTimeout: -time.Second}); return err }, "FinishTimeout"},
-		{"nil tx store", func() error { _, err := idemwm.Transactional(nil, idemwm.Options{}); return err }, "pgtable.New"},
+		{"nil tx store", func() error { _, err := idemwm.Transactional[pgx.Tx](nil, idemwm.Options{}); return err }, "*pgtable.Store"},
 		{"outbox topic without outbox", func() error {
 			_, err := idemwm.Transactional(noTxStore{}, idemwm.Options{OutboxTopic: "x"})
 			return err

@@ -8,7 +8,6 @@ import (
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill/message"
-	"github.com/jackc/pgx/v5"
 	"go.opentelemetry.io/otel/metric"
 	"go.opentelemetry.io/otel/propagation"
 	"go.opentelemetry.io/otel/trace"
@@ -90,11 +89,13 @@ type Options struct {
 	// of handing them to the router to publish: they commit with the claim
 	// and the handler's writes, or not at all, and a relay publishes them
 	// (pgoutbox.NewRelay with this package's Publisher, or any other).
-	// *pgoutbox.Outbox implements Enqueuer. Defaults to nil: returned
+	// It must be an Enqueuer[Tx] of the store's transaction type:
+	// *pgoutbox.Outbox with pgtable (pgx.Tx), *sqloutbox.Outbox with
+	// sqltable (*sql.Tx); Transactional refuses another. Defaults to nil: returned
 	// messages are published by the router after the commit, as usual,
 	// and a publish that fails after the commit is not retried by a
 	// redelivery (it is a duplicate by then). Only for Transactional.
-	Outbox Enqueuer
+	Outbox any
 	// OutboxTopic is the topic of the messages written to the outbox.
 	// Defaults to the handler's publish topic (message.PublishTopicFromCtx,
 	// the publishTopic of Router.AddHandler).
@@ -154,10 +155,11 @@ type Options struct {
 	StoreName string
 }
 
-// Enqueuer writes messages to an outbox in the caller's transaction.
-// *pgoutbox.Outbox implements it.
-type Enqueuer interface {
-	Enqueue(ctx context.Context, tx pgx.Tx, msgs ...outbox.Message) ([]string, error)
+// Enqueuer writes messages to an outbox in the caller's transaction, of
+// type Tx. *pgoutbox.Outbox is an Enqueuer[pgx.Tx], *sqloutbox.Outbox an
+// Enqueuer[*sql.Tx].
+type Enqueuer[Tx any] interface {
+	Enqueue(ctx context.Context, tx Tx, msgs ...outbox.Message) ([]string, error)
 }
 
 // config is Options validated, with defaults filled in.

@@ -5,10 +5,10 @@ import (
 	"errors"
 	"fmt"
 	"maps"
+	"reflect"
 
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/google/uuid"
-	"github.com/jackc/pgx/v5"
 
 	"github.com/idemkit/idem/consumer"
 	"github.com/idemkit/idem/dedup"
@@ -19,12 +19,14 @@ import (
 type txKey struct{}
 
 // Tx returns the transaction that holds the message's claim when the handler
-// runs under Transactional, or nil. Call it with msg.Context(). The handler's
-// writes through it commit together with the claim (and the outbox rows), or
-// not at all. The handler must not commit or roll it back, and must close any
-// Rows it opens before returning.
-func Tx(ctx context.Context) pgx.Tx {
-	tx, _ := ctx.Value(txKey{}).(pgx.Tx)
+// runs under Transactional, or the zero T. Call it with msg.Context(); T is
+// the store's transaction type: Tx[pgx.Tx](ctx) under pgtable,
+// Tx[*sql.Tx](ctx) under sqltable. The handler's writes through it commit
+// together with the claim (and the outbox rows), or not at all. The handler
+// must not commit or roll it back, and must close any Rows it opens before
+// returning.
+func Tx[T any](ctx context.Context) T {
+	tx, _ := ctx.Value(txKey{}).(T)
 	return tx
 }
 
@@ -53,18 +55,25 @@ func Tx(ctx context.Context) pgx.Tx {
 // publishes them after the commit.
 //
 // Options.ExtendEvery and FinishTimeout are not used.
-func Transactional(store dedup.TxStore[pgx.Tx], opts Options) (message.HandlerMiddleware, error) {
+func Transactional[Tx any](store dedup.TxStore[Tx], opts Options) (message.HandlerMiddleware, error) {
 	if store == nil {
-		return nil, errors.New("watermill: Transactional: store is nil; pass a dedup.TxStore[pgx.Tx] such as pgtable.New")
+		return nil, errors.New("watermill: Transactional: store is nil; pass a transactional store such as a *pgtable.Store or a *sqltable.Store")
 	}
 	if opts.Outbox == nil && (opts.OutboxTopic != "" || opts.OutboxKey != nil) {
-		return nil, errors.New("watermill: Transactional: Options.OutboxTopic and OutboxKey need Options.Outbox (a *pgoutbox.Outbox)")
+		return nil, errors.New("watermill: Transactional: Options.OutboxTopic and OutboxKey need Options.Outbox (a *pgoutbox.Outbox or a *sqloutbox.Outbox)")
+	}
+	var ob Enqueuer[Tx]
+	if opts.Outbox != nil {
+		var ok bool
+		if ob, ok = opts.Outbox.(Enqueuer[Tx]); !ok {
+			return nil, fmt.Errorf("watermill: Transactional: Options.Outbox is a %T, which does not enqueue in the store's transaction (%v): pass a *pgoutbox.Outbox with pgtable, a *sqloutbox.Outbox with sqltable", opts.Outbox, reflect.TypeFor[Tx]())
+		}
 	}
 	c, err := newConfig("Transactional", opts, store)
 	if err != nil {
 		return nil, err
 	}
-	t := &txMiddleware{config: c, store: store}
+	t := &txMiddleware[Tx]{config: c, store: store, outbox: ob}
 	return func(h message.HandlerFunc) message.HandlerFunc {
 		return func(msg *message.Message) ([]*message.Message, error) {
 			dl := c.begin(msg)
@@ -74,12 +83,13 @@ func Transactional(store dedup.TxStore[pgx.Tx], opts Options) (message.HandlerMi
 	}, nil
 }
 
-type txMiddleware struct {
+type txMiddleware[Tx any] struct {
 	*config
-	store dedup.TxStore[pgx.Tx]
+	store  dedup.TxStore[Tx]
+	outbox Enqueuer[Tx]
 }
 
-func (t *txMiddleware) handle(dl *delivery, h message.HandlerFunc, msg *message.Message) ([]*message.Message, error) {
+func (t *txMiddleware[Tx]) handle(dl *delivery, h message.HandlerFunc, msg *message.Message) ([]*message.Message, error) {
 	key, err := t.keys.build(msg)
 	if err != nil {
 		return t.rejectKey(dl, msg, err)
@@ -97,13 +107,13 @@ func (t *txMiddleware) handle(dl *delivery, h message.HandlerFunc, msg *message.
 			dl.report(key, consumer.OutcomeReleased, errPanicked)
 		}
 	}()
-	r := txflow.Process(orig, t.store, key, tel, func(ctx context.Context, tx pgx.Tx) ([]byte, error) {
+	r := txflow.Process(orig, t.store, key, tel, func(ctx context.Context, tx Tx) ([]byte, error) {
 		hctx := context.WithValue(ctx, txKey{}, tx)
 		msg.SetContext(hctx)
 		defer msg.SetContext(orig)
 		var herr error
 		out, herr = h(msg)
-		if herr == nil && t.Outbox != nil && len(out) > 0 {
+		if herr == nil && t.outbox != nil && len(out) > 0 {
 			if herr = t.enqueue(hctx, orig, tx, out); herr == nil {
 				out = nil
 			}
@@ -126,7 +136,7 @@ func (t *txMiddleware) handle(dl *delivery, h message.HandlerFunc, msg *message.
 }
 
 // enqueue writes the handler's messages to the outbox in tx.
-func (t *txMiddleware) enqueue(ctx, msgCtx context.Context, tx pgx.Tx, out []*message.Message) error {
+func (t *txMiddleware[Tx]) enqueue(ctx, msgCtx context.Context, tx Tx, out []*message.Message) error {
 	topic := t.OutboxTopic
 	if topic == "" {
 		topic = message.PublishTopicFromCtx(msgCtx)
@@ -156,7 +166,7 @@ func (t *txMiddleware) enqueue(ctx, msgCtx context.Context, tx pgx.Tx, out []*me
 	if len(msgs) == 0 {
 		return nil
 	}
-	if _, err := t.Outbox.Enqueue(ctx, tx, msgs...); err != nil {
+	if _, err := t.outbox.Enqueue(ctx, tx, msgs...); err != nil {
 		return fmt.Errorf("watermill: write %d returned messages to the outbox: %w", len(msgs), err)
 	}
 	return nil

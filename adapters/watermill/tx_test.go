@@ -70,7 +70,7 @@ func TestTransactionalRollsBackAndRetries(t *testing.T) {
 						return err
 					}
 					if n == 1 {
-						txInFirstCall = idemwm.Tx(msg.Context()) != nil
+						txInFirstCall = idemwm.Tx[pgx.Tx](msg.Context()) != nil
 						if failure == "panic" {
 							panic("charge: nil pointer in the receipt template")
 						}
@@ -113,7 +113,7 @@ func TestTransactionalContext(t *testing.T) {
 	orig := msg.Context()
 	var inside pgx.Tx
 	h := mw(func(m *message.Message) ([]*message.Message, error) {
-		inside = idemwm.Tx(m.Context())
+		inside = idemwm.Tx[pgx.Tx](m.Context())
 		var one int
 		return nil, inside.QueryRow(m.Context(), "SELECT 1").Scan(&one)
 	})
@@ -123,10 +123,10 @@ func TestTransactionalContext(t *testing.T) {
 	if inside == nil {
 		t.Fatal("no transaction in the handler's context")
 	}
-	if msg.Context() != orig || idemwm.Tx(msg.Context()) != nil {
+	if msg.Context() != orig || idemwm.Tx[pgx.Tx](msg.Context()) != nil {
 		t.Error("the message kept the handler's context")
 	}
-	if idemwm.Tx(context.Background()) != nil {
+	if idemwm.Tx[pgx.Tx](context.Background()) != nil {
 		t.Error("Tx outside the middleware is not nil")
 	}
 }
@@ -389,7 +389,7 @@ func TestTransactionalLeaseClaimWaits(t *testing.T) {
 			leased <- err
 		}()
 		var pid uint32
-		if err := idemwm.Tx(msg.Context()).QueryRow(msg.Context(), "SELECT pg_backend_pid()").Scan(&pid); err != nil {
+		if err := idemwm.Tx[pgx.Tx](msg.Context()).QueryRow(msg.Context(), "SELECT pg_backend_pid()").Scan(&pid); err != nil {
 			return nil, err
 		}
 		testenv.Eventually(t, 30*time.Second, "the lease claim to wait for the handler's transaction", func() bool {

@@ -276,7 +276,7 @@ func run(ctx context.Context, cfg config, out io.Writer) (summary, error) {
 		}
 		mu.Unlock()
 		ctx := msg.Context()
-		if _, err := idemwm.Tx(ctx).Exec(ctx, "INSERT INTO "+charges+" (order_id, amount_cents) VALUES ($1, $2)", o.ID, o.Amount); err != nil {
+		if _, err := idemwm.Tx[pgx.Tx](ctx).Exec(ctx, "INSERT INTO "+charges+" (order_id, amount_cents) VALUES ($1, $2)", o.ID, o.Amount); err != nil {
 			return nil, err
 		}
 		if fail { // after the write: it rolls back with the claim

@@ -100,7 +100,7 @@ func wmTxRow() row {
 			})
 			idem := wmSide(e, mw, func(msg *message.Message) error {
 				ctx := msg.Context()
-				_, err := idemwm.Tx(ctx).Exec(ctx, idemInsert, msg.UUID, []byte(msg.Payload))
+				_, err := idemwm.Tx[pgx.Tx](ctx).Exec(ctx, idemInsert, msg.UUID, []byte(msg.Payload))
 				return err
 			})
 			return bare, idem, nil

@@ -189,7 +189,7 @@ func wmChild(ctx context.Context) error {
 	effect := func(msg *message.Message) ([]*message.Message, error) {
 		ctx := msg.Context()
 		var err error
-		if tx := idemwm.Tx(ctx); tx != nil {
+		if tx := idemwm.Tx[pgx.Tx](ctx); tx != nil {
 			_, err = tx.Exec(ctx, ins, msg.UUID, cfg.Name)
 		} else if cfg.Store == storeRedis {
 			_, err = pool.Exec(ctx, ins, msg.UUID, cfg.Name)
