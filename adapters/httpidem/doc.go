@@ -65,10 +65,12 @@
 // provider), at-least-once: a crash between the effect and Complete lets a
 // retry run again once the lease ran out.
 //
-// NewTx takes a dedup.TxStore[pgx.Tx]: a *pgtable.Store, or a
-// *twolevel.Store with Redis in front of it. The handler gets the
-// transaction with Tx(r.Context()); its writes, the key's row and the
-// stored response commit together or not at all, and the response is sent
+// NewTx takes a transactional store of any transaction type: a
+// *pgtable.Store (pgx.Tx), a *sqltable.Store (*sql.Tx, on PostgreSQL,
+// MySQL, MariaDB or SQLite), or a *twolevel.Store with Redis in front of
+// either. The handler gets the transaction with Tx[T](r.Context()) (T is
+// pgx.Tx on pgtable, *sql.Tx on sqltable); its writes, the key's row and
+// the stored response commit together or not at all, and the response is sent
 // after the commit. This is exact for effects in the database. When the
 // commit fails with an unknown outcome (the connection broke during COMMIT),
 // the middleware claims the key again on a new connection before it

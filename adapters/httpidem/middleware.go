@@ -67,7 +67,7 @@ func New(store dedup.LeaseStore, opts Options) (*Middleware, error) {
 // either. The handler reaches the transaction with Tx[T](r.Context()).
 //
 // Per request it calls store.Process: the key's claim, everything the
-// handler writes through Tx(r.Context()) and the encoded response commit in
+// handler writes through Tx[T](r.Context()) and the encoded response commit in
 // one transaction, and the response is sent to the client only after the
 // commit. A response that is not to be stored, a handler whose statement
 // failed (the transaction is aborted) and a panic roll everything back, so

@@ -45,7 +45,7 @@
 // # Transactional: pgtable
 //
 // Transactional runs the handler inside dedup/pgtable's Process: a
-// transaction holds the claim, the handler writes through Tx(msg.Context()),
+// transaction holds the claim, the handler writes through Tx[T](msg.Context()),
 // and both commit when the handler succeeds or roll back when it fails or
 // panics, so the retry runs it again. With Options.Outbox (a
 // *pgoutbox.Outbox), the messages the handler returns are written to the
