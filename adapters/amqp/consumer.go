@@ -350,7 +350,9 @@ func (consGuard) Reject(tag uint64, _ bool) error {
 // credentials while it sets a session up (PRECONDITION_FAILED,
 // ACCESS_REFUSED, NOT_FOUND: a configuration mistake that redialling would
 // not fix). A channel error while it consumes (a delivery acknowledgement
-// timeout, say) makes it reconnect. A Consumer runs once.
+// timeout, say) makes it reconnect. Under NoDeclare, a retry or
+// dead-letter copy the broker returns unroutable while it consumes ends
+// Run with an error wrapping ErrTopologyMissing. A Consumer runs once.
 func (c *Consumer) Run(ctx context.Context) error {
 	if !c.running.CompareAndSwap(false, true) {
 		return errors.New("amqp: Consumer.Run called twice")
@@ -401,7 +403,10 @@ func (c *Consumer) Run(ctx context.Context) error {
 		}
 		delay = 0
 		if err := c.serve(ctx, hctx, s, &wg); err != nil {
-			if consFatal(err) && !errors.Is(err, errSessionLost) {
+			// A lost channel reconnects, whatever the broker said; a
+			// topology found missing under NoDeclare (a copy the broker
+			// returned) ends Run, however it reached the session.
+			if errors.Is(err, ErrTopologyMissing) || (consFatal(err) && !errors.Is(err, errSessionLost)) {
 				return fmt.Errorf("amqp: consumer of %q: %w", c.queue, err)
 			}
 			c.opts.Logger.Warn("amqp: consumer lost its channel; reconnecting", "queue", c.queue, "err", err)
@@ -746,7 +751,8 @@ func brokerCancelled(cancelled <-chan string) bool {
 // errSessionLost wraps the error that closed a channel or the connection of
 // a session that was consuming: Run opens a new session, whatever the
 // error (a channel error such as PRECONDITION_FAILED for an acknowledgement
-// timeout included); only a refusal while it sets the session up ends Run.
+// timeout included); only a refusal while it sets the session up, or a
+// session killed with ErrTopologyMissing (see unroutable), ends Run.
 var errSessionLost = errors.New("the consumer's channel or connection closed")
 
 // errBrokerCancel is the error of a session whose consumer the broker

@@ -147,6 +147,52 @@ func TestConsumerChannelClosedMidHandler(t *testing.T) {
 	}
 }
 
+// A channel error from the broker while a NoDeclare Consumer consumes (an
+// acknowledgement of an unknown delivery tag: PRECONDITION_FAILED, the
+// code of a refused topology too) makes it reconnect, not return: the
+// delivery of the closed channel is redelivered and acknowledged as a
+// duplicate, and the effect is applied once.
+func TestConsumerChannelErrorWhileConsumingReconnects(t *testing.T) {
+	url := testenv.AMQPURL()
+	q := consQueue(t, url, consTestDelays)
+	topoDeclare(t, url, q, func(int, time.Duration) (bool, amqp091.Table) {
+		return true, amqp091.Table{argDeadLetterExchange: "", argDeadLetterRoutingKey: q}
+	}, true)
+	o := consNewOracle(t, 4)
+	var refused atomic.Bool
+	h := o.handler(t, func(ctx context.Context, _ *consumer.Message) error {
+		if refused.CompareAndSwap(false, true) {
+			d, ok := DeliveryFrom(ctx)
+			if !ok {
+				return errors.New("no delivery in the context")
+			}
+			// The broker closes the channel with PRECONDITION_FAILED.
+			return consChannel(d).Ack(d.DeliveryTag+1000, false)
+		}
+		return nil
+	})
+	c, err := NewConsumer(url, q, h, consOpts(ConsumerOptions{NoDeclare: true, Concurrency: 2}))
+	if err != nil {
+		t.Fatal(err)
+	}
+	stop := consStart(t, c)
+	consPublish(t, url, q, consMsgs("refused", 1)...)
+	testenv.Eventually(t, 30*time.Second, "the redelivery to be acked as a duplicate", func() bool { return c.Stats().Duplicates >= 1 })
+	stop() // fails the test if Run returned an error
+	rows, distinct := o.counts(t)
+	st := c.Stats()
+	t.Logf("stats: %+v", st)
+	if rows != 1 || distinct != 1 {
+		t.Fatalf("effects: %d rows for %d ids, want 1 for 1", rows, distinct)
+	}
+	if st.Connects < 2 || st.Redelivered < 1 {
+		t.Errorf("want a redelivery on a second connection; stats %+v", st)
+	}
+	if n := consDepth(t, url, q); n != 0 {
+		t.Errorf("%d messages left in the queue", n)
+	}
+}
+
 // The same message published twice with one message-id is applied once.
 func TestConsumerSameMessageIDTwice(t *testing.T) {
 	url := testenv.AMQPURL()
