@@ -10,7 +10,8 @@ import (
 	"testing"
 	"time"
 
-	_ "modernc.org/sqlite" // the SQLite driver of the sqltable scenarios
+	_ "github.com/jackc/pgx/v5/stdlib" // PostgreSQL through database/sql
+	_ "modernc.org/sqlite"             // the SQLite driver of the sqltable scenarios
 
 	"github.com/idemkit/idem/consumer"
 	"github.com/idemkit/idem/dedup"
@@ -19,11 +20,33 @@ import (
 	"github.com/idemkit/idem/internal/testkit/testenv"
 )
 
-// The scenarios on dedup/sqltable: MariaDB (two instances, each with its
-// own *sql.DB) and SQLite (two *sql.DB on one database file). The charges
+// The scenarios on dedup/sqltable: PostgreSQL through database/sql (pgx's
+// stdlib driver) and MariaDB (two instances each, each with its own
+// *sql.DB) and SQLite (two *sql.DB on one database file). The charges
 // table lives in the same database, written in the claim's transaction.
 func init() {
 	backends = append(backends,
+		backend{name: "sqltable_postgres", own: func(t *testing.T) (payments, payments, oracle) {
+			testenv.Pool(t, 1) // skips, or fails under CI, when PostgreSQL is down
+			open := func() *sql.DB {
+				db, err := sql.Open("pgx", testenv.PostgresURL())
+				if err != nil {
+					t.Fatal(err)
+				}
+				db.SetMaxOpenConns(20)
+				t.Cleanup(func() { _ = db.Close() })
+				return db
+			}
+			admin := open()
+			table, charges := testenv.Name("pe"), testenv.Name("charges")
+			o := newSQLCharges(t, admin, sqltable.Postgres, charges)
+			t.Cleanup(func() {
+				_, _ = admin.ExecContext(context.Background(), `DROP TABLE IF EXISTS "`+table+`", "`+table+`_migrations", "`+charges+`"`)
+			})
+			a := &sqlPayments{sqlStore(t, open(), sqltable.Postgres, table), o}
+			b := &sqlPayments{sqlStore(t, open(), sqltable.Postgres, table), o}
+			return a, b, o
+		}},
 		backend{name: "sqltable_mysql", own: func(t *testing.T) (payments, payments, oracle) {
 			table := testenv.Name("pe")
 			o := newSQLCharges(t, testenv.MySQL(t, ""), sqltable.MySQL, testenv.Name("charges"))
