@@ -1,19 +1,14 @@
 package sqltable
 
 import (
-	"bytes"
 	"context"
-	"database/sql"
 	"embed"
-	"errors"
 	"fmt"
 	"hash/fnv"
-	"io/fs"
-	"sort"
 	"strconv"
 	"strings"
-	"text/template"
-	"time"
+
+	"github.com/idemkit/idem/internal/sqlmigrate"
 )
 
 //go:embed migrations/*/*.sql
@@ -47,27 +42,13 @@ func (d tmplData) SchemaIndex(suffix string) string {
 
 // Migrations returns the store's migrations in order.
 func (s *Store) Migrations() ([]Migration, error) {
-	dir := "migrations/" + s.dialect.String()
-	names, err := fs.Glob(migrationFS, dir+"/*.sql")
+	ms, err := sqlmigrate.Render(migrationFS, "migrations/"+s.dialect.String(), tmplData{s})
 	if err != nil {
-		return nil, err
+		return nil, fmt.Errorf("sqltable: %w", err)
 	}
-	sort.Strings(names)
-	out := make([]Migration, 0, len(names))
-	for _, n := range names {
-		raw, err := fs.ReadFile(migrationFS, n)
-		if err != nil {
-			return nil, err
-		}
-		t, err := template.New(n).Parse(string(raw))
-		if err != nil {
-			return nil, fmt.Errorf("sqltable: migration %s: %w", n, err)
-		}
-		var b bytes.Buffer
-		if err := t.Execute(&b, tmplData{s}); err != nil {
-			return nil, fmt.Errorf("sqltable: migration %s: %w", n, err)
-		}
-		out = append(out, Migration{Version: n[len(dir)+1 : len(n)-len(".sql")], SQL: b.String()})
+	out := make([]Migration, len(ms))
+	for i, m := range ms {
+		out[i] = Migration(m)
 	}
 	return out, nil
 }
@@ -91,29 +72,6 @@ func (s *Store) SQL() (string, error) {
 		fmt.Fprintf(&b, "-- idem sqltable migration %s\n%s", m.Version, m.SQL)
 	}
 	return b.String(), nil
-}
-
-// statementsOf splits a migration into its statements: every statement of
-// the embedded files ends with a semicolon at the end of a line.
-func statementsOf(script string) []string {
-	var out []string
-	var cur strings.Builder
-	for line := range strings.SplitSeq(script, "\n") {
-		trimmed := strings.TrimSpace(line)
-		if cur.Len() == 0 && (trimmed == "" || strings.HasPrefix(trimmed, "--")) {
-			continue
-		}
-		cur.WriteString(line)
-		cur.WriteString("\n")
-		if strings.HasSuffix(trimmed, ";") {
-			out = append(out, strings.TrimSuffix(strings.TrimSpace(cur.String()), ";"))
-			cur.Reset()
-		}
-	}
-	if strings.TrimSpace(cur.String()) != "" {
-		out = append(out, strings.TrimSpace(cur.String()))
-	}
-	return out
 }
 
 func (s *Store) versionTable() string {
@@ -140,134 +98,13 @@ func (s *Store) Migrate(ctx context.Context) error {
 	if err != nil {
 		return err
 	}
-	conn, err := s.db.Conn(ctx)
-	if err != nil {
+	rendered := make([]sqlmigrate.Migration, len(ms))
+	for i, m := range ms {
+		rendered[i] = sqlmigrate.Migration(m)
+	}
+	t := sqlmigrate.Target{Dialect: s.dialect, Schema: s.opts.Schema, VersionTable: s.versionTable(), LockName: s.lockName()}
+	if err := sqlmigrate.Apply(ctx, s.db, t, rendered); err != nil {
 		return fmt.Errorf("sqltable: migrate %s: %w", s.table, err)
-	}
-	defer func() { _ = conn.Close() }()
-	switch s.dialect {
-	case Postgres:
-		err = s.migratePostgres(ctx, conn, ms)
-	case MySQL:
-		err = s.migrateMySQL(ctx, conn, ms)
-	default:
-		err = s.migrateSQLite(ctx, conn, ms)
-	}
-	if err != nil {
-		return fmt.Errorf("sqltable: migrate %s: %w", s.table, err)
-	}
-	return nil
-}
-
-func (s *Store) migratePostgres(ctx context.Context, conn *sql.Conn, ms []Migration) error {
-	tx, err := conn.BeginTx(ctx, nil)
-	if err != nil {
-		return err
-	}
-	defer func() { _ = tx.Rollback() }()
-	h := fnv.New64a()
-	h.Write([]byte(s.lockName()))
-	if _, err := tx.ExecContext(ctx, "SELECT pg_advisory_xact_lock($1)", int64(h.Sum64())); err != nil {
-		return fmt.Errorf("lock: %w", err)
-	}
-	if s.opts.Schema != "" {
-		if _, err := tx.ExecContext(ctx, "CREATE SCHEMA IF NOT EXISTS "+s.dialect.Quote(s.opts.Schema)); err != nil {
-			return fmt.Errorf("schema: %w", err)
-		}
-	}
-	if _, err := tx.ExecContext(ctx, "CREATE TABLE IF NOT EXISTS "+s.versionTable()+
-		" (version text PRIMARY KEY, applied_at timestamptz NOT NULL DEFAULT clock_timestamp())"); err != nil {
-		return fmt.Errorf("version table: %w", err)
-	}
-	for _, m := range ms {
-		res, err := tx.ExecContext(ctx, "INSERT INTO "+s.versionTable()+" (version) VALUES ($1) ON CONFLICT DO NOTHING", m.Version)
-		if err != nil {
-			return fmt.Errorf("%s: %w", m.Version, err)
-		}
-		if n, err := res.RowsAffected(); err != nil || n == 0 {
-			if err != nil {
-				return fmt.Errorf("%s: %w", m.Version, err)
-			}
-			continue // applied before
-		}
-		for _, st := range statementsOf(m.SQL) {
-			if _, err := tx.ExecContext(ctx, st); err != nil {
-				return fmt.Errorf("%s: %w", m.Version, err)
-			}
-		}
-	}
-	return tx.Commit()
-}
-
-func (s *Store) migrateMySQL(ctx context.Context, conn *sql.Conn, ms []Migration) error {
-	var got sql.NullInt64
-	if err := conn.QueryRowContext(ctx, "SELECT GET_LOCK(?, 60)", s.lockName()).Scan(&got); err != nil {
-		return fmt.Errorf("lock: %w", err)
-	}
-	if got.Int64 != 1 {
-		return errors.New("lock: another Migrate held the lock for 60s; run it again")
-	}
-	defer func() {
-		rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 5*time.Second)
-		defer cancel()
-		_, _ = conn.ExecContext(rctx, "DO RELEASE_LOCK(?)", s.lockName())
-	}()
-	if _, err := conn.ExecContext(ctx, "CREATE TABLE IF NOT EXISTS "+s.versionTable()+
-		" (version VARCHAR(255) NOT NULL PRIMARY KEY, applied_at TIMESTAMP(6) NOT NULL DEFAULT CURRENT_TIMESTAMP(6)) ENGINE = InnoDB"); err != nil {
-		return fmt.Errorf("version table: %w", err)
-	}
-	for _, m := range ms {
-		var n int
-		if err := conn.QueryRowContext(ctx, "SELECT COUNT(*) FROM "+s.versionTable()+" WHERE version = ?", m.Version).Scan(&n); err != nil {
-			return fmt.Errorf("%s: %w", m.Version, err)
-		}
-		if n > 0 {
-			continue
-		}
-		for _, st := range statementsOf(m.SQL) {
-			if _, err := conn.ExecContext(ctx, st); err != nil {
-				return fmt.Errorf("%s: %w", m.Version, err)
-			}
-		}
-		if _, err := conn.ExecContext(ctx, "INSERT INTO "+s.versionTable()+" (version) VALUES (?)", m.Version); err != nil {
-			return fmt.Errorf("%s: %w", m.Version, err)
-		}
-	}
-	return nil
-}
-
-func (s *Store) migrateSQLite(ctx context.Context, conn *sql.Conn, ms []Migration) (err error) {
-	if _, err := conn.ExecContext(ctx, "BEGIN IMMEDIATE"); err != nil {
-		return fmt.Errorf("begin: %w", err)
-	}
-	defer func() {
-		if err != nil {
-			_, _ = conn.ExecContext(context.WithoutCancel(ctx), "ROLLBACK")
-		}
-	}()
-	if _, err := conn.ExecContext(ctx, "CREATE TABLE IF NOT EXISTS "+s.versionTable()+
-		" (version TEXT NOT NULL PRIMARY KEY, applied_at TEXT NOT NULL DEFAULT (strftime('%Y-%m-%dT%H:%M:%fZ', 'now')))"); err != nil {
-		return fmt.Errorf("version table: %w", err)
-	}
-	for _, m := range ms {
-		res, err := conn.ExecContext(ctx, "INSERT INTO "+s.versionTable()+" (version) VALUES (?) ON CONFLICT DO NOTHING", m.Version)
-		if err != nil {
-			return fmt.Errorf("%s: %w", m.Version, err)
-		}
-		if n, err := res.RowsAffected(); err != nil || n == 0 {
-			if err != nil {
-				return fmt.Errorf("%s: %w", m.Version, err)
-			}
-			continue
-		}
-		for _, st := range statementsOf(m.SQL) {
-			if _, err := conn.ExecContext(ctx, st); err != nil {
-				return fmt.Errorf("%s: %w", m.Version, err)
-			}
-		}
-	}
-	if _, err := conn.ExecContext(ctx, "COMMIT"); err != nil {
-		return fmt.Errorf("commit: %w", err)
 	}
 	return nil
 }
@@ -275,48 +112,8 @@ func (s *Store) migrateSQLite(ctx context.Context, conn *sql.Conn, ms []Migratio
 // MigrationStatus returns the applied versions, oldest first; empty when
 // Migrate never ran.
 func (s *Store) MigrationStatus(ctx context.Context) ([]string, error) {
-	var (
-		exists int
-		err    error
-		name   = s.opts.Table + "_migrations"
-	)
-	switch s.dialect {
-	case Postgres:
-		err = s.db.QueryRowContext(ctx, "SELECT CASE WHEN to_regclass($1) IS NULL THEN 0 ELSE 1 END", s.versionTable()).Scan(&exists)
-	case MySQL:
-		var schema any
-		if s.opts.Schema != "" {
-			schema = s.opts.Schema
-		}
-		err = s.db.QueryRowContext(ctx, "SELECT COUNT(*) FROM information_schema.tables WHERE table_schema = COALESCE(?, DATABASE()) AND table_name = ?",
-			schema, name).Scan(&exists)
-	default:
-		master := "sqlite_master"
-		if s.opts.Schema != "" {
-			master = s.dialect.Quote(s.opts.Schema) + ".sqlite_master"
-		}
-		err = s.db.QueryRowContext(ctx, "SELECT COUNT(*) FROM "+master+" WHERE type = 'table' AND name = ?", name).Scan(&exists)
-	}
+	out, err := sqlmigrate.Applied(ctx, s.db, s.dialect, s.opts.Schema, s.opts.Table+"_migrations", s.versionTable())
 	if err != nil {
-		return nil, fmt.Errorf("sqltable: migration status of %s: %w", s.table, err)
-	}
-	if exists == 0 {
-		return nil, nil
-	}
-	rows, err := s.db.QueryContext(ctx, "SELECT version FROM "+s.versionTable()+" ORDER BY version")
-	if err != nil {
-		return nil, fmt.Errorf("sqltable: migration status of %s: %w", s.table, err)
-	}
-	defer func() { _ = rows.Close() }()
-	var out []string
-	for rows.Next() {
-		var v string
-		if err := rows.Scan(&v); err != nil {
-			return nil, fmt.Errorf("sqltable: migration status of %s: %w", s.table, err)
-		}
-		out = append(out, v)
-	}
-	if err := rows.Err(); err != nil {
 		return nil, fmt.Errorf("sqltable: migration status of %s: %w", s.table, err)
 	}
 	return out, nil

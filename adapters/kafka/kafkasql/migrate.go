@@ -1,19 +1,14 @@
 package kafkasql
 
 import (
-	"bytes"
 	"context"
-	"database/sql"
 	"embed"
-	"errors"
 	"fmt"
 	"hash/fnv"
-	"io/fs"
-	"sort"
 	"strconv"
 	"strings"
-	"text/template"
-	"time"
+
+	"github.com/idemkit/idem/internal/sqlmigrate"
 )
 
 //go:embed migrations/*/*.sql
@@ -33,27 +28,13 @@ func (d tmplData) Table() string { return d.o.table }
 
 // Migrations returns the migrations of o's dialect in order.
 func (o *Offsets) Migrations() ([]Migration, error) {
-	dir := "migrations/" + o.dialect.String()
-	names, err := fs.Glob(migrationFS, dir+"/*.sql")
+	ms, err := sqlmigrate.Render(migrationFS, "migrations/"+o.dialect.String(), tmplData{o})
 	if err != nil {
-		return nil, err
+		return nil, fmt.Errorf("kafkasql: %w", err)
 	}
-	sort.Strings(names)
-	out := make([]Migration, 0, len(names))
-	for _, n := range names {
-		raw, err := fs.ReadFile(migrationFS, n)
-		if err != nil {
-			return nil, err
-		}
-		t, err := template.New(n).Parse(string(raw))
-		if err != nil {
-			return nil, fmt.Errorf("kafkasql: migration %s: %w", n, err)
-		}
-		var b bytes.Buffer
-		if err := t.Execute(&b, tmplData{o}); err != nil {
-			return nil, fmt.Errorf("kafkasql: migration %s: %w", n, err)
-		}
-		out = append(out, Migration{Version: n[len(dir)+1 : len(n)-len(".sql")], SQL: b.String()})
+	out := make([]Migration, len(ms))
+	for i, m := range ms {
+		out[i] = Migration(m)
 	}
 	return out, nil
 }
@@ -76,29 +57,6 @@ func (o *Offsets) SQL() (string, error) {
 		fmt.Fprintf(&b, "-- idem kafkasql migration %s\n%s", m.Version, m.SQL)
 	}
 	return b.String(), nil
-}
-
-// statementsOf splits a migration into its statements: every statement of
-// the embedded files ends with a semicolon at the end of a line.
-func statementsOf(script string) []string {
-	var out []string
-	var cur strings.Builder
-	for line := range strings.SplitSeq(script, "\n") {
-		trimmed := strings.TrimSpace(line)
-		if cur.Len() == 0 && (trimmed == "" || strings.HasPrefix(trimmed, "--")) {
-			continue
-		}
-		cur.WriteString(line)
-		cur.WriteString("\n")
-		if strings.HasSuffix(trimmed, ";") {
-			out = append(out, strings.TrimSuffix(strings.TrimSpace(cur.String()), ";"))
-			cur.Reset()
-		}
-	}
-	if s := strings.TrimSpace(cur.String()); s != "" {
-		out = append(out, s)
-	}
-	return out
 }
 
 func (o *Offsets) versionTable() string {
@@ -125,135 +83,16 @@ func (o *Offsets) Migrate(ctx context.Context) error {
 	if err != nil {
 		return err
 	}
-	conn, err := o.db.Conn(ctx)
-	if err != nil {
-		return fmt.Errorf("kafkasql: migrate %s: %w", o.table, err)
+	rendered := make([]sqlmigrate.Migration, len(ms))
+	for i, m := range ms {
+		rendered[i] = sqlmigrate.Migration(m)
 	}
-	defer func() { _ = conn.Close() }()
-	switch o.dialect {
-	case Postgres:
-		err = o.migratePostgres(ctx, conn, ms)
-	case MySQL:
-		err = o.migrateMySQL(ctx, conn, ms)
-	default:
-		err = o.migrateSQLite(ctx, conn, ms)
+	t := sqlmigrate.Target{Dialect: o.dialect, Schema: o.opts.Schema, VersionTable: o.versionTable(), LockName: o.lockName()}
+	if o.dialect == MySQL {
+		t.VersionColumns = " (version VARCHAR(255) NOT NULL PRIMARY KEY, applied_at DATETIME(6) NOT NULL DEFAULT CURRENT_TIMESTAMP(6)) ENGINE = InnoDB"
 	}
-	if err != nil {
+	if err := sqlmigrate.Apply(ctx, o.db, t, rendered); err != nil {
 		return fmt.Errorf("kafkasql: migrate %s: %w", o.table, err)
 	}
 	return nil
-}
-
-// applyAll runs the migrations not recorded yet: applied reports whether a
-// version is recorded, record records it (before or after its statements,
-// as the dialect's transaction allows).
-func applyAll(ctx context.Context, conn *sql.Conn, ms []Migration, applied func(Migration) (bool, error), record func(Migration) error) error {
-	for _, m := range ms {
-		done, err := applied(m)
-		if err != nil {
-			return fmt.Errorf("%s: %w", m.Version, err)
-		}
-		if done {
-			continue
-		}
-		for _, st := range statementsOf(m.SQL) {
-			if _, err := conn.ExecContext(ctx, st); err != nil {
-				return fmt.Errorf("%s: %w", m.Version, err)
-			}
-		}
-		if err := record(m); err != nil {
-			return fmt.Errorf("%s: %w", m.Version, err)
-		}
-	}
-	return nil
-}
-
-func (o *Offsets) migratePostgres(ctx context.Context, conn *sql.Conn, ms []Migration) (err error) {
-	if _, err := conn.ExecContext(ctx, "BEGIN"); err != nil {
-		return fmt.Errorf("begin: %w", err)
-	}
-	defer func() {
-		if err != nil {
-			_, _ = conn.ExecContext(context.WithoutCancel(ctx), "ROLLBACK")
-		}
-	}()
-	h := fnv.New64a()
-	h.Write([]byte(o.lockName()))
-	if _, err := conn.ExecContext(ctx, "SELECT pg_advisory_xact_lock($1)", int64(h.Sum64())); err != nil {
-		return fmt.Errorf("lock: %w", err)
-	}
-	if o.opts.Schema != "" {
-		if _, err := conn.ExecContext(ctx, "CREATE SCHEMA IF NOT EXISTS "+o.dialect.Quote(o.opts.Schema)); err != nil {
-			return fmt.Errorf("schema: %w", err)
-		}
-	}
-	if _, err := conn.ExecContext(ctx, "CREATE TABLE IF NOT EXISTS "+o.versionTable()+
-		" (version text PRIMARY KEY, applied_at timestamptz NOT NULL DEFAULT clock_timestamp())"); err != nil {
-		return fmt.Errorf("version table: %w", err)
-	}
-	err = applyAll(ctx, conn, ms, o.appliedOn(ctx, conn), o.recordOn(ctx, conn))
-	if err != nil {
-		return err
-	}
-	if _, err := conn.ExecContext(ctx, "COMMIT"); err != nil {
-		return fmt.Errorf("commit: %w", err)
-	}
-	return nil
-}
-
-func (o *Offsets) migrateMySQL(ctx context.Context, conn *sql.Conn, ms []Migration) error {
-	var got sql.NullInt64
-	if err := conn.QueryRowContext(ctx, "SELECT GET_LOCK(?, 60)", o.lockName()).Scan(&got); err != nil {
-		return fmt.Errorf("lock: %w", err)
-	}
-	if got.Int64 != 1 {
-		return errors.New("lock: another Migrate held the lock for 60s; run it again")
-	}
-	defer func() {
-		rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 5*time.Second)
-		defer cancel()
-		_, _ = conn.ExecContext(rctx, "DO RELEASE_LOCK(?)", o.lockName())
-	}()
-	if _, err := conn.ExecContext(ctx, "CREATE TABLE IF NOT EXISTS "+o.versionTable()+
-		" (version VARCHAR(255) NOT NULL PRIMARY KEY, applied_at DATETIME(6) NOT NULL DEFAULT CURRENT_TIMESTAMP(6)) ENGINE = InnoDB"); err != nil {
-		return fmt.Errorf("version table: %w", err)
-	}
-	return applyAll(ctx, conn, ms, o.appliedOn(ctx, conn), o.recordOn(ctx, conn))
-}
-
-func (o *Offsets) migrateSQLite(ctx context.Context, conn *sql.Conn, ms []Migration) (err error) {
-	if _, err := conn.ExecContext(ctx, "BEGIN IMMEDIATE"); err != nil {
-		return fmt.Errorf("begin: %w", err)
-	}
-	defer func() {
-		if err != nil {
-			_, _ = conn.ExecContext(context.WithoutCancel(ctx), "ROLLBACK")
-		}
-	}()
-	if _, err := conn.ExecContext(ctx, "CREATE TABLE IF NOT EXISTS "+o.versionTable()+
-		" (version TEXT NOT NULL PRIMARY KEY, applied_at TEXT NOT NULL DEFAULT (strftime('%Y-%m-%dT%H:%M:%fZ', 'now')))"); err != nil {
-		return fmt.Errorf("version table: %w", err)
-	}
-	if err := applyAll(ctx, conn, ms, o.appliedOn(ctx, conn), o.recordOn(ctx, conn)); err != nil {
-		return err
-	}
-	if _, err := conn.ExecContext(ctx, "COMMIT"); err != nil {
-		return fmt.Errorf("commit: %w", err)
-	}
-	return nil
-}
-
-func (o *Offsets) appliedOn(ctx context.Context, conn *sql.Conn) func(Migration) (bool, error) {
-	return func(m Migration) (bool, error) {
-		var n int
-		err := conn.QueryRowContext(ctx, o.dialect.Rebind("SELECT COUNT(*) FROM "+o.versionTable()+" WHERE version = ?"), m.Version).Scan(&n)
-		return n > 0, err
-	}
-}
-
-func (o *Offsets) recordOn(ctx context.Context, conn *sql.Conn) func(Migration) error {
-	return func(m Migration) error {
-		_, err := conn.ExecContext(ctx, o.dialect.Rebind("INSERT INTO "+o.versionTable()+" (version) VALUES (?)"), m.Version)
-		return err
-	}
 }
