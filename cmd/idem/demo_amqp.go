@@ -233,6 +233,14 @@ func amqpConsumerOptions(name, exchange string, logger *slog.Logger) idemamqp.Co
 // the instance stops. The next instance gets them again.
 func (g *group) runAMQPInstance(ctx context.Context, inst *instance) error {
 	h := g.handler()
+	// The instance's own connection: closing it is the crash. The broker
+	// requeues every delivery the connection held unacknowledged, as it
+	// does when a worker process dies.
+	conn, err := amqp091.DialConfig(g.br.amqpURL, amqp091.Config{Properties: amqp091.Table{"connection_name": g.name}})
+	if err != nil {
+		return fmt.Errorf("amqp: connect: %w", err)
+	}
+	defer func() { _ = conn.Close() }()
 	crashing := consumer.HandlerFunc(func(hctx context.Context, msg *consumer.Message) error {
 		err := h.Handle(hctx, msg)
 		if err != nil || msg.Headers[headerPath] != g.path || inst.dead.Load() || g.rng.Float64() >= g.crashRate {
@@ -242,13 +250,9 @@ func (g *group) runAMQPInstance(ctx context.Context, inst *instance) error {
 			return nil
 		}
 		g.crashes.Add(1)
-		if d, ok := idemamqp.DeliveryFrom(hctx); ok {
-			if ch, ok := d.Acknowledger.(*amqp091.Channel); ok {
-				// Closed before the handler returns: the ACK that
-				// would follow cannot be sent.
-				_ = ch.Close()
-			}
-		}
+		// Closed before the handler returns: the ACK that would follow
+		// cannot be sent.
+		_ = conn.Close()
 		inst.cancel()
 		return nil
 	})
@@ -261,9 +265,13 @@ func (g *group) runAMQPInstance(ctx context.Context, inst *instance) error {
 			g.markHandled(deliveryID(r.Message))
 		}
 	}
-	c, err := idemamqp.NewConsumer(g.br.amqpURL, g.br.queues[g.path], crashing, opts)
+	c, err := idemamqp.NewConsumerConn(conn, g.br.queues[g.path], crashing, opts)
 	if err != nil {
 		return err
 	}
-	return c.Run(ctx)
+	err = c.Run(ctx)
+	if inst.dead.Load() && errors.Is(err, idemamqp.ErrConnectionClosed) {
+		return nil // the crash closed it
+	}
+	return err
 }
