@@ -180,7 +180,9 @@ func TestConsumerQuorumCrashLoopSparesNeighbours(t *testing.T) {
 						died = true
 						return true
 					default:
-						return settled()
+						// After a graceful stop put deliveries back, the
+						// next worker is stopped only once it drained them.
+						return settled() && (stops == 0 || consDepth(t, url, q) == 0)
 					}
 				})
 				if !died {
@@ -189,10 +191,10 @@ func TestConsumerQuorumCrashLoopSparesNeighbours(t *testing.T) {
 					if err := p.Err(); err != nil {
 						t.Fatalf("the last worker: %v%s", err, p.StderrTail())
 					}
-					// A redelivered copy the worker had prefetched
-					// but not started is requeued by the graceful
-					// stop, unless one more return would bring it to
-					// MaxDeliveries: the next worker settles it. (A
+					// A graceful stop requeues the deliveries the
+					// worker had prefetched but not started, and puts
+					// back, uncounted, the returned ones waiting to
+					// run alone: the next worker settles them. (A
 					// ready count of zero does not show
 					// unacknowledged deliveries.)
 					if consDepth(t, url, q) == 0 {
