@@ -42,15 +42,21 @@ func backendByName(t testing.TB, name string) backend {
 // lock, as the server itself tells (each test has a table of its own).
 func waitingOnLock(ctx context.Context, t testing.TB, b backend, db *sql.DB, s *sqltable.Store) bool {
 	t.Helper()
-	var n int
-	var err error
 	if b.dialect == sqltable.MySQL {
-		err = db.QueryRowContext(ctx, "SELECT COUNT(*) FROM information_schema.innodb_trx WHERE trx_state = 'LOCK WAIT' AND trx_query LIKE ?",
-			"%"+s.Table()+"%").Scan(&n)
-	} else {
-		err = db.QueryRowContext(ctx, "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND query LIKE $1",
-			"%"+s.Table()+"%").Scan(&n)
+		waits, err := testenv.MySQLLockWaits(ctx, db)
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, w := range waits {
+			if "`"+w.Table+"`" == s.Table() {
+				return true
+			}
+		}
+		return false
 	}
+	var n int
+	err := db.QueryRowContext(ctx, "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND query LIKE $1",
+		"%"+s.Table()+"%").Scan(&n)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -353,11 +353,16 @@ func TestMariaDBEnqueueOrdersKeyByCommit(t *testing.T) {
 		done <- err
 	}()
 	testenv.Eventually(t, 30*time.Second, "the second transaction waiting on the key", func() bool {
-		var n int
-		if err := db.QueryRowContext(ctx, "SELECT COUNT(*) FROM information_schema.innodb_trx WHERE trx_mysql_thread_id = ? AND trx_state = 'LOCK WAIT'", conn2).Scan(&n); err != nil {
+		waits, err := testenv.MySQLLockWaits(ctx, db)
+		if err != nil {
 			t.Fatal(err)
 		}
-		return n == 1
+		for _, w := range waits {
+			if w.Thread == conn2 {
+				return true
+			}
+		}
+		return false
 	})
 	if _, err := ob.Enqueue(ctx, tx1, msg("t", "k", "a2"), msg("t", "other", "o1")); err != nil {
 		t.Fatal(err)
