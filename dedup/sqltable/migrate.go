@@ -6,7 +6,6 @@ import (
 	"fmt"
 	"hash/fnv"
 	"strconv"
-	"strings"
 
 	"github.com/idemkit/idem/internal/sqlmigrate"
 )
@@ -61,17 +60,11 @@ func (s *Store) SQL() (string, error) {
 	if err != nil {
 		return "", err
 	}
-	var b strings.Builder
+	schema := ""
 	if s.dialect == Postgres && s.opts.Schema != "" {
-		fmt.Fprintf(&b, "CREATE SCHEMA IF NOT EXISTS %s;\n\n", s.dialect.Quote(s.opts.Schema))
+		schema = s.dialect.Quote(s.opts.Schema)
 	}
-	for i, m := range ms {
-		if i > 0 {
-			b.WriteString("\n")
-		}
-		fmt.Fprintf(&b, "-- idem sqltable migration %s\n%s", m.Version, m.SQL)
-	}
-	return b.String(), nil
+	return sqlmigrate.Script("sqltable", schema, ms), nil
 }
 
 func (s *Store) versionTable() string {

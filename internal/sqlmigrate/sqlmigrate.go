@@ -57,6 +57,27 @@ func Render(fsys fs.FS, dir string, data any) ([]Migration, error) {
 	return out, nil
 }
 
+// Script joins ms into one script for users who apply schema changes with
+// goose, golang-migrate or by hand: each migration under a comment naming
+// it ("-- idem <what> migration <version>"), after the creation of
+// quotedSchema when it is not empty.
+func Script[M ~struct {
+	Version string
+	SQL     string
+}](what, quotedSchema string, ms []M) string {
+	var b strings.Builder
+	if quotedSchema != "" {
+		fmt.Fprintf(&b, "CREATE SCHEMA IF NOT EXISTS %s;\n\n", quotedSchema)
+	}
+	for i, m := range ms {
+		if i > 0 {
+			b.WriteString("\n")
+		}
+		fmt.Fprintf(&b, "-- idem %s migration %s\n%s", what, Migration(m).Version, Migration(m).SQL)
+	}
+	return b.String()
+}
+
 // Statements splits a script into its statements: full-line comments are
 // dropped and a statement ends with ";" at the end of a line. The ";" is not
 // part of the statement.

@@ -5,7 +5,6 @@ import (
 	"database/sql"
 	"embed"
 	"fmt"
-	"strings"
 
 	"github.com/idemkit/idem/internal/sqlmigrate"
 	"github.com/idemkit/idem/internal/sqlname"
@@ -63,14 +62,11 @@ func (o *Outbox) SQL() (string, error) {
 	if err != nil {
 		return "", err
 	}
-	var b strings.Builder
+	schema := ""
 	if o.dialect == Postgres {
-		fmt.Fprintf(&b, "CREATE SCHEMA IF NOT EXISTS %s;\n", sqlname.Quote(o.opts.Schema))
+		schema = sqlname.Quote(o.opts.Schema)
 	}
-	for _, m := range ms {
-		fmt.Fprintf(&b, "\n-- idem sqloutbox migration %s\n%s", m.Version, m.SQL)
-	}
-	return b.String(), nil
+	return sqlmigrate.Script("sqloutbox", schema, ms), nil
 }
 
 func (o *Outbox) versionTable() string {

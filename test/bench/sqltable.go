@@ -179,7 +179,7 @@ func sqltableMariaRow() row {
 			if err != nil {
 				return nil, err
 			}
-			h := newHandSQL(db, claims.Table(), insert)
+			h := newHandSQL(db, sqltable.MySQL, claims.Table(), insert)
 			return func(ctx context.Context, warm bool) (float64, error) {
 				return closedLoop(ctx, storeClients, warmedFor(e.size.duration, warm), func(ctx context.Context) error {
 					id := e.id("m")
@@ -191,9 +191,9 @@ func sqltableMariaRow() row {
 	}
 }
 
-// handSQL sends by hand, with database/sql and go-sql-driver/mysql, the
-// statements sqltable's Process sends on MySQL for a first delivery whose
-// handler makes one INSERT and returns no result:
+// handSQL sends by hand, with database/sql and the row's driver, the
+// statements sqltable's Process sends for a first delivery whose handler
+// makes one INSERT and returns no result. On MySQL (go-sql-driver/mysql):
 //
 //	BEGIN
 //	INSERT INTO <claims> (digest, expires_at, fingerprint, scope, id)
@@ -201,6 +201,10 @@ func sqltableMariaRow() row {
 //	    the key's digest, the retention in ms (7 days), the fingerprint, NULL, NULL
 //	INSERT INTO <business> (id, payload) VALUES (?, ?)
 //	COMMIT
+//
+// On PostgreSQL (pgx's stdlib driver) the claim is the same INSERT with
+// $n placeholders, clock_timestamp() plus the retention, and ON CONFLICT
+// (digest) DO NOTHING.
 //
 // The digest is the first 16 bytes of SHA-256(scope || 0x00 || id). Like
 // sqltable, it reads the claim's rows affected (1: the key is claimed).
@@ -213,11 +217,15 @@ type handSQL struct {
 
 const sqlRetention = 7 * 24 * time.Hour // sqltable's default Options.Retention
 
-func newHandSQL(db *sql.DB, claims, insert string) *handSQL {
+func newHandSQL(db *sql.DB, d sqltable.Dialect, claims, insert string) *handSQL {
+	claim := "INSERT INTO " + claims + " (digest, expires_at, fingerprint, scope, id)\n" +
+		"VALUES (?, (UTC_TIMESTAMP(6) + INTERVAL ? * 1000 MICROSECOND), ?, ?, ?)"
+	if d == sqltable.Postgres {
+		claim = "INSERT INTO " + claims + " (digest, expires_at, fingerprint, scope, id)\n" +
+			"VALUES ($1, (clock_timestamp() + CAST($2 AS bigint) * interval '1 millisecond'), $3, $4, $5) ON CONFLICT (digest) DO NOTHING"
+	}
 	return &handSQL{db: db, insert: insert, retentionMs: sqlRetention.Milliseconds(),
-		fp: dedup.FingerprintOf(payload).Bytes(),
-		claim: "INSERT INTO " + claims + " (digest, expires_at, fingerprint, scope, id)\n" +
-			"VALUES (?, (UTC_TIMESTAMP(6) + INTERVAL ? * 1000 MICROSECOND), ?, ?, ?)"}
+		fp: dedup.FingerprintOf(payload).Bytes(), claim: claim}
 }
 
 func (h *handSQL) process(ctx context.Context, scope, id string, body []byte) error {
@@ -294,5 +302,33 @@ func sqltablePgRow() row {
 			}
 			return base, idem, nil
 		},
+		byHand: func(ctx context.Context, e *env) (side, error) {
+			db, err := e.pgsql()
+			if err != nil {
+				return nil, err
+			}
+			insert, err := e.effects(ctx, "sqlt_hand")
+			if err != nil {
+				return nil, err
+			}
+			// The claims table, made by sqltable's migration; the
+			// statements below are sent by hand.
+			claims, err := e.sqlClaims(ctx, db, sqltable.Postgres, sqltable.Options{Schema: e.schema, Table: "sqlt_hand_claims"})
+			if err != nil {
+				return nil, err
+			}
+			h := newHandSQL(db, sqltable.Postgres, claims.Table(), insert)
+			return func(ctx context.Context, warm bool) (float64, error) {
+				return closedLoop(ctx, storeClients, warmedFor(e.size.duration, warm), func(ctx context.Context) error {
+					return h.process(ctx, "bench/pg", e.id("m"), payload)
+				})
+			}, nil
+		},
+		handNote: sqlPgHandNote,
 	}
 }
+
+const sqlPgHandNote = "For the sqltable row on PostgreSQL, statements-by-hand is the statements sqltable sends " +
+	"(BEGIN, the claim's INSERT, the handler's INSERT, COMMIT) with database/sql and pgx's stdlib driver and no idem code: " +
+	"what the driver allows, beside pgbench's SQL floor of the same statements above; " +
+	"its hand ratio is against the row's baseline, pgtable on a pgx pool."

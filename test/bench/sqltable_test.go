@@ -11,6 +11,8 @@ import (
 	"testing"
 
 	"github.com/go-sql-driver/mysql"
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/stdlib"
 
 	"github.com/idemkit/idem/dedup"
 	"github.com/idemkit/idem/dedup/sqltable"
@@ -63,8 +65,8 @@ func (c recConnector) Connect(ctx context.Context) (driver.Conn, error) {
 	return &recConn{inner: conn, rec: c.rec}, nil
 }
 
-// recConn forwards to go-sql-driver/mysql's connection every interface
-// database/sql looks for on it, recording on the way.
+// recConn forwards to the driver's connection every interface database/sql
+// looks for on it (those the driver has), recording on the way.
 type recConn struct {
 	inner driver.Conn
 	rec   *stmtRecorder
@@ -120,10 +122,16 @@ func (c *recConn) CheckNamedValue(nv *driver.NamedValue) error {
 }
 
 func (c *recConn) ResetSession(ctx context.Context) error {
-	return c.inner.(driver.SessionResetter).ResetSession(ctx)
+	if r, ok := c.inner.(driver.SessionResetter); ok {
+		return r.ResetSession(ctx)
+	}
+	return nil
 }
 
-func (c *recConn) IsValid() bool { return c.inner.(driver.Validator).IsValid() }
+func (c *recConn) IsValid() bool {
+	v, ok := c.inner.(driver.Validator)
+	return !ok || v.IsValid()
+}
 
 type recTx struct {
 	inner driver.Tx
@@ -167,42 +175,61 @@ func (s *recStmt) QueryContext(ctx context.Context, args []driver.NamedValue) (d
 	return s.inner.(driver.StmtQueryContext).QueryContext(ctx, args)
 }
 
-// TestHandSendsSqltableStatements checks that the by-hand side of the
-// sqltable row on MariaDB sends, statement by statement, what sqltable's
-// Process sends for a first delivery of the same key whose handler makes
-// the row's INSERT: the same statements, in the same order, with the same
-// arguments.
+// TestHandSendsSqltableStatements checks that the by-hand sides of the
+// sqltable rows (MariaDB, and PostgreSQL through pgx's stdlib driver) send,
+// statement by statement, what sqltable's Process sends for a first
+// delivery of the same key whose handler makes the row's INSERT: the same
+// statements, in the same order, with the same arguments.
 func TestHandSendsSqltableStatements(t *testing.T) {
-	testenv.MySQL(t, "") // skips, or fails under CI, when MariaDB is down
+	t.Run("mysql", func(t *testing.T) {
+		testenv.MySQL(t, "") // skips, or fails under CI, when MariaDB is down
+		cfg, err := mysql.ParseDSN(testenv.MySQLDSN())
+		if err != nil {
+			t.Fatal(err)
+		}
+		c, err := mysql.NewConnector(cfg)
+		if err != nil {
+			t.Fatal(err)
+		}
+		table := testenv.Name("idembench_sqlt")
+		business := "`" + testenv.Name("idembench_sqlb") + "`"
+		checkHandStatements(t, c, sqltable.MySQL, sqltable.Options{Table: table},
+			"CREATE TABLE "+business+" (id VARCHAR(64) NOT NULL, payload BLOB) ENGINE = InnoDB",
+			"INSERT INTO "+business+" (id, payload) VALUES (?, ?)",
+			"DROP TABLE IF EXISTS `"+table+"`, `"+table+"_migrations`, "+business)
+	})
+	t.Run("postgres", func(t *testing.T) {
+		testenv.Pool(t, 1) // skips, or fails under CI, when PostgreSQL is down
+		cfg, err := pgx.ParseConfig(testenv.PostgresURL())
+		if err != nil {
+			t.Fatal(err)
+		}
+		schema := testenv.Name("idembench_sqlp")
+		checkHandStatements(t, stdlib.GetConnector(*cfg), sqltable.Postgres, sqltable.Options{Schema: schema, Table: "claims"},
+			"CREATE SCHEMA "+schema+"; CREATE TABLE "+schema+".business (id text NOT NULL, payload bytea)",
+			"INSERT INTO "+schema+".business (id, payload) VALUES ($1, $2)",
+			"DROP SCHEMA IF EXISTS "+schema+" CASCADE")
+	})
+}
+
+func checkHandStatements(t *testing.T, c driver.Connector, d sqltable.Dialect, opts sqltable.Options, create, insert, drop string) {
 	ctx := testenv.Ctx(t)
-	cfg, err := mysql.ParseDSN(testenv.MySQLDSN())
-	if err != nil {
-		t.Fatal(err)
-	}
-	c, err := mysql.NewConnector(cfg)
-	if err != nil {
-		t.Fatal(err)
-	}
 	rec := new(stmtRecorder)
 	db := sql.OpenDB(recConnector{Connector: c, rec: rec})
 	t.Cleanup(func() { _ = db.Close() })
-
-	table := testenv.Name("idembench_sqlt")
-	store, err := sqltable.New(db, sqltable.MySQL, sqltable.Options{Table: table})
+	t.Cleanup(func() { _, _ = db.ExecContext(context.Background(), drop) })
+	for _, stmt := range strings.Split(create, "; ") {
+		if _, err := db.ExecContext(ctx, stmt); err != nil {
+			t.Fatal(err)
+		}
+	}
+	store, err := sqltable.New(db, d, opts)
 	if err != nil {
 		t.Fatal(err)
 	}
-	business := "`" + testenv.Name("idembench_sqlb") + "`"
-	t.Cleanup(func() {
-		_, _ = db.ExecContext(context.Background(), "DROP TABLE IF EXISTS "+store.Table()+", `"+table+"_migrations`, "+business)
-	})
 	if err := store.Migrate(ctx); err != nil {
 		t.Fatal(err)
 	}
-	if _, err := db.ExecContext(ctx, "CREATE TABLE "+business+" (id VARCHAR(64) NOT NULL, payload BLOB) ENGINE = InnoDB"); err != nil {
-		t.Fatal(err)
-	}
-	insert := "INSERT INTO " + business + " (id, payload) VALUES (?, ?)"
 	process := func(id string) error {
 		key := dedup.Key{Scope: "bench/sql", ID: id, Fingerprint: dedup.FingerprintOf(payload)}
 		_, err := store.Process(ctx, key, func(ctx context.Context, tx *sql.Tx) ([]byte, error) {
@@ -225,7 +252,7 @@ func TestHandSendsSqltableStatements(t *testing.T) {
 		t.Fatal(err)
 	}
 	rec.take()
-	if err := newHandSQL(db, store.Table(), insert).process(ctx, "bench/sql", "m1", payload); err != nil {
+	if err := newHandSQL(db, d, store.Table(), insert).process(ctx, "bench/sql", "m1", payload); err != nil {
 		t.Fatal(err)
 	}
 	hand := rec.take()

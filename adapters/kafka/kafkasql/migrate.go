@@ -6,7 +6,6 @@ import (
 	"fmt"
 	"hash/fnv"
 	"strconv"
-	"strings"
 
 	"github.com/idemkit/idem/internal/sqlmigrate"
 )
@@ -46,17 +45,11 @@ func (o *Offsets) SQL() (string, error) {
 	if err != nil {
 		return "", err
 	}
-	var b strings.Builder
+	schema := ""
 	if o.dialect == Postgres && o.opts.Schema != "" {
-		fmt.Fprintf(&b, "CREATE SCHEMA IF NOT EXISTS %s;\n\n", o.dialect.Quote(o.opts.Schema))
+		schema = o.dialect.Quote(o.opts.Schema)
 	}
-	for i, m := range ms {
-		if i > 0 {
-			b.WriteString("\n")
-		}
-		fmt.Fprintf(&b, "-- idem kafkasql migration %s\n%s", m.Version, m.SQL)
-	}
-	return b.String(), nil
+	return sqlmigrate.Script("kafkasql", schema, ms), nil
 }
 
 func (o *Offsets) versionTable() string {
