@@ -12,7 +12,7 @@ import (
 
 	amqp091 "github.com/rabbitmq/amqp091-go"
 
-	"github.com/idemkit/idem/adapters/amqp"
+	idemamqp "github.com/idemkit/idem/adapters/amqp"
 	"github.com/idemkit/idem/consumer"
 	"github.com/idemkit/idem/outbox"
 )

@@ -19,8 +19,8 @@ import (
 	"github.com/redis/go-redis/v9"
 	kafkago "github.com/segmentio/kafka-go"
 
-	"github.com/idemkit/idem/adapters/amqp"
-	"github.com/idemkit/idem/adapters/kafka"
+	idemamqp "github.com/idemkit/idem/adapters/amqp"
+	idemkafka "github.com/idemkit/idem/adapters/kafka"
 	"github.com/idemkit/idem/consumer"
 	"github.com/idemkit/idem/dedup/redisnx"
 )
