@@ -1,4 +1,4 @@
-package watermill_test
+package idemwatermill_test
 
 import (
 	"context"
@@ -13,7 +13,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message/router/middleware"
 	"github.com/ThreeDotsLabs/watermill/pubsub/gochannel"
 
-	idemwm "github.com/idemkit/idem/adapters/watermill"
+	"github.com/idemkit/idem/adapters/watermill"
 	"github.com/idemkit/idem/dedup/redisnx"
 	"github.com/idemkit/idem/internal/testkit/testenv"
 )
@@ -109,11 +109,11 @@ func benchVariants() []benchVariant {
 			return d.Middleware
 		}},
 		{"idem_memstore", func(b *testing.B) message.HandlerMiddleware {
-			return must(idemwm.Dedup(newMemstore(b), idemwm.Options{Scope: "bench"}))
+			return must(idemwatermill.Dedup(newMemstore(b), idemwatermill.Options{Scope: "bench"}))
 		}},
 		{"idem_redisnx", func(b *testing.B) message.HandlerMiddleware {
 			s := must(redisnx.New(testenv.Redis(b), redisnx.Options{Prefix: testenv.Name("idemwmbench"), TTL: time.Minute}))
-			return must(idemwm.Dedup(s, idemwm.Options{Scope: "bench"}))
+			return must(idemwatermill.Dedup(s, idemwatermill.Options{Scope: "bench"}))
 		}},
 	}
 }

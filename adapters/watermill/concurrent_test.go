@@ -1,4 +1,4 @@
-package watermill_test
+package idemwatermill_test
 
 import (
 	"context"
@@ -11,7 +11,7 @@ import (
 	wm "github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
 
-	idemwm "github.com/idemkit/idem/adapters/watermill"
+	"github.com/idemkit/idem/adapters/watermill"
 	"github.com/idemkit/idem/consumer"
 	"github.com/idemkit/idem/internal/telemetry"
 	"github.com/idemkit/idem/internal/testkit/telemetrytest"
@@ -60,7 +60,7 @@ func TestConcurrentDeliveriesOneEffect(t *testing.T) {
 				router.AddMiddleware(
 					fastRetry(1000).Middleware,
 					// Each router is another instance on the same store.
-					fx.middleware(t, idemwm.Options{Scope: "billing/charge", OnOutcome: onOutcome, MeterProvider: mp}),
+					fx.middleware(t, idemwatermill.Options{Scope: "billing/charge", OnOutcome: onOutcome, MeterProvider: mp}),
 				)
 				for s := range subsPerRoute {
 					router.AddConsumerHandler(fmt.Sprintf("charge-%d-%d", r, s), topic, ps, func(msg *message.Message) error {

@@ -1,12 +1,13 @@
-// Package watermill is idem's adapter for Watermill
+// Package idemwatermill is idem's adapter for Watermill
 // (github.com/ThreeDotsLabs/watermill): router middleware that makes
 // at-least-once delivery safe without ever dropping a retry, drop-in
 // repositories for Watermill's own Deduplicator, and an outbox publisher.
 //
-// Import it under another name, since Watermill's root package is also
-// called watermill:
+// Like idemkafka and idemamqp, its name is the wrapped library's with
+// "idem" in front, so it imports beside Watermill's root package without
+// a rename:
 //
-//	import idemwm "github.com/idemkit/idem/adapters/watermill"
+//	import "github.com/idemkit/idem/adapters/watermill"
 //
 // # Why not Watermill's Deduplicator
 //
@@ -27,7 +28,7 @@
 // database:
 //
 //	store, _ := redisnx.New(client, redisnx.Options{})
-//	mw, _ := idemwm.Dedup(store, idemwm.Options{})
+//	mw, _ := idemwatermill.Dedup(store, idemwatermill.Options{})
 //	router.AddMiddleware(mw)
 //
 // The key is (scope, id): the scope defaults to the handler's name in the
@@ -130,4 +131,4 @@
 // key only when the handler succeeded and releases it when the handler
 // failed, so Watermill's Retry runs the handler again instead of dropping
 // the message.
-package watermill
+package idemwatermill

@@ -1,4 +1,4 @@
-package watermill_test
+package idemwatermill_test
 
 import (
 	"github.com/jackc/pgx/v5"
@@ -15,7 +15,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill/pubsub/gochannel"
 	"github.com/jackc/pgx/v5/pgxpool"
 
-	idemwm "github.com/idemkit/idem/adapters/watermill"
+	"github.com/idemkit/idem/adapters/watermill"
 	"github.com/idemkit/idem/consumer"
 	"github.com/idemkit/idem/dedup/memstore"
 	"github.com/idemkit/idem/dedup/pgtable"
@@ -50,7 +50,7 @@ func ExampleDedup() {
 		return
 	}
 	defer store.Close()
-	dedup, err := idemwm.Dedup(store, idemwm.Options{
+	dedup, err := idemwatermill.Dedup(store, idemwatermill.Options{
 		OnOutcome: func(_ context.Context, r consumer.Report) {
 			if r.Outcome == consumer.OutcomeDuplicate {
 				fmt.Println("duplicate of", r.Key.ID, "acknowledged, handler not run")
@@ -120,7 +120,7 @@ func ExampleOptions_poisonQueue() {
 		fmt.Println(err)
 		return
 	}
-	dedup, err := idemwm.Dedup(store, idemwm.Options{PoisonQueue: poisonQueue})
+	dedup, err := idemwatermill.Dedup(store, idemwatermill.Options{PoisonQueue: poisonQueue})
 	if err != nil {
 		fmt.Println(err)
 		return
@@ -135,7 +135,7 @@ func ExampleOptions_poisonQueue() {
 		return nil
 	}).AddMiddleware(dedup)
 	router.AddConsumerHandler("poison-log", "payments.poison", pubSub, func(msg *message.Message) error {
-		fmt.Println("poison:", msg.UUID, string(msg.Payload), msg.Metadata.Get(idemwm.MetadataReason),
+		fmt.Println("poison:", msg.UUID, string(msg.Payload), msg.Metadata.Get(idemwatermill.MetadataReason),
 			"from", msg.Metadata.Get(middleware.PoisonedHandlerKey))
 		return nil
 	})
@@ -186,7 +186,7 @@ func ExampleTransactional() {
 		fmt.Println(err)
 		return
 	}
-	tx, err := idemwm.Transactional(store, idemwm.Options{Outbox: ob})
+	tx, err := idemwatermill.Transactional(store, idemwatermill.Options{Outbox: ob})
 	if err != nil {
 		fmt.Println(err)
 		return
@@ -203,13 +203,13 @@ func ExampleTransactional() {
 	// itself publishes nothing.
 	router.AddHandler("place-order", "orders", pubSub, "orders.placed", pubSub, func(msg *message.Message) ([]*message.Message, error) {
 		ctx := msg.Context()
-		if _, err := idemwm.Tx[pgx.Tx](ctx).Exec(ctx, "INSERT INTO orders (id, body) VALUES ($1, $2)", msg.UUID, msg.Payload); err != nil {
+		if _, err := idemwatermill.Tx[pgx.Tx](ctx).Exec(ctx, "INSERT INTO orders (id, body) VALUES ($1, $2)", msg.UUID, msg.Payload); err != nil {
 			return nil, err
 		}
 		return []*message.Message{message.NewMessage(wm.NewUUID(), msg.Payload)}, nil
 	})
 	// A relay publishes the committed outbox rows to Watermill.
-	pub, err := idemwm.NewPublisher(pubSub)
+	pub, err := idemwatermill.NewPublisher(pubSub)
 	if err != nil {
 		fmt.Println(err)
 		return

@@ -1,4 +1,4 @@
-package watermill_test
+package idemwatermill_test
 
 import (
 	"testing"
@@ -8,7 +8,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/ThreeDotsLabs/watermill/message/router/middleware"
 
-	idemwm "github.com/idemkit/idem/adapters/watermill"
+	"github.com/idemkit/idem/adapters/watermill"
 	"github.com/idemkit/idem/internal/testkit/testenv"
 )
 
@@ -47,7 +47,7 @@ func TestTwoHandlersEachApplyOnce(t *testing.T) {
 	for _, k := range allKinds() {
 		t.Run(k.name, func(t *testing.T) {
 			fx := k.setup(t)
-			ids, effects := twoHandlers(t, fx.middleware(t, idemwm.Options{}), fx.oracle)
+			ids, effects := twoHandlers(t, fx.middleware(t, idemwatermill.Options{}), fx.oracle)
 			for _, id := range ids {
 				for _, h := range []string{"audit", "charge"} {
 					if n := effects[h+"/"+id]; n != 1 {

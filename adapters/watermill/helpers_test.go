@@ -1,4 +1,4 @@
-package watermill_test
+package idemwatermill_test
 
 import (
 	"context"
@@ -15,7 +15,7 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 
-	idemwm "github.com/idemkit/idem/adapters/watermill"
+	"github.com/idemkit/idem/adapters/watermill"
 	"github.com/idemkit/idem/dedup"
 	"github.com/idemkit/idem/dedup/memstore"
 	"github.com/idemkit/idem/dedup/pgtable"
@@ -135,7 +135,7 @@ func newPGOracle(t testing.TB, pool *pgxpool.Pool, schema string) *pgOracle {
 func (o *pgOracle) record(msg *message.Message, handler string) error {
 	ctx := msg.Context()
 	q := "INSERT INTO " + o.table + " (handler, id) VALUES ($1, $2)"
-	if tx := idemwm.Tx[pgx.Tx](ctx); tx != nil {
+	if tx := idemwatermill.Tx[pgx.Tx](ctx); tx != nil {
 		_, err := tx.Exec(ctx, q, handler, msg.UUID)
 		return err
 	}
@@ -174,7 +174,7 @@ func duplicates(c map[string]int) []string {
 // (every call is another instance of the service on the same store) and an
 // oracle.
 type fixture struct {
-	middleware func(t testing.TB, opts idemwm.Options) message.HandlerMiddleware
+	middleware func(t testing.TB, opts idemwatermill.Options) message.HandlerMiddleware
 	oracle     oracle
 	// pgStore is the pgtable store, for the kinds that have one.
 	pgStore *pgtable.Store
@@ -201,8 +201,8 @@ func memKind() kind {
 		t.Cleanup(func() { _ = s.Close() })
 		return &fixture{
 			oracle: newMemOracle(),
-			middleware: func(t testing.TB, opts idemwm.Options) message.HandlerMiddleware {
-				return must(idemwm.Dedup(s, opts))
+			middleware: func(t testing.TB, opts idemwatermill.Options) message.HandlerMiddleware {
+				return must(idemwatermill.Dedup(s, opts))
 			},
 		}
 	}}
@@ -233,8 +233,8 @@ func redisKind() kind {
 		return &fixture{
 			oracle: newPGOracle(t, pool, schema),
 			pool:   pool, schema: schema,
-			middleware: func(t testing.TB, opts idemwm.Options) message.HandlerMiddleware {
-				return must(idemwm.Dedup(s, opts))
+			middleware: func(t testing.TB, opts idemwatermill.Options) message.HandlerMiddleware {
+				return must(idemwatermill.Dedup(s, opts))
 			},
 		}
 	}}
@@ -247,8 +247,8 @@ func pgLeaseKind() kind {
 		return &fixture{
 			oracle: newPGOracle(t, pool, schema),
 			pool:   pool, schema: schema, pgStore: s,
-			middleware: func(t testing.TB, opts idemwm.Options) message.HandlerMiddleware {
-				return must(idemwm.Dedup(s.Lease(), opts))
+			middleware: func(t testing.TB, opts idemwatermill.Options) message.HandlerMiddleware {
+				return must(idemwatermill.Dedup(s.Lease(), opts))
 			},
 		}
 	}}
@@ -261,8 +261,8 @@ func pgTxKind() kind {
 		return &fixture{
 			oracle: newPGOracle(t, pool, schema),
 			pool:   pool, schema: schema, pgStore: s,
-			middleware: func(t testing.TB, opts idemwm.Options) message.HandlerMiddleware {
-				return must(idemwm.Transactional(s, opts))
+			middleware: func(t testing.TB, opts idemwatermill.Options) message.HandlerMiddleware {
+				return must(idemwatermill.Transactional(s, opts))
 			},
 		}
 	}}

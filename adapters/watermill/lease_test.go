@@ -1,4 +1,4 @@
-package watermill_test
+package idemwatermill_test
 
 import (
 	"context"
@@ -13,7 +13,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/jackc/pgx/v5"
 
-	idemwm "github.com/idemkit/idem/adapters/watermill"
+	"github.com/idemkit/idem/adapters/watermill"
 	"github.com/idemkit/idem/consumer"
 	"github.com/idemkit/idem/dedup"
 )
@@ -41,7 +41,7 @@ func (l *outcomeLog) String() string {
 func TestDedupOutcomes(t *testing.T) {
 	store := newMemstore(t)
 	var log outcomeLog
-	mw := must(idemwm.Dedup(store, idemwm.Options{Scope: "billing/charge", OnOutcome: log.add}))
+	mw := must(idemwatermill.Dedup(store, idemwatermill.Options{Scope: "billing/charge", OnOutcome: log.add}))
 	var fail atomic.Bool
 	var runs atomic.Int32
 	produced := message.NewMessage(wm.NewUUID(), []byte("receipt"))
@@ -83,7 +83,7 @@ func TestDedupOutcomes(t *testing.T) {
 	}
 	_, err = h(m3)
 	var ce *dedup.ClaimError
-	if !errors.Is(err, dedup.ErrInFlight) || !errors.As(err, &ce) || ce.RetryAfter <= 0 || !idemwm.Retryable(err) {
+	if !errors.Is(err, dedup.ErrInFlight) || !errors.As(err, &ce) || ce.RetryAfter <= 0 || !idemwatermill.Retryable(err) {
 		t.Fatalf("in flight: %v", err)
 	}
 	if err := store.Release(context.Background(), lease); err != nil {
@@ -106,7 +106,7 @@ func TestDedupHeartbeat(t *testing.T) {
 		extended <- struct{}{}
 		return nil
 	}}
-	mw := must(idemwm.Dedup(store, idemwm.Options{Scope: "s", ExtendEvery: 2 * time.Millisecond}))
+	mw := must(idemwatermill.Dedup(store, idemwatermill.Options{Scope: "s", ExtendEvery: 2 * time.Millisecond}))
 	h := mw(func(*message.Message) ([]*message.Message, error) {
 		for range 3 {
 			<-extended
@@ -135,7 +135,7 @@ func TestDedupLeaseLost(t *testing.T) {
 		complete: func(context.Context, *dedup.Lease) error { completes.Add(1); return nil },
 	}
 	var log outcomeLog
-	mw := must(idemwm.Dedup(store, idemwm.Options{Scope: "s", ExtendEvery: time.Millisecond, OnOutcome: log.add}))
+	mw := must(idemwatermill.Dedup(store, idemwatermill.Options{Scope: "s", ExtendEvery: time.Millisecond, OnOutcome: log.add}))
 	var cause error
 	h := mw(func(m *message.Message) ([]*message.Message, error) {
 		<-m.Context().Done()
@@ -146,7 +146,7 @@ func TestDedupLeaseLost(t *testing.T) {
 	if !errors.Is(cause, dedup.ErrLeaseLost) {
 		t.Errorf("handler context cause = %v", cause)
 	}
-	if !errors.Is(err, dedup.ErrLeaseLost) || !idemwm.Retryable(err) {
+	if !errors.Is(err, dedup.ErrLeaseLost) || !idemwatermill.Retryable(err) {
 		t.Errorf("err = %v, want a retryable lease-lost error", err)
 	}
 	if completes.Load() != 0 || log.String() != string(consumer.OutcomeLeaseLost) {
@@ -161,7 +161,7 @@ func TestDedupLeaseLostPolled(t *testing.T) {
 	store := &leaseStore{LeaseStore: newMemstore(t), extend: func(context.Context, *dedup.Lease) error {
 		return dedup.ErrLeaseLost
 	}}
-	mw := must(idemwm.Dedup(store, idemwm.Options{Scope: "s", ExtendEvery: time.Millisecond}))
+	mw := must(idemwatermill.Dedup(store, idemwatermill.Options{Scope: "s", ExtendEvery: time.Millisecond}))
 	var herr, cause error
 	h := mw(func(m *message.Message) ([]*message.Message, error) {
 		ctx := m.Context()
@@ -187,7 +187,7 @@ func TestDedupLeaseLostPolled(t *testing.T) {
 // message context's values and deadline meanwhile.
 func TestDedupHandlerContextEnds(t *testing.T) {
 	for _, derive := range []bool{false, true} {
-		mw := must(idemwm.Dedup(newMemstore(t), idemwm.Options{Scope: "s"}))
+		mw := must(idemwatermill.Dedup(newMemstore(t), idemwatermill.Options{Scope: "s"}))
 		ctx, cancel := context.WithTimeout(context.WithValue(context.Background(), ctxKey{}, "v"), time.Hour)
 		t.Cleanup(cancel) // the message's context stays live: only the middleware cancels
 		wantDeadline, _ := ctx.Deadline()
@@ -231,7 +231,7 @@ func TestDedupHandlerContextEnds(t *testing.T) {
 // TestDedupPanicReleases: a panicking handler's key is released and the
 // panic goes on; the redelivery runs the handler.
 func TestDedupPanicReleases(t *testing.T) {
-	mw := must(idemwm.Dedup(newMemstore(t), idemwm.Options{Scope: "s"}))
+	mw := must(idemwatermill.Dedup(newMemstore(t), idemwatermill.Options{Scope: "s"}))
 	var runs atomic.Int32
 	h := mw(func(*message.Message) ([]*message.Message, error) {
 		if runs.Add(1) == 1 {
@@ -266,19 +266,19 @@ func TestDedupStoreFailures(t *testing.T) {
 	next := func(*message.Message) ([]*message.Message, error) { runs.Add(1); return nil, nil }
 
 	claimFails := &leaseStore{LeaseStore: newMemstore(t), claim: func(context.Context, dedup.Key) (*dedup.Lease, error) { return nil, down }}
-	_, err := must(idemwm.Dedup(claimFails, idemwm.Options{Scope: "s"}))(next)(message.NewMessage("a", nil))
-	if !errors.Is(err, down) || !idemwm.Retryable(err) || runs.Load() != 0 {
+	_, err := must(idemwatermill.Dedup(claimFails, idemwatermill.Options{Scope: "s"}))(next)(message.NewMessage("a", nil))
+	if !errors.Is(err, down) || !idemwatermill.Retryable(err) || runs.Load() != 0 {
 		t.Errorf("claim fails: err %v, runs %d", err, runs.Load())
 	}
 
 	noLease := &leaseStore{LeaseStore: newMemstore(t), claim: func(context.Context, dedup.Key) (*dedup.Lease, error) { return nil, nil }}
-	if _, err := must(idemwm.Dedup(noLease, idemwm.Options{Scope: "s"}))(next)(message.NewMessage("a", nil)); err == nil || runs.Load() != 0 {
+	if _, err := must(idemwatermill.Dedup(noLease, idemwatermill.Options{Scope: "s"}))(next)(message.NewMessage("a", nil)); err == nil || runs.Load() != 0 {
 		t.Errorf("no lease, no error: err %v, runs %d", err, runs.Load())
 	}
 
 	completeFails := &leaseStore{LeaseStore: newMemstore(t), complete: func(context.Context, *dedup.Lease) error { return down }}
-	_, err = must(idemwm.Dedup(completeFails, idemwm.Options{Scope: "s"}))(next)(message.NewMessage("a", nil))
-	if !errors.Is(err, down) || !idemwm.Retryable(err) || runs.Load() != 1 {
+	_, err = must(idemwatermill.Dedup(completeFails, idemwatermill.Options{Scope: "s"}))(next)(message.NewMessage("a", nil))
+	if !errors.Is(err, down) || !idemwatermill.Retryable(err) || runs.Load() != 1 {
 		t.Errorf("complete fails: err %v, runs %d", err, runs.Load())
 	}
 }
@@ -286,7 +286,7 @@ func TestDedupStoreFailures(t *testing.T) {
 // TestFingerprintOption: a custom fingerprint decides what a conflict is;
 // the zero fingerprint turns the check off.
 func TestFingerprintOption(t *testing.T) {
-	mw := must(idemwm.Dedup(newMemstore(t), idemwm.Options{Scope: "s", Fingerprint: func(*message.Message) dedup.Fingerprint { return dedup.Fingerprint{} }}))
+	mw := must(idemwatermill.Dedup(newMemstore(t), idemwatermill.Options{Scope: "s", Fingerprint: func(*message.Message) dedup.Fingerprint { return dedup.Fingerprint{} }}))
 	var runs atomic.Int32
 	h := mw(func(*message.Message) ([]*message.Message, error) { runs.Add(1); return nil, nil })
 	id := wm.NewUUID()
@@ -315,20 +315,23 @@ func TestOptionsValidation(t *testing.T) {
 		err  func() error
 		hint string
 	}{
-		{"nil lease store", func() error { _, err := idemwm.Dedup(nil, idemwm.Options{}); return err }, "memstore.New"},
+		{"nil lease store", func() error { _, err := idemwatermill.Dedup(nil, idemwatermill.Options{}); return err }, "memstore.New"},
 		{"outbox on lease", func() error {
-			_, err := idemwm.Dedup(store, idemwm.Options{OutboxTopic: "x"})
+			_, err := idemwatermill.Dedup(store, idemwatermill.Options{OutboxTopic: "x"})
 			return err
 		}, "Transactional"},
-		{"negative MaxKeyLen", func() error { _, err := idemwm.Dedup(store, idemwm.Options{MaxKeyLen: -1}); return err }, "MaxKeyLen"},
-		{"bad scope", func() error { _, err := idemwm.Dedup(store, idemwm.Options{Scope: "a\x00b"}); return err }, "Scope"},
-		{"negative FinishTimeout", func() error { _, err := idemwm.Dedup(store, idemwm.Options{FinishTimeout: -time.Second}); return err }, "FinishTimeout"},
-		{"nil tx store", func() error { _, err := idemwm.Transactional[pgx.Tx](nil, idemwm.Options{}); return err }, "*pgtable.Store"},
+		{"negative MaxKeyLen", func() error { _, err := idemwatermill.Dedup(store, idemwatermill.Options{MaxKeyLen: -1}); return err }, "MaxKeyLen"},
+		{"bad scope", func() error { _, err := idemwatermill.Dedup(store, idemwatermill.Options{Scope: "a\x00b"}); return err }, "Scope"},
+		{"negative FinishTimeout", func() error {
+			_, err := idemwatermill.Dedup(store, idemwatermill.Options{FinishTimeout: -time.Second})
+			return err
+		}, "FinishTimeout"},
+		{"nil tx store", func() error { _, err := idemwatermill.Transactional[pgx.Tx](nil, idemwatermill.Options{}); return err }, "*pgtable.Store"},
 		{"outbox topic without outbox", func() error {
-			_, err := idemwm.Transactional(noTxStore{}, idemwm.Options{OutboxTopic: "x"})
+			_, err := idemwatermill.Transactional(noTxStore{}, idemwatermill.Options{OutboxTopic: "x"})
 			return err
 		}, "need Options.Outbox"},
-		{"nil publisher", func() error { _, err := idemwm.NewPublisher(nil); return err }, "pub is nil"},
+		{"nil publisher", func() error { _, err := idemwatermill.NewPublisher(nil); return err }, "pub is nil"},
 	}
 	for _, c := range cases {
 		if err := c.err(); err == nil || !strings.Contains(err.Error(), c.hint) {
@@ -348,7 +351,7 @@ func TestDedupFinishContext(t *testing.T) {
 			completeErr = ctx.Err()
 			return nil
 		}}
-		mw := must(idemwm.Dedup(store, idemwm.Options{Scope: "s"}))
+		mw := must(idemwatermill.Dedup(store, idemwatermill.Options{Scope: "s"}))
 		ctx, cancel := context.WithCancel(context.WithValue(context.Background(), ctxKey{}, "v"))
 		msg := message.NewMessageWithContext(ctx, wm.NewUUID(), []byte("a"))
 		var seen any
@@ -372,9 +375,9 @@ func TestDedupFinishContext(t *testing.T) {
 			<-ctx.Done() // a store that hangs
 			return ctx.Err()
 		}}
-		mw := must(idemwm.Dedup(store, idemwm.Options{Scope: "s", FinishTimeout: 10 * time.Millisecond}))
+		mw := must(idemwatermill.Dedup(store, idemwatermill.Options{Scope: "s", FinishTimeout: 10 * time.Millisecond}))
 		_, err := mw(func(*message.Message) ([]*message.Message, error) { return nil, nil })(message.NewMessage(wm.NewUUID(), []byte("a")))
-		if !errors.Is(err, context.DeadlineExceeded) || !idemwm.Retryable(err) {
+		if !errors.Is(err, context.DeadlineExceeded) || !idemwatermill.Retryable(err) {
 			t.Fatalf("err = %v, want a retryable deadline error", err)
 		}
 	})

@@ -1,4 +1,4 @@
-package watermill_test
+package idemwatermill_test
 
 import (
 	"testing"

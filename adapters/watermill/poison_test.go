@@ -1,4 +1,4 @@
-package watermill_test
+package idemwatermill_test
 
 import (
 	"context"
@@ -13,7 +13,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/ThreeDotsLabs/watermill/message/router/middleware"
 
-	idemwm "github.com/idemkit/idem/adapters/watermill"
+	"github.com/idemkit/idem/adapters/watermill"
 	"github.com/idemkit/idem/consumer"
 	"github.com/idemkit/idem/dedup"
 	"github.com/idemkit/idem/internal/testkit/testenv"
@@ -31,7 +31,7 @@ func TestPoisonQueueOption(t *testing.T) {
 			pq := must(middleware.PoisonQueue(poisonPub, "poison"))
 			ps := newGoChannel(t)
 			r := newRouter(t)
-			r.AddMiddleware(fx.middleware(t, idemwm.Options{KeyMetadata: "event_id", PoisonQueue: pq}))
+			r.AddMiddleware(fx.middleware(t, idemwatermill.Options{KeyMetadata: "event_id", PoisonQueue: pq}))
 			var runs atomic.Int32
 			topic := testenv.Name("payments")
 			r.AddConsumerHandler("charge", topic, ps, func(msg *message.Message) error {
@@ -68,8 +68,8 @@ func TestPoisonQueueOption(t *testing.T) {
 				if topics[i] != "poison" || m.UUID != want.uuid {
 					t.Errorf("poison #%d: topic %s uuid %s", i, topics[i], m.UUID)
 				}
-				if m.Metadata.Get(idemwm.MetadataReason) != want.reason {
-					t.Errorf("poison #%d: %s = %q, want %q", i, idemwm.MetadataReason, m.Metadata.Get(idemwm.MetadataReason), want.reason)
+				if m.Metadata.Get(idemwatermill.MetadataReason) != want.reason {
+					t.Errorf("poison #%d: %s = %q, want %q", i, idemwatermill.MetadataReason, m.Metadata.Get(idemwatermill.MetadataReason), want.reason)
 				}
 				if r := m.Metadata.Get(middleware.ReasonForPoisonedKey); !strings.Contains(r, want.cause) {
 					t.Errorf("poison #%d: %s = %q, want it to mention %q", i, middleware.ReasonForPoisonedKey, r, want.cause)
@@ -86,7 +86,7 @@ func TestPoisonQueueOption(t *testing.T) {
 // a permanent *PoisonError with the reason in the metadata; the handler does
 // not run.
 func TestPoisonWithoutQueue(t *testing.T) {
-	mw := must(idemwm.Dedup(newMemstore(t), idemwm.Options{Scope: "billing/charge"}))
+	mw := must(idemwatermill.Dedup(newMemstore(t), idemwatermill.Options{Scope: "billing/charge"}))
 	var runs atomic.Int32
 	h := mw(func(*message.Message) ([]*message.Message, error) { runs.Add(1); return nil, nil })
 
@@ -109,15 +109,15 @@ func TestPoisonWithoutQueue(t *testing.T) {
 	for _, c := range cases {
 		t.Run(c.name, func(t *testing.T) {
 			_, err := h(c.msg)
-			var pe *idemwm.PoisonError
+			var pe *idemwatermill.PoisonError
 			if !errors.As(err, &pe) || pe.Reason != c.reason || !errors.Is(err, c.is) {
 				t.Fatalf("err = %v, want a *PoisonError (%s) wrapping %v", err, c.reason, c.is)
 			}
-			if !idemwm.IsPoison(err) || idemwm.Retryable(err) || consumer.Decide(err).Action != consumer.ActionDeadLetter {
-				t.Errorf("IsPoison %v, Retryable %v, dead-lettered %v", idemwm.IsPoison(err), idemwm.Retryable(err), consumer.Decide(err).Action == consumer.ActionDeadLetter)
+			if !idemwatermill.IsPoison(err) || idemwatermill.Retryable(err) || consumer.Decide(err).Action != consumer.ActionDeadLetter {
+				t.Errorf("IsPoison %v, Retryable %v, dead-lettered %v", idemwatermill.IsPoison(err), idemwatermill.Retryable(err), consumer.Decide(err).Action == consumer.ActionDeadLetter)
 			}
-			if got := c.msg.Metadata.Get(idemwm.MetadataReason); got != string(c.reason) {
-				t.Errorf("metadata %s = %q, want %q", idemwm.MetadataReason, got, c.reason)
+			if got := c.msg.Metadata.Get(idemwatermill.MetadataReason); got != string(c.reason) {
+				t.Errorf("metadata %s = %q, want %q", idemwatermill.MetadataReason, got, c.reason)
 			}
 		})
 	}
@@ -132,11 +132,11 @@ func TestPoisonWithoutQueue(t *testing.T) {
 // queue; a transient handler error is retried and never poisoned.
 func TestPoisonQueueWithFilterOutside(t *testing.T) {
 	poisonPub := &recordingPublisher{}
-	pq := must(middleware.PoisonQueueWithFilter(poisonPub, "poison", idemwm.IsPoison))
+	pq := must(middleware.PoisonQueueWithFilter(poisonPub, "poison", idemwatermill.IsPoison))
 	var retried, notRetried atomic.Int32
 	retry := fastRetry(5)
 	retry.ShouldRetry = func(p middleware.RetryParams) bool {
-		ok := idemwm.Retryable(p.Err)
+		ok := idemwatermill.Retryable(p.Err)
 		if ok {
 			retried.Add(1)
 		} else {
@@ -147,7 +147,7 @@ func TestPoisonQueueWithFilterOutside(t *testing.T) {
 
 	ps := newGoChannel(t)
 	r := newRouter(t)
-	r.AddMiddleware(pq, retry.Middleware, must(idemwm.Dedup(newMemstore(t), idemwm.Options{})))
+	r.AddMiddleware(pq, retry.Middleware, must(idemwatermill.Dedup(newMemstore(t), idemwatermill.Options{})))
 	var runs atomic.Int32
 	topic := testenv.Name("payments")
 	r.AddConsumerHandler("charge", topic, ps, func(msg *message.Message) error {
@@ -170,7 +170,7 @@ func TestPoisonQueueWithFilterOutside(t *testing.T) {
 		t.Errorf("handler ran %d times, want 3 (a, b failing, b again)", runs.Load())
 	}
 	_, got := poisonPub.published()
-	if len(got) != 1 || got[0].UUID != forged.UUID || got[0].Metadata.Get(idemwm.MetadataReason) != string(consumer.OutcomeFingerprintMismatch) {
+	if len(got) != 1 || got[0].UUID != forged.UUID || got[0].Metadata.Get(idemwatermill.MetadataReason) != string(consumer.OutcomeFingerprintMismatch) {
 		t.Fatalf("poison queue got %v", got)
 	}
 	if retried.Load() != 1 || notRetried.Load() != 1 {
@@ -183,7 +183,7 @@ func TestPoisonQueueWithFilterOutside(t *testing.T) {
 func TestKeyFunc(t *testing.T) {
 	store := newMemstore(t)
 	var keyErr error
-	mw := must(idemwm.Dedup(store, idemwm.Options{Scope: "s", KeyFunc: func(m *message.Message) (string, error) {
+	mw := must(idemwatermill.Dedup(store, idemwatermill.Options{Scope: "s", KeyFunc: func(m *message.Message) (string, error) {
 		return "order-" + string(m.Payload), keyErr
 	}}))
 	var runs atomic.Int32
@@ -197,12 +197,12 @@ func TestKeyFunc(t *testing.T) {
 		t.Fatalf("runs = %d", runs.Load())
 	}
 	keyErr = errors.New("schema registry unreachable")
-	if _, err := h(message.NewMessage("x", []byte("8"))); err == nil || idemwm.IsPoison(err) || !idemwm.Retryable(err) {
+	if _, err := h(message.NewMessage("x", []byte("8"))); err == nil || idemwatermill.IsPoison(err) || !idemwatermill.Retryable(err) {
 		t.Errorf("transient key error: %v", err)
 	}
 	for _, e := range []error{fmt.Errorf("no order id: %w", dedup.ErrInvalidKey), consumer.Permanent(errors.New("undecodable"))} {
 		keyErr = e
-		if _, err := h(message.NewMessage("x", []byte("9"))); !idemwm.IsPoison(err) {
+		if _, err := h(message.NewMessage("x", []byte("9"))); !idemwatermill.IsPoison(err) {
 			t.Errorf("key error %v: got %v, want poison", e, err)
 		}
 	}
@@ -211,9 +211,9 @@ func TestKeyFunc(t *testing.T) {
 // TestScopeFromHandlerName: outside a router, with no Options.Scope, there
 // is no scope: a configuration error, retried (never poison).
 func TestScopeFromHandlerName(t *testing.T) {
-	mw := must(idemwm.Dedup(newMemstore(t), idemwm.Options{}))
+	mw := must(idemwatermill.Dedup(newMemstore(t), idemwatermill.Options{}))
 	_, err := mw(func(*message.Message) ([]*message.Message, error) { return nil, nil })(message.NewMessage("a", nil))
-	if err == nil || idemwm.IsPoison(err) || !strings.Contains(err.Error(), "Options.Scope") {
+	if err == nil || idemwatermill.IsPoison(err) || !strings.Contains(err.Error(), "Options.Scope") {
 		t.Fatalf("err = %v", err)
 	}
 }
@@ -253,7 +253,7 @@ func TestOnOutcomeAfterPoisonQueue(t *testing.T) {
 			go func() {
 				defer close(subDone)
 				for m := range poisoned {
-					event("poisoned " + m.Metadata.Get(idemwm.MetadataReason))
+					event("poisoned " + m.Metadata.Get(idemwatermill.MetadataReason))
 					m.Ack()
 				}
 			}()
@@ -261,7 +261,7 @@ func TestOnOutcomeAfterPoisonQueue(t *testing.T) {
 
 			ps := newGoChannel(t)
 			r := newRouter(t)
-			r.AddMiddleware(fx.middleware(t, idemwm.Options{KeyMetadata: "event_id", PoisonQueue: pq, OnOutcome: onOutcome}))
+			r.AddMiddleware(fx.middleware(t, idemwatermill.Options{KeyMetadata: "event_id", PoisonQueue: pq, OnOutcome: onOutcome}))
 			topic := testenv.Name("payments")
 			r.AddConsumerHandler("charge", topic, ps, func(msg *message.Message) error {
 				return fx.oracle.record(msg, "charge")
@@ -291,7 +291,7 @@ func TestOnOutcomeAfterPoisonQueue(t *testing.T) {
 				t.Fatal(err)
 			}
 			<-subDone
-			mw := fx.middleware(t, idemwm.Options{Scope: "charge", KeyMetadata: "event_id", PoisonQueue: pq, OnOutcome: onOutcome})
+			mw := fx.middleware(t, idemwatermill.Options{Scope: "charge", KeyMetadata: "event_id", PoisonQueue: pq, OnOutcome: onOutcome})
 			again := message.NewMessage(wm.NewUUID(), []byte(`{"amount":901}`))
 			again.Metadata.Set("event_id", "evt-1")
 			_, herr := mw(func(*message.Message) ([]*message.Message, error) {

@@ -1,4 +1,4 @@
-package watermill_test
+package idemwatermill_test
 
 import (
 	"context"
@@ -6,7 +6,7 @@ import (
 	"reflect"
 	"testing"
 
-	idemwm "github.com/idemkit/idem/adapters/watermill"
+	"github.com/idemkit/idem/adapters/watermill"
 	"github.com/idemkit/idem/outbox"
 )
 
@@ -25,7 +25,7 @@ func outboxBatch() []*outbox.Message {
 // metadata, its key in MetadataKey.
 func TestPublisher(t *testing.T) {
 	rec := &recordingPublisher{}
-	p := must(idemwm.NewPublisher(rec))
+	p := must(idemwatermill.NewPublisher(rec))
 	if err := p.Publish(context.Background(), outboxBatch()); err != nil {
 		t.Fatal(err)
 	}
@@ -35,10 +35,10 @@ func TestPublisher(t *testing.T) {
 	}
 	m := msgs[0]
 	if m.UUID != "01" || string(m.Payload) != "a1" || m.Metadata.Get(outbox.HeaderMessageID) != "01" ||
-		m.Metadata.Get("traceparent") != "00-1" || m.Metadata.Get(idemwm.MetadataKey) != "A" {
+		m.Metadata.Get("traceparent") != "00-1" || m.Metadata.Get(idemwatermill.MetadataKey) != "A" {
 		t.Errorf("first message: uuid %s payload %s metadata %v", m.UUID, m.Payload, m.Metadata)
 	}
-	if _, ok := msgs[3].Metadata[idemwm.MetadataKey]; ok {
+	if _, ok := msgs[3].Metadata[idemwatermill.MetadataKey]; ok {
 		t.Error("a message without a key got MetadataKey")
 	}
 }
@@ -54,7 +54,7 @@ func TestPublisherFailures(t *testing.T) {
 		}
 		return nil
 	}}
-	p := must(idemwm.NewPublisher(rec))
+	p := must(idemwatermill.NewPublisher(rec))
 	err := p.Publish(context.Background(), outboxBatch())
 	var pe *outbox.PublishError
 	if !errors.As(err, &pe) {
@@ -76,7 +76,7 @@ func TestPublisherFailures(t *testing.T) {
 	}
 
 	all := &recordingPublisher{err: func(string) error { return down }}
-	err = must(idemwm.NewPublisher(all)).Publish(context.Background(), outboxBatch())
+	err = must(idemwatermill.NewPublisher(all)).Publish(context.Background(), outboxBatch())
 	if !errors.Is(err, down) || errors.As(err, &pe) {
 		t.Errorf("everything failed: err = %v, want the broker's error for the whole batch", err)
 	}
@@ -87,7 +87,7 @@ func TestPublisherStopped(t *testing.T) {
 	rec := &recordingPublisher{}
 	ctx, cancel := context.WithCancel(context.Background())
 	cancel()
-	err := must(idemwm.NewPublisher(rec)).Publish(ctx, outboxBatch())
+	err := must(idemwatermill.NewPublisher(rec)).Publish(ctx, outboxBatch())
 	if !errors.Is(err, context.Canceled) {
 		t.Fatalf("err = %v", err)
 	}

@@ -1,4 +1,4 @@
-package watermill_test
+package idemwatermill_test
 
 import (
 	"sync/atomic"
@@ -9,7 +9,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/ThreeDotsLabs/watermill/message/router/middleware"
 
-	idemwm "github.com/idemkit/idem/adapters/watermill"
+	"github.com/idemkit/idem/adapters/watermill"
 	"github.com/idemkit/idem/internal/testkit/testenv"
 )
 
@@ -59,7 +59,7 @@ func TestFailOnceThenSucceedRunsOnce(t *testing.T) {
 		for _, mode := range retryModes {
 			t.Run(k.name+"/"+mode, func(t *testing.T) {
 				fx := k.setup(t)
-				attempts, id, effects := failOnceScenario(t, mode, fx.middleware(t, idemwm.Options{}), fx.oracle)
+				attempts, id, effects := failOnceScenario(t, mode, fx.middleware(t, idemwatermill.Options{}), fx.oracle)
 				if attempts != 2 {
 					t.Errorf("handler ran %d times, want 2 (the failure, then the retry; the duplicate is dropped)", attempts)
 				}

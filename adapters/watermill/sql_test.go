@@ -1,4 +1,4 @@
-package watermill_test
+package idemwatermill_test
 
 import (
 	"context"
@@ -10,7 +10,7 @@ import (
 	wm "github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
 
-	idemwm "github.com/idemkit/idem/adapters/watermill"
+	"github.com/idemkit/idem/adapters/watermill"
 	"github.com/idemkit/idem/dedup/sqltable"
 	"github.com/idemkit/idem/internal/testkit/testenv"
 	"github.com/idemkit/idem/outbox/sqloutbox"
@@ -45,7 +45,7 @@ func TestTransactionalMariaDB(t *testing.T) {
 	if err := ob.Migrate(ctx); err != nil {
 		t.Fatal(err)
 	}
-	mw, err := idemwm.Transactional(store, idemwm.Options{Scope: "charge", Outbox: ob})
+	mw, err := idemwatermill.Transactional(store, idemwatermill.Options{Scope: "charge", Outbox: ob})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -55,7 +55,7 @@ func TestTransactionalMariaDB(t *testing.T) {
 	topic := testenv.Name("orders")
 	failed := false
 	r.AddHandler("charge", topic, ps, "receipts", &recordingPublisher{}, func(msg *message.Message) ([]*message.Message, error) {
-		tx := idemwm.Tx[*sql.Tx](msg.Context())
+		tx := idemwatermill.Tx[*sql.Tx](msg.Context())
 		if tx == nil {
 			return nil, fmt.Errorf("no transaction in the message's context")
 		}
@@ -104,7 +104,7 @@ func TestTransactionalRefusesAnOutboxOfAnotherTransaction(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	_, err = idemwm.Transactional(noTxStore{}, idemwm.Options{Outbox: ob})
+	_, err = idemwatermill.Transactional(noTxStore{}, idemwatermill.Options{Outbox: ob})
 	if err == nil || !strings.Contains(err.Error(), "sqloutbox.Outbox") || !strings.Contains(err.Error(), "pgx.Tx") {
 		t.Fatalf("Transactional with a *sqloutbox.Outbox on a pgx store = %v, want an error naming both", err)
 	}

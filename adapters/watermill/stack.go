@@ -1,4 +1,4 @@
-package watermill
+package idemwatermill
 
 // Watermill's router runs each message's handler on a goroutine of its own,
 // which starts with a small stack (the runtime sizes new stacks after the

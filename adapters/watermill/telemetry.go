@@ -1,4 +1,4 @@
-package watermill
+package idemwatermill
 
 import (
 	"context"
@@ -22,7 +22,7 @@ import (
 // middleware extracts the producer's trace context with it; a producer
 // that does not go through idem's outbox can inject with it:
 //
-//	otel.GetTextMapPropagator().Inject(ctx, idemwm.MetadataCarrier(msg.Metadata))
+//	otel.GetTextMapPropagator().Inject(ctx, idemwatermill.MetadataCarrier(msg.Metadata))
 type MetadataCarrier message.Metadata
 
 var _ propagation.TextMapCarrier = MetadataCarrier(nil)

@@ -1,4 +1,4 @@
-package watermill_test
+package idemwatermill_test
 
 import (
 	"context"
@@ -20,7 +20,7 @@ import (
 	sdktrace "go.opentelemetry.io/otel/sdk/trace"
 	"go.opentelemetry.io/otel/trace"
 
-	idemwm "github.com/idemkit/idem/adapters/watermill"
+	"github.com/idemkit/idem/adapters/watermill"
 	"github.com/idemkit/idem/consumer"
 	"github.com/idemkit/idem/dedup"
 	"github.com/idemkit/idem/dedup/pgtable"
@@ -36,23 +36,25 @@ import (
 // store on the same keys (to hold a key in flight), and the idem.store name.
 type telKind struct {
 	name  string
-	setup func(t *testing.T) (mw func(idemwm.Options) message.HandlerMiddleware, hold dedup.LeaseStore)
+	setup func(t *testing.T) (mw func(idemwatermill.Options) message.HandlerMiddleware, hold dedup.LeaseStore)
 }
 
 func telKinds() []telKind {
 	return []telKind{
-		{"memstore", func(t *testing.T) (func(idemwm.Options) message.HandlerMiddleware, dedup.LeaseStore) {
+		{"memstore", func(t *testing.T) (func(idemwatermill.Options) message.HandlerMiddleware, dedup.LeaseStore) {
 			s := newMemstore(t)
-			return func(o idemwm.Options) message.HandlerMiddleware { return must(idemwm.Dedup(s, o)) }, s
+			return func(o idemwatermill.Options) message.HandlerMiddleware { return must(idemwatermill.Dedup(s, o)) }, s
 		}},
-		{"redisnx", func(t *testing.T) (func(idemwm.Options) message.HandlerMiddleware, dedup.LeaseStore) {
+		{"redisnx", func(t *testing.T) (func(idemwatermill.Options) message.HandlerMiddleware, dedup.LeaseStore) {
 			s := must(redisnx.New(testenv.Redis(t), redisnx.Options{Prefix: testenv.Name("idemwmtel")}))
-			return func(o idemwm.Options) message.HandlerMiddleware { return must(idemwm.Dedup(s, o)) }, s
+			return func(o idemwatermill.Options) message.HandlerMiddleware { return must(idemwatermill.Dedup(s, o)) }, s
 		}},
-		{"pgtable", func(t *testing.T) (func(idemwm.Options) message.HandlerMiddleware, dedup.LeaseStore) {
+		{"pgtable", func(t *testing.T) (func(idemwatermill.Options) message.HandlerMiddleware, dedup.LeaseStore) {
 			pool, schema := pgEnv(t)
 			s := newPGStore(t, pool, schema, pgtable.Options{})
-			return func(o idemwm.Options) message.HandlerMiddleware { return must(idemwm.Transactional(s, o)) }, s.Lease()
+			return func(o idemwatermill.Options) message.HandlerMiddleware {
+				return must(idemwatermill.Transactional(s, o))
+			}, s.Lease()
 		}},
 	}
 }
@@ -84,7 +86,7 @@ func TestMetricsByOutcome(t *testing.T) {
 			ps := newGoChannel(t)
 			r := newRouter(t)
 			topic := testenv.Name("orders")
-			r.AddMiddleware(mwFor(idemwm.Options{KeyMetadata: "event_id", PoisonQueue: pq, MeterProvider: mp, OnOutcome: onOutcome}))
+			r.AddMiddleware(mwFor(idemwatermill.Options{KeyMetadata: "event_id", PoisonQueue: pq, MeterProvider: mp, OnOutcome: onOutcome}))
 			var failed atomic.Bool
 			r.AddConsumerHandler("charge", topic, ps, func(msg *message.Message) error {
 				if msg.Metadata.Get("event_id") == "evt-fail" && failed.CompareAndSwap(false, true) {
@@ -178,7 +180,7 @@ func TestMetricsStoreDown(t *testing.T) {
 	down := &leaseStore{LeaseStore: newMemstore(t), claim: func(context.Context, dedup.Key) (*dedup.Lease, error) {
 		return nil, errors.New("dial tcp 127.0.0.1:6379: connection refused")
 	}}
-	h := must(idemwm.Dedup(down, idemwm.Options{Scope: "billing/charge", StoreName: "down", MeterProvider: mp}))(
+	h := must(idemwatermill.Dedup(down, idemwatermill.Options{Scope: "billing/charge", StoreName: "down", MeterProvider: mp}))(
 		func(*message.Message) ([]*message.Message, error) { return nil, nil })
 	msg := message.NewMessage("order-secret-1", []byte("p"))
 	if _, err := h(msg); err == nil {
@@ -198,7 +200,7 @@ func TestMetricsStoreDown(t *testing.T) {
 func TestMetricsLeaseLost(t *testing.T) {
 	mp := telemetrytest.NewMetrics(t)
 	store := &leaseStore{LeaseStore: newMemstore(t), extend: func(context.Context, *dedup.Lease) error { return dedup.ErrLeaseLost }}
-	h := must(idemwm.Dedup(store, idemwm.Options{Scope: "s", ExtendEvery: time.Millisecond, MeterProvider: mp}))(
+	h := must(idemwatermill.Dedup(store, idemwatermill.Options{Scope: "s", ExtendEvery: time.Millisecond, MeterProvider: mp}))(
 		func(m *message.Message) ([]*message.Message, error) {
 			<-m.Context().Done()
 			return nil, nil
@@ -223,7 +225,7 @@ func producerSpan(t *testing.T, tp trace.TracerProvider, payload string) (trace.
 	t.Helper()
 	ctx, span := tp.Tracer("producer").Start(context.Background(), "send orders", trace.WithSpanKind(trace.SpanKindProducer))
 	msg := message.NewMessage(wm.NewUUID(), []byte(payload))
-	propagation.TraceContext{}.Inject(ctx, idemwm.MetadataCarrier(msg.Metadata))
+	propagation.TraceContext{}.Inject(ctx, idemwatermill.MetadataCarrier(msg.Metadata))
 	if msg.Metadata.Get("traceparent") == "" {
 		t.Fatal("no traceparent injected")
 	}
@@ -261,7 +263,7 @@ func TestTraceContinuesFromMetadata(t *testing.T) {
 			ps := newGoChannel(t)
 			r := newRouter(t)
 			topic := testenv.Name("orders")
-			r.AddMiddleware(mwFor(idemwm.Options{TracerProvider: tp}))
+			r.AddMiddleware(mwFor(idemwatermill.Options{TracerProvider: tp}))
 			var handlerSpan trace.SpanContext
 			r.AddConsumerHandler("charge", topic, ps, func(msg *message.Message) error {
 				handlerSpan = trace.SpanContextFromContext(msg.Context())
@@ -332,7 +334,7 @@ func TestTraceUnderOuterSpan(t *testing.T) {
 			msg.SetContext(ctx)
 			return h(msg)
 		}
-	}, must(idemwm.Dedup(newMemstore(t), idemwm.Options{TracerProvider: tp})))
+	}, must(idemwatermill.Dedup(newMemstore(t), idemwatermill.Options{TracerProvider: tp})))
 	r.AddConsumerHandler("charge", topic, ps, func(*message.Message) error { return nil })
 	startRouter(t, r)
 	if err := ps.Publish(topic, message.NewMessage(wm.NewUUID(), []byte("p"))); err != nil {
@@ -353,7 +355,7 @@ func TestTraceUnderOuterSpan(t *testing.T) {
 // propagator; the consumer span starts a new trace.
 func TestTraceHostileMetadata(t *testing.T) {
 	tp := telemetrytest.NewSpans(t)
-	h := must(idemwm.Dedup(newMemstore(t), idemwm.Options{Scope: "s", TracerProvider: tp}))(
+	h := must(idemwatermill.Dedup(newMemstore(t), idemwatermill.Options{Scope: "s", TracerProvider: tp}))(
 		func(*message.Message) ([]*message.Message, error) { return nil, nil })
 	valid := "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
 	for i, md := range []message.Metadata{
@@ -382,11 +384,11 @@ func TestTraceHostileMetadata(t *testing.T) {
 	// A value just under the bound is still read.
 	msg := message.NewMessage(wm.NewUUID(), []byte("p"))
 	msg.Metadata.Set("traceparent", valid)
-	if got := idemwm.MetadataCarrier(msg.Metadata).Get("traceparent"); got != valid {
+	if got := idemwatermill.MetadataCarrier(msg.Metadata).Get("traceparent"); got != valid {
 		t.Errorf("carrier read %q", got)
 	}
 	msg.Metadata.Set("traceparent", strings.Repeat("x", 8<<10+1))
-	if got := idemwm.MetadataCarrier(msg.Metadata).Get("traceparent"); got != "" {
+	if got := idemwatermill.MetadataCarrier(msg.Metadata).Get("traceparent"); got != "" {
 		t.Error("a value over 8 KiB was read")
 	}
 }
@@ -403,14 +405,14 @@ func TestPublisherKeepsTraceContext(t *testing.T) {
 	r.AddConsumerHandler("email", topic, ps, func(msg *message.Message) error {
 		got <- msg
 		return nil
-	}).AddMiddleware(must(idemwm.Dedup(newMemstore(t), idemwm.Options{TracerProvider: tp})))
+	}).AddMiddleware(must(idemwatermill.Dedup(newMemstore(t), idemwatermill.Options{TracerProvider: tp})))
 	startRouter(t, r)
 
 	const (
 		parent = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
 		state  = "congo=t61rcWkgMzE,rojo=00f067aa0ba902b7"
 	)
-	pub := must(idemwm.NewPublisher(ps))
+	pub := must(idemwatermill.NewPublisher(ps))
 	err := pub.Publish(context.Background(), []*outbox.Message{{
 		ID: wm.NewUUID(), Topic: topic, Payload: []byte("p"),
 		Headers: map[string]string{outbox.HeaderTraceParent: parent, outbox.HeaderTraceState: state},
@@ -448,7 +450,7 @@ func TestTraceThroughOutbox(t *testing.T) {
 	upstream := newGoChannel(t)
 	downstream := gochannel.NewGoChannel(gochannel.Config{OutputChannelBuffer: 4}, nopLogger)
 	t.Cleanup(func() { _ = downstream.Close() })
-	relay := must(pgoutbox.NewRelay(ob, must(idemwm.NewPublisher(downstream)), pgoutbox.RelayOptions{Shards: 1, PollInterval: 50 * time.Millisecond, CleanupInterval: -1}))
+	relay := must(pgoutbox.NewRelay(ob, must(idemwatermill.NewPublisher(downstream)), pgoutbox.RelayOptions{Shards: 1, PollInterval: 50 * time.Millisecond, CleanupInterval: -1}))
 	ctx, cancel := context.WithCancel(context.Background())
 	relayDone := make(chan error, 1)
 	go func() { relayDone <- relay.Run(ctx) }()
@@ -464,11 +466,11 @@ func TestTraceThroughOutbox(t *testing.T) {
 	r.AddHandler("charge", "orders", upstream, "receipts", &recordingPublisher{},
 		func(msg *message.Message) ([]*message.Message, error) {
 			return []*message.Message{message.NewMessage(wm.NewUUID(), []byte("receipt"))}, nil
-		}).AddMiddleware(fx.middleware(t, idemwm.Options{Outbox: ob, TracerProvider: tp}))
+		}).AddMiddleware(fx.middleware(t, idemwatermill.Options{Outbox: ob, TracerProvider: tp}))
 	r.AddConsumerHandler("email", "receipts", downstream, func(*message.Message) error {
 		close(done)
 		return nil
-	}).AddMiddleware(must(idemwm.Dedup(newMemstore(t), idemwm.Options{TracerProvider: tp})))
+	}).AddMiddleware(must(idemwatermill.Dedup(newMemstore(t), idemwatermill.Options{TracerProvider: tp})))
 	startRouter(t, r)
 
 	producer, msg := producerSpan(t, tp, "order")
@@ -511,7 +513,7 @@ func TestTraceThroughOutbox(t *testing.T) {
 // application installs its own) the middleware neither starts spans nor
 // changes what the handler sees in msg.Context() beyond its own values.
 func TestNoProviderNoSpans(t *testing.T) {
-	h := must(idemwm.Dedup(newMemstore(t), idemwm.Options{Scope: "s"}))(
+	h := must(idemwatermill.Dedup(newMemstore(t), idemwatermill.Options{Scope: "s"}))(
 		func(m *message.Message) ([]*message.Message, error) {
 			if trace.SpanFromContext(m.Context()).IsRecording() {
 				t.Error("a recording span without a provider")
@@ -532,7 +534,7 @@ func TestLogsHoldNoID(t *testing.T) {
 	store := &leaseStore{LeaseStore: newMemstore(t), complete: func(context.Context, *dedup.Lease) error {
 		return errors.New("redis: connection reset by peer")
 	}}
-	h := must(idemwm.Dedup(store, idemwm.Options{Scope: "billing/charge", Logger: logger}))(
+	h := must(idemwatermill.Dedup(store, idemwatermill.Options{Scope: "billing/charge", Logger: logger}))(
 		func(*message.Message) ([]*message.Message, error) { return nil, nil })
 	msg := message.NewMessage("order-secret-7", []byte("p"))
 	if _, err := h(msg); err == nil {
@@ -556,7 +558,7 @@ func TestTelemetryPanic(t *testing.T) {
 		t.Run(k.name, func(t *testing.T) {
 			mp, tp := telemetrytest.NewMetrics(t), telemetrytest.NewSpans(t)
 			mwFor, _ := k.setup(t)
-			h := mwFor(idemwm.Options{Scope: "s", MeterProvider: mp, TracerProvider: tp})(
+			h := mwFor(idemwatermill.Options{Scope: "s", MeterProvider: mp, TracerProvider: tp})(
 				func(*message.Message) ([]*message.Message, error) { panic("boom") })
 			func() {
 				defer func() { _ = recover() }()

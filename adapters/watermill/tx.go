@@ -1,4 +1,4 @@
-package watermill
+package idemwatermill
 
 import (
 	"context"

@@ -1,4 +1,4 @@
-package watermill_test
+package idemwatermill_test
 
 import (
 	"context"
@@ -17,7 +17,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill/pubsub/gochannel"
 	"github.com/jackc/pgx/v5"
 
-	idemwm "github.com/idemkit/idem/adapters/watermill"
+	"github.com/idemkit/idem/adapters/watermill"
 	"github.com/idemkit/idem/consumer"
 	"github.com/idemkit/idem/dedup"
 	"github.com/idemkit/idem/internal/testkit/testenv"
@@ -54,7 +54,7 @@ func TestTransactionalRollsBackAndRetries(t *testing.T) {
 				if mode == "retry_middleware" {
 					r.AddMiddleware(fastRetry(3).Middleware)
 				}
-				r.AddMiddleware(middleware.Recoverer, fx.middleware(t, idemwm.Options{}))
+				r.AddMiddleware(middleware.Recoverer, fx.middleware(t, idemwatermill.Options{}))
 				var (
 					attempts      atomic.Int32
 					seenByRetry   [2]int
@@ -70,7 +70,7 @@ func TestTransactionalRollsBackAndRetries(t *testing.T) {
 						return err
 					}
 					if n == 1 {
-						txInFirstCall = idemwm.Tx[pgx.Tx](msg.Context()) != nil
+						txInFirstCall = idemwatermill.Tx[pgx.Tx](msg.Context()) != nil
 						if failure == "panic" {
 							panic("charge: nil pointer in the receipt template")
 						}
@@ -108,12 +108,12 @@ func TestTransactionalRollsBackAndRetries(t *testing.T) {
 // context only while it runs; the message gets its own context back.
 func TestTransactionalContext(t *testing.T) {
 	fx := pgTxKind().setup(t)
-	mw := fx.middleware(t, idemwm.Options{Scope: "orders/ctx"})
+	mw := fx.middleware(t, idemwatermill.Options{Scope: "orders/ctx"})
 	msg := message.NewMessage(wm.NewUUID(), []byte("x"))
 	orig := msg.Context()
 	var inside pgx.Tx
 	h := mw(func(m *message.Message) ([]*message.Message, error) {
-		inside = idemwm.Tx[pgx.Tx](m.Context())
+		inside = idemwatermill.Tx[pgx.Tx](m.Context())
 		var one int
 		return nil, inside.QueryRow(m.Context(), "SELECT 1").Scan(&one)
 	})
@@ -123,10 +123,10 @@ func TestTransactionalContext(t *testing.T) {
 	if inside == nil {
 		t.Fatal("no transaction in the handler's context")
 	}
-	if msg.Context() != orig || idemwm.Tx[pgx.Tx](msg.Context()) != nil {
+	if msg.Context() != orig || idemwatermill.Tx[pgx.Tx](msg.Context()) != nil {
 		t.Error("the message kept the handler's context")
 	}
-	if idemwm.Tx[pgx.Tx](context.Background()) != nil {
+	if idemwatermill.Tx[pgx.Tx](context.Background()) != nil {
 		t.Error("Tx outside the middleware is not nil")
 	}
 }
@@ -171,7 +171,7 @@ func TestTransactionalOutbox(t *testing.T) {
 	ps := newGoChannel(t)
 	routerPub := &recordingPublisher{}
 	r := newRouter(t)
-	r.AddMiddleware(fx.middleware(t, idemwm.Options{Outbox: ob}))
+	r.AddMiddleware(fx.middleware(t, idemwatermill.Options{Outbox: ob}))
 	var attempts atomic.Int32
 	receipts := map[string]string{}
 	var mu sync.Mutex
@@ -236,7 +236,7 @@ func TestOutboxRelayToWatermill(t *testing.T) {
 	downstream := gochannel.NewGoChannel(gochannel.Config{OutputChannelBuffer: 16}, nopLogger)
 	t.Cleanup(func() { _ = downstream.Close() })
 
-	pub := must(idemwm.NewPublisher(downstream))
+	pub := must(idemwatermill.NewPublisher(downstream))
 	relay := must(pgoutbox.NewRelay(ob, pub, pgoutbox.RelayOptions{Shards: 1, PollInterval: 100 * time.Millisecond, CleanupInterval: -1}))
 	ctx, cancel := context.WithCancel(context.Background())
 	relayDone := make(chan error, 1)
@@ -257,11 +257,11 @@ func TestOutboxRelayToWatermill(t *testing.T) {
 				return nil, err
 			}
 			return []*message.Message{message.NewMessage(wm.NewUUID(), append([]byte("receipt:"), msg.Payload...))}, nil
-		}).AddMiddleware(fx.middleware(t, idemwm.Options{Outbox: ob}))
+		}).AddMiddleware(fx.middleware(t, idemwatermill.Options{Outbox: ob}))
 	r.AddConsumerHandler("email", "receipts", downstream, func(msg *message.Message) error {
 		got <- msg
 		return nil
-	}).AddMiddleware(must(idemwm.Dedup(newMemstore(t), idemwm.Options{})))
+	}).AddMiddleware(must(idemwatermill.Dedup(newMemstore(t), idemwatermill.Options{})))
 	startRouter(t, r)
 
 	for i := range n {
@@ -308,7 +308,7 @@ func TestTransactionalOutboxNeedsTopic(t *testing.T) {
 		}
 		return []*message.Message{message.NewMessage("not-a-uuid", []byte("r"))}, nil
 	}
-	mw := fx.middleware(t, idemwm.Options{Scope: "direct", Outbox: ob})
+	mw := fx.middleware(t, idemwatermill.Options{Scope: "direct", Outbox: ob})
 	msg := message.NewMessage(wm.NewUUID(), []byte("x"))
 	if _, err := mw(produce)(msg); err == nil || !strings.Contains(err.Error(), "OutboxTopic") {
 		t.Fatalf("err = %v, want a hint about OutboxTopic", err)
@@ -316,7 +316,7 @@ func TestTransactionalOutboxNeedsTopic(t *testing.T) {
 	if effects, claims := committed(t, fx, "direct", msg.UUID); effects != 0 || claims != 0 {
 		t.Fatalf("committed %d effects, %d claims after the failure", effects, claims)
 	}
-	mw = fx.middleware(t, idemwm.Options{Scope: "direct", Outbox: ob, OutboxTopic: "receipts", OutboxKey: func(*message.Message) []byte { return []byte("k") }})
+	mw = fx.middleware(t, idemwatermill.Options{Scope: "direct", Outbox: ob, OutboxTopic: "receipts", OutboxKey: func(*message.Message) []byte { return []byte("k") }})
 	out, err := mw(produce)(msg)
 	if err != nil || out != nil {
 		t.Fatalf("out, err = %v, %v; want nil, nil", out, err)
@@ -335,7 +335,7 @@ func TestTransactionalOutboxNeedsTopic(t *testing.T) {
 // content conflict is poison.
 func TestTransactionalClaimErrors(t *testing.T) {
 	fx := pgTxKind().setup(t)
-	mw := fx.middleware(t, idemwm.Options{Scope: "orders"})
+	mw := fx.middleware(t, idemwatermill.Options{Scope: "orders"})
 	var runs atomic.Int32
 	h := mw(func(m *message.Message) ([]*message.Message, error) {
 		runs.Add(1)
@@ -351,7 +351,7 @@ func TestTransactionalClaimErrors(t *testing.T) {
 		t.Fatalf("duplicate: out %v, err %v, runs %d", out, err, runs.Load())
 	}
 	forged := message.NewMessage(msg.UUID, []byte("b"))
-	if _, err := h(forged); !idemwm.IsPoison(err) || !errors.Is(err, dedup.ErrFingerprintMismatch) {
+	if _, err := h(forged); !idemwatermill.IsPoison(err) || !errors.Is(err, dedup.ErrFingerprintMismatch) {
 		t.Fatalf("forged: %v", err)
 	}
 	held := message.NewMessage(wm.NewUUID(), []byte("c"))
@@ -360,7 +360,7 @@ func TestTransactionalClaimErrors(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer func() { _ = fx.pgStore.Lease().Release(context.Background(), lease) }()
-	if _, err := h(held); !errors.Is(err, dedup.ErrInFlight) || !idemwm.Retryable(err) {
+	if _, err := h(held); !errors.Is(err, dedup.ErrInFlight) || !idemwatermill.Retryable(err) {
 		t.Fatalf("held by a lease: %v", err)
 	}
 	if runs.Load() != 1 {
@@ -375,7 +375,7 @@ func TestTransactionalClaimErrors(t *testing.T) {
 func TestTransactionalLeaseClaimWaits(t *testing.T) {
 	fx := pgTxKind().setup(t)
 	var outcomes []string
-	mw := fx.middleware(t, idemwm.Options{Scope: "charge", OnOutcome: func(_ context.Context, r consumer.Report) { outcomes = append(outcomes, string(r.Outcome)) }})
+	mw := fx.middleware(t, idemwatermill.Options{Scope: "charge", OnOutcome: func(_ context.Context, r consumer.Report) { outcomes = append(outcomes, string(r.Outcome)) }})
 	msg := message.NewMessage(wm.NewUUID(), []byte(`{"amount":100}`))
 	leased := make(chan error, 1)
 	ran := 0
@@ -389,7 +389,7 @@ func TestTransactionalLeaseClaimWaits(t *testing.T) {
 			leased <- err
 		}()
 		var pid uint32
-		if err := idemwm.Tx[pgx.Tx](msg.Context()).QueryRow(msg.Context(), "SELECT pg_backend_pid()").Scan(&pid); err != nil {
+		if err := idemwatermill.Tx[pgx.Tx](msg.Context()).QueryRow(msg.Context(), "SELECT pg_backend_pid()").Scan(&pid); err != nil {
 			return nil, err
 		}
 		testenv.Eventually(t, 30*time.Second, "the lease claim to wait for the handler's transaction", func() bool {

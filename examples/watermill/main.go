@@ -34,7 +34,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/jackc/pgx/v5/stdlib"
 
-	idemwm "github.com/idemkit/idem/adapters/watermill"
+	"github.com/idemkit/idem/adapters/watermill"
 	"github.com/idemkit/idem/consumer"
 	"github.com/idemkit/idem/dedup/pgtable"
 	"github.com/idemkit/idem/outbox/pgoutbox"
@@ -177,7 +177,7 @@ func run(ctx context.Context, cfg config, out io.Writer) (summary, error) {
 		return sum, err
 	}
 	defer func() { _ = relayPub.Close() }()
-	pub, err := idemwm.NewPublisher(relayPub)
+	pub, err := idemwatermill.NewPublisher(relayPub)
 	if err != nil {
 		return sum, err
 	}
@@ -231,14 +231,14 @@ func run(ctx context.Context, cfg config, out io.Writer) (summary, error) {
 			InitialInterval: 50 * time.Millisecond,
 			MaxInterval:     time.Second,
 			Multiplier:      2,
-			ShouldRetry:     func(p middleware.RetryParams) bool { return idemwm.Retryable(p.Err) },
+			ShouldRetry:     func(p middleware.RetryParams) bool { return idemwatermill.Retryable(p.Err) },
 		}.Middleware,
 		middleware.Recoverer,
 	)
 
 	// charge: in PostgreSQL, exactly once. The claim, the charge and the
 	// receipt (written to the outbox) commit in one transaction.
-	txMW, err := idemwm.Transactional(store, idemwm.Options{
+	txMW, err := idemwatermill.Transactional(store, idemwatermill.Options{
 		Outbox: ob,
 		Logger: logger,
 		OnOutcome: func(_ context.Context, r consumer.Report) {
@@ -276,7 +276,7 @@ func run(ctx context.Context, cfg config, out io.Writer) (summary, error) {
 		}
 		mu.Unlock()
 		ctx := msg.Context()
-		if _, err := idemwm.Tx[pgx.Tx](ctx).Exec(ctx, "INSERT INTO "+charges+" (order_id, amount_cents) VALUES ($1, $2)", o.ID, o.Amount); err != nil {
+		if _, err := idemwatermill.Tx[pgx.Tx](ctx).Exec(ctx, "INSERT INTO "+charges+" (order_id, amount_cents) VALUES ($1, $2)", o.ID, o.Amount); err != nil {
 			return nil, err
 		}
 		if fail { // after the write: it rolls back with the claim
@@ -290,7 +290,7 @@ func run(ctx context.Context, cfg config, out io.Writer) (summary, error) {
 
 	// email: an effect outside the database, under a lease in the same
 	// processed_events table (pgtable's lease mode).
-	leaseMW, err := idemwm.Dedup(store.Lease(), idemwm.Options{Logger: logger})
+	leaseMW, err := idemwatermill.Dedup(store.Lease(), idemwatermill.Options{Logger: logger})
 	if err != nil {
 		return sum, err
 	}
@@ -318,7 +318,7 @@ func run(ctx context.Context, cfg config, out io.Writer) (summary, error) {
 		return sum, err
 	}
 	router.AddConsumerHandler("poison-log", "poison", opsSub, func(msg *message.Message) error {
-		_, _ = fmt.Fprintf(out, "poison %s: %s (%s)\n", msg.UUID, msg.Payload, msg.Metadata.Get(idemwm.MetadataReason))
+		_, _ = fmt.Fprintf(out, "poison %s: %s (%s)\n", msg.UUID, msg.Payload, msg.Metadata.Get(idemwatermill.MetadataReason))
 		mu.Lock()
 		poisoned = append(poisoned, msg)
 		finished()
@@ -393,7 +393,7 @@ func run(ctx context.Context, cfg config, out io.Writer) (summary, error) {
 	}
 	sum.Poisoned = len(poisoned)
 	if len(poisoned) > 0 {
-		sum.PoisonReason = poisoned[0].Metadata.Get(idemwm.MetadataReason)
+		sum.PoisonReason = poisoned[0].Metadata.Get(idemwatermill.MetadataReason)
 	}
 	return sum, nil
 }

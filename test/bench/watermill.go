@@ -12,7 +12,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill/pubsub/gochannel"
 	"github.com/jackc/pgx/v5"
 
-	idemwm "github.com/idemkit/idem/adapters/watermill"
+	"github.com/idemkit/idem/adapters/watermill"
 	"github.com/idemkit/idem/dedup/memstore"
 	"github.com/idemkit/idem/dedup/pgtable"
 )
@@ -71,7 +71,7 @@ func wmSide(e *env, mw message.HandlerMiddleware, h message.NoPublishHandlerFunc
 
 func wmTxRow() row {
 	return row{
-		path:     "Watermill, transactional mode (watermill.Transactional)",
+		path:     "Watermill, transactional mode (idemwatermill.Transactional)",
 		baseline: "router handler doing the same INSERT in its own tx, 8 handlers",
 		target:   0.90, unit: "msg/s", floor: txFloor,
 		build: func(ctx context.Context, e *env) (side, side, error) {
@@ -87,7 +87,7 @@ func wmTxRow() row {
 			if err != nil {
 				return nil, nil, err
 			}
-			mw, err := idemwm.Transactional(claims, idemwm.Options{Scope: "bench/wm"})
+			mw, err := idemwatermill.Transactional(claims, idemwatermill.Options{Scope: "bench/wm"})
 			if err != nil {
 				return nil, nil, err
 			}
@@ -100,7 +100,7 @@ func wmTxRow() row {
 			})
 			idem := wmSide(e, mw, func(msg *message.Message) error {
 				ctx := msg.Context()
-				_, err := idemwm.Tx[pgx.Tx](ctx).Exec(ctx, idemInsert, msg.UUID, []byte(msg.Payload))
+				_, err := idemwatermill.Tx[pgx.Tx](ctx).Exec(ctx, idemInsert, msg.UUID, []byte(msg.Payload))
 				return err
 			})
 			return bare, idem, nil
@@ -110,7 +110,7 @@ func wmTxRow() row {
 
 func wmMemRow() row {
 	return row{
-		path:     "Watermill, memstore (watermill.Dedup)",
+		path:     "Watermill, memstore (idemwatermill.Dedup)",
 		baseline: "Watermill's middleware.Deduplicator (in-memory), same handler (decode the order)",
 		target:   1.0, unit: "msg/s",
 		build: func(_ context.Context, e *env) (side, side, error) {
@@ -119,7 +119,7 @@ func wmMemRow() row {
 				return nil, nil, err
 			}
 			e.onClose(func(context.Context) { _ = store.Close() })
-			mw, err := idemwm.Dedup(store, idemwm.Options{Scope: "bench/wm"})
+			mw, err := idemwatermill.Dedup(store, idemwatermill.Options{Scope: "bench/wm"})
 			if err != nil {
 				return nil, nil, err
 			}

@@ -14,7 +14,7 @@ import (
 	"github.com/jackc/pgx/v5/stdlib"
 	"github.com/redis/go-redis/v9"
 
-	idemwm "github.com/idemkit/idem/adapters/watermill"
+	"github.com/idemkit/idem/adapters/watermill"
 	"github.com/idemkit/idem/dedup/pgtable"
 	"github.com/idemkit/idem/dedup/redisnx"
 )
@@ -168,7 +168,7 @@ func wmChild(ctx context.Context) error {
 		if err != nil {
 			return err
 		}
-		mw, err = idemwm.Transactional(store, idemwm.Options{Scope: cfg.Scope, Logger: childLogger()})
+		mw, err = idemwatermill.Transactional(store, idemwatermill.Options{Scope: cfg.Scope, Logger: childLogger()})
 		if err != nil {
 			return err
 		}
@@ -179,7 +179,7 @@ func wmChild(ctx context.Context) error {
 		if err != nil {
 			return err
 		}
-		mw, err = idemwm.Dedup(store, idemwm.Options{Scope: cfg.Scope, Logger: childLogger()})
+		mw, err = idemwatermill.Dedup(store, idemwatermill.Options{Scope: cfg.Scope, Logger: childLogger()})
 		if err != nil {
 			return err
 		}
@@ -189,7 +189,7 @@ func wmChild(ctx context.Context) error {
 	effect := func(msg *message.Message) ([]*message.Message, error) {
 		ctx := msg.Context()
 		var err error
-		if tx := idemwm.Tx[pgx.Tx](ctx); tx != nil {
+		if tx := idemwatermill.Tx[pgx.Tx](ctx); tx != nil {
 			_, err = tx.Exec(ctx, ins, msg.UUID, cfg.Name)
 		} else if cfg.Store == storeRedis {
 			_, err = pool.Exec(ctx, ins, msg.UUID, cfg.Name)
