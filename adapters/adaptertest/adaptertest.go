@@ -24,9 +24,11 @@ type Harness interface {
 	Capabilities() Capabilities
 	// NewDestination creates a destination isolated from every other one
 	// (a fresh topic or queue) and its dead-letter destination, so that
-	// messages published to it before any consumer starts are kept.
-	// Register the cleanup with t.
-	NewDestination(t testing.TB) Destination
+	// messages published to it before any consumer starts are kept. opts
+	// are the options its consumers will be started with, for a broker
+	// whose topology depends on them (a retry queue per delay). Register
+	// the cleanup with t.
+	NewDestination(t testing.TB, opts ConsumerOptions) Destination
 	// Publish sends msgs to d, in order, and returns once the broker holds
 	// them. A Message with an empty ID is sent without an id.
 	Publish(ctx context.Context, d Destination, msgs ...Message) error

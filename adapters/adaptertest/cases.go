@@ -30,7 +30,7 @@ func (s *suite) ackRule(t *testing.T) {
 	for _, point := range []string{killBefore, killInTx, killAfterCommit} {
 		t.Run(point, func(t *testing.T) {
 			o := newOracle(t, nil)
-			d := s.h.NewDestination(t)
+			d := s.h.NewDestination(t, options())
 			ms := msgs("ack-"+point, 20, []byte("ack"))
 			s.publish(t, d, ms...)
 			first := s.startChild(t, childSpec{Dest: d, Schema: o.schema, Kill: point, KillAt: 5})
@@ -56,7 +56,7 @@ func (s *suite) ackRule(t *testing.T) {
 // acknowledged as duplicates without running the handler.
 func (s *suite) duplicate(t *testing.T) {
 	o := newOracle(t, nil)
-	d := s.h.NewDestination(t)
+	d := s.h.NewDestination(t, options())
 	s.start(t, d, o.mustWork(t))
 	ms := msgs("dup", 5, []byte("dup"))
 	s.publish(t, d, ms...)
@@ -86,7 +86,7 @@ func (s *suite) duplicate(t *testing.T) {
 // waits, unless the broker promises order across them.
 func (s *suite) transientRetry(t *testing.T) {
 	o := newOracle(t, nil)
-	d := s.h.NewDestination(t)
+	d := s.h.NewDestination(t, options())
 	failing := msg("retry-failing", []byte("retry-failing"))
 	others := msgs("retry-other", 5, []byte("retry-other"))
 	var blocked atomic.Bool
@@ -151,7 +151,7 @@ type poison struct {
 // reason and an id, and the consumer goes on.
 func (s *suite) deadLetter(t *testing.T) {
 	o := newOracle(t, nil)
-	d := s.h.NewDestination(t)
+	d := s.h.NewDestination(t, options())
 	key := []byte("dl")
 	fpFirst := msg("dl-fingerprint", key)
 	ps := []poison{
@@ -213,7 +213,7 @@ func (s *suite) deadLetter(t *testing.T) {
 // deduplicate them.
 func (s *suite) deadLetterResent(t *testing.T) {
 	o := newOracle(t, nil)
-	d := s.h.NewDestination(t)
+	d := s.h.NewDestination(t, options())
 	key := []byte("resent")
 	bad := Message{ID: "resent-malformed", Key: key, Payload: []byte(`{"id": not json`)}
 	next := msg("resent-next", key)
@@ -247,7 +247,7 @@ func (s *suite) order(t *testing.T) {
 		t.Skip("the harness declares that the broker promises no order (Capabilities.Ordering is OrderNone)")
 	}
 	o := newOracle(t, nil)
-	d := s.h.NewDestination(t)
+	d := s.h.NewDestination(t, options())
 	keys := []string{"order-a", "order-b", "order-c"}
 	var ms []Message
 	for i := range 15 {
@@ -297,7 +297,7 @@ func (s *suite) order(t *testing.T) {
 // every delivery it took: the next consumer applies the rest, none twice.
 func (s *suite) gracefulStop(t *testing.T) {
 	o := newOracle(t, nil)
-	d := s.h.NewDestination(t)
+	d := s.h.NewDestination(t, options())
 	o.hook = func(*consumer.Message) { time.Sleep(10 * time.Millisecond) } // keeps deliveries in flight
 	ms := msgs("stop", 60, []byte("stop"))
 	c := s.start(t, d, o.mustWork(t))
@@ -322,7 +322,7 @@ func (s *suite) gracefulStop(t *testing.T) {
 // reconnects and goes on; nothing is lost or applied twice.
 func (s *suite) reconnect(t *testing.T) {
 	o := newOracle(t, nil)
-	d := s.h.NewDestination(t)
+	d := s.h.NewDestination(t, options())
 	o.hook = func(*consumer.Message) { time.Sleep(5 * time.Millisecond) }
 	c := s.start(t, d, o.mustWork(t))
 	a := msgs("reconnect-a", 10, []byte("reconnect"))
@@ -371,7 +371,7 @@ func (s *suite) storeDown(t *testing.T) {
 	}
 	t.Cleanup(claims.Close)
 	o := newOracle(t, claims)
-	d := s.h.NewDestination(t)
+	d := s.h.NewDestination(t, options())
 	s.start(t, d, o.mustWork(t))
 	warm := msg("down-warm", []byte("down"))
 	s.publish(t, d, warm)

@@ -45,7 +45,7 @@ func (h *kafkaHarness) Capabilities() adaptertest.Capabilities {
 	return adaptertest.Capabilities{Ordering: adaptertest.OrderPerKey, ChildProcess: true}
 }
 
-func (h *kafkaHarness) NewDestination(t testing.TB) adaptertest.Destination {
+func (h *kafkaHarness) NewDestination(t testing.TB, _ adaptertest.ConsumerOptions) adaptertest.Destination {
 	t.Helper()
 	var (
 		brokers []string
