@@ -1,8 +1,12 @@
 package idemwatermill
 
 import (
+	"crypto/sha256"
+	"encoding/hex"
 	"errors"
 	"fmt"
+	"maps"
+	"slices"
 
 	"github.com/ThreeDotsLabs/watermill/message"
 
@@ -13,9 +17,17 @@ import (
 
 // MetadataReason is the metadata field the middleware sets on a message it
 // rejects as poison, to consumer.OutcomeFingerprintMismatch
-// ("fingerprint_mismatch") or consumer.OutcomeInvalidKey ("invalid_key"). It
-// travels with the message to the poison queue, next to the fields
-// Watermill's PoisonQueue sets (reason_poisoned, topic_poisoned, ...).
+// ("fingerprint_mismatch") or consumer.OutcomeInvalidKey ("invalid_key"),
+// and on a message whose handler returned an error that will never
+// succeed, to consumer.Decide's dead-letter reason (consumer.OutcomePermanent
+// for an error marked consumer.Permanent). It travels with the message to
+// the poison queue, next to the fields Watermill's PoisonQueue sets
+// (reason_poisoned, topic_poisoned, ...).
+//
+// A poison message without a UUID gets one on its way to the poison queue:
+// "idem-dl-" and a digest of its payload and metadata, the same for every
+// delivery of the message, so a reader of the poison topic can deduplicate
+// it like any other.
 const MetadataReason = "idem_reason"
 
 // poisonError is returned for a message the middleware will never process:
@@ -73,6 +85,9 @@ func (c *config) poison(d *delivery, msg *message.Message, pe *poisonError) ([]*
 	if msg.Metadata == nil {
 		msg.Metadata = make(message.Metadata)
 	}
+	if msg.UUID == "" {
+		msg.UUID = deadLetterID(msg)
+	}
 	msg.Metadata.Set(MetadataReason, string(pe.Reason))
 	err := consumer.Permanent(pe)
 	if c.PoisonQueue == nil {
@@ -118,4 +133,19 @@ func (c *config) claimFailed(d *delivery, msg *message.Message, key dedup.Key, e
 		d.report(key, consumer.OutcomeStoreError, err)
 	}
 	return nil, fmt.Errorf("watermill: claim %s: %w", key, err)
+}
+
+// deadLetterID is the UUID given to a poison message that has none:
+// "idem-dl-" and a digest of its payload and metadata (but MetadataReason).
+func deadLetterID(msg *message.Message) string {
+	h := sha256.New()
+	keys := slices.Sorted(maps.Keys(msg.Metadata))
+	for _, k := range keys {
+		if k == MetadataReason {
+			continue
+		}
+		_, _ = fmt.Fprintf(h, "%d:%s%d:%s", len(k), k, len(msg.Metadata[k]), msg.Metadata[k])
+	}
+	h.Write(msg.Payload)
+	return "idem-dl-" + hex.EncodeToString(h.Sum(nil)[:16])
 }

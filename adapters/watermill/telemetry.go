@@ -127,6 +127,14 @@ func (d *delivery) verdict(out []*message.Message, err error) ([]*message.Messag
 			result = resultRetry
 		case consumer.ActionDeadLetter:
 			result, reason = resultDeadLetter, r.Reason
+			if d.poison == "" {
+				// The handler's error: the poison queue further out
+				// publishes the message with its reason.
+				if d.msg.Metadata == nil {
+					d.msg.Metadata = make(message.Metadata)
+				}
+				d.msg.Metadata.Set(MetadataReason, string(reason))
+			}
 		}
 	}
 	d.c.msgs.Result(d.ctx, d.topic, result, string(reason), d.took())
