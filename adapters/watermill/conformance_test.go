@@ -1,4 +1,4 @@
-package watermill_test
+package idemwatermill_test
 
 import (
 	"context"
@@ -15,7 +15,7 @@ import (
 	"github.com/jackc/pgx/v5"
 
 	"github.com/idemkit/idem/adapters/adaptertest"
-	idemwm "github.com/idemkit/idem/adapters/watermill"
+	"github.com/idemkit/idem/adapters/watermill"
 	"github.com/idemkit/idem/consumer"
 	"github.com/idemkit/idem/internal/testkit/testenv"
 )
@@ -112,7 +112,7 @@ func (h *wmHarness) Start(ctx context.Context, d adaptertest.Destination, w adap
 	if err != nil {
 		return nil, err
 	}
-	pq, err := middleware.PoisonQueueWithFilter(wd.ps, d.DeadLetter, func(err error) bool { return !idemwm.Retryable(err) })
+	pq, err := middleware.PoisonQueueWithFilter(wd.ps, d.DeadLetter, func(err error) bool { return !idemwatermill.Retryable(err) })
 	if err != nil {
 		return nil, err
 	}
@@ -121,9 +121,9 @@ func (h *wmHarness) Start(ctx context.Context, d adaptertest.Destination, w adap
 		InitialInterval: opts.RetryDelay,
 		MaxInterval:     opts.MaxRetryDelay,
 		Multiplier:      2,
-		ShouldRetry:     func(p middleware.RetryParams) bool { return idemwm.Retryable(p.Err) },
+		ShouldRetry:     func(p middleware.RetryParams) bool { return idemwatermill.Retryable(p.Err) },
 	}
-	tx, err := idemwm.Transactional(w.Store, idemwm.Options{
+	tx, err := idemwatermill.Transactional(w.Store, idemwatermill.Options{
 		Scope: w.Scope,
 		OnOutcome: func(ctx context.Context, rep consumer.Report) {
 			w.OnOutcome(ctx, rep)
@@ -141,7 +141,7 @@ func (h *wmHarness) Start(ctx context.Context, d adaptertest.Destination, w adap
 		if k, ok := m.Metadata["key"]; ok {
 			msg.Key = []byte(k)
 		}
-		return w.Effect(m.Context(), idemwm.Tx[pgx.Tx](m.Context()), msg)
+		return w.Effect(m.Context(), idemwatermill.Tx[pgx.Tx](m.Context()), msg)
 	})
 	c := &wmConsumer{r: r, done: make(chan error, 1)}
 	go func() { c.done <- r.Run(context.Background()) }()
@@ -186,7 +186,7 @@ func (h *wmHarness) DeadLetters(_ context.Context, d adaptertest.Destination) ([
 	for _, m := range wd.poison {
 		out = append(out, adaptertest.DeadLetter{
 			ID:      m.UUID,
-			Reason:  m.Metadata.Get(idemwm.MetadataReason),
+			Reason:  m.Metadata.Get(idemwatermill.MetadataReason),
 			Payload: slices.Clone([]byte(m.Payload)),
 			Headers: maps.Clone(map[string]string(m.Metadata)),
 		})
