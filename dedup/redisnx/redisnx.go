@@ -8,6 +8,7 @@ import (
 	"encoding/hex"
 	"errors"
 	"fmt"
+	"net"
 	"reflect"
 	"strconv"
 	"strings"
@@ -89,7 +90,8 @@ type Store struct {
 
 	// The scripts are package variables in production; tests swap in
 	// scripts unknown to the server to exercise the NOSCRIPT path.
-	claim, extend, complete, release *redis.Script
+	claim                     *redis.Script
+	extend, complete, release *tokenScript
 
 	// cluster is the client when it is a Redis Cluster client: calls
 	// are then grouped per master node, and a call that cannot reach its
@@ -215,7 +217,7 @@ func (s *Store) newNode() *node {
 	return &node{
 		ops: &group[nodeOp]{
 			run: func(ctx context.Context, ops []nodeOp) error {
-				return retryFailover(ctx, s, ops, s.runOps, nodeOp.cmd)
+				return retryFailover(ctx, s, ops, s.runOps, nodeOp.resend)
 			},
 			errOf: func(ops []nodeOp, batchErr error) error {
 				for _, o := range ops {
@@ -227,6 +229,14 @@ func (s *Store) newNode() *node {
 			},
 		},
 	}
+}
+
+// resend reports whether the item may be sent again after its batch failed
+// with batchErr (see retryFailover): when it got no answer, and it is a
+// claim or a script that may run twice, or it never left the client.
+func (o nodeOp) resend(batchErr error) bool {
+	err := transportErr(o.cmd(), batchErr)
+	return err != nil && (o.call == nil || !o.call.script.once || unsent(err))
 }
 
 // nodeOps wraps claims as items of a node's batch.
@@ -261,7 +271,7 @@ func (s *Store) runOps(ctx context.Context, ops []nodeOp) error {
 	// The scripts first: their replies are never nil (see send).
 	_, _ = s.client.Pipelined(ctx, func(p redis.Pipeliner) error {
 		for _, c := range calls {
-			c.cmd = c.script.EvalSha(ctx, p, []string{c.key}, c.args...)
+			c.issue(ctx, p, false)
 		}
 		for _, op := range claims {
 			s.send(ctx, p, op, legacy)
@@ -348,9 +358,11 @@ func (s *Store) pruneNodes(ctx context.Context, now time.Time) {
 // items that could not reach their node again (see Options.FailoverWait):
 // it asks the client to reload its slot map, waits a moment and sends them
 // again, until they get answers, FailoverWait has passed or ctx ends. An
-// item answered once is never sent again. Resending a claim is safe: the
-// claim finds its own token and is granted (see result).
-func retryFailover[T any](ctx context.Context, s *Store, items []T, run func(context.Context, []T) error, cmdOf func(T) *redis.Cmd) error {
+// item answered once is never sent again, nor is one that resend refuses
+// (a complete or release that may have run: a second run would answer
+// "lease lost" to its owner). Resending a claim is safe: the claim finds
+// its own token and is granted (see result).
+func retryFailover[T any](ctx context.Context, s *Store, items []T, run func(context.Context, []T) error, resend func(T, error) bool) error {
 	err := run(ctx, items)
 	if err == nil || s.cluster == nil || !retryable(err) {
 		return err
@@ -363,7 +375,7 @@ func retryFailover[T any](ctx context.Context, s *Store, items []T, run func(con
 		}
 		var todo []T
 		for _, it := range items {
-			if transportErr(cmdOf(it), err) != nil {
+			if resend(it, err) {
 				todo = append(todo, it)
 			}
 		}
@@ -560,10 +572,10 @@ func (s *Store) newClaimOp(op *claimOp, key dedup.Key) {
 	op.rec = inFlightRecord(key.Fingerprint, op.token)
 }
 
-// cmdable is what claims are sent through: the client or a pipeline.
+// cmdable is what token scripts are sent through: the client or a
+// pipeline.
 type cmdable interface {
-	redis.Scripter
-	Do(ctx context.Context, args ...any) *redis.Cmd
+	Process(ctx context.Context, cmd redis.Cmder) error
 }
 
 // send issues op's commands on p: the read of the previous layout's key
@@ -716,7 +728,7 @@ func (s *Store) claimAll(ctx context.Context, ops []*claimOp, sent bool) error {
 			waiting[i].cmd = p.PTTL(ctx, key)
 		}
 		for _, op := range undo {
-			s.release.Eval(ctx, p, []string{op.rkey}, op.token)
+			(&scriptCall{script: s.release, key: op.rkey, args: []any{op.token}}).issue(ctx, p, true)
 		}
 		return nil
 	})
@@ -916,7 +928,7 @@ func isReplyError(err error) bool {
 func isNoScript(err error) bool { return redis.HasErrorPrefix(err, "NOSCRIPT") }
 
 // owned runs one of the token scripts and maps its reply.
-func (s *Store) owned(ctx context.Context, op string, sc *redis.Script, l *dedup.Lease, args ...any) error {
+func (s *Store) owned(ctx context.Context, op string, sc *tokenScript, l *dedup.Lease, args ...any) error {
 	if l == nil {
 		return fmt.Errorf("redisnx: %s: nil lease: %w", op, dedup.ErrLeaseLost)
 	}
@@ -925,14 +937,18 @@ func (s *Store) owned(ctx context.Context, op string, sc *redis.Script, l *dedup
 	}
 	call := &scriptCall{script: sc, key: s.RedisKey(l.Key), args: args}
 	nd, err := s.nodeOf(ctx, call.key)
-	if err == nil {
-		err = nd.ops.do(ctx, []nodeOp{{call: call}})
+	if err != nil {
+		return fmt.Errorf("redisnx: %s %s: %w", op, l.Key, err)
 	}
+	err = nd.ops.do(ctx, []nodeOp{{call: call}})
 	var n int64
 	if err == nil {
 		n, err = call.cmd.Int64()
 	}
 	if err != nil {
+		if sc.once && mayHaveRun(err) {
+			return fmt.Errorf("redisnx: %s %s: %w: %w", op, l.Key, dedup.ErrOutcomeUnknown, err)
+		}
 		return fmt.Errorf("redisnx: %s %s: %w", op, l.Key, err)
 	}
 	if n != 1 {
@@ -974,10 +990,59 @@ func (s *Store) Release(ctx context.Context, l *dedup.Lease) error {
 // scriptCall is one run of a token script (extend, complete, release) on
 // its way to Redis and back.
 type scriptCall struct {
-	script *redis.Script
+	script *tokenScript
 	key    string
 	args   []any
 	cmd    *redis.Cmd
+}
+
+// issue sends the call through c (queues it, on a pipeline): EVALSHA, or
+// with full EVAL and the script's source. The command of a script marked
+// once goes as a onceCmd.
+func (c *scriptCall) issue(ctx context.Context, to cmdable, full bool) {
+	args := make([]any, 0, 4+len(c.args))
+	if full {
+		args = append(args, "eval", c.script.src)
+	} else {
+		args = append(args, "evalsha", c.script.sha)
+	}
+	args = append(args, 1, c.key)
+	args = append(args, c.args...)
+	c.cmd = redis.NewCmd(ctx, args...)
+	if c.script.once {
+		_ = to.Process(ctx, onceCmd{c.cmd})
+		return
+	}
+	_ = to.Process(ctx, c.cmd)
+}
+
+// onceCmd is a command go-redis sends at most once. go-redis sends a
+// command again after an error that broke its connection (up to
+// Options.MaxRetries times; a pipeline as a whole, and on a cluster up to
+// MaxRedirects times), although the first send may have run it and only
+// its reply was lost. A command whose NoRetry answers true is never sent
+// again, nor is a pipeline that holds one; redirections (MOVED, ASK),
+// which Redis answers without running the command, are still followed.
+type onceCmd struct{ *redis.Cmd }
+
+// NoRetry implements redis.Cmder.
+func (onceCmd) NoRetry() bool { return true }
+
+// mayHaveRun reports whether a call that failed with err may have run on
+// Redis: err is no reply from Redis (which answers a call it ran, or
+// refused), and not one that says the call never left the client.
+func mayHaveRun(err error) bool {
+	return !isReplyError(err) && !unsent(err)
+}
+
+// unsent reports whether err says the command never left the client: the
+// caller gave up while it waited for its batch (errUnsent), no connection
+// could be had (a dial that failed, the pool's timeout), or the client is
+// closed.
+func unsent(err error) bool {
+	var op *net.OpError
+	return errors.Is(err, errUnsent) || errors.Is(err, redis.ErrClosed) || errors.Is(err, redis.ErrPoolTimeout) ||
+		errors.As(err, &op) && op.Op == "dial"
 }
 
 // runScripts runs calls with EVALSHA: alone, or in one pipeline. A call
@@ -989,22 +1054,16 @@ type scriptCall struct {
 // the calls went out already (see runOps): it starts from their replies.
 func (s *Store) runScripts(ctx context.Context, calls []*scriptCall, sent bool) error {
 	send := func(todo []*scriptCall, full bool) {
-		do := func(c cmdable, sc *scriptCall) *redis.Cmd {
-			if full {
-				return sc.script.Eval(ctx, c, []string{sc.key}, sc.args...)
-			}
-			return sc.script.EvalSha(ctx, c, []string{sc.key}, sc.args...)
-		}
 		// A Redis Cluster client routes a lone command through its
 		// COMMAND table, which it fetches once from any node, perhaps one
 		// that is down or frozen; a pipeline routes by slot alone.
 		if len(todo) == 1 && s.cluster == nil {
-			todo[0].cmd = do(s.client, todo[0])
+			todo[0].issue(ctx, s.client, full)
 			return
 		}
 		_, _ = s.client.Pipelined(ctx, func(p redis.Pipeliner) error {
 			for _, c := range todo {
-				c.cmd = do(p, c)
+				c.issue(ctx, p, full)
 			}
 			return nil
 		})
