@@ -60,7 +60,7 @@ func (c *droppingConn) Read(b []byte) (int, error) {
 	}
 	// Wait for the reply, which proves the script ran, then lose it.
 	_, err := c.Conn.Read(make([]byte, 64<<10))
-	_ = c.Conn.Close()
+	_ = c.Close()
 	if err == nil {
 		c.d.dropped.Add(1)
 	}
