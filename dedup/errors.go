@@ -17,6 +17,18 @@ var (
 	// ErrLeaseLost: the caller's lease expired or was taken over. The caller
 	// must not treat its work as completed.
 	ErrLeaseLost = errors.New("dedup: lease lost")
+	// ErrOutcomeUnknown: the call reached the store, or may have, and its
+	// answer was lost (the connection broke after the request was sent,
+	// or the context ended while the store was working on it). The call
+	// may or may not have taken effect: a Complete so answered may have
+	// marked the key done, a Release may have deleted the claim. Stores
+	// return it instead of sending such a call again, because a second
+	// run would find the first one's effect and answer ErrLeaseLost to an
+	// owner whose call succeeded. Do not acknowledge the message: its
+	// redelivery's claim finds out what happened (ErrDuplicate when the
+	// Complete took effect, a new lease when the key was released,
+	// ErrInFlight until the old lease runs out when neither happened).
+	ErrOutcomeUnknown = errors.New("dedup: outcome unknown: the store's answer was lost")
 	// ErrFingerprintMismatch: the key was seen with different content.
 	// The message is never processed and goes to the dead-letter path.
 	ErrFingerprintMismatch = errors.New("dedup: fingerprint mismatch: same key, different content")

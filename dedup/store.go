@@ -28,7 +28,12 @@ type Lease struct {
 // Extend renews the lease, Complete marks the key done and keeps it for the
 // store's retention with the given result, Release deletes the claim so a
 // redelivery runs again. All three return ErrLeaseLost when the token no
-// longer owns the key.
+// longer owns the key. A call whose answer was lost after it may have
+// reached the store returns an error, never ErrLeaseLost: a store never
+// sends Complete or Release a second time, whose run would find the first
+// run's effect and answer ErrLeaseLost to an owner whose call succeeded.
+// When the store can tell that the call may have run, the error wraps
+// ErrOutcomeUnknown (dedup/redisnx and the lease mode of dedup/pgtable do).
 type LeaseStore interface {
 	Claim(ctx context.Context, key Key) (*Lease, error)
 	Extend(ctx context.Context, l *Lease) error

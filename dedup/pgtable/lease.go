@@ -8,6 +8,7 @@ import (
 	"fmt"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 
 	"github.com/idemkit/idem/dedup"
 )
@@ -139,12 +140,23 @@ func (l *LeaseStore) change(ctx context.Context, op, stmt string, lease *dedup.L
 	}
 	tag, err := l.s.db.Exec(ctx, stmt, append([]any{keyDigest(lease.Key.Scope, lease.Key.ID), lease.Token}, args...)...)
 	if err != nil {
+		if op != "extend" && mayHaveRun(err) {
+			return fmt.Errorf("pgtable: %s %s: %w: %w", op, lease.Key, dedup.ErrOutcomeUnknown, err)
+		}
 		return fmt.Errorf("pgtable: %s %s: %w", op, lease.Key, err)
 	}
 	if tag.RowsAffected() == 0 {
 		return fmt.Errorf("pgtable: %s %s: %w", op, lease.Key, dedup.ErrLeaseLost)
 	}
 	return nil
+}
+
+// mayHaveRun reports whether a statement that failed with err may have run:
+// the server did not answer it with an error, and pgx cannot tell that it
+// was never sent (pgconn.SafeToRetry). pgx never sends a statement twice.
+func mayHaveRun(err error) bool {
+	var pe *pgconn.PgError
+	return !errors.As(err, &pe) && !pgconn.SafeToRetry(err)
 }
 
 // Extend implements dedup.LeaseStore.

@@ -35,6 +35,16 @@
 // returned wrapped and never as a duplicate or in-flight answer, so callers
 // fail closed: the message is not acknowledged and is delivered again.
 //
+// Complete and Release are sent at most once, whatever the client's
+// MaxRetries: go-redis sends a command again after a broken connection,
+// and a second run of a Complete or Release whose first run took effect
+// (only its reply was lost, say to a Redis killed and restarted) would find
+// the key no longer in flight under its token and answer "lease lost" to an
+// owner whose call succeeded. Such a call returns an error wrapping
+// dedup.ErrOutcomeUnknown instead: it may or may not have taken effect, and
+// the redelivery's claim tells which. Claims and Extend are still sent
+// again (a second run finds the caller's own token and succeeds).
+//
 // Concurrent calls, claims and token scripts alike, share round trips, as a
 // group commit does: a call that finds fewer than two in flight is sent at
 // once, and the calls that arrive while two are go together in one pipeline

@@ -3,6 +3,7 @@ package redisnx
 import (
 	"context"
 	"errors"
+	"fmt"
 	"sync"
 	"time"
 )
@@ -10,6 +11,10 @@ import (
 // errGroupPanic is the error of the callers whose batch panicked in the
 // client (a hook); the panic itself goes on in the caller that sent it.
 var errGroupPanic = errors.New("redisnx: the Redis call panicked in another caller's batch")
+
+// errUnsent is wrapped in the error of a caller that gave up before its
+// items were taken into a batch: they never left the client.
+var errUnsent = errors.New("redisnx: not sent")
 
 // maxGroupMembers caps the callers one pipeline carries; the rest wait for
 // the next.
@@ -82,7 +87,7 @@ func (g *group[T]) do(ctx context.Context, items []T) error {
 		if q == m { // not taken yet: leave without a trace
 			g.queue = append(g.queue[:i], g.queue[i+1:]...)
 			g.mu.Unlock()
-			return ctx.Err()
+			return fmt.Errorf("%w (%w)", ctx.Err(), errUnsent)
 		}
 	}
 	g.mu.Unlock()

@@ -319,8 +319,8 @@ func TestMixedBatch(t *testing.T) {
 		}, dedup.ErrDuplicate},
 		{"scripts unknown to the server", func(t *testing.T) (*Store, *redis.Client) {
 			s, c := legacyStore(t, Options{})
-			s.complete = redis.NewScript(completeSrc + "\n-- " + testenv.UniqueID("mixed") + "\n")
-			s.release = redis.NewScript(releaseSrc + "\n-- " + testenv.UniqueID("mixed") + "\n")
+			s.complete = newTokenScript(completeSrc+"\n-- "+testenv.UniqueID("mixed")+"\n", true)
+			s.release = newTokenScript(releaseSrc+"\n-- "+testenv.UniqueID("mixed")+"\n", true)
 			return s, c
 		}, dedup.ErrInFlight},
 		{"SET NX GET refused", func(t *testing.T) (*Store, *redis.Client) {

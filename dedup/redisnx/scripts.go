@@ -54,8 +54,27 @@ if string.len(v) < h or string.sub(v, h + 1) ~= ARGV[1] then
 end
 `
 
+// tokenScript is one of the scripts that act on a key in flight under a
+// token (extend, complete, release).
+type tokenScript struct {
+	src string
+	sha string // SHA-1 of src, for EVALSHA
+	// once marks a script whose second run for one call would answer
+	// wrong: after a first run that took effect, complete and release
+	// find the key no longer in flight under their token and answer 0,
+	// "lease lost", to an owner whose call succeeded. Their commands are
+	// sent at most once (see onceCmd); a call whose reply was lost
+	// answers dedup.ErrOutcomeUnknown. Extend is not marked: its second
+	// run finds its own lease and extends it again.
+	once bool
+}
+
+func newTokenScript(src string, once bool) *tokenScript {
+	return &tokenScript{src: src, sha: redis.NewScript(src).Hash(), once: once}
+}
+
 // extendScript: ARGV[1] token, ARGV[2] lease in milliseconds.
-var extendScript = redis.NewScript(extendSrc)
+var extendScript = newTokenScript(extendSrc, false)
 
 const extendSrc = ownedCheck + `
 redis.call('PEXPIRE', KEYS[1], ARGV[2])
@@ -65,7 +84,7 @@ return 1
 // completeScript: ARGV[1] token, ARGV[2] result, ARGV[3] retention in
 // milliseconds. The done record keeps the fingerprint, if any, and drops the
 // token; without fingerprint and result it is doneBare.
-var completeScript = redis.NewScript(completeSrc)
+var completeScript = newTokenScript(completeSrc, true)
 
 const completeSrc = ownedCheck + `
 local done
@@ -81,7 +100,7 @@ return 1
 `
 
 // releaseScript: ARGV[1] token.
-var releaseScript = redis.NewScript(releaseSrc)
+var releaseScript = newTokenScript(releaseSrc, true)
 
 const releaseSrc = ownedCheck + `
 redis.call('DEL', KEYS[1])
