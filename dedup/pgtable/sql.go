@@ -45,8 +45,11 @@ ON CONFLICT (key) DO NOTHING`),
 		// $1 key, $2 fingerprint, $3 retention ms, $4 scope, $5 id.
 		// One round trip: the insert wins, or the existing row is read.
 		// When the insert waited for a concurrent transaction that then
-		// committed, the row is not in this statement's snapshot and no
-		// row comes back; the caller then runs lookup.
+		// committed, this statement's snapshot holds the row as it was
+		// before: absent, or an expired row the other transaction took
+		// over (which the conflict's WHERE, checked on the newest row,
+		// did not). No row comes back then; the caller runs lookup, whose
+		// snapshot has the other transaction's row.
 		claimTx: r.Replace(`
 WITH ins AS (
     INSERT INTO {{T}} AS e (key, expires_at, fingerprint, scope, id)
@@ -60,7 +63,7 @@ WITH ins AS (
 SELECT true, NULL::smallint, NULL::bytea, NULL::bytea, NULL::bigint FROM ins
 UNION ALL
 SELECT false, {{STATE}}, e.fingerprint, e.result, {{LEASE}}
-FROM {{T}} e WHERE e.key = $1 AND NOT EXISTS (SELECT 1 FROM ins)`),
+FROM {{T}} e WHERE e.key = $1 AND NOT {{EXPIRED}} AND NOT EXISTS (SELECT 1 FROM ins)`),
 
 		// $1 key.
 		lookup: r.Replace(`
@@ -103,7 +106,7 @@ WITH ins AS (
 SELECT true, NULL::smallint, NULL::bytea, NULL::bytea, NULL::bigint FROM ins
 UNION ALL
 SELECT false, {{STATE}}, e.fingerprint, e.result, {{LEASE}}
-FROM {{T}} e WHERE e.key = $1 AND NOT EXISTS (SELECT 1 FROM ins)`),
+FROM {{T}} e WHERE e.key = $1 AND NOT {{EXPIRED}} AND NOT EXISTS (SELECT 1 FROM ins)`),
 
 		// $1 key, $2 token, $3 lease ms.
 		leaseExtend: r.Replace(`

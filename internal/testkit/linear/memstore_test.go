@@ -82,43 +82,74 @@ func (b *tokenBlind) Complete(ctx context.Context, l *dedup.Lease, result []byte
 // TestCheckerCatchesBrokenStores: the check finds a violation in the
 // history of a store that grants a second owner, and of one whose Complete
 // ignores the token; a violation is saved as a visualization (the file is
-// checked to exist) with its sub-history. Each run is repeated up to three
-// times: a violation needs the workload to meet the fault (a claim of a
-// held key; a stale owner completing while another owner holds the key),
-// which every run so far did at its first try.
+// checked to exist) with its sub-history. The clients follow a script
+// that meets the fault whatever the machine's load: a second claim right
+// after the first, well inside a lease of seconds; a stale owner
+// completing after its lease ran out and another owner claimed the key.
 func TestCheckerCatchesBrokenStores(t *testing.T) {
-	const lease, ttl = 100 * time.Millisecond, 100 * time.Millisecond
 	for _, tc := range []struct {
 		name  string
+		lease time.Duration
+		stale bool
 		store func(*memstore.Store) dedup.LeaseStore
 	}{
-		{"claim grants two owners", func(s *memstore.Store) dedup.LeaseStore { return doubleGrant{s} }},
-		{"complete ignores the token", func(s *memstore.Store) dedup.LeaseStore {
+		{"claim grants two owners", 5 * time.Second, false,
+			func(s *memstore.Store) dedup.LeaseStore { return doubleGrant{s} }},
+		{"complete ignores the token", 100 * time.Millisecond, true, func(s *memstore.Store) dedup.LeaseStore {
 			return &tokenBlind{LeaseStore: s, current: map[string]*dedup.Lease{}}
 		}},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			t.Setenv("IDEM_LINEAR_DIR", t.TempDir())
-			model := linear.LeaseModel(lease, ttl, slack)
-			for try := 1; try <= 3; try++ {
-				s := tc.store(newMemstore(t, lease, ttl))
-				w := linear.Workload{Scope: testenv.UniqueID("broken"), Lease: lease, TTL: ttl}
-				h := linear.RunLease(testenv.Ctx(t), linear.Target{Store: s}, w, nil)
-				v := linear.Find(t, tc.name, model, h.Operations())
-				if v == nil {
-					t.Logf("try %d: no violation in %d operations (%v)", try, len(h.Operations()), h.Counts())
-					continue
-				}
-				if _, err := os.Stat(v.Path); err != nil {
-					t.Fatalf("violation on key %s, but its visualization: %v", v.Key, err)
-				}
-				if v.SubHistory == "" {
-					t.Fatalf("violation on key %s without a sub-history", v.Key)
-				}
-				t.Logf("try %d: violation on key %s, visualization %s\n%s", try, v.Key, v.Path, v.SubHistory)
-				return
+			// The script on the store itself is linearizable: the
+			// violation below is the broken store's.
+			linear.Check(t, "memstore, "+tc.name+" script", linear.LeaseModel(tc.lease, tc.lease, slack),
+				scriptedOwners(t, newMemstore(t, tc.lease, tc.lease), tc.lease, tc.stale))
+			s := tc.store(newMemstore(t, tc.lease, tc.lease))
+			h := scriptedOwners(t, s, tc.lease, tc.stale)
+			v := linear.Find(t, tc.name, linear.LeaseModel(tc.lease, tc.lease, slack), h.Operations())
+			if v == nil {
+				t.Fatalf("no violation in %d operations (%v)", len(h.Operations()), h.Counts())
 			}
-			t.Fatal("three runs of a broken store, and the check found no violation")
+			if _, err := os.Stat(v.Path); err != nil {
+				t.Fatalf("violation on key %s, but its visualization: %v", v.Key, err)
+			}
+			if v.SubHistory == "" {
+				t.Fatalf("violation on key %s without a sub-history", v.Key)
+			}
+			t.Logf("violation on key %s, visualization %s\n%s", v.Key, v.Path, v.SubHistory)
 		})
 	}
+}
+
+// scriptedOwners records two clients on one key: client 0 claims it;
+// with stale, waits three leases; client 1 claims it; with stale, client 0
+// then completes its own (expired) lease.
+func scriptedOwners(t *testing.T, s dedup.LeaseStore, lease time.Duration, stale bool) *linear.History {
+	ctx := testenv.Ctx(t)
+	h := linear.NewHistory()
+	k := dedup.Key{Scope: testenv.UniqueID("broken"), ID: "k0"}
+	claim := func(c int) *dedup.Lease {
+		in := linear.Input{Kind: linear.Claim, Key: k.ID, Call: h.Now()}
+		l, err := s.Claim(ctx, k)
+		h.Add(c, in, linear.ClaimOutput(l, err), h.Now())
+		if err != nil && !errors.Is(err, dedup.ErrInFlight) {
+			t.Fatalf("client %d: claim: %v", c, err)
+		}
+		return l
+	}
+	first := claim(0)
+	if first == nil {
+		t.Fatal("client 0 was not granted the fresh key")
+	}
+	if stale {
+		time.Sleep(3 * lease)
+	}
+	claim(1)
+	if stale {
+		in := linear.Input{Kind: linear.Complete, Key: k.ID, Token: first.Token, Call: h.Now()}
+		err := s.Complete(ctx, first, nil)
+		h.Add(0, in, linear.LeaseOutput(err), h.Now())
+	}
+	return h
 }
