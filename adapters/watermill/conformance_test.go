@@ -2,6 +2,7 @@ package idemwatermill_test
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"maps"
 	"slices"
@@ -24,15 +25,17 @@ import (
 // Transactional (dedup/pgtable), Watermill's Retry middleware outside it
 // and a poison queue outermost, over Watermill's in-process pub/sub
 // (gochannel, persistent). gochannel hands each message to its
-// subscribers on a goroutine of its own, so it promises no order.
+// subscribers on a goroutine of its own, so it promises no order. The
+// crash and connection cases need a pub/sub outside the test process:
+// TestConformanceSQL runs them on watermill-sql.
 func TestConformance(t *testing.T) {
 	adaptertest.Run(t, &wmHarness{dests: map[string]*wmDest{}})
 }
 
 // inProcess is why the crash cases cannot run on gochannel.
-const inProcess = "gochannel lives in the test process: a consumer process killed with SIGKILL takes the pub/sub and its messages along, so no other consumer can take over"
+const inProcess = "gochannel lives in the test process: a consumer process killed with SIGKILL takes the pub/sub and its messages along, so no other consumer can take over (TestConformanceSQL runs this case on watermill-sql)"
 
-// wmHarness is the Watermill adapter's adaptertest.Harness.
+// wmHarness is the Watermill adapter's adaptertest.Harness on gochannel.
 type wmHarness struct {
 	mu    sync.Mutex
 	dests map[string]*wmDest
@@ -52,7 +55,7 @@ func (h *wmHarness) Capabilities() adaptertest.Capabilities {
 		Unsupported: map[adaptertest.Case]string{
 			adaptertest.CaseAckRule:          inProcess,
 			adaptertest.CaseDeadLetterResent: inProcess,
-			adaptertest.CaseReconnect:        "gochannel is in process: a subscriber has no connection to lose",
+			adaptertest.CaseReconnect:        "gochannel is in process: a subscriber has no connection to lose (TestConformanceSQL runs this case on watermill-sql)",
 		},
 	}
 }
@@ -94,6 +97,12 @@ func (h *wmHarness) NewDestination(t testing.TB, _ adaptertest.ConsumerOptions) 
 }
 
 func (h *wmHarness) Publish(_ context.Context, d adaptertest.Destination, msgs ...adaptertest.Message) error {
+	return h.dest(d).ps.Publish(d.Name, conformanceMessages(msgs)...)
+}
+
+// conformanceMessages are the suite's messages as Watermill messages: the
+// id is the UUID, the key travels in the "key" metadata field.
+func conformanceMessages(msgs []adaptertest.Message) []*message.Message {
 	out := make([]*message.Message, len(msgs))
 	for i, m := range msgs {
 		wm := message.NewMessage(m.ID, m.Payload)
@@ -103,16 +112,26 @@ func (h *wmHarness) Publish(_ context.Context, d adaptertest.Destination, msgs .
 		}
 		out[i] = wm
 	}
-	return h.dest(d).ps.Publish(d.Name, out...)
+	return out
 }
 
 func (h *wmHarness) Start(ctx context.Context, d adaptertest.Destination, w adaptertest.Work, opts adaptertest.ConsumerOptions) (adaptertest.Consumer, error) {
 	wd := h.dest(d)
+	return startConformanceRouter(ctx, d, w, opts, keepOpen{wd.ps}, wd.ps)
+}
+
+// startConformanceRouter runs a router that consumes d from sub with the
+// stack every harness of this package tests: the poison queue outermost
+// (publishing to d.DeadLetter through pub whatever cannot succeed by
+// Retryable), Watermill's Retry for the transient errors, and
+// Transactional around the suite's effect. It returns once the router
+// runs.
+func startConformanceRouter(ctx context.Context, d adaptertest.Destination, w adaptertest.Work, opts adaptertest.ConsumerOptions, sub message.Subscriber, pub message.Publisher) (*wmConsumer, error) {
 	r, err := message.NewRouter(message.RouterConfig{CloseTimeout: time.Minute}, nopLogger)
 	if err != nil {
 		return nil, err
 	}
-	pq, err := middleware.PoisonQueueWithFilter(wd.ps, d.DeadLetter, func(err error) bool { return !idemwatermill.Retryable(err) })
+	pq, err := middleware.PoisonQueueWithFilter(pub, d.DeadLetter, func(err error) bool { return !idemwatermill.Retryable(err) })
 	if err != nil {
 		return nil, err
 	}
@@ -136,7 +155,7 @@ func (h *wmHarness) Start(ctx context.Context, d adaptertest.Destination, w adap
 		return nil, err
 	}
 	r.AddMiddleware(pq, retry.Middleware, tx)
-	r.AddConsumerHandler("conformance", d.Name, keepOpen{wd.ps}, func(m *message.Message) error {
+	r.AddConsumerHandler("conformance", d.Name, sub, func(m *message.Message) error {
 		msg := &consumer.Message{ID: m.UUID, Payload: m.Payload, Headers: maps.Clone(map[string]string(m.Metadata)), Topic: d.Name}
 		if k, ok := m.Metadata["key"]; ok {
 			msg.Key = []byte(k)
@@ -152,8 +171,7 @@ func (h *wmHarness) Start(ctx context.Context, d adaptertest.Destination, w adap
 		return nil, fmt.Errorf("the router stopped at once: %w", err)
 	case <-ctx.Done():
 		_ = r.Close()
-		<-c.done
-		return nil, ctx.Err()
+		return nil, errors.Join(ctx.Err(), <-c.done)
 	}
 }
 
