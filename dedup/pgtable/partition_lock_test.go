@@ -181,7 +181,7 @@ func TestPartitionedCleanupNeverMakesClaimsWait(t *testing.T) {
 // TestPartitionedCleanupFinishesInterruptedDetach: a detach that runs out
 // of PartitionLockTimeout behind a long transaction makes Cleanup return
 // while that transaction is still open, with the partition pending detach;
-// the next Cleanup after it ends finishes the detach and drops the table.
+// a Cleanup after it ends finishes the detach and drops the table.
 func TestPartitionedCleanupFinishesInterruptedDetach(t *testing.T) {
 	pool := testenv.Pool(t, 6)
 	s := newStore(t, pool, pgtable.Options{Partitioned: true, Retention: 24 * time.Hour, PartitionLockTimeout: 20 * time.Millisecond})
@@ -219,8 +219,21 @@ func TestPartitionedCleanupFinishesInterruptedDetach(t *testing.T) {
 	if err := long.Commit(ctx); err != nil {
 		t.Fatal(err)
 	}
-	if n, err := s.Cleanup(ctx); err != nil || n != 5 {
-		t.Fatalf("Cleanup after the long transaction = %d, %v; want the 5 rows dropped", n, err)
+	// A Cleanup after it finishes the detach. On a shared server, the
+	// FINALIZE may also run out of PartitionLockTimeout behind other
+	// sessions' transactions; that Cleanup returns 0 and a later one
+	// finishes.
+	var dropped int64
+	testenv.Eventually(t, 30*time.Second, "a Cleanup to finish the detach", func() bool {
+		n, err := s.Cleanup(ctx)
+		if err != nil {
+			t.Fatalf("Cleanup after the long transaction: %v", err)
+		}
+		dropped += n
+		return dropped != 0
+	})
+	if dropped != 5 {
+		t.Fatalf("Cleanup after the long transaction dropped %d rows; want the 5 rows of the partition", dropped)
 	}
 	if a, _ := pending(); a {
 		t.Fatal("partition still attached")
