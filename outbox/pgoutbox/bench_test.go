@@ -13,6 +13,7 @@ import (
 	amqp091 "github.com/rabbitmq/amqp091-go"
 
 	"github.com/idemkit/idem/internal/telemetry"
+	"github.com/idemkit/idem/internal/testkit/outboxtest"
 	"github.com/idemkit/idem/internal/testkit/telemetrytest"
 	"github.com/idemkit/idem/internal/testkit/testenv"
 	"github.com/idemkit/idem/outbox"
@@ -44,12 +45,12 @@ func BenchmarkRelayToRabbitMQ(b *testing.B) {
 		batch  = 500
 		rounds = 5
 	)
-	rb := newRabbit(b, "", true)
+	rb := outboxtest.NewRabbit(b, "", true)
 	pool := testenv.Pool(b, 8)
 	purge := func() {
-		rb.admin(func(ch *amqp091.Channel) error { _, err := ch.QueuePurge(rb.queue, false); return err })
+		rb.Admin(func(ch *amqp091.Channel) error { _, err := ch.QueuePurge(rb.Queue, false); return err })
 	}
-	conn, err := amqp091.Dial(rb.url)
+	conn, err := amqp091.Dial(rb.URL)
 	if err != nil {
 		b.Fatal(err)
 	}
@@ -69,7 +70,7 @@ func BenchmarkRelayToRabbitMQ(b *testing.B) {
 		for i := 0; i < benchRound; i += batch {
 			dcs = dcs[:0]
 			for j := i; j < min(i+batch, benchRound); j++ {
-				dc, err := ch.PublishWithDeferredConfirm(rb.exchange, string(benchKey(j)), true, false, amqp091.Publishing{
+				dc, err := ch.PublishWithDeferredConfirm(rb.Exchange, string(benchKey(j)), true, false, amqp091.Publishing{
 					DeliveryMode: amqp091.Persistent, MessageId: fmt.Sprintf("00000000-0000-7000-8000-%012d", j), Timestamp: created, Body: benchPayload,
 				})
 				if err != nil {
@@ -93,7 +94,7 @@ func BenchmarkRelayToRabbitMQ(b *testing.B) {
 		for i := 0; i < benchRound; i += 1000 {
 			var msgs []outbox.Message
 			for j := i; j < min(i+1000, benchRound); j++ {
-				msgs = append(msgs, outbox.Message{Topic: rb.exchange, Key: benchKey(j), Payload: benchPayload})
+				msgs = append(msgs, outbox.Message{Topic: rb.Exchange, Key: benchKey(j), Payload: benchPayload})
 			}
 			if err := pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error { _, err := ob.Enqueue(ctx, tx, msgs...); return err }); err != nil {
 				b.Fatal(err)
@@ -102,7 +103,7 @@ func BenchmarkRelayToRabbitMQ(b *testing.B) {
 		if _, err := pool.Exec(ctx, "VACUUM ANALYZE "+ob.Table()); err != nil {
 			b.Fatal(err)
 		}
-		pub := newAMQPPublisher(b, rb.url)
+		pub := newAMQPPublisher(b, rb.URL)
 		mp, all := telemetrytest.Reach(telemetry.MetricOutboxPublished, benchRound)
 		r, err := pgoutbox.NewRelay(ob, pub, pgoutbox.RelayOptions{
 			BatchSize: batch, Sessions: sessions, DeletePublished: del, MeterProvider: mp, MetricsInterval: time.Hour, CleanupInterval: -1, Logger: quiet(),
@@ -197,10 +198,10 @@ func benchLatency(b *testing.B, sessions int) {
 		total = 10000
 		rate  = 1000 // per second
 	)
-	rb := newRabbit(b, "", true)
+	rb := outboxtest.NewRabbit(b, "", true)
 	pool := testenv.Pool(b, 12)
 	ob := newOutbox(b, pool, pgoutbox.Options{})
-	pub := &latencyPublisher{Publisher: newAMQPPublisher(b, rb.url), confirmed: map[string]time.Time{}}
+	pub := &latencyPublisher{Publisher: newAMQPPublisher(b, rb.URL), confirmed: map[string]time.Time{}}
 	r, err := pgoutbox.NewRelay(ob, pub, pgoutbox.RelayOptions{CleanupInterval: -1, Logger: quiet(), Sessions: sessions})
 	if err != nil {
 		b.Fatal(err)
@@ -231,7 +232,7 @@ func benchLatency(b *testing.B, sessions int) {
 					var ids []string
 					err := pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
 						var err error
-						ids, err = ob.Enqueue(ctx, tx, outbox.Message{Topic: rb.exchange, Key: benchKey(int(i)), Payload: benchPayload})
+						ids, err = ob.Enqueue(ctx, tx, outbox.Message{Topic: rb.Exchange, Key: benchKey(int(i)), Payload: benchPayload})
 						return err
 					})
 					now := time.Now()

@@ -6,6 +6,8 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+
+	"github.com/idemkit/idem/outbox/internal/relaycore"
 )
 
 // Cleanup deletes published rows older than Options.Retention (and dead
@@ -26,20 +28,13 @@ func (o *Outbox) Cleanup(ctx context.Context) (int64, error) {
 }
 
 func (o *Outbox) deleteBatches(ctx context.Context, stmt string, age time.Duration) (int64, error) {
-	var total int64
-	for {
+	return relaycore.DeleteBatches(ctx, o.opts.CleanupBatch, func(ctx context.Context) (int64, error) {
 		tag, err := o.pool.Exec(ctx, stmt, age.Milliseconds(), o.opts.CleanupBatch)
 		if err != nil {
-			return total, fmt.Errorf("pgoutbox: cleanup %s: %w", o.table, err)
+			return 0, fmt.Errorf("pgoutbox: cleanup %s: %w", o.table, err)
 		}
-		total += tag.RowsAffected()
-		if tag.RowsAffected() < int64(o.opts.CleanupBatch) {
-			return total, nil
-		}
-		if err := ctx.Err(); err != nil {
-			return total, err
-		}
-	}
+		return tag.RowsAffected(), nil
+	})
 }
 
 // CleanupLoop runs Cleanup every interval until ctx ends, and returns
@@ -53,21 +48,7 @@ func (o *Outbox) CleanupLoop(ctx context.Context, interval time.Duration) error 
 	if o.pool == nil {
 		return errNoPool("CleanupLoop")
 	}
-	t := time.NewTicker(interval)
-	defer t.Stop()
-	for {
-		n, err := o.Cleanup(ctx)
-		if err != nil && ctx.Err() == nil {
-			o.opts.Logger.Warn("pgoutbox: cleanup failed", "table", o.table, "err", err)
-		} else if n > 0 {
-			o.opts.Logger.Debug("pgoutbox: cleanup", "table", o.table, "deleted", n)
-		}
-		select {
-		case <-ctx.Done():
-			return ctx.Err()
-		case <-t.C:
-		}
-	}
+	return relaycore.CleanupLoop(ctx, interval, o.Cleanup, o.opts.Logger, "pgoutbox: ", o.table)
 }
 
 // Backlog returns the number of pending (unpublished, not dead) messages and

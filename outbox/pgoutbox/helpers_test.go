@@ -4,9 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"log/slog"
 	"maps"
-	"os"
 	"sync"
 	"testing"
 	"time"
@@ -16,20 +14,12 @@ import (
 	"go.opentelemetry.io/otel/propagation"
 
 	"github.com/idemkit/idem/internal/telemetry"
+	"github.com/idemkit/idem/internal/testkit/outboxtest"
 	"github.com/idemkit/idem/internal/testkit/telemetrytest"
 	"github.com/idemkit/idem/internal/testkit/testenv"
 	"github.com/idemkit/idem/outbox"
 	"github.com/idemkit/idem/outbox/pgoutbox"
 )
-
-// quiet is the logger of the tests' relays: warnings about killed sessions
-// are expected there. IDEM_TEST_VERBOSE=1 shows them.
-func quiet() *slog.Logger {
-	if os.Getenv("IDEM_TEST_VERBOSE") == "1" {
-		return slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelDebug}))
-	}
-	return slog.New(slog.DiscardHandler)
-}
 
 // newOutbox creates an outbox in a fresh schema (dropped after the test) and
 // migrates it.
@@ -94,36 +84,6 @@ func fastRelay(o pgoutbox.RelayOptions) pgoutbox.RelayOptions {
 		o.Logger = quiet()
 	}
 	return o
-}
-
-// running is a relay started by start.
-type running struct {
-	cancel context.CancelFunc
-	done   chan error
-}
-
-// start runs r until stop (or the end of the test).
-func start(t testing.TB, r *pgoutbox.Relay) *running {
-	t.Helper()
-	ctx, cancel := context.WithCancel(context.Background())
-	rr := &running{cancel: cancel, done: make(chan error, 1)}
-	go func() { rr.done <- r.Run(ctx) }()
-	t.Cleanup(func() { rr.stop(t) })
-	return rr
-}
-
-// stop cancels the relay and waits for Run to return; it may be called more
-// than once.
-func (rr *running) stop(t testing.TB) {
-	t.Helper()
-	rr.cancel()
-	err, ok := <-rr.done
-	if ok {
-		close(rr.done)
-		if err != nil {
-			t.Errorf("Relay.Run: %v", err)
-		}
-	}
 }
 
 // memPublisher records what it publishes. fail, when set, fails single
@@ -284,14 +244,22 @@ func countState(t testing.TB, pool *pgxpool.Pool, ob *pgoutbox.Outbox, state int
 	return n
 }
 
-func msg(topic, key, payload string) outbox.Message {
-	var k []byte
-	if key != "" {
-		k = []byte(key)
-	}
-	return outbox.Message{Topic: topic, Key: k, Payload: []byte(payload)}
-}
-
 var errBoom = errors.New("boom")
 
 func keyOf(i, keys int) string { return fmt.Sprintf("k%03d", i%keys) }
+
+// The helpers every relay's tests share.
+var (
+	quiet = outboxtest.Quiet
+	msg   = outboxtest.Msg
+)
+
+// running is a relay started by start, ended by stop (or the end of the test).
+type running struct{ *outboxtest.Running }
+
+func (rr *running) stop(t testing.TB) { t.Helper(); rr.Stop(t) }
+
+func start(t testing.TB, r interface{ Run(context.Context) error }) *running {
+	t.Helper()
+	return &running{outboxtest.Start(t, r)}
+}

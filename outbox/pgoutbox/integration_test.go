@@ -21,6 +21,7 @@ import (
 	idemamqp "github.com/idemkit/idem/adapters/amqp"
 	"github.com/idemkit/idem/consumer"
 	"github.com/idemkit/idem/dedup/pgtable"
+	"github.com/idemkit/idem/internal/testkit/outboxtest"
 	"github.com/idemkit/idem/internal/testkit/testenv"
 	"github.com/idemkit/idem/outbox"
 	"github.com/idemkit/idem/outbox/pgoutbox"
@@ -104,19 +105,19 @@ func TestRelayKilledBetweenPublishAndMark(t *testing.T) {
 	pool := testenv.Pool(t, 6)
 	ob := newOutbox(t, pool, pgoutbox.Options{})
 	schema := ob.Options().Schema
-	rb := newRabbit(t, "", false)
+	rb := outboxtest.NewRabbit(t, "", false)
 	eff := newEffects(t, pool, schema)
-	col := rb.collect(t, idemConsumer(t, pool, schema, eff))
+	col := rb.Collect(t, idemConsumer(t, pool, schema, eff))
 
 	var msgs []outbox.Message
 	for i := range 5 {
-		msgs = append(msgs, msg(rb.exchange, fmt.Sprint("acct-", i), fmt.Sprint("charge-", i)))
+		msgs = append(msgs, msg(rb.Exchange, fmt.Sprint("acct-", i), fmt.Sprint("charge-", i)))
 	}
 	ids := enqueue(t, pool, ob, msgs...)
 
 	ctx, cancel := context.WithTimeout(context.Background(), 90*time.Second)
 	defer cancel()
-	err := childCommand(ctx, schema, rb.url, childKillEnv+"="+childKillPoint).Run()
+	err := childCommand(ctx, schema, rb.URL, childKillEnv+"="+childKillPoint).Run()
 	var ee *exec.ExitError
 	if !errors.As(err, &ee) || ee.Sys().(syscall.WaitStatus).Signal() != syscall.SIGKILL {
 		t.Fatalf("relay child: %v; want killed by SIGKILL at the kill point", err)
@@ -127,14 +128,14 @@ func TestRelayKilledBetweenPublishAndMark(t *testing.T) {
 			t.Fatalf("row %s after the kill: %+v, want pending", id, ri)
 		}
 	}
-	testenv.Eventually(t, 30*time.Second, "the first publish consumed", func() bool { return col.distinct() == len(ids) })
+	testenv.Eventually(t, 30*time.Second, "the first publish consumed", func() bool { return col.Distinct() == len(ids) })
 
-	if err := childCommand(ctx, schema, rb.url, childDrainEnv+"=1").Run(); err != nil {
+	if err := childCommand(ctx, schema, rb.URL, childDrainEnv+"=1").Run(); err != nil {
 		t.Fatalf("restarted relay child: %v", err)
 	}
 	testenv.Eventually(t, 30*time.Second, "every message delivered twice", func() bool {
 		for _, id := range ids {
-			if col.count(id) < 2 {
+			if col.Count(id) < 2 {
 				return false
 			}
 		}
@@ -213,37 +214,37 @@ func enqueueStream(t testing.TB, pool *pgxpool.Pool, ob *pgoutbox.Outbox, topic 
 // increasing sequence. A re-publish of an earlier message arriving later is a
 // duplicate (the consumer drops it), not a reordering. It also checks that
 // each producer's messages of one key arrive in the order produced.
-func orderReport(t testing.TB, pool *pgxpool.Pool, ob *pgoutbox.Outbox, arrivals []arrival) (distinct, dups, violations int, examples []string) {
+func orderReport(t testing.TB, pool *pgxpool.Pool, ob *pgoutbox.Outbox, arrivals []outboxtest.Arrival) (distinct, dups, violations int, examples []string) {
 	t.Helper()
 	rows := rowsByID(t, pool, ob)
 	lastSeq := map[string]int64{}
 	lastByProducer := map[string]int{}
 	seen := map[string]bool{}
 	for _, a := range arrivals {
-		if seen[a.id] {
+		if seen[a.ID] {
 			dups++
 			continue
 		}
-		seen[a.id] = true
-		ri, ok := rows[a.id]
+		seen[a.ID] = true
+		ri, ok := rows[a.ID]
 		if !ok {
-			t.Errorf("delivery of unknown message %s", a.id)
+			t.Errorf("delivery of unknown message %s", a.ID)
 			continue
 		}
-		if ri.seq <= lastSeq[a.key] {
+		if ri.seq <= lastSeq[a.Key] {
 			violations++
 			if violations <= 5 {
-				examples = append(examples, fmt.Sprintf("key %s: message seq %d delivered after seq %d", a.key, ri.seq, lastSeq[a.key]))
+				examples = append(examples, fmt.Sprintf("key %s: message seq %d delivered after seq %d", a.Key, ri.seq, lastSeq[a.Key]))
 			}
 		}
-		lastSeq[a.key] = ri.seq
-		producer, nth, _ := strings.Cut(string(a.body), "/")
-		k := a.key + "@" + producer
+		lastSeq[a.Key] = ri.seq
+		producer, nth, _ := strings.Cut(string(a.Body), "/")
+		k := a.Key + "@" + producer
 		n, _ := strconv.Atoi(nth)
 		if n <= lastByProducer[k] {
 			violations++
 			if violations <= 5 {
-				examples = append(examples, fmt.Sprintf("key %s, producer %s: message %d delivered after %d", a.key, producer, n, lastByProducer[k]))
+				examples = append(examples, fmt.Sprintf("key %s, producer %s: message %d delivered after %d", a.Key, producer, n, lastByProducer[k]))
 			}
 		}
 		lastByProducer[k] = n
@@ -260,15 +261,15 @@ func orderReport(t testing.TB, pool *pgxpool.Pool, ob *pgoutbox.Outbox, arrivals
 func TestThreeRelaysKeepPerKeyOrder(t *testing.T) {
 	pool := testenv.Pool(t, 8)
 	ob := newOutbox(t, pool, pgoutbox.Options{})
-	rb := newRabbit(t, "", false)
-	col := rb.collect(t, nil)
+	rb := outboxtest.NewRabbit(t, "", false)
+	col := rb.Collect(t, nil)
 
 	const total, keys = 10000, 100
 	relays := make([]*pgoutbox.Relay, 3)
 	runs := make([]*running, 3)
 	var lastPID atomic.Uint32 // relay 0's current session
 	for i := range relays {
-		r, err := pgoutbox.NewRelay(ob, newAMQPPublisher(t, rb.url), fastRelay(pgoutbox.RelayOptions{
+		r, err := pgoutbox.NewRelay(ob, newAMQPPublisher(t, rb.URL), fastRelay(pgoutbox.RelayOptions{
 			Shards: 12, CleanupInterval: -1,
 		}))
 		if err != nil {
@@ -284,26 +285,26 @@ func TestThreeRelaysKeepPerKeyOrder(t *testing.T) {
 	produced := make(chan struct{})
 	go func() {
 		defer close(produced)
-		ids = enqueueStream(t, pool, ob, rb.exchange, total, keys, 4, 10, 2*time.Millisecond)
+		ids = enqueueStream(t, pool, ob, rb.Exchange, total, keys, 4, 10, 2*time.Millisecond)
 	}()
-	testenv.Eventually(t, 60*time.Second, "a third delivered", func() bool { return col.distinct() >= total/3 })
+	testenv.Eventually(t, 60*time.Second, "a third delivered", func() bool { return col.Distinct() >= total/3 })
 	runs[1].stop(t)
-	testenv.Eventually(t, 60*time.Second, "half delivered", func() bool { return col.distinct() >= total/2 })
+	testenv.Eventually(t, 60*time.Second, "half delivered", func() bool { return col.Distinct() >= total/2 })
 	// Relay 0 loses its session (and with it its shards) abruptly, most
 	// likely with a batch in flight.
 	if _, err := pool.Exec(context.Background(), "SELECT pg_terminate_backend($1)", int32(lastPID.Load())); err != nil {
 		t.Fatal(err)
 	}
-	testenv.Eventually(t, 60*time.Second, "two thirds delivered", func() bool { return col.distinct() >= 2*total/3 })
+	testenv.Eventually(t, 60*time.Second, "two thirds delivered", func() bool { return col.Distinct() >= 2*total/3 })
 	runs[1] = start(t, relays[1])
 	<-produced
 	if len(ids) != total {
 		t.Fatalf("enqueued %d, want %d", len(ids), total)
 	}
-	testenv.Eventually(t, 120*time.Second, "every message delivered", func() bool { return col.distinct() == total })
+	testenv.Eventually(t, 120*time.Second, "every message delivered", func() bool { return col.Distinct() == total })
 	// The last batches' rows are marked right after their confirms.
 	testenv.Eventually(t, 30*time.Second, "every row marked published", func() bool { return countState(t, pool, ob, 1) == total })
-	distinct, dups, violations, examples := orderReport(t, pool, ob, col.snapshot())
+	distinct, dups, violations, examples := orderReport(t, pool, ob, col.Snapshot())
 	t.Logf("3 relays, %d messages on %d keys: %d delivered, 0 lost, %d duplicates, %d order violations",
 		total, keys, distinct, dups, violations)
 	if violations > 0 {
@@ -469,9 +470,9 @@ func TestPostgresSessionsTerminatedMidBatch(t *testing.T) {
 			dups += n - 1
 		}
 	}
-	var arrivals []arrival
+	var arrivals []outboxtest.Arrival
 	for _, m := range pub.published() {
-		arrivals = append(arrivals, arrival{id: m.ID, key: string(m.Key), body: m.Payload})
+		arrivals = append(arrivals, outboxtest.Arrival{ID: m.ID, Key: string(m.Key), Body: m.Payload})
 	}
 	_, _, violations, examples := orderReport(t, pool, ob, arrivals)
 	mu.Lock()
@@ -503,8 +504,8 @@ func TestRabbitMQConnectionsClosedMidStream(t *testing.T) {
 	vurl := vhost(t, ctl)
 	pool := testenv.Pool(t, 6)
 	ob := newOutbox(t, pool, pgoutbox.Options{})
-	rb := newRabbit(t, vurl, true)
-	col := rb.collect(t, nil)
+	rb := outboxtest.NewRabbit(t, vurl, true)
+	col := rb.Collect(t, nil)
 	pub := &countingPublisher{Publisher: newAMQPPublisher(t, vurl)}
 	r, err := pgoutbox.NewRelay(ob, pub, fastRelay(pgoutbox.RelayOptions{BatchSize: 100, CleanupInterval: -1}))
 	if err != nil {
@@ -524,23 +525,23 @@ func TestRabbitMQConnectionsClosedMidStream(t *testing.T) {
 			for j := range 100 {
 				k := keyOf(j, 40)
 				nth[k]++
-				batch = append(batch, msg(rb.exchange, k, fmt.Sprintf("0/%d", nth[k])))
+				batch = append(batch, msg(rb.Exchange, k, fmt.Sprintf("0/%d", nth[k])))
 			}
 			ids = append(ids, enqueue(t, pool, ob, batch...)...)
 			time.Sleep(5 * time.Millisecond)
 		}
 	}()
 	for _, at := range []int{total / 4, total / 2} {
-		testenv.Eventually(t, 60*time.Second, fmt.Sprint(at, " delivered"), func() bool { return col.distinct() >= at })
+		testenv.Eventually(t, 60*time.Second, fmt.Sprint(at, " delivered"), func() bool { return col.Distinct() >= at })
 		ctl("close_all_connections", "--vhost", strings.TrimPrefix(vurlPath(t, vurl), "/"), "idem test: connection kill mid-stream")
 	}
 	<-produced
-	testenv.Eventually(t, 90*time.Second, "every message delivered", func() bool { return col.distinct() == total })
+	testenv.Eventually(t, 90*time.Second, "every message delivered", func() bool { return col.Distinct() == total })
 	testenv.Eventually(t, 30*time.Second, "every row marked published", func() bool { return countState(t, pool, ob, 1) == total })
 	// The consumer's connection is closed too, and its unacknowledged
 	// deliveries come back: the broker's redelivery may reorder them, so
 	// the order is reported, not asserted, here.
-	distinct, dups, violations, _ := orderReport(t, pool, ob, col.snapshot())
+	distinct, dups, violations, _ := orderReport(t, pool, ob, col.Snapshot())
 	t.Logf("%d messages: %d delivered, 0 lost, %d duplicates, %d out of order at the consumer across 2 close_all_connections; "+
 		"%d of %d Publish calls failed as a whole and were retried", len(ids), distinct, dups, violations, pub.failures.Load(), pub.calls.Load())
 }

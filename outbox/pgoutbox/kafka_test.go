@@ -19,6 +19,7 @@ import (
 	"github.com/idemkit/idem/consumer"
 	"github.com/idemkit/idem/dedup/pgtable"
 	"github.com/idemkit/idem/internal/testkit/kafkatest"
+	"github.com/idemkit/idem/internal/testkit/outboxtest"
 	"github.com/idemkit/idem/internal/testkit/telemetrytest"
 	"github.com/idemkit/idem/internal/testkit/testenv"
 	"github.com/idemkit/idem/outbox/pgoutbox"
@@ -180,7 +181,7 @@ func TestRelayToKafka(t *testing.T) {
 	}
 	var (
 		amu      sync.Mutex
-		arrivals []arrival // acknowledged deliveries, duplicates included
+		arrivals []outboxtest.Arrival // acknowledged deliveries, duplicates included
 		dups     atomic.Int64
 		dead     atomic.Int64
 	)
@@ -195,7 +196,7 @@ func TestRelayToKafka(t *testing.T) {
 					dups.Add(1)
 				}
 				amu.Lock()
-				arrivals = append(arrivals, arrival{id: m.ID, key: string(m.Key), body: bytes.Clone(m.Payload)})
+				arrivals = append(arrivals, outboxtest.Arrival{ID: m.ID, Key: string(m.Key), Body: bytes.Clone(m.Payload)})
 				amu.Unlock()
 			case consumer.ActionDeadLetter:
 				dead.Add(1)
@@ -296,7 +297,7 @@ func TestRelayToKafka(t *testing.T) {
 	amu.Unlock()
 	delivered := map[string]bool{}
 	for _, a := range snap {
-		delivered[a.id] = true
+		delivered[a.ID] = true
 	}
 	for _, id := range rbIDs {
 		if _, ok := rows[id]; ok || delivered[id] || got[id] != 0 {
@@ -334,9 +335,9 @@ func TestRelayToKafka(t *testing.T) {
 	firstOrder := map[string][]string{}
 	seen := map[string]bool{}
 	for _, a := range snap {
-		if !seen[a.id] {
-			seen[a.id] = true
-			firstOrder[a.key] = append(firstOrder[a.key], a.id)
+		if !seen[a.ID] {
+			seen[a.ID] = true
+			firstOrder[a.Key] = append(firstOrder[a.Key], a.ID)
 		}
 	}
 	if len(want) != keys {

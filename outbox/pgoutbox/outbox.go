@@ -2,7 +2,6 @@ package pgoutbox
 
 import (
 	"context"
-	"encoding/hex"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -10,7 +9,6 @@ import (
 	"log/slog"
 	"time"
 
-	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"go.opentelemetry.io/otel/propagation"
@@ -20,6 +18,7 @@ import (
 	"github.com/idemkit/idem/internal/telemetry"
 	"github.com/idemkit/idem/outbox"
 	"github.com/idemkit/idem/outbox/internal/msgcheck"
+	"github.com/idemkit/idem/outbox/internal/relaycore"
 )
 
 // Options configure an Outbox. The zero value is usable.
@@ -80,61 +79,27 @@ func New(pool *pgxpool.Pool, opts Options) (*Outbox, error) {
 	if err := sqlname.SchemaTable("pgoutbox: Options", &opts.Schema, &opts.Table, "outbox", 50); err != nil {
 		return nil, err
 	}
-	for _, d := range []struct {
-		name string
-		v    time.Duration
-	}{{"Retention", opts.Retention}, {"DeadRetention", opts.DeadRetention}} {
-		if d.v < 0 {
-			return nil, fmt.Errorf("pgoutbox: Options.%s is %v; it must not be negative (zero means the default)", d.name, d.v)
-		}
-		if d.v > 0 && d.v < time.Millisecond {
-			return nil, fmt.Errorf("pgoutbox: Options.%s is %v; use at least 1ms", d.name, d.v)
-		}
+	if err := relaycore.CheckRetentions("pgoutbox: Options.",
+		relaycore.Duration{Name: "Retention", V: &opts.Retention},
+		relaycore.Duration{Name: "DeadRetention", V: &opts.DeadRetention}); err != nil {
+		return nil, err
 	}
-	if opts.CleanupBatch < 0 {
-		return nil, fmt.Errorf("pgoutbox: Options.CleanupBatch is %d; it must not be negative", opts.CleanupBatch)
-	}
-	if opts.Propagator == nil {
-		opts.Propagator = telemetry.DefaultPropagator
-	}
-	if opts.Retention == 0 {
-		opts.Retention = 24 * time.Hour
-	}
-	if opts.CleanupBatch == 0 {
-		opts.CleanupBatch = 1000
-	}
-	if opts.Logger == nil {
-		opts.Logger = slog.Default()
+	if err := relaycore.FillOutbox("pgoutbox: Options.", relaycore.OutboxDefaults{
+		Retention: &opts.Retention, CleanupBatch: &opts.CleanupBatch, Propagator: &opts.Propagator, Logger: &opts.Logger,
+	}); err != nil {
+		return nil, err
 	}
 	o := &Outbox{
 		pool:  pool,
 		opts:  opts,
 		table: sqlname.Qualified(opts.Schema, opts.Table),
 	}
+	o.channel = relaycore.PGChannel(opts.Schema, opts.Table)
+	o.lockNS = relaycore.PGKeyLockNS(opts.Schema, opts.Table)
 	name := opts.Schema + "." + opts.Table
-	o.channel = "idem_outbox." + name
-	if len(o.channel) > 63 { // NAMEDATALEN - 1
-		o.channel = "idem_outbox." + hex.EncodeToString(fnv64("channel", name))
-	}
-	o.lockNS = int64(fnvSum64("idem:outbox:key:" + name))
 	o.relayNS = int32(fnvSum32("idem:outbox:relay:"+name) & 0x7fffffff)
 	o.sql = buildStatements(o.table)
 	return o, nil
-}
-
-func fnv64(parts ...string) []byte {
-	h := fnv.New64a()
-	for _, p := range parts {
-		h.Write([]byte(p))
-		h.Write([]byte{0})
-	}
-	return h.Sum(nil)
-}
-
-func fnvSum64(s string) uint64 {
-	h := fnv.New64a()
-	h.Write([]byte(s))
-	return h.Sum64()
 }
 
 func fnvSum32(s string) uint32 {
@@ -153,29 +118,6 @@ func (o *Outbox) Table() string { return o.table }
 // listens on: "idem_outbox.<schema>.<table>", or a hash of the name when
 // that is longer than 63 bytes.
 func (o *Outbox) Channel() string { return o.channel }
-
-// keyHash spreads keys over shards; it is stored with the row. A keyless
-// message is spread by its id, since it has no order to keep.
-func keyHash(key []byte, id uuid.UUID) int32 {
-	h := fnv.New32a()
-	if len(key) == 0 {
-		h.Write(id[:])
-	} else {
-		h.Write(key)
-	}
-	return int32(h.Sum32() & 0x7fffffff)
-}
-
-func (o *Outbox) keyLockID(key []byte) int64 {
-	h := fnv.New64a()
-	var ns [8]byte
-	for i := range ns {
-		ns[i] = byte(o.lockNS >> (8 * i))
-	}
-	h.Write(ns[:])
-	h.Write(key)
-	return int64(h.Sum64())
-}
 
 // Enqueue writes msgs in tx, the caller's transaction: they are published
 // after tx commits and never if it rolls back. It returns the messages' ids,
@@ -228,7 +170,7 @@ func (o *Outbox) Enqueue(ctx context.Context, tx pgx.Tx, msgs ...outbox.Message)
 	)
 	for i := range msgs {
 		m := &msgs[i]
-		id, err := messageID(m.ID)
+		id, err := msgcheck.ID(m.ID)
 		if err != nil {
 			return nil, fmt.Errorf("pgoutbox: Enqueue: message %d: %w", i, err)
 		}
@@ -251,14 +193,14 @@ func (o *Outbox) Enqueue(ctx context.Context, tx pgx.Tx, msgs ...outbox.Message)
 		if keys[i] == nil {
 			keys[i] = []byte{}
 		}
-		hashes[i] = keyHash(m.Key, id)
+		hashes[i] = relaycore.PGKeyHash(m.Key, id)
 		payloads[i] = m.Payload
 		if payloads[i] == nil {
 			payloads[i] = []byte{}
 		}
 		headers[i] = string(js)
 		if len(m.Key) > 0 && !o.opts.NoKeyLock {
-			lockIDs = append(lockIDs, o.keyLockID(m.Key))
+			lockIDs = append(lockIDs, relaycore.PGKeyLockID(o.lockNS, m.Key))
 		}
 	}
 	b := &pgx.Batch{}
@@ -271,15 +213,4 @@ func (o *Outbox) Enqueue(ctx context.Context, tx pgx.Tx, msgs ...outbox.Message)
 		return nil, fmt.Errorf("pgoutbox: Enqueue into %s: %w", o.table, err)
 	}
 	return ids, nil
-}
-
-func messageID(s string) (uuid.UUID, error) {
-	if s == "" {
-		return uuid.NewV7()
-	}
-	id, err := uuid.Parse(s)
-	if err != nil {
-		return uuid.UUID{}, fmt.Errorf("Message.ID #%s is not a UUID (leave it empty for a generated UUIDv7): %w", dedup.HashKey("", s), err)
-	}
-	return id, nil
 }

@@ -5,7 +5,6 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
-	"sync"
 	"sync/atomic"
 	"time"
 
@@ -15,6 +14,7 @@ import (
 
 	"github.com/idemkit/idem/internal/backoff"
 	"github.com/idemkit/idem/outbox"
+	"github.com/idemkit/idem/outbox/internal/relaycore"
 )
 
 // RelayOptions configure a Relay. The zero value is usable.
@@ -158,27 +158,14 @@ func NewRelay(ob *Outbox, pub outbox.Publisher, opts RelayOptions) (*Relay, erro
 }
 
 func (o *RelayOptions) fill(ob *Outbox) error {
-	ints := []struct {
-		name      string
-		v         *int
-		def, max  int
-		maxReason string
-	}{
-		{"Shards", &o.Shards, 16, 1024, ""},
-		{"BatchSize", &o.BatchSize, 500, 10000, ""},
-		{"PerKeyBatch", &o.PerKeyBatch, 1, 10000, ""},
-		{"MaxAttempts", &o.MaxAttempts, 10, 1 << 20, ""},
-	}
-	for _, f := range ints {
-		if *f.v < 0 {
-			return fmt.Errorf("pgoutbox: RelayOptions.%s is %d; it must not be negative (zero means the default)", f.name, *f.v)
-		}
-		if *f.v == 0 {
-			*f.v = f.def
-		}
-		if *f.v > f.max {
-			return fmt.Errorf("pgoutbox: RelayOptions.%s is %d; the most is %d", f.name, *f.v, f.max)
-		}
+	const prefix = "pgoutbox: RelayOptions."
+	err := relaycore.FillInts(prefix,
+		relaycore.Int{Name: "Shards", V: &o.Shards, Def: 16, Max: 1024},
+		relaycore.Int{Name: "BatchSize", V: &o.BatchSize, Def: 500, Max: 10000},
+		relaycore.Int{Name: "PerKeyBatch", V: &o.PerKeyBatch, Def: 1, Max: 10000},
+		relaycore.Int{Name: "MaxAttempts", V: &o.MaxAttempts, Def: 10, Max: 1 << 20})
+	if err != nil {
+		return err
 	}
 	if o.Sessions < 0 || o.Sessions > o.Shards {
 		return fmt.Errorf("pgoutbox: RelayOptions.Sessions is %d; use 1 to Shards (%d)", o.Sessions, o.Shards)
@@ -195,45 +182,23 @@ func (o *RelayOptions) fill(ob *Outbox) error {
 	if o.ScanWindow < o.BatchSize {
 		return fmt.Errorf("pgoutbox: RelayOptions.ScanWindow %d is smaller than BatchSize %d", o.ScanWindow, o.BatchSize)
 	}
-	durs := []struct {
-		name string
-		v    *time.Duration
-		def  time.Duration
-	}{
-		{"PollInterval", &o.PollInterval, time.Second},
-		{"RebalanceInterval", &o.RebalanceInterval, time.Second},
-		{"Backoff", &o.Backoff, time.Second},
-		{"MaxBackoff", &o.MaxBackoff, 5 * time.Minute},
-		{"ReconnectBackoff", &o.ReconnectBackoff, 100 * time.Millisecond},
-		{"MaxReconnectBackoff", &o.MaxReconnectBackoff, 10 * time.Second},
-		{"MetricsInterval", &o.MetricsInterval, 15 * time.Second},
-		{"ShutdownTimeout", &o.ShutdownTimeout, 10 * time.Second},
-		{"QueryTimeout", &o.QueryTimeout, 30 * time.Second},
+	err = relaycore.FillDurations(prefix,
+		relaycore.Duration{Name: "PollInterval", V: &o.PollInterval, Def: time.Second},
+		relaycore.Duration{Name: "RebalanceInterval", V: &o.RebalanceInterval, Def: time.Second},
+		relaycore.Duration{Name: "Backoff", V: &o.Backoff, Def: time.Second},
+		relaycore.Duration{Name: "MaxBackoff", V: &o.MaxBackoff, Def: 5 * time.Minute},
+		relaycore.Duration{Name: "ReconnectBackoff", V: &o.ReconnectBackoff, Def: 100 * time.Millisecond},
+		relaycore.Duration{Name: "MaxReconnectBackoff", V: &o.MaxReconnectBackoff, Def: 10 * time.Second},
+		relaycore.Duration{Name: "MetricsInterval", V: &o.MetricsInterval, Def: 15 * time.Second},
+		relaycore.Duration{Name: "ShutdownTimeout", V: &o.ShutdownTimeout, Def: 10 * time.Second},
+		relaycore.Duration{Name: "QueryTimeout", V: &o.QueryTimeout, Def: 30 * time.Second})
+	if err != nil {
+		return err
 	}
-	for _, d := range durs {
-		if *d.v < 0 {
-			return fmt.Errorf("pgoutbox: RelayOptions.%s is %v; it must not be negative (zero means the default)", d.name, *d.v)
-		}
-		if *d.v == 0 {
-			*d.v = d.def
-		}
-		if *d.v < time.Millisecond {
-			return fmt.Errorf("pgoutbox: RelayOptions.%s is %v; use at least 1ms", d.name, *d.v)
-		}
-	}
-	if o.MaxBackoff < o.Backoff {
-		return fmt.Errorf("pgoutbox: RelayOptions.MaxBackoff %v is shorter than Backoff %v", o.MaxBackoff, o.Backoff)
-	}
-	if o.MaxReconnectBackoff < o.ReconnectBackoff {
-		return fmt.Errorf("pgoutbox: RelayOptions.MaxReconnectBackoff %v is shorter than ReconnectBackoff %v", o.MaxReconnectBackoff, o.ReconnectBackoff)
-	}
-	if o.CleanupInterval == 0 {
-		o.CleanupInterval = time.Minute
-	}
-	if o.Logger == nil {
-		o.Logger = ob.opts.Logger
-	}
-	return nil
+	return relaycore.FillCommon(prefix, relaycore.Common{
+		Backoff: o.Backoff, MaxBackoff: o.MaxBackoff, ReconnectBackoff: o.ReconnectBackoff, MaxReconnectBackoff: o.MaxReconnectBackoff,
+		CleanupInterval: &o.CleanupInterval, Logger: &o.Logger,
+	}, ob.opts.Logger)
 }
 
 // Options returns the relay's options with defaults filled in.
@@ -275,20 +240,16 @@ func (r *Relay) Run(ctx context.Context) error {
 	unregister := r.registerBacklog()
 	defer unregister()
 
-	runCtx, stop := context.WithCancelCause(ctx)
-	defer stop(nil)
-	var wg sync.WaitGroup
+	loops := make([]func(context.Context, context.CancelCauseFunc), 0, r.opts.Sessions+1)
 	for i := range r.opts.Sessions {
-		wg.Go(func() { r.sessionLoop(runCtx, i, stop) })
+		loops = append(loops, func(ctx context.Context, stop context.CancelCauseFunc) { r.sessionLoop(ctx, i, stop) })
 	}
 	if r.opts.CleanupInterval > 0 {
-		wg.Go(func() { _ = r.ob.CleanupLoop(runCtx, r.opts.CleanupInterval) })
+		loops = append(loops, func(ctx context.Context, _ context.CancelCauseFunc) {
+			_ = r.ob.CleanupLoop(ctx, r.opts.CleanupInterval)
+		})
 	}
-	wg.Wait()
-	if cause := context.Cause(runCtx); errors.Is(cause, errFatal) {
-		return cause
-	}
-	return nil
+	return relaycore.Run(ctx, errFatal, loops...)
 }
 
 // sessionLoop runs one session, reconnecting with backoff, until ctx ends.
@@ -313,40 +274,5 @@ func (r *Relay) sessionLoop(ctx context.Context, idx int, stop context.CancelCau
 		if !backoff.Sleep(ctx, d) {
 			return
 		}
-	}
-}
-
-// retryDelay is the delay before the attempt after failed attempt n
-// (1-based): Backoff·2^(n-1), at most MaxBackoff, ±20%.
-func (o *RelayOptions) retryDelay(n int) time.Duration {
-	return backoff.Spread(backoff.Exp(o.Backoff, o.MaxBackoff, n))
-}
-
-// graceful returns a context that is not cancelled by parent, only
-// grace after parent ends, so work started before a shutdown may finish.
-// Call the returned function when the work is done.
-func graceful(parent context.Context, grace time.Duration) (context.Context, func()) {
-	ctx, cancel := context.WithCancel(context.WithoutCancel(parent))
-	var (
-		mu    sync.Mutex
-		timer *time.Timer
-		done  bool
-	)
-	stopAfter := context.AfterFunc(parent, func() {
-		mu.Lock()
-		defer mu.Unlock()
-		if !done {
-			timer = time.AfterFunc(grace, cancel)
-		}
-	})
-	return ctx, func() {
-		stopAfter()
-		mu.Lock()
-		done = true
-		if timer != nil {
-			timer.Stop()
-		}
-		mu.Unlock()
-		cancel()
 	}
 }

@@ -2,12 +2,10 @@ package pgoutbox
 
 import (
 	"context"
-	"encoding/json"
 	"errors"
 	"fmt"
 	"math/rand/v2"
 	"slices"
-	"strings"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -17,6 +15,7 @@ import (
 	"github.com/idemkit/idem/dedup"
 	"github.com/idemkit/idem/internal/backoff"
 	"github.com/idemkit/idem/outbox"
+	"github.com/idemkit/idem/outbox/internal/relaycore"
 )
 
 // session is one claim loop on a dedicated connection, plus a second one
@@ -41,13 +40,6 @@ type session struct {
 	announce      bool // tell the other sessions to rebalance now
 	pubBackoff    backoff.Growing
 }
-
-// publishFailure is a Publish error for the whole batch: no attempt is
-// counted, the session waits and sends the batch again.
-type publishFailure struct{ err error }
-
-func (e *publishFailure) Error() string { return "pgoutbox: publish: " + e.err.Error() }
-func (e *publishFailure) Unwrap() error { return e.err }
 
 const memberShard = 0xFFFF
 
@@ -81,14 +73,14 @@ func (s *session) run(ctx context.Context) error {
 			}
 		}
 		n, err := s.cycle(ctx)
-		var pf *publishFailure
+		var pf *relaycore.PublishFailure
 		switch {
 		case errors.As(err, &pf):
 			if ctx.Err() != nil {
 				return nil
 			}
 			d := s.pubBackoff.Next()
-			s.r.opts.Logger.Warn("pgoutbox: publish failed; retrying the batch", "table", s.r.ob.table, "session", s.idx, "in", d, "err", pf.err)
+			s.r.opts.Logger.Warn("pgoutbox: publish failed; retrying the batch", "table", s.r.ob.table, "session", s.idx, "in", d, "err", pf.Err)
 			if !backoff.Sleep(ctx, d) {
 				return nil
 			}
@@ -376,7 +368,7 @@ type flight struct {
 	started   bool
 	done      chan struct{}
 	pe        *outbox.PublishError // after done: the per-message failures
-	err       error                // after done: a publishFailure
+	err       error                // after done: a *relaycore.PublishFailure
 }
 
 // cycle moves the session's pipeline one step and returns the number of
@@ -442,7 +434,7 @@ func (s *session) cycle(ctx context.Context) (int, error) {
 // to claim.
 func (s *session) claimOn(ctx context.Context, conn *pgx.Conn) (*flight, error) {
 	o := &s.r.opts
-	fctx, release := graceful(ctx, o.ShutdownTimeout)
+	fctx, release := relaycore.Graceful(ctx, o.ShutdownTimeout)
 	f := &flight{conn: conn, ctx: fctx, release: release, done: make(chan struct{})}
 	qctx, cancel := context.WithTimeout(fctx, o.QueryTimeout)
 	defer cancel()
@@ -487,7 +479,7 @@ func (s *session) abandon(f *flight) {
 }
 
 // land waits for f's publish and marks its rows in its transaction, or
-// rolls it back when the publish failed as a whole (a publishFailure). It
+// rolls it back when the publish failed as a whole (a *relaycore.PublishFailure). It
 // returns the number of messages marked.
 func (s *session) land(f *flight) (int, error) {
 	if f == nil {
@@ -508,41 +500,32 @@ func (s *session) land(f *flight) (int, error) {
 		rollback(f.conn)
 		return 0, err
 	}
-	s.r.tel.counted(f.ctx, m.published, m.retried, m.dead)
+	tel := s.r.tel
+	tel.Count(f.ctx, tel.Published, m.published)
+	tel.Count(f.ctx, tel.Retried, m.retried)
+	tel.Count(f.ctx, tel.Dead, m.dead)
 	return len(f.batch), nil
 }
 
 // publish hands the batch to the publisher and records it. It returns the
 // publisher's per-message failures (nil when all went out), or a
-// publishFailure when the whole batch failed.
+// *relaycore.PublishFailure when the whole batch failed.
 func (s *session) publish(ctx context.Context, batch []claimed, claimedAt time.Time) (*outbox.PublishError, error) {
 	msgs := make([]*outbox.Message, len(batch))
-	ages := make([]time.Duration, len(batch))
 	for i, c := range batch {
 		msgs[i] = c.msg
-		ages[i] = c.age
 	}
-	tel := s.r.tel
-	pctx, endSpan := tel.startPublish(ctx, msgs)
-	pstart := time.Now()
-	perr := s.r.pub.Publish(pctx, msgs)
-	pend := time.Now()
-	endSpan(perr)
-	if h := s.r.hooks.afterPublish; h != nil {
-		h(msgs, perr)
+	pe, pend, err := relaycore.Publish(ctx, s.r.tel.Telemetry, s.r.pub, msgs, "pgoutbox: ", s.r.hooks.afterPublish)
+	if err != nil {
+		return nil, err
 	}
-	var pe *outbox.PublishError
-	if perr != nil && !errors.As(perr, &pe) {
-		tel.publishedBatch(ctx, pend.Sub(pstart), perr, 0, nil, nil)
-		return nil, &publishFailure{err: perr}
-	}
-	tel.publishedBatch(ctx, pend.Sub(pstart), perr, pend.Sub(claimedAt), ages, func(i int) bool {
-		if pe == nil {
-			return true
+	// A message's delay: its age at the claim, by the database clock,
+	// plus the time since the claim.
+	for i, c := range batch {
+		if failed, _ := relaycore.Failed(pe, i); !failed {
+			s.r.tel.RecordDelay(ctx, c.age+pend.Sub(claimedAt))
 		}
-		_, failed := pe.Failed[i]
-		return !failed
-	})
+	}
 	return pe, nil
 }
 
@@ -563,24 +546,17 @@ func (s *session) sortOut(batch []claimed, pe *outbox.PublishError) *marks {
 	o := &s.r.opts
 	m := &marks{published: map[string]int{}, retried: map[string]int{}, dead: map[string]int{}}
 	for i, c := range batch {
-		var ferr error
-		failed := false
-		if pe != nil {
-			ferr, failed = pe.Failed[i]
-		}
+		failed, ferr := relaycore.Failed(pe, i)
 		if !failed {
 			m.okSeqs = append(m.okSeqs, c.seq)
 			m.published[c.msg.Topic]++
 			continue
 		}
-		if ferr == nil {
-			ferr = errors.New("not confirmed")
-		}
 		n := c.attempts + 1
 		dead := n >= o.MaxAttempts
 		m.failSeqs = append(m.failSeqs, c.seq)
-		m.failErrs = append(m.failErrs, truncate(ferr.Error(), 2000))
-		m.delays = append(m.delays, o.retryDelay(n).Milliseconds())
+		m.failErrs = append(m.failErrs, relaycore.Truncate(ferr.Error(), 2000))
+		m.delays = append(m.delays, relaycore.RetryDelay(o.Backoff, o.MaxBackoff, n).Milliseconds())
 		m.failDead = append(m.failDead, dead)
 		if dead {
 			m.dead[c.msg.Topic]++
@@ -690,7 +666,7 @@ func (s *session) claim(br pgx.BatchResults) ([]claimed, error) {
 			m.Key = nil
 		}
 		if headers != nil && *headers != "{}" {
-			m.Headers = decodeHeaders(*headers)
+			m.Headers = relaycore.DecodeHeaders(*headers)
 		}
 		c := claimed{seq: seq, attempts: int(*attempts), msg: m}
 		if ageUS != nil {
@@ -704,42 +680,10 @@ func (s *session) claim(br pgx.BatchResults) ([]claimed, error) {
 	return out, nil
 }
 
-// decodeHeaders reads the headers column. Enqueue writes string values only;
-// other JSON values (written by hand) are kept as their JSON text.
-func decodeHeaders(js string) map[string]string {
-	var h map[string]string
-	if json.Unmarshal([]byte(js), &h) == nil {
-		return h
-	}
-	var raw map[string]json.RawMessage
-	if json.Unmarshal([]byte(js), &raw) != nil {
-		return nil
-	}
-	h = make(map[string]string, len(raw))
-	for k, v := range raw {
-		var str string
-		if json.Unmarshal(v, &str) == nil {
-			h[k] = str
-		} else {
-			h[k] = string(v)
-		}
-	}
-	return h
-}
-
 // rollback ends conn's transaction. If that fails the connection is
 // broken; the next statement fails and the session reconnects.
 func rollback(conn *pgx.Conn) {
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 	defer cancel()
 	_, _ = conn.Exec(ctx, "ROLLBACK")
-}
-
-// truncate cuts an error text for the last_error column: at most n bytes,
-// valid UTF-8, no NUL (PostgreSQL text accepts neither).
-func truncate(s string, n int) string {
-	if len(s) > n {
-		s = s[:n]
-	}
-	return strings.ReplaceAll(strings.ToValidUTF8(s, ""), "\x00", "")
 }

@@ -4,6 +4,8 @@ import (
 	"context"
 	"fmt"
 	"time"
+
+	"github.com/idemkit/idem/outbox/internal/relaycore"
 )
 
 // Cleanup deletes published rows older than Options.Retention (and dead
@@ -25,27 +27,20 @@ func (o *Outbox) Cleanup(ctx context.Context) (int64, error) {
 
 func (o *Outbox) deleteBatches(ctx context.Context, stmt string, age time.Duration) (int64, error) {
 	stmt = o.dialect.Rebind(stmt)
-	var total int64
-	for {
+	return relaycore.DeleteBatches(ctx, o.opts.CleanupBatch, func(ctx context.Context) (int64, error) {
 		res, err := o.db.ExecContext(ctx, stmt, age.Microseconds(), o.opts.CleanupBatch)
 		if err != nil {
-			return total, fmt.Errorf("sqloutbox: cleanup %s: %w", o.table, err)
+			return 0, fmt.Errorf("sqloutbox: cleanup %s: %w", o.table, err)
 		}
 		n, err := res.RowsAffected()
 		if err != nil {
-			return total, fmt.Errorf("sqloutbox: cleanup %s: %w", o.table, err)
+			return 0, fmt.Errorf("sqloutbox: cleanup %s: %w", o.table, err)
 		}
-		total += n
 		if h := o.afterCleanupBatch; h != nil {
 			h(n)
 		}
-		if n < int64(o.opts.CleanupBatch) {
-			return total, nil
-		}
-		if err := ctx.Err(); err != nil {
-			return total, err
-		}
-	}
+		return n, nil
+	})
 }
 
 // CleanupLoop runs Cleanup every interval until ctx ends, and returns
@@ -59,21 +54,7 @@ func (o *Outbox) CleanupLoop(ctx context.Context, interval time.Duration) error 
 	if o.db == nil {
 		return errNoDB("CleanupLoop")
 	}
-	t := time.NewTicker(interval)
-	defer t.Stop()
-	for {
-		n, err := o.Cleanup(ctx)
-		if err != nil && ctx.Err() == nil {
-			o.opts.Logger.Warn("sqloutbox: cleanup failed", "table", o.table, "err", err)
-		} else if n > 0 {
-			o.opts.Logger.Debug("sqloutbox: cleanup", "table", o.table, "deleted", n)
-		}
-		select {
-		case <-ctx.Done():
-			return ctx.Err()
-		case <-t.C:
-		}
-	}
+	return relaycore.CleanupLoop(ctx, interval, o.Cleanup, o.opts.Logger, "sqloutbox: ", o.table)
 }
 
 // Backlog returns the number of pending (unpublished, not dead) messages and

@@ -4,7 +4,6 @@ import (
 	"context"
 	"database/sql"
 	"fmt"
-	"log/slog"
 	"maps"
 	"os"
 	"path/filepath"
@@ -17,19 +16,11 @@ import (
 	"github.com/jackc/pgx/v5/stdlib"
 	_ "modernc.org/sqlite"
 
+	"github.com/idemkit/idem/internal/testkit/outboxtest"
 	"github.com/idemkit/idem/internal/testkit/testenv"
 	"github.com/idemkit/idem/outbox"
 	"github.com/idemkit/idem/outbox/sqloutbox"
 )
-
-// quiet is the logger of the tests' relays: warnings about killed
-// connections are expected there. IDEM_TEST_VERBOSE=1 shows them.
-func quiet() *slog.Logger {
-	if os.Getenv("IDEM_TEST_VERBOSE") == "1" {
-		return slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelDebug}))
-	}
-	return slog.New(slog.DiscardHandler)
-}
 
 // mysqlDSN is the test MariaDB (or MySQL), IDEM_TEST_MYSQL_DSN when set.
 func mysqlDSN() string {
@@ -168,36 +159,6 @@ func fastRelay(o sqloutbox.RelayOptions) sqloutbox.RelayOptions {
 	return o
 }
 
-// running is a relay started by start.
-type running struct {
-	cancel context.CancelFunc
-	done   chan error
-}
-
-// start runs r until stop (or the end of the test).
-func start(t testing.TB, r interface{ Run(context.Context) error }) *running {
-	t.Helper()
-	ctx, cancel := context.WithCancel(context.Background())
-	rr := &running{cancel: cancel, done: make(chan error, 1)}
-	go func() { rr.done <- r.Run(ctx) }()
-	t.Cleanup(func() { rr.stop(t) })
-	return rr
-}
-
-// stop cancels the relay and waits for Run to return; it may be called more
-// than once.
-func (rr *running) stop(t testing.TB) {
-	t.Helper()
-	rr.cancel()
-	err, ok := <-rr.done
-	if ok {
-		close(rr.done)
-		if err != nil {
-			t.Errorf("Relay.Run: %v", err)
-		}
-	}
-}
-
 // memPublisher records what it publishes. fail, when set, fails single
 // messages.
 type memPublisher struct {
@@ -255,15 +216,6 @@ func countState(t testing.TB, db *sql.DB, ob *sqloutbox.Outbox, state int) int {
 	return n
 }
 
-// msg is a message with a string key and payload.
-func msg(topic, key, payload string) outbox.Message {
-	m := outbox.Message{Topic: topic, Payload: []byte(payload)}
-	if key != "" {
-		m.Key = []byte(key)
-	}
-	return m
-}
-
 // orderViolations returns, for messages whose payload is "<key>/<n>" and
 // which must arrive in increasing n per key, the arrivals whose first
 // delivery comes before the first delivery of an earlier n of its key.
@@ -286,4 +238,20 @@ func orderViolations(payloads []string) []string {
 		last[k] = n
 	}
 	return bad
+}
+
+// The helpers every relay's tests share.
+var (
+	quiet = outboxtest.Quiet
+	msg   = outboxtest.Msg
+)
+
+// running is a relay started by start, ended by stop (or the end of the test).
+type running struct{ *outboxtest.Running }
+
+func (rr *running) stop(t testing.TB) { t.Helper(); rr.Stop(t) }
+
+func start(t testing.TB, r interface{ Run(context.Context) error }) *running {
+	t.Helper()
+	return &running{outboxtest.Start(t, r)}
 }

@@ -3,7 +3,6 @@ package sqloutbox
 import (
 	"context"
 	"database/sql"
-	"encoding/hex"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -13,7 +12,6 @@ import (
 	"strings"
 	"time"
 
-	"github.com/google/uuid"
 	"go.opentelemetry.io/otel/propagation"
 
 	"github.com/idemkit/idem/dedup"
@@ -22,6 +20,7 @@ import (
 	"github.com/idemkit/idem/internal/telemetry"
 	"github.com/idemkit/idem/outbox"
 	"github.com/idemkit/idem/outbox/internal/msgcheck"
+	"github.com/idemkit/idem/outbox/internal/relaycore"
 )
 
 // Dialect is the SQL server family behind the *sql.DB.
@@ -121,31 +120,15 @@ func New(db *sql.DB, dialect Dialect, opts Options) (*Outbox, error) {
 	if dialect == Postgres {
 		opts.Schema = schema
 	}
-	for _, d := range []struct {
-		name string
-		v    time.Duration
-	}{{"Retention", opts.Retention}, {"DeadRetention", opts.DeadRetention}} {
-		if d.v < 0 {
-			return nil, fmt.Errorf("sqloutbox: Options.%s is %v; it must not be negative (zero means the default)", d.name, d.v)
-		}
-		if d.v > 0 && d.v < time.Millisecond {
-			return nil, fmt.Errorf("sqloutbox: Options.%s is %v; use at least 1ms", d.name, d.v)
-		}
+	if err := relaycore.CheckRetentions("sqloutbox: Options.",
+		relaycore.Duration{Name: "Retention", V: &opts.Retention},
+		relaycore.Duration{Name: "DeadRetention", V: &opts.DeadRetention}); err != nil {
+		return nil, err
 	}
-	if opts.CleanupBatch < 0 {
-		return nil, fmt.Errorf("sqloutbox: Options.CleanupBatch is %d; it must not be negative", opts.CleanupBatch)
-	}
-	if opts.Propagator == nil {
-		opts.Propagator = telemetry.DefaultPropagator
-	}
-	if opts.Retention == 0 {
-		opts.Retention = 24 * time.Hour
-	}
-	if opts.CleanupBatch == 0 {
-		opts.CleanupBatch = 1000
-	}
-	if opts.Logger == nil {
-		opts.Logger = slog.Default()
+	if err := relaycore.FillOutbox("sqloutbox: Options.", relaycore.OutboxDefaults{
+		Retention: &opts.Retention, CleanupBatch: &opts.CleanupBatch, Propagator: &opts.Propagator, Logger: &opts.Logger,
+	}); err != nil {
+		return nil, err
 	}
 	o := &Outbox{db: db, dialect: dialect, opts: opts}
 	if dialect == Postgres {
@@ -153,32 +136,13 @@ func New(db *sql.DB, dialect Dialect, opts Options) (*Outbox, error) {
 		// The channel and lock namespace are pgoutbox's, so that
 		// pgoutbox's relay wakes up on these rows and orders them
 		// with the ones pgoutbox.Enqueue writes.
-		name := opts.Schema + "." + opts.Table
-		o.channel = "idem_outbox." + name
-		if len(o.channel) > 63 {
-			o.channel = "idem_outbox." + hex.EncodeToString(fnv64("channel", name))
-		}
-		o.lockNS = int64(fnvSum64("idem:outbox:key:" + name))
+		o.channel = relaycore.PGChannel(opts.Schema, opts.Table)
+		o.lockNS = relaycore.PGKeyLockNS(opts.Schema, opts.Table)
 	} else {
 		o.table = dialect.Quote(opts.Table)
 	}
 	o.sql = buildStatements(dialect, o.table, dialect.Quote(opts.Table+"_keys"))
 	return o, nil
-}
-
-func fnv64(parts ...string) []byte {
-	h := fnv.New64a()
-	for _, p := range parts {
-		h.Write([]byte(p))
-		h.Write([]byte{0})
-	}
-	return h.Sum(nil)
-}
-
-func fnvSum64(s string) uint64 {
-	h := fnv.New64a()
-	h.Write([]byte(s))
-	return h.Sum64()
 }
 
 // Options returns the outbox's options with defaults filled in.
@@ -190,18 +154,6 @@ func (o *Outbox) Dialect() Dialect { return o.dialect }
 // Table returns the quoted table name (schema-qualified on PostgreSQL).
 func (o *Outbox) Table() string { return o.table }
 
-// pgKeyHash is pgoutbox's shard hash of a row, so pgoutbox's relay shards
-// the rows written here like its own.
-func pgKeyHash(key []byte, id uuid.UUID) int32 {
-	h := fnv.New32a()
-	if len(key) == 0 {
-		h.Write(id[:])
-	} else {
-		h.Write(key)
-	}
-	return int32(h.Sum32() & 0x7fffffff)
-}
-
 // keyHash is the key_hash column on MySQL and SQLite: 0 for no key, a
 // positive 63-bit hash otherwise.
 func keyHash(key []byte) int64 {
@@ -211,18 +163,6 @@ func keyHash(key []byte) int64 {
 	h := fnv.New64a()
 	h.Write(key)
 	return int64(h.Sum64()&0x7fffffffffffffff) | 1
-}
-
-// pgKeyLockID is pgoutbox's advisory lock id of a key.
-func (o *Outbox) pgKeyLockID(key []byte) int64 {
-	h := fnv.New64a()
-	var ns [8]byte
-	for i := range ns {
-		ns[i] = byte(o.lockNS >> (8 * i))
-	}
-	h.Write(ns[:])
-	h.Write(key)
-	return int64(h.Sum64())
 }
 
 // keySlot is the MySQL key slot of a key.
@@ -284,7 +224,7 @@ func (o *Outbox) Enqueue(ctx context.Context, tx *sql.Tx, msgs ...outbox.Message
 	var locks []int64
 	for i := range msgs {
 		m := &msgs[i]
-		id, err := messageID(m.ID)
+		id, err := msgcheck.ID(m.ID)
 		if err != nil {
 			return nil, fmt.Errorf("sqloutbox: Enqueue: message %d: %w", i, err)
 		}
@@ -308,14 +248,14 @@ func (o *Outbox) Enqueue(ctx context.Context, tx *sql.Tx, msgs ...outbox.Message
 		if r.payload == nil {
 			r.payload = []byte{}
 		}
-		r.pgHash = pgKeyHash(m.Key, id)
+		r.pgHash = relaycore.PGKeyHash(m.Key, id)
 		r.hash = keyHash(m.Key)
 		rows[i] = r
 		ids[i] = r.id
 		if len(m.Key) > 0 && !o.opts.NoKeyLock {
 			switch o.dialect {
 			case Postgres:
-				locks = append(locks, o.pgKeyLockID(m.Key))
+				locks = append(locks, relaycore.PGKeyLockID(o.lockNS, m.Key))
 			case MySQL:
 				locks = append(locks, keySlot(m.Key))
 			}
@@ -393,15 +333,4 @@ func (o *Outbox) lockKeys(ctx context.Context, tx *sql.Tx, locks []int64) error 
 		return fmt.Errorf("%d of %d key slots missing from %s: run Migrate", len(locks)-n, len(locks), o.sql.keyTable)
 	}
 	return nil
-}
-
-func messageID(s string) (uuid.UUID, error) {
-	if s == "" {
-		return uuid.NewV7()
-	}
-	id, err := uuid.Parse(s)
-	if err != nil {
-		return uuid.UUID{}, fmt.Errorf("Message.ID #%s is not a UUID (leave it empty for a generated UUIDv7): %w", dedup.HashKey("", s), err)
-	}
-	return id, nil
 }

@@ -3,19 +3,18 @@ package sqloutbox
 import (
 	"context"
 	"database/sql"
-	"encoding/json"
 	"errors"
 	"fmt"
 	"log/slog"
 	"reflect"
 	"strings"
-	"sync"
 	"sync/atomic"
 	"time"
 
 	"github.com/idemkit/idem/dedup"
 	"github.com/idemkit/idem/internal/backoff"
 	"github.com/idemkit/idem/outbox"
+	"github.com/idemkit/idem/outbox/internal/relaycore"
 )
 
 // RelayOptions configure a Relay. The zero value is usable. The names are
@@ -118,66 +117,32 @@ func NewRelay(ob *Outbox, pub outbox.Publisher, opts RelayOptions) (*Relay, erro
 }
 
 func (o *RelayOptions) fill(ob *Outbox) error {
-	ints := []struct {
-		name     string
-		v        *int
-		def, max int
-	}{
-		{"Sessions", &o.Sessions, 1, 64},
-		{"BatchSize", &o.BatchSize, 500, insertChunk},
-		{"MaxAttempts", &o.MaxAttempts, 10, 1 << 20},
-	}
-	for _, f := range ints {
-		if *f.v < 0 {
-			return fmt.Errorf("sqloutbox: RelayOptions.%s is %d; it must not be negative (zero means the default)", f.name, *f.v)
-		}
-		if *f.v == 0 {
-			*f.v = f.def
-		}
-		if *f.v > f.max {
-			return fmt.Errorf("sqloutbox: RelayOptions.%s is %d; the most is %d", f.name, *f.v, f.max)
-		}
+	const prefix = "sqloutbox: RelayOptions."
+	err := relaycore.FillInts(prefix,
+		relaycore.Int{Name: "Sessions", V: &o.Sessions, Def: 1, Max: 64},
+		relaycore.Int{Name: "BatchSize", V: &o.BatchSize, Def: 500, Max: insertChunk},
+		relaycore.Int{Name: "MaxAttempts", V: &o.MaxAttempts, Def: 10, Max: 1 << 20})
+	if err != nil {
+		return err
 	}
 	if ob.dialect == SQLite && o.Sessions != 1 {
 		return fmt.Errorf("sqloutbox: RelayOptions.Sessions is %d; SQLite has no SKIP LOCKED, so it runs one relay with one session", o.Sessions)
 	}
-	durs := []struct {
-		name string
-		v    *time.Duration
-		def  time.Duration
-	}{
-		{"PollInterval", &o.PollInterval, time.Second},
-		{"Backoff", &o.Backoff, time.Second},
-		{"MaxBackoff", &o.MaxBackoff, 5 * time.Minute},
-		{"ReconnectBackoff", &o.ReconnectBackoff, 100 * time.Millisecond},
-		{"MaxReconnectBackoff", &o.MaxReconnectBackoff, 10 * time.Second},
-		{"ShutdownTimeout", &o.ShutdownTimeout, 10 * time.Second},
-		{"QueryTimeout", &o.QueryTimeout, 30 * time.Second},
+	err = relaycore.FillDurations(prefix,
+		relaycore.Duration{Name: "PollInterval", V: &o.PollInterval, Def: time.Second},
+		relaycore.Duration{Name: "Backoff", V: &o.Backoff, Def: time.Second},
+		relaycore.Duration{Name: "MaxBackoff", V: &o.MaxBackoff, Def: 5 * time.Minute},
+		relaycore.Duration{Name: "ReconnectBackoff", V: &o.ReconnectBackoff, Def: 100 * time.Millisecond},
+		relaycore.Duration{Name: "MaxReconnectBackoff", V: &o.MaxReconnectBackoff, Def: 10 * time.Second},
+		relaycore.Duration{Name: "ShutdownTimeout", V: &o.ShutdownTimeout, Def: 10 * time.Second},
+		relaycore.Duration{Name: "QueryTimeout", V: &o.QueryTimeout, Def: 30 * time.Second})
+	if err != nil {
+		return err
 	}
-	for _, d := range durs {
-		if *d.v < 0 {
-			return fmt.Errorf("sqloutbox: RelayOptions.%s is %v; it must not be negative (zero means the default)", d.name, *d.v)
-		}
-		if *d.v == 0 {
-			*d.v = d.def
-		}
-		if *d.v < time.Millisecond {
-			return fmt.Errorf("sqloutbox: RelayOptions.%s is %v; use at least 1ms", d.name, *d.v)
-		}
-	}
-	if o.MaxBackoff < o.Backoff {
-		return fmt.Errorf("sqloutbox: RelayOptions.MaxBackoff %v is shorter than Backoff %v", o.MaxBackoff, o.Backoff)
-	}
-	if o.MaxReconnectBackoff < o.ReconnectBackoff {
-		return fmt.Errorf("sqloutbox: RelayOptions.MaxReconnectBackoff %v is shorter than ReconnectBackoff %v", o.MaxReconnectBackoff, o.ReconnectBackoff)
-	}
-	if o.CleanupInterval == 0 {
-		o.CleanupInterval = time.Minute
-	}
-	if o.Logger == nil {
-		o.Logger = ob.opts.Logger
-	}
-	return nil
+	return relaycore.FillCommon(prefix, relaycore.Common{
+		Backoff: o.Backoff, MaxBackoff: o.MaxBackoff, ReconnectBackoff: o.ReconnectBackoff, MaxReconnectBackoff: o.MaxReconnectBackoff,
+		CleanupInterval: &o.CleanupInterval, Logger: &o.Logger,
+	}, ob.opts.Logger)
 }
 
 // Options returns the relay's options with defaults filled in.
@@ -206,20 +171,16 @@ func (r *Relay) Run(ctx context.Context) error {
 	}
 	defer r.running.Store(false)
 
-	runCtx, stop := context.WithCancelCause(ctx)
-	defer stop(nil)
-	var wg sync.WaitGroup
+	loops := make([]func(context.Context, context.CancelCauseFunc), 0, r.opts.Sessions+1)
 	for i := range r.opts.Sessions {
-		wg.Go(func() { r.sessionLoop(runCtx, i, stop) })
+		loops = append(loops, func(ctx context.Context, stop context.CancelCauseFunc) { r.sessionLoop(ctx, i, stop) })
 	}
 	if r.opts.CleanupInterval > 0 {
-		wg.Go(func() { _ = r.ob.CleanupLoop(runCtx, r.opts.CleanupInterval) })
+		loops = append(loops, func(ctx context.Context, _ context.CancelCauseFunc) {
+			_ = r.ob.CleanupLoop(ctx, r.opts.CleanupInterval)
+		})
 	}
-	wg.Wait()
-	if cause := context.Cause(runCtx); errors.Is(cause, errFatal) {
-		return cause
-	}
-	return nil
+	return relaycore.Run(ctx, errFatal, loops...)
 }
 
 // sessionLoop claims and publishes until ctx ends, retrying errors with
@@ -273,18 +234,12 @@ type claimed struct {
 	msg      *outbox.Message
 }
 
-// publishFailure is a Publish that failed as a whole: nothing is marked.
-type publishFailure struct{ err error }
-
-func (e *publishFailure) Error() string { return "publish: " + e.err.Error() }
-func (e *publishFailure) Unwrap() error { return e.err }
-
 // cycle claims one batch, publishes it and marks it. It returns the
 // number of messages claimed and, when some failed, the earliest time one
 // of them is due again.
 func (r *Relay) cycle(ctx context.Context) (int, time.Time, error) {
 	o := &r.opts
-	fctx, release := graceful(ctx, o.ShutdownTimeout)
+	fctx, release := relaycore.Graceful(ctx, o.ShutdownTimeout)
 	defer release()
 	var tx *sql.Tx
 	var batch []claimed
@@ -308,16 +263,16 @@ func (r *Relay) cycle(ctx context.Context) (int, time.Time, error) {
 	for i, c := range batch {
 		msgs[i] = c.msg
 	}
-	perr := r.pub.Publish(fctx, msgs)
-	if h := r.hooks.afterPublish; h != nil {
-		h(tx, msgs, perr)
-	}
-	var pe *outbox.PublishError
-	if perr != nil && !errors.As(perr, &pe) {
+	pe, _, err := relaycore.Publish(fctx, nil, r.pub, msgs, "", func(msgs []*outbox.Message, err error) {
+		if h := r.hooks.afterPublish; h != nil {
+			h(tx, msgs, err)
+		}
+	})
+	if err != nil {
 		if tx != nil {
 			_ = tx.Rollback()
 		}
-		return 0, time.Time{}, &publishFailure{err: perr}
+		return 0, time.Time{}, err
 	}
 	if tx == nil {
 		if tx, err = r.ob.db.BeginTx(fctx, nil); err != nil {
@@ -372,7 +327,7 @@ func (r *Relay) claim(ctx context.Context, q queryer) ([]claimed, error) {
 			m.Key = key
 		}
 		if headers != "" && headers != "{}" {
-			m.Headers = decodeHeaders(headers)
+			m.Headers = relaycore.DecodeHeaders(headers)
 		}
 		c.msg = m
 		out = append(out, c)
@@ -395,21 +350,14 @@ func (r *Relay) mark(ctx context.Context, tx *sql.Tx, batch []claimed, pe *outbo
 		due time.Time
 	)
 	for i, c := range batch {
-		var ferr error
-		failed := false
-		if pe != nil {
-			ferr, failed = pe.Failed[i]
-		}
+		failed, ferr := relaycore.Failed(pe, i)
 		if !failed {
 			ok = append(ok, c.seq)
 			continue
 		}
-		if ferr == nil {
-			ferr = errors.New("not confirmed")
-		}
 		n := c.attempts + 1
 		state := 0
-		delay := backoff.Spread(backoff.Exp(o.Backoff, o.MaxBackoff, n))
+		delay := relaycore.RetryDelay(o.Backoff, o.MaxBackoff, n)
 		if n >= o.MaxAttempts {
 			state = 2
 			o.Logger.Warn("sqloutbox: message parked as dead", "table", r.ob.table, "id_hash", dedup.HashKey("", c.msg.ID),
@@ -417,7 +365,7 @@ func (r *Relay) mark(ctx context.Context, tx *sql.Tx, batch []claimed, pe *outbo
 		} else if at := time.Now().Add(delay); due.IsZero() || at.Before(due) {
 			due = at
 		}
-		if _, err := tx.ExecContext(qctx, r.ob.sql.markFailed, truncate(ferr.Error(), 2000), delay.Microseconds(), state, state, c.seq); err != nil {
+		if _, err := tx.ExecContext(qctx, r.ob.sql.markFailed, relaycore.Truncate(ferr.Error(), 2000), delay.Microseconds(), state, state, c.seq); err != nil {
 			return time.Time{}, err
 		}
 	}
@@ -474,65 +422,4 @@ func mysqlErrorNumber(err error) uint64 {
 		}
 	}
 	return 0
-}
-
-// decodeHeaders reads the headers column. Enqueue writes string values only;
-// other JSON values (written by hand) are kept as their JSON text.
-func decodeHeaders(js string) map[string]string {
-	var h map[string]string
-	if json.Unmarshal([]byte(js), &h) == nil {
-		return h
-	}
-	var raw map[string]json.RawMessage
-	if json.Unmarshal([]byte(js), &raw) != nil {
-		return nil
-	}
-	h = make(map[string]string, len(raw))
-	for k, v := range raw {
-		var str string
-		if json.Unmarshal(v, &str) == nil {
-			h[k] = str
-		} else {
-			h[k] = string(v)
-		}
-	}
-	return h
-}
-
-// truncate cuts an error text for the last_error column: at most n bytes,
-// valid UTF-8, no NUL.
-func truncate(s string, n int) string {
-	if len(s) > n {
-		s = s[:n]
-	}
-	return strings.ReplaceAll(strings.ToValidUTF8(s, ""), "\x00", "")
-}
-
-// graceful returns a context that is not cancelled by parent, only
-// grace after parent ends, so work started before a shutdown may finish.
-// Call the returned function when the work is done.
-func graceful(parent context.Context, grace time.Duration) (context.Context, func()) {
-	ctx, cancel := context.WithCancel(context.WithoutCancel(parent))
-	var (
-		mu    sync.Mutex
-		timer *time.Timer
-		done  bool
-	)
-	stopAfter := context.AfterFunc(parent, func() {
-		mu.Lock()
-		defer mu.Unlock()
-		if !done {
-			timer = time.AfterFunc(grace, cancel)
-		}
-	})
-	return ctx, func() {
-		stopAfter()
-		mu.Lock()
-		done = true
-		if timer != nil {
-			timer.Stop()
-		}
-		mu.Unlock()
-		cancel()
-	}
 }

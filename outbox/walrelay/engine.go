@@ -4,7 +4,6 @@ import (
 	"context"
 	"encoding/json"
 	"errors"
-	"strings"
 	"sync/atomic"
 	"time"
 
@@ -13,6 +12,7 @@ import (
 	"github.com/idemkit/idem/dedup"
 	"github.com/idemkit/idem/internal/backoff"
 	"github.com/idemkit/idem/outbox"
+	"github.com/idemkit/idem/outbox/internal/relaycore"
 )
 
 // txn is a transaction of the stream, in commit order.
@@ -67,13 +67,6 @@ func newEngine(r *Relay, confirmed *atomic.Uint64) *engine {
 		pubBackoff: backoff.Growing{Min: r.opts.ReconnectBackoff, Max: r.opts.MaxReconnectBackoff}}
 }
 
-// publishFailure is a Publish error for the whole batch: no attempt is
-// counted, the engine waits and sends the batch again.
-type publishFailure struct{ err error }
-
-func (e *publishFailure) Error() string { return "walrelay: publish: " + e.err.Error() }
-func (e *publishFailure) Unwrap() error { return e.err }
-
 func (e *engine) run(ctx context.Context, items <-chan item) error {
 	o := &e.r.opts
 	for {
@@ -105,13 +98,13 @@ func (e *engine) run(ctx context.Context, items <-chan item) error {
 		batch, due := e.pick(now)
 		if len(batch) > 0 {
 			err := e.publish(ctx, batch)
-			var pf *publishFailure
+			var pf *relaycore.PublishFailure
 			if errors.As(err, &pf) {
 				if ctx.Err() != nil {
 					continue
 				}
 				d := e.pubBackoff.Next()
-				o.Logger.Warn("walrelay: publish failed; retrying the batch", "slot", e.r.ob.opts.Slot, "in", d, "err", pf.err)
+				o.Logger.Warn("walrelay: publish failed; retrying the batch", "slot", e.r.ob.opts.Slot, "in", d, "err", pf.Err)
 				backoff.Sleep(ctx, d)
 			}
 			continue
@@ -270,48 +263,24 @@ func (e *engine) publish(ctx context.Context, batch []*entry) error {
 	// The batch in flight may finish after ctx ends, within
 	// ShutdownTimeout: its outcome is then confirmed before the relay
 	// stops.
-	pctx, cancel := context.WithCancel(context.WithoutCancel(ctx))
-	defer cancel()
-	stopGrace := context.AfterFunc(ctx, func() { time.AfterFunc(o.ShutdownTimeout, cancel) })
-	defer stopGrace()
-
-	sctx, endSpan := tel.startPublish(pctx, msgs)
-	start := time.Now()
-	err := e.r.pub.Publish(sctx, msgs)
-	took := time.Since(start)
-	endSpan(err)
-	if h := e.r.hooks.afterPublish; h != nil {
-		h(msgs, err)
-	}
-	var pe *outbox.PublishError
-	if err != nil && !errors.As(err, &pe) {
-		tel.publishD.Record(pctx, took.Seconds(), tel.errRec...)
-		return &publishFailure{err: err}
-	}
-	if err == nil {
-		tel.publishD.Record(pctx, took.Seconds(), tel.okRec...)
-	} else {
-		tel.publishD.Record(pctx, took.Seconds(), tel.errRec...)
+	pctx, release := relaycore.Graceful(ctx, o.ShutdownTimeout)
+	defer release()
+	pe, _, err := relaycore.Publish(pctx, tel.Telemetry, e.r.pub, msgs, "walrelay: ", e.r.hooks.afterPublish)
+	if err != nil {
+		return err
 	}
 	e.pubBackoff.Reset()
 	now := time.Now()
 	published, retried := map[string]int{}, map[string]int{}
 	for i, en := range batch {
-		var ferr error
-		failed := false
-		if pe != nil {
-			ferr, failed = pe.Failed[i]
-		}
+		failed, ferr := relaycore.Failed(pe, i)
 		if !failed {
 			e.done(en)
 			published[en.msg.Topic]++
 			if !en.tx.localCommit.IsZero() {
-				tel.delay.Record(pctx, max(now.Sub(en.tx.localCommit), 0).Seconds(), tel.tableRec...)
+				tel.RecordDelay(pctx, now.Sub(en.tx.localCommit))
 			}
 			continue
-		}
-		if ferr == nil {
-			ferr = errors.New("not confirmed")
 		}
 		en.attempts++
 		en.lastErr = ferr
@@ -321,11 +290,11 @@ func (e *engine) publish(ctx context.Context, batch []*entry) error {
 			e.parking++
 			continue
 		}
-		en.due = now.Add(o.retryDelay(en.attempts))
+		en.due = now.Add(relaycore.RetryDelay(o.Backoff, o.MaxBackoff, en.attempts))
 		retried[en.msg.Topic]++
 	}
-	tel.count(pctx, tel.published, published)
-	tel.count(pctx, tel.retried, retried)
+	tel.Count(pctx, tel.Published, published)
+	tel.Count(pctx, tel.Retried, retried)
 	e.advance()
 	return nil
 }
@@ -358,7 +327,7 @@ func (e *engine) park(ctx context.Context, now time.Time) {
 		}
 		qctx, cancel := context.WithTimeout(ctx, o.QueryTimeout)
 		_, err := ob.pool.Exec(qctx, ob.sqlDead, m.ID, m.Topic, key, m.Payload, headers, created,
-			en.tx.final.String(), en.attempts, truncate(en.lastErr.Error(), 2000))
+			en.tx.final.String(), en.attempts, relaycore.Truncate(en.lastErr.Error(), 2000))
 		cancel()
 		if err != nil {
 			en.due = now.Add(backoff.Spread(o.ReconnectBackoff))
@@ -375,16 +344,7 @@ func (e *engine) park(ctx context.Context, now time.Time) {
 		dead[m.Topic]++
 	}
 	if len(dead) > 0 {
-		e.r.tel.count(ctx, e.r.tel.dead, dead)
+		e.r.tel.Count(ctx, e.r.tel.Dead, dead)
 		e.advance()
 	}
-}
-
-// truncate cuts an error text for the last_error column: at most n bytes,
-// valid UTF-8, no NUL.
-func truncate(s string, n int) string {
-	if len(s) > n {
-		s = s[:n]
-	}
-	return strings.ReplaceAll(strings.ToValidUTF8(s, ""), "\x00", "")
 }

@@ -4,9 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"log/slog"
 	"maps"
-	"os"
 	"sync"
 	"testing"
 	"time"
@@ -15,6 +13,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 	"go.opentelemetry.io/otel/propagation"
 
+	"github.com/idemkit/idem/internal/testkit/outboxtest"
 	"github.com/idemkit/idem/internal/testkit/testenv"
 	"github.com/idemkit/idem/outbox"
 	"github.com/idemkit/idem/outbox/walrelay"
@@ -24,15 +23,6 @@ import (
 // elsewhere, as an application extracts it from an incoming request.
 func traceCtx(traceparent string) context.Context {
 	return propagation.TraceContext{}.Extract(context.Background(), propagation.MapCarrier{outbox.HeaderTraceParent: traceparent})
-}
-
-// quiet is the logger of the tests' relays: warnings about killed
-// connections are expected there. IDEM_TEST_VERBOSE=1 shows them.
-func quiet() *slog.Logger {
-	if os.Getenv("IDEM_TEST_VERBOSE") == "1" {
-		return slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelDebug}))
-	}
-	return slog.New(slog.DiscardHandler)
 }
 
 // logicalPool returns a pool on the throwaway logical-replication cluster,
@@ -165,40 +155,6 @@ func newRelay(t testing.TB, ob *walrelay.Outbox, pub outbox.Publisher, o walrela
 	return r
 }
 
-// running is a relay started by start.
-type running struct {
-	cancel context.CancelFunc
-	done   chan error
-	once   sync.Once
-}
-
-// start runs r until stop (or the end of the test).
-func start(t testing.TB, r *walrelay.Relay) *running {
-	t.Helper()
-	ctx, cancel := context.WithCancel(context.Background())
-	rr := &running{cancel: cancel, done: make(chan error, 1)}
-	go func() { rr.done <- r.Run(ctx) }()
-	t.Cleanup(func() { rr.stop(t) })
-	return rr
-}
-
-// stop cancels the relay and waits for Run to return; it may be called
-// more than once.
-func (rr *running) stop(t testing.TB) {
-	t.Helper()
-	rr.once.Do(func() {
-		rr.cancel()
-		select {
-		case err := <-rr.done:
-			if err != nil {
-				t.Errorf("Relay.Run: %v", err)
-			}
-		case <-time.After(60 * time.Second):
-			t.Errorf("Relay.Run did not return within 60s of its context ending")
-		}
-	})
-}
-
 // memPublisher records what it confirms. fail, when set, fails single
 // messages; down, when set, fails whole batches. Every call wakes the
 // waiters of wait.
@@ -320,14 +276,6 @@ func (p *memPublisher) waitIDs(t testing.TB, ids []string) {
 	})
 }
 
-func msg(topic, key, payload string) outbox.Message {
-	var k []byte
-	if key != "" {
-		k = []byte(key)
-	}
-	return outbox.Message{Topic: topic, Key: k, Payload: []byte(payload)}
-}
-
 var errBoom = errors.New("boom")
 
 // confirmedPast waits until the slot's confirmed position reaches lsn.
@@ -361,4 +309,20 @@ func walEnd(t testing.TB, pool *pgxpool.Pool) string {
 		t.Fatal(err)
 	}
 	return lsn
+}
+
+// The helpers every relay's tests share.
+var (
+	quiet = outboxtest.Quiet
+	msg   = outboxtest.Msg
+)
+
+// running is a relay started by start, ended by stop (or the end of the test).
+type running struct{ *outboxtest.Running }
+
+func (rr *running) stop(t testing.TB) { t.Helper(); rr.Stop(t) }
+
+func start(t testing.TB, r interface{ Run(context.Context) error }) *running {
+	t.Helper()
+	return &running{outboxtest.Start(t, r)}
 }

@@ -5,7 +5,6 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
-	"sync"
 	"sync/atomic"
 	"time"
 
@@ -15,6 +14,7 @@ import (
 
 	"github.com/idemkit/idem/internal/backoff"
 	"github.com/idemkit/idem/outbox"
+	"github.com/idemkit/idem/outbox/internal/relaycore"
 )
 
 // RelayOptions configure a Relay. The zero value is usable.
@@ -97,73 +97,43 @@ type RelayOptions struct {
 }
 
 func (o *RelayOptions) fill(ob *Outbox) error {
-	ints := []struct {
-		name     string
-		v        *int
-		def, max int
-	}{
-		{"BatchSize", &o.BatchSize, 500, 10000},
-		{"PerKeyBatch", &o.PerKeyBatch, 1, 10000},
-		{"MaxInFlight", &o.MaxInFlight, 10000, 1 << 24},
-		{"MaxAttempts", &o.MaxAttempts, 10, 1 << 20},
-	}
-	for _, f := range ints {
-		if *f.v < 0 {
-			return fmt.Errorf("walrelay: RelayOptions.%s is %d; it must not be negative (zero means the default)", f.name, *f.v)
-		}
-		if *f.v == 0 {
-			*f.v = f.def
-		}
-		if *f.v > f.max {
-			return fmt.Errorf("walrelay: RelayOptions.%s is %d; the most is %d", f.name, *f.v, f.max)
-		}
+	const prefix = "walrelay: RelayOptions."
+	err := relaycore.FillInts(prefix,
+		relaycore.Int{Name: "BatchSize", V: &o.BatchSize, Def: 500, Max: 10000},
+		relaycore.Int{Name: "PerKeyBatch", V: &o.PerKeyBatch, Def: 1, Max: 10000},
+		relaycore.Int{Name: "MaxInFlight", V: &o.MaxInFlight, Def: 10000, Max: 1 << 24},
+		relaycore.Int{Name: "MaxAttempts", V: &o.MaxAttempts, Def: 10, Max: 1 << 20})
+	if err != nil {
+		return err
 	}
 	if o.MaxInFlight < o.BatchSize {
 		return fmt.Errorf("walrelay: RelayOptions.MaxInFlight %d is smaller than BatchSize %d", o.MaxInFlight, o.BatchSize)
 	}
-	durs := []struct {
-		name string
-		v    *time.Duration
-		def  time.Duration
-	}{
-		{"Backoff", &o.Backoff, time.Second},
-		{"MaxBackoff", &o.MaxBackoff, time.Minute},
-		{"ReconnectBackoff", &o.ReconnectBackoff, 100 * time.Millisecond},
-		{"MaxReconnectBackoff", &o.MaxReconnectBackoff, 10 * time.Second},
-		{"TakeoverInterval", &o.TakeoverInterval, time.Second},
-		{"StatusInterval", &o.StatusInterval, time.Second},
-		{"MetricsInterval", &o.MetricsInterval, 15 * time.Second},
-		{"ShutdownTimeout", &o.ShutdownTimeout, 10 * time.Second},
-		{"QueryTimeout", &o.QueryTimeout, 30 * time.Second},
+	err = relaycore.FillDurations(prefix,
+		relaycore.Duration{Name: "Backoff", V: &o.Backoff, Def: time.Second},
+		relaycore.Duration{Name: "MaxBackoff", V: &o.MaxBackoff, Def: time.Minute},
+		relaycore.Duration{Name: "ReconnectBackoff", V: &o.ReconnectBackoff, Def: 100 * time.Millisecond},
+		relaycore.Duration{Name: "MaxReconnectBackoff", V: &o.MaxReconnectBackoff, Def: 10 * time.Second},
+		relaycore.Duration{Name: "TakeoverInterval", V: &o.TakeoverInterval, Def: time.Second},
+		relaycore.Duration{Name: "StatusInterval", V: &o.StatusInterval, Def: time.Second},
+		relaycore.Duration{Name: "MetricsInterval", V: &o.MetricsInterval, Def: 15 * time.Second},
+		relaycore.Duration{Name: "ShutdownTimeout", V: &o.ShutdownTimeout, Def: 10 * time.Second},
+		relaycore.Duration{Name: "QueryTimeout", V: &o.QueryTimeout, Def: 30 * time.Second})
+	if err != nil {
+		return err
 	}
-	for _, d := range durs {
-		if *d.v < 0 {
-			return fmt.Errorf("walrelay: RelayOptions.%s is %v; it must not be negative (zero means the default)", d.name, *d.v)
-		}
-		if *d.v == 0 {
-			*d.v = d.def
-		}
-		if *d.v < time.Millisecond {
-			return fmt.Errorf("walrelay: RelayOptions.%s is %v; use at least 1ms", d.name, *d.v)
-		}
-	}
-	if o.MaxBackoff < o.Backoff {
-		return fmt.Errorf("walrelay: RelayOptions.MaxBackoff %v is shorter than Backoff %v", o.MaxBackoff, o.Backoff)
-	}
-	if o.MaxReconnectBackoff < o.ReconnectBackoff {
-		return fmt.Errorf("walrelay: RelayOptions.MaxReconnectBackoff %v is shorter than ReconnectBackoff %v", o.MaxReconnectBackoff, o.ReconnectBackoff)
-	}
-	if o.CleanupInterval == 0 {
-		o.CleanupInterval = time.Minute
+	err = relaycore.FillCommon(prefix, relaycore.Common{
+		Backoff: o.Backoff, MaxBackoff: o.MaxBackoff, ReconnectBackoff: o.ReconnectBackoff, MaxReconnectBackoff: o.MaxReconnectBackoff,
+		CleanupInterval: &o.CleanupInterval, Logger: &o.Logger,
+	}, ob.opts.Logger)
+	if err != nil {
+		return err
 	}
 	if o.LagWarnBytes < 0 {
 		return fmt.Errorf("walrelay: RelayOptions.LagWarnBytes is %d; it must not be negative", o.LagWarnBytes)
 	}
 	if o.LagWarnBytes == 0 {
 		o.LagWarnBytes = 1 << 30
-	}
-	if o.Logger == nil {
-		o.Logger = ob.opts.Logger
 	}
 	return nil
 }
@@ -247,19 +217,16 @@ func (r *Relay) Run(ctx context.Context) error {
 	unregister := r.tel.register()
 	defer unregister()
 
-	runCtx, stop := context.WithCancelCause(ctx)
-	defer stop(nil)
-	var wg sync.WaitGroup
-	wg.Go(func() { r.streamLoop(runCtx, stop) })
-	wg.Go(func() { r.sampleLoop(runCtx) })
+	loops := []func(context.Context, context.CancelCauseFunc){
+		r.streamLoop,
+		func(ctx context.Context, _ context.CancelCauseFunc) { r.sampleLoop(ctx) },
+	}
 	if r.ob.table != nil && r.opts.CleanupInterval > 0 {
-		wg.Go(func() { r.cleanupLoop(runCtx) })
+		loops = append(loops, func(ctx context.Context, _ context.CancelCauseFunc) {
+			_ = relaycore.CleanupLoop(ctx, r.opts.CleanupInterval, r.ob.Cleanup, r.opts.Logger, "walrelay: ", r.ob.tableQ)
+		})
 	}
-	wg.Wait()
-	if cause := context.Cause(runCtx); errors.Is(cause, errFatal) {
-		return cause
-	}
-	return nil
+	return relaycore.Run(ctx, errFatal, loops...)
 }
 
 // streamLoop runs streaming sessions, reconnecting with backoff and
@@ -335,28 +302,4 @@ func (r *Relay) sampleLoop(ctx context.Context) {
 		case <-t.C:
 		}
 	}
-}
-
-func (r *Relay) cleanupLoop(ctx context.Context) {
-	t := time.NewTicker(r.opts.CleanupInterval)
-	defer t.Stop()
-	for {
-		n, err := r.ob.Cleanup(ctx)
-		if err != nil && ctx.Err() == nil {
-			r.opts.Logger.Warn("walrelay: cleanup failed", "table", r.ob.tableQ, "err", err)
-		} else if n > 0 {
-			r.opts.Logger.Debug("walrelay: cleanup", "table", r.ob.tableQ, "deleted", n)
-		}
-		select {
-		case <-ctx.Done():
-			return
-		case <-t.C:
-		}
-	}
-}
-
-// retryDelay is the delay before the attempt after failed attempt n
-// (1-based): Backoff·2^(n-1), at most MaxBackoff, ±20%.
-func (o *RelayOptions) retryDelay(n int) time.Duration {
-	return backoff.Spread(backoff.Exp(o.Backoff, o.MaxBackoff, n))
 }

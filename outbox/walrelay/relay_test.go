@@ -405,7 +405,7 @@ func TestCleanStopConfirmsFinishedBatch(t *testing.T) {
 	a := start(t, ra)
 	first := enqueue(t, pool, ob, msg("t", "k", "1"), msg("t", "j", "2"))
 	<-published
-	a.cancel()
+	a.Cancel()
 	close(stopping)
 	a.stop(t)
 	if got := pubA.publishedIDs(); len(got) != len(first) {

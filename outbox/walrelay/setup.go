@@ -14,6 +14,7 @@ import (
 	"github.com/idemkit/idem/internal/pgmigrate"
 	"github.com/idemkit/idem/internal/sqlname"
 	"github.com/idemkit/idem/outbox"
+	"github.com/idemkit/idem/outbox/internal/relaycore"
 	"github.com/idemkit/idem/outbox/pgoutbox"
 )
 
@@ -334,20 +335,13 @@ func (o *Outbox) Cleanup(ctx context.Context) (int64, error) {
 	stmt := `DELETE FROM ` + o.tableQ + ` WHERE seq = ANY (ARRAY(
     SELECT s.seq FROM (SELECT seq, created_at FROM ` + o.tableQ + ` ORDER BY seq LIMIT $2) s
     WHERE s.created_at <= clock_timestamp() - $1 * interval '1 millisecond'))`
-	var total int64
-	for {
+	return relaycore.DeleteBatches(ctx, o.opts.CleanupBatch, func(ctx context.Context) (int64, error) {
 		tag, err := o.pool.Exec(ctx, stmt, o.opts.Retention.Milliseconds(), o.opts.CleanupBatch)
 		if err != nil {
-			return total, fmt.Errorf("walrelay: cleanup %s: %w", o.tableQ, err)
+			return 0, fmt.Errorf("walrelay: cleanup %s: %w", o.tableQ, err)
 		}
-		total += tag.RowsAffected()
-		if tag.RowsAffected() < int64(o.opts.CleanupBatch) {
-			return total, nil
-		}
-		if err := ctx.Err(); err != nil {
-			return total, err
-		}
-	}
+		return tag.RowsAffected(), nil
+	})
 }
 
 // RequeueDead enqueues the parked messages with the given ids again, in

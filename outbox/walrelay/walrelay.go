@@ -11,7 +11,6 @@ import (
 	"time"
 	"unicode/utf8"
 
-	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"go.opentelemetry.io/otel/propagation"
@@ -21,6 +20,7 @@ import (
 	"github.com/idemkit/idem/internal/telemetry"
 	"github.com/idemkit/idem/outbox"
 	"github.com/idemkit/idem/outbox/internal/msgcheck"
+	"github.com/idemkit/idem/outbox/internal/relaycore"
 	"github.com/idemkit/idem/outbox/pgoutbox"
 )
 
@@ -187,20 +187,10 @@ func New(pool *pgxpool.Pool, opts Options) (*Outbox, error) {
 	if opts.Retention < 0 || (opts.Retention > 0 && opts.Retention < time.Millisecond) {
 		return nil, fmt.Errorf("walrelay: Options.Retention is %v; use at least 1ms (zero means the default)", opts.Retention)
 	}
-	if opts.CleanupBatch < 0 {
-		return nil, fmt.Errorf("walrelay: Options.CleanupBatch is %d; it must not be negative", opts.CleanupBatch)
-	}
-	if opts.Propagator == nil {
-		opts.Propagator = telemetry.DefaultPropagator
-	}
-	if opts.Retention == 0 {
-		opts.Retention = 24 * time.Hour
-	}
-	if opts.CleanupBatch == 0 {
-		opts.CleanupBatch = 1000
-	}
-	if opts.Logger == nil {
-		opts.Logger = slog.Default()
+	if err := relaycore.FillOutbox("walrelay: Options.", relaycore.OutboxDefaults{
+		Retention: &opts.Retention, CleanupBatch: &opts.CleanupBatch, Propagator: &opts.Propagator, Logger: &opts.Logger,
+	}); err != nil {
+		return nil, err
 	}
 	o := &Outbox{
 		pool:   pool,
@@ -323,7 +313,7 @@ func (o *Outbox) encode(ctx context.Context, msgs []outbox.Message) ([]byte, []s
 	enc := make([]*outbox.Message, len(msgs))
 	for i := range msgs {
 		m := msgs[i]
-		id, err := newID(m.ID)
+		id, err := msgcheck.ID(m.ID)
 		if err != nil {
 			return nil, nil, fmt.Errorf("walrelay: Enqueue: message %d: %w", i, err)
 		}
@@ -336,17 +326,6 @@ func (o *Outbox) encode(ctx context.Context, msgs []outbox.Message) ([]byte, []s
 		enc[i] = &m
 	}
 	return encodeMessages(enc), ids, nil
-}
-
-func newID(s string) (uuid.UUID, error) {
-	if s == "" {
-		return uuid.NewV7()
-	}
-	id, err := uuid.Parse(s)
-	if err != nil {
-		return uuid.UUID{}, fmt.Errorf("Message.ID #%s is not a UUID (leave it empty for a generated UUIDv7): %w", dedup.HashKey("", s), err)
-	}
-	return id, nil
 }
 
 // checkMessage applies the limits of the outbox table to a message that

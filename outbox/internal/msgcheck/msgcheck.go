@@ -8,6 +8,10 @@ import (
 	"fmt"
 	"strings"
 	"unicode/utf8"
+
+	"github.com/google/uuid"
+
+	"github.com/idemkit/idem/dedup"
 )
 
 // MaxHeaderBytes bounds a header name plus value, in bytes.
@@ -36,4 +40,17 @@ func Headers(h map[string]string) error {
 		}
 	}
 	return nil
+}
+
+// ID is the id of a message whose Message.ID is s: a new time-ordered
+// UUID (v7) when s is empty, else s, which must be a UUID.
+func ID(s string) (uuid.UUID, error) {
+	if s == "" {
+		return uuid.NewV7()
+	}
+	id, err := uuid.Parse(s)
+	if err != nil {
+		return uuid.UUID{}, fmt.Errorf("Message.ID #%s is not a UUID (leave it empty for a generated UUIDv7): %w", dedup.HashKey("", s), err)
+	}
+	return id, nil
 }
