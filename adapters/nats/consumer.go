@@ -198,10 +198,10 @@ func MsgFrom(ctx context.Context) (jetstream.Msg, bool) {
 
 // delivery is one pulled message.
 type delivery struct {
-	m       jetstream.Msg
-	md      *jetstream.MsgMetadata
-	n       uint64 // NumDelivered
-	putBack bool   // a returned delivery pulled with others: nak it unrun
+	m    jetstream.Msg
+	md   *jetstream.MsgMetadata
+	n    uint64        // NumDelivered
+	done chan struct{} // closed once it is settled
 }
 
 // run is the state of one Run.
@@ -212,9 +212,11 @@ type run struct {
 	slots chan struct{}
 	work  chan *delivery
 	// pending are the deliveries pulled and not yet settled, kept alive
-	// with InProgress.
+	// with InProgress; nacked maps the stream sequence of each message
+	// this process nacked to its delivery count then.
 	mu      sync.Mutex
 	pending map[*delivery]struct{}
+	nacked  map[uint64]uint64
 }
 
 // Run declares (or checks) the durable consumer and the dead-letter
@@ -241,7 +243,7 @@ func (c *Consumer) Run(ctx context.Context) error {
 		return fmt.Errorf("nats: consumer %s/%s: %w", c.stream, c.durable, err)
 	}
 	r := &run{c: c, cons: cons, slots: make(chan struct{}, c.opts.Prefetch),
-		work: make(chan *delivery, c.opts.Prefetch), pending: map[*delivery]struct{}{}}
+		work: make(chan *delivery, c.opts.Prefetch), pending: map[*delivery]struct{}{}, nacked: map[uint64]uint64{}}
 
 	// Handlers run under hctx: it outlives ctx by ShutdownTimeout, so a
 	// graceful stop lets them finish and be acknowledged.
@@ -273,6 +275,11 @@ func (c *Consumer) Run(ctx context.Context) error {
 	c.readyOnce.Do(func() { close(c.ready) })
 	err = r.pull(ctx)
 	close(r.work)
+	// The messages pulled and not started go back now, while the running
+	// handlers finish.
+	for d := range r.work {
+		r.requeue(ctx, d)
+	}
 	workers.Wait()
 	stopKeep()
 	<-keepDone
@@ -383,37 +390,35 @@ func (c *Consumer) deadLetterStream(ctx context.Context) error {
 	return err
 }
 
-// pull fetches messages until ctx ends, then nacks what it pulled after.
+// pull fetches messages until ctx ends.
 //
-// A delivery JetStream returned (NumDelivered above 1: a worker died with
-// it, or it was nacked) runs with no other delivery of the process
-// unsettled, so that if it kills the process again only its own count
-// grows. The pull loop is "careful" at start and after a pull brought a
-// returned delivery: it waits until nothing is in flight, pulls one
-// message and runs it; a returned one keeps it careful, a fresh one ends
-// that and the loop pulls up to Prefetch again. A returned delivery that
-// comes in a batch with others is put back unrun (nacked without delay),
-// unless it is past MaxDeliveries, where it is dead-lettered unrun.
+// A delivery JetStream returned after a crash or an expired AckWait (a
+// returned delivery: NumDelivered above 1, and not the next delivery of a
+// message this process nacked itself) runs with no other delivery of the
+// process unsettled, so that if it kills the process again only its own
+// count grows. The pull loop is careful at start and after a pull brought
+// a returned delivery: it waits until nothing is in flight, pulls one
+// message and runs it; a returned one keeps it careful, any other ends
+// that and the loop pulls up to Prefetch again. Returned deliveries that
+// come in a pull with others are held (kept alive with InProgress) until
+// the others settled, then run one after another, each alone; one past
+// MaxDeliveries is dead-lettered at once, without running.
 func (r *run) pull(ctx context.Context) error {
 	c := r.c
 	careful := true
 	fails := 0
 	for ctx.Err() == nil {
-		n := 0
+		n := 1
 		if careful {
 			// Every slot: nothing of this process is in flight.
-			for range cap(r.slots) {
-				if !r.acquire(ctx) {
-					return nil
-				}
+			if !r.acquireN(ctx, cap(r.slots)) {
+				return nil
 			}
 			r.release(cap(r.slots) - 1)
-			n = 1
 		} else {
 			if !r.acquire(ctx) {
 				return nil
 			}
-			n = 1
 		more:
 			for n < cap(r.slots) {
 				select {
@@ -438,22 +443,25 @@ func (r *run) pull(ctx context.Context) error {
 		}
 		got := 0
 		returned := false
+		var held []*delivery
 		for m := range batch.Messages() {
 			got++
 			d := r.take(m)
-			if ctx.Err() != nil {
+			switch {
+			case ctx.Err() != nil:
 				r.requeue(ctx, d)
-				continue
-			}
-			if d.n > 1 {
+			case !r.returned(d):
+				r.work <- d
+			case careful || c.overDelivered(d):
 				returned = true
-				if !careful && n > 1 {
-					d.putBack = true
-				}
+				r.work <- d
+			default:
+				returned = true
+				held = append(held, d)
 			}
-			r.work <- d
 		}
 		r.release(n - got)
+		r.runHeld(ctx, held)
 		if err := batch.Error(); err != nil && !errors.Is(err, nats.ErrTimeout) && !errors.Is(err, context.DeadlineExceeded) {
 			if c.js.Conn().IsClosed() {
 				return fmt.Errorf("%w: %w", ErrConnectionClosed, err)
@@ -475,6 +483,74 @@ func (r *run) pull(ctx context.Context) error {
 	return nil
 }
 
+// runHeld runs the held returned deliveries one after another, each once
+// nothing else of the process is in flight. When ctx ends first, the
+// rest are nacked.
+func (r *run) runHeld(ctx context.Context, held []*delivery) {
+	for i, d := range held {
+		// Each held delivery keeps its slot: once the others are
+		// acquired, only held ones are in flight.
+		if !r.acquireN(ctx, cap(r.slots)-(len(held)-i)) {
+			for _, d := range held[i:] {
+				r.requeue(ctx, d)
+			}
+			return
+		}
+		r.release(cap(r.slots) - (len(held) - i))
+		r.work <- d
+		select {
+		case <-d.done:
+		case <-ctx.Done():
+		}
+	}
+}
+
+// returned reports whether JetStream delivered d before without this
+// process nacking it: a worker died with it, or its AckWait expired.
+func (r *run) returned(d *delivery) bool {
+	if d.n <= 1 {
+		return false
+	}
+	seq := uint64(0)
+	if d.md != nil {
+		seq = d.md.Sequence.Stream
+	}
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	last, ok := r.nacked[seq]
+	delete(r.nacked, seq)
+	return !ok || last+1 != d.n
+}
+
+// nackedHere records that this process nacked d, so that its next
+// delivery is not taken for a returned one.
+func (r *run) nackedHere(d *delivery) {
+	if d.md == nil {
+		return
+	}
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if len(r.nacked) >= maxNacked {
+		clear(r.nacked) // forgetting only makes a delivery run alone
+	}
+	r.nacked[d.md.Sequence.Stream] = d.n
+}
+
+// maxNacked bounds the record of nacked messages.
+const maxNacked = 1 << 16
+
+// acquireN takes n slots, or returns false (holding none) when ctx ended
+// first.
+func (r *run) acquireN(ctx context.Context, n int) bool {
+	for i := range n {
+		if !r.acquire(ctx) {
+			r.release(i)
+			return false
+		}
+	}
+	return true
+}
+
 // acquire takes a slot, or returns false when ctx ended first.
 func (r *run) acquire(ctx context.Context) bool {
 	select {
@@ -493,7 +569,7 @@ func (r *run) release(n int) {
 
 // take registers a pulled message as pending.
 func (r *run) take(m jetstream.Msg) *delivery {
-	d := &delivery{m: m, n: 1}
+	d := &delivery{m: m, n: 1, done: make(chan struct{})}
 	if md, err := m.Metadata(); err == nil {
 		d.md, d.n = md, md.NumDelivered
 	}
@@ -512,6 +588,7 @@ func (r *run) done(d *delivery) {
 	r.mu.Lock()
 	delete(r.pending, d)
 	r.mu.Unlock()
+	close(d.done)
 	<-r.slots
 }
 
@@ -550,29 +627,36 @@ const (
 	settledAbandoned
 )
 
-// requeue nacks a delivery that did not run, without delay.
+// requeue nacks a delivery that did not run, without delay: the
+// Consumer stops.
 func (r *run) requeue(ctx context.Context, d *delivery) {
+	c := r.c
 	defer r.done(d)
-	if err := d.m.Nak(); err != nil {
-		r.c.abandoned(ctx, d, "nak", err)
-		return
+	out := settledRequeued
+	err := d.m.Nak()
+	if err != nil {
+		out = c.abandoned(ctx, d, "nak", err)
+	} else {
+		c.stats.requeued.Add(1)
 	}
-	r.c.stats.requeued.Add(1)
+	msg, _ := toMessage(d.m, d.md, &c.msgOpts)
+	c.report(ctx, msg, consumer.Result{Action: consumer.ActionRetry, Reason: consumer.OutcomeTransient, Err: errStopped}, out, time.Time{}, noEnd)
 }
+
+// errStopped is the Report.Err of a delivery nacked unrun because the
+// Consumer stopped.
+var errStopped = errors.New("nats: the Consumer stopped before the handler ran; the message was nacked")
+
+func noEnd(string, error) {}
 
 // handle runs the chain on one delivery and settles it.
 func (r *run) handle(ctx, hctx context.Context, d *delivery) {
 	c := r.c
-	defer r.done(d)
-	if ctx.Err() != nil || d.putBack && !c.overDelivered(d) {
-		// Stopping, or a returned delivery that must run alone.
-		if err := d.m.Nak(); err != nil {
-			c.abandoned(hctx, d, "nak", err)
-			return
-		}
-		c.stats.requeued.Add(1)
+	if ctx.Err() != nil {
+		r.requeue(hctx, d)
 		return
 	}
+	defer r.done(d)
 	var start time.Time
 	if c.tel.Timed(hctx) {
 		start = time.Now()
@@ -603,6 +687,9 @@ func (r *run) handle(ctx, hctx context.Context, d *delivery) {
 			Err: &consumer.RetriesExhaustedError{Attempts: msg.Attempt, Err: err}}
 	}
 	out := c.settle(mctx, ctx, d, msg, res)
+	if out == settledRetried || out == settledRequeued {
+		r.nackedHere(d)
+	}
 	c.report(mctx, msg, res, out, start, end)
 }
 
