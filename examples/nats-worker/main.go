@@ -165,7 +165,7 @@ func run(ctx context.Context, cfg config) error {
 			}
 		}
 	}
-	fmt.Fprintf(cfg.out, "published %d orders to %s: %d of them twice (the stream dropped %d copies), 1 malformed\n",
+	_, _ = fmt.Fprintf(cfg.out, "published %d orders to %s: %d of them twice (the stream dropped %d copies), 1 malformed\n",
 		cfg.n, cfg.stream, (cfg.n+9)/10, dropped)
 
 	for {
@@ -188,7 +188,7 @@ func run(ctx context.Context, cfg config) error {
 		return err
 	}
 	st := c.Stats()
-	fmt.Fprintf(cfg.out, "%d payments (one per well-formed order); %d retried, %d dead-lettered to %s.dlq\n",
+	_, _ = fmt.Fprintf(cfg.out, "%d payments (one per well-formed order); %d retried, %d dead-lettered to %s.dlq\n",
 		payments, st.Retried, st.DeadLettered, cfg.stream)
 	return nil
 }
