@@ -416,7 +416,10 @@ func (r *run) pull(ctx context.Context) error {
 			}
 			r.release(cap(r.slots) - 1)
 		} else {
-			if !r.acquire(ctx) {
+			// Wait until half the room is free, so that a pull brings a
+			// batch rather than one message per settled one.
+			n = max(cap(r.slots)/2, 1)
+			if !r.acquireN(ctx, n) {
 				return nil
 			}
 		more:
