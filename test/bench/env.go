@@ -13,6 +13,7 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/nats-io/nats.go/jetstream"
 	amqp091 "github.com/rabbitmq/amqp091-go"
 	"github.com/redis/go-redis/v9"
 
@@ -34,6 +35,10 @@ type env struct {
 	seq     atomic.Int64
 
 	floorOnce sync.Once // creates the pgbench scripts' tables
+
+	natsOnce sync.Once // connects js, or sets natsErr
+	js       jetstream.JetStream
+	natsErr  error
 
 	mu       sync.Mutex
 	cleanups []func(ctx context.Context)

@@ -9,6 +9,7 @@ func rows() []row {
 		kafkaBatchRow(),
 		amqpTxRow(),
 		amqpLeaseRow(),
+		natsTxRow(),
 		wmTxRow(),
 		wmMemRow(),
 		httpPgRow(),

@@ -68,6 +68,7 @@ type Env struct {
 	PGURL     string // shared PostgreSQL (database test)
 	RedisAddr string // shared Redis
 	AMQPURL   string // shared RabbitMQ
+	NATSURL   string // shared NATS (JetStream)
 	Exe       string // this binary, for RegisterChild children
 	TempDir   string // removed after the cell
 	Verbose   bool
@@ -166,6 +167,7 @@ type Config struct {
 	PGURL     string
 	RedisAddr string
 	AMQPURL   string
+	NATSURL   string
 	Exe       string
 	Verbose   bool
 	Out       io.Writer
@@ -211,7 +213,7 @@ func Run(ctx context.Context, cfg Config) error {
 		env := &Env{
 			Scale: cfg.Scale, Seed: cfg.Seed,
 			Rand:  rand.New(rand.NewPCG(cfg.Seed, hash(name))),
-			PGURL: cfg.PGURL, RedisAddr: cfg.RedisAddr, AMQPURL: cfg.AMQPURL,
+			PGURL: cfg.PGURL, RedisAddr: cfg.RedisAddr, AMQPURL: cfg.AMQPURL, NATSURL: cfg.NATSURL,
 			Exe: cfg.Exe, TempDir: dir, Verbose: cfg.Verbose, out: cfg.Out, name: name,
 		}
 		start := time.Now()

@@ -127,7 +127,8 @@ func TestCellsRegistered(t *testing.T) {
 		}
 	}
 	for _, n := range []string{"relay/kafka/sigkill", "relay/amqp/sigkill", "rabbit/amqp/close-all+stop-app", "rabbit/relay/close-all+stop-app",
-		"wal/amqp/sigkill", "wal/pg/immediate", "wal/proxy/amqp", "proxy/outbox-amqp", "redis/cluster/master-kill"} {
+		"wal/amqp/sigkill", "wal/pg/immediate", "wal/proxy/amqp", "proxy/outbox-amqp", "redis/cluster/master-kill",
+		"nats/pgtable/sigkill", "nats/pgtable/server-kill"} {
 		if !names[n] {
 			t.Errorf("cell %s is not registered", n)
 		}

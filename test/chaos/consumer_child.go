@@ -20,6 +20,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/redis/go-redis/v9"
 
+	idemnats "github.com/idemkit/idem/adapters/nats"
 	"github.com/idemkit/idem/consumer"
 	"github.com/idemkit/idem/dedup/pgtable"
 	"github.com/idemkit/idem/dedup/redisnx"
@@ -68,6 +69,8 @@ type childConfig struct {
 	PGURL     string   `json:"pg"`
 	RedisAddr string   `json:"redis"`
 	AMQPURL   string   `json:"amqp"`
+	NATSURL   string   `json:"nats"`
+	Stream    string   `json:"stream"`  // JetStream stream (consumer_nats.go)
 	MySQLDSN  string   `json:"mysql"`   // sqltable on MySQL/MariaDB (mariadb_*.go)
 	Schema    string   `json:"schema"`  // oracle schema: processed_events, outbox, watermill tables
 	Effects   string   `json:"effects"` // quoted effects table
@@ -290,7 +293,9 @@ func brokerHandler(r *childRun, pool *pgxpool.Pool) (consumer.Handler, func(), e
 		return nil, nil, fmt.Errorf("unknown store %q", cfg.Store)
 	}
 	h := consumer.HandlerFunc(func(ctx context.Context, msg *consumer.Message) error {
-		if msg.Attempt <= 1 { // a broker delivery, not an in-process retry
+		// A broker delivery, not an in-process retry. JetStream's
+		// Attempt counts the broker's deliveries: each is one.
+		if msg.Attempt <= 1 || msg.Metadata[idemnats.MetadataDeliveries] != "" {
 			r.log.record(msg.ID)
 		}
 		r.kill.at(pointBeforeTx)

@@ -12,6 +12,9 @@
 //     directory, --no-defaults, its own port and socket) that can be
 //     SIGKILLed and started again on the same data directory, where InnoDB
 //     crash recovery keeps what committed.
+//   - NATS: a throwaway nats-server with JetStream (-js, its own store
+//     directory and port) that can be SIGKILLed and started again on the
+//     same store, where JetStream recovers its streams and consumers.
 //   - Proxy: a small TCP proxy whose mode is switched at run time: pass,
 //     delay every chunk, reset the connections, or cut a connection after the
 //     request was forwarded and before the reply reaches the client (the
@@ -20,7 +23,7 @@
 //   - Pause and Resume: SIGSTOP and SIGCONT of a child process, for a
 //     handler frozen past its lease.
 //
-// Postgres, MariaDB, Redis, Pause and Resume need a Unix system (build tag unix);
+// Postgres, MariaDB, Redis, NATS, Pause and Resume need a Unix system (build tag unix);
 // the Proxy runs anywhere.
 //
 // Every server and proxy has an owner that stops it: Close stops the process

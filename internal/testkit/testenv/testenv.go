@@ -6,7 +6,7 @@
 // in CI a missing service is a broken run, never a pass.
 //
 // Addresses come from IDEM_TEST_POSTGRES_URL, IDEM_TEST_MYSQL_DSN,
-// IDEM_TEST_REDIS_ADDR and IDEM_TEST_AMQP_URL, defaulting to the local
+// IDEM_TEST_REDIS_ADDR, IDEM_TEST_AMQP_URL and IDEM_TEST_NATS_URL, defaulting to the local
 // services on their standard ports.
 package testenv
 

@@ -70,6 +70,7 @@ func main() {
 		PGURL:     testenv.PostgresURL(),
 		RedisAddr: testenv.RedisAddr(),
 		AMQPURL:   testenv.AMQPURL(),
+		NATSURL:   testenv.NATSURL(),
 		Exe:       exe,
 		Verbose:   *verbose,
 		Out:       os.Stdout,
