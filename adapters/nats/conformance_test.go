@@ -27,12 +27,13 @@ import (
 // subject and a durable pull consumer, and the Consumer creates its
 // dead-letter stream.
 //
-// The Consumer promises no order: it runs four handlers at once over up
-// to eight pulled messages, a transient failure naks its message with a
-// delay (NakWithDelay) while the stream goes on delivering the messages
-// published after it, and a delivery whose AckWait expired comes back
-// after them too. A NATS message has no key either, so the suite's keys
-// travel only as the subject's last token.
+// The Consumer promises no order: here it runs four handlers at once over
+// up to eight pulled messages, and even with one handler a transient
+// failure naks its message with a delay (NakWithDelay) while the durable
+// consumer goes on delivering the messages published after it, as it does
+// past a delivery whose AckWait expired. A NATS message has no key to
+// keep an order by either: the suite's keys travel only as the subject's
+// last token.
 func TestConformance(t *testing.T) {
 	h := &natsHarness{}
 	t.Cleanup(h.close)
@@ -215,12 +216,15 @@ func (h *natsHarness) Start(ctx context.Context, d adaptertest.Destination, w ad
 		return fail(err)
 	}
 	c, err := idemnats.NewConsumer(js, d.Params["stream"], d.Params["durable"], w.Handler, idemnats.ConsumerOptions{
-		Config:            jetstream.ConsumerConfig{AckPolicy: jetstream.AckExplicitPolicy, AckWait: natsAckWait},
-		Concurrency:       4,
-		Prefetch:          8,
-		RetryDelays:       natsDelays(opts),
-		MaxAttempts:       opts.MaxAttempts,
-		MaxDeliveries:     opts.MaxAttempts, // no message of the suite crashes every worker
+		Config:      jetstream.ConsumerConfig{AckPolicy: jetstream.AckExplicitPolicy, AckWait: natsAckWait},
+		Concurrency: 4,
+		Prefetch:    8,
+		RetryDelays: natsDelays(opts),
+		MaxAttempts: opts.MaxAttempts,
+		// A message nacked more than MaxDeliveries times is dead-lettered
+		// (redelivery_limit) whatever MaxAttempts says: keep the two
+		// bounds equal, so the suite's MaxAttempts is the one that holds.
+		MaxDeliveries:     opts.MaxAttempts,
 		DeadLetterSubject: d.DeadLetter,
 		DeadLetterStream:  d.Params["dlq_stream"],
 		FetchWait:         200 * time.Millisecond,
@@ -240,8 +244,7 @@ func (h *natsHarness) Start(ctx context.Context, d adaptertest.Destination, w ad
 		return fail(fmt.Errorf("Run returned before consuming: %w", err))
 	case <-ctx.Done():
 		cancel()
-		<-nsc.done
-		return fail(ctx.Err())
+		return fail(errors.Join(ctx.Err(), <-nsc.done))
 	}
 }
 
