@@ -166,8 +166,6 @@ type child struct {
 	p     *childproc.Proc
 	ready chan struct{}
 	dups  atomic.Int64
-	mu    sync.Mutex
-	dupID map[string]int
 }
 
 // startChild starts the test binary again as a consumer of spec.Dest. It
@@ -189,7 +187,7 @@ func (s *suite) startChild(t *testing.T, spec childSpec) *child {
 	}
 	cmd := exec.Command(exe, "-test.run="+runPattern(spec.Test), "-test.count=1")
 	cmd.Env = append(os.Environ(), childEnv+"="+string(raw))
-	ch := &child{ready: make(chan struct{}), dupID: map[string]int{}}
+	ch := &child{ready: make(chan struct{})}
 	var once sync.Once
 	p, err := childproc.Start(cmd, 16<<10, func(line string) {
 		switch {
@@ -197,9 +195,6 @@ func (s *suite) startChild(t *testing.T, spec childSpec) *child {
 			once.Do(func() { close(ch.ready) })
 		case strings.HasPrefix(line, lineDuplicate):
 			ch.dups.Add(1)
-			ch.mu.Lock()
-			ch.dupID[strings.TrimPrefix(line, lineDuplicate)]++
-			ch.mu.Unlock()
 		}
 	})
 	if err != nil {
@@ -249,12 +244,6 @@ func (ch *child) stop(t testing.TB) {
 	if err := ch.p.Err(); err != nil {
 		t.Fatalf("the consumer child's graceful stop failed: %v%s", err, ch.p.StderrTail())
 	}
-}
-
-func (ch *child) duplicatesOf(id string) int {
-	ch.mu.Lock()
-	defer ch.mu.Unlock()
-	return ch.dupID[id]
 }
 
 // runPattern is a -test.run pattern that matches the test name exactly,

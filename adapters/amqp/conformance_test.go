@@ -180,9 +180,9 @@ func (h *amqpHarness) Start(ctx context.Context, d adaptertest.Destination, w ad
 		return nil, fmt.Errorf("Run returned before consuming: %w", err)
 	case <-ctx.Done():
 		cancel()
-		<-ac.done
+		runErr := <-ac.done
 		_ = proxy.Close()
-		return nil, ctx.Err()
+		return nil, fmt.Errorf("%w before the consumer was ready (Run: %v)", ctx.Err(), runErr)
 	}
 }
 
@@ -250,7 +250,7 @@ func (h *amqpHarness) DeadLetters(_ context.Context, d adaptertest.Destination) 
 	})
 	if err != nil {
 		var ae *amqp091.Error
-		if !(asAMQPError(err, &ae) && ae.Code == amqp091.NotFound) {
+		if !asAMQPError(err, &ae) || ae.Code != amqp091.NotFound {
 			return nil, err
 		}
 	}
