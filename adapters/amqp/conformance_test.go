@@ -182,7 +182,7 @@ func (h *amqpHarness) Start(ctx context.Context, d adaptertest.Destination, w ad
 		cancel()
 		runErr := <-ac.done
 		_ = proxy.Close()
-		return nil, fmt.Errorf("%w before the consumer was ready (Run: %v)", ctx.Err(), runErr)
+		return nil, fmt.Errorf("%w before the consumer was ready (Run: %w)", ctx.Err(), runErr)
 	}
 }
 
