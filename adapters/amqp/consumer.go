@@ -7,7 +7,6 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
-	"slices"
 	"strconv"
 	"sync"
 	"sync/atomic"
@@ -251,9 +250,7 @@ func newConsumer(name string, dial func(context.Context) (*amqp091.Connection, e
 	if dial == nil {
 		dial = opts.Dial
 	}
-	delays := slices.Clone(opts.RetryDelays)
-	slices.Sort(delays)
-	delays = slices.Compact(delays)
+	delays := opts.retryDelays()
 	return &Consumer{dial: dial, shared: shared, queue: queue, h: h, opts: opts, delays: delays, ready: make(chan struct{}),
 		tel: telemetry.NewAdapter(opts.MeterProvider, opts.TracerProvider, system), ackLinger: consAckLinger, ackDelay: consAckDelay}, nil
 }
@@ -381,18 +378,15 @@ func (c *Consumer) Run(ctx context.Context) error {
 
 	var wg sync.WaitGroup // every worker and watcher of every generation
 	defer wg.Wait()
-	delay := time.Duration(0)
+	fails := 0 // failed connects in a row
 	for ctx.Err() == nil {
 		s, err := c.connect(ctx, &wg)
 		if err != nil {
 			if consFatal(err) || errors.Is(err, ErrConnectionClosed) {
 				return fmt.Errorf("amqp: consumer of %q: %w", c.queue, err)
 			}
-			if delay == 0 {
-				delay = c.opts.ReconnectBackoff
-			} else {
-				delay = min(2*delay, c.opts.MaxReconnectBackoff)
-			}
+			fails++
+			delay := c.opts.ReconnectBackoff.Delay(fails)
 			msg := "amqp: consumer cannot connect; retrying"
 			if c.shared {
 				msg = "amqp: consumer cannot open its channels on the given connection; retrying"
@@ -401,7 +395,7 @@ func (c *Consumer) Run(ctx context.Context) error {
 			backoff.Sleep(ctx, backoff.Spread(delay))
 			continue
 		}
-		delay = 0
+		fails = 0
 		if err := c.serve(ctx, hctx, s, &wg); err != nil {
 			// A lost channel reconnects, whatever the broker said; a
 			// topology found missing under NoDeclare (a copy the broker
@@ -410,7 +404,7 @@ func (c *Consumer) Run(ctx context.Context) error {
 				return fmt.Errorf("amqp: consumer of %q: %w", c.queue, err)
 			}
 			c.opts.Logger.Warn("amqp: consumer lost its channel; reconnecting", "queue", c.queue, "err", err)
-			backoff.Sleep(ctx, backoff.Spread(c.opts.ReconnectBackoff))
+			backoff.Sleep(ctx, backoff.Spread(c.opts.ReconnectBackoff.Initial))
 		}
 	}
 	return nil
@@ -1243,11 +1237,11 @@ func consOwned(r consumer.Result) bool {
 	return r.Reason == consumer.OutcomeInFlight || r.Reason == consumer.OutcomeLeaseLost
 }
 
-// retryDelay is the delay before the attempt after attempt: the configured
-// one, or the shortest configured delay that covers the hint (the longest
+// retryDelay is the delay before the attempt after attempt: the Backoff's
+// one, or the shortest of its delays that covers the hint (the longest
 // when none does).
 func (c *Consumer) retryDelay(attempt int, hint time.Duration) time.Duration {
-	ds := c.opts.RetryDelays
+	ds := c.delays
 	d := ds[min(max(attempt, 1), len(ds))-1]
 	if hint > d {
 		d = c.delays[len(c.delays)-1]

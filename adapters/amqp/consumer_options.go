@@ -6,7 +6,6 @@ import (
 	"fmt"
 	"log/slog"
 	"maps"
-	"slices"
 	"time"
 
 	amqp091 "github.com/rabbitmq/amqp091-go"
@@ -204,7 +203,7 @@ type ConsumerOptions struct {
 	// connect, what the Consumer needs:
 	//
 	//   - the work queue, each retry queue ("<queue>.retry.<ms>ms", one
-	//     per distinct RetryDelays entry) and DeadLetterExchange exist
+	//     per delay of Backoff) and DeadLetterExchange exist
 	//     (passive declares);
 	//   - each retry queue dead-letters expired messages to the default
 	//     exchange with the work queue's name as routing key: it has the
@@ -231,12 +230,15 @@ type ConsumerOptions struct {
 	// declares it again after a returned copy).
 	NoDeclare bool
 
-	// RetryDelays are the delays before the 2nd, 3rd, ... attempt; the last
-	// one repeats. Each distinct delay gets its own retry queue
-	// ("<queue>.retry.<ms>ms"), because RabbitMQ expires messages only at
-	// the head of a queue: in one shared queue a short delay would wait
-	// behind a long one. Defaults to 1s, 5s, 30s, 2m.
-	RetryDelays []time.Duration
+	// Backoff gives the delays before the 2nd, 3rd, ... attempt:
+	// Backoff.Delay(1), Delay(2), ... in whole milliseconds, up to the
+	// first that reaches Backoff.Max, which then repeats. Each delay gets
+	// its own retry queue ("<queue>.retry.<ms>ms"), because RabbitMQ
+	// expires messages only at the head of a queue: in one shared queue a
+	// short delay would wait behind a long one. Initial must be at least
+	// 1ms, Max at most 24h, and the delays at most 32 retry queues.
+	// Defaults to Initial 1s, Max 2m, Factor 5: 1s, 5s, 25s, 2m.
+	Backoff consumer.Backoff
 	// MaxAttempts bounds the attempts of a message that keeps failing with
 	// a transient error, the first included; the next failure
 	// dead-letters it with reason retries_exhausted. Only the deliveries
@@ -248,7 +250,7 @@ type ConsumerOptions struct {
 	// MaxWait bounds how long a message may wait for a key another owner
 	// holds (in_flight: a copy still running elsewhere, or a lease a dead
 	// worker left until it expires; lease_lost). Such a message waits in
-	// the retry queues (the delay is RetryDelays' by wait count, or longer
+	// the retry queues (the delay is Backoff's by wait count, or longer
 	// when the store says how long the lease has left), without spending
 	// attempts; it counts its waits in HeaderWaits and the time of the
 	// first in HeaderWaitingSince. A wait more than MaxWait after the
@@ -272,9 +274,10 @@ type ConsumerOptions struct {
 	// context ended before their context is cancelled too. Defaults to
 	// 30s.
 	ShutdownTimeout time.Duration
-	// ReconnectBackoff is the first delay before redialling; it doubles up
-	// to MaxReconnectBackoff. Defaults to 100ms and 10s.
-	ReconnectBackoff, MaxReconnectBackoff time.Duration
+	// ReconnectBackoff spaces the redials after a lost or refused
+	// connection (ReconnectBackoff.Delay, spread ±20%). Defaults to
+	// Initial 100ms, Max 10s, Factor 2.
+	ReconnectBackoff consumer.Backoff
 
 	// Logger receives warnings (reconnects, dead letters, failed copies),
 	// with the context of the delivery's span when there is one. Message
@@ -358,7 +361,7 @@ func (o *ConsumerOptions) consSetDefaults(queue string) error {
 	if o.Propagator == nil {
 		o.Propagator = telemetry.DefaultPropagator
 	}
-	for _, n := range []string{queue, o.DeadLetterExchange, o.DeadLetterQueue, consRetryQueue(queue, o.RetryDelays[0])} {
+	for _, n := range []string{queue, o.DeadLetterExchange, o.DeadLetterQueue, consRetryQueue(queue, o.Backoff.Max)} {
 		if len(n) > 255 {
 			return fmt.Errorf("amqp: queue or exchange name %.40q... is longer than 255 bytes", n)
 		}
@@ -415,8 +418,6 @@ func (o *ConsumerOptions) setFlowDefaults() error {
 	}{
 		{"PublishTimeout", &o.PublishTimeout, 10 * time.Second},
 		{"ShutdownTimeout", &o.ShutdownTimeout, 30 * time.Second},
-		{"ReconnectBackoff", &o.ReconnectBackoff, 100 * time.Millisecond},
-		{"MaxReconnectBackoff", &o.MaxReconnectBackoff, 10 * time.Second},
 	} {
 		if *d.v < 0 {
 			return fmt.Errorf("amqp: ConsumerOptions.%s is %v; it must not be negative (zero means the default)", d.name, *d.v)
@@ -425,14 +426,15 @@ func (o *ConsumerOptions) setFlowDefaults() error {
 			*d.v = d.def
 		}
 	}
-	if o.MaxReconnectBackoff < o.ReconnectBackoff {
-		return fmt.Errorf("amqp: ConsumerOptions.MaxReconnectBackoff %v is shorter than ReconnectBackoff %v", o.MaxReconnectBackoff, o.ReconnectBackoff)
+	var err error
+	if o.ReconnectBackoff, err = o.ReconnectBackoff.WithDefaults(defaultReconnectBackoff); err != nil {
+		return fmt.Errorf("amqp: ConsumerOptions.ReconnectBackoff: %w", err)
 	}
 	return nil
 }
 
 // setRetryDefaults checks and completes MaxAttempts, MaxWait and
-// RetryDelays.
+// Backoff.
 func (o *ConsumerOptions) setRetryDefaults() error {
 	if o.MaxAttempts == 0 {
 		o.MaxAttempts = 5
@@ -440,16 +442,51 @@ func (o *ConsumerOptions) setRetryDefaults() error {
 	if o.MaxWait == 0 {
 		o.MaxWait = time.Hour
 	}
-	if len(o.RetryDelays) == 0 {
-		o.RetryDelays = []time.Duration{time.Second, 5 * time.Second, 30 * time.Second, 2 * time.Minute}
+	var err error
+	if o.Backoff, err = o.Backoff.WithDefaults(defaultRetryBackoff); err != nil {
+		return fmt.Errorf("amqp: ConsumerOptions.Backoff: %w", err)
 	}
-	o.RetryDelays = slices.Clone(o.RetryDelays)
-	for _, d := range o.RetryDelays {
-		if d < time.Millisecond || d > 24*time.Hour {
-			return fmt.Errorf("amqp: ConsumerOptions.RetryDelays: %v is out of range [1ms, 24h]", d)
-		}
+	switch b := o.Backoff; {
+	case b.Initial < time.Millisecond:
+		return fmt.Errorf("amqp: ConsumerOptions.Backoff.Initial is %v; it must be at least 1ms (a retry queue's message TTL is in milliseconds)", b.Initial)
+	case b.Max > 24*time.Hour:
+		return fmt.Errorf("amqp: ConsumerOptions.Backoff.Max is %v; it must be at most 24h", b.Max)
+	case len(o.retryDelays()) > maxRetryQueues:
+		return fmt.Errorf("amqp: ConsumerOptions.Backoff (Initial %v, Max %v, Factor %v) makes more than %d retry queues; raise Initial or Factor, or lower Max", b.Initial, b.Max, b.Factor, maxRetryQueues)
 	}
 	return nil
+}
+
+// Backoff defaults.
+var (
+	defaultRetryBackoff     = consumer.Backoff{Initial: time.Second, Max: 2 * time.Minute, Factor: 5}
+	defaultReconnectBackoff = consumer.Backoff{Initial: 100 * time.Millisecond, Max: 10 * time.Second, Factor: 2}
+)
+
+// maxRetryQueues bounds the retry queues one Backoff makes.
+const maxRetryQueues = 32
+
+// retryDelays returns the delays of Backoff, one per retry queue, in
+// increasing order: Delay(1), Delay(2), ... rounded to the millisecond, up
+// to the first that reaches Max (or stops growing), at most
+// maxRetryQueues+1 of them.
+func (o *ConsumerOptions) retryDelays() []time.Duration {
+	var ds []time.Duration
+	prev := time.Duration(-1)
+	for n := 1; len(ds) <= maxRetryQueues; n++ {
+		raw := o.Backoff.Delay(n)
+		if raw == prev {
+			break
+		}
+		prev = raw
+		if d := raw.Round(time.Millisecond); len(ds) == 0 || d > ds[len(ds)-1] {
+			ds = append(ds, d)
+		}
+		if raw >= o.Backoff.Max {
+			break
+		}
+	}
+	return ds
 }
 
 const consQueueTypeArg = "x-queue-type"

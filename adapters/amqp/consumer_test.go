@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"math/rand/v2"
+	"slices"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -19,17 +20,21 @@ import (
 	"github.com/idemkit/idem/internal/testkit/testenv"
 )
 
-// consTestDelays are short retry delays, distinct so that x-death shows
-// which retry queue each retry went through.
-var consTestDelays = []time.Duration{20 * time.Millisecond, 40 * time.Millisecond, 80 * time.Millisecond}
+// consTestBackoff makes short retry delays, distinct so that x-death
+// shows which retry queue each retry went through: consTestDelays, 20ms,
+// 40ms and 80ms.
+var (
+	consTestBackoff = consumer.Backoff{Initial: 20 * time.Millisecond, Max: 80 * time.Millisecond}
+	consTestDelays  = (&ConsumerOptions{Backoff: consTestBackoff}).retryDelays()
+)
 
 func consOpts(o ConsumerOptions) ConsumerOptions {
 	o.Logger = consQuiet()
-	if o.RetryDelays == nil {
-		o.RetryDelays = consTestDelays
+	if o.Backoff == (consumer.Backoff{}) {
+		o.Backoff = consTestBackoff
 	}
-	if o.ReconnectBackoff == 0 {
-		o.ReconnectBackoff = 20 * time.Millisecond
+	if o.ReconnectBackoff == (consumer.Backoff{}) {
+		o.ReconnectBackoff = consumer.Backoff{Initial: 20 * time.Millisecond}
 	}
 	return o
 }
@@ -59,7 +64,19 @@ func TestNewConsumerValidates(t *testing.T) {
 			return err
 		},
 		"tiny delay": func() error {
-			_, err := NewConsumer(testenv.AMQPURL(), "q", h, ConsumerOptions{RetryDelays: []time.Duration{0}})
+			_, err := NewConsumer(testenv.AMQPURL(), "q", h, ConsumerOptions{Backoff: consumer.Backoff{Initial: time.Microsecond}})
+			return err
+		},
+		"long delay": func() error {
+			_, err := NewConsumer(testenv.AMQPURL(), "q", h, ConsumerOptions{Backoff: consumer.Backoff{Max: 25 * time.Hour}})
+			return err
+		},
+		"too many retry queues": func() error {
+			_, err := NewConsumer(testenv.AMQPURL(), "q", h, ConsumerOptions{Backoff: consumer.Backoff{Initial: time.Millisecond, Max: time.Hour, Factor: 1.1}})
+			return err
+		},
+		"factor below 1": func() error {
+			_, err := NewConsumer(testenv.AMQPURL(), "q", h, ConsumerOptions{Backoff: consumer.Backoff{Factor: 0.5}})
 			return err
 		},
 		"in flight below concurrency": func() error {
@@ -75,7 +92,7 @@ func TestNewConsumerValidates(t *testing.T) {
 			return err
 		},
 		"backoff order": func() error {
-			_, err := NewConsumer(testenv.AMQPURL(), "q", h, ConsumerOptions{ReconnectBackoff: time.Minute, MaxReconnectBackoff: time.Second})
+			_, err := NewConsumer(testenv.AMQPURL(), "q", h, ConsumerOptions{ReconnectBackoff: consumer.Backoff{Initial: time.Minute, Max: time.Second}})
 			return err
 		},
 	} {
@@ -87,17 +104,20 @@ func TestNewConsumerValidates(t *testing.T) {
 
 func TestConsumerRetryDelay(t *testing.T) {
 	c, err := NewConsumer(testenv.AMQPURL(), "q", consumer.HandlerFunc(func(context.Context, *consumer.Message) error { return nil }),
-		ConsumerOptions{RetryDelays: []time.Duration{time.Second, 5 * time.Second, 30 * time.Second}})
+		ConsumerOptions{})
 	if err != nil {
 		t.Fatal(err)
+	}
+	if got, want := c.delays, []time.Duration{time.Second, 5 * time.Second, 25 * time.Second, 2 * time.Minute}; !slices.Equal(got, want) {
+		t.Fatalf("default retry delays %v, want %v", got, want)
 	}
 	for _, tc := range []struct {
 		attempt int
 		hint    time.Duration
 		want    time.Duration
 	}{
-		{1, 0, time.Second}, {2, 0, 5 * time.Second}, {3, 0, 30 * time.Second}, {9, 0, 30 * time.Second},
-		{1, 2 * time.Second, 5 * time.Second}, {1, time.Minute, 30 * time.Second}, {2, time.Second, 5 * time.Second},
+		{1, 0, time.Second}, {2, 0, 5 * time.Second}, {3, 0, 25 * time.Second}, {4, 0, 2 * time.Minute}, {9, 0, 2 * time.Minute},
+		{1, 2 * time.Second, 5 * time.Second}, {1, time.Minute, 2 * time.Minute}, {1, time.Hour, 2 * time.Minute}, {2, time.Second, 5 * time.Second},
 	} {
 		if got := c.retryDelay(tc.attempt, tc.hint); got != tc.want {
 			t.Errorf("retryDelay(%d, %v) = %v, want %v", tc.attempt, tc.hint, got, tc.want)

@@ -9,8 +9,8 @@
 // settles each with idem's ACK rule: acknowledged only when the effect
 // committed, the message was a completed duplicate, or it was
 // dead-lettered. Run declares its topology on every connect: the work
-// queue "<queue>", one retry queue "<queue>.retry.<ms>ms" per distinct
-// retry delay (its expired copies go back to the work queue), the
+// queue "<queue>", one retry queue "<queue>.retry.<ms>ms" per delay of
+// ConsumerOptions.Backoff (its expired copies go back to the work queue), the
 // dead-letter exchange "<queue>.dlx" and the dead-letter queue
 // "<queue>.dlq" bound to it. With ConsumerOptions.NoDeclare it is declared
 // elsewhere, and Run checks it instead. Nothing deletes it when the

@@ -80,7 +80,7 @@ func TestConsumerContinuesOutboxTrace(t *testing.T) {
 		}
 		return nil
 	}), dd)
-	c, err := NewConsumer(url, queue, h, consOpts(ConsumerOptions{RetryDelays: delays, TracerProvider: spans}))
+	c, err := NewConsumer(url, queue, h, consOpts(ConsumerOptions{Backoff: consumer.Backoff{Initial: delays[0], Max: delays[0]}, TracerProvider: spans}))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -155,7 +155,7 @@ func TestConsumerMetricsByVerdict(t *testing.T) {
 		return nil
 	}), consMemDedup(t, "test/verdicts"))
 	var logs telemetrytest.LogBuffer
-	opts := consOpts(ConsumerOptions{RetryDelays: delays, MaxAttempts: 2, MeterProvider: mp})
+	opts := consOpts(ConsumerOptions{Backoff: consumer.Backoff{Initial: delays[0], Max: delays[0]}, MaxAttempts: 2, MeterProvider: mp})
 	opts.Logger = slog.New(slog.NewTextHandler(&logs, &slog.HandlerOptions{Level: slog.LevelDebug}))
 	c, err := NewConsumer(url, queue, h, opts)
 	if err != nil {

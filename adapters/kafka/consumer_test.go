@@ -146,8 +146,7 @@ func TestRetryInPlaceKeepsOrder(t *testing.T) {
 	})
 	var reports, retries atomic.Int64
 	c, err := idemkafka.NewConsumer(k.readerConfig(group, topic), h, idemkafka.ConsumerOptions{
-		RetryInitial:    time.Millisecond,
-		RetryMax:        5 * time.Millisecond,
+		Backoff:         consumer.Backoff{Initial: time.Millisecond, Max: 5 * time.Millisecond},
 		DeadLetterTopic: k.dlq(t, topic),
 		Logger:          testLogger(t),
 		OnOutcome: func(_ context.Context, rep consumer.Report) {
@@ -224,7 +223,7 @@ func TestPoisonToDeadLetter(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	retry, err := consumer.Retry(consumer.RetryOptions{MaxAttempts: 3, Initial: time.Millisecond, Max: 2 * time.Millisecond})
+	retry, err := consumer.Retry(consumer.RetryOptions{MaxAttempts: 3, Backoff: consumer.Backoff{Initial: time.Millisecond, Max: 2 * time.Millisecond}})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -250,8 +249,7 @@ func TestPoisonToDeadLetter(t *testing.T) {
 	c, err := idemkafka.NewConsumer(k.readerConfig(group, topic), h, idemkafka.ConsumerOptions{
 		DeadLetterTopic: dlq,
 		Logger:          testLogger(t),
-		RetryInitial:    time.Millisecond,
-		RetryMax:        5 * time.Millisecond,
+		Backoff:         consumer.Backoff{Initial: time.Millisecond, Max: 5 * time.Millisecond},
 	})
 	if err != nil {
 		t.Fatal(err)
@@ -597,7 +595,9 @@ func TestNewConsumerValidation(t *testing.T) {
 			o.DeadLetterWriter = &kafkago.Writer{Addr: kafkago.TCP("x")}
 		}},
 		{"read backoff min above the default max", func(c *kafkago.ReaderConfig) { c.ReadBackoffMin = 2 * time.Second }, nil},
-		{"retry initial above max", nil, func(o *idemkafka.ConsumerOptions) { o.RetryInitial, o.RetryMax = time.Second, time.Millisecond }},
+		{"backoff initial above max", nil, func(o *idemkafka.ConsumerOptions) {
+			o.Backoff = consumer.Backoff{Initial: time.Second, Max: time.Millisecond}
+		}},
 	} {
 		c, o := cfg, ok
 		if tc.cfg != nil {

@@ -37,8 +37,8 @@
 //   - ActionAck: the record is done.
 //   - ActionRetry (transient errors, an unavailable store, a key in flight
 //     elsewhere): the record is run again in place after a backoff
-//     (ConsumerOptions.RetryInitial doubling to RetryMax, at least Result.RetryAfter
-//     up to RetryMax), as long as the Consumer runs. Nothing is skipped: the
+//     (ConsumerOptions.Backoff, at least Result.RetryAfter up to
+//     Backoff.Max), as long as the Consumer runs. Nothing is skipped: the
 //     partition waits, so its order holds. Put a consumer.Retry middleware in
 //     the chain to turn endless failures into retries_exhausted dead letters.
 //   - ActionDeadLetter (consumer.Permanent errors, panics caught by

@@ -67,14 +67,14 @@ type ConsumerOptions struct {
 	// 1s.
 	CommitInterval time.Duration
 
-	// RetryInitial is the backoff before the first retry of a record the
-	// handler asked to retry (consumer.ActionRetry); it doubles per retry,
-	// with jitter, up to RetryMax. A Result.RetryAfter hint longer than the
-	// backoff is waited instead, capped by RetryMax. Retries happen in
-	// place: the partition waits, keeping its order. Defaults to 100ms.
-	RetryInitial time.Duration
-	// RetryMax caps the retry backoff. Defaults to 10s.
-	RetryMax time.Duration
+	// Backoff shapes the wait before each retry of a record the handler
+	// asked to retry (consumer.ActionRetry): Backoff.Delay(n), drawn in its
+	// upper half. A Result.RetryAfter hint longer than that is waited
+	// instead, capped by Backoff.Max. Retries happen in place: the
+	// partition waits, keeping its order. The same backoff spaces the
+	// retries of failed fetches, commits and dead-letter writes. Defaults
+	// to Initial 100ms, Max 10s, Factor 2.
+	Backoff consumer.Backoff
 
 	// DeadLetterTopic receives poison records (consumer.ActionDeadLetter:
 	// permanent errors, panics, fingerprint mismatches, invalid ids,
@@ -185,8 +185,6 @@ func (o *ConsumerOptions) setDefaults(session, rebalance time.Duration) error {
 		def  time.Duration
 	}{
 		{"CommitInterval", &o.CommitInterval, time.Second},
-		{"RetryInitial", &o.RetryInitial, 100 * time.Millisecond},
-		{"RetryMax", &o.RetryMax, 10 * time.Second},
 		{"ShutdownTimeout", &o.ShutdownTimeout, min(session, rebalance) / 3},
 	}
 	for _, f := range durs {
@@ -197,8 +195,9 @@ func (o *ConsumerOptions) setDefaults(session, rebalance time.Duration) error {
 			*f.v = f.def
 		}
 	}
-	if o.RetryInitial > o.RetryMax {
-		return fmt.Errorf("kafka: ConsumerOptions.RetryInitial (%v) is greater than RetryMax (%v)", o.RetryInitial, o.RetryMax)
+	var err error
+	if o.Backoff, err = o.Backoff.WithDefaults(consumer.Backoff{Initial: 100 * time.Millisecond, Max: 10 * time.Second, Factor: 2}); err != nil {
+		return fmt.Errorf("kafka: ConsumerOptions.Backoff: %w", err)
 	}
 	if o.MaxInFlight < o.Workers {
 		return fmt.Errorf("kafka: ConsumerOptions.MaxInFlight (%d) is less than Workers (%d)", o.MaxInFlight, o.Workers)

@@ -112,8 +112,7 @@ func TestOutcomeReportedOnceAfterSettlement(t *testing.T) {
 		return nil
 	})
 	opts := idemkafka.ConsumerOptions{
-		RetryInitial:    10 * time.Millisecond,
-		RetryMax:        50 * time.Millisecond,
+		Backoff:         consumer.Backoff{Initial: 10 * time.Millisecond, Max: 50 * time.Millisecond},
 		DeadLetterTopic: dlq,
 		CommitInterval:  50 * time.Millisecond,
 		Logger:          testLogger(t),

@@ -147,8 +147,7 @@ func TestConsumerMetricsByVerdict(t *testing.T) {
 	c, err := idemkafka.NewConsumer(k.readerConfig(testenv.Name("g"), topic), h, idemkafka.ConsumerOptions{
 		DeadLetterTopic: dlq,
 		MeterProvider:   mp,
-		RetryInitial:    time.Millisecond,
-		RetryMax:        10 * time.Millisecond,
+		Backoff:         consumer.Backoff{Initial: time.Millisecond, Max: 10 * time.Millisecond},
 		Logger:          slog.New(slog.NewTextHandler(&logs, &slog.HandlerOptions{Level: slog.LevelDebug})),
 	})
 	if err != nil {

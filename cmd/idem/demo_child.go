@@ -254,8 +254,7 @@ func (c *child) run(ctx context.Context) error {
 			Logger:          c.logger,
 			CommitEvery:     200,
 			CommitInterval:  200 * time.Millisecond,
-			RetryInitial:    20 * time.Millisecond,
-			RetryMax:        500 * time.Millisecond,
+			Backoff:         consumer.Backoff{Initial: 20 * time.Millisecond, Max: 500 * time.Millisecond},
 		})
 		if err != nil {
 			return err

@@ -12,6 +12,7 @@ import (
 	amqp091 "github.com/rabbitmq/amqp091-go"
 
 	idemamqp "github.com/idemkit/idem/adapters/amqp"
+	"github.com/idemkit/idem/consumer"
 	"github.com/idemkit/idem/internal/testkit/testenv"
 	"github.com/idemkit/idem/outbox"
 	"github.com/idemkit/idem/outbox/sqloutbox"
@@ -178,7 +179,7 @@ func (c *collector) snapshot() []arrival {
 func newAMQPPublisher(t testing.TB, rawURL string) *idemamqp.Publisher {
 	t.Helper()
 	p, err := idemamqp.NewPublisher(rawURL, idemamqp.PublisherOptions{
-		Logger: quiet(), ReconnectBackoff: 20 * time.Millisecond, MaxReconnectBackoff: 200 * time.Millisecond,
+		Logger: quiet(), ReconnectBackoff: consumer.Backoff{Initial: 20 * time.Millisecond, Max: 200 * time.Millisecond},
 	})
 	if err != nil {
 		t.Fatal(err)

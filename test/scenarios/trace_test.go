@@ -78,7 +78,7 @@ func TestTraceSurvivesOutboxRelayAndBroker(t *testing.T) {
 		})
 		traceTrip(t, "", queue, pub, func(h consumer.Handler, tp trace.TracerProvider) runner {
 			c, err := idemamqp.NewConsumer(testenv.AMQPURL(), queue, h, idemamqp.ConsumerOptions{
-				TracerProvider: tp, NotDurable: true, RetryDelays: []time.Duration{time.Second}})
+				TracerProvider: tp, NotDurable: true, Backoff: consumer.Backoff{Initial: time.Second, Max: time.Second}})
 			if err != nil {
 				t.Fatal(err)
 			}
