@@ -24,8 +24,9 @@ type Backoff struct {
 	Initial time.Duration
 	// Max caps every delay.
 	Max time.Duration
-	// Factor multiplies the delay from one retry to the next. Defaults
-	// to 2; 1 keeps every delay at Initial.
+	// Factor multiplies the delay from one retry to the next; 1 keeps
+	// every delay at Initial. Defaults to 2, unless the options struct
+	// holding the Backoff says otherwise (RabbitMQ's retry queues use 5).
 	Factor float64
 }
 

@@ -38,8 +38,9 @@ import (
 //     the copy keeps its HeaderAttempt and counts the wait in HeaderWaits;
 //     the waits are bounded in time by MaxWait (reason wait_limit).
 //   - ActionDeadLetter (Permanent, a panic, a fingerprint mismatch, an
-//     invalid key such as a message without id): a copy with HeaderReason,
-//     HeaderAttempt and HeaderError, and a deterministic message id (see
+//     invalid key such as a message without id): a copy with
+//     consumer.HeaderReason, HeaderAttempts and HeaderError, HeaderAttempt,
+//     and a deterministic message id (see
 //     the package documentation, "Dead letters"), is published to the
 //     dead-letter exchange, confirmed, and then the delivery is
 //     acknowledged.
@@ -1215,7 +1216,7 @@ func (c *Consumer) settle(hctx context.Context, s *consSession, d *amqp091.Deliv
 	}
 	p.Expiration = strconv.FormatInt(delay.Milliseconds(), 10)
 	if r.Err != nil {
-		p.Headers[HeaderError] = consTruncate(r.Err.Error())
+		p.Headers[consumer.HeaderError] = consTruncate(r.Err.Error())
 	}
 	if s.isDead() {
 		return c.abandon()
@@ -1258,9 +1259,15 @@ func (c *Consumer) retryDelay(attempt int, hint time.Duration) time.Duration {
 func (c *Consumer) deadLetter(hctx context.Context, s *consSession, d *amqp091.Delivery, msg *consumer.Message, reason consumer.Outcome, cause error) settlement {
 	p := c.copyOf(d, msg.Attempt)
 	p.MessageId = c.deadLetterID(d, msg)
-	p.Headers[HeaderReason] = string(reason)
+	p.Headers[consumer.HeaderID] = p.MessageId
+	p.Headers[consumer.HeaderReason] = string(reason)
+	attempts := msg.Attempt
+	if exhausted := (*consumer.RetriesExhaustedError)(nil); errors.As(cause, &exhausted) {
+		attempts = max(attempts, exhausted.Attempts)
+	}
+	p.Headers[consumer.HeaderAttempts] = int32(min(attempts, 1<<30))
 	if cause != nil {
-		p.Headers[HeaderError] = consTruncate(cause.Error())
+		p.Headers[consumer.HeaderError] = consTruncate(cause.Error())
 	}
 	if s.isDead() {
 		return c.abandon()
@@ -1372,7 +1379,7 @@ func (c *Consumer) copyOf(d *amqp091.Delivery, attempt int) amqp091.Publishing {
 	// on counting every wait of the message.
 	delete(h, HeaderWaitingSince)
 	h[HeaderAttempt] = int32(min(attempt, 1<<30))
-	h[HeaderQueue] = c.queue
+	h[consumer.HeaderSource] = c.queue
 	if _, ok := h[HeaderExchange]; !ok {
 		h[HeaderExchange] = d.Exchange
 		h[HeaderRoutingKey] = d.RoutingKey

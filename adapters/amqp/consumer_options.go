@@ -18,7 +18,12 @@ import (
 )
 
 // Headers the Consumer sets on the copies it publishes to its retry queues
-// and to its dead-letter exchange.
+// and to its dead-letter exchange, besides consumer's dead-letter headers:
+// consumer.HeaderSource (the work queue the copy was consumed from) on
+// every copy, consumer.HeaderError (the handler's error, at most 1 KiB: on
+// a retried copy the last error) on every copy of a failed delivery, and
+// on a dead letter consumer.HeaderReason, consumer.HeaderAttempts (an
+// int32) and consumer.HeaderID (its message id).
 const (
 	// HeaderAttempt is the delivery attempt, 1-based, of the copy: absent
 	// on a message as the producer sent it (attempt 1), then 2, 3, ... on
@@ -29,29 +34,19 @@ const (
 	// reason, so with several retry queues no single entry is the attempt.
 	// A broker redelivery (a worker crashed, a channel closed) does not
 	// change it: only a retry the consumer decided counts.
-	HeaderAttempt = "x-idem-attempt"
-	// HeaderReason is why the message was dead-lettered: a
-	// consumer.Outcome such as "permanent", "invalid_key",
-	// "fingerprint_mismatch" or "retries_exhausted".
-	HeaderReason = "x-idem-reason"
+	HeaderAttempt = "idem-attempt"
 	// HeaderWaits counts the retries of a message whose key another owner
 	// held (in_flight, lease_lost): absent on a message as the producer
 	// sent it, then 1, 2, ... on each such copy; those retries leave
 	// HeaderAttempt alone. HeaderWaitingSince is when the first of them
 	// happened (Unix milliseconds): what ConsumerOptions.MaxWait bounds.
-	HeaderWaits        = "x-idem-waits"
-	HeaderWaitingSince = "x-idem-waiting-since"
-	// HeaderError is the handler's error text (at most 1 KiB) on a
-	// dead-lettered message, or on a retried one the last error.
-	HeaderError = "x-idem-error"
-	// HeaderQueue is the work queue a dead-lettered or retried message was
-	// consumed from.
-	HeaderQueue = "x-idem-queue"
+	HeaderWaits        = "idem-waits"
+	HeaderWaitingSince = "idem-waiting-since"
 	// HeaderExchange and HeaderRoutingKey keep the exchange and routing key
 	// of the original delivery on the retried and dead-lettered copies,
 	// which travel through the default exchange.
-	HeaderExchange   = "x-idem-exchange"
-	HeaderRoutingKey = "x-idem-routing-key"
+	HeaderExchange   = consumer.HeaderPrefix + "exchange"
+	HeaderRoutingKey = consumer.HeaderPrefix + "routing-key"
 
 	// HeaderDeliveryCount is the header in which quorum queues report how
 	// many earlier deliveries of a message were returned unsettled. The
@@ -67,16 +62,16 @@ const (
 	// its worker while holding a lease (the next delivery waits for the
 	// lease, on a fresh copy) is still bounded. Copies for other reasons
 	// drop it.
-	HeaderReturns = "x-idem-returns"
+	HeaderReturns = "idem-returns"
 )
 
-// ReasonRedeliveryLimit is the HeaderReason (and the Result.Reason in the
+// ReasonRedeliveryLimit is the consumer.HeaderReason (and the Result.Reason in the
 // OnOutcome report) of a message dead-lettered because the broker delivered it more
 // than ConsumerOptions.MaxDeliveries times without it being settled: it
 // crashed or stalled every worker that took it.
 const ReasonRedeliveryLimit consumer.Outcome = "redelivery_limit"
 
-// ReasonWaitLimit is the HeaderReason (and the Result.Reason in the
+// ReasonWaitLimit is the consumer.HeaderReason (and the Result.Reason in the
 // OnOutcome report, and the verdict's idem.reason) of a message
 // dead-lettered because its key was held by another owner (in_flight,
 // lease_lost) for longer than ConsumerOptions.MaxWait.

@@ -24,7 +24,7 @@ import (
 // shows which retry queue each retry went through: consTestDelays, 20ms,
 // 40ms and 80ms.
 var (
-	consTestBackoff = consumer.Backoff{Initial: 20 * time.Millisecond, Max: 80 * time.Millisecond}
+	consTestBackoff = consumer.Backoff{Initial: 20 * time.Millisecond, Max: 80 * time.Millisecond, Factor: 2}
 	consTestDelays  = (&ConsumerOptions{Backoff: consTestBackoff}).retryDelays()
 )
 
@@ -339,17 +339,23 @@ func TestConsumerRetryBoundAndDelay(t *testing.T) {
 			t.Errorf("%s is not in the dead-letter queue", id)
 			continue
 		}
-		if r, _ := d.Headers[HeaderReason].(string); r != want.reason {
-			t.Errorf("%s: %s = %q, want %q", id, HeaderReason, r, want.reason)
+		if r, _ := d.Headers[consumer.HeaderReason].(string); r != want.reason {
+			t.Errorf("%s: %s = %q, want %q", id, consumer.HeaderReason, r, want.reason)
 		}
 		if n, _ := consHeaderInt(d.Headers[HeaderAttempt]); n != want.attempt {
 			t.Errorf("%s: %s = %d, want %d", id, HeaderAttempt, n, want.attempt)
 		}
-		if e, _ := d.Headers[HeaderError].(string); !strings.Contains(e, "downstream unavailable") && !strings.Contains(e, "cannot parse") {
-			t.Errorf("%s: %s = %q", id, HeaderError, e)
+		if e, _ := d.Headers[consumer.HeaderError].(string); !strings.Contains(e, "downstream unavailable") && !strings.Contains(e, "cannot parse") {
+			t.Errorf("%s: %s = %q", id, consumer.HeaderError, e)
 		}
-		if d.DeliveryMode != amqp091.Persistent || d.Headers[HeaderQueue] != q {
-			t.Errorf("%s: delivery mode %d, %s %v", id, d.DeliveryMode, HeaderQueue, d.Headers[HeaderQueue])
+		if n, _ := consHeaderInt(d.Headers[consumer.HeaderAttempts]); n != want.attempt {
+			t.Errorf("%s: %s = %d, want %d", id, consumer.HeaderAttempts, n, want.attempt)
+		}
+		if d.Headers[consumer.HeaderID] != d.MessageId || d.MessageId == "" {
+			t.Errorf("%s: %s = %v, message id %q", id, consumer.HeaderID, d.Headers[consumer.HeaderID], d.MessageId)
+		}
+		if d.DeliveryMode != amqp091.Persistent || d.Headers[consumer.HeaderSource] != q {
+			t.Errorf("%s: delivery mode %d, %s %v", id, d.DeliveryMode, consumer.HeaderSource, d.Headers[consumer.HeaderSource])
 		}
 	}
 	if tenant := dead["always"].Headers["tenant"]; tenant != "t1" {
@@ -412,8 +418,8 @@ func TestConsumerNoMessageID(t *testing.T) {
 	if len(dead) != 1 || string(dead[0].Body) != "who am I" {
 		t.Fatalf("dead-letter queue: %d messages", len(dead))
 	}
-	if r := dead[0].Headers[HeaderReason]; r != "invalid_key" {
-		t.Errorf("%s = %v, want invalid_key", HeaderReason, r)
+	if r := dead[0].Headers[consumer.HeaderReason]; r != "invalid_key" {
+		t.Errorf("%s = %v, want invalid_key", consumer.HeaderReason, r)
 	}
 }
 
@@ -451,9 +457,9 @@ func TestConsumerIDHeaderNotString(t *testing.T) {
 	}
 	for i, want := range []string{`header "x-request-id" holds a int32, not a string`, `header "x-request-id" is empty`} {
 		d := dead[i]
-		e, _ := d.Headers[HeaderError].(string)
-		if d.Headers[HeaderReason] != string(consumer.OutcomeInvalidKey) || !strings.Contains(e, want) {
-			t.Errorf("dead letter %s: %s %v, %s %q; want invalid_key, %q", d.MessageId, HeaderReason, d.Headers[HeaderReason], HeaderError, e, want)
+		e, _ := d.Headers[consumer.HeaderError].(string)
+		if d.Headers[consumer.HeaderReason] != string(consumer.OutcomeInvalidKey) || !strings.Contains(e, want) {
+			t.Errorf("dead letter %s: %s %v, %s %q; want invalid_key, %q", d.MessageId, consumer.HeaderReason, d.Headers[consumer.HeaderReason], consumer.HeaderError, e, want)
 		}
 	}
 }

@@ -297,25 +297,25 @@ func TestPoisonToDeadLetter(t *testing.T) {
 			hs[h.Key] = string(h.Value)
 		}
 		o := orig[string(b.rec.Value)]
-		if hs[idemkafka.HeaderReason] != string(b.reason) {
-			t.Errorf("%q: reason %q, want %q", b.rec.Value, hs[idemkafka.HeaderReason], b.reason)
+		if hs[consumer.HeaderReason] != string(b.reason) {
+			t.Errorf("%q: reason %q, want %q", b.rec.Value, hs[consumer.HeaderReason], b.reason)
 		}
-		if hs[idemkafka.HeaderTopic] != topic || hs[idemkafka.HeaderPartition] != strconv.Itoa(o.Partition) || hs[idemkafka.HeaderOffset] != strconv.FormatInt(o.Offset, 10) {
+		if hs[consumer.HeaderSource] != topic || hs[idemkafka.HeaderPartition] != strconv.Itoa(o.Partition) || hs[idemkafka.HeaderOffset] != strconv.FormatInt(o.Offset, 10) {
 			t.Errorf("%q: position headers %s/%s/%s, want %s/%d/%d", b.rec.Value,
-				hs[idemkafka.HeaderTopic], hs[idemkafka.HeaderPartition], hs[idemkafka.HeaderOffset], topic, o.Partition, o.Offset)
+				hs[consumer.HeaderSource], hs[idemkafka.HeaderPartition], hs[idemkafka.HeaderOffset], topic, o.Partition, o.Offset)
 		}
-		if want := fmt.Sprintf("%s/%d/%d", topic, o.Partition, o.Offset); hs[idemkafka.HeaderID] != want {
-			t.Errorf("%q: dead-letter id %q, want %q", b.rec.Value, hs[idemkafka.HeaderID], want)
+		if want := fmt.Sprintf("%s/%d/%d", topic, o.Partition, o.Offset); hs[consumer.HeaderID] != want {
+			t.Errorf("%q: dead-letter id %q, want %q", b.rec.Value, hs[consumer.HeaderID], want)
 		}
-		if hs[idemkafka.HeaderError] == "" || hs[idemkafka.HeaderGroup] != group || string(m.Key) != string(b.rec.Key) {
-			t.Errorf("%q: error %q, group %q, key %q", b.rec.Value, hs[idemkafka.HeaderError], hs[idemkafka.HeaderGroup], m.Key)
+		if hs[consumer.HeaderError] == "" || hs[idemkafka.HeaderGroup] != group || string(m.Key) != string(b.rec.Key) {
+			t.Errorf("%q: error %q, group %q, key %q", b.rec.Value, hs[consumer.HeaderError], hs[idemkafka.HeaderGroup], m.Key)
 		}
 		wantAttempts := "1"
 		if b.reason == consumer.OutcomeRetriesExhausted {
 			wantAttempts = "3"
 		}
-		if hs[idemkafka.HeaderAttempts] != wantAttempts {
-			t.Errorf("%q: attempts %q, want %s", b.rec.Value, hs[idemkafka.HeaderAttempts], wantAttempts)
+		if hs[consumer.HeaderAttempts] != wantAttempts {
+			t.Errorf("%q: attempts %q, want %s", b.rec.Value, hs[consumer.HeaderAttempts], wantAttempts)
 		}
 		if id := hs[outbox.HeaderMessageID]; len(b.rec.Headers) > 0 && id != string(b.rec.Headers[0].Value) {
 			t.Errorf("%q: the id header was not kept: %q", b.rec.Value, id)
@@ -531,7 +531,7 @@ func TestIDFunc(t *testing.T) {
 		t.Fatalf("dead letters %v", dl)
 	}
 	for _, h := range dl[0].Headers {
-		if h.Key == idemkafka.HeaderReason && string(h.Value) != string(consumer.OutcomeInvalidKey) {
+		if h.Key == consumer.HeaderReason && string(h.Value) != string(consumer.OutcomeInvalidKey) {
 			t.Fatalf("reason %s", h.Value)
 		}
 	}

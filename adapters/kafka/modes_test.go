@@ -213,7 +213,7 @@ func TestBatchConsumer(t *testing.T) {
 	reasons := map[string]int{}
 	for _, m := range k.readAll(t, dlq, 1) {
 		for _, h := range m.Headers {
-			if h.Key == idemkafka.HeaderReason {
+			if h.Key == consumer.HeaderReason {
 				reasons[string(h.Value)]++
 			}
 		}
@@ -316,7 +316,7 @@ func TestBatchDeadLettersOnce(t *testing.T) {
 		for _, h := range m.Headers {
 			hs[h.Key] = string(h.Value)
 		}
-		byOffset[hs[idemkafka.HeaderOffset]] = append(byOffset[hs[idemkafka.HeaderOffset]], hs[idemkafka.HeaderID])
+		byOffset[hs[idemkafka.HeaderOffset]] = append(byOffset[hs[idemkafka.HeaderOffset]], hs[consumer.HeaderID])
 	}
 	for off := range invalid {
 		o := strconv.FormatInt(off, 10)

@@ -78,7 +78,8 @@ type ConsumerOptions struct {
 
 	// DeadLetterTopic receives poison records (consumer.ActionDeadLetter:
 	// permanent errors, panics, fingerprint mismatches, invalid ids,
-	// exhausted retries) with the Header* headers of this package added.
+	// exhausted retries) with the dead-letter headers added
+	// (consumer.HeaderReason and the others; the package doc lists them).
 	// Required unless DeadLetterWriter has its Topic set. The topic must
 	// exist: Run checks it before consuming (ErrDeadLetterTopicMissing).
 	DeadLetterTopic string
@@ -117,7 +118,7 @@ type ConsumerOptions struct {
 	// dead-letter topic, and its offset marked for the next commit. It
 	// gets the record's Message, the consumer.Result the Consumer acted on
 	// and its Outcome (Result.Outcome: for a dead letter, the same reason
-	// as the HeaderReason header). A run that ends in a retry, and a record
+	// as the consumer.HeaderReason header). A run that ends in a retry, and a record
 	// abandoned at a rebalance or a stop, are not reported: the record
 	// runs again and is reported when it settles. A record that comes back
 	// after a crash or a rebalance that came before its offset commit

@@ -161,7 +161,7 @@ func TestOutcomeReportedOnceAfterSettlement(t *testing.T) {
 	for _, m := range k.readAll(t, dlq, 1) {
 		parked[string(m.Key)]++
 		for _, h := range m.Headers {
-			if h.Key == idemkafka.HeaderReason && string(h.Value) != string(consumer.OutcomePermanent) {
+			if h.Key == consumer.HeaderReason && string(h.Value) != string(consumer.OutcomePermanent) {
 				t.Errorf("dead letter of %s: reason %q", m.Key, h.Value)
 			}
 		}

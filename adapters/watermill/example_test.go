@@ -135,7 +135,7 @@ func ExampleOptions_poisonQueue() {
 		return nil
 	}).AddMiddleware(dedup)
 	router.AddConsumerHandler("poison-log", "payments.poison", pubSub, func(msg *message.Message) error {
-		fmt.Println("poison:", msg.UUID, string(msg.Payload), msg.Metadata.Get(idemwatermill.MetadataReason),
+		fmt.Println("poison:", msg.UUID, string(msg.Payload), msg.Metadata.Get(consumer.HeaderReason),
 			"from", msg.Metadata.Get(middleware.PoisonedHandlerKey))
 		return nil
 	})

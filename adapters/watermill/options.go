@@ -66,9 +66,11 @@ type Options struct {
 	// decides and, when it takes the message, publishes it to its topic and
 	// the message is acknowledged. The handler does not run.
 	//
-	// Defaults to nil: the message's metadata gets MetadataReason and the
-	// a poison error (IsPoison) is returned, marked consumer.Permanent; the router nacks
-	// it unless a poison queue further out takes it (see IsPoison).
+	// Either way the message's metadata gets consumer's dead-letter
+	// headers (consumer.HeaderReason, HeaderError, HeaderSource, HeaderID).
+	// Defaults to nil: a poison error (IsPoison) is returned, marked
+	// consumer.Permanent; the router nacks it unless a poison queue
+	// further out takes it (see IsPoison).
 	PoisonQueue message.HandlerMiddleware
 
 	// ExtendEvery is how often Dedup extends the lease while the handler

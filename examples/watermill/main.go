@@ -318,7 +318,7 @@ func run(ctx context.Context, cfg config, out io.Writer) (summary, error) {
 		return sum, err
 	}
 	router.AddConsumerHandler("poison-log", "poison", opsSub, func(msg *message.Message) error {
-		_, _ = fmt.Fprintf(out, "poison %s: %s (%s)\n", msg.UUID, msg.Payload, msg.Metadata.Get(idemwatermill.MetadataReason))
+		_, _ = fmt.Fprintf(out, "poison %s: %s (%s)\n", msg.UUID, msg.Payload, msg.Metadata.Get(consumer.HeaderReason))
 		mu.Lock()
 		poisoned = append(poisoned, msg)
 		finished()
@@ -393,7 +393,7 @@ func run(ctx context.Context, cfg config, out io.Writer) (summary, error) {
 	}
 	sum.Poisoned = len(poisoned)
 	if len(poisoned) > 0 {
-		sum.PoisonReason = poisoned[0].Metadata.Get(idemwatermill.MetadataReason)
+		sum.PoisonReason = poisoned[0].Metadata.Get(consumer.HeaderReason)
 	}
 	return sum, nil
 }
