@@ -47,8 +47,10 @@ func ExampleNewConsumer() {
 		Concurrency: 1,
 		Backoff:     consumer.Backoff{Initial: time.Second, Max: time.Second}, // one retry queue: <queue>.retry.1000ms
 		NotDurable:  true,                                                     // a throw-away queue for the example
-		OnOutcome: func(context.Context, consumer.Report) {
-			settled <- struct{}{}
+		Telemetry: consumer.Telemetry{
+			OnOutcome: func(context.Context, consumer.Report) {
+				settled <- struct{}{}
+			},
 		},
 	})
 	if err != nil {

@@ -258,11 +258,14 @@ func TestConsumerWaitsDoNotSpendAttempts(t *testing.T) {
 	}), consumer.Recover(), dd)
 	var waits atomic.Int64
 	c, err := NewConsumer(url, q, h, consOpts(ConsumerOptions{MaxAttempts: 3,
-		OnOutcome: func(_ context.Context, r consumer.Report) {
-			if r.Result.Reason == consumer.OutcomeInFlight && r.Result.Action == consumer.ActionRetry && waits.Add(1) == 3 {
-				release()
-			}
-		}}))
+		Telemetry: consumer.Telemetry{
+			OnOutcome: func(_ context.Context, r consumer.Report) {
+				if r.Result.Reason == consumer.OutcomeInFlight && r.Result.Action == consumer.ActionRetry && waits.Add(1) == 3 {
+					release()
+				}
+			},
+		},
+	}))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -304,12 +307,15 @@ func TestConsumerMaxWait(t *testing.T) {
 	}), consumer.Recover(), dd)
 	var verdict atomic.Value
 	c, err := NewConsumer(url, q, h, consOpts(ConsumerOptions{MaxWait: time.Millisecond,
-		OnOutcome: func(_ context.Context, r consumer.Report) {
-			if r.Result.Action == consumer.ActionDeadLetter {
-				res, reason := verdictOf(r.Result)
-				verdict.Store(res + " " + reason)
-			}
-		}}))
+		Telemetry: consumer.Telemetry{
+			OnOutcome: func(_ context.Context, r consumer.Report) {
+				if r.Result.Action == consumer.ActionDeadLetter {
+					res, reason := verdictOf(r.Result)
+					verdict.Store(res + " " + reason)
+				}
+			},
+		},
+	}))
 	if err != nil {
 		t.Fatal(err)
 	}

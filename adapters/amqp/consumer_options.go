@@ -8,13 +8,10 @@ import (
 	"maps"
 	"time"
 
-	amqp091 "github.com/rabbitmq/amqp091-go"
-	"go.opentelemetry.io/otel/metric"
-	"go.opentelemetry.io/otel/propagation"
-	"go.opentelemetry.io/otel/trace"
-
 	"github.com/idemkit/idem/consumer"
 	"github.com/idemkit/idem/internal/telemetry"
+	amqp091 "github.com/rabbitmq/amqp091-go"
+	"go.opentelemetry.io/otel/propagation"
 )
 
 // Headers the Consumer sets on the copies it publishes to its retry queues
@@ -274,11 +271,14 @@ type ConsumerOptions struct {
 	// Initial 100ms, Max 10s, Factor 2.
 	ReconnectBackoff consumer.Backoff
 
+	// Telemetry: the Consumer's metrics, spans, logs and outcome reports
+	// (consumer's block, shared by every adapter).
+	//
 	// Logger receives warnings (reconnects, dead letters, failed copies),
 	// with the context of the delivery's span when there is one. Message
 	// ids appear only hashed (message_id_hash, dedup.HashKey with an empty
 	// scope), routing keys and bodies never. Defaults to slog.Default().
-	Logger *slog.Logger
+	//
 	// OnOutcome, if set, is called once per delivery, after it was
 	// settled, with its consumer.Report: Result is the verdict the
 	// Consumer carried out, Outcome is Result's (Result.Outcome), and
@@ -304,15 +304,14 @@ type ConsumerOptions struct {
 	// (coalesced) ack was written, or given up, possibly from another
 	// handler's goroutine or the consumer's own; its ctx is the
 	// delivery's. It must be fast and safe for concurrent use.
-	OnOutcome func(ctx context.Context, r consumer.Report)
-
+	//
 	// MeterProvider receives idem.messages (each delivery's verdict: ack,
 	// retry or dead_letter, with the dead-letter reason) and
 	// messaging.process.duration, with the attributes messaging.system
 	// "rabbitmq" and messaging.destination.name the queue (README,
 	// "Operating idem"). Defaults to the OpenTelemetry global, a no-op
 	// until the application installs a provider.
-	MeterProvider metric.MeterProvider
+	//
 	// TracerProvider starts a consumer span "process <queue>" for each
 	// delivery, continuing the trace found in its headers (the traceparent
 	// the outbox stored at Enqueue time; retried copies keep it). The
@@ -321,7 +320,8 @@ type ConsumerOptions struct {
 	// OpenTelemetry global, a no-op until the application installs a
 	// provider: until then (and with OpenTelemetry's noop provider) no span
 	// is started and the headers are not read.
-	TracerProvider trace.TracerProvider
+	consumer.Telemetry
+
 	// Propagator reads the trace context from the delivery's headers (see
 	// TableCarrier). Defaults to W3C Trace Context (traceparent,
 	// tracestate), what the outbox stores.

@@ -96,10 +96,12 @@ func TestConsumerQuorumRedeliveryLimit(t *testing.T) {
 	var limited atomic.Int32
 	c, err := NewConsumer(url, q, h, consOpts(ConsumerOptions{
 		QuorumQueue: true, MaxDeliveries: maxDeliveries, Prefetch: 1,
-		OnOutcome: func(_ context.Context, r consumer.Report) {
-			if r.Result.Reason == ReasonRedeliveryLimit && r.Result.Action == consumer.ActionDeadLetter {
-				limited.Add(1)
-			}
+		Telemetry: consumer.Telemetry{
+			OnOutcome: func(_ context.Context, r consumer.Report) {
+				if r.Result.Reason == ReasonRedeliveryLimit && r.Result.Action == consumer.ActionDeadLetter {
+					limited.Add(1)
+				}
+			},
 		},
 	}))
 	if err != nil {
@@ -267,10 +269,12 @@ func TestConsumerQuorumRedeliveryLimitAcrossWaits(t *testing.T) {
 	var waits atomic.Int32
 	c, err := NewConsumer(url, q, h, consOpts(ConsumerOptions{
 		QuorumQueue: true, MaxDeliveries: maxDeliveries, Prefetch: 1,
-		OnOutcome: func(_ context.Context, r consumer.Report) {
-			if r.Result.Reason == consumer.OutcomeInFlight {
-				waits.Add(1)
-			}
+		Telemetry: consumer.Telemetry{
+			OnOutcome: func(_ context.Context, r consumer.Report) {
+				if r.Result.Reason == consumer.OutcomeInFlight {
+					waits.Add(1)
+				}
+			},
 		},
 	}))
 	if err != nil {

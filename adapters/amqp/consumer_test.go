@@ -707,19 +707,23 @@ func TestConsumerOutcomeOnceWhenDeadLetterUnconfirmed(t *testing.T) {
 		claimDead int // reports that name the dead-letter reason without a dead letter
 		unconf    int
 	)
-	c, err := NewConsumer(url, q, h, consOpts(ConsumerOptions{OnOutcome: func(_ context.Context, r consumer.Report) {
-		mu.Lock()
-		defer mu.Unlock()
-		reports++
-		switch {
-		case r.Result.Action == consumer.ActionDeadLetter:
-			deadRep[r.Message.ID]++
-		case r.Result.Reason == consumer.OutcomePermanent || r.Outcome == consumer.OutcomePermanent:
-			claimDead++
-		case r.Result.Action == consumer.ActionRetry && errors.Is(r.Err, errUnpublished):
-			unconf++
-		}
-	}}))
+	c, err := NewConsumer(url, q, h, consOpts(ConsumerOptions{
+		Telemetry: consumer.Telemetry{
+			OnOutcome: func(_ context.Context, r consumer.Report) {
+				mu.Lock()
+				defer mu.Unlock()
+				reports++
+				switch {
+				case r.Result.Action == consumer.ActionDeadLetter:
+					deadRep[r.Message.ID]++
+				case r.Result.Reason == consumer.OutcomePermanent || r.Outcome == consumer.OutcomePermanent:
+					claimDead++
+				case r.Result.Action == consumer.ActionRetry && errors.Is(r.Err, errUnpublished):
+					unconf++
+				}
+			},
+		},
+	}))
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -1,15 +1,11 @@
 package httpidem
 
 import (
-	"context"
 	"fmt"
 	"log/slog"
 	"net/http"
 	"slices"
 	"time"
-
-	"go.opentelemetry.io/otel/metric"
-	"go.opentelemetry.io/otel/trace"
 
 	"github.com/idemkit/idem/consumer"
 	"github.com/idemkit/idem/dedup"
@@ -145,11 +141,14 @@ type Options struct {
 	// was lost); they run even if the client went away.
 	// Defaults to 10s.
 	FinishTimeout time.Duration
+	// Telemetry: the middleware's metrics, spans, logs and outcome reports
+	// (consumer's block, shared by every adapter).
+	//
 	// Logger receives warnings: store failures, lost leases. Keys appear
 	// in it as their hash (dedup.Key.Hash), never raw, and neither the
 	// principal nor the route does. Defaults to discarding them
 	// (slog.DiscardHandler).
-	Logger *slog.Logger
+	//
 	// OnOutcome, if set, is called once per request that went through the
 	// middleware, with the request's context, for metrics (hits, misses,
 	// waits). It must be fast and safe for concurrent use. The Report has
@@ -186,8 +185,7 @@ type Options struct {
 	//     MaxResponseBytes (the 500 is stored in its place).
 	//   - consumer.OutcomePassed: Optional is set and the request had no
 	//     key: the handler ran without deduplication.
-	OnOutcome func(ctx context.Context, r consumer.Report)
-
+	//
 	// MeterProvider receives the middleware's metrics (see the package
 	// documentation, "Metrics and traces"): idem.claims by outcome,
 	// idem.claim.duration, idem.handler.duration, idem.lease.lost,
@@ -197,13 +195,14 @@ type Options struct {
 	// never the key's scope, which holds the principal. Defaults to
 	// otel.GetMeterProvider(), a no-op until the application installs a
 	// provider.
-	MeterProvider metric.MeterProvider
+	//
 	// TracerProvider starts the idem.claim, idem.handle and idem.complete
 	// (transactional stores: idem.commit) spans as children of the
 	// request's span, when it records one (under otelhttp, say); the
 	// handler runs under idem.handle. Spans carry the key's hash, never
 	// the key. Defaults to otel.GetTracerProvider().
-	TracerProvider trace.TracerProvider
+	consumer.Telemetry
+
 	// MetricScope returns the idem.scope attribute of a request's
 	// metrics. It must take few values, such as route templates, and never
 	// hold a principal, a key or a raw path (/payments/123 would make one

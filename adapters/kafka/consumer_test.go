@@ -71,7 +71,9 @@ func TestCommitOrder(t *testing.T) {
 		CommitEvery:     10,
 		CommitInterval:  20 * time.Millisecond,
 		DeadLetterTopic: k.dlq(t, topic),
-		Logger:          testLogger(t),
+		Telemetry: consumer.Telemetry{
+			Logger: testLogger(t),
+		},
 	})
 	if err != nil {
 		t.Fatal(err)
@@ -148,12 +150,14 @@ func TestRetryInPlaceKeepsOrder(t *testing.T) {
 	c, err := idemkafka.NewConsumer(k.readerConfig(group, topic), h, idemkafka.ConsumerOptions{
 		Backoff:         consumer.Backoff{Initial: time.Millisecond, Max: 5 * time.Millisecond},
 		DeadLetterTopic: k.dlq(t, topic),
-		Logger:          testLogger(t),
-		OnOutcome: func(_ context.Context, rep consumer.Report) {
-			reports.Add(1)
-			if rep.Result.Action == consumer.ActionRetry {
-				retries.Add(1)
-			}
+		Telemetry: consumer.Telemetry{
+			Logger: testLogger(t),
+			OnOutcome: func(_ context.Context, rep consumer.Report) {
+				reports.Add(1)
+				if rep.Result.Action == consumer.ActionRetry {
+					retries.Add(1)
+				}
+			},
 		},
 	})
 	if err != nil {
@@ -248,8 +252,10 @@ func TestPoisonToDeadLetter(t *testing.T) {
 
 	c, err := idemkafka.NewConsumer(k.readerConfig(group, topic), h, idemkafka.ConsumerOptions{
 		DeadLetterTopic: dlq,
-		Logger:          testLogger(t),
 		Backoff:         consumer.Backoff{Initial: time.Millisecond, Max: 5 * time.Millisecond},
+		Telemetry: consumer.Telemetry{
+			Logger: testLogger(t),
+		},
 	})
 	if err != nil {
 		t.Fatal(err)
@@ -403,13 +409,15 @@ func TestProducerDuplicates(t *testing.T) {
 	}), dd)
 	c, err := idemkafka.NewConsumer(k.readerConfig(group, topic), h, idemkafka.ConsumerOptions{
 		DeadLetterTopic: k.dlq(t, topic),
-		Logger:          testLogger(t),
 		CommitInterval:  50 * time.Millisecond,
-		OnOutcome: func(_ context.Context, rep consumer.Report) {
-			r := rep.Result
-			if r.Duplicate {
-				dupes.Add(1)
-			}
+		Telemetry: consumer.Telemetry{
+			Logger: testLogger(t),
+			OnOutcome: func(_ context.Context, rep consumer.Report) {
+				r := rep.Result
+				if r.Duplicate {
+					dupes.Add(1)
+				}
+			},
 		},
 	})
 	if err != nil {
@@ -506,13 +514,15 @@ func TestIDFunc(t *testing.T) {
 	})
 	c, err := idemkafka.NewConsumer(k.readerConfig(group, topic), h, idemkafka.ConsumerOptions{
 		DeadLetterTopic: dlq,
-		Logger:          testLogger(t),
 		IDFunc: func(km *kafkago.Message) (string, error) {
 			id, ok := strings.CutPrefix(string(km.Value), "order=")
 			if !ok {
 				return "", errors.New("no order number")
 			}
 			return "order-" + id, nil
+		},
+		Telemetry: consumer.Telemetry{
+			Logger: testLogger(t),
 		},
 	})
 	if err != nil {
@@ -554,7 +564,9 @@ func TestShutdownCommitsDone(t *testing.T) {
 		CommitEvery:     1 << 30,
 		CommitInterval:  time.Hour,
 		DeadLetterTopic: k.dlq(t, topic),
-		Logger:          testLogger(t),
+		Telemetry: consumer.Telemetry{
+			Logger: testLogger(t),
+		},
 	})
 	if err != nil {
 		t.Fatal(err)
@@ -644,7 +656,7 @@ func TestStartAtLastOffset(t *testing.T) {
 	cfg := k.readerConfig(group, topic)
 	cfg.StartOffset = kafkago.LastOffset
 	dlq := k.dlq(t, topic)
-	c, err := idemkafka.NewConsumer(cfg, h, idemkafka.ConsumerOptions{DeadLetterTopic: dlq, CommitInterval: 20 * time.Millisecond, Logger: testLogger(t)})
+	c, err := idemkafka.NewConsumer(cfg, h, idemkafka.ConsumerOptions{DeadLetterTopic: dlq, CommitInterval: 20 * time.Millisecond, Telemetry: consumer.Telemetry{Logger: testLogger(t)}})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -653,7 +665,7 @@ func TestStartAtLastOffset(t *testing.T) {
 	r.stop(t)
 	k.produce(t, topic, rec(0, "k", "new-1", "v"))
 
-	c2, err := idemkafka.NewConsumer(cfg, h, idemkafka.ConsumerOptions{DeadLetterTopic: dlq, CommitInterval: 20 * time.Millisecond, Logger: testLogger(t)})
+	c2, err := idemkafka.NewConsumer(cfg, h, idemkafka.ConsumerOptions{DeadLetterTopic: dlq, CommitInterval: 20 * time.Millisecond, Telemetry: consumer.Telemetry{Logger: testLogger(t)}})
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -74,7 +74,9 @@ func TestKeyWorkers(t *testing.T) {
 		Workers:         4,
 		CommitInterval:  20 * time.Millisecond,
 		DeadLetterTopic: k.dlq(t, topic),
-		Logger:          testLogger(t),
+		Telemetry: consumer.Telemetry{
+			Logger: testLogger(t),
+		},
 	})
 	if err != nil {
 		t.Fatal(err)
@@ -172,7 +174,9 @@ func TestBatchConsumer(t *testing.T) {
 	c, err := idemkafka.NewBatchConsumer(k.readerConfig(group, topic), bh, idemkafka.ConsumerOptions{
 		BatchSize:       16,
 		DeadLetterTopic: dlq,
-		Logger:          testLogger(t),
+		Telemetry: consumer.Telemetry{
+			Logger: testLogger(t),
+		},
 	})
 	if err != nil {
 		t.Fatal(err)
@@ -278,7 +282,9 @@ func TestBatchDeadLettersOnce(t *testing.T) {
 		DeadLetterTopic: dlq,
 		CommitInterval:  20 * time.Millisecond,
 		ShutdownTimeout: 100 * time.Millisecond,
-		Logger:          testLogger(t),
+		Telemetry: consumer.Telemetry{
+			Logger: testLogger(t),
+		},
 	}
 	a, err := idemkafka.NewBatchConsumer(k.readerConfig(group, topic), bhA, opts)
 	if err != nil {

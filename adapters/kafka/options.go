@@ -7,15 +7,12 @@ import (
 	"log/slog"
 	"time"
 
-	kafkago "github.com/segmentio/kafka-go"
-	"go.opentelemetry.io/otel/metric"
-	"go.opentelemetry.io/otel/propagation"
-	"go.opentelemetry.io/otel/trace"
-
 	"github.com/idemkit/idem/consumer"
 	"github.com/idemkit/idem/dedup"
 	"github.com/idemkit/idem/internal/telemetry"
 	"github.com/idemkit/idem/outbox"
+	kafkago "github.com/segmentio/kafka-go"
+	"go.opentelemetry.io/otel/propagation"
 )
 
 // ConsumerOptions configure a Consumer. Only the dead-letter topic is required:
@@ -107,12 +104,15 @@ type ConsumerOptions struct {
 	// the session and rebalance timeouts (10s with kafka-go's defaults).
 	ShutdownTimeout time.Duration
 
+	// Telemetry: the Consumer's metrics, spans, logs and outcome reports
+	// (consumer's block, shared by every adapter).
+	//
 	// Logger receives warnings (retries, dead letters, failed commits)
 	// and debug messages (generations), with the context of the record's
 	// span when there is one. Message ids appear only hashed
 	// (message_id_hash, dedup.HashKey with an empty scope), keys and
 	// payloads never. Defaults to slog.Default().
-	Logger *slog.Logger
+	//
 	// OnOutcome, if set, is called once per settled record, after the
 	// settlement: the record was acknowledged, or written to the
 	// dead-letter topic, and its offset marked for the next commit. It
@@ -124,15 +124,14 @@ type ConsumerOptions struct {
 	// after a crash or a rebalance that came before its offset commit
 	// settles, and is reported, once more. It must be fast and safe for
 	// concurrent use.
-	OnOutcome func(ctx context.Context, r consumer.Report)
-
+	//
 	// MeterProvider receives idem.messages (each handler run's verdict:
 	// ack, retry or dead_letter, with the dead-letter reason) and
 	// messaging.process.duration, with the attributes messaging.system
 	// "kafka" and messaging.destination.name the topic (README, "Operating
 	// idem"). Defaults to the OpenTelemetry global, a no-op until the
 	// application installs a provider.
-	MeterProvider metric.MeterProvider
+	//
 	// TracerProvider starts a consumer span "process <topic>" for each
 	// handler run, continuing the trace found in the record's headers (the
 	// traceparent the outbox stored at Enqueue time), and a span with links
@@ -142,7 +141,8 @@ type ConsumerOptions struct {
 	// until the application installs a provider: until then (and with
 	// OpenTelemetry's noop provider) no span is started and the headers are
 	// not read.
-	TracerProvider trace.TracerProvider
+	consumer.Telemetry
+
 	// Propagator reads the trace context from the record's headers (see
 	// HeaderCarrier). Defaults to W3C Trace Context (traceparent,
 	// tracestate), what the outbox stores.

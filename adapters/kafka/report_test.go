@@ -115,11 +115,13 @@ func TestOutcomeReportedOnceAfterSettlement(t *testing.T) {
 		Backoff:         consumer.Backoff{Initial: 10 * time.Millisecond, Max: 50 * time.Millisecond},
 		DeadLetterTopic: dlq,
 		CommitInterval:  50 * time.Millisecond,
-		Logger:          testLogger(t),
-		OnOutcome: func(_ context.Context, r consumer.Report) {
-			mu.Lock()
-			reports[r.Message.ID] = append(reports[r.Message.ID], r)
-			mu.Unlock()
+		Telemetry: consumer.Telemetry{
+			Logger: testLogger(t),
+			OnOutcome: func(_ context.Context, r consumer.Report) {
+				mu.Lock()
+				reports[r.Message.ID] = append(reports[r.Message.ID], r)
+				mu.Unlock()
+			},
 		},
 	}
 	k.fail.Store(true)

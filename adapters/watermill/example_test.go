@@ -51,10 +51,12 @@ func ExampleDedup() {
 	}
 	defer store.Close()
 	dedup, err := idemwatermill.Dedup(store, idemwatermill.Options{
-		OnOutcome: func(_ context.Context, r consumer.Report) {
-			if r.Outcome == consumer.OutcomeDuplicate {
-				fmt.Println("duplicate of", r.Key.ID, "acknowledged, handler not run")
-			}
+		Telemetry: consumer.Telemetry{
+			OnOutcome: func(_ context.Context, r consumer.Report) {
+				if r.Outcome == consumer.OutcomeDuplicate {
+					fmt.Println("duplicate of", r.Key.ID, "acknowledged, handler not run")
+				}
+			},
 		},
 	})
 	if err != nil {

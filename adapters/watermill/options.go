@@ -8,14 +8,11 @@ import (
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill/message"
-	"go.opentelemetry.io/otel/metric"
-	"go.opentelemetry.io/otel/propagation"
-	"go.opentelemetry.io/otel/trace"
-
 	"github.com/idemkit/idem/consumer"
 	"github.com/idemkit/idem/dedup"
 	"github.com/idemkit/idem/internal/telemetry"
 	"github.com/idemkit/idem/outbox"
+	"go.opentelemetry.io/otel/propagation"
 )
 
 // defaultFinishTimeout is the default Options.FinishTimeout.
@@ -107,11 +104,14 @@ type Options struct {
 	// (no order).
 	OutboxKey func(msg *message.Message) []byte
 
+	// Telemetry: the middleware's metrics, spans, logs and outcome reports
+	// (consumer's block, shared by every adapter).
+	//
 	// Logger receives warnings: failed heartbeats, releases and
 	// completions, lost leases. Keys appear in it as their hash
 	// (dedup.Key.Hash), never raw. Defaults to discarding them
 	// (slog.DiscardHandler).
-	Logger *slog.Logger
+	//
 	// OnOutcome, if set, is called once per run of the middleware on a
 	// message with its consumer.Report (Outcome, Key, Err; Message is
 	// nil, Key.ID names the message), when the middleware's answer is
@@ -123,8 +123,7 @@ type Options struct {
 	// message once the middleware returned. With Watermill's Retry
 	// middleware outside this one, each attempt reports. It must be fast
 	// and safe for concurrent use.
-	OnOutcome func(ctx context.Context, r consumer.Report)
-
+	//
 	// MeterProvider receives the middleware's metrics: idem.claims,
 	// idem.claim.duration, idem.handler.duration and idem.lease.lost, with
 	// the scope (the handler name, or Options.Scope) and the store as
@@ -133,7 +132,7 @@ type Options struct {
 	// messaging.system "watermill". No attribute carries a message id or a
 	// key. Defaults to otel.GetMeterProvider(), a no-op until the
 	// application installs a provider.
-	MeterProvider metric.MeterProvider
+	//
 	// TracerProvider starts the consumer span of each message ("process
 	// <topic>", continuing the trace found in the message's metadata, see
 	// Propagator) and, under it, the idem.claim, idem.handle and
@@ -143,7 +142,8 @@ type Options struct {
 	// outside this one started it), no consumer span is started: the idem
 	// spans become its children. Defaults to otel.GetTracerProvider(), a
 	// no-op until the application installs a provider.
-	TracerProvider trace.TracerProvider
+	consumer.Telemetry
+
 	// Propagator reads the producer's trace context from the message's
 	// metadata (idem's outbox stores it as the traceparent and tracestate
 	// headers, which Publisher copies to metadata unchanged). Metadata

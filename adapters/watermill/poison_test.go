@@ -267,7 +267,7 @@ func TestOnOutcomeAfterPoisonQueue(t *testing.T) {
 
 			ps := newGoChannel(t)
 			r := newRouter(t)
-			r.AddMiddleware(fx.middleware(t, idemwatermill.Options{KeyMetadata: "event_id", PoisonQueue: pq, OnOutcome: onOutcome}))
+			r.AddMiddleware(fx.middleware(t, idemwatermill.Options{KeyMetadata: "event_id", PoisonQueue: pq, Telemetry: consumer.Telemetry{OnOutcome: onOutcome}}))
 			topic := testenv.Name("payments")
 			r.AddConsumerHandler("charge", topic, ps, func(msg *message.Message) error {
 				return fx.oracle.record(msg, "charge")
@@ -297,7 +297,7 @@ func TestOnOutcomeAfterPoisonQueue(t *testing.T) {
 				t.Fatal(err)
 			}
 			<-subDone
-			mw := fx.middleware(t, idemwatermill.Options{Scope: "charge", KeyMetadata: "event_id", PoisonQueue: pq, OnOutcome: onOutcome})
+			mw := fx.middleware(t, idemwatermill.Options{Scope: "charge", KeyMetadata: "event_id", PoisonQueue: pq, Telemetry: consumer.Telemetry{OnOutcome: onOutcome}})
 			again := message.NewMessage(wm.NewUUID(), []byte(`{"amount":901}`))
 			again.Metadata.Set("event_id", "evt-1")
 			_, herr := mw(func(*message.Message) ([]*message.Message, error) {

@@ -215,7 +215,9 @@ func amqpConsumerOptions(name, exchange string, logger *slog.Logger) idemamqp.Co
 		PublishTimeout:   5 * time.Second,
 		ShutdownTimeout:  time.Second,
 		ReconnectBackoff: consumer.Backoff{Initial: 50 * time.Millisecond, Max: time.Second},
-		Logger:           logger,
+		Telemetry: consumer.Telemetry{
+			Logger: logger,
+		},
 	}
 }
 

@@ -251,10 +251,12 @@ func (c *child) run(ctx context.Context) error {
 			ReadBackoffMax:    100 * time.Millisecond,
 		}, h, idemkafka.ConsumerOptions{
 			DeadLetterTopic: cfg.DLQ,
-			Logger:          c.logger,
 			CommitEvery:     200,
 			CommitInterval:  200 * time.Millisecond,
 			Backoff:         consumer.Backoff{Initial: 20 * time.Millisecond, Max: 500 * time.Millisecond},
+			Telemetry: consumer.Telemetry{
+				Logger: c.logger,
+			},
 		})
 		if err != nil {
 			return err

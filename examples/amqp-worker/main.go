@@ -156,11 +156,13 @@ func run(ctx context.Context, cfg config) error {
 		// of being redelivered forever.
 		QuorumQueue:   true,
 		MaxDeliveries: 10,
-		Logger:        logger,
-		OnOutcome: func(_ context.Context, r consumer.Report) {
-			if r.Result.Action != consumer.ActionRetry { // acknowledged or dead-lettered
-				settled.Add(1)
-			}
+		Telemetry: consumer.Telemetry{
+			Logger: logger,
+			OnOutcome: func(_ context.Context, r consumer.Report) {
+				if r.Result.Action != consumer.ActionRetry { // acknowledged or dead-lettered
+					settled.Add(1)
+				}
+			},
 		},
 	})
 	if err != nil {

@@ -302,7 +302,9 @@ func amqpConsumerOptions(name, exchange string, durable bool) idemamqp.ConsumerO
 		MaxAttempts:      10,
 		ShutdownTimeout:  5 * time.Second,
 		ReconnectBackoff: consumer.Backoff{Initial: 100 * time.Millisecond, Max: time.Second},
-		Logger:           childLogger(),
+		Telemetry: consumer.Telemetry{
+			Logger: childLogger(),
+		},
 	}
 }
 

@@ -240,7 +240,7 @@ func httpChild(ctx context.Context) error {
 		return err
 	}
 	defer pool.Close()
-	opts := httpidem.Options{RetryAfter: time.Second, Logger: childLogger()}
+	opts := httpidem.Options{RetryAfter: time.Second, Telemetry: consumer.Telemetry{Logger: childLogger()}}
 	var mw *httpidem.Middleware
 	switch cfg.Store {
 	case storePG:

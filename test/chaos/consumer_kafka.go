@@ -349,7 +349,9 @@ func runKafkaChild(r *childRun, h consumer.Handler, offsets idemkafka.OffsetStor
 		Backoff:         consumer.Backoff{Initial: 50 * time.Millisecond, Max: time.Second},
 		DeadLetterTopic: r.cfg.Topic + "_dlq",
 		Offsets:         offsets,
-		Logger:          childLogger(),
+		Telemetry: consumer.Telemetry{
+			Logger: childLogger(),
+		},
 	})
 	if err != nil {
 		return err

@@ -98,7 +98,9 @@ func kafkaSQLChild(ctx context.Context) error {
 		CommitInterval:  100 * time.Millisecond,
 		Backoff:         consumer.Backoff{Initial: 50 * time.Millisecond, Max: time.Second},
 		DeadLetterTopic: r.cfg.Topic + "_dlq",
-		Logger:          childLogger(),
+		Telemetry: consumer.Telemetry{
+			Logger: childLogger(),
+		},
 	})
 	if err != nil {
 		return err
