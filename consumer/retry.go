@@ -11,6 +11,7 @@ import (
 
 	"github.com/idemkit/idem/dedup"
 	"github.com/idemkit/idem/internal/backoff"
+	"github.com/idemkit/idem/internal/defaults"
 	"github.com/idemkit/idem/internal/telemetry"
 )
 
@@ -70,15 +71,13 @@ var defaultRetryBackoff = Backoff{Initial: 100 * time.Millisecond, Max: 10 * tim
 // Message.Attempt is left alone (it counts broker deliveries); the
 // in-process attempt is RetryAttempt(ctx).
 func Retry(opts RetryOptions) (Middleware, error) {
-	if opts.MaxAttempts < 0 {
-		return nil, fmt.Errorf("consumer: Retry: MaxAttempts is %d; it must be positive (or zero for 5)", opts.MaxAttempts)
-	}
-	if opts.MaxAttempts == 0 {
-		opts.MaxAttempts = 5
-	}
+	c := defaults.New("consumer: Retry: RetryOptions")
+	c.Int("MaxAttempts", &opts.MaxAttempts, 5)
 	var err error
-	if opts.Backoff, err = opts.Backoff.WithDefaults(defaultRetryBackoff); err != nil {
-		return nil, fmt.Errorf("consumer: Retry: RetryOptions.Backoff: %w", err)
+	opts.Backoff, err = opts.Backoff.WithDefaults(defaultRetryBackoff)
+	c.Wrap("Backoff", err)
+	if err := c.Err(); err != nil {
+		return nil, err
 	}
 	if opts.ShouldRetry == nil {
 		opts.ShouldRetry = func(err error) bool { return Decide(err).Action == ActionRetry }

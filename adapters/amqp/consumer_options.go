@@ -9,6 +9,7 @@ import (
 	"time"
 
 	"github.com/idemkit/idem/consumer"
+	"github.com/idemkit/idem/internal/defaults"
 	"github.com/idemkit/idem/internal/telemetry"
 	amqp091 "github.com/rabbitmq/amqp091-go"
 	"go.opentelemetry.io/otel/propagation"
@@ -329,8 +330,20 @@ type ConsumerOptions struct {
 }
 
 func (o *ConsumerOptions) consSetDefaults(queue string) error {
-	if o.Prefetch < 0 || o.Concurrency < 0 || o.InFlight < 0 || o.MaxAttempts < 0 {
-		return fmt.Errorf("amqp: ConsumerOptions: Prefetch (%d), Concurrency (%d), InFlight (%d) and MaxAttempts (%d) must not be negative", o.Prefetch, o.Concurrency, o.InFlight, o.MaxAttempts)
+	c := defaults.New("amqp: ConsumerOptions")
+	c.Int("Prefetch", &o.Prefetch, 100)
+	c.Int("Concurrency", &o.Concurrency, 1)
+	c.NotNegative("InFlight", o.InFlight)
+	c.Int("MaxAttempts", &o.MaxAttempts, 5)
+	c.Duration("PublishTimeout", &o.PublishTimeout, 10*time.Second)
+	c.Duration("ShutdownTimeout", &o.ShutdownTimeout, 30*time.Second)
+	var err error
+	o.ReconnectBackoff, err = o.ReconnectBackoff.WithDefaults(defaultReconnectBackoff)
+	c.Wrap("ReconnectBackoff", err)
+	o.Backoff, err = o.Backoff.WithDefaults(defaultRetryBackoff)
+	c.Wrap("Backoff", err)
+	if err := c.Err(); err != nil {
+		return err
 	}
 	if err := o.setQueueDefaults(); err != nil {
 		return err
@@ -389,15 +402,9 @@ func (o *ConsumerOptions) setQueueDefaults() error {
 	return nil
 }
 
-// setFlowDefaults checks and completes Prefetch, Concurrency and InFlight,
-// and the timeouts and backoffs.
+// setFlowDefaults completes InFlight from Prefetch and Concurrency, and
+// checks it.
 func (o *ConsumerOptions) setFlowDefaults() error {
-	if o.Prefetch == 0 {
-		o.Prefetch = 100
-	}
-	if o.Concurrency == 0 {
-		o.Concurrency = 1
-	}
 	switch {
 	case o.InFlight == 0 && o.Concurrency > 1:
 		o.InFlight = min(8*o.Concurrency, max(o.Prefetch, o.Concurrency))
@@ -406,40 +413,14 @@ func (o *ConsumerOptions) setFlowDefaults() error {
 	case o.InFlight < o.Concurrency || o.InFlight > max(o.Prefetch, o.Concurrency):
 		return fmt.Errorf("amqp: ConsumerOptions.InFlight is %d; it must lie between Concurrency (%d) and Prefetch (%d)", o.InFlight, o.Concurrency, o.Prefetch)
 	}
-	for _, d := range []struct {
-		name string
-		v    *time.Duration
-		def  time.Duration
-	}{
-		{"PublishTimeout", &o.PublishTimeout, 10 * time.Second},
-		{"ShutdownTimeout", &o.ShutdownTimeout, 30 * time.Second},
-	} {
-		if *d.v < 0 {
-			return fmt.Errorf("amqp: ConsumerOptions.%s is %v; it must not be negative (zero means the default)", d.name, *d.v)
-		}
-		if *d.v == 0 {
-			*d.v = d.def
-		}
-	}
-	var err error
-	if o.ReconnectBackoff, err = o.ReconnectBackoff.WithDefaults(defaultReconnectBackoff); err != nil {
-		return fmt.Errorf("amqp: ConsumerOptions.ReconnectBackoff: %w", err)
-	}
 	return nil
 }
 
-// setRetryDefaults checks and completes MaxAttempts, MaxWait and
-// Backoff.
+// setRetryDefaults completes MaxWait and checks the retry queues Backoff
+// makes.
 func (o *ConsumerOptions) setRetryDefaults() error {
-	if o.MaxAttempts == 0 {
-		o.MaxAttempts = 5
-	}
 	if o.MaxWait == 0 {
 		o.MaxWait = time.Hour
-	}
-	var err error
-	if o.Backoff, err = o.Backoff.WithDefaults(defaultRetryBackoff); err != nil {
-		return fmt.Errorf("amqp: ConsumerOptions.Backoff: %w", err)
 	}
 	switch b := o.Backoff; {
 	case b.Initial < time.Millisecond:

@@ -13,6 +13,7 @@ import (
 
 	"github.com/idemkit/idem/consumer"
 	"github.com/idemkit/idem/internal/backoff"
+	"github.com/idemkit/idem/internal/defaults"
 	"github.com/idemkit/idem/outbox"
 )
 
@@ -115,23 +116,13 @@ func NewPublisher(url string, opts PublisherOptions) (*Publisher, error) {
 	if _, err := amqp091.ParseURI(url); err != nil {
 		return nil, fmt.Errorf("amqp: NewPublisher: %w", err)
 	}
-	for _, d := range []struct {
-		name string
-		v    *time.Duration
-		def  time.Duration
-	}{
-		{"ConfirmTimeout", &opts.ConfirmTimeout, 10 * time.Second},
-	} {
-		if *d.v < 0 {
-			return nil, fmt.Errorf("amqp: PublisherOptions.%s is %v; it must not be negative (zero means the default)", d.name, *d.v)
-		}
-		if *d.v == 0 {
-			*d.v = d.def
-		}
-	}
+	c := defaults.New("amqp: PublisherOptions")
+	c.Duration("ConfirmTimeout", &opts.ConfirmTimeout, 10*time.Second)
 	var err error
-	if opts.ReconnectBackoff, err = opts.ReconnectBackoff.WithDefaults(defaultReconnectBackoff); err != nil {
-		return nil, fmt.Errorf("amqp: PublisherOptions.ReconnectBackoff: %w", err)
+	opts.ReconnectBackoff, err = opts.ReconnectBackoff.WithDefaults(defaultReconnectBackoff)
+	c.Wrap("ReconnectBackoff", err)
+	if err := c.Err(); err != nil {
+		return nil, err
 	}
 	if opts.ConnectionName == "" {
 		opts.ConnectionName = "idem-outbox-publisher"

@@ -9,6 +9,7 @@ import (
 
 	"github.com/idemkit/idem/consumer"
 	"github.com/idemkit/idem/dedup"
+	"github.com/idemkit/idem/internal/defaults"
 )
 
 // Defaults of Options.
@@ -309,37 +310,19 @@ func (o *Options) fillLists(who string) error {
 }
 
 func (o *Options) fill(who string) error {
-	for _, d := range []struct {
-		name string
-		v    time.Duration
-	}{
-		{"Wait", o.Wait}, {"PollInterval", o.PollInterval}, {"RetryAfter", o.RetryAfter},
-		{"FinishTimeout", o.FinishTimeout},
-	} {
-		if d.v < 0 {
-			return fmt.Errorf("httpidem: %s: Options.%s is %v; it must not be negative (zero means the default)", who, d.name, d.v)
-		}
-	}
-	if o.MaxKeyLen < 0 {
-		return fmt.Errorf("httpidem: %s: Options.MaxKeyLen is %d; it must not be negative (zero means %d)", who, o.MaxKeyLen, dedup.DefaultMaxKeyLen)
-	}
-	if o.MaxBodyBytes < 0 {
-		return fmt.Errorf("httpidem: %s: Options.MaxBodyBytes is %d; it must not be negative (zero means %d)", who, o.MaxBodyBytes, defaultMaxBodyBytes)
-	}
-	if o.MaxResponseBytes < 0 {
-		return fmt.Errorf("httpidem: %s: Options.MaxResponseBytes is %d; it must not be negative (zero means %d)", who, o.MaxResponseBytes, defaultMaxResponseBytes)
+	c := defaults.New("httpidem: " + who + ": Options")
+	c.NotNegative("Wait", o.Wait)
+	c.Duration("PollInterval", &o.PollInterval, defaultPollInterval)
+	c.Duration("RetryAfter", &o.RetryAfter, defaultRetryAfter)
+	c.Duration("FinishTimeout", &o.FinishTimeout, defaultFinishTimeout)
+	c.Int("MaxKeyLen", &o.MaxKeyLen, dedup.DefaultMaxKeyLen)
+	c.Int64("MaxBodyBytes", &o.MaxBodyBytes, defaultMaxBodyBytes)
+	c.Int("MaxResponseBytes", &o.MaxResponseBytes, defaultMaxResponseBytes)
+	if err := c.Err(); err != nil {
+		return err
 	}
 	if err := o.fillLists(who); err != nil {
 		return err
-	}
-	if o.MaxKeyLen == 0 {
-		o.MaxKeyLen = dedup.DefaultMaxKeyLen
-	}
-	if o.MaxBodyBytes == 0 {
-		o.MaxBodyBytes = defaultMaxBodyBytes
-	}
-	if o.MaxResponseBytes == 0 {
-		o.MaxResponseBytes = defaultMaxResponseBytes
 	}
 	if o.Principal == nil {
 		o.Principal = func(*http.Request) string { return "" }
@@ -352,15 +335,6 @@ func (o *Options) fill(who string) error {
 	}
 	if o.StoreResponse == nil {
 		o.StoreResponse = defaultStoreResponse
-	}
-	if o.PollInterval == 0 {
-		o.PollInterval = defaultPollInterval
-	}
-	if o.RetryAfter == 0 {
-		o.RetryAfter = defaultRetryAfter
-	}
-	if o.FinishTimeout == 0 {
-		o.FinishTimeout = defaultFinishTimeout
 	}
 	if o.Logger == nil {
 		o.Logger = slog.New(slog.DiscardHandler)

@@ -9,6 +9,7 @@ import (
 
 	"github.com/idemkit/idem/consumer"
 	"github.com/idemkit/idem/dedup"
+	"github.com/idemkit/idem/internal/defaults"
 	"github.com/idemkit/idem/internal/telemetry"
 	"github.com/idemkit/idem/outbox"
 	kafkago "github.com/segmentio/kafka-go"
@@ -160,48 +161,26 @@ type OffsetStore interface {
 	SaveOffsets(ctx context.Context, group string, offsets map[string]map[int]int64) error
 }
 
+// defaultBackoff is ConsumerOptions.Backoff's default.
+var defaultBackoff = consumer.Backoff{Initial: 100 * time.Millisecond, Max: 10 * time.Second, Factor: 2}
+
 func (o *ConsumerOptions) setDefaults(session, rebalance time.Duration) error {
-	ints := []struct {
-		name string
-		v    *int
-		def  int
-	}{
-		{"MaxIDLen", &o.MaxIDLen, dedup.DefaultMaxKeyLen},
-		{"Workers", &o.Workers, 1},
-		{"BatchSize", &o.BatchSize, 100},
-		{"MaxInFlight", &o.MaxInFlight, 256},
-		{"CommitEvery", &o.CommitEvery, 100},
-	}
-	for _, f := range ints {
-		if *f.v < 0 {
-			return fmt.Errorf("kafka: ConsumerOptions.%s is %d; it must be positive (or zero for %d)", f.name, *f.v, f.def)
-		}
-		if *f.v == 0 {
-			*f.v = f.def
-		}
-	}
-	durs := []struct {
-		name string
-		v    *time.Duration
-		def  time.Duration
-	}{
-		{"CommitInterval", &o.CommitInterval, time.Second},
-		{"ShutdownTimeout", &o.ShutdownTimeout, min(session, rebalance) / 3},
-	}
-	for _, f := range durs {
-		if *f.v < 0 {
-			return fmt.Errorf("kafka: ConsumerOptions.%s is %v; it must be positive (or zero for %v)", f.name, *f.v, f.def)
-		}
-		if *f.v == 0 {
-			*f.v = f.def
-		}
-	}
+	c := defaults.New("kafka: ConsumerOptions")
+	c.Int("MaxIDLen", &o.MaxIDLen, dedup.DefaultMaxKeyLen)
+	c.Int("Workers", &o.Workers, 1)
+	c.Int("BatchSize", &o.BatchSize, 100)
+	c.Int("MaxInFlight", &o.MaxInFlight, 256)
+	c.Int("CommitEvery", &o.CommitEvery, 100)
+	c.Duration("CommitInterval", &o.CommitInterval, time.Second)
+	c.Duration("ShutdownTimeout", &o.ShutdownTimeout, min(session, rebalance)/3)
 	var err error
-	if o.Backoff, err = o.Backoff.WithDefaults(consumer.Backoff{Initial: 100 * time.Millisecond, Max: 10 * time.Second, Factor: 2}); err != nil {
-		return fmt.Errorf("kafka: ConsumerOptions.Backoff: %w", err)
+	o.Backoff, err = o.Backoff.WithDefaults(defaultBackoff)
+	c.Wrap("Backoff", err)
+	if c.Err() == nil && o.MaxInFlight < o.Workers {
+		c.Fail("MaxInFlight", "(%d) is less than Workers (%d)", o.MaxInFlight, o.Workers)
 	}
-	if o.MaxInFlight < o.Workers {
-		return fmt.Errorf("kafka: ConsumerOptions.MaxInFlight (%d) is less than Workers (%d)", o.MaxInFlight, o.Workers)
+	if err := c.Err(); err != nil {
+		return err
 	}
 	if o.IDHeader == "" {
 		o.IDHeader = outbox.HeaderMessageID

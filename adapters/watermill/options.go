@@ -10,6 +10,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/idemkit/idem/consumer"
 	"github.com/idemkit/idem/dedup"
+	"github.com/idemkit/idem/internal/defaults"
 	"github.com/idemkit/idem/internal/telemetry"
 	"github.com/idemkit/idem/outbox"
 	"go.opentelemetry.io/otel/propagation"
@@ -175,22 +176,16 @@ type config struct {
 
 // newConfig validates opts for the middleware who, claiming on store.
 func newConfig(who string, opts Options, store any) (*config, error) {
-	if opts.MaxKeyLen < 0 {
-		return nil, fmt.Errorf("watermill: %s: Options.MaxKeyLen is %d; it must be positive (or zero for %d)", who, opts.MaxKeyLen, dedup.DefaultMaxKeyLen)
-	}
-	if opts.MaxKeyLen == 0 {
-		opts.MaxKeyLen = dedup.DefaultMaxKeyLen
+	chk := defaults.New("watermill: " + who + ": Options")
+	chk.Int("MaxKeyLen", &opts.MaxKeyLen, dedup.DefaultMaxKeyLen)
+	chk.Duration("FinishTimeout", &opts.FinishTimeout, defaultFinishTimeout)
+	if err := chk.Err(); err != nil {
+		return nil, err
 	}
 	if opts.Scope != "" {
 		if err := validateScope(opts.Scope, opts.MaxKeyLen); err != nil {
 			return nil, fmt.Errorf("watermill: %s: Options.Scope %q: %w", who, opts.Scope, err)
 		}
-	}
-	if opts.FinishTimeout < 0 {
-		return nil, fmt.Errorf("watermill: %s: Options.FinishTimeout is %v; it must be positive (or zero for %v)", who, opts.FinishTimeout, defaultFinishTimeout)
-	}
-	if opts.FinishTimeout == 0 {
-		opts.FinishTimeout = defaultFinishTimeout
 	}
 	if opts.Logger == nil {
 		opts.Logger = slog.New(slog.DiscardHandler)

@@ -76,11 +76,40 @@ func (c *Checker) Int(field string, v *int, def int) {
 	}
 }
 
-// Positive refuses a negative *v, leaving zero alone: for a field whose
-// zero is a setting of its own rather than a default.
-func (c *Checker) Positive(field string, v int) {
-	if c.err == nil && v < 0 {
-		c.Fail(field, "is %d; it must not be negative", v)
+// Int64 sets *v to def when it is zero and refuses a negative *v.
+func (c *Checker) Int64(field string, v *int64, def int64) {
+	if c.err != nil {
+		return
+	}
+	if *v < 0 {
+		c.Fail(field, "is %d; it must be positive (or zero for %d)", *v, def)
+		return
+	}
+	if *v == 0 {
+		*v = def
+	}
+}
+
+// NotNegative refuses a negative v (an int, int64 or time.Duration) and
+// leaves zero alone: for a field whose zero is a setting of its own, or
+// whose default depends on other fields.
+func (c *Checker) NotNegative(field string, v any) {
+	if c.err != nil {
+		return
+	}
+	neg := false
+	switch x := v.(type) {
+	case int:
+		neg = x < 0
+	case int64:
+		neg = x < 0
+	case time.Duration:
+		neg = x < 0
+	default:
+		panic(fmt.Sprintf("defaults: NotNegative of a %T", v))
+	}
+	if neg {
+		c.Fail(field, "is %v; it must not be negative", v)
 	}
 }
 
