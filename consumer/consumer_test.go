@@ -284,7 +284,7 @@ func TestDecideContext(t *testing.T) {
 	stopping, cancel := context.WithCancel(live)
 	cancel()
 	for _, c := range []struct {
-		err          error
+		err           error
 		live, stopped consumer.Action
 	}{
 		{nil, consumer.ActionAck, consumer.ActionAck},
