@@ -277,5 +277,34 @@ func TestProcess(t *testing.T) {
 	wantResult(t, consumer.Process(cctx, dup, msg("1", "")), consumer.ActionAck, consumer.OutcomeDuplicate)
 }
 
+// DecideContext is the stopping rule for an adapter that runs the chain
+// itself: Decide while the consumer runs, no dead letter while it stops.
+func TestDecideContext(t *testing.T) {
+	live := context.Background()
+	stopping, cancel := context.WithCancel(live)
+	cancel()
+	for _, c := range []struct {
+		err           error
+		live, stopped consumer.Action
+	}{
+		{nil, consumer.ActionAck, consumer.ActionAck},
+		{consumer.Permanent(errBoom), consumer.ActionDeadLetter, consumer.ActionRetry},
+		{dedup.ErrInvalidKey, consumer.ActionDeadLetter, consumer.ActionRetry},
+		{dedup.ErrDuplicate, consumer.ActionAck, consumer.ActionAck},
+		{errBoom, consumer.ActionRetry, consumer.ActionRetry},
+	} {
+		if got := consumer.DecideContext(live, c.err); got != consumer.Decide(c.err) || got.Action != c.live {
+			t.Errorf("DecideContext(live, %v) = %+v, want Decide's, %v", c.err, got, c.live)
+		}
+		got := consumer.DecideContext(stopping, c.err)
+		if got.Action != c.stopped || got.Err != c.err {
+			t.Errorf("DecideContext(stopping, %v) = %+v, want %v with the error kept", c.err, got, c.stopped)
+		}
+		if c.live == consumer.ActionDeadLetter && got.Reason != consumer.OutcomeTransient {
+			t.Errorf("DecideContext(stopping, %v).Reason = %q, want transient", c.err, got.Reason)
+		}
+	}
+}
+
 // isPermanent reports whether Decide dead-letters err.
 func isPermanent(err error) bool { return consumer.Decide(err).Action == consumer.ActionDeadLetter }

@@ -102,8 +102,9 @@ type Result struct {
 // was. A timeout (11) beats Permanent because whatever the handler returned
 // after its deadline fired is a consequence of the deadline.
 //
-// Decide looks at the error only. Process also looks at the consumer's
-// context: while it is done, nothing is dead-lettered.
+// Decide looks at the error only. DecideContext (and Process, which calls
+// it) also looks at the consumer's context: while it is done, nothing is
+// dead-lettered.
 func Decide(err error) Result {
 	if err == nil {
 		// The common case, decided before the errors.As targets below
@@ -152,18 +153,25 @@ func Decide(err error) Result {
 	return r
 }
 
-// Process runs h on msg and applies the ACK rule to the outcome. It is what
-// adapters call for each delivery.
+// DecideContext is Decide with the stopping rule on top: while ctx (the
+// consumer's) is done, nothing is dead-lettered. An error that arrives
+// while the consumer is stopping may be a consequence of the stop, so a
+// dead letter becomes ActionRetry, OutcomeTransient, with Err kept, and
+// the redelivery classifies the message again. Other results are Decide's.
 //
-// On top of Decide, Process never dead-letters while ctx is done: an error
-// that arrives while the consumer is stopping may be a consequence of the
-// stop, so the message is left for the redelivery to classify again
-// (ActionRetry, OutcomeTransient).
-func Process(ctx context.Context, h Handler, msg *Message) Result {
-	err := h.Handle(ctx, msg)
+// Process calls it; an adapter that runs the handler chain itself (a batch
+// handler, whose errors come back one per message) calls it on each error.
+func DecideContext(ctx context.Context, err error) Result {
 	r := Decide(err)
 	if r.Action == ActionDeadLetter && ctx.Err() != nil {
 		r = Result{Action: ActionRetry, Reason: OutcomeTransient, Err: err}
 	}
 	return r
+}
+
+// Process runs h on msg and applies the ACK rule to the outcome
+// (DecideContext: Decide, and no dead letter while ctx is done). It is what
+// adapters call for each delivery.
+func Process(ctx context.Context, h Handler, msg *Message) Result {
+	return DecideContext(ctx, h.Handle(ctx, msg))
 }

@@ -12,6 +12,7 @@ import (
 	"go.opentelemetry.io/otel/trace"
 
 	"github.com/idemkit/idem/dedup"
+	"github.com/idemkit/idem/internal/defaults"
 	"github.com/idemkit/idem/internal/leasekeep"
 	"github.com/idemkit/idem/internal/telemetry"
 )
@@ -115,11 +116,10 @@ func Dedup(store dedup.LeaseStore, opts DedupOptions) (Middleware, error) {
 	if err != nil {
 		return nil, err
 	}
-	if opts.FinishTimeout < 0 {
-		return nil, fmt.Errorf("consumer: Dedup: FinishTimeout is %v; it must be positive (or zero for 10s)", opts.FinishTimeout)
-	}
-	if opts.FinishTimeout == 0 {
-		opts.FinishTimeout = 10 * time.Second
+	c := defaults.New("consumer: Dedup: DedupOptions")
+	c.Duration("FinishTimeout", &opts.FinishTimeout, 10*time.Second)
+	if err := c.Err(); err != nil {
+		return nil, err
 	}
 	if opts.Logger == nil {
 		opts.Logger = slog.New(slog.DiscardHandler)

@@ -101,3 +101,26 @@ func ExamplePermanent() {
 	// Output:
 	// dead_letter permanent empty payload
 }
+
+// A Backoff's delays: Initial·Factor^(n-1), capped at Max. Every retry loop
+// of idem, a message's retries and a client's reconnects alike, is
+// configured with one.
+func ExampleBackoff() {
+	b := consumer.Backoff{Initial: time.Second, Max: 2 * time.Minute, Factor: 5}
+	for n := 1; n <= 5; n++ {
+		fmt.Println(n, b.Delay(n))
+	}
+	// Zero fields take the defaults of the options struct holding it.
+	d, err := consumer.Backoff{Max: time.Minute}.WithDefaults(consumer.Backoff{Initial: 100 * time.Millisecond, Max: 10 * time.Second})
+	fmt.Println(d, err)
+	_, err = consumer.Backoff{Factor: 0.5}.WithDefaults(consumer.Backoff{Initial: time.Second, Max: time.Minute})
+	fmt.Println(err)
+	// Output:
+	// 1 1s
+	// 2 5s
+	// 3 25s
+	// 4 2m0s
+	// 5 2m0s
+	// {100ms 1m0s 2} <nil>
+	// Factor is 0.5; it must be at least 1 (or zero for 2)
+}

@@ -7,6 +7,7 @@ import (
 	"sync"
 
 	"github.com/idemkit/idem/dedup"
+	"github.com/idemkit/idem/internal/defaults"
 )
 
 // keyBuilder turns a Message into a dedup.Key. Dedup and Transactional share
@@ -19,11 +20,14 @@ type keyBuilder struct {
 }
 
 func newKeyBuilder(who, scope string, keyFunc func(*Message) (string, error), fp func(*Message) dedup.Fingerprint, maxLen int) (*keyBuilder, error) {
-	if maxLen < 0 {
-		return nil, fmt.Errorf("consumer: %s: MaxKeyLen is %d; it must be positive (or zero for %d)", who, maxLen, dedup.DefaultMaxKeyLen)
+	opts := "DedupOptions"
+	if who == "Transactional" {
+		opts = "TxOptions"
 	}
-	if maxLen == 0 {
-		maxLen = dedup.DefaultMaxKeyLen
+	c := defaults.New("consumer: " + who + ": " + opts)
+	c.Int("MaxKeyLen", &maxLen, dedup.DefaultMaxKeyLen)
+	if err := c.Err(); err != nil {
+		return nil, err
 	}
 	if scope == "" {
 		return nil, fmt.Errorf("consumer: %s: Scope is required: name the consumer group and handler, for example \"billing/charge-card\"", who)

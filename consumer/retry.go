@@ -11,6 +11,7 @@ import (
 
 	"github.com/idemkit/idem/dedup"
 	"github.com/idemkit/idem/internal/backoff"
+	"github.com/idemkit/idem/internal/defaults"
 	"github.com/idemkit/idem/internal/telemetry"
 )
 
@@ -19,11 +20,10 @@ type RetryOptions struct {
 	// MaxAttempts is the number of attempts, the first included. Defaults
 	// to 5; 1 means no retry.
 	MaxAttempts int
-	// Initial is the backoff cap before the first retry; it doubles for
-	// each retry after that. Defaults to 100ms.
-	Initial time.Duration
-	// Max caps the backoff, including a RetryAfter hint. Defaults to 10s.
-	Max time.Duration
+	// Backoff caps the delay before each retry (Backoff.Delay; the
+	// delay is drawn below it, see Jitter); Backoff.Max also caps a
+	// RetryAfter hint. Defaults to Initial 100ms, Max 10s, Factor 2.
+	Backoff Backoff
 	// ShouldRetry reports whether an error is worth another attempt.
 	// Defaults to Decide(err).Action == ActionRetry: transient errors,
 	// timeouts, dedup.ErrInFlight and dedup.ErrLeaseLost are retried;
@@ -43,12 +43,15 @@ type RetryOptions struct {
 	MeterProvider metric.MeterProvider
 }
 
+// defaultRetryBackoff is RetryOptions.Backoff's default.
+var defaultRetryBackoff = Backoff{Initial: 100 * time.Millisecond, Max: 10 * time.Second, Factor: 2}
+
 // Retry returns middleware that retries the handler in process, with
 // exponential backoff and full jitter: before retry n (n = 1, 2, ...) it
-// sleeps a uniform random duration in [0, min(Max, Initial·2^(n-1))). When the
+// sleeps a uniform random duration in [0, Backoff.Delay(n)). When the
 // error carries a RetryAfter hint (dedup.ErrInFlight: the other owner's
 // lease has that long left), the sleep is at least the hint, still capped by
-// Max.
+// Backoff.Max.
 //
 // It stops and returns when:
 //
@@ -68,25 +71,13 @@ type RetryOptions struct {
 // Message.Attempt is left alone (it counts broker deliveries); the
 // in-process attempt is RetryAttempt(ctx).
 func Retry(opts RetryOptions) (Middleware, error) {
-	switch {
-	case opts.MaxAttempts < 0:
-		return nil, fmt.Errorf("consumer: Retry: MaxAttempts is %d; it must be positive (or zero for 5)", opts.MaxAttempts)
-	case opts.Initial < 0:
-		return nil, fmt.Errorf("consumer: Retry: Initial is %v; it must be positive (or zero for 100ms)", opts.Initial)
-	case opts.Max < 0:
-		return nil, fmt.Errorf("consumer: Retry: Max is %v; it must be positive (or zero for 10s)", opts.Max)
-	}
-	if opts.MaxAttempts == 0 {
-		opts.MaxAttempts = 5
-	}
-	if opts.Initial == 0 {
-		opts.Initial = 100 * time.Millisecond
-	}
-	if opts.Max == 0 {
-		opts.Max = 10 * time.Second
-	}
-	if opts.Initial > opts.Max {
-		return nil, fmt.Errorf("consumer: Retry: Initial (%v) is greater than Max (%v)", opts.Initial, opts.Max)
+	c := defaults.New("consumer: Retry: RetryOptions")
+	c.Int("MaxAttempts", &opts.MaxAttempts, 5)
+	var err error
+	opts.Backoff, err = opts.Backoff.WithDefaults(defaultRetryBackoff)
+	c.Wrap("Backoff", err)
+	if err := c.Err(); err != nil {
+		return nil, err
 	}
 	if opts.ShouldRetry == nil {
 		opts.ShouldRetry = func(err error) bool { return Decide(err).Action == ActionRetry }
@@ -132,7 +123,7 @@ func retry(ctx context.Context, msg *Message, next Handler, o *RetryOptions, wai
 		}
 		d := o.backoff(attempt)
 		if hint := Decide(err).RetryAfter; hint > d {
-			d = min(hint, o.Max)
+			d = min(hint, o.Backoff.Max)
 		}
 		slept := time.Now()
 		serr := o.Sleep(ctx, d)
@@ -147,7 +138,7 @@ func retry(ctx context.Context, msg *Message, next Handler, o *RetryOptions, wai
 
 // backoff returns the full-jitter delay before retry n (n >= 1).
 func (o *RetryOptions) backoff(n int) time.Duration {
-	ceil := backoff.Exp(o.Initial, o.Max, n)
+	ceil := o.Backoff.Delay(n)
 	if ceil <= 0 {
 		return 0
 	}

@@ -41,7 +41,7 @@ func TestRetryExhaustsWithFullJitter(t *testing.T) {
 			h := consumer.Chain(consumer.HandlerFunc(func(ctx context.Context, m *consumer.Message) error {
 				seen = append(seen, consumer.RetryAttempt(ctx))
 				return errBoom
-			}), mustRetry(t, consumer.RetryOptions{MaxAttempts: attempts, Initial: initial, Max: maxDelay, Jitter: jitter.fn, Sleep: rec.sleep}))
+			}), mustRetry(t, consumer.RetryOptions{MaxAttempts: attempts, Backoff: consumer.Backoff{Initial: initial, Max: maxDelay}, Jitter: jitter.fn, Sleep: rec.sleep}))
 			m := msg("m1", "p")
 			r := consumer.Process(t.Context(), h, m)
 			wantResult(t, r, consumer.ActionDeadLetter, consumer.OutcomeRetriesExhausted)
@@ -133,7 +133,7 @@ func TestRetryInFlight(t *testing.T) {
 		rec := &recordSleep{}
 		h := consumer.Chain(consumer.HandlerFunc(func(context.Context, *consumer.Message) error {
 			return &dedup.ClaimError{Err: dedup.ErrInFlight, Key: dedup.Key{Scope: "s", ID: "i"}, RetryAfter: c.after}
-		}), mustRetry(t, consumer.RetryOptions{MaxAttempts: 3, Initial: time.Millisecond, Sleep: rec.sleep}))
+		}), mustRetry(t, consumer.RetryOptions{MaxAttempts: 3, Backoff: consumer.Backoff{Initial: time.Millisecond}, Sleep: rec.sleep}))
 		r := consumer.Process(t.Context(), h, msg("m1", "p"))
 		wantResult(t, r, consumer.ActionRetry, consumer.OutcomeInFlight)
 		var ex *consumer.RetriesExhaustedError
@@ -167,7 +167,7 @@ func TestRetryStopsOnCancel(t *testing.T) {
 		h := consumer.Chain(consumer.HandlerFunc(func(context.Context, *consumer.Message) error {
 			calls++
 			return errBoom
-		}), mustRetry(t, consumer.RetryOptions{Initial: time.Hour, Max: time.Hour, Jitter: func(n time.Duration) time.Duration { return n - 1 },
+		}), mustRetry(t, consumer.RetryOptions{Backoff: consumer.Backoff{Initial: time.Hour, Max: time.Hour}, Jitter: func(n time.Duration) time.Duration { return n - 1 },
 			Sleep: func(ctx context.Context, d time.Duration) error {
 				cancel()
 				<-ctx.Done()
@@ -186,7 +186,7 @@ func TestRetryStopsOnCancel(t *testing.T) {
 		h := consumer.Chain(consumer.HandlerFunc(func(context.Context, *consumer.Message) error {
 			time.AfterFunc(time.Millisecond, cancel)
 			return errBoom
-		}), mustRetry(t, consumer.RetryOptions{Initial: time.Hour, Max: time.Hour, Jitter: func(n time.Duration) time.Duration { return n - 1 }}))
+		}), mustRetry(t, consumer.RetryOptions{Backoff: consumer.Backoff{Initial: time.Hour, Max: time.Hour}, Jitter: func(n time.Duration) time.Duration { return n - 1 }}))
 		r := consumer.Process(ctx, h, msg("m1", "p"))
 		wantResult(t, r, consumer.ActionRetry, consumer.OutcomeTransient)
 		if !errors.Is(r.Err, context.Canceled) {
@@ -233,9 +233,10 @@ func TestRetryAroundDedupReclaims(t *testing.T) {
 func TestRetryOptionErrors(t *testing.T) {
 	for name, o := range map[string]consumer.RetryOptions{
 		"MaxAttempts": {MaxAttempts: -1},
-		"Initial":     {Initial: -1},
-		"Max":         {Max: -1},
-		"greater":     {Initial: time.Minute, Max: time.Second},
+		"Initial":     {Backoff: consumer.Backoff{Initial: -1}},
+		"Max":         {Backoff: consumer.Backoff{Max: -1}},
+		"Factor":      {Backoff: consumer.Backoff{Factor: 0.5}},
+		"greater":     {Backoff: consumer.Backoff{Initial: time.Minute, Max: time.Second}},
 	} {
 		mw, err := consumer.Retry(o)
 		if err == nil || mw != nil || !strings.Contains(err.Error(), strings.TrimSuffix(name, "greater")) {
@@ -247,7 +248,7 @@ func TestRetryOptionErrors(t *testing.T) {
 func TestRetryLargeBackoffDoesNotOverflow(t *testing.T) {
 	rec := &recordSleep{}
 	h := consumer.Chain(consumer.HandlerFunc(func(context.Context, *consumer.Message) error { return errBoom }),
-		mustRetry(t, consumer.RetryOptions{MaxAttempts: 100, Initial: time.Second, Max: 1<<63 - 1,
+		mustRetry(t, consumer.RetryOptions{MaxAttempts: 100, Backoff: consumer.Backoff{Initial: time.Second, Max: 1<<63 - 1},
 			Jitter: func(n time.Duration) time.Duration { return n - 1 }, Sleep: rec.sleep}))
 	consumer.Process(t.Context(), h, msg("m1", "p"))
 	for i := 1; i < len(rec.delays); i++ {

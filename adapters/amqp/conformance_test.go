@@ -15,6 +15,7 @@ import (
 
 	"github.com/idemkit/idem/adapters/adaptertest"
 	idemamqp "github.com/idemkit/idem/adapters/amqp"
+	"github.com/idemkit/idem/consumer"
 	"github.com/idemkit/idem/internal/testkit/fault"
 	"github.com/idemkit/idem/internal/testkit/testenv"
 )
@@ -49,14 +50,10 @@ func (h *amqpHarness) Capabilities() adaptertest.Capabilities {
 	return adaptertest.Capabilities{Ordering: adaptertest.OrderNone, ChildProcess: true}
 }
 
-// amqpDelays are the retry delays of opts: RetryDelay doubling up to
+// amqpBackoff is the retry backoff of opts: RetryDelay doubling up to
 // MaxRetryDelay.
-func amqpDelays(opts adaptertest.ConsumerOptions) []time.Duration {
-	var ds []time.Duration
-	for d := opts.RetryDelay; d < opts.MaxRetryDelay; d *= 2 {
-		ds = append(ds, d)
-	}
-	return append(ds, opts.MaxRetryDelay)
+func amqpBackoff(opts adaptertest.ConsumerOptions) consumer.Backoff {
+	return consumer.Backoff{Initial: opts.RetryDelay, Max: opts.MaxRetryDelay, Factor: 2}
 }
 
 func (h *amqpHarness) queueArgs() amqp091.Table {
@@ -99,8 +96,9 @@ func (h *amqpHarness) NewDestination(t testing.TB, opts adaptertest.ConsumerOpti
 		_ = amqpAdmin(rawURL, func(ch *amqp091.Channel) error {
 			_, _ = ch.QueueDelete(q, false, false, false)
 			_, _ = ch.QueueDelete(q+".dlq", false, false, false)
-			for _, d := range amqpDelays(opts) {
-				_, _ = ch.QueueDelete(fmt.Sprintf("%s.retry.%dms", q, d.Milliseconds()), false, false, false)
+			names, _ := idemamqp.RetryQueues(q, idemamqp.ConsumerOptions{Backoff: amqpBackoff(opts)})
+			for _, name := range names {
+				_, _ = ch.QueueDelete(name, false, false, false)
 			}
 			return ch.ExchangeDelete(q+".dlx", false, false)
 		})
@@ -154,15 +152,14 @@ func (h *amqpHarness) Start(ctx context.Context, d adaptertest.Destination, w ad
 	}
 	u.Host = proxy.Addr()
 	c, err := idemamqp.NewConsumer(u.String(), d.Name, w.Handler, idemamqp.ConsumerOptions{
-		QuorumQueue:         h.quorum,
-		QueueArgs:           h.queueArgs(),
-		IDHeader:            amqpIDHeader,
-		Prefetch:            20,
-		RetryDelays:         amqpDelays(opts),
-		MaxAttempts:         opts.MaxAttempts,
-		ReconnectBackoff:    20 * time.Millisecond,
-		MaxReconnectBackoff: 500 * time.Millisecond,
-		Logger:              slog.New(slog.DiscardHandler),
+		QuorumQueue:      h.quorum,
+		QueueArgs:        h.queueArgs(),
+		IDHeader:         amqpIDHeader,
+		Prefetch:         20,
+		Backoff:          amqpBackoff(opts),
+		MaxAttempts:      opts.MaxAttempts,
+		ReconnectBackoff: consumer.Backoff{Initial: 20 * time.Millisecond, Max: 500 * time.Millisecond},
+		Telemetry:        consumer.Telemetry{Logger: slog.New(slog.DiscardHandler)},
 	})
 	if err != nil {
 		_ = proxy.Close()
@@ -236,7 +233,7 @@ func (h *amqpHarness) DeadLetters(_ context.Context, d adaptertest.Destination) 
 			for k, v := range m.Headers {
 				dl.Headers[k] = fmt.Sprint(v)
 			}
-			dl.Reason = dl.Headers[idemamqp.HeaderReason]
+			dl.Reason = dl.Headers[consumer.HeaderReason]
 			switch n := m.Headers[idemamqp.HeaderAttempt].(type) {
 			case int32:
 				dl.Attempts = int(n)

@@ -7,7 +7,6 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
-	"slices"
 	"strconv"
 	"sync"
 	"sync/atomic"
@@ -39,8 +38,9 @@ import (
 //     the copy keeps its HeaderAttempt and counts the wait in HeaderWaits;
 //     the waits are bounded in time by MaxWait (reason wait_limit).
 //   - ActionDeadLetter (Permanent, a panic, a fingerprint mismatch, an
-//     invalid key such as a message without id): a copy with HeaderReason,
-//     HeaderAttempt and HeaderError, and a deterministic message id (see
+//     invalid key such as a message without id): a copy with
+//     consumer.HeaderReason, HeaderAttempts and HeaderError, HeaderAttempt,
+//     and a deterministic message id (see
 //     the package documentation, "Dead letters"), is published to the
 //     dead-letter exchange, confirmed, and then the delivery is
 //     acknowledged.
@@ -251,9 +251,7 @@ func newConsumer(name string, dial func(context.Context) (*amqp091.Connection, e
 	if dial == nil {
 		dial = opts.Dial
 	}
-	delays := slices.Clone(opts.RetryDelays)
-	slices.Sort(delays)
-	delays = slices.Compact(delays)
+	delays := opts.retryDelays()
 	return &Consumer{dial: dial, shared: shared, queue: queue, h: h, opts: opts, delays: delays, ready: make(chan struct{}),
 		tel: telemetry.NewAdapter(opts.MeterProvider, opts.TracerProvider, system), ackLinger: consAckLinger, ackDelay: consAckDelay}, nil
 }
@@ -381,18 +379,15 @@ func (c *Consumer) Run(ctx context.Context) error {
 
 	var wg sync.WaitGroup // every worker and watcher of every generation
 	defer wg.Wait()
-	delay := time.Duration(0)
+	fails := 0 // failed connects in a row
 	for ctx.Err() == nil {
 		s, err := c.connect(ctx, &wg)
 		if err != nil {
 			if consFatal(err) || errors.Is(err, ErrConnectionClosed) {
 				return fmt.Errorf("amqp: consumer of %q: %w", c.queue, err)
 			}
-			if delay == 0 {
-				delay = c.opts.ReconnectBackoff
-			} else {
-				delay = min(2*delay, c.opts.MaxReconnectBackoff)
-			}
+			fails++
+			delay := c.opts.ReconnectBackoff.Delay(fails)
 			msg := "amqp: consumer cannot connect; retrying"
 			if c.shared {
 				msg = "amqp: consumer cannot open its channels on the given connection; retrying"
@@ -401,7 +396,7 @@ func (c *Consumer) Run(ctx context.Context) error {
 			backoff.Sleep(ctx, backoff.Spread(delay))
 			continue
 		}
-		delay = 0
+		fails = 0
 		if err := c.serve(ctx, hctx, s, &wg); err != nil {
 			// A lost channel reconnects, whatever the broker said; a
 			// topology found missing under NoDeclare (a copy the broker
@@ -410,7 +405,7 @@ func (c *Consumer) Run(ctx context.Context) error {
 				return fmt.Errorf("amqp: consumer of %q: %w", c.queue, err)
 			}
 			c.opts.Logger.Warn("amqp: consumer lost its channel; reconnecting", "queue", c.queue, "err", err)
-			backoff.Sleep(ctx, backoff.Spread(c.opts.ReconnectBackoff))
+			backoff.Sleep(ctx, backoff.Spread(c.opts.ReconnectBackoff.Initial))
 		}
 	}
 	return nil
@@ -1221,7 +1216,7 @@ func (c *Consumer) settle(hctx context.Context, s *consSession, d *amqp091.Deliv
 	}
 	p.Expiration = strconv.FormatInt(delay.Milliseconds(), 10)
 	if r.Err != nil {
-		p.Headers[HeaderError] = consTruncate(r.Err.Error())
+		p.Headers[consumer.HeaderError] = consTruncate(r.Err.Error())
 	}
 	if s.isDead() {
 		return c.abandon()
@@ -1243,11 +1238,11 @@ func consOwned(r consumer.Result) bool {
 	return r.Reason == consumer.OutcomeInFlight || r.Reason == consumer.OutcomeLeaseLost
 }
 
-// retryDelay is the delay before the attempt after attempt: the configured
-// one, or the shortest configured delay that covers the hint (the longest
+// retryDelay is the delay before the attempt after attempt: the Backoff's
+// one, or the shortest of its delays that covers the hint (the longest
 // when none does).
 func (c *Consumer) retryDelay(attempt int, hint time.Duration) time.Duration {
-	ds := c.opts.RetryDelays
+	ds := c.delays
 	d := ds[min(max(attempt, 1), len(ds))-1]
 	if hint > d {
 		d = c.delays[len(c.delays)-1]
@@ -1264,9 +1259,15 @@ func (c *Consumer) retryDelay(attempt int, hint time.Duration) time.Duration {
 func (c *Consumer) deadLetter(hctx context.Context, s *consSession, d *amqp091.Delivery, msg *consumer.Message, reason consumer.Outcome, cause error) settlement {
 	p := c.copyOf(d, msg.Attempt)
 	p.MessageId = c.deadLetterID(d, msg)
-	p.Headers[HeaderReason] = string(reason)
+	p.Headers[consumer.HeaderID] = p.MessageId
+	p.Headers[consumer.HeaderReason] = string(reason)
+	attempts := msg.Attempt
+	if exhausted := (*consumer.RetriesExhaustedError)(nil); errors.As(cause, &exhausted) {
+		attempts = max(attempts, exhausted.Attempts)
+	}
+	p.Headers[consumer.HeaderAttempts] = int32(min(attempts, 1<<30))
 	if cause != nil {
-		p.Headers[HeaderError] = consTruncate(cause.Error())
+		p.Headers[consumer.HeaderError] = consTruncate(cause.Error())
 	}
 	if s.isDead() {
 		return c.abandon()
@@ -1378,7 +1379,7 @@ func (c *Consumer) copyOf(d *amqp091.Delivery, attempt int) amqp091.Publishing {
 	// on counting every wait of the message.
 	delete(h, HeaderWaitingSince)
 	h[HeaderAttempt] = int32(min(attempt, 1<<30))
-	h[HeaderQueue] = c.queue
+	h[consumer.HeaderSource] = c.queue
 	if _, ok := h[HeaderExchange]; !ok {
 		h[HeaderExchange] = d.Exchange
 		h[HeaderRoutingKey] = d.RoutingKey

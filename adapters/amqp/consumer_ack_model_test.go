@@ -113,7 +113,7 @@ func (m *consBrokerModel) nack(tag uint64) {
 func consModelAcker(t *testing.T, prefetch, concurrency int, linger, delay time.Duration, m *consBrokerModel) (*Consumer, *consSession, *consAcker) {
 	t.Helper()
 	h := consumer.HandlerFunc(func(context.Context, *consumer.Message) error { return nil })
-	c, err := NewConsumer(testenv.AMQPURL(), "model", h, ConsumerOptions{Prefetch: prefetch, Concurrency: concurrency, Logger: consQuiet()})
+	c, err := NewConsumer(testenv.AMQPURL(), "model", h, ConsumerOptions{Prefetch: prefetch, Concurrency: concurrency, Telemetry: consumer.Telemetry{Logger: consQuiet()}})
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -254,8 +254,8 @@ func TestConsumerAckMixedWindow(t *testing.T) {
 	var ids []string
 	for _, d := range dead {
 		ids = append(ids, d.MessageId)
-		if d.Headers[HeaderReason] != "permanent" {
-			t.Errorf("dead letter %s: reason %v", d.MessageId, d.Headers[HeaderReason])
+		if d.Headers[consumer.HeaderReason] != "permanent" {
+			t.Errorf("dead letter %s: reason %v", d.MessageId, d.Headers[consumer.HeaderReason])
 		}
 	}
 	slices.Sort(ids)

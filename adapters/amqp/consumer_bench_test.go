@@ -133,11 +133,14 @@ func consBenchIdem(b *testing.B, url, queue string, dedupMW consumer.Middleware,
 	all := make(chan struct{})
 	h := consumer.Chain(consumer.HandlerFunc(func(context.Context, *consumer.Message) error { return nil }), consumer.Recover(), dedupMW)
 	c, err := NewConsumer(url, queue, h, ConsumerOptions{
-		Prefetch: 100, Concurrency: concurrency, InFlight: inFlight, Logger: consQuiet(), RetryDelays: []time.Duration{time.Second},
-		OnOutcome: func(_ context.Context, r consumer.Report) {
-			if r.Result.Action == consumer.ActionAck && acked.Add(1) == consBenchN {
-				close(all)
-			}
+		Prefetch: 100, Concurrency: concurrency, InFlight: inFlight, Backoff: consumer.Backoff{Initial: time.Second, Max: time.Second},
+		Telemetry: consumer.Telemetry{
+			Logger: consQuiet(),
+			OnOutcome: func(_ context.Context, r consumer.Report) {
+				if r.Result.Action == consumer.ActionAck && acked.Add(1) == consBenchN {
+					close(all)
+				}
+			},
 		},
 	})
 	if err != nil {

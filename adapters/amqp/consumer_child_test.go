@@ -82,7 +82,7 @@ func consRunChild() int {
 	if err != nil {
 		return fail(err)
 	}
-	opts := ConsumerOptions{Concurrency: 4, Prefetch: 50, Logger: consQuiet(), RetryDelays: consTestDelays}
+	opts := ConsumerOptions{Concurrency: 4, Prefetch: 50, Backoff: consTestBackoff, Telemetry: consumer.Telemetry{Logger: consQuiet()}}
 	var before func(context.Context, *consumer.Message) error
 	if os.Getenv(consChildEnv) == "poison" {
 		opts.QuorumQueue, opts.MaxDeliveries = true, consPoisonMaxDeliveries

@@ -53,11 +53,15 @@ func TestConsumerConn(t *testing.T) {
 		t.Error("NewConsumerConn accepted Dial")
 	}
 	var abandoned atomic.Int64 // reported as a retry whose error wraps amqp091.ErrClosed
-	c, err := NewConsumerConn(conn, q, h, consOpts(ConsumerOptions{OnOutcome: func(_ context.Context, r consumer.Report) {
-		if r.Result.Action == consumer.ActionRetry && errors.Is(r.Err, amqp091.ErrClosed) && r.Message.ID == "close-channel" {
-			abandoned.Add(1)
-		}
-	}}))
+	c, err := NewConsumerConn(conn, q, h, consOpts(ConsumerOptions{
+		Telemetry: consumer.Telemetry{
+			OnOutcome: func(_ context.Context, r consumer.Report) {
+				if r.Result.Action == consumer.ActionRetry && errors.Is(r.Err, amqp091.ErrClosed) && r.Message.ID == "close-channel" {
+					abandoned.Add(1)
+				}
+			},
+		},
+	}))
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -45,10 +45,12 @@ func ExampleNewConsumer() {
 	c, err := idemamqp.NewConsumer(url, queue, h, idemamqp.ConsumerOptions{
 		Prefetch:    100,
 		Concurrency: 1,
-		RetryDelays: []time.Duration{time.Second}, // one retry queue: <queue>.retry.1000ms
-		NotDurable:  true,                         // a throw-away queue for the example
-		OnOutcome: func(context.Context, consumer.Report) {
-			settled <- struct{}{}
+		Backoff:     consumer.Backoff{Initial: time.Second, Max: time.Second}, // one retry queue: <queue>.retry.1000ms
+		NotDurable:  true,                                                     // a throw-away queue for the example
+		Telemetry: consumer.Telemetry{
+			OnOutcome: func(context.Context, consumer.Report) {
+				settled <- struct{}{}
+			},
 		},
 	})
 	if err != nil {

@@ -258,11 +258,14 @@ func TestConsumerWaitsDoNotSpendAttempts(t *testing.T) {
 	}), consumer.Recover(), dd)
 	var waits atomic.Int64
 	c, err := NewConsumer(url, q, h, consOpts(ConsumerOptions{MaxAttempts: 3,
-		OnOutcome: func(_ context.Context, r consumer.Report) {
-			if r.Result.Reason == consumer.OutcomeInFlight && r.Result.Action == consumer.ActionRetry && waits.Add(1) == 3 {
-				release()
-			}
-		}}))
+		Telemetry: consumer.Telemetry{
+			OnOutcome: func(_ context.Context, r consumer.Report) {
+				if r.Result.Reason == consumer.OutcomeInFlight && r.Result.Action == consumer.ActionRetry && waits.Add(1) == 3 {
+					release()
+				}
+			},
+		},
+	}))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -282,8 +285,8 @@ func TestConsumerWaitsDoNotSpendAttempts(t *testing.T) {
 	d := dead[0]
 	n, _ := consHeaderInt(d.Headers[HeaderAttempt])
 	w, _ := consHeaderInt(d.Headers[HeaderWaits])
-	if d.Headers[HeaderReason] != string(consumer.OutcomeRetriesExhausted) || n != 3 || w != 3 {
-		t.Errorf("dead letter: %s %v, %s %d, %s %d; want retries_exhausted, 3, 3", HeaderReason, d.Headers[HeaderReason], HeaderAttempt, n, HeaderWaits, w)
+	if d.Headers[consumer.HeaderReason] != string(consumer.OutcomeRetriesExhausted) || n != 3 || w != 3 {
+		t.Errorf("dead letter: %s %v, %s %d, %s %d; want retries_exhausted, 3, 3", consumer.HeaderReason, d.Headers[consumer.HeaderReason], HeaderAttempt, n, HeaderWaits, w)
 	}
 }
 
@@ -304,12 +307,15 @@ func TestConsumerMaxWait(t *testing.T) {
 	}), consumer.Recover(), dd)
 	var verdict atomic.Value
 	c, err := NewConsumer(url, q, h, consOpts(ConsumerOptions{MaxWait: time.Millisecond,
-		OnOutcome: func(_ context.Context, r consumer.Report) {
-			if r.Result.Action == consumer.ActionDeadLetter {
-				res, reason := verdictOf(r.Result)
-				verdict.Store(res + " " + reason)
-			}
-		}}))
+		Telemetry: consumer.Telemetry{
+			OnOutcome: func(_ context.Context, r consumer.Report) {
+				if r.Result.Action == consumer.ActionDeadLetter {
+					res, reason := verdictOf(r.Result)
+					verdict.Store(res + " " + reason)
+				}
+			},
+		},
+	}))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -328,9 +334,9 @@ func TestConsumerMaxWait(t *testing.T) {
 		t.Fatalf("%d dead letters, want 1", len(dead))
 	}
 	d := dead[0]
-	e, _ := d.Headers[HeaderError].(string)
-	if d.Headers[HeaderReason] != string(ReasonWaitLimit) || !strings.Contains(e, "MaxWait 1ms") || !strings.Contains(e, "in flight") {
-		t.Errorf("dead letter: %s %v, %s %q", HeaderReason, d.Headers[HeaderReason], HeaderError, e)
+	e, _ := d.Headers[consumer.HeaderError].(string)
+	if d.Headers[consumer.HeaderReason] != string(ReasonWaitLimit) || !strings.Contains(e, "MaxWait 1ms") || !strings.Contains(e, "in flight") {
+		t.Errorf("dead letter: %s %v, %s %q", consumer.HeaderReason, d.Headers[consumer.HeaderReason], consumer.HeaderError, e)
 	}
 	if n, _ := consHeaderInt(d.Headers[HeaderAttempt]); n > 1 {
 		t.Errorf("dead letter %s = %d; waits must not count as attempts", HeaderAttempt, n)

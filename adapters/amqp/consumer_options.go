@@ -6,20 +6,22 @@ import (
 	"fmt"
 	"log/slog"
 	"maps"
-	"slices"
 	"time"
 
-	amqp091 "github.com/rabbitmq/amqp091-go"
-	"go.opentelemetry.io/otel/metric"
-	"go.opentelemetry.io/otel/propagation"
-	"go.opentelemetry.io/otel/trace"
-
 	"github.com/idemkit/idem/consumer"
+	"github.com/idemkit/idem/internal/defaults"
 	"github.com/idemkit/idem/internal/telemetry"
+	amqp091 "github.com/rabbitmq/amqp091-go"
+	"go.opentelemetry.io/otel/propagation"
 )
 
 // Headers the Consumer sets on the copies it publishes to its retry queues
-// and to its dead-letter exchange.
+// and to its dead-letter exchange, besides consumer's dead-letter headers:
+// consumer.HeaderSource (the work queue the copy was consumed from) on
+// every copy, consumer.HeaderError (the handler's error, at most 1 KiB: on
+// a retried copy the last error) on every copy of a failed delivery, and
+// on a dead letter consumer.HeaderReason, consumer.HeaderAttempts (an
+// int32) and consumer.HeaderID (its message id).
 const (
 	// HeaderAttempt is the delivery attempt, 1-based, of the copy: absent
 	// on a message as the producer sent it (attempt 1), then 2, 3, ... on
@@ -30,29 +32,19 @@ const (
 	// reason, so with several retry queues no single entry is the attempt.
 	// A broker redelivery (a worker crashed, a channel closed) does not
 	// change it: only a retry the consumer decided counts.
-	HeaderAttempt = "x-idem-attempt"
-	// HeaderReason is why the message was dead-lettered: a
-	// consumer.Outcome such as "permanent", "invalid_key",
-	// "fingerprint_mismatch" or "retries_exhausted".
-	HeaderReason = "x-idem-reason"
+	HeaderAttempt = "idem-attempt"
 	// HeaderWaits counts the retries of a message whose key another owner
 	// held (in_flight, lease_lost): absent on a message as the producer
 	// sent it, then 1, 2, ... on each such copy; those retries leave
 	// HeaderAttempt alone. HeaderWaitingSince is when the first of them
 	// happened (Unix milliseconds): what ConsumerOptions.MaxWait bounds.
-	HeaderWaits        = "x-idem-waits"
-	HeaderWaitingSince = "x-idem-waiting-since"
-	// HeaderError is the handler's error text (at most 1 KiB) on a
-	// dead-lettered message, or on a retried one the last error.
-	HeaderError = "x-idem-error"
-	// HeaderQueue is the work queue a dead-lettered or retried message was
-	// consumed from.
-	HeaderQueue = "x-idem-queue"
+	HeaderWaits        = "idem-waits"
+	HeaderWaitingSince = "idem-waiting-since"
 	// HeaderExchange and HeaderRoutingKey keep the exchange and routing key
 	// of the original delivery on the retried and dead-lettered copies,
 	// which travel through the default exchange.
-	HeaderExchange   = "x-idem-exchange"
-	HeaderRoutingKey = "x-idem-routing-key"
+	HeaderExchange   = consumer.HeaderPrefix + "exchange"
+	HeaderRoutingKey = consumer.HeaderPrefix + "routing-key"
 
 	// HeaderDeliveryCount is the header in which quorum queues report how
 	// many earlier deliveries of a message were returned unsettled. The
@@ -68,16 +60,16 @@ const (
 	// its worker while holding a lease (the next delivery waits for the
 	// lease, on a fresh copy) is still bounded. Copies for other reasons
 	// drop it.
-	HeaderReturns = "x-idem-returns"
+	HeaderReturns = "idem-returns"
 )
 
-// ReasonRedeliveryLimit is the HeaderReason (and the Result.Reason in the
+// ReasonRedeliveryLimit is the consumer.HeaderReason (and the Result.Reason in the
 // OnOutcome report) of a message dead-lettered because the broker delivered it more
 // than ConsumerOptions.MaxDeliveries times without it being settled: it
 // crashed or stalled every worker that took it.
 const ReasonRedeliveryLimit consumer.Outcome = "redelivery_limit"
 
-// ReasonWaitLimit is the HeaderReason (and the Result.Reason in the
+// ReasonWaitLimit is the consumer.HeaderReason (and the Result.Reason in the
 // OnOutcome report, and the verdict's idem.reason) of a message
 // dead-lettered because its key was held by another owner (in_flight,
 // lease_lost) for longer than ConsumerOptions.MaxWait.
@@ -204,7 +196,7 @@ type ConsumerOptions struct {
 	// connect, what the Consumer needs:
 	//
 	//   - the work queue, each retry queue ("<queue>.retry.<ms>ms", one
-	//     per distinct RetryDelays entry) and DeadLetterExchange exist
+	//     per delay of Backoff) and DeadLetterExchange exist
 	//     (passive declares);
 	//   - each retry queue dead-letters expired messages to the default
 	//     exchange with the work queue's name as routing key: it has the
@@ -231,12 +223,15 @@ type ConsumerOptions struct {
 	// declares it again after a returned copy).
 	NoDeclare bool
 
-	// RetryDelays are the delays before the 2nd, 3rd, ... attempt; the last
-	// one repeats. Each distinct delay gets its own retry queue
-	// ("<queue>.retry.<ms>ms"), because RabbitMQ expires messages only at
-	// the head of a queue: in one shared queue a short delay would wait
-	// behind a long one. Defaults to 1s, 5s, 30s, 2m.
-	RetryDelays []time.Duration
+	// Backoff gives the delays before the 2nd, 3rd, ... attempt:
+	// Backoff.Delay(1), Delay(2), ... in whole milliseconds, up to the
+	// first that reaches Backoff.Max, which then repeats. Each delay gets
+	// its own retry queue ("<queue>.retry.<ms>ms"), because RabbitMQ
+	// expires messages only at the head of a queue: in one shared queue a
+	// short delay would wait behind a long one. Initial must be at least
+	// 1ms, Max at most 24h, and the delays at most 32 retry queues.
+	// Defaults to Initial 1s, Max 2m, Factor 5: 1s, 5s, 25s, 2m.
+	Backoff consumer.Backoff
 	// MaxAttempts bounds the attempts of a message that keeps failing with
 	// a transient error, the first included; the next failure
 	// dead-letters it with reason retries_exhausted. Only the deliveries
@@ -248,7 +243,7 @@ type ConsumerOptions struct {
 	// MaxWait bounds how long a message may wait for a key another owner
 	// holds (in_flight: a copy still running elsewhere, or a lease a dead
 	// worker left until it expires; lease_lost). Such a message waits in
-	// the retry queues (the delay is RetryDelays' by wait count, or longer
+	// the retry queues (the delay is Backoff's by wait count, or longer
 	// when the store says how long the lease has left), without spending
 	// attempts; it counts its waits in HeaderWaits and the time of the
 	// first in HeaderWaitingSince. A wait more than MaxWait after the
@@ -272,15 +267,19 @@ type ConsumerOptions struct {
 	// context ended before their context is cancelled too. Defaults to
 	// 30s.
 	ShutdownTimeout time.Duration
-	// ReconnectBackoff is the first delay before redialling; it doubles up
-	// to MaxReconnectBackoff. Defaults to 100ms and 10s.
-	ReconnectBackoff, MaxReconnectBackoff time.Duration
+	// ReconnectBackoff spaces the redials after a lost or refused
+	// connection (ReconnectBackoff.Delay, spread ±20%). Defaults to
+	// Initial 100ms, Max 10s, Factor 2.
+	ReconnectBackoff consumer.Backoff
 
+	// Telemetry: the Consumer's metrics, spans, logs and outcome reports
+	// (consumer's block, shared by every adapter).
+	//
 	// Logger receives warnings (reconnects, dead letters, failed copies),
 	// with the context of the delivery's span when there is one. Message
 	// ids appear only hashed (message_id_hash, dedup.HashKey with an empty
 	// scope), routing keys and bodies never. Defaults to slog.Default().
-	Logger *slog.Logger
+	//
 	// OnOutcome, if set, is called once per delivery, after it was
 	// settled, with its consumer.Report: Result is the verdict the
 	// Consumer carried out, Outcome is Result's (Result.Outcome), and
@@ -306,15 +305,14 @@ type ConsumerOptions struct {
 	// (coalesced) ack was written, or given up, possibly from another
 	// handler's goroutine or the consumer's own; its ctx is the
 	// delivery's. It must be fast and safe for concurrent use.
-	OnOutcome func(ctx context.Context, r consumer.Report)
-
+	//
 	// MeterProvider receives idem.messages (each delivery's verdict: ack,
 	// retry or dead_letter, with the dead-letter reason) and
 	// messaging.process.duration, with the attributes messaging.system
 	// "rabbitmq" and messaging.destination.name the queue (README,
 	// "Operating idem"). Defaults to the OpenTelemetry global, a no-op
 	// until the application installs a provider.
-	MeterProvider metric.MeterProvider
+	//
 	// TracerProvider starts a consumer span "process <queue>" for each
 	// delivery, continuing the trace found in its headers (the traceparent
 	// the outbox stored at Enqueue time; retried copies keep it). The
@@ -323,7 +321,8 @@ type ConsumerOptions struct {
 	// OpenTelemetry global, a no-op until the application installs a
 	// provider: until then (and with OpenTelemetry's noop provider) no span
 	// is started and the headers are not read.
-	TracerProvider trace.TracerProvider
+	consumer.Telemetry
+
 	// Propagator reads the trace context from the delivery's headers (see
 	// TableCarrier). Defaults to W3C Trace Context (traceparent,
 	// tracestate), what the outbox stores.
@@ -331,8 +330,20 @@ type ConsumerOptions struct {
 }
 
 func (o *ConsumerOptions) consSetDefaults(queue string) error {
-	if o.Prefetch < 0 || o.Concurrency < 0 || o.InFlight < 0 || o.MaxAttempts < 0 {
-		return fmt.Errorf("amqp: ConsumerOptions: Prefetch (%d), Concurrency (%d), InFlight (%d) and MaxAttempts (%d) must not be negative", o.Prefetch, o.Concurrency, o.InFlight, o.MaxAttempts)
+	c := defaults.New("amqp: ConsumerOptions")
+	c.Int("Prefetch", &o.Prefetch, 100)
+	c.Int("Concurrency", &o.Concurrency, 1)
+	c.NotNegative("InFlight", o.InFlight)
+	c.Int("MaxAttempts", &o.MaxAttempts, 5)
+	c.Duration("PublishTimeout", &o.PublishTimeout, 10*time.Second)
+	c.Duration("ShutdownTimeout", &o.ShutdownTimeout, 30*time.Second)
+	var err error
+	o.ReconnectBackoff, err = o.ReconnectBackoff.WithDefaults(defaultReconnectBackoff)
+	c.Wrap("ReconnectBackoff", err)
+	o.Backoff, err = o.Backoff.WithDefaults(defaultRetryBackoff)
+	c.Wrap("Backoff", err)
+	if err := c.Err(); err != nil {
+		return err
 	}
 	if err := o.setQueueDefaults(); err != nil {
 		return err
@@ -358,7 +369,7 @@ func (o *ConsumerOptions) consSetDefaults(queue string) error {
 	if o.Propagator == nil {
 		o.Propagator = telemetry.DefaultPropagator
 	}
-	for _, n := range []string{queue, o.DeadLetterExchange, o.DeadLetterQueue, consRetryQueue(queue, o.RetryDelays[0])} {
+	for _, n := range []string{queue, o.DeadLetterExchange, o.DeadLetterQueue, consRetryQueue(queue, o.Backoff.Max)} {
 		if len(n) > 255 {
 			return fmt.Errorf("amqp: queue or exchange name %.40q... is longer than 255 bytes", n)
 		}
@@ -391,15 +402,9 @@ func (o *ConsumerOptions) setQueueDefaults() error {
 	return nil
 }
 
-// setFlowDefaults checks and completes Prefetch, Concurrency and InFlight,
-// and the timeouts and backoffs.
+// setFlowDefaults completes InFlight from Prefetch and Concurrency, and
+// checks it.
 func (o *ConsumerOptions) setFlowDefaults() error {
-	if o.Prefetch == 0 {
-		o.Prefetch = 100
-	}
-	if o.Concurrency == 0 {
-		o.Concurrency = 1
-	}
 	switch {
 	case o.InFlight == 0 && o.Concurrency > 1:
 		o.InFlight = min(8*o.Concurrency, max(o.Prefetch, o.Concurrency))
@@ -408,48 +413,56 @@ func (o *ConsumerOptions) setFlowDefaults() error {
 	case o.InFlight < o.Concurrency || o.InFlight > max(o.Prefetch, o.Concurrency):
 		return fmt.Errorf("amqp: ConsumerOptions.InFlight is %d; it must lie between Concurrency (%d) and Prefetch (%d)", o.InFlight, o.Concurrency, o.Prefetch)
 	}
-	for _, d := range []struct {
-		name string
-		v    *time.Duration
-		def  time.Duration
-	}{
-		{"PublishTimeout", &o.PublishTimeout, 10 * time.Second},
-		{"ShutdownTimeout", &o.ShutdownTimeout, 30 * time.Second},
-		{"ReconnectBackoff", &o.ReconnectBackoff, 100 * time.Millisecond},
-		{"MaxReconnectBackoff", &o.MaxReconnectBackoff, 10 * time.Second},
-	} {
-		if *d.v < 0 {
-			return fmt.Errorf("amqp: ConsumerOptions.%s is %v; it must not be negative (zero means the default)", d.name, *d.v)
-		}
-		if *d.v == 0 {
-			*d.v = d.def
-		}
+	return nil
+}
+
+// setRetryDefaults completes MaxWait and checks the retry queues Backoff
+// makes.
+func (o *ConsumerOptions) setRetryDefaults() error {
+	if o.MaxWait == 0 {
+		o.MaxWait = time.Hour
 	}
-	if o.MaxReconnectBackoff < o.ReconnectBackoff {
-		return fmt.Errorf("amqp: ConsumerOptions.MaxReconnectBackoff %v is shorter than ReconnectBackoff %v", o.MaxReconnectBackoff, o.ReconnectBackoff)
+	switch b := o.Backoff; {
+	case b.Initial < time.Millisecond:
+		return fmt.Errorf("amqp: ConsumerOptions.Backoff.Initial is %v; it must be at least 1ms (a retry queue's message TTL is in milliseconds)", b.Initial)
+	case b.Max > 24*time.Hour:
+		return fmt.Errorf("amqp: ConsumerOptions.Backoff.Max is %v; it must be at most 24h", b.Max)
+	case len(o.retryDelays()) > maxRetryQueues:
+		return fmt.Errorf("amqp: ConsumerOptions.Backoff (Initial %v, Max %v, Factor %v) makes more than %d retry queues; raise Initial or Factor, or lower Max", b.Initial, b.Max, b.Factor, maxRetryQueues)
 	}
 	return nil
 }
 
-// setRetryDefaults checks and completes MaxAttempts, MaxWait and
-// RetryDelays.
-func (o *ConsumerOptions) setRetryDefaults() error {
-	if o.MaxAttempts == 0 {
-		o.MaxAttempts = 5
-	}
-	if o.MaxWait == 0 {
-		o.MaxWait = time.Hour
-	}
-	if len(o.RetryDelays) == 0 {
-		o.RetryDelays = []time.Duration{time.Second, 5 * time.Second, 30 * time.Second, 2 * time.Minute}
-	}
-	o.RetryDelays = slices.Clone(o.RetryDelays)
-	for _, d := range o.RetryDelays {
-		if d < time.Millisecond || d > 24*time.Hour {
-			return fmt.Errorf("amqp: ConsumerOptions.RetryDelays: %v is out of range [1ms, 24h]", d)
+// Backoff defaults.
+var (
+	defaultRetryBackoff     = consumer.Backoff{Initial: time.Second, Max: 2 * time.Minute, Factor: 5}
+	defaultReconnectBackoff = consumer.Backoff{Initial: 100 * time.Millisecond, Max: 10 * time.Second, Factor: 2}
+)
+
+// maxRetryQueues bounds the retry queues one Backoff makes.
+const maxRetryQueues = 32
+
+// retryDelays returns the delays of Backoff, one per retry queue, in
+// increasing order: Delay(1), Delay(2), ... rounded to the millisecond, up
+// to the first that reaches Max (or stops growing), at most
+// maxRetryQueues+1 of them.
+func (o *ConsumerOptions) retryDelays() []time.Duration {
+	var ds []time.Duration
+	prev := time.Duration(-1)
+	for n := 1; len(ds) <= maxRetryQueues; n++ {
+		raw := o.Backoff.Delay(n)
+		if raw == prev {
+			break
+		}
+		prev = raw
+		if d := raw.Round(time.Millisecond); len(ds) == 0 || d > ds[len(ds)-1] {
+			ds = append(ds, d)
+		}
+		if raw >= o.Backoff.Max {
+			break
 		}
 	}
-	return nil
+	return ds
 }
 
 const consQueueTypeArg = "x-queue-type"

@@ -73,7 +73,7 @@ func TestConsumerQuorumOptions(t *testing.T) {
 
 // A message that "crashes" its worker every time (the handler closes the
 // delivery's channel, so the delivery dies unsettled and the broker
-// redelivers it with x-idem-attempt unchanged) on a quorum queue: after
+// redelivers it with idem-attempt unchanged) on a quorum queue: after
 // MaxDeliveries deliveries the next one is dead-lettered with reason
 // redelivery_limit without running the handler, and the worker goes on.
 func TestConsumerQuorumRedeliveryLimit(t *testing.T) {
@@ -96,10 +96,12 @@ func TestConsumerQuorumRedeliveryLimit(t *testing.T) {
 	var limited atomic.Int32
 	c, err := NewConsumer(url, q, h, consOpts(ConsumerOptions{
 		QuorumQueue: true, MaxDeliveries: maxDeliveries, Prefetch: 1,
-		OnOutcome: func(_ context.Context, r consumer.Report) {
-			if r.Result.Reason == ReasonRedeliveryLimit && r.Result.Action == consumer.ActionDeadLetter {
-				limited.Add(1)
-			}
+		Telemetry: consumer.Telemetry{
+			OnOutcome: func(_ context.Context, r consumer.Report) {
+				if r.Result.Reason == ReasonRedeliveryLimit && r.Result.Action == consumer.ActionDeadLetter {
+					limited.Add(1)
+				}
+			},
 		},
 	}))
 	if err != nil {
@@ -132,13 +134,13 @@ func TestConsumerQuorumRedeliveryLimit(t *testing.T) {
 		t.Fatalf("%d messages in the dead-letter queue, want 1", len(dead))
 	}
 	d := dead[0]
-	if d.MessageId != "poison-0" || d.Headers[HeaderReason] != string(ReasonRedeliveryLimit) {
-		t.Errorf("dead letter %q with reason %v, want poison-0 with %s", d.MessageId, d.Headers[HeaderReason], ReasonRedeliveryLimit)
+	if d.MessageId != "poison-0" || d.Headers[consumer.HeaderReason] != string(ReasonRedeliveryLimit) {
+		t.Errorf("dead letter %q with reason %v, want poison-0 with %s", d.MessageId, d.Headers[consumer.HeaderReason], ReasonRedeliveryLimit)
 	}
 	if _, ok := d.Headers[HeaderDeliveryCount]; ok {
 		t.Errorf("the dead letter kept %s: %v", HeaderDeliveryCount, d.Headers)
 	}
-	t.Logf("dead letter: reason %v, error %q", d.Headers[HeaderReason], d.Headers[HeaderError])
+	t.Logf("dead letter: reason %v, error %q", d.Headers[consumer.HeaderReason], d.Headers[consumer.HeaderError])
 	if n := consDepth(t, url, q); n != 0 {
 		t.Errorf("%d messages left in the queue", n)
 	}
@@ -216,10 +218,10 @@ func TestConsumerQuorumCrashLoopSparesNeighbours(t *testing.T) {
 			dead := consGetAll(t, url, q+".dlq")
 			var ids []string
 			for _, d := range dead {
-				ids = append(ids, fmt.Sprintf("%s (%v)", d.MessageId, d.Headers[HeaderReason]))
+				ids = append(ids, fmt.Sprintf("%s (%v)", d.MessageId, d.Headers[consumer.HeaderReason]))
 			}
 			t.Logf("%d deaths; dead letters: %v", deaths, ids)
-			if len(dead) != 1 || dead[0].MessageId != "poison" || dead[0].Headers[HeaderReason] != string(ReasonRedeliveryLimit) {
+			if len(dead) != 1 || dead[0].MessageId != "poison" || dead[0].Headers[consumer.HeaderReason] != string(ReasonRedeliveryLimit) {
 				t.Errorf("dead letters %v, want only poison (%s)", ids, ReasonRedeliveryLimit)
 			}
 			rows, distinct := o.counts(t)
@@ -267,10 +269,12 @@ func TestConsumerQuorumRedeliveryLimitAcrossWaits(t *testing.T) {
 	var waits atomic.Int32
 	c, err := NewConsumer(url, q, h, consOpts(ConsumerOptions{
 		QuorumQueue: true, MaxDeliveries: maxDeliveries, Prefetch: 1,
-		OnOutcome: func(_ context.Context, r consumer.Report) {
-			if r.Result.Reason == consumer.OutcomeInFlight {
-				waits.Add(1)
-			}
+		Telemetry: consumer.Telemetry{
+			OnOutcome: func(_ context.Context, r consumer.Report) {
+				if r.Result.Reason == consumer.OutcomeInFlight {
+					waits.Add(1)
+				}
+			},
 		},
 	}))
 	if err != nil {
@@ -292,7 +296,7 @@ func TestConsumerQuorumRedeliveryLimitAcrossWaits(t *testing.T) {
 		t.Error("no delivery waited for the held key: the test did not test the waits")
 	}
 	dead := consGetAll(t, url, q+".dlq")
-	if len(dead) != 1 || dead[0].Headers[HeaderReason] != string(ReasonRedeliveryLimit) {
+	if len(dead) != 1 || dead[0].Headers[consumer.HeaderReason] != string(ReasonRedeliveryLimit) {
 		t.Fatalf("%d dead letters, want poison-0 with %s", len(dead), ReasonRedeliveryLimit)
 	}
 	if _, ok := dead[0].Headers[HeaderReturns]; ok {
@@ -588,11 +592,11 @@ func TestConsumerQuorumCrashLoopSeveralWorkers(t *testing.T) {
 			perCrash := map[string]int{}
 			var wrong []string
 			for _, d := range dead {
-				if strings.HasPrefix(d.MessageId, "poison-") && d.Headers[HeaderReason] == string(ReasonRedeliveryLimit) {
+				if strings.HasPrefix(d.MessageId, "poison-") && d.Headers[consumer.HeaderReason] == string(ReasonRedeliveryLimit) {
 					perCrash[d.MessageId]++
 					continue
 				}
-				wrong = append(wrong, fmt.Sprintf("%s (%v, %v deliveries)", d.MessageId, d.Headers[HeaderReason], d.Headers[HeaderError]))
+				wrong = append(wrong, fmt.Sprintf("%s (%v, %v deliveries)", d.MessageId, d.Headers[consumer.HeaderReason], d.Headers[consumer.HeaderError]))
 			}
 			innocentDead += len(wrong)
 			for i := range crashes {

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"math/rand/v2"
+	"slices"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -19,17 +20,21 @@ import (
 	"github.com/idemkit/idem/internal/testkit/testenv"
 )
 
-// consTestDelays are short retry delays, distinct so that x-death shows
-// which retry queue each retry went through.
-var consTestDelays = []time.Duration{20 * time.Millisecond, 40 * time.Millisecond, 80 * time.Millisecond}
+// consTestBackoff makes short retry delays, distinct so that x-death
+// shows which retry queue each retry went through: consTestDelays, 20ms,
+// 40ms and 80ms.
+var (
+	consTestBackoff = consumer.Backoff{Initial: 20 * time.Millisecond, Max: 80 * time.Millisecond, Factor: 2}
+	consTestDelays  = (&ConsumerOptions{Backoff: consTestBackoff}).retryDelays()
+)
 
 func consOpts(o ConsumerOptions) ConsumerOptions {
 	o.Logger = consQuiet()
-	if o.RetryDelays == nil {
-		o.RetryDelays = consTestDelays
+	if o.Backoff == (consumer.Backoff{}) {
+		o.Backoff = consTestBackoff
 	}
-	if o.ReconnectBackoff == 0 {
-		o.ReconnectBackoff = 20 * time.Millisecond
+	if o.ReconnectBackoff == (consumer.Backoff{}) {
+		o.ReconnectBackoff = consumer.Backoff{Initial: 20 * time.Millisecond}
 	}
 	return o
 }
@@ -59,7 +64,19 @@ func TestNewConsumerValidates(t *testing.T) {
 			return err
 		},
 		"tiny delay": func() error {
-			_, err := NewConsumer(testenv.AMQPURL(), "q", h, ConsumerOptions{RetryDelays: []time.Duration{0}})
+			_, err := NewConsumer(testenv.AMQPURL(), "q", h, ConsumerOptions{Backoff: consumer.Backoff{Initial: time.Microsecond}})
+			return err
+		},
+		"long delay": func() error {
+			_, err := NewConsumer(testenv.AMQPURL(), "q", h, ConsumerOptions{Backoff: consumer.Backoff{Max: 25 * time.Hour}})
+			return err
+		},
+		"too many retry queues": func() error {
+			_, err := NewConsumer(testenv.AMQPURL(), "q", h, ConsumerOptions{Backoff: consumer.Backoff{Initial: time.Millisecond, Max: time.Hour, Factor: 1.1}})
+			return err
+		},
+		"factor below 1": func() error {
+			_, err := NewConsumer(testenv.AMQPURL(), "q", h, ConsumerOptions{Backoff: consumer.Backoff{Factor: 0.5}})
 			return err
 		},
 		"in flight below concurrency": func() error {
@@ -75,7 +92,7 @@ func TestNewConsumerValidates(t *testing.T) {
 			return err
 		},
 		"backoff order": func() error {
-			_, err := NewConsumer(testenv.AMQPURL(), "q", h, ConsumerOptions{ReconnectBackoff: time.Minute, MaxReconnectBackoff: time.Second})
+			_, err := NewConsumer(testenv.AMQPURL(), "q", h, ConsumerOptions{ReconnectBackoff: consumer.Backoff{Initial: time.Minute, Max: time.Second}})
 			return err
 		},
 	} {
@@ -87,17 +104,20 @@ func TestNewConsumerValidates(t *testing.T) {
 
 func TestConsumerRetryDelay(t *testing.T) {
 	c, err := NewConsumer(testenv.AMQPURL(), "q", consumer.HandlerFunc(func(context.Context, *consumer.Message) error { return nil }),
-		ConsumerOptions{RetryDelays: []time.Duration{time.Second, 5 * time.Second, 30 * time.Second}})
+		ConsumerOptions{})
 	if err != nil {
 		t.Fatal(err)
+	}
+	if got, want := c.delays, []time.Duration{time.Second, 5 * time.Second, 25 * time.Second, 2 * time.Minute}; !slices.Equal(got, want) {
+		t.Fatalf("default retry delays %v, want %v", got, want)
 	}
 	for _, tc := range []struct {
 		attempt int
 		hint    time.Duration
 		want    time.Duration
 	}{
-		{1, 0, time.Second}, {2, 0, 5 * time.Second}, {3, 0, 30 * time.Second}, {9, 0, 30 * time.Second},
-		{1, 2 * time.Second, 5 * time.Second}, {1, time.Minute, 30 * time.Second}, {2, time.Second, 5 * time.Second},
+		{1, 0, time.Second}, {2, 0, 5 * time.Second}, {3, 0, 25 * time.Second}, {4, 0, 2 * time.Minute}, {9, 0, 2 * time.Minute},
+		{1, 2 * time.Second, 5 * time.Second}, {1, time.Minute, 2 * time.Minute}, {1, time.Hour, 2 * time.Minute}, {2, time.Second, 5 * time.Second},
 	} {
 		if got := c.retryDelay(tc.attempt, tc.hint); got != tc.want {
 			t.Errorf("retryDelay(%d, %v) = %v, want %v", tc.attempt, tc.hint, got, tc.want)
@@ -319,17 +339,23 @@ func TestConsumerRetryBoundAndDelay(t *testing.T) {
 			t.Errorf("%s is not in the dead-letter queue", id)
 			continue
 		}
-		if r, _ := d.Headers[HeaderReason].(string); r != want.reason {
-			t.Errorf("%s: %s = %q, want %q", id, HeaderReason, r, want.reason)
+		if r, _ := d.Headers[consumer.HeaderReason].(string); r != want.reason {
+			t.Errorf("%s: %s = %q, want %q", id, consumer.HeaderReason, r, want.reason)
 		}
 		if n, _ := consHeaderInt(d.Headers[HeaderAttempt]); n != want.attempt {
 			t.Errorf("%s: %s = %d, want %d", id, HeaderAttempt, n, want.attempt)
 		}
-		if e, _ := d.Headers[HeaderError].(string); !strings.Contains(e, "downstream unavailable") && !strings.Contains(e, "cannot parse") {
-			t.Errorf("%s: %s = %q", id, HeaderError, e)
+		if e, _ := d.Headers[consumer.HeaderError].(string); !strings.Contains(e, "downstream unavailable") && !strings.Contains(e, "cannot parse") {
+			t.Errorf("%s: %s = %q", id, consumer.HeaderError, e)
 		}
-		if d.DeliveryMode != amqp091.Persistent || d.Headers[HeaderQueue] != q {
-			t.Errorf("%s: delivery mode %d, %s %v", id, d.DeliveryMode, HeaderQueue, d.Headers[HeaderQueue])
+		if n, _ := consHeaderInt(d.Headers[consumer.HeaderAttempts]); n != want.attempt {
+			t.Errorf("%s: %s = %d, want %d", id, consumer.HeaderAttempts, n, want.attempt)
+		}
+		if d.Headers[consumer.HeaderID] != d.MessageId || d.MessageId == "" {
+			t.Errorf("%s: %s = %v, message id %q", id, consumer.HeaderID, d.Headers[consumer.HeaderID], d.MessageId)
+		}
+		if d.DeliveryMode != amqp091.Persistent || d.Headers[consumer.HeaderSource] != q {
+			t.Errorf("%s: delivery mode %d, %s %v", id, d.DeliveryMode, consumer.HeaderSource, d.Headers[consumer.HeaderSource])
 		}
 	}
 	if tenant := dead["always"].Headers["tenant"]; tenant != "t1" {
@@ -392,8 +418,8 @@ func TestConsumerNoMessageID(t *testing.T) {
 	if len(dead) != 1 || string(dead[0].Body) != "who am I" {
 		t.Fatalf("dead-letter queue: %d messages", len(dead))
 	}
-	if r := dead[0].Headers[HeaderReason]; r != "invalid_key" {
-		t.Errorf("%s = %v, want invalid_key", HeaderReason, r)
+	if r := dead[0].Headers[consumer.HeaderReason]; r != "invalid_key" {
+		t.Errorf("%s = %v, want invalid_key", consumer.HeaderReason, r)
 	}
 }
 
@@ -431,9 +457,9 @@ func TestConsumerIDHeaderNotString(t *testing.T) {
 	}
 	for i, want := range []string{`header "x-request-id" holds a int32, not a string`, `header "x-request-id" is empty`} {
 		d := dead[i]
-		e, _ := d.Headers[HeaderError].(string)
-		if d.Headers[HeaderReason] != string(consumer.OutcomeInvalidKey) || !strings.Contains(e, want) {
-			t.Errorf("dead letter %s: %s %v, %s %q; want invalid_key, %q", d.MessageId, HeaderReason, d.Headers[HeaderReason], HeaderError, e, want)
+		e, _ := d.Headers[consumer.HeaderError].(string)
+		if d.Headers[consumer.HeaderReason] != string(consumer.OutcomeInvalidKey) || !strings.Contains(e, want) {
+			t.Errorf("dead letter %s: %s %v, %s %q; want invalid_key, %q", d.MessageId, consumer.HeaderReason, d.Headers[consumer.HeaderReason], consumer.HeaderError, e, want)
 		}
 	}
 }
@@ -681,19 +707,23 @@ func TestConsumerOutcomeOnceWhenDeadLetterUnconfirmed(t *testing.T) {
 		claimDead int // reports that name the dead-letter reason without a dead letter
 		unconf    int
 	)
-	c, err := NewConsumer(url, q, h, consOpts(ConsumerOptions{OnOutcome: func(_ context.Context, r consumer.Report) {
-		mu.Lock()
-		defer mu.Unlock()
-		reports++
-		switch {
-		case r.Result.Action == consumer.ActionDeadLetter:
-			deadRep[r.Message.ID]++
-		case r.Result.Reason == consumer.OutcomePermanent || r.Outcome == consumer.OutcomePermanent:
-			claimDead++
-		case r.Result.Action == consumer.ActionRetry && errors.Is(r.Err, errUnpublished):
-			unconf++
-		}
-	}}))
+	c, err := NewConsumer(url, q, h, consOpts(ConsumerOptions{
+		Telemetry: consumer.Telemetry{
+			OnOutcome: func(_ context.Context, r consumer.Report) {
+				mu.Lock()
+				defer mu.Unlock()
+				reports++
+				switch {
+				case r.Result.Action == consumer.ActionDeadLetter:
+					deadRep[r.Message.ID]++
+				case r.Result.Reason == consumer.OutcomePermanent || r.Outcome == consumer.OutcomePermanent:
+					claimDead++
+				case r.Result.Action == consumer.ActionRetry && errors.Is(r.Err, errUnpublished):
+					unconf++
+				}
+			},
+		},
+	}))
 	if err != nil {
 		t.Fatal(err)
 	}

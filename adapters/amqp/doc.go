@@ -9,8 +9,8 @@
 // settles each with idem's ACK rule: acknowledged only when the effect
 // committed, the message was a completed duplicate, or it was
 // dead-lettered. Run declares its topology on every connect: the work
-// queue "<queue>", one retry queue "<queue>.retry.<ms>ms" per distinct
-// retry delay (its expired copies go back to the work queue), the
+// queue "<queue>", one retry queue "<queue>.retry.<ms>ms" per delay of
+// ConsumerOptions.Backoff (its expired copies go back to the work queue), the
 // dead-letter exchange "<queue>.dlx" and the dead-letter queue
 // "<queue>.dlq" bound to it. With ConsumerOptions.NoDeclare it is declared
 // elsewhere, and Run checks it instead. Nothing deletes it when the
@@ -31,11 +31,13 @@
 // # Dead letters
 //
 // A dead-lettered message is published, with publisher confirms, to the
-// dead-letter exchange with HeaderReason, HeaderError, HeaderAttempt and
-// HeaderQueue, and only then acknowledged. A worker that dies between the
-// confirm and the ack leaves the message to be delivered, and
-// dead-lettered, again: the dead-letter queue can hold a message twice.
-// Every dead letter therefore carries a message id that is the same for
+// dead-letter exchange with the dead-letter headers every adapter sets
+// (consumer.HeaderReason, HeaderError, HeaderAttempts, HeaderSource and
+// HeaderID), HeaderAttempt, HeaderExchange and HeaderRoutingKey, and only
+// then acknowledged. A worker that dies between the confirm and the ack
+// leaves the message to be delivered, and dead-lettered, again: the
+// dead-letter queue can hold a message twice. Every dead letter therefore
+// carries a message id, also in consumer.HeaderID, that is the same for
 // every delivery of the same message: the original message-id, else the
 // id taken from ConsumerOptions.IDHeader, else "idem-dl-" and a digest of
 // the work queue and the message's exchange, routing key, properties,

@@ -102,14 +102,16 @@ func ExampleNewConsumer_transactional() {
 		Prefetch:    100,
 		Concurrency: 8,
 		NotDurable:  true, // a throw-away queue for the example
-		OnOutcome: func(_ context.Context, r consumer.Report) {
-			if r.Result.Action == consumer.ActionAck {
-				acked.Add(1)
-				if r.Result.Duplicate {
-					duplicates.Add(1)
+		Telemetry: consumer.Telemetry{
+			OnOutcome: func(_ context.Context, r consumer.Report) {
+				if r.Result.Action == consumer.ActionAck {
+					acked.Add(1)
+					if r.Result.Duplicate {
+						duplicates.Add(1)
+					}
 				}
-			}
-			settled <- struct{}{}
+				settled <- struct{}{}
+			},
 		},
 	}
 	defer func() {

@@ -11,7 +11,9 @@ import (
 
 	amqp091 "github.com/rabbitmq/amqp091-go"
 
+	"github.com/idemkit/idem/consumer"
 	"github.com/idemkit/idem/internal/backoff"
+	"github.com/idemkit/idem/internal/defaults"
 	"github.com/idemkit/idem/outbox"
 )
 
@@ -61,10 +63,10 @@ type PublisherOptions struct {
 	// ContentType is the content type property of every message. Defaults
 	// to none.
 	ContentType string
-	// ReconnectBackoff is the first delay before redialling after a failed
-	// dial; it doubles up to MaxReconnectBackoff. Defaults to 100ms and
-	// 10s.
-	ReconnectBackoff, MaxReconnectBackoff time.Duration
+	// ReconnectBackoff spaces the dials after a failed one
+	// (ReconnectBackoff.Delay, spread ±20%). Defaults to Initial 100ms,
+	// Max 10s, Factor 2.
+	ReconnectBackoff consumer.Backoff
 	// Logger receives warnings. Defaults to slog.Default().
 	Logger *slog.Logger
 }
@@ -105,7 +107,7 @@ type Publisher struct {
 	conn     *pubConn
 	known    map[string]bool // exchanges seen to exist
 	nextDial time.Time
-	delay    time.Duration
+	fails    int // failed dials in a row
 }
 
 // NewPublisher returns a Publisher for the broker at url (an amqp:// or
@@ -114,25 +116,13 @@ func NewPublisher(url string, opts PublisherOptions) (*Publisher, error) {
 	if _, err := amqp091.ParseURI(url); err != nil {
 		return nil, fmt.Errorf("amqp: NewPublisher: %w", err)
 	}
-	for _, d := range []struct {
-		name string
-		v    *time.Duration
-		def  time.Duration
-	}{
-		{"ConfirmTimeout", &opts.ConfirmTimeout, 10 * time.Second},
-		{"ReconnectBackoff", &opts.ReconnectBackoff, 100 * time.Millisecond},
-		{"MaxReconnectBackoff", &opts.MaxReconnectBackoff, 10 * time.Second},
-	} {
-		if *d.v < 0 {
-			return nil, fmt.Errorf("amqp: PublisherOptions.%s is %v; it must not be negative (zero means the default)", d.name, *d.v)
-		}
-		if *d.v == 0 {
-			*d.v = d.def
-		}
-	}
-	if opts.MaxReconnectBackoff < opts.ReconnectBackoff {
-		return nil, fmt.Errorf("amqp: PublisherOptions.MaxReconnectBackoff %v is shorter than ReconnectBackoff %v",
-			opts.MaxReconnectBackoff, opts.ReconnectBackoff)
+	c := defaults.New("amqp: PublisherOptions")
+	c.Duration("ConfirmTimeout", &opts.ConfirmTimeout, 10*time.Second)
+	var err error
+	opts.ReconnectBackoff, err = opts.ReconnectBackoff.WithDefaults(defaultReconnectBackoff)
+	c.Wrap("ReconnectBackoff", err)
+	if err := c.Err(); err != nil {
+		return nil, err
 	}
 	if opts.ConnectionName == "" {
 		opts.ConnectionName = "idem-outbox-publisher"
@@ -226,15 +216,11 @@ func (p *Publisher) connection(ctx context.Context) (*pubConn, error) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	if err != nil {
-		if p.delay == 0 {
-			p.delay = p.opts.ReconnectBackoff
-		} else {
-			p.delay = min(2*p.delay, p.opts.MaxReconnectBackoff)
-		}
-		p.nextDial = time.Now().Add(backoff.Spread(p.delay))
+		p.fails++
+		p.nextDial = time.Now().Add(backoff.Spread(p.opts.ReconnectBackoff.Delay(p.fails)))
 		return nil, fmt.Errorf("amqp: connect: %w", err)
 	}
-	p.delay, p.nextDial = 0, time.Time{}
+	p.fails, p.nextDial = 0, time.Time{}
 	c = &pubConn{
 		conn:   conn,
 		closes: conn.NotifyClose(make(chan *amqp091.Error, 1)),

@@ -17,6 +17,7 @@ import (
 	amqp091 "github.com/rabbitmq/amqp091-go"
 	"go.uber.org/goleak"
 
+	"github.com/idemkit/idem/consumer"
 	"github.com/idemkit/idem/internal/testkit/testenv"
 	"github.com/idemkit/idem/outbox"
 )
@@ -157,8 +158,8 @@ func TestPublisherOptions(t *testing.T) {
 	if _, err := NewPublisher("amqp://x", PublisherOptions{ConfirmTimeout: -1}); err == nil {
 		t.Error("negative ConfirmTimeout accepted")
 	}
-	if _, err := NewPublisher("amqp://x", PublisherOptions{ReconnectBackoff: time.Minute, MaxReconnectBackoff: time.Second}); err == nil {
-		t.Error("MaxReconnectBackoff < ReconnectBackoff accepted")
+	if _, err := NewPublisher("amqp://x", PublisherOptions{ReconnectBackoff: consumer.Backoff{Initial: time.Minute, Max: time.Second}}); err == nil {
+		t.Error("ReconnectBackoff with Initial above Max accepted")
 	}
 }
 
@@ -437,7 +438,7 @@ func TestPublisherConfirmTimeout(t *testing.T) {
 	x := b.exchange("idemtest_x")
 	q := b.queue(x, "#", nil)
 	px := pubNewProxy(t, pubTarget(t))
-	p := pubNew(t, px.url(t), PublisherOptions{ConfirmTimeout: 300 * time.Millisecond, ReconnectBackoff: 10 * time.Millisecond})
+	p := pubNew(t, px.url(t), PublisherOptions{ConfirmTimeout: 300 * time.Millisecond, ReconnectBackoff: consumer.Backoff{Initial: 10 * time.Millisecond}})
 	ctx := context.Background()
 	if err := p.Publish(ctx, []*outbox.Message{pubMsg(x, "k", "warm")}); err != nil {
 		t.Fatal(err)
@@ -482,7 +483,7 @@ func TestPublisherReconnects(t *testing.T) {
 	x := b.exchange("idemtest_x")
 	q := b.queue(x, "#", nil)
 	px := pubNewProxy(t, pubTarget(t))
-	p := pubNew(t, px.url(t), PublisherOptions{ReconnectBackoff: 10 * time.Millisecond, MaxReconnectBackoff: 50 * time.Millisecond})
+	p := pubNew(t, px.url(t), PublisherOptions{ReconnectBackoff: consumer.Backoff{Initial: 10 * time.Millisecond, Max: 50 * time.Millisecond}})
 	ctx := context.Background()
 	if err := p.Publish(ctx, []*outbox.Message{pubMsg(x, "k", "0")}); err != nil {
 		t.Fatal(err)
@@ -552,7 +553,7 @@ func TestPublisherBrokerDown(t *testing.T) {
 		t.Fatal(err)
 	}
 	u.Host = testenv.DeadAddr(t)
-	p := pubNew(t, u.String(), PublisherOptions{ReconnectBackoff: 5 * time.Millisecond})
+	p := pubNew(t, u.String(), PublisherOptions{ReconnectBackoff: consumer.Backoff{Initial: 5 * time.Millisecond}})
 	for range 3 {
 		err := p.Publish(context.Background(), []*outbox.Message{pubMsg("x", "k", "1")})
 		var pe *outbox.PublishError

@@ -80,7 +80,7 @@ func TestConsumerContinuesOutboxTrace(t *testing.T) {
 		}
 		return nil
 	}), dd)
-	c, err := NewConsumer(url, queue, h, consOpts(ConsumerOptions{RetryDelays: delays, TracerProvider: spans}))
+	c, err := NewConsumer(url, queue, h, consOpts(ConsumerOptions{Backoff: consumer.Backoff{Initial: delays[0], Max: delays[0]}, Telemetry: consumer.Telemetry{TracerProvider: spans}}))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -155,7 +155,7 @@ func TestConsumerMetricsByVerdict(t *testing.T) {
 		return nil
 	}), consMemDedup(t, "test/verdicts"))
 	var logs telemetrytest.LogBuffer
-	opts := consOpts(ConsumerOptions{RetryDelays: delays, MaxAttempts: 2, MeterProvider: mp})
+	opts := consOpts(ConsumerOptions{Backoff: consumer.Backoff{Initial: delays[0], Max: delays[0]}, MaxAttempts: 2, Telemetry: consumer.Telemetry{MeterProvider: mp}})
 	opts.Logger = slog.New(slog.NewTextHandler(&logs, &slog.HandlerOptions{Level: slog.LevelDebug}))
 	c, err := NewConsumer(url, queue, h, opts)
 	if err != nil {
@@ -196,12 +196,16 @@ func TestConsumerHostileTraceHeaders(t *testing.T) {
 	queue := consQueue(t, url, consTestDelays)
 	spans := telemetrytest.NewSpans(t)
 	var acked atomic.Int64
-	opts := consOpts(ConsumerOptions{TracerProvider: spans,
-		OnOutcome: func(_ context.Context, r consumer.Report) {
-			if r.Result.Action == consumer.ActionAck {
-				acked.Add(1)
-			}
-		}})
+	opts := consOpts(ConsumerOptions{
+		Telemetry: consumer.Telemetry{
+			TracerProvider: spans,
+			OnOutcome: func(_ context.Context, r consumer.Report) {
+				if r.Result.Action == consumer.ActionAck {
+					acked.Add(1)
+				}
+			},
+		},
+	})
 	c, err := NewConsumer(url, queue, consumer.HandlerFunc(func(context.Context, *consumer.Message) error { return nil }), opts)
 	if err != nil {
 		t.Fatal(err)

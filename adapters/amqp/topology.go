@@ -178,14 +178,34 @@ func parseArgValue(m []string) (any, bool) {
 	return nil, false
 }
 
+// RetryQueues returns the names of the retry queues of a Consumer of queue
+// with opts, "<queue>.retry.<ms>ms", one per delay of
+// ConsumerOptions.Backoff, shortest first: the queues to declare when
+// NoDeclare is set, and those DeleteTopology deletes. It returns an error
+// when opts would be refused by NewConsumer.
+func RetryQueues(queue string, opts ConsumerOptions) ([]string, error) {
+	if queue == "" {
+		return nil, errors.New("amqp: RetryQueues: queue is required")
+	}
+	if err := opts.consSetDefaults(queue); err != nil {
+		return nil, err
+	}
+	ds := opts.retryDelays()
+	names := make([]string, len(ds))
+	for i, d := range ds {
+		names[i] = consRetryQueue(queue, d)
+	}
+	return names, nil
+}
+
 // DeleteTopology deletes, on conn, what a Consumer of queue with opts
 // declares: the work queue, its retry queues ("<queue>.retry.<ms>ms", one
-// per distinct ConsumerOptions.RetryDelays entry), the dead-letter queue
+// per delay of ConsumerOptions.Backoff), the dead-letter queue
 // and the dead-letter exchange (ConsumerOptions.DeadLetterQueue and
 // DeadLetterExchange, "<queue>.dlq" and "<queue>.dlx" by default), and so
 // their bindings, with every message they hold. Nothing else is touched:
 // not the producer's exchanges named in Bindings, nor the retry queues of
-// delays opts does not list (pass the RetryDelays the Consumer ran with).
+// delays opts does not make (pass the Backoff the Consumer ran with).
 // What does not exist is skipped. Stop the Consumers of queue first: a
 // running one declares it all again when it reconnects.
 //
@@ -215,7 +235,7 @@ func DeleteTopology(ctx context.Context, conn *amqp091.Connection, queue string,
 	defer stop()
 	queues := []string{queue}
 	seen := map[string]bool{queue: true}
-	for _, d := range opts.RetryDelays {
+	for _, d := range opts.retryDelays() {
 		if n := consRetryQueue(queue, d); !seen[n] {
 			seen[n] = true
 			queues = append(queues, n)

@@ -379,11 +379,11 @@ func TestTopologyDelete(t *testing.T) {
 	producer := q + ".events"
 	neighbours := []string{q + "x", q + ".retry.999ms", q + ".dlq.archive"}
 	opts := consOpts(ConsumerOptions{
-		RetryDelays: []time.Duration{20 * time.Millisecond, 40 * time.Millisecond, 20 * time.Millisecond},
-		Bindings:    []ConsumerBinding{{Exchange: producer, Key: "order.created"}},
+		Backoff:  consumer.Backoff{Initial: 20 * time.Millisecond, Max: 40 * time.Millisecond},
+		Bindings: []ConsumerBinding{{Exchange: producer, Key: "order.created"}},
 	})
 	var mine []string
-	for _, d := range opts.RetryDelays {
+	for _, d := range opts.retryDelays() {
 		mine = append(mine, consRetryQueue(q, d))
 	}
 	mine = append(mine, q, q+".dlq")

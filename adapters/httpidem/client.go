@@ -15,16 +15,19 @@ import (
 
 	"github.com/google/uuid"
 
+	"github.com/idemkit/idem/consumer"
 	"github.com/idemkit/idem/internal/backoff"
+	"github.com/idemkit/idem/internal/defaults"
 )
 
 // Transport defaults.
 const (
 	defaultMaxAttempts = 5
 	defaultMaxElapsed  = 30 * time.Second
-	defaultBaseDelay   = 100 * time.Millisecond
-	defaultMaxDelay    = 5 * time.Second
 )
+
+// defaultBackoff is TransportOptions.Backoff's default.
+var defaultBackoff = consumer.Backoff{Initial: 100 * time.Millisecond, Max: 5 * time.Second, Factor: 2}
 
 // TransportOptions configure a Transport. The zero value is usable.
 type TransportOptions struct {
@@ -49,12 +52,11 @@ type TransportOptions struct {
 	// past it. Defaults to 30s. The request's context
 	// bounds everything too.
 	MaxElapsed time.Duration
-	// BaseDelay and MaxDelay shape the backoff: before retry n (1, 2, ...)
-	// the Transport sleeps a uniformly random time in
-	// [0, min(MaxDelay, BaseDelay * 2^(n-1))) ("full jitter"), or the
-	// server's Retry-After when that is longer. Default to
-	// 100ms and 5s.
-	BaseDelay, MaxDelay time.Duration
+	// Backoff shapes the waits: before retry n (1, 2, ...) the Transport
+	// sleeps a uniformly random time in [0, Backoff.Delay(n)] ("full
+	// jitter"), or the server's Retry-After when that is longer. Defaults
+	// to Initial 100ms, Max 5s, Factor 2.
+	Backoff consumer.Backoff
 }
 
 // Transport is an http.RoundTripper that makes a non-idempotent request safe
@@ -82,16 +84,14 @@ type Transport struct {
 
 // NewTransport returns a Transport. It validates opts.
 func NewTransport(opts TransportOptions) (*Transport, error) {
-	for _, d := range []struct {
-		name string
-		v    time.Duration
-	}{{"MaxElapsed", opts.MaxElapsed}, {"BaseDelay", opts.BaseDelay}, {"MaxDelay", opts.MaxDelay}} {
-		if d.v < 0 {
-			return nil, fmt.Errorf("httpidem: NewTransport: TransportOptions.%s is %v; it must not be negative (zero means the default)", d.name, d.v)
-		}
-	}
-	if opts.MaxAttempts < 0 {
-		return nil, fmt.Errorf("httpidem: NewTransport: TransportOptions.MaxAttempts is %d; it must not be negative (zero means %d)", opts.MaxAttempts, defaultMaxAttempts)
+	c := defaults.New("httpidem: NewTransport: TransportOptions")
+	c.Int("MaxAttempts", &opts.MaxAttempts, defaultMaxAttempts)
+	c.Duration("MaxElapsed", &opts.MaxElapsed, defaultMaxElapsed)
+	var err error
+	opts.Backoff, err = opts.Backoff.WithDefaults(defaultBackoff)
+	c.Wrap("Backoff", err)
+	if err := c.Err(); err != nil {
+		return nil, err
 	}
 	if opts.Base == nil {
 		opts.Base = http.DefaultTransport
@@ -107,21 +107,6 @@ func NewTransport(opts TransportOptions) (*Transport, error) {
 	}
 	if opts.NewKey == nil {
 		opts.NewKey = uuid.NewString
-	}
-	if opts.MaxAttempts == 0 {
-		opts.MaxAttempts = defaultMaxAttempts
-	}
-	if opts.MaxElapsed == 0 {
-		opts.MaxElapsed = defaultMaxElapsed
-	}
-	if opts.BaseDelay == 0 {
-		opts.BaseDelay = defaultBaseDelay
-	}
-	if opts.MaxDelay == 0 {
-		opts.MaxDelay = defaultMaxDelay
-	}
-	if opts.MaxDelay < opts.BaseDelay {
-		return nil, fmt.Errorf("httpidem: NewTransport: TransportOptions.MaxDelay (%v) is below BaseDelay (%v)", opts.MaxDelay, opts.BaseDelay)
 	}
 	return &Transport{opts: opts}, nil
 }
@@ -218,7 +203,7 @@ func (t *Transport) RoundTrip(req *http.Request) (*http.Response, error) {
 
 // backoff returns the full-jitter delay before retry n.
 func (t *Transport) backoff(n int) time.Duration {
-	return backoff.Full(backoff.Exp(t.opts.BaseDelay, t.opts.MaxDelay, n))
+	return backoff.Full(t.opts.Backoff.Delay(n))
 }
 
 // shouldRetry says whether an attempt's outcome is worth another attempt.

@@ -12,6 +12,7 @@ import (
 	"time"
 
 	"github.com/idemkit/idem/adapters/httpidem"
+	"github.com/idemkit/idem/consumer"
 	"github.com/idemkit/idem/dedup"
 	"github.com/idemkit/idem/dedup/memstore"
 )
@@ -59,11 +60,11 @@ func hangUp(w http.ResponseWriter) {
 
 func fastTransport(t *testing.T, opts httpidem.TransportOptions) *httpidem.Transport {
 	t.Helper()
-	if opts.BaseDelay == 0 {
-		opts.BaseDelay = time.Millisecond
+	if opts.Backoff.Initial == 0 {
+		opts.Backoff.Initial = time.Millisecond
 	}
-	if opts.MaxDelay == 0 {
-		opts.MaxDelay = 5 * time.Millisecond
+	if opts.Backoff.Max == 0 {
+		opts.Backoff.Max = 5 * time.Millisecond
 	}
 	if opts.Base == nil {
 		base := &http.Transport{}
@@ -285,8 +286,9 @@ func TestTransportOptionsValidation(t *testing.T) {
 	}{
 		{httpidem.TransportOptions{MaxAttempts: -1}, "MaxAttempts"},
 		{httpidem.TransportOptions{MaxElapsed: -1}, "MaxElapsed"},
-		{httpidem.TransportOptions{BaseDelay: -1}, "BaseDelay"},
-		{httpidem.TransportOptions{BaseDelay: time.Second, MaxDelay: time.Millisecond}, "MaxDelay"},
+		{httpidem.TransportOptions{Backoff: consumer.Backoff{Initial: -1}}, "Backoff: Initial"},
+		{httpidem.TransportOptions{Backoff: consumer.Backoff{Factor: 0.5}}, "Backoff: Factor"},
+		{httpidem.TransportOptions{Backoff: consumer.Backoff{Initial: time.Second, Max: time.Millisecond}}, "Backoff: Initial (1s) is greater than Max"},
 		{httpidem.TransportOptions{Methods: []string{"a b"}}, "Methods"},
 	} {
 		if _, err := httpidem.NewTransport(tc.opts); err == nil || !strings.Contains(err.Error(), tc.want) {

@@ -18,6 +18,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/idemkit/idem/adapters/httpidem"
+	"github.com/idemkit/idem/consumer"
 	"github.com/idemkit/idem/dedup/memstore"
 	"github.com/idemkit/idem/dedup/pgtable"
 )
@@ -175,7 +176,7 @@ func ExampleNewWebhook() {
 // The client half: one key per operation, the same on every attempt; a
 // server error is retried with backoff.
 func ExampleNewTransport() {
-	tr, err := httpidem.NewTransport(httpidem.TransportOptions{BaseDelay: time.Millisecond})
+	tr, err := httpidem.NewTransport(httpidem.TransportOptions{Backoff: consumer.Backoff{Initial: time.Millisecond}})
 	if err != nil {
 		log.Fatal(err)
 	}

@@ -18,6 +18,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/idemkit/idem/consumer"
 	"github.com/idemkit/idem/dedup"
 )
 
@@ -235,7 +236,7 @@ func TestParseRetryAfter(t *testing.T) {
 }
 
 func TestBackoffFullJitter(t *testing.T) {
-	tr, err := NewTransport(TransportOptions{BaseDelay: 10 * time.Millisecond, MaxDelay: 100 * time.Millisecond})
+	tr, err := NewTransport(TransportOptions{Backoff: consumer.Backoff{Initial: 10 * time.Millisecond, Max: 100 * time.Millisecond}})
 	if err != nil {
 		t.Fatal(err)
 	}

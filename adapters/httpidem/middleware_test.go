@@ -94,11 +94,14 @@ func TestMissingKey(t *testing.T) {
 	// Optional: a request without a key runs without deduplication.
 	var outcomes []consumer.Outcome
 	var mu sync.Mutex
-	opt := quietServer(t, newMW(t, store, httpidem.Options{Optional: true, OnOutcome: func(_ context.Context, rep consumer.Report) {
-		mu.Lock()
-		outcomes = append(outcomes, rep.Outcome)
-		mu.Unlock()
-	}}).Handler(h))
+	opt := quietServer(t, newMW(t, store, httpidem.Options{Optional: true,
+		Telemetry: consumer.Telemetry{
+			OnOutcome: func(_ context.Context, rep consumer.Report) {
+				mu.Lock()
+				outcomes = append(outcomes, rep.Outcome)
+				mu.Unlock()
+			},
+		}}).Handler(h))
 	for range 2 {
 		if r := do(t, nil, opt.URL, req{body: "{}"}); r.status != http.StatusCreated || r.replayed() {
 			t.Fatalf("optional key: %d", r.status)
@@ -288,11 +291,15 @@ func TestPanicReleasesKey(t *testing.T) {
 	})
 	var reports []consumer.Outcome
 	var mu sync.Mutex
-	mw := newMW(t, store, httpidem.Options{OnOutcome: func(_ context.Context, rep consumer.Report) {
-		mu.Lock()
-		reports = append(reports, rep.Outcome)
-		mu.Unlock()
-	}})
+	mw := newMW(t, store, httpidem.Options{
+		Telemetry: consumer.Telemetry{
+			OnOutcome: func(_ context.Context, rep consumer.Report) {
+				mu.Lock()
+				reports = append(reports, rep.Outcome)
+				mu.Unlock()
+			},
+		},
+	})
 	// The panic goes on to the server (which closes the connection).
 	func() {
 		defer func() {
@@ -420,11 +427,14 @@ func TestWaitForFirst(t *testing.T) {
 	})
 	var waited atomic.Int64
 	mw := newMW(t, store, httpidem.Options{Wait: time.Minute, PollInterval: time.Millisecond,
-		OnOutcome: func(_ context.Context, rep consumer.Report) {
-			if rep.Outcome == consumer.OutcomeDuplicate && rep.Waited > 0 {
-				waited.Add(1)
-			}
-		}})
+		Telemetry: consumer.Telemetry{
+			OnOutcome: func(_ context.Context, rep consumer.Report) {
+				if rep.Outcome == consumer.OutcomeDuplicate && rep.Waited > 0 {
+					waited.Add(1)
+				}
+			},
+		},
+	})
 	srv := quietServer(t, mw.Handler(slow))
 	first := make(chan response)
 	go func() {
@@ -542,9 +552,12 @@ func TestLeaseLost(t *testing.T) {
 		w.WriteHeader(http.StatusCreated)
 	})
 	var outcome atomic.Value
-	mw := newMW(t, store, httpidem.Options{ExtendEvery: time.Millisecond, OnOutcome: func(_ context.Context, rep consumer.Report) {
-		outcome.Store(rep.Outcome)
-	}})
+	mw := newMW(t, store, httpidem.Options{ExtendEvery: time.Millisecond,
+		Telemetry: consumer.Telemetry{
+			OnOutcome: func(_ context.Context, rep consumer.Report) {
+				outcome.Store(rep.Outcome)
+			},
+		}})
 	srv := quietServer(t, mw.Handler(h))
 	if r := do(t, nil, srv.URL, req{key: "lost", body: "{}"}); r.status != http.StatusCreated {
 		t.Fatal(r.status)

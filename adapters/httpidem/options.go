@@ -1,18 +1,15 @@
 package httpidem
 
 import (
-	"context"
 	"fmt"
 	"log/slog"
 	"net/http"
 	"slices"
 	"time"
 
-	"go.opentelemetry.io/otel/metric"
-	"go.opentelemetry.io/otel/trace"
-
 	"github.com/idemkit/idem/consumer"
 	"github.com/idemkit/idem/dedup"
+	"github.com/idemkit/idem/internal/defaults"
 )
 
 // Defaults of Options.
@@ -145,11 +142,14 @@ type Options struct {
 	// was lost); they run even if the client went away.
 	// Defaults to 10s.
 	FinishTimeout time.Duration
+	// Telemetry: the middleware's metrics, spans, logs and outcome reports
+	// (consumer's block, shared by every adapter).
+	//
 	// Logger receives warnings: store failures, lost leases. Keys appear
 	// in it as their hash (dedup.Key.Hash), never raw, and neither the
 	// principal nor the route does. Defaults to discarding them
 	// (slog.DiscardHandler).
-	Logger *slog.Logger
+	//
 	// OnOutcome, if set, is called once per request that went through the
 	// middleware, with the request's context, for metrics (hits, misses,
 	// waits). It must be fast and safe for concurrent use. The Report has
@@ -186,8 +186,7 @@ type Options struct {
 	//     MaxResponseBytes (the 500 is stored in its place).
 	//   - consumer.OutcomePassed: Optional is set and the request had no
 	//     key: the handler ran without deduplication.
-	OnOutcome func(ctx context.Context, r consumer.Report)
-
+	//
 	// MeterProvider receives the middleware's metrics (see the package
 	// documentation, "Metrics and traces"): idem.claims by outcome,
 	// idem.claim.duration, idem.handler.duration, idem.lease.lost,
@@ -197,13 +196,14 @@ type Options struct {
 	// never the key's scope, which holds the principal. Defaults to
 	// otel.GetMeterProvider(), a no-op until the application installs a
 	// provider.
-	MeterProvider metric.MeterProvider
+	//
 	// TracerProvider starts the idem.claim, idem.handle and idem.complete
 	// (transactional stores: idem.commit) spans as children of the
 	// request's span, when it records one (under otelhttp, say); the
 	// handler runs under idem.handle. Spans carry the key's hash, never
 	// the key. Defaults to otel.GetTracerProvider().
-	TracerProvider trace.TracerProvider
+	consumer.Telemetry
+
 	// MetricScope returns the idem.scope attribute of a request's
 	// metrics. It must take few values, such as route templates, and never
 	// hold a principal, a key or a raw path (/payments/123 would make one
@@ -310,37 +310,19 @@ func (o *Options) fillLists(who string) error {
 }
 
 func (o *Options) fill(who string) error {
-	for _, d := range []struct {
-		name string
-		v    time.Duration
-	}{
-		{"Wait", o.Wait}, {"PollInterval", o.PollInterval}, {"RetryAfter", o.RetryAfter},
-		{"FinishTimeout", o.FinishTimeout},
-	} {
-		if d.v < 0 {
-			return fmt.Errorf("httpidem: %s: Options.%s is %v; it must not be negative (zero means the default)", who, d.name, d.v)
-		}
-	}
-	if o.MaxKeyLen < 0 {
-		return fmt.Errorf("httpidem: %s: Options.MaxKeyLen is %d; it must not be negative (zero means %d)", who, o.MaxKeyLen, dedup.DefaultMaxKeyLen)
-	}
-	if o.MaxBodyBytes < 0 {
-		return fmt.Errorf("httpidem: %s: Options.MaxBodyBytes is %d; it must not be negative (zero means %d)", who, o.MaxBodyBytes, defaultMaxBodyBytes)
-	}
-	if o.MaxResponseBytes < 0 {
-		return fmt.Errorf("httpidem: %s: Options.MaxResponseBytes is %d; it must not be negative (zero means %d)", who, o.MaxResponseBytes, defaultMaxResponseBytes)
+	c := defaults.New("httpidem: " + who + ": Options")
+	c.NotNegative("Wait", o.Wait)
+	c.Duration("PollInterval", &o.PollInterval, defaultPollInterval)
+	c.Duration("RetryAfter", &o.RetryAfter, defaultRetryAfter)
+	c.Duration("FinishTimeout", &o.FinishTimeout, defaultFinishTimeout)
+	c.Int("MaxKeyLen", &o.MaxKeyLen, dedup.DefaultMaxKeyLen)
+	c.Int64("MaxBodyBytes", &o.MaxBodyBytes, defaultMaxBodyBytes)
+	c.Int("MaxResponseBytes", &o.MaxResponseBytes, defaultMaxResponseBytes)
+	if err := c.Err(); err != nil {
+		return err
 	}
 	if err := o.fillLists(who); err != nil {
 		return err
-	}
-	if o.MaxKeyLen == 0 {
-		o.MaxKeyLen = dedup.DefaultMaxKeyLen
-	}
-	if o.MaxBodyBytes == 0 {
-		o.MaxBodyBytes = defaultMaxBodyBytes
-	}
-	if o.MaxResponseBytes == 0 {
-		o.MaxResponseBytes = defaultMaxResponseBytes
 	}
 	if o.Principal == nil {
 		o.Principal = func(*http.Request) string { return "" }
@@ -353,15 +335,6 @@ func (o *Options) fill(who string) error {
 	}
 	if o.StoreResponse == nil {
 		o.StoreResponse = defaultStoreResponse
-	}
-	if o.PollInterval == 0 {
-		o.PollInterval = defaultPollInterval
-	}
-	if o.RetryAfter == 0 {
-		o.RetryAfter = defaultRetryAfter
-	}
-	if o.FinishTimeout == 0 {
-		o.FinishTimeout = defaultFinishTimeout
 	}
 	if o.Logger == nil {
 		o.Logger = slog.New(slog.DiscardHandler)

@@ -23,6 +23,7 @@ import (
 	"go.opentelemetry.io/otel/attribute"
 
 	"github.com/idemkit/idem/adapters/httpidem"
+	"github.com/idemkit/idem/consumer"
 	"github.com/idemkit/idem/dedup/memstore"
 	"github.com/idemkit/idem/dedup/pgtable"
 	"github.com/idemkit/idem/dedup/redisnx"
@@ -258,7 +259,7 @@ func payReq(id string) req {
 func retryingClient(t testing.TB) *http.Client {
 	t.Helper()
 	tr, err := httpidem.NewTransport(httpidem.TransportOptions{
-		MaxAttempts: 100, MaxElapsed: time.Minute, BaseDelay: 5 * time.Millisecond, MaxDelay: 50 * time.Millisecond,
+		MaxAttempts: 100, MaxElapsed: time.Minute, Backoff: consumer.Backoff{Initial: 5 * time.Millisecond, Max: 50 * time.Millisecond},
 	})
 	if err != nil {
 		t.Fatal(err)

@@ -23,6 +23,7 @@ import (
 	"github.com/redis/go-redis/v9"
 
 	"github.com/idemkit/idem/adapters/httpidem"
+	"github.com/idemkit/idem/consumer"
 	"github.com/idemkit/idem/dedup/pgtable"
 	"github.com/idemkit/idem/dedup/redisnx"
 	"github.com/idemkit/idem/dedup/twolevel"
@@ -288,7 +289,7 @@ func TestClientRetriesThroughDroppedResponse(t *testing.T) {
 	}))
 	base := &http.Transport{DisableKeepAlives: true}
 	defer base.CloseIdleConnections()
-	tr, err := httpidem.NewTransport(httpidem.TransportOptions{Base: base, BaseDelay: time.Millisecond, MaxDelay: 10 * time.Millisecond})
+	tr, err := httpidem.NewTransport(httpidem.TransportOptions{Base: base, Backoff: consumer.Backoff{Initial: time.Millisecond, Max: 10 * time.Millisecond}})
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -17,6 +17,7 @@ import (
 	"go.opentelemetry.io/otel/trace"
 
 	"github.com/idemkit/idem/adapters/httpidem"
+	"github.com/idemkit/idem/consumer"
 	"github.com/idemkit/idem/dedup"
 	"github.com/idemkit/idem/dedup/memstore"
 	"github.com/idemkit/idem/internal/telemetry"
@@ -107,7 +108,7 @@ func TestMetricsByOutcome(t *testing.T) {
 	for _, k := range telKinds {
 		t.Run(k.name, func(t *testing.T) {
 			mp := telemetrytest.NewMetrics(t)
-			mw, hold := k.setup(t, httpidem.Options{Principal: byTenant, MaxBodyBytes: 256, MeterProvider: mp})
+			mw, hold := k.setup(t, httpidem.Options{Principal: byTenant, MaxBodyBytes: 256, Telemetry: consumer.Telemetry{MeterProvider: mp}})
 			srv := routed(t, mw.Handler(telHandler(nil, nil)))
 
 			held := asTenant(req{key: "key-held", body: `{"amount":3}`})
@@ -189,7 +190,7 @@ func TestMetricsStoreDown(t *testing.T) {
 	mp := telemetrytest.NewMetrics(t)
 	store := newMem(t, memstore.Options{})
 	_ = store.Close()
-	mw := newMW(t, store, httpidem.Options{MeterProvider: mp, StoreName: "down"})
+	mw := newMW(t, store, httpidem.Options{StoreName: "down", Telemetry: consumer.Telemetry{MeterProvider: mp}})
 	srv := routed(t, mw.Handler(telHandler(nil, nil)))
 	if r := do(t, nil, srv.URL, req{key: "key-1", body: "{}"}); r.status != http.StatusServiceUnavailable {
 		t.Fatalf("store down: %d", r.status)
@@ -206,9 +207,12 @@ func TestMetricsStoreDown(t *testing.T) {
 // method, never the path (which holds ids); MetricScope overrides it.
 func TestMetricsScopeWithoutMux(t *testing.T) {
 	mp := telemetrytest.NewMetrics(t)
-	plain := newMW(t, newMem(t, memstore.Options{}), httpidem.Options{MeterProvider: mp})
-	named := newMW(t, newMem(t, memstore.Options{}), httpidem.Options{MeterProvider: mp,
-		MetricScope: func(*http.Request) string { return "refunds" }})
+	plain := newMW(t, newMem(t, memstore.Options{}), httpidem.Options{Telemetry: consumer.Telemetry{MeterProvider: mp}})
+	named := newMW(t, newMem(t, memstore.Options{}), httpidem.Options{
+		MetricScope: func(*http.Request) string { return "refunds" },
+		Telemetry: consumer.Telemetry{
+			MeterProvider: mp,
+		}})
 	for _, mw := range []*httpidem.Middleware{plain, named} {
 		srv := quietServer(t, mw.Handler(telHandler(nil, nil)))
 		do(t, nil, srv.URL, req{path: "/payments/pay-8812/refunds", key: "key-1", body: "{}"})
@@ -227,7 +231,7 @@ func TestMetricsWebhook(t *testing.T) {
 	mp := telemetrytest.NewMetrics(t)
 	secret := []byte("whsec_test")
 	wh, err := httpidem.NewWebhook(newMem(t, memstore.Options{}), httpidem.WebhookOptions{
-		Secrets: [][]byte{secret}, Scope: "stripe", Options: httpidem.Options{MeterProvider: mp}})
+		Secrets: [][]byte{secret}, Scope: "stripe", Options: httpidem.Options{Telemetry: consumer.Telemetry{MeterProvider: mp}}})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -372,7 +376,7 @@ func TestMetricsLeaseWait(t *testing.T) {
 		}
 	}
 	entered, unblock := make(chan struct{}, 1), make(chan struct{})
-	long := newMW(t, store, httpidem.Options{Principal: byTenant, Wait: time.Minute, PollInterval: time.Millisecond, MeterProvider: mp})
+	long := newMW(t, store, httpidem.Options{Principal: byTenant, Wait: time.Minute, PollInterval: time.Millisecond, Telemetry: consumer.Telemetry{MeterProvider: mp}})
 	srv := routed(t, long.Handler(telHandler(entered, unblock)))
 
 	// Replayed: the second request waits for the slow first one.
@@ -416,7 +420,7 @@ func TestMetricsLeaseWait(t *testing.T) {
 	}
 
 	// Timed out: Options.Wait runs out.
-	short := newMW(t, store, httpidem.Options{Principal: byTenant, Wait: 20 * time.Millisecond, PollInterval: time.Millisecond, MeterProvider: mp})
+	short := newMW(t, store, httpidem.Options{Principal: byTenant, Wait: 20 * time.Millisecond, PollInterval: time.Millisecond, Telemetry: consumer.Telemetry{MeterProvider: mp}})
 	srv2 := routed(t, short.Handler(telHandler(nil, nil)))
 	if r := do(t, nil, srv2.URL, stuck); r.status != http.StatusConflict {
 		t.Fatalf("timed out wait: %d", r.status)
@@ -447,7 +451,7 @@ func TestSpansUnderRequestSpan(t *testing.T) {
 	for _, k := range telKinds {
 		t.Run(k.name, func(t *testing.T) {
 			tp := telemetrytest.NewSpans(t)
-			mw, _ := k.setup(t, httpidem.Options{Principal: byTenant, TracerProvider: tp})
+			mw, _ := k.setup(t, httpidem.Options{Principal: byTenant, Telemetry: consumer.Telemetry{TracerProvider: tp}})
 			var handlerSpan trace.SpanContext
 			h := mw.Handler(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 				handlerSpan = trace.SpanContextFromContext(r.Context())
@@ -533,7 +537,7 @@ func TestLogsHoldNoKey(t *testing.T) {
 	rq := asTenant(req{key: "key-logged", body: "{}"})
 	var key dedup.Key
 	for _, store := range []dedup.LeaseStore{down, completeFails{newMem(t, memstore.Options{})}} {
-		mw := newMW(t, store, httpidem.Options{Principal: byTenant, Logger: logger})
+		mw := newMW(t, store, httpidem.Options{Principal: byTenant, Telemetry: consumer.Telemetry{Logger: logger}})
 		key = keyOf(t, mw, rq)
 		do(t, nil, routed(t, mw.Handler(telHandler(nil, nil))).URL, rq)
 	}

@@ -13,6 +13,7 @@ import (
 	"time"
 
 	"github.com/idemkit/idem/dedup"
+	"github.com/idemkit/idem/internal/defaults"
 	"github.com/idemkit/idem/internal/leasekeep"
 )
 
@@ -128,11 +129,10 @@ func newWebhook(who string, opts WebhookOptions) (*Webhook, error) {
 			return nil, fmt.Errorf("httpidem: %s: WebhookOptions.Secrets[%d] is empty", who, i)
 		}
 	}
-	if opts.Tolerance < 0 {
-		return nil, fmt.Errorf("httpidem: %s: WebhookOptions.Tolerance is %v; it must not be negative (zero means %v)", who, opts.Tolerance, defaultTolerance)
-	}
-	if opts.Tolerance == 0 {
-		opts.Tolerance = defaultTolerance
+	c := defaults.New("httpidem: " + who + ": WebhookOptions")
+	c.Duration("Tolerance", &opts.Tolerance, defaultTolerance)
+	if err := c.Err(); err != nil {
+		return nil, err
 	}
 	if opts.SignatureHeader == "" {
 		opts.SignatureHeader = defaultSignatureHeader

@@ -111,8 +111,10 @@ func benchOptions(b *testing.B, topic string, onOutcome func(context.Context, co
 		CommitEvery:     100 / benchPartitions,
 		CommitInterval:  time.Hour,
 		DeadLetterTopic: topic + "_dlq",
-		OnOutcome:       onOutcome,
-		Logger:          slog.New(slog.NewTextHandler(tWriter{b}, &slog.HandlerOptions{Level: slog.LevelWarn})),
+		Telemetry: consumer.Telemetry{
+			OnOutcome: onOutcome,
+			Logger:    slog.New(slog.NewTextHandler(tWriter{b}, &slog.HandlerOptions{Level: slog.LevelWarn})),
+		},
 	}
 }
 

@@ -42,7 +42,9 @@ func TestRunReturnsPastAHandlerThatIgnoresItsContext(t *testing.T) {
 		DeadLetterTopic: k.dlq(t, topic),
 		CommitInterval:  20 * time.Millisecond,
 		ShutdownTimeout: 100 * time.Millisecond,
-		Logger:          testLogger(t),
+		Telemetry: consumer.Telemetry{
+			Logger: testLogger(t),
+		},
 	})
 	if err != nil {
 		t.Fatal(err)

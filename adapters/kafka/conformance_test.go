@@ -19,6 +19,7 @@ import (
 
 	"github.com/idemkit/idem/adapters/adaptertest"
 	idemkafka "github.com/idemkit/idem/adapters/kafka"
+	"github.com/idemkit/idem/consumer"
 	"github.com/idemkit/idem/internal/testkit/kafkatest"
 	"github.com/idemkit/idem/internal/testkit/testenv"
 	"github.com/idemkit/idem/outbox"
@@ -128,10 +129,9 @@ func (h *kafkaHarness) Start(_ context.Context, d adaptertest.Destination, w ada
 	c, err := idemkafka.NewConsumer(rc, w.Handler, idemkafka.ConsumerOptions{
 		DeadLetterTopic: d.DeadLetter,
 		Workers:         4,
-		RetryInitial:    opts.RetryDelay,
-		RetryMax:        opts.MaxRetryDelay,
+		Backoff:         consumer.Backoff{Initial: opts.RetryDelay, Max: opts.MaxRetryDelay},
 		CommitInterval:  100 * time.Millisecond,
-		Logger:          slog.New(slog.DiscardHandler),
+		Telemetry:       consumer.Telemetry{Logger: slog.New(slog.DiscardHandler)},
 	})
 	if err != nil {
 		return nil, err
@@ -217,9 +217,9 @@ func (h *kafkaHarness) DeadLetters(ctx context.Context, d adaptertest.Destinatio
 		for _, hd := range m.Headers {
 			dl.Headers[hd.Key] = string(hd.Value)
 		}
-		dl.ID = dl.Headers[idemkafka.HeaderID]
-		dl.Reason = dl.Headers[idemkafka.HeaderReason]
-		dl.Attempts, _ = strconv.Atoi(dl.Headers["idem-dlq-attempts"])
+		dl.ID = dl.Headers[consumer.HeaderID]
+		dl.Reason = dl.Headers[consumer.HeaderReason]
+		dl.Attempts, _ = strconv.Atoi(dl.Headers[consumer.HeaderAttempts])
 		out = append(out, dl)
 		if m.Offset >= end-1 {
 			return out, nil

@@ -305,13 +305,12 @@ func (c *Consumer) report(ctx context.Context, msg *consumer.Message, r consumer
 	}
 }
 
-// backoff returns the wait before retry n (n >= 1): exponential from
-// RetryInitial, capped by RetryMax, with jitter over its upper half; at least
-// hint, capped by RetryMax.
+// backoff returns the wait before retry n (n >= 1): Backoff.Delay(n) with
+// jitter over its upper half; at least hint, capped by Backoff.Max.
 func (c *Consumer) backoff(n int, hint time.Duration) time.Duration {
-	d := backoff.Upper(backoff.Exp(c.opts.RetryInitial, c.opts.RetryMax, n))
+	d := backoff.Upper(c.opts.Backoff.Delay(n))
 	if hint > d {
-		d = min(hint, c.opts.RetryMax)
+		d = min(hint, c.opts.Backoff.Max)
 	}
 	return d
 }

@@ -71,7 +71,9 @@ func TestCommitOrder(t *testing.T) {
 		CommitEvery:     10,
 		CommitInterval:  20 * time.Millisecond,
 		DeadLetterTopic: k.dlq(t, topic),
-		Logger:          testLogger(t),
+		Telemetry: consumer.Telemetry{
+			Logger: testLogger(t),
+		},
 	})
 	if err != nil {
 		t.Fatal(err)
@@ -146,15 +148,16 @@ func TestRetryInPlaceKeepsOrder(t *testing.T) {
 	})
 	var reports, retries atomic.Int64
 	c, err := idemkafka.NewConsumer(k.readerConfig(group, topic), h, idemkafka.ConsumerOptions{
-		RetryInitial:    time.Millisecond,
-		RetryMax:        5 * time.Millisecond,
+		Backoff:         consumer.Backoff{Initial: time.Millisecond, Max: 5 * time.Millisecond},
 		DeadLetterTopic: k.dlq(t, topic),
-		Logger:          testLogger(t),
-		OnOutcome: func(_ context.Context, rep consumer.Report) {
-			reports.Add(1)
-			if rep.Result.Action == consumer.ActionRetry {
-				retries.Add(1)
-			}
+		Telemetry: consumer.Telemetry{
+			Logger: testLogger(t),
+			OnOutcome: func(_ context.Context, rep consumer.Report) {
+				reports.Add(1)
+				if rep.Result.Action == consumer.ActionRetry {
+					retries.Add(1)
+				}
+			},
 		},
 	})
 	if err != nil {
@@ -224,7 +227,7 @@ func TestPoisonToDeadLetter(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	retry, err := consumer.Retry(consumer.RetryOptions{MaxAttempts: 3, Initial: time.Millisecond, Max: 2 * time.Millisecond})
+	retry, err := consumer.Retry(consumer.RetryOptions{MaxAttempts: 3, Backoff: consumer.Backoff{Initial: time.Millisecond, Max: 2 * time.Millisecond}})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -249,9 +252,10 @@ func TestPoisonToDeadLetter(t *testing.T) {
 
 	c, err := idemkafka.NewConsumer(k.readerConfig(group, topic), h, idemkafka.ConsumerOptions{
 		DeadLetterTopic: dlq,
-		Logger:          testLogger(t),
-		RetryInitial:    time.Millisecond,
-		RetryMax:        5 * time.Millisecond,
+		Backoff:         consumer.Backoff{Initial: time.Millisecond, Max: 5 * time.Millisecond},
+		Telemetry: consumer.Telemetry{
+			Logger: testLogger(t),
+		},
 	})
 	if err != nil {
 		t.Fatal(err)
@@ -299,25 +303,25 @@ func TestPoisonToDeadLetter(t *testing.T) {
 			hs[h.Key] = string(h.Value)
 		}
 		o := orig[string(b.rec.Value)]
-		if hs[idemkafka.HeaderReason] != string(b.reason) {
-			t.Errorf("%q: reason %q, want %q", b.rec.Value, hs[idemkafka.HeaderReason], b.reason)
+		if hs[consumer.HeaderReason] != string(b.reason) {
+			t.Errorf("%q: reason %q, want %q", b.rec.Value, hs[consumer.HeaderReason], b.reason)
 		}
-		if hs[idemkafka.HeaderTopic] != topic || hs[idemkafka.HeaderPartition] != strconv.Itoa(o.Partition) || hs[idemkafka.HeaderOffset] != strconv.FormatInt(o.Offset, 10) {
+		if hs[consumer.HeaderSource] != topic || hs[idemkafka.HeaderPartition] != strconv.Itoa(o.Partition) || hs[idemkafka.HeaderOffset] != strconv.FormatInt(o.Offset, 10) {
 			t.Errorf("%q: position headers %s/%s/%s, want %s/%d/%d", b.rec.Value,
-				hs[idemkafka.HeaderTopic], hs[idemkafka.HeaderPartition], hs[idemkafka.HeaderOffset], topic, o.Partition, o.Offset)
+				hs[consumer.HeaderSource], hs[idemkafka.HeaderPartition], hs[idemkafka.HeaderOffset], topic, o.Partition, o.Offset)
 		}
-		if want := fmt.Sprintf("%s/%d/%d", topic, o.Partition, o.Offset); hs[idemkafka.HeaderID] != want {
-			t.Errorf("%q: dead-letter id %q, want %q", b.rec.Value, hs[idemkafka.HeaderID], want)
+		if want := fmt.Sprintf("%s/%d/%d", topic, o.Partition, o.Offset); hs[consumer.HeaderID] != want {
+			t.Errorf("%q: dead-letter id %q, want %q", b.rec.Value, hs[consumer.HeaderID], want)
 		}
-		if hs[idemkafka.HeaderError] == "" || hs[idemkafka.HeaderGroup] != group || string(m.Key) != string(b.rec.Key) {
-			t.Errorf("%q: error %q, group %q, key %q", b.rec.Value, hs[idemkafka.HeaderError], hs[idemkafka.HeaderGroup], m.Key)
+		if hs[consumer.HeaderError] == "" || hs[idemkafka.HeaderGroup] != group || string(m.Key) != string(b.rec.Key) {
+			t.Errorf("%q: error %q, group %q, key %q", b.rec.Value, hs[consumer.HeaderError], hs[idemkafka.HeaderGroup], m.Key)
 		}
 		wantAttempts := "1"
 		if b.reason == consumer.OutcomeRetriesExhausted {
 			wantAttempts = "3"
 		}
-		if hs[idemkafka.HeaderAttempts] != wantAttempts {
-			t.Errorf("%q: attempts %q, want %s", b.rec.Value, hs[idemkafka.HeaderAttempts], wantAttempts)
+		if hs[consumer.HeaderAttempts] != wantAttempts {
+			t.Errorf("%q: attempts %q, want %s", b.rec.Value, hs[consumer.HeaderAttempts], wantAttempts)
 		}
 		if id := hs[outbox.HeaderMessageID]; len(b.rec.Headers) > 0 && id != string(b.rec.Headers[0].Value) {
 			t.Errorf("%q: the id header was not kept: %q", b.rec.Value, id)
@@ -405,13 +409,15 @@ func TestProducerDuplicates(t *testing.T) {
 	}), dd)
 	c, err := idemkafka.NewConsumer(k.readerConfig(group, topic), h, idemkafka.ConsumerOptions{
 		DeadLetterTopic: k.dlq(t, topic),
-		Logger:          testLogger(t),
 		CommitInterval:  50 * time.Millisecond,
-		OnOutcome: func(_ context.Context, rep consumer.Report) {
-			r := rep.Result
-			if r.Duplicate {
-				dupes.Add(1)
-			}
+		Telemetry: consumer.Telemetry{
+			Logger: testLogger(t),
+			OnOutcome: func(_ context.Context, rep consumer.Report) {
+				r := rep.Result
+				if r.Duplicate {
+					dupes.Add(1)
+				}
+			},
 		},
 	})
 	if err != nil {
@@ -508,13 +514,15 @@ func TestIDFunc(t *testing.T) {
 	})
 	c, err := idemkafka.NewConsumer(k.readerConfig(group, topic), h, idemkafka.ConsumerOptions{
 		DeadLetterTopic: dlq,
-		Logger:          testLogger(t),
 		IDFunc: func(km *kafkago.Message) (string, error) {
 			id, ok := strings.CutPrefix(string(km.Value), "order=")
 			if !ok {
 				return "", errors.New("no order number")
 			}
 			return "order-" + id, nil
+		},
+		Telemetry: consumer.Telemetry{
+			Logger: testLogger(t),
 		},
 	})
 	if err != nil {
@@ -533,7 +541,7 @@ func TestIDFunc(t *testing.T) {
 		t.Fatalf("dead letters %v", dl)
 	}
 	for _, h := range dl[0].Headers {
-		if h.Key == idemkafka.HeaderReason && string(h.Value) != string(consumer.OutcomeInvalidKey) {
+		if h.Key == consumer.HeaderReason && string(h.Value) != string(consumer.OutcomeInvalidKey) {
 			t.Fatalf("reason %s", h.Value)
 		}
 	}
@@ -556,7 +564,9 @@ func TestShutdownCommitsDone(t *testing.T) {
 		CommitEvery:     1 << 30,
 		CommitInterval:  time.Hour,
 		DeadLetterTopic: k.dlq(t, topic),
-		Logger:          testLogger(t),
+		Telemetry: consumer.Telemetry{
+			Logger: testLogger(t),
+		},
 	})
 	if err != nil {
 		t.Fatal(err)
@@ -597,7 +607,9 @@ func TestNewConsumerValidation(t *testing.T) {
 			o.DeadLetterWriter = &kafkago.Writer{Addr: kafkago.TCP("x")}
 		}},
 		{"read backoff min above the default max", func(c *kafkago.ReaderConfig) { c.ReadBackoffMin = 2 * time.Second }, nil},
-		{"retry initial above max", nil, func(o *idemkafka.ConsumerOptions) { o.RetryInitial, o.RetryMax = time.Second, time.Millisecond }},
+		{"backoff initial above max", nil, func(o *idemkafka.ConsumerOptions) {
+			o.Backoff = consumer.Backoff{Initial: time.Second, Max: time.Millisecond}
+		}},
 	} {
 		c, o := cfg, ok
 		if tc.cfg != nil {
@@ -644,7 +656,7 @@ func TestStartAtLastOffset(t *testing.T) {
 	cfg := k.readerConfig(group, topic)
 	cfg.StartOffset = kafkago.LastOffset
 	dlq := k.dlq(t, topic)
-	c, err := idemkafka.NewConsumer(cfg, h, idemkafka.ConsumerOptions{DeadLetterTopic: dlq, CommitInterval: 20 * time.Millisecond, Logger: testLogger(t)})
+	c, err := idemkafka.NewConsumer(cfg, h, idemkafka.ConsumerOptions{DeadLetterTopic: dlq, CommitInterval: 20 * time.Millisecond, Telemetry: consumer.Telemetry{Logger: testLogger(t)}})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -653,7 +665,7 @@ func TestStartAtLastOffset(t *testing.T) {
 	r.stop(t)
 	k.produce(t, topic, rec(0, "k", "new-1", "v"))
 
-	c2, err := idemkafka.NewConsumer(cfg, h, idemkafka.ConsumerOptions{DeadLetterTopic: dlq, CommitInterval: 20 * time.Millisecond, Logger: testLogger(t)})
+	c2, err := idemkafka.NewConsumer(cfg, h, idemkafka.ConsumerOptions{DeadLetterTopic: dlq, CommitInterval: 20 * time.Millisecond, Telemetry: consumer.Telemetry{Logger: testLogger(t)}})
 	if err != nil {
 		t.Fatal(err)
 	}

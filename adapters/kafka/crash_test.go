@@ -138,7 +138,9 @@ func childMain() int {
 		CommitEvery:     50,
 		CommitInterval:  100 * time.Millisecond,
 		DeadLetterTopic: topic + "_dlq",
-		Logger:          slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelWarn})),
+		Telemetry: consumer.Telemetry{
+			Logger: slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelWarn})),
+		},
 	}
 	var c *idemkafka.Consumer
 	switch mode {

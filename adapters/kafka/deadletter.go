@@ -16,39 +16,18 @@ import (
 	"github.com/idemkit/idem/internal/backoff"
 )
 
-// Headers added to a dead-lettered record; the package doc lists them all.
-// The record keeps its key, value and headers (the message id among them);
-// headers with the headerDeadLetter prefix from an earlier dead-lettering are
-// replaced.
+// Headers added to a dead-lettered record, besides consumer's
+// (consumer.HeaderReason, HeaderError, HeaderAttempts, HeaderSource, the
+// record's topic, and HeaderID); the package doc lists them all. The record
+// keeps its key, value and headers (the message id among them); headers
+// with consumer.HeaderPrefix from an earlier dead-lettering are replaced.
 const (
-	// headerDeadLetter is the prefix of every dead-letter header.
-	headerDeadLetter = "idem-dlq-"
-	// HeaderReason is the consumer.Outcome: permanent, panic,
-	// fingerprint_mismatch, invalid_key, retries_exhausted.
-	HeaderReason = "idem-dlq-reason"
-	// headerError is the error's text, cut at 4 KiB.
-	headerError = "idem-dlq-error"
-	// headerTopic, headerPartition and headerOffset locate the original
-	// record.
-	headerTopic     = "idem-dlq-topic"
-	headerPartition = "idem-dlq-partition"
-	headerOffset    = "idem-dlq-offset"
-	// headerAttempts is how many times the handler ran on the record in its
-	// last delivery: the Consumer's in-place retries, or the attempts of a
-	// consumer.Retry middleware that gave up when that is more.
-	headerAttempts = "idem-dlq-attempts"
-	// headerGroup is the consumer group that dead-lettered the record.
-	headerGroup = "idem-dlq-group"
-	// HeaderID is the dead letter's own message id,
-	// "topic/partition/offset" of the original record: the same each time
-	// that record is dead-lettered. A record can be dead-lettered twice
-	// (a crash or a rebalance after the dead-letter write and before the
-	// offset commit), so a consumer of the dead-letter topic deduplicates
-	// with idem on this id: a Consumer with ConsumerOptions.IDHeader set to
-	// HeaderID. (Two groups that dead-letter the same record to one topic
-	// share the id; give each group its own dead-letter topic, or add
-	// idem-dlq-group to the id with ConsumerOptions.IDFunc.)
-	HeaderID = "idem-dlq-id"
+	// HeaderPartition and HeaderOffset locate the original record in
+	// consumer.HeaderSource, its topic.
+	HeaderPartition = consumer.HeaderPrefix + "partition"
+	HeaderOffset    = consumer.HeaderPrefix + "offset"
+	// HeaderGroup is the consumer group that dead-lettered the record.
+	HeaderGroup = consumer.HeaderPrefix + "group"
 )
 
 const maxErrorHeader = 4 << 10
@@ -114,7 +93,7 @@ func deadLetterAttempts(attempts int, r consumer.Result) int {
 func (c *Consumer) deadLetterRecord(km *kafkago.Message, attempts int, r consumer.Result) kafkago.Message {
 	hs := make([]kafkago.Header, 0, len(km.Headers)+8)
 	for _, h := range km.Headers {
-		if !strings.HasPrefix(h.Key, headerDeadLetter) {
+		if !strings.HasPrefix(h.Key, consumer.HeaderPrefix) {
 			hs = append(hs, h)
 		}
 	}
@@ -130,14 +109,14 @@ func (c *Consumer) deadLetterRecord(km *kafkago.Message, attempts int, r consume
 		reason = string(consumer.OutcomePermanent)
 	}
 	hs = append(hs,
-		kafkago.Header{Key: HeaderReason, Value: []byte(reason)},
-		kafkago.Header{Key: headerError, Value: []byte(errText)},
-		kafkago.Header{Key: headerTopic, Value: []byte(km.Topic)},
-		kafkago.Header{Key: headerPartition, Value: []byte(strconv.Itoa(km.Partition))},
-		kafkago.Header{Key: headerOffset, Value: []byte(strconv.FormatInt(km.Offset, 10))},
-		kafkago.Header{Key: headerAttempts, Value: []byte(strconv.Itoa(attempts))},
-		kafkago.Header{Key: headerGroup, Value: []byte(c.group)},
-		kafkago.Header{Key: HeaderID, Value: []byte(offsetID(km.Topic, km.Partition, km.Offset))},
+		kafkago.Header{Key: consumer.HeaderReason, Value: []byte(reason)},
+		kafkago.Header{Key: consumer.HeaderError, Value: []byte(errText)},
+		kafkago.Header{Key: consumer.HeaderSource, Value: []byte(km.Topic)},
+		kafkago.Header{Key: HeaderPartition, Value: []byte(strconv.Itoa(km.Partition))},
+		kafkago.Header{Key: HeaderOffset, Value: []byte(strconv.FormatInt(km.Offset, 10))},
+		kafkago.Header{Key: consumer.HeaderAttempts, Value: []byte(strconv.Itoa(attempts))},
+		kafkago.Header{Key: HeaderGroup, Value: []byte(c.group)},
+		kafkago.Header{Key: consumer.HeaderID, Value: []byte(offsetID(km.Topic, km.Partition, km.Offset))},
 	)
 	out := kafkago.Message{Key: km.Key, Value: km.Value, Headers: hs}
 	if c.dlq.Topic == "" {

@@ -37,8 +37,8 @@
 //   - ActionAck: the record is done.
 //   - ActionRetry (transient errors, an unavailable store, a key in flight
 //     elsewhere): the record is run again in place after a backoff
-//     (ConsumerOptions.RetryInitial doubling to RetryMax, at least Result.RetryAfter
-//     up to RetryMax), as long as the Consumer runs. Nothing is skipped: the
+//     (ConsumerOptions.Backoff, at least Result.RetryAfter up to
+//     Backoff.Max), as long as the Consumer runs. Nothing is skipped: the
 //     partition waits, so its order holds. Put a consumer.Retry middleware in
 //     the chain to turn endless failures into retries_exhausted dead letters.
 //   - ActionDeadLetter (consumer.Permanent errors, panics caught by
@@ -50,25 +50,31 @@
 //     stops its partition. The dead-letter topic must exist: Run checks it
 //     before it consumes.
 //
-// The dead-letter headers (those from an earlier dead-lettering, starting
-// with "idem-dlq-", are replaced):
+// The dead-letter headers, consumer's names for every adapter (those from
+// an earlier dead-lettering, starting with consumer.HeaderPrefix
+// "idem-dlq-", are replaced):
 //
-//   - idem-dlq-reason (HeaderReason): why, a consumer.Outcome: permanent,
-//     panic, fingerprint_mismatch, invalid_key, retries_exhausted;
-//   - idem-dlq-error: the error's text, cut at 4 KiB;
-//   - idem-dlq-topic, idem-dlq-partition, idem-dlq-offset: where the
-//     original record is;
-//   - idem-dlq-attempts: how many times the handler ran on the record in
-//     its last delivery (the Consumer's in-place retries, or the attempts
-//     of a consumer.Retry middleware that gave up when that is more);
-//   - idem-dlq-group: the consumer group that dead-lettered it;
-//   - idem-dlq-id (HeaderID): the dead letter's own message id.
+//   - idem-dlq-reason (consumer.HeaderReason): why, a consumer.Outcome:
+//     permanent, panic, fingerprint_mismatch, invalid_key,
+//     retries_exhausted;
+//   - idem-dlq-error (consumer.HeaderError): the error's text, cut at 4 KiB;
+//   - idem-dlq-source (consumer.HeaderSource), idem-dlq-partition
+//     (HeaderPartition), idem-dlq-offset (HeaderOffset): where the original
+//     record is, its topic, partition and offset;
+//   - idem-dlq-attempts (consumer.HeaderAttempts): how many times the
+//     handler ran on the record in its last delivery (the Consumer's
+//     in-place retries, or the attempts of a consumer.Retry middleware that
+//     gave up when that is more);
+//   - idem-dlq-group (HeaderGroup): the consumer group that dead-lettered
+//     it;
+//   - idem-dlq-id (consumer.HeaderID): the dead letter's own message id.
 //
 // A crash or a rebalance between the dead-letter write and the offset
 // commit dead-letters the record again. Every dead letter of one record
-// carries the same HeaderID, "topic/partition/offset" of the record, so
+// carries the same consumer.HeaderID, "topic/partition/offset" of the record, so
 // the consumer of the dead-letter topic deduplicates them with idem itself:
-// a Consumer on the dead-letter topic with ConsumerOptions.IDHeader set to HeaderID
+// a Consumer on the dead-letter topic with ConsumerOptions.IDHeader set to
+// consumer.HeaderID
 // and a consumer.Dedup (or Transactional) in its chain handles each poison
 // record once. A BatchHandler's records without a valid id are
 // dead-lettered after their batch, so a rebalance that cancels the batch

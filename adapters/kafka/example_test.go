@@ -74,14 +74,16 @@ func Example() {
 		Topic:   "payments",
 	}, consumer.Chain(charge, consumer.Recover(), dd), idemkafka.ConsumerOptions{
 		DeadLetterTopic: "payments.dlq",
-		OnOutcome: func(_ context.Context, rep consumer.Report) {
-			msg, r := rep.Message, rep.Result
-			if r.Duplicate {
-				fmt.Printf("%s again: duplicate, acknowledged\n", msg.ID)
-			}
-			if seen.Add(1) == 4 {
-				cancel() // stop: commit, leave the group
-			}
+		Telemetry: consumer.Telemetry{
+			OnOutcome: func(_ context.Context, rep consumer.Report) {
+				msg, r := rep.Message, rep.Result
+				if r.Duplicate {
+					fmt.Printf("%s again: duplicate, acknowledged\n", msg.ID)
+				}
+				if seen.Add(1) == 4 {
+					cancel() // stop: commit, leave the group
+				}
+			},
 		},
 	})
 	if err != nil {

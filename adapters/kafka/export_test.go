@@ -21,14 +21,3 @@ func SetCommitHooks(c *Consumer, before, after func(offsets map[string]map[int]i
 // SetQueued sets a function called when a fetched record was handed to the
 // workers (several workers, or a BatchHandler). Call before Run.
 func SetQueued(c *Consumer, f func(km *kafkago.Message)) { c.hooks.queued = f }
-
-// The dead-letter headers, as documented on ConsumerOptions.DeadLetterTopic.
-const (
-	HeaderDeadLetter = headerDeadLetter
-	HeaderError      = headerError
-	HeaderTopic      = headerTopic
-	HeaderPartition  = headerPartition
-	HeaderOffset     = headerOffset
-	HeaderAttempts   = headerAttempts
-	HeaderGroup      = headerGroup
-)

@@ -74,7 +74,9 @@ func TestKeyWorkers(t *testing.T) {
 		Workers:         4,
 		CommitInterval:  20 * time.Millisecond,
 		DeadLetterTopic: k.dlq(t, topic),
-		Logger:          testLogger(t),
+		Telemetry: consumer.Telemetry{
+			Logger: testLogger(t),
+		},
 	})
 	if err != nil {
 		t.Fatal(err)
@@ -172,7 +174,9 @@ func TestBatchConsumer(t *testing.T) {
 	c, err := idemkafka.NewBatchConsumer(k.readerConfig(group, topic), bh, idemkafka.ConsumerOptions{
 		BatchSize:       16,
 		DeadLetterTopic: dlq,
-		Logger:          testLogger(t),
+		Telemetry: consumer.Telemetry{
+			Logger: testLogger(t),
+		},
 	})
 	if err != nil {
 		t.Fatal(err)
@@ -213,7 +217,7 @@ func TestBatchConsumer(t *testing.T) {
 	reasons := map[string]int{}
 	for _, m := range k.readAll(t, dlq, 1) {
 		for _, h := range m.Headers {
-			if h.Key == idemkafka.HeaderReason {
+			if h.Key == consumer.HeaderReason {
 				reasons[string(h.Value)]++
 			}
 		}
@@ -278,7 +282,9 @@ func TestBatchDeadLettersOnce(t *testing.T) {
 		DeadLetterTopic: dlq,
 		CommitInterval:  20 * time.Millisecond,
 		ShutdownTimeout: 100 * time.Millisecond,
-		Logger:          testLogger(t),
+		Telemetry: consumer.Telemetry{
+			Logger: testLogger(t),
+		},
 	}
 	a, err := idemkafka.NewBatchConsumer(k.readerConfig(group, topic), bhA, opts)
 	if err != nil {
@@ -316,7 +322,7 @@ func TestBatchDeadLettersOnce(t *testing.T) {
 		for _, h := range m.Headers {
 			hs[h.Key] = string(h.Value)
 		}
-		byOffset[hs[idemkafka.HeaderOffset]] = append(byOffset[hs[idemkafka.HeaderOffset]], hs[idemkafka.HeaderID])
+		byOffset[hs[idemkafka.HeaderOffset]] = append(byOffset[hs[idemkafka.HeaderOffset]], hs[consumer.HeaderID])
 	}
 	for off := range invalid {
 		o := strconv.FormatInt(off, 10)

@@ -7,15 +7,13 @@ import (
 	"log/slog"
 	"time"
 
-	kafkago "github.com/segmentio/kafka-go"
-	"go.opentelemetry.io/otel/metric"
-	"go.opentelemetry.io/otel/propagation"
-	"go.opentelemetry.io/otel/trace"
-
 	"github.com/idemkit/idem/consumer"
 	"github.com/idemkit/idem/dedup"
+	"github.com/idemkit/idem/internal/defaults"
 	"github.com/idemkit/idem/internal/telemetry"
 	"github.com/idemkit/idem/outbox"
+	kafkago "github.com/segmentio/kafka-go"
+	"go.opentelemetry.io/otel/propagation"
 )
 
 // ConsumerOptions configure a Consumer. Only the dead-letter topic is required:
@@ -67,18 +65,19 @@ type ConsumerOptions struct {
 	// 1s.
 	CommitInterval time.Duration
 
-	// RetryInitial is the backoff before the first retry of a record the
-	// handler asked to retry (consumer.ActionRetry); it doubles per retry,
-	// with jitter, up to RetryMax. A Result.RetryAfter hint longer than the
-	// backoff is waited instead, capped by RetryMax. Retries happen in
-	// place: the partition waits, keeping its order. Defaults to 100ms.
-	RetryInitial time.Duration
-	// RetryMax caps the retry backoff. Defaults to 10s.
-	RetryMax time.Duration
+	// Backoff shapes the wait before each retry of a record the handler
+	// asked to retry (consumer.ActionRetry): Backoff.Delay(n), drawn in its
+	// upper half. A Result.RetryAfter hint longer than that is waited
+	// instead, capped by Backoff.Max. Retries happen in place: the
+	// partition waits, keeping its order. The same backoff spaces the
+	// retries of failed fetches, commits and dead-letter writes. Defaults
+	// to Initial 100ms, Max 10s, Factor 2.
+	Backoff consumer.Backoff
 
 	// DeadLetterTopic receives poison records (consumer.ActionDeadLetter:
 	// permanent errors, panics, fingerprint mismatches, invalid ids,
-	// exhausted retries) with the Header* headers of this package added.
+	// exhausted retries) with the dead-letter headers added
+	// (consumer.HeaderReason and the others; the package doc lists them).
 	// Required unless DeadLetterWriter has its Topic set. The topic must
 	// exist: Run checks it before consuming (ErrDeadLetterTopicMissing).
 	DeadLetterTopic string
@@ -106,32 +105,34 @@ type ConsumerOptions struct {
 	// the session and rebalance timeouts (10s with kafka-go's defaults).
 	ShutdownTimeout time.Duration
 
+	// Telemetry: the Consumer's metrics, spans, logs and outcome reports
+	// (consumer's block, shared by every adapter).
+	//
 	// Logger receives warnings (retries, dead letters, failed commits)
 	// and debug messages (generations), with the context of the record's
 	// span when there is one. Message ids appear only hashed
 	// (message_id_hash, dedup.HashKey with an empty scope), keys and
 	// payloads never. Defaults to slog.Default().
-	Logger *slog.Logger
+	//
 	// OnOutcome, if set, is called once per settled record, after the
 	// settlement: the record was acknowledged, or written to the
 	// dead-letter topic, and its offset marked for the next commit. It
 	// gets the record's Message, the consumer.Result the Consumer acted on
 	// and its Outcome (Result.Outcome: for a dead letter, the same reason
-	// as the HeaderReason header). A run that ends in a retry, and a record
+	// as the consumer.HeaderReason header). A run that ends in a retry, and a record
 	// abandoned at a rebalance or a stop, are not reported: the record
 	// runs again and is reported when it settles. A record that comes back
 	// after a crash or a rebalance that came before its offset commit
 	// settles, and is reported, once more. It must be fast and safe for
 	// concurrent use.
-	OnOutcome func(ctx context.Context, r consumer.Report)
-
+	//
 	// MeterProvider receives idem.messages (each handler run's verdict:
 	// ack, retry or dead_letter, with the dead-letter reason) and
 	// messaging.process.duration, with the attributes messaging.system
 	// "kafka" and messaging.destination.name the topic (README, "Operating
 	// idem"). Defaults to the OpenTelemetry global, a no-op until the
 	// application installs a provider.
-	MeterProvider metric.MeterProvider
+	//
 	// TracerProvider starts a consumer span "process <topic>" for each
 	// handler run, continuing the trace found in the record's headers (the
 	// traceparent the outbox stored at Enqueue time), and a span with links
@@ -141,7 +142,8 @@ type ConsumerOptions struct {
 	// until the application installs a provider: until then (and with
 	// OpenTelemetry's noop provider) no span is started and the headers are
 	// not read.
-	TracerProvider trace.TracerProvider
+	consumer.Telemetry
+
 	// Propagator reads the trace context from the record's headers (see
 	// HeaderCarrier). Defaults to W3C Trace Context (traceparent,
 	// tracestate), what the outbox stores.
@@ -159,49 +161,26 @@ type OffsetStore interface {
 	SaveOffsets(ctx context.Context, group string, offsets map[string]map[int]int64) error
 }
 
+// defaultBackoff is ConsumerOptions.Backoff's default.
+var defaultBackoff = consumer.Backoff{Initial: 100 * time.Millisecond, Max: 10 * time.Second, Factor: 2}
+
 func (o *ConsumerOptions) setDefaults(session, rebalance time.Duration) error {
-	ints := []struct {
-		name string
-		v    *int
-		def  int
-	}{
-		{"MaxIDLen", &o.MaxIDLen, dedup.DefaultMaxKeyLen},
-		{"Workers", &o.Workers, 1},
-		{"BatchSize", &o.BatchSize, 100},
-		{"MaxInFlight", &o.MaxInFlight, 256},
-		{"CommitEvery", &o.CommitEvery, 100},
+	c := defaults.New("kafka: ConsumerOptions")
+	c.Int("MaxIDLen", &o.MaxIDLen, dedup.DefaultMaxKeyLen)
+	c.Int("Workers", &o.Workers, 1)
+	c.Int("BatchSize", &o.BatchSize, 100)
+	c.Int("MaxInFlight", &o.MaxInFlight, 256)
+	c.Int("CommitEvery", &o.CommitEvery, 100)
+	c.Duration("CommitInterval", &o.CommitInterval, time.Second)
+	c.Duration("ShutdownTimeout", &o.ShutdownTimeout, min(session, rebalance)/3)
+	var err error
+	o.Backoff, err = o.Backoff.WithDefaults(defaultBackoff)
+	c.Wrap("Backoff", err)
+	if c.Err() == nil && o.MaxInFlight < o.Workers {
+		c.Fail("MaxInFlight", "(%d) is less than Workers (%d)", o.MaxInFlight, o.Workers)
 	}
-	for _, f := range ints {
-		if *f.v < 0 {
-			return fmt.Errorf("kafka: ConsumerOptions.%s is %d; it must be positive (or zero for %d)", f.name, *f.v, f.def)
-		}
-		if *f.v == 0 {
-			*f.v = f.def
-		}
-	}
-	durs := []struct {
-		name string
-		v    *time.Duration
-		def  time.Duration
-	}{
-		{"CommitInterval", &o.CommitInterval, time.Second},
-		{"RetryInitial", &o.RetryInitial, 100 * time.Millisecond},
-		{"RetryMax", &o.RetryMax, 10 * time.Second},
-		{"ShutdownTimeout", &o.ShutdownTimeout, min(session, rebalance) / 3},
-	}
-	for _, f := range durs {
-		if *f.v < 0 {
-			return fmt.Errorf("kafka: ConsumerOptions.%s is %v; it must be positive (or zero for %v)", f.name, *f.v, f.def)
-		}
-		if *f.v == 0 {
-			*f.v = f.def
-		}
-	}
-	if o.RetryInitial > o.RetryMax {
-		return fmt.Errorf("kafka: ConsumerOptions.RetryInitial (%v) is greater than RetryMax (%v)", o.RetryInitial, o.RetryMax)
-	}
-	if o.MaxInFlight < o.Workers {
-		return fmt.Errorf("kafka: ConsumerOptions.MaxInFlight (%d) is less than Workers (%d)", o.MaxInFlight, o.Workers)
+	if err := c.Err(); err != nil {
+		return err
 	}
 	if o.IDHeader == "" {
 		o.IDHeader = outbox.HeaderMessageID

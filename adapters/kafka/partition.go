@@ -262,17 +262,7 @@ func (p *partition) process(ctx context.Context, msg *consumer.Message) consumer
 	if errors.As(err, &be) {
 		err = be.Errs[0]
 	}
-	return decide(ctx, err)
-}
-
-// decide is consumer.Process's verdict for an error a BatchHandler returned:
-// consumer.Decide, and never a dead letter while ctx is done.
-func decide(ctx context.Context, err error) consumer.Result {
-	r := consumer.Decide(err)
-	if r.Action == consumer.ActionDeadLetter && ctx.Err() != nil {
-		r = consumer.Result{Action: consumer.ActionRetry, Reason: consumer.OutcomeTransient, Err: err}
-	}
-	return r
+	return consumer.DecideContext(ctx, err)
 }
 
 // settle acts on a result and records the verdict (at; ctx is the run's
@@ -390,7 +380,7 @@ func (p *partition) runBatchHandler(stop context.Context, rn *runner, valid []*i
 	case errors.As(err, &be):
 		bt.end("", nil)
 		for i, it := range valid {
-			r := decide(ctx, be.Errs[i])
+			r := consumer.DecideContext(ctx, be.Errs[i])
 			if r.Action == consumer.ActionRetry {
 				p.c.verdict(ctx, it.km.Topic, at, r, false)
 				again = append(again, it)

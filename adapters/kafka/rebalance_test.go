@@ -93,13 +93,15 @@ func TestRebalance(t *testing.T) {
 			CommitEvery:     20,
 			CommitInterval:  50 * time.Millisecond,
 			DeadLetterTopic: dlq,
-			Logger:          testLogger(t),
-			OnOutcome: func(_ context.Context, rep consumer.Report) {
-				r := rep.Result
-				if r.Action == consumer.ActionAck && !r.Duplicate {
-					total.Add(1)
-					perMember[i].Add(1)
-				}
+			Telemetry: consumer.Telemetry{
+				Logger: testLogger(t),
+				OnOutcome: func(_ context.Context, rep consumer.Report) {
+					r := rep.Result
+					if r.Action == consumer.ActionAck && !r.Duplicate {
+						total.Add(1)
+						perMember[i].Add(1)
+					}
+				},
 			},
 		})
 		if err != nil {
@@ -205,12 +207,14 @@ func TestOffsetsInPostgresReachKafka(t *testing.T) {
 		// PostgreSQL positions move (in the handler's transaction).
 		CommitEvery:    1 << 20,
 		CommitInterval: time.Hour,
-		Logger:         testLogger(t),
-		OnOutcome: func(_ context.Context, rep consumer.Report) {
-			r := rep.Result
-			if r.Action == consumer.ActionAck {
-				acked.Add(1)
-			}
+		Telemetry: consumer.Telemetry{
+			Logger: testLogger(t),
+			OnOutcome: func(_ context.Context, rep consumer.Report) {
+				r := rep.Result
+				if r.Action == consumer.ActionAck {
+					acked.Add(1)
+				}
+			},
 		},
 	}
 	a, err := idemkafka.NewConsumer(cfg, h, opts)

@@ -112,15 +112,16 @@ func TestOutcomeReportedOnceAfterSettlement(t *testing.T) {
 		return nil
 	})
 	opts := idemkafka.ConsumerOptions{
-		RetryInitial:    10 * time.Millisecond,
-		RetryMax:        50 * time.Millisecond,
+		Backoff:         consumer.Backoff{Initial: 10 * time.Millisecond, Max: 50 * time.Millisecond},
 		DeadLetterTopic: dlq,
 		CommitInterval:  50 * time.Millisecond,
-		Logger:          testLogger(t),
-		OnOutcome: func(_ context.Context, r consumer.Report) {
-			mu.Lock()
-			reports[r.Message.ID] = append(reports[r.Message.ID], r)
-			mu.Unlock()
+		Telemetry: consumer.Telemetry{
+			Logger: testLogger(t),
+			OnOutcome: func(_ context.Context, r consumer.Report) {
+				mu.Lock()
+				reports[r.Message.ID] = append(reports[r.Message.ID], r)
+				mu.Unlock()
+			},
 		},
 	}
 	k.fail.Store(true)
@@ -162,7 +163,7 @@ func TestOutcomeReportedOnceAfterSettlement(t *testing.T) {
 	for _, m := range k.readAll(t, dlq, 1) {
 		parked[string(m.Key)]++
 		for _, h := range m.Headers {
-			if h.Key == idemkafka.HeaderReason && string(h.Value) != string(consumer.OutcomePermanent) {
+			if h.Key == consumer.HeaderReason && string(h.Value) != string(consumer.OutcomePermanent) {
 				t.Errorf("dead letter of %s: reason %q", m.Key, h.Value)
 			}
 		}

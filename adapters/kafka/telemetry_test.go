@@ -82,8 +82,10 @@ func TestConsumerContinuesOutboxTrace(t *testing.T) {
 	}), dd)
 	c, err := idemkafka.NewConsumer(k.readerConfig(testenv.Name("g"), topic), h, idemkafka.ConsumerOptions{
 		DeadLetterTopic: k.dlq(t, topic),
-		TracerProvider:  spans,
-		Logger:          testLogger(t),
+		Telemetry: consumer.Telemetry{
+			TracerProvider: spans,
+			Logger:         testLogger(t),
+		},
 	})
 	if err != nil {
 		t.Fatal(err)
@@ -146,10 +148,11 @@ func TestConsumerMetricsByVerdict(t *testing.T) {
 	var logs telemetrytest.LogBuffer
 	c, err := idemkafka.NewConsumer(k.readerConfig(testenv.Name("g"), topic), h, idemkafka.ConsumerOptions{
 		DeadLetterTopic: dlq,
-		MeterProvider:   mp,
-		RetryInitial:    time.Millisecond,
-		RetryMax:        10 * time.Millisecond,
-		Logger:          slog.New(slog.NewTextHandler(&logs, &slog.HandlerOptions{Level: slog.LevelDebug})),
+		Backoff:         consumer.Backoff{Initial: time.Millisecond, Max: 10 * time.Millisecond},
+		Telemetry: consumer.Telemetry{
+			MeterProvider: mp,
+			Logger:        slog.New(slog.NewTextHandler(&logs, &slog.HandlerOptions{Level: slog.LevelDebug})),
+		},
 	})
 	if err != nil {
 		t.Fatal(err)
@@ -203,9 +206,11 @@ func TestBatchConsumerLinksTraces(t *testing.T) {
 	})
 	c, err := idemkafka.NewBatchConsumer(k.readerConfig(testenv.Name("g"), topic), bh, idemkafka.ConsumerOptions{
 		DeadLetterTopic: k.dlq(t, topic),
-		TracerProvider:  spans,
-		MeterProvider:   mp,
-		Logger:          testLogger(t),
+		Telemetry: consumer.Telemetry{
+			TracerProvider: spans,
+			MeterProvider:  mp,
+			Logger:         testLogger(t),
+		},
 	})
 	if err != nil {
 		t.Fatal(err)
@@ -273,13 +278,15 @@ func TestConsumerHostileTraceHeaders(t *testing.T) {
 		consumer.HandlerFunc(func(context.Context, *consumer.Message) error { return nil }),
 		idemkafka.ConsumerOptions{
 			DeadLetterTopic: k.dlq(t, topic),
-			TracerProvider:  spans,
-			Logger:          testLogger(t),
-			OnOutcome: func(_ context.Context, rep consumer.Report) {
-				r := rep.Result
-				if r.Action == consumer.ActionAck {
-					acked.Add(1)
-				}
+			Telemetry: consumer.Telemetry{
+				TracerProvider: spans,
+				Logger:         testLogger(t),
+				OnOutcome: func(_ context.Context, rep consumer.Report) {
+					r := rep.Result
+					if r.Action == consumer.ActionAck {
+						acked.Add(1)
+					}
+				},
 			},
 		})
 	if err != nil {

@@ -15,21 +15,21 @@ import (
 // copy keeps the message's payload and headers, except its Nats-Msg-Id,
 // which is replaced by HeaderID's value (the original one is kept in
 // HeaderMessageID), and headers with the "idem-dlq-" prefix from an
-// earlier dead-lettering, which are replaced. The names are those of the
-// Kafka adapter's dead letters.
+// earlier dead-lettering, which are replaced. Reason, error, attempts and
+// id are consumer's names, the same on every adapter.
 const (
 	// headerDeadLetter is the prefix of every dead-letter header.
 	headerDeadLetter = "idem-dlq-"
 	// HeaderReason is the consumer.Outcome: permanent, panic,
 	// fingerprint_mismatch, invalid_key, retries_exhausted or
 	// redelivery_limit.
-	HeaderReason = "idem-dlq-reason"
+	HeaderReason = consumer.HeaderReason
 	// HeaderError is the error's text, cut at 4 KiB.
-	HeaderError = "idem-dlq-error"
+	HeaderError = consumer.HeaderError
 	// HeaderAttempts is the message's delivery count (NumDelivered) when
 	// it was dead-lettered, or the attempts of a consumer.Retry
 	// middleware that gave up when that is more.
-	HeaderAttempts = "idem-dlq-attempts"
+	HeaderAttempts = consumer.HeaderAttempts
 	// HeaderSubject, HeaderStream and HeaderSequence locate the original
 	// message: its subject, its stream and its sequence there.
 	HeaderSubject  = "idem-dlq-subject"
@@ -49,7 +49,7 @@ const (
 	// dead-letter stream's duplicate window, and a reader of the
 	// dead-letter stream deduplicates on it with idem otherwise (its
 	// Nats-Msg-Id is the id a Consumer of that stream takes).
-	HeaderID = "idem-dlq-id"
+	HeaderID = consumer.HeaderID
 )
 
 const maxErrorHeader = 4 << 10

@@ -60,7 +60,7 @@ func TestConcurrentDeliveriesOneEffect(t *testing.T) {
 				router.AddMiddleware(
 					fastRetry(1000).Middleware,
 					// Each router is another instance on the same store.
-					fx.middleware(t, idemwatermill.Options{Scope: "billing/charge", OnOutcome: onOutcome, MeterProvider: mp}),
+					fx.middleware(t, idemwatermill.Options{Scope: "billing/charge", Telemetry: consumer.Telemetry{OnOutcome: onOutcome, MeterProvider: mp}}),
 				)
 				for s := range subsPerRoute {
 					router.AddConsumerHandler(fmt.Sprintf("charge-%d-%d", r, s), topic, ps, func(msg *message.Message) error {

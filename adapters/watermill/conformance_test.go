@@ -144,12 +144,12 @@ func startConformanceRouter(ctx context.Context, d adaptertest.Destination, w ad
 	}
 	tx, err := idemwatermill.Transactional(w.Store, idemwatermill.Options{
 		Scope: w.Scope,
-		OnOutcome: func(ctx context.Context, rep consumer.Report) {
+		Telemetry: consumer.Telemetry{OnOutcome: func(ctx context.Context, rep consumer.Report) {
 			w.OnOutcome(ctx, rep)
 			if rep.Outcome == consumer.OutcomeCompleted {
 				w.AfterCommit(&consumer.Message{ID: rep.Key.ID})
 			}
-		},
+		}},
 	})
 	if err != nil {
 		return nil, err

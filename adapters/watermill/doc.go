@@ -62,7 +62,7 @@
 // middleware.PoisonQueue or PoisonQueueWithFilter) the idem middleware hands
 // such a message to the poison queue itself, which publishes it and lets it be
 // acknowledged; otherwise it returns a poison error (IsPoison) marked consumer.Permanent
-// and sets MetadataReason on the message. IsPoison is a filter for
+// and sets consumer.HeaderReason on the message. IsPoison is a filter for
 // PoisonQueueWithFilter and Retryable a ShouldRetry for the Retry middleware.
 //
 // # Order of middleware

@@ -51,10 +51,12 @@ func ExampleDedup() {
 	}
 	defer store.Close()
 	dedup, err := idemwatermill.Dedup(store, idemwatermill.Options{
-		OnOutcome: func(_ context.Context, r consumer.Report) {
-			if r.Outcome == consumer.OutcomeDuplicate {
-				fmt.Println("duplicate of", r.Key.ID, "acknowledged, handler not run")
-			}
+		Telemetry: consumer.Telemetry{
+			OnOutcome: func(_ context.Context, r consumer.Report) {
+				if r.Outcome == consumer.OutcomeDuplicate {
+					fmt.Println("duplicate of", r.Key.ID, "acknowledged, handler not run")
+				}
+			},
 		},
 	})
 	if err != nil {
@@ -135,7 +137,7 @@ func ExampleOptions_poisonQueue() {
 		return nil
 	}).AddMiddleware(dedup)
 	router.AddConsumerHandler("poison-log", "payments.poison", pubSub, func(msg *message.Message) error {
-		fmt.Println("poison:", msg.UUID, string(msg.Payload), msg.Metadata.Get(idemwatermill.MetadataReason),
+		fmt.Println("poison:", msg.UUID, string(msg.Payload), msg.Metadata.Get(consumer.HeaderReason),
 			"from", msg.Metadata.Get(middleware.PoisonedHandlerKey))
 		return nil
 	})

@@ -41,7 +41,7 @@ func (l *outcomeLog) String() string {
 func TestDedupOutcomes(t *testing.T) {
 	store := newMemstore(t)
 	var log outcomeLog
-	mw := must(idemwatermill.Dedup(store, idemwatermill.Options{Scope: "billing/charge", OnOutcome: log.add}))
+	mw := must(idemwatermill.Dedup(store, idemwatermill.Options{Scope: "billing/charge", Telemetry: consumer.Telemetry{OnOutcome: log.add}}))
 	var fail atomic.Bool
 	var runs atomic.Int32
 	produced := message.NewMessage(wm.NewUUID(), []byte("receipt"))
@@ -135,7 +135,7 @@ func TestDedupLeaseLost(t *testing.T) {
 		complete: func(context.Context, *dedup.Lease) error { completes.Add(1); return nil },
 	}
 	var log outcomeLog
-	mw := must(idemwatermill.Dedup(store, idemwatermill.Options{Scope: "s", ExtendEvery: time.Millisecond, OnOutcome: log.add}))
+	mw := must(idemwatermill.Dedup(store, idemwatermill.Options{Scope: "s", ExtendEvery: time.Millisecond, Telemetry: consumer.Telemetry{OnOutcome: log.add}}))
 	var cause error
 	h := mw(func(m *message.Message) ([]*message.Message, error) {
 		<-m.Context().Done()

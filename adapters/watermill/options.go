@@ -8,14 +8,12 @@ import (
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill/message"
-	"go.opentelemetry.io/otel/metric"
-	"go.opentelemetry.io/otel/propagation"
-	"go.opentelemetry.io/otel/trace"
-
 	"github.com/idemkit/idem/consumer"
 	"github.com/idemkit/idem/dedup"
+	"github.com/idemkit/idem/internal/defaults"
 	"github.com/idemkit/idem/internal/telemetry"
 	"github.com/idemkit/idem/outbox"
+	"go.opentelemetry.io/otel/propagation"
 )
 
 // defaultFinishTimeout is the default Options.FinishTimeout.
@@ -66,9 +64,11 @@ type Options struct {
 	// decides and, when it takes the message, publishes it to its topic and
 	// the message is acknowledged. The handler does not run.
 	//
-	// Defaults to nil: the message's metadata gets MetadataReason and the
-	// a poison error (IsPoison) is returned, marked consumer.Permanent; the router nacks
-	// it unless a poison queue further out takes it (see IsPoison).
+	// Either way the message's metadata gets consumer's dead-letter
+	// headers (consumer.HeaderReason, HeaderError, HeaderSource, HeaderID).
+	// Defaults to nil: a poison error (IsPoison) is returned, marked
+	// consumer.Permanent; the router nacks it unless a poison queue
+	// further out takes it (see IsPoison).
 	PoisonQueue message.HandlerMiddleware
 
 	// ExtendEvery is how often Dedup extends the lease while the handler
@@ -105,11 +105,14 @@ type Options struct {
 	// (no order).
 	OutboxKey func(msg *message.Message) []byte
 
+	// Telemetry: the middleware's metrics, spans, logs and outcome reports
+	// (consumer's block, shared by every adapter).
+	//
 	// Logger receives warnings: failed heartbeats, releases and
 	// completions, lost leases. Keys appear in it as their hash
 	// (dedup.Key.Hash), never raw. Defaults to discarding them
 	// (slog.DiscardHandler).
-	Logger *slog.Logger
+	//
 	// OnOutcome, if set, is called once per run of the middleware on a
 	// message with its consumer.Report (Outcome, Key, Err; Message is
 	// nil, Key.ID names the message), when the middleware's answer is
@@ -121,8 +124,7 @@ type Options struct {
 	// message once the middleware returned. With Watermill's Retry
 	// middleware outside this one, each attempt reports. It must be fast
 	// and safe for concurrent use.
-	OnOutcome func(ctx context.Context, r consumer.Report)
-
+	//
 	// MeterProvider receives the middleware's metrics: idem.claims,
 	// idem.claim.duration, idem.handler.duration and idem.lease.lost, with
 	// the scope (the handler name, or Options.Scope) and the store as
@@ -131,7 +133,7 @@ type Options struct {
 	// messaging.system "watermill". No attribute carries a message id or a
 	// key. Defaults to otel.GetMeterProvider(), a no-op until the
 	// application installs a provider.
-	MeterProvider metric.MeterProvider
+	//
 	// TracerProvider starts the consumer span of each message ("process
 	// <topic>", continuing the trace found in the message's metadata, see
 	// Propagator) and, under it, the idem.claim, idem.handle and
@@ -141,7 +143,8 @@ type Options struct {
 	// outside this one started it), no consumer span is started: the idem
 	// spans become its children. Defaults to otel.GetTracerProvider(), a
 	// no-op until the application installs a provider.
-	TracerProvider trace.TracerProvider
+	consumer.Telemetry
+
 	// Propagator reads the producer's trace context from the message's
 	// metadata (idem's outbox stores it as the traceparent and tracestate
 	// headers, which Publisher copies to metadata unchanged). Metadata
@@ -173,22 +176,16 @@ type config struct {
 
 // newConfig validates opts for the middleware who, claiming on store.
 func newConfig(who string, opts Options, store any) (*config, error) {
-	if opts.MaxKeyLen < 0 {
-		return nil, fmt.Errorf("watermill: %s: Options.MaxKeyLen is %d; it must be positive (or zero for %d)", who, opts.MaxKeyLen, dedup.DefaultMaxKeyLen)
-	}
-	if opts.MaxKeyLen == 0 {
-		opts.MaxKeyLen = dedup.DefaultMaxKeyLen
+	chk := defaults.New("watermill: " + who + ": Options")
+	chk.Int("MaxKeyLen", &opts.MaxKeyLen, dedup.DefaultMaxKeyLen)
+	chk.Duration("FinishTimeout", &opts.FinishTimeout, defaultFinishTimeout)
+	if err := chk.Err(); err != nil {
+		return nil, err
 	}
 	if opts.Scope != "" {
 		if err := validateScope(opts.Scope, opts.MaxKeyLen); err != nil {
 			return nil, fmt.Errorf("watermill: %s: Options.Scope %q: %w", who, opts.Scope, err)
 		}
-	}
-	if opts.FinishTimeout < 0 {
-		return nil, fmt.Errorf("watermill: %s: Options.FinishTimeout is %v; it must be positive (or zero for %v)", who, opts.FinishTimeout, defaultFinishTimeout)
-	}
-	if opts.FinishTimeout == 0 {
-		opts.FinishTimeout = defaultFinishTimeout
 	}
 	if opts.Logger == nil {
 		opts.Logger = slog.New(slog.DiscardHandler)

@@ -15,20 +15,25 @@ import (
 	"github.com/idemkit/idem/internal/telemetry"
 )
 
-// MetadataReason is the metadata field the middleware sets on a message it
-// rejects as poison, to consumer.OutcomeFingerprintMismatch
-// ("fingerprint_mismatch") or consumer.OutcomeInvalidKey ("invalid_key"),
-// and on a message whose handler returned an error that will never
-// succeed, to consumer.Decide's dead-letter reason (consumer.OutcomePermanent
-// for an error marked consumer.Permanent). It travels with the message to
-// the poison queue, next to the fields Watermill's PoisonQueue sets
-// (reason_poisoned, topic_poisoned, ...).
+// MetadataReason is the metadata field that carries why a message went to
+// the poison queue: consumer.HeaderReason, the name every adapter uses for
+// it. The middleware sets it on a message it rejects as poison, to
+// consumer.OutcomeFingerprintMismatch ("fingerprint_mismatch") or
+// consumer.OutcomeInvalidKey ("invalid_key"), and on a message whose
+// handler returned an error that will never succeed, to consumer.Decide's
+// dead-letter reason (consumer.OutcomePermanent for an error marked
+// consumer.Permanent). It travels with the message to the poison queue,
+// next to the fields Watermill's PoisonQueue sets (reason_poisoned,
+// topic_poisoned, ...).
 //
 // A poison message without a UUID gets one on its way to the poison queue:
 // "idem-dl-" and a digest of its payload and metadata, the same for every
 // delivery of the message, so a reader of the poison topic can deduplicate
 // it like any other.
-const MetadataReason = "idem_reason"
+const MetadataReason = consumer.HeaderReason
+
+// maxErrorMetadata bounds the consumer.HeaderError metadata field.
+const maxErrorMetadata = 1 << 10
 
 // poisonError is returned for a message the middleware will never process:
 // its key was already seen with other content (Reason
@@ -53,7 +58,7 @@ func (e *poisonError) Unwrap() error { return e.Err }
 
 // IsPoison reports whether err is the middleware's rejection of a poison
 // message: a message whose key was already seen with other content, or that
-// has no valid key (the reason is in its MetadataReason field). It is the filter
+// has no valid key (the reason is in its consumer.HeaderReason metadata field). It is the filter
 // for Watermill's poison queue when only idem's rejections should go there:
 //
 //	pq, err := middleware.PoisonQueueWithFilter(pub, "poison", watermill.IsPoison)
@@ -78,8 +83,10 @@ func Retryable(err error) bool {
 	return err != nil && consumer.Decide(err).Action == consumer.ActionRetry
 }
 
-// poison rejects msg: the reason goes to its metadata, then the error goes to
-// the poison queue middleware when there is one, else back to the router.
+// poison rejects msg: consumer's dead-letter headers go to its metadata
+// (the reason, the error, the topic it was consumed from, its UUID as the
+// dead letter's id), then the error goes to the poison queue middleware
+// when there is one, else back to the router.
 func (c *config) poison(d *delivery, msg *message.Message, pe *poisonError) ([]*message.Message, error) {
 	d.poison = pe.Reason
 	if msg.Metadata == nil {
@@ -88,7 +95,16 @@ func (c *config) poison(d *delivery, msg *message.Message, pe *poisonError) ([]*
 	if msg.UUID == "" {
 		msg.UUID = deadLetterID(msg)
 	}
-	msg.Metadata.Set(MetadataReason, string(pe.Reason))
+	msg.Metadata.Set(consumer.HeaderReason, string(pe.Reason))
+	errText := pe.Err.Error()
+	if len(errText) > maxErrorMetadata {
+		errText = errText[:maxErrorMetadata]
+	}
+	msg.Metadata.Set(consumer.HeaderError, errText)
+	if topic := message.SubscribeTopicFromCtx(msg.Context()); topic != "" {
+		msg.Metadata.Set(consumer.HeaderSource, topic)
+	}
+	msg.Metadata.Set(consumer.HeaderID, msg.UUID)
 	err := consumer.Permanent(pe)
 	if c.PoisonQueue == nil {
 		return nil, err

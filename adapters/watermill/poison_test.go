@@ -68,8 +68,8 @@ func TestPoisonQueueOption(t *testing.T) {
 				if topics[i] != "poison" || m.UUID != want.uuid {
 					t.Errorf("poison #%d: topic %s uuid %s", i, topics[i], m.UUID)
 				}
-				if m.Metadata.Get(idemwatermill.MetadataReason) != want.reason {
-					t.Errorf("poison #%d: %s = %q, want %q", i, idemwatermill.MetadataReason, m.Metadata.Get(idemwatermill.MetadataReason), want.reason)
+				if m.Metadata.Get(consumer.HeaderReason) != want.reason {
+					t.Errorf("poison #%d: %s = %q, want %q", i, consumer.HeaderReason, m.Metadata.Get(consumer.HeaderReason), want.reason)
 				}
 				if r := m.Metadata.Get(middleware.ReasonForPoisonedKey); !strings.Contains(r, want.cause) {
 					t.Errorf("poison #%d: %s = %q, want it to mention %q", i, middleware.ReasonForPoisonedKey, r, want.cause)
@@ -116,8 +116,14 @@ func TestPoisonWithoutQueue(t *testing.T) {
 			if !idemwatermill.IsPoison(err) || idemwatermill.Retryable(err) || consumer.Decide(err).Action != consumer.ActionDeadLetter {
 				t.Errorf("IsPoison %v, Retryable %v, dead-lettered %v", idemwatermill.IsPoison(err), idemwatermill.Retryable(err), consumer.Decide(err).Action == consumer.ActionDeadLetter)
 			}
-			if got := c.msg.Metadata.Get(idemwatermill.MetadataReason); got != string(c.reason) {
-				t.Errorf("metadata %s = %q, want %q", idemwatermill.MetadataReason, got, c.reason)
+			if got := c.msg.Metadata.Get(consumer.HeaderReason); got != string(c.reason) {
+				t.Errorf("metadata %s = %q, want %q", consumer.HeaderReason, got, c.reason)
+			}
+			if got := c.msg.Metadata.Get(consumer.HeaderError); !strings.Contains(got, c.is.Error()) {
+				t.Errorf("metadata %s = %q, want the error (%v)", consumer.HeaderError, got, c.is)
+			}
+			if got, ok := c.msg.Metadata[consumer.HeaderID]; !ok || got != c.msg.UUID {
+				t.Errorf("metadata %s = %q (present %v), want the UUID %q", consumer.HeaderID, got, ok, c.msg.UUID)
 			}
 		})
 	}
@@ -170,7 +176,7 @@ func TestPoisonQueueWithFilterOutside(t *testing.T) {
 		t.Errorf("handler ran %d times, want 3 (a, b failing, b again)", runs.Load())
 	}
 	_, got := poisonPub.published()
-	if len(got) != 1 || got[0].UUID != forged.UUID || got[0].Metadata.Get(idemwatermill.MetadataReason) != string(consumer.OutcomeFingerprintMismatch) {
+	if len(got) != 1 || got[0].UUID != forged.UUID || got[0].Metadata.Get(consumer.HeaderReason) != string(consumer.OutcomeFingerprintMismatch) {
 		t.Fatalf("poison queue got %v", got)
 	}
 	if retried.Load() != 1 || notRetried.Load() != 1 {
@@ -253,7 +259,7 @@ func TestOnOutcomeAfterPoisonQueue(t *testing.T) {
 			go func() {
 				defer close(subDone)
 				for m := range poisoned {
-					event("poisoned " + m.Metadata.Get(idemwatermill.MetadataReason))
+					event("poisoned " + m.Metadata.Get(consumer.HeaderReason))
 					m.Ack()
 				}
 			}()
@@ -261,7 +267,7 @@ func TestOnOutcomeAfterPoisonQueue(t *testing.T) {
 
 			ps := newGoChannel(t)
 			r := newRouter(t)
-			r.AddMiddleware(fx.middleware(t, idemwatermill.Options{KeyMetadata: "event_id", PoisonQueue: pq, OnOutcome: onOutcome}))
+			r.AddMiddleware(fx.middleware(t, idemwatermill.Options{KeyMetadata: "event_id", PoisonQueue: pq, Telemetry: consumer.Telemetry{OnOutcome: onOutcome}}))
 			topic := testenv.Name("payments")
 			r.AddConsumerHandler("charge", topic, ps, func(msg *message.Message) error {
 				return fx.oracle.record(msg, "charge")
@@ -291,7 +297,7 @@ func TestOnOutcomeAfterPoisonQueue(t *testing.T) {
 				t.Fatal(err)
 			}
 			<-subDone
-			mw := fx.middleware(t, idemwatermill.Options{Scope: "charge", KeyMetadata: "event_id", PoisonQueue: pq, OnOutcome: onOutcome})
+			mw := fx.middleware(t, idemwatermill.Options{Scope: "charge", KeyMetadata: "event_id", PoisonQueue: pq, Telemetry: consumer.Telemetry{OnOutcome: onOutcome}})
 			again := message.NewMessage(wm.NewUUID(), []byte(`{"amount":901}`))
 			again.Metadata.Set("event_id", "evt-1")
 			_, herr := mw(func(*message.Message) ([]*message.Message, error) {

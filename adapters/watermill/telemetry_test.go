@@ -86,7 +86,7 @@ func TestMetricsByOutcome(t *testing.T) {
 			ps := newGoChannel(t)
 			r := newRouter(t)
 			topic := testenv.Name("orders")
-			r.AddMiddleware(mwFor(idemwatermill.Options{KeyMetadata: "event_id", PoisonQueue: pq, MeterProvider: mp, OnOutcome: onOutcome}))
+			r.AddMiddleware(mwFor(idemwatermill.Options{KeyMetadata: "event_id", PoisonQueue: pq, Telemetry: consumer.Telemetry{MeterProvider: mp, OnOutcome: onOutcome}}))
 			var failed atomic.Bool
 			r.AddConsumerHandler("charge", topic, ps, func(msg *message.Message) error {
 				if msg.Metadata.Get("event_id") == "evt-fail" && failed.CompareAndSwap(false, true) {
@@ -180,7 +180,7 @@ func TestMetricsStoreDown(t *testing.T) {
 	down := &leaseStore{LeaseStore: newMemstore(t), claim: func(context.Context, dedup.Key) (*dedup.Lease, error) {
 		return nil, errors.New("dial tcp 127.0.0.1:6379: connection refused")
 	}}
-	h := must(idemwatermill.Dedup(down, idemwatermill.Options{Scope: "billing/charge", StoreName: "down", MeterProvider: mp}))(
+	h := must(idemwatermill.Dedup(down, idemwatermill.Options{Scope: "billing/charge", StoreName: "down", Telemetry: consumer.Telemetry{MeterProvider: mp}}))(
 		func(*message.Message) ([]*message.Message, error) { return nil, nil })
 	msg := message.NewMessage("order-secret-1", []byte("p"))
 	if _, err := h(msg); err == nil {
@@ -200,7 +200,7 @@ func TestMetricsStoreDown(t *testing.T) {
 func TestMetricsLeaseLost(t *testing.T) {
 	mp := telemetrytest.NewMetrics(t)
 	store := &leaseStore{LeaseStore: newMemstore(t), extend: func(context.Context, *dedup.Lease) error { return dedup.ErrLeaseLost }}
-	h := must(idemwatermill.Dedup(store, idemwatermill.Options{Scope: "s", ExtendEvery: time.Millisecond, MeterProvider: mp}))(
+	h := must(idemwatermill.Dedup(store, idemwatermill.Options{Scope: "s", ExtendEvery: time.Millisecond, Telemetry: consumer.Telemetry{MeterProvider: mp}}))(
 		func(m *message.Message) ([]*message.Message, error) {
 			<-m.Context().Done()
 			return nil, nil
@@ -263,7 +263,7 @@ func TestTraceContinuesFromMetadata(t *testing.T) {
 			ps := newGoChannel(t)
 			r := newRouter(t)
 			topic := testenv.Name("orders")
-			r.AddMiddleware(mwFor(idemwatermill.Options{TracerProvider: tp}))
+			r.AddMiddleware(mwFor(idemwatermill.Options{Telemetry: consumer.Telemetry{TracerProvider: tp}}))
 			var handlerSpan trace.SpanContext
 			r.AddConsumerHandler("charge", topic, ps, func(msg *message.Message) error {
 				handlerSpan = trace.SpanContextFromContext(msg.Context())
@@ -334,7 +334,7 @@ func TestTraceUnderOuterSpan(t *testing.T) {
 			msg.SetContext(ctx)
 			return h(msg)
 		}
-	}, must(idemwatermill.Dedup(newMemstore(t), idemwatermill.Options{TracerProvider: tp})))
+	}, must(idemwatermill.Dedup(newMemstore(t), idemwatermill.Options{Telemetry: consumer.Telemetry{TracerProvider: tp}})))
 	r.AddConsumerHandler("charge", topic, ps, func(*message.Message) error { return nil })
 	startRouter(t, r)
 	if err := ps.Publish(topic, message.NewMessage(wm.NewUUID(), []byte("p"))); err != nil {
@@ -355,7 +355,7 @@ func TestTraceUnderOuterSpan(t *testing.T) {
 // propagator; the consumer span starts a new trace.
 func TestTraceHostileMetadata(t *testing.T) {
 	tp := telemetrytest.NewSpans(t)
-	h := must(idemwatermill.Dedup(newMemstore(t), idemwatermill.Options{Scope: "s", TracerProvider: tp}))(
+	h := must(idemwatermill.Dedup(newMemstore(t), idemwatermill.Options{Scope: "s", Telemetry: consumer.Telemetry{TracerProvider: tp}}))(
 		func(*message.Message) ([]*message.Message, error) { return nil, nil })
 	valid := "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
 	for i, md := range []message.Metadata{
@@ -405,7 +405,7 @@ func TestPublisherKeepsTraceContext(t *testing.T) {
 	r.AddConsumerHandler("email", topic, ps, func(msg *message.Message) error {
 		got <- msg
 		return nil
-	}).AddMiddleware(must(idemwatermill.Dedup(newMemstore(t), idemwatermill.Options{TracerProvider: tp})))
+	}).AddMiddleware(must(idemwatermill.Dedup(newMemstore(t), idemwatermill.Options{Telemetry: consumer.Telemetry{TracerProvider: tp}})))
 	startRouter(t, r)
 
 	const (
@@ -466,11 +466,11 @@ func TestTraceThroughOutbox(t *testing.T) {
 	r.AddHandler("charge", "orders", upstream, "receipts", &recordingPublisher{},
 		func(msg *message.Message) ([]*message.Message, error) {
 			return []*message.Message{message.NewMessage(wm.NewUUID(), []byte("receipt"))}, nil
-		}).AddMiddleware(fx.middleware(t, idemwatermill.Options{Outbox: ob, TracerProvider: tp}))
+		}).AddMiddleware(fx.middleware(t, idemwatermill.Options{Outbox: ob, Telemetry: consumer.Telemetry{TracerProvider: tp}}))
 	r.AddConsumerHandler("email", "receipts", downstream, func(*message.Message) error {
 		close(done)
 		return nil
-	}).AddMiddleware(must(idemwatermill.Dedup(newMemstore(t), idemwatermill.Options{TracerProvider: tp})))
+	}).AddMiddleware(must(idemwatermill.Dedup(newMemstore(t), idemwatermill.Options{Telemetry: consumer.Telemetry{TracerProvider: tp}})))
 	startRouter(t, r)
 
 	producer, msg := producerSpan(t, tp, "order")
@@ -534,7 +534,7 @@ func TestLogsHoldNoID(t *testing.T) {
 	store := &leaseStore{LeaseStore: newMemstore(t), complete: func(context.Context, *dedup.Lease) error {
 		return errors.New("redis: connection reset by peer")
 	}}
-	h := must(idemwatermill.Dedup(store, idemwatermill.Options{Scope: "billing/charge", Logger: logger}))(
+	h := must(idemwatermill.Dedup(store, idemwatermill.Options{Scope: "billing/charge", Telemetry: consumer.Telemetry{Logger: logger}}))(
 		func(*message.Message) ([]*message.Message, error) { return nil, nil })
 	msg := message.NewMessage("order-secret-7", []byte("p"))
 	if _, err := h(msg); err == nil {
@@ -558,7 +558,7 @@ func TestTelemetryPanic(t *testing.T) {
 		t.Run(k.name, func(t *testing.T) {
 			mp, tp := telemetrytest.NewMetrics(t), telemetrytest.NewSpans(t)
 			mwFor, _ := k.setup(t)
-			h := mwFor(idemwatermill.Options{Scope: "s", MeterProvider: mp, TracerProvider: tp})(
+			h := mwFor(idemwatermill.Options{Scope: "s", Telemetry: consumer.Telemetry{MeterProvider: mp, TracerProvider: tp}})(
 				func(*message.Message) ([]*message.Message, error) { panic("boom") })
 			func() {
 				defer func() { _ = recover() }()

@@ -375,7 +375,7 @@ func TestTransactionalClaimErrors(t *testing.T) {
 func TestTransactionalLeaseClaimWaits(t *testing.T) {
 	fx := pgTxKind().setup(t)
 	var outcomes []string
-	mw := fx.middleware(t, idemwatermill.Options{Scope: "charge", OnOutcome: func(_ context.Context, r consumer.Report) { outcomes = append(outcomes, string(r.Outcome)) }})
+	mw := fx.middleware(t, idemwatermill.Options{Scope: "charge", Telemetry: consumer.Telemetry{OnOutcome: func(_ context.Context, r consumer.Report) { outcomes = append(outcomes, string(r.Outcome)) }}})
 	msg := message.NewMessage(wm.NewUUID(), []byte(`{"amount":100}`))
 	leased := make(chan error, 1)
 	ran := 0

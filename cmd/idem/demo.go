@@ -359,12 +359,14 @@ func demo(ctx context.Context, cfg demoConfig, stdout io.Writer) (*demoResult, e
 	mwOpts := httpidem.Options{
 		Wait:         10 * time.Second,
 		PollInterval: 2 * time.Millisecond,
-		OnOutcome: func(_ context.Context, rep consumer.Report) {
-			if rep.Outcome == consumer.OutcomeDuplicate {
-				res.idem.mu.Lock()
-				res.idem.replayed++
-				res.idem.mu.Unlock()
-			}
+		Telemetry: consumer.Telemetry{
+			OnOutcome: func(_ context.Context, rep consumer.Report) {
+				if rep.Outcome == consumer.OutcomeDuplicate {
+					res.idem.mu.Lock()
+					res.idem.replayed++
+					res.idem.mu.Unlock()
+				}
+			},
 		},
 	}
 	var mw *httpidem.Middleware

@@ -25,16 +25,10 @@ import (
 // pipeline's. The exchange, the queues and the Consumer's retry and
 // dead-letter queues are deleted at the end.
 
-// amqpRetryDelays are the Consumer's retry delays (a claim in flight
-// elsewhere is retried through them). They name its retry queues, which the
-// demo deletes at the end.
-var amqpRetryDelays = []time.Duration{50 * time.Millisecond, 250 * time.Millisecond, time.Second}
-
-// amqpRetryQueue is the name adapters/amqp gives the retry queue of delay d
-// of queue (ConsumerOptions.RetryDelays).
-func amqpRetryQueue(queue string, d time.Duration) string {
-	return fmt.Sprintf("%s.retry.%dms", queue, d.Milliseconds())
-}
+// amqpRetryBackoff makes the Consumer's retry delays, 50ms, 250ms and 1s
+// (a claim in flight elsewhere is retried through them). They name its
+// retry queues, which the demo deletes at the end.
+var amqpRetryBackoff = consumer.Backoff{Initial: 50 * time.Millisecond, Max: time.Second, Factor: 5}
 
 // redactAMQP hides the credentials of a RabbitMQ URL.
 func redactAMQP(rawURL string) string {
@@ -108,11 +102,10 @@ func setupAMQP(ctx context.Context, rawURL, runID string, logger *slog.Logger) (
 		}
 	}
 	pub, err := idemamqp.NewPublisher(rawURL, idemamqp.PublisherOptions{
-		ConnectionName:      "idem-demo-relay",
-		ConfirmTimeout:      5 * time.Second,
-		ReconnectBackoff:    50 * time.Millisecond,
-		MaxReconnectBackoff: time.Second,
-		Logger:              logger,
+		ConnectionName:   "idem-demo-relay",
+		ConfirmTimeout:   5 * time.Second,
+		ReconnectBackoff: consumer.Backoff{Initial: 50 * time.Millisecond, Max: time.Second},
+		Logger:           logger,
 	})
 	if err != nil {
 		return nil, err
@@ -167,9 +160,11 @@ func deleteAMQPTopology(rawURL, exchange string, queues map[string]string) {
 	defer func() { _ = ch.Close() }()
 	for _, q := range queues {
 		names := []string{q, q + ".dlq"}
-		for _, d := range amqpRetryDelays {
-			names = append(names, amqpRetryQueue(q, d))
+		retry, err := idemamqp.RetryQueues(q, idemamqp.ConsumerOptions{Backoff: amqpRetryBackoff})
+		if err != nil {
+			return
 		}
+		names = append(names, retry...)
 		for _, n := range names {
 			if _, err := ch.QueueDelete(n, false, false, false); err != nil {
 				return
@@ -210,18 +205,19 @@ func (p *seqPublisher) Publish(ctx context.Context, msgs []*outbox.Message) erro
 // amqpConsumerOptions are the options of a pipeline's Consumer.
 func amqpConsumerOptions(name, exchange string, logger *slog.Logger) idemamqp.ConsumerOptions {
 	return idemamqp.ConsumerOptions{
-		ConnectionName:      name,
-		Prefetch:            200,
-		Concurrency:         4,
-		NotDurable:          true,
-		Bindings:            []idemamqp.ConsumerBinding{{Exchange: exchange}},
-		RetryDelays:         amqpRetryDelays,
-		MaxAttempts:         10,
-		PublishTimeout:      5 * time.Second,
-		ShutdownTimeout:     time.Second,
-		ReconnectBackoff:    50 * time.Millisecond,
-		MaxReconnectBackoff: time.Second,
-		Logger:              logger,
+		ConnectionName:   name,
+		Prefetch:         200,
+		Concurrency:      4,
+		NotDurable:       true,
+		Bindings:         []idemamqp.ConsumerBinding{{Exchange: exchange}},
+		Backoff:          amqpRetryBackoff,
+		MaxAttempts:      10,
+		PublishTimeout:   5 * time.Second,
+		ShutdownTimeout:  time.Second,
+		ReconnectBackoff: consumer.Backoff{Initial: 50 * time.Millisecond, Max: time.Second},
+		Telemetry: consumer.Telemetry{
+			Logger: logger,
+		},
 	}
 }
 

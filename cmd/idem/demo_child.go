@@ -251,11 +251,12 @@ func (c *child) run(ctx context.Context) error {
 			ReadBackoffMax:    100 * time.Millisecond,
 		}, h, idemkafka.ConsumerOptions{
 			DeadLetterTopic: cfg.DLQ,
-			Logger:          c.logger,
 			CommitEvery:     200,
 			CommitInterval:  200 * time.Millisecond,
-			RetryInitial:    20 * time.Millisecond,
-			RetryMax:        500 * time.Millisecond,
+			Backoff:         consumer.Backoff{Initial: 20 * time.Millisecond, Max: 500 * time.Millisecond},
+			Telemetry: consumer.Telemetry{
+				Logger: c.logger,
+			},
 		})
 		if err != nil {
 			return err

@@ -16,6 +16,7 @@ import (
 	"time"
 
 	"github.com/idemkit/idem/adapters/httpidem"
+	"github.com/idemkit/idem/consumer"
 	"github.com/idemkit/idem/outbox"
 )
 
@@ -42,8 +43,7 @@ func submit(ctx context.Context, clients int, pl *plan, apis []apiTarget, submit
 			for i, a := range apis {
 				t, err := httpidem.NewTransport(httpidem.TransportOptions{
 					Base:        &inProcess{handler: a.handler},
-					BaseDelay:   time.Millisecond,
-					MaxDelay:    10 * time.Millisecond,
+					Backoff:     consumer.Backoff{Initial: time.Millisecond, Max: 10 * time.Millisecond},
 					MaxAttempts: 10,
 				})
 				if err != nil {

@@ -193,17 +193,19 @@ func (g *group) runInstance(ctx context.Context, inst *instance) error {
 		MaxWait:  50 * time.Millisecond,
 	}, g.crashing(inst, g.handler()), idemkafka.ConsumerOptions{
 		DeadLetterTopic: g.br.dlq,
-		Logger:          g.logger,
 		CommitEvery:     500,
 		CommitInterval:  500 * time.Millisecond,
 		ShutdownTimeout: time.Second,
 		Offsets:         &instanceOffsets{store: g.offsets, inst: inst},
-		OnOutcome: func(_ context.Context, rep consumer.Report) {
-			msg, r := rep.Message, rep.Result
-			if r.Action == consumer.ActionRetry || inst.dead.Load() {
-				return
-			}
-			g.markHandled(deliveryID(msg))
+		Telemetry: consumer.Telemetry{
+			Logger: g.logger,
+			OnOutcome: func(_ context.Context, rep consumer.Report) {
+				msg, r := rep.Message, rep.Result
+				if r.Action == consumer.ActionRetry || inst.dead.Load() {
+					return
+				}
+				g.markHandled(deliveryID(msg))
+			},
 		},
 	})
 	if err != nil {

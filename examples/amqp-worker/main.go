@@ -147,7 +147,8 @@ func run(ctx context.Context, cfg config) error {
 	c, err := idemamqp.NewConsumer(cfg.amqpURL, cfg.queue, h, idemamqp.ConsumerOptions{
 		Prefetch:    100,
 		Concurrency: 8,
-		RetryDelays: []time.Duration{200 * time.Millisecond, time.Second, 5 * time.Second},
+		// Retry queues of 200ms, 1s and 5s.
+		Backoff:     consumer.Backoff{Initial: 200 * time.Millisecond, Max: 5 * time.Second, Factor: 5},
 		MaxAttempts: 5,
 		// A quorum queue counts the deliveries that died unsettled (a
 		// worker crashed mid-send): the 11th delivery of a message that
@@ -155,11 +156,13 @@ func run(ctx context.Context, cfg config) error {
 		// of being redelivered forever.
 		QuorumQueue:   true,
 		MaxDeliveries: 10,
-		Logger:        logger,
-		OnOutcome: func(_ context.Context, r consumer.Report) {
-			if r.Result.Action != consumer.ActionRetry { // acknowledged or dead-lettered
-				settled.Add(1)
-			}
+		Telemetry: consumer.Telemetry{
+			Logger: logger,
+			OnOutcome: func(_ context.Context, r consumer.Report) {
+				if r.Result.Action != consumer.ActionRetry { // acknowledged or dead-lettered
+					settled.Add(1)
+				}
+			},
 		},
 	})
 	if err != nil {

@@ -225,20 +225,22 @@ func run(cfg config) error {
 		MaxBytes: 10 << 20,
 	}, handler, idemkafka.ConsumerOptions{
 		DeadLetterTopic: dlq,
-		Logger:          slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelError})),
-		OnOutcome: func(_ context.Context, rep consumer.Report) {
-			r := rep.Result
-			switch {
-			case r.Action == consumer.ActionRetry:
-				return
-			case r.Duplicate:
-				duplicates.Add(1)
-			case r.Action == consumer.ActionDeadLetter:
-				deadLettered.Add(1)
-			}
-			if acked.Add(1) == total {
-				stop()
-			}
+		Telemetry: consumer.Telemetry{
+			Logger: slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelError})),
+			OnOutcome: func(_ context.Context, rep consumer.Report) {
+				r := rep.Result
+				switch {
+				case r.Action == consumer.ActionRetry:
+					return
+				case r.Duplicate:
+					duplicates.Add(1)
+				case r.Action == consumer.ActionDeadLetter:
+					deadLettered.Add(1)
+				}
+				if acked.Add(1) == total {
+					stop()
+				}
+			},
 		},
 	})
 	if err != nil {

@@ -42,6 +42,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/idemkit/idem/adapters/httpidem"
+	"github.com/idemkit/idem/consumer"
 	"github.com/idemkit/idem/dedup/pgtable"
 	"github.com/idemkit/idem/outbox"
 	"github.com/idemkit/idem/outbox/pgoutbox"
@@ -209,7 +210,9 @@ func newApp(ctx context.Context, cfg config) (*app, error) {
 			"Cache-Control", "Content-Encoding", "Content-Language", "Content-Location",
 			"Content-Type", "ETag", "Last-Modified", "Link", "Location", "Vary", "X-Payment-Id",
 		},
-		Logger: slog.Default(),
+		Telemetry: consumer.Telemetry{
+			Logger: slog.Default(),
+		},
 	})
 	if err != nil {
 		pool.Close()

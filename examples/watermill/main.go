@@ -240,14 +240,16 @@ func run(ctx context.Context, cfg config, out io.Writer) (summary, error) {
 	// receipt (written to the outbox) commit in one transaction.
 	txMW, err := idemwatermill.Transactional(store, idemwatermill.Options{
 		Outbox: ob,
-		Logger: logger,
-		OnOutcome: func(_ context.Context, r consumer.Report) {
-			if r.Outcome == consumer.OutcomeDuplicate {
-				_, _ = fmt.Fprintf(out, "charge: %s delivered again, acknowledged without charging\n", r.Key.ID)
-				mu.Lock()
-				sum.Duplicates++
-				mu.Unlock()
-			}
+		Telemetry: consumer.Telemetry{
+			Logger: logger,
+			OnOutcome: func(_ context.Context, r consumer.Report) {
+				if r.Outcome == consumer.OutcomeDuplicate {
+					_, _ = fmt.Fprintf(out, "charge: %s delivered again, acknowledged without charging\n", r.Key.ID)
+					mu.Lock()
+					sum.Duplicates++
+					mu.Unlock()
+				}
+			},
 		},
 	})
 	if err != nil {
@@ -290,7 +292,7 @@ func run(ctx context.Context, cfg config, out io.Writer) (summary, error) {
 
 	// email: an effect outside the database, under a lease in the same
 	// processed_events table (pgtable's lease mode).
-	leaseMW, err := idemwatermill.Dedup(store.Lease(), idemwatermill.Options{Logger: logger})
+	leaseMW, err := idemwatermill.Dedup(store.Lease(), idemwatermill.Options{Telemetry: consumer.Telemetry{Logger: logger}})
 	if err != nil {
 		return sum, err
 	}
@@ -318,7 +320,7 @@ func run(ctx context.Context, cfg config, out io.Writer) (summary, error) {
 		return sum, err
 	}
 	router.AddConsumerHandler("poison-log", "poison", opsSub, func(msg *message.Message) error {
-		_, _ = fmt.Fprintf(out, "poison %s: %s (%s)\n", msg.UUID, msg.Payload, msg.Metadata.Get(idemwatermill.MetadataReason))
+		_, _ = fmt.Fprintf(out, "poison %s: %s (%s)\n", msg.UUID, msg.Payload, msg.Metadata.Get(consumer.HeaderReason))
 		mu.Lock()
 		poisoned = append(poisoned, msg)
 		finished()
@@ -393,7 +395,7 @@ func run(ctx context.Context, cfg config, out io.Writer) (summary, error) {
 	}
 	sum.Poisoned = len(poisoned)
 	if len(poisoned) > 0 {
-		sum.PoisonReason = poisoned[0].Metadata.Get(idemwatermill.MetadataReason)
+		sum.PoisonReason = poisoned[0].Metadata.Get(consumer.HeaderReason)
 	}
 	return sum, nil
 }

@@ -6,6 +6,7 @@ package backoff
 
 import (
 	"context"
+	"math"
 	"math/rand/v2"
 	"time"
 )
@@ -21,6 +22,20 @@ func Exp(base, limit time.Duration, n int) time.Duration {
 		d *= 2
 	}
 	return min(d, limit)
+}
+
+// Pow is the delay before retry n (1-based) of a geometric backoff:
+// base·factor^(n-1), at most limit; base (capped by limit) for n < 2 or a
+// factor at or below 1. It never overflows.
+func Pow(base, limit time.Duration, factor float64, n int) time.Duration {
+	if n < 2 || factor <= 1 || base <= 0 {
+		return min(base, limit)
+	}
+	d := float64(base) * math.Pow(factor, float64(n-1))
+	if d >= float64(limit) || math.IsNaN(d) {
+		return limit
+	}
+	return time.Duration(d)
 }
 
 // Spread returns d spread uniformly by ±20%, so that clients that failed

@@ -27,6 +27,30 @@ func TestExp(t *testing.T) {
 	}
 }
 
+func TestPow(t *testing.T) {
+	for _, c := range []struct {
+		base, limit time.Duration
+		factor      float64
+		n           int
+		want        time.Duration
+	}{
+		{time.Second, 2 * time.Minute, 5, 1, time.Second},
+		{time.Second, 2 * time.Minute, 5, 2, 5 * time.Second},
+		{time.Second, 2 * time.Minute, 5, 3, 25 * time.Second},
+		{time.Second, 2 * time.Minute, 5, 4, 2 * time.Minute},
+		{time.Second, time.Minute, 2, 3, 4 * time.Second},
+		{time.Second, time.Minute, 1.5, 3, 2250 * time.Millisecond},
+		{time.Second, time.Minute, 1, 50, time.Second},
+		{time.Minute, time.Second, 2, 1, time.Second},
+		{time.Second, math.MaxInt64, 10, 1 << 30, math.MaxInt64}, // no overflow
+		{0, time.Minute, 2, 5, 0},
+	} {
+		if got := Pow(c.base, c.limit, c.factor, c.n); got != c.want {
+			t.Errorf("Pow(%v, %v, %v, %d) = %v, want %v", c.base, c.limit, c.factor, c.n, got, c.want)
+		}
+	}
+}
+
 func TestJitterBounds(t *testing.T) {
 	const d = time.Second
 	for range 1000 {

@@ -30,7 +30,7 @@ import (
 func newAMQPPublisher(t testing.TB, rawURL string) *idemamqp.Publisher {
 	t.Helper()
 	p, err := idemamqp.NewPublisher(rawURL, idemamqp.PublisherOptions{
-		Logger: quiet(), ReconnectBackoff: 20 * time.Millisecond, MaxReconnectBackoff: 200 * time.Millisecond,
+		Logger: quiet(), ReconnectBackoff: consumer.Backoff{Initial: 20 * time.Millisecond, Max: 200 * time.Millisecond},
 	})
 	if err != nil {
 		t.Fatal(err)

@@ -187,21 +187,23 @@ func TestRelayToKafka(t *testing.T) {
 	)
 	c, err := idemkafka.NewConsumer(k.readerConfig(testenv.Name("idemtest_g"), topic), consumer.Chain(apply, consumer.Recover()), idemkafka.ConsumerOptions{
 		DeadLetterTopic: dlq,
-		Logger:          quiet(),
-		OnOutcome: func(_ context.Context, rep consumer.Report) {
-			m, r := rep.Message, rep.Result
-			switch r.Action {
-			case consumer.ActionAck:
-				if r.Duplicate {
-					dups.Add(1)
+		Telemetry: consumer.Telemetry{
+			Logger: quiet(),
+			OnOutcome: func(_ context.Context, rep consumer.Report) {
+				m, r := rep.Message, rep.Result
+				switch r.Action {
+				case consumer.ActionAck:
+					if r.Duplicate {
+						dups.Add(1)
+					}
+					amu.Lock()
+					arrivals = append(arrivals, outboxtest.Arrival{ID: m.ID, Key: string(m.Key), Body: bytes.Clone(m.Payload)})
+					amu.Unlock()
+				case consumer.ActionDeadLetter:
+					dead.Add(1)
+					t.Errorf("message %s dead-lettered: %v", m.ID, r.Err)
 				}
-				amu.Lock()
-				arrivals = append(arrivals, outboxtest.Arrival{ID: m.ID, Key: string(m.Key), Body: bytes.Clone(m.Payload)})
-				amu.Unlock()
-			case consumer.ActionDeadLetter:
-				dead.Add(1)
-				t.Errorf("message %s dead-lettered: %v", m.ID, r.Err)
-			}
+			},
 		},
 	})
 	if err != nil {

@@ -7,6 +7,7 @@ import (
 	"time"
 
 	idemamqp "github.com/idemkit/idem/adapters/amqp"
+	"github.com/idemkit/idem/consumer"
 	"github.com/idemkit/idem/internal/testkit/outboxtest"
 	"github.com/idemkit/idem/internal/testkit/testenv"
 	"github.com/idemkit/idem/outbox"
@@ -16,7 +17,7 @@ import (
 func newAMQPPublisher(t testing.TB, rawURL string) *idemamqp.Publisher {
 	t.Helper()
 	p, err := idemamqp.NewPublisher(rawURL, idemamqp.PublisherOptions{
-		Logger: quiet(), ReconnectBackoff: 20 * time.Millisecond, MaxReconnectBackoff: 200 * time.Millisecond,
+		Logger: quiet(), ReconnectBackoff: consumer.Backoff{Initial: 20 * time.Millisecond, Max: 200 * time.Millisecond},
 	})
 	if err != nil {
 		t.Fatal(err)

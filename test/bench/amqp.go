@@ -88,11 +88,14 @@ func amqpBare(ctx context.Context, e *env, queue string, n int, work func(ctx co
 func amqpIdem(ctx context.Context, e *env, queue string, n int, h consumer.Handler) (float64, error) {
 	m := newMeter(n)
 	c, err := idemamqp.NewConsumer(e.amqpURL, queue, h, idemamqp.ConsumerOptions{
-		Prefetch: amqpPrefetch, Concurrency: amqpConcurrency, RetryDelays: []time.Duration{time.Second}, Logger: e.log,
-		OnOutcome: func(_ context.Context, r consumer.Report) {
-			if r.Result.Action == consumer.ActionAck {
-				m.tick()
-			}
+		Prefetch: amqpPrefetch, Concurrency: amqpConcurrency, Backoff: consumer.Backoff{Initial: time.Second, Max: time.Second},
+		Telemetry: consumer.Telemetry{
+			Logger: e.log,
+			OnOutcome: func(_ context.Context, r consumer.Report) {
+				if r.Result.Action == consumer.ActionAck {
+					m.tick()
+				}
+			},
 		},
 	})
 	if err != nil {

@@ -223,11 +223,14 @@ func kafkaBare(ctx context.Context, k *kafkaBroker, topic string, n int, batch b
 func kafkaIdem(ctx context.Context, e *env, k *kafkaBroker, topic string, n int, h any, offsets *kafkapg.Offsets) (float64, error) {
 	m := newMeter(n)
 	opts := idemkafka.ConsumerOptions{
-		CommitEvery: 100, DeadLetterTopic: topic + "_dlq", Logger: e.log,
-		OnOutcome: func(_ context.Context, r consumer.Report) {
-			if r.Result.Action == consumer.ActionAck {
-				m.tick()
-			}
+		CommitEvery: 100, DeadLetterTopic: topic + "_dlq",
+		Telemetry: consumer.Telemetry{
+			Logger: e.log,
+			OnOutcome: func(_ context.Context, r consumer.Report) {
+				if r.Result.Action == consumer.ActionAck {
+					m.tick()
+				}
+			},
 		},
 	}
 	var c *idemkafka.Consumer

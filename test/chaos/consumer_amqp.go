@@ -9,6 +9,7 @@ import (
 	amqp091 "github.com/rabbitmq/amqp091-go"
 
 	"github.com/idemkit/idem/adapters/amqp"
+	"github.com/idemkit/idem/consumer"
 	"github.com/idemkit/idem/outbox"
 )
 
@@ -16,9 +17,10 @@ import (
 // shared RabbitMQ, fed through a fanout exchange by the runner with
 // adapters/amqp's outbox Publisher (confirms; the message id is the input).
 
-// amqpRetryDelays are the consumers' retry delays: short, for redisnx's
-// in-flight retries after a kill (the lease runs out in leaseMS).
-var amqpRetryDelays = []time.Duration{100 * time.Millisecond, 500 * time.Millisecond}
+// amqpRetryBackoff makes the consumers' retry delays, 100ms and 500ms:
+// short, for redisnx's in-flight retries after a kill (the lease runs out
+// in leaseMS).
+var amqpRetryBackoff = consumer.Backoff{Initial: 100 * time.Millisecond, Max: 500 * time.Millisecond, Factor: 5}
 
 // errDeadLettered: the consumers dead-lettered messages, which never happens
 // to the cells' inputs unless something is wrong.
@@ -37,10 +39,11 @@ type amqpQueue struct {
 // queues are the queues the adapters/amqp Consumer declares for q.
 func (q *amqpQueue) queues() []string {
 	out := []string{q.queue, q.queue + ".dlq"}
-	for _, d := range amqpRetryDelays {
-		out = append(out, fmt.Sprintf("%s.retry.%dms", q.queue, d.Milliseconds()))
+	retry, err := idemamqp.RetryQueues(q.queue, idemamqp.ConsumerOptions{Backoff: amqpRetryBackoff})
+	if err != nil {
+		panic(err) // amqpRetryBackoff is valid
 	}
-	return out
+	return append(out, retry...)
 }
 
 // dial opens a channel (with its connection) on the broker.
@@ -290,17 +293,18 @@ func amqpChild(ctx context.Context) error {
 // amqpConsumerOptions are the options of every AMQP consumer of the cells.
 func amqpConsumerOptions(name, exchange string, durable bool) idemamqp.ConsumerOptions {
 	return idemamqp.ConsumerOptions{
-		ConnectionName:      name,
-		Prefetch:            20,
-		Concurrency:         4,
-		NotDurable:          !durable,
-		Bindings:            []idemamqp.ConsumerBinding{{Exchange: exchange}},
-		RetryDelays:         amqpRetryDelays,
-		MaxAttempts:         10,
-		ShutdownTimeout:     5 * time.Second,
-		ReconnectBackoff:    100 * time.Millisecond,
-		MaxReconnectBackoff: time.Second,
-		Logger:              childLogger(),
+		ConnectionName:   name,
+		Prefetch:         20,
+		Concurrency:      4,
+		NotDurable:       !durable,
+		Bindings:         []idemamqp.ConsumerBinding{{Exchange: exchange}},
+		Backoff:          amqpRetryBackoff,
+		MaxAttempts:      10,
+		ShutdownTimeout:  5 * time.Second,
+		ReconnectBackoff: consumer.Backoff{Initial: 100 * time.Millisecond, Max: time.Second},
+		Telemetry: consumer.Telemetry{
+			Logger: childLogger(),
+		},
 	}
 }
 

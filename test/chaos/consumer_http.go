@@ -18,6 +18,7 @@ import (
 	"github.com/redis/go-redis/v9"
 
 	"github.com/idemkit/idem/adapters/httpidem"
+	"github.com/idemkit/idem/consumer"
 	"github.com/idemkit/idem/dedup/pgtable"
 	"github.com/idemkit/idem/dedup/redisnx"
 )
@@ -92,7 +93,7 @@ func newHTTPWorkload(ctx context.Context, b *cellBase) (*httpWorkload, func(), e
 	lb := &lbTransport{base: base, addrs: addrs, rng: rand.New(rand.NewPCG(b.env.Rand.Uint64(), b.env.Rand.Uint64()))}
 	tr, err := httpidem.NewTransport(httpidem.TransportOptions{
 		Base: lb, BareKey: true, MaxAttempts: 1000, MaxElapsed: 2 * time.Minute,
-		BaseDelay: 20 * time.Millisecond, MaxDelay: 500 * time.Millisecond,
+		Backoff: consumer.Backoff{Initial: 20 * time.Millisecond, Max: 500 * time.Millisecond},
 	})
 	if err != nil {
 		return nil, nil, err
@@ -239,7 +240,7 @@ func httpChild(ctx context.Context) error {
 		return err
 	}
 	defer pool.Close()
-	opts := httpidem.Options{RetryAfter: time.Second, Logger: childLogger()}
+	opts := httpidem.Options{RetryAfter: time.Second, Telemetry: consumer.Telemetry{Logger: childLogger()}}
 	var mw *httpidem.Middleware
 	switch cfg.Store {
 	case storePG:

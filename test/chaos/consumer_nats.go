@@ -232,7 +232,7 @@ func natsConsumerOptions(string) idemnats.ConsumerOptions {
 		Config:          jetstream.ConsumerConfig{Durable: natsDurable, AckWait: 2 * time.Second},
 		Concurrency:     4,
 		Prefetch:        16,
-		RetryDelays:     amqpRetryDelays,
+		RetryDelays:     []time.Duration{100 * time.Millisecond, 500 * time.Millisecond},
 		MaxAttempts:     10,
 		MaxDeliveries:   50,
 		ShutdownTimeout: 5 * time.Second,

@@ -15,6 +15,7 @@ import (
 	"github.com/redis/go-redis/v9"
 
 	"github.com/idemkit/idem/adapters/watermill"
+	"github.com/idemkit/idem/consumer"
 	"github.com/idemkit/idem/dedup/pgtable"
 	"github.com/idemkit/idem/dedup/redisnx"
 )
@@ -168,7 +169,7 @@ func wmChild(ctx context.Context) error {
 		if err != nil {
 			return err
 		}
-		mw, err = idemwatermill.Transactional(store, idemwatermill.Options{Scope: cfg.Scope, Logger: childLogger()})
+		mw, err = idemwatermill.Transactional(store, idemwatermill.Options{Scope: cfg.Scope, Telemetry: consumer.Telemetry{Logger: childLogger()}})
 		if err != nil {
 			return err
 		}
@@ -179,7 +180,7 @@ func wmChild(ctx context.Context) error {
 		if err != nil {
 			return err
 		}
-		mw, err = idemwatermill.Dedup(store, idemwatermill.Options{Scope: cfg.Scope, Logger: childLogger()})
+		mw, err = idemwatermill.Dedup(store, idemwatermill.Options{Scope: cfg.Scope, Telemetry: consumer.Telemetry{Logger: childLogger()}})
 		if err != nil {
 			return err
 		}

@@ -96,10 +96,11 @@ func kafkaSQLChild(ctx context.Context) error {
 	c, err := idemkafka.NewConsumer(kafkaReaderConfig(r.cfg.Brokers, r.cfg.Group, r.cfg.Topic, kafkaSession), h, idemkafka.ConsumerOptions{
 		CommitEvery:     50,
 		CommitInterval:  100 * time.Millisecond,
-		RetryInitial:    50 * time.Millisecond,
-		RetryMax:        time.Second,
+		Backoff:         consumer.Backoff{Initial: 50 * time.Millisecond, Max: time.Second},
 		DeadLetterTopic: r.cfg.Topic + "_dlq",
-		Logger:          childLogger(),
+		Telemetry: consumer.Telemetry{
+			Logger: childLogger(),
+		},
 	})
 	if err != nil {
 		return err

@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/idemkit/idem/adapters/amqp"
+	"github.com/idemkit/idem/consumer"
 	"github.com/idemkit/idem/outbox"
 	"github.com/idemkit/idem/outbox/pgoutbox"
 )
@@ -247,7 +248,7 @@ func rabbitAMQPCell(name string) Cell {
 				defer cleanup()
 				pub, err := idemamqp.NewPublisher(q.url, idemamqp.PublisherOptions{
 					ConnectionName: "idem-chaos-producer", ConfirmTimeout: 5 * time.Second,
-					ReconnectBackoff: 50 * time.Millisecond, MaxReconnectBackoff: time.Second, Logger: quietLogger(),
+					ReconnectBackoff: consumer.Backoff{Initial: 50 * time.Millisecond, Max: time.Second}, Logger: quietLogger(),
 				})
 				if err != nil {
 					return Result{}, err
@@ -319,7 +320,7 @@ func rabbitRelayCell(name string) Cell {
 				}
 				pub, err := idemamqp.NewPublisher(q.url, idemamqp.PublisherOptions{
 					ConnectionName: "idem-chaos-relay", ConfirmTimeout: 5 * time.Second,
-					ReconnectBackoff: 50 * time.Millisecond, MaxReconnectBackoff: time.Second, Logger: quietLogger(),
+					ReconnectBackoff: consumer.Backoff{Initial: 50 * time.Millisecond, Max: time.Second}, Logger: quietLogger(),
 				})
 				if err != nil {
 					return Result{}, err

@@ -8,6 +8,7 @@ import (
 	"time"
 
 	"github.com/idemkit/idem/adapters/amqp"
+	"github.com/idemkit/idem/consumer"
 	"github.com/idemkit/idem/outbox"
 )
 
@@ -132,7 +133,7 @@ func (s *amqpSink) settle(ctx context.Context) error {
 func relayAMQPPublisher(cfg childConfig) (outbox.Publisher, func(), error) {
 	p, err := idemamqp.NewPublisher(cfg.AMQPURL, idemamqp.PublisherOptions{
 		ConnectionName: "idem-chaos-" + cfg.Name, ConfirmTimeout: 5 * time.Second,
-		ReconnectBackoff: 50 * time.Millisecond, MaxReconnectBackoff: time.Second, Logger: childLogger(),
+		ReconnectBackoff: consumer.Backoff{Initial: 50 * time.Millisecond, Max: time.Second}, Logger: childLogger(),
 	})
 	if err != nil {
 		return nil, nil, err

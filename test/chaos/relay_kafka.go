@@ -10,6 +10,7 @@ import (
 	kafkago "github.com/segmentio/kafka-go"
 
 	"github.com/idemkit/idem/adapters/kafka"
+	"github.com/idemkit/idem/consumer"
 	"github.com/idemkit/idem/outbox"
 )
 
@@ -47,7 +48,10 @@ func newKafkaSink(ctx context.Context, b *cellBase) (*kafkaSink, func(), error) 
 		return fail(err)
 	}
 	c, err := idemkafka.NewConsumer(kafkaReaderConfig(k.brokers, s.group, s.topicN, 10*time.Second), h, idemkafka.ConsumerOptions{
-		CommitEvery: 50, CommitInterval: 100 * time.Millisecond, DeadLetterTopic: s.topicN + "_dlq", Logger: quietLogger(),
+		CommitEvery: 50, CommitInterval: 100 * time.Millisecond, DeadLetterTopic: s.topicN + "_dlq",
+		Telemetry: consumer.Telemetry{
+			Logger: quietLogger(),
+		},
 	})
 	if err != nil {
 		closeLog()

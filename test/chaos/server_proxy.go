@@ -347,20 +347,23 @@ func srvProxyOutboxKafka(ctx context.Context, env *Env) (res Result, err error) 
 		JoinGroupBackoff: 100 * time.Millisecond, MaxWait: 100 * time.Millisecond,
 		ReadBackoffMin: 10 * time.Millisecond, ReadBackoffMax: 100 * time.Millisecond,
 	}, consumer.Chain(apply, consumer.Recover()), idemkafka.ConsumerOptions{
-		DeadLetterTopic: dlq, Logger: srvQuiet,
-		OnOutcome: func(_ context.Context, rep consumer.Report) {
-			m, r := rep.Message, rep.Result
-			switch r.Action {
-			case consumer.ActionAck:
-				acks.Add(1)
-				if r.Duplicate {
-					dups.Add(1)
+		DeadLetterTopic: dlq,
+		Telemetry: consumer.Telemetry{
+			Logger: srvQuiet,
+			OnOutcome: func(_ context.Context, rep consumer.Report) {
+				m, r := rep.Message, rep.Result
+				switch r.Action {
+				case consumer.ActionAck:
+					acks.Add(1)
+					if r.Duplicate {
+						dups.Add(1)
+					}
+				case consumer.ActionDeadLetter:
+					deadMu.Lock()
+					dead = append(dead, fmt.Sprintf("%s (%s: %v)", m.ID, r.Reason, r.Err))
+					deadMu.Unlock()
 				}
-			case consumer.ActionDeadLetter:
-				deadMu.Lock()
-				dead = append(dead, fmt.Sprintf("%s (%s: %v)", m.ID, r.Reason, r.Err))
-				deadMu.Unlock()
-			}
+			},
 		},
 	})
 	if err != nil {

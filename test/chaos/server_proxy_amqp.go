@@ -164,7 +164,7 @@ func srvStartAMQPBroker(ctx context.Context, env *Env, name string, shared *pgxp
 	}
 	b.pub, err = idemamqp.NewPublisher(proxied.String(), idemamqp.PublisherOptions{
 		Logger: srvQuiet, ConfirmTimeout: 3 * time.Second,
-		ReconnectBackoff: 20 * time.Millisecond, MaxReconnectBackoff: 200 * time.Millisecond,
+		ReconnectBackoff: consumer.Backoff{Initial: 20 * time.Millisecond, Max: 200 * time.Millisecond},
 		Config: &amqp091.Config{Heartbeat: 10 * time.Second, Dial: func(network, addr string) (net.Conn, error) {
 			return net.DialTimeout(network, addr, 5*time.Second)
 		}},
@@ -184,19 +184,22 @@ func srvStartAMQPBroker(ctx context.Context, env *Env, name string, shared *pgxp
 	}
 	c, err := idemamqp.NewConsumer(vurl, "chaos-work", consumer.Chain(apply, consumer.Recover()), idemamqp.ConsumerOptions{
 		Bindings: []idemamqp.ConsumerBinding{{Exchange: exchange}},
-		Prefetch: 64, Concurrency: 4, Logger: srvQuiet, RetryDelays: []time.Duration{100 * time.Millisecond},
-		OnOutcome: func(_ context.Context, rep consumer.Report) {
-			switch r := rep.Result; r.Action {
-			case consumer.ActionAck:
-				b.acks.Add(1)
-				if r.Duplicate {
-					b.dups.Add(1)
+		Prefetch: 64, Concurrency: 4, Backoff: consumer.Backoff{Initial: 100 * time.Millisecond, Max: 100 * time.Millisecond},
+		Telemetry: consumer.Telemetry{
+			Logger: srvQuiet,
+			OnOutcome: func(_ context.Context, rep consumer.Report) {
+				switch r := rep.Result; r.Action {
+				case consumer.ActionAck:
+					b.acks.Add(1)
+					if r.Duplicate {
+						b.dups.Add(1)
+					}
+				case consumer.ActionDeadLetter:
+					b.deadMu.Lock()
+					b.dead = append(b.dead, fmt.Sprintf("%s (%s: %v)", rep.Message.ID, r.Reason, r.Err))
+					b.deadMu.Unlock()
 				}
-			case consumer.ActionDeadLetter:
-				b.deadMu.Lock()
-				b.dead = append(b.dead, fmt.Sprintf("%s (%s: %v)", rep.Message.ID, r.Reason, r.Err))
-				b.deadMu.Unlock()
-			}
+			},
 		},
 	})
 	if err != nil {

@@ -45,7 +45,7 @@ func TestTraceSurvivesOutboxRelayAndBroker(t *testing.T) {
 		traceTrip(t, topic, "", pub, func(h consumer.Handler, tp trace.TracerProvider) runner {
 			c, err := idemkafka.NewConsumer(kafkago.ReaderConfig{Brokers: k.Brokers, GroupID: testenv.Name("g"), Topic: topic,
 				Dialer: &kafkago.Dialer{Timeout: 10 * time.Second}, MaxWait: 50 * time.Millisecond},
-				h, idemkafka.ConsumerOptions{DeadLetterTopic: dlq, TracerProvider: tp})
+				h, idemkafka.ConsumerOptions{DeadLetterTopic: dlq, Telemetry: consumer.Telemetry{TracerProvider: tp}})
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -78,7 +78,10 @@ func TestTraceSurvivesOutboxRelayAndBroker(t *testing.T) {
 		})
 		traceTrip(t, "", queue, pub, func(h consumer.Handler, tp trace.TracerProvider) runner {
 			c, err := idemamqp.NewConsumer(testenv.AMQPURL(), queue, h, idemamqp.ConsumerOptions{
-				TracerProvider: tp, NotDurable: true, RetryDelays: []time.Duration{time.Second}})
+				NotDurable: true, Backoff: consumer.Backoff{Initial: time.Second, Max: time.Second},
+				Telemetry: consumer.Telemetry{
+					TracerProvider: tp,
+				}})
 			if err != nil {
 				t.Fatal(err)
 			}

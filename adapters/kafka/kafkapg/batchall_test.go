@@ -392,18 +392,20 @@ func TestBatchAllConsumer(t *testing.T) {
 			ReadBackoffMin: 10 * time.Millisecond, ReadBackoffMax: 100 * time.Millisecond,
 		}, bh, idemkafka.ConsumerOptions{
 			Offsets: offsets, DeadLetterTopic: dlq, CommitEvery: 10, CommitInterval: 50 * time.Millisecond,
-			OnOutcome: func(_ context.Context, r consumer.Report) {
-				omu.Lock()
-				defer omu.Unlock()
-				switch r.Result.Action {
-				case consumer.ActionAck:
-					acked = append(acked, r.Message.ID)
-				case consumer.ActionDeadLetter:
-					deadLettered++
-				default:
-					return
-				}
-				done.Add(1)
+			Telemetry: consumer.Telemetry{
+				OnOutcome: func(_ context.Context, r consumer.Report) {
+					omu.Lock()
+					defer omu.Unlock()
+					switch r.Result.Action {
+					case consumer.ActionAck:
+						acked = append(acked, r.Message.ID)
+					case consumer.ActionDeadLetter:
+						deadLettered++
+					default:
+						return
+					}
+					done.Add(1)
+				},
 			},
 		})
 		if err != nil {

@@ -227,7 +227,9 @@ func TestResumeFromStoredPosition(t *testing.T) {
 		Offsets:         offsets,
 		DeadLetterTopic: dlq,
 		CommitInterval:  100 * time.Millisecond,
-		Logger:          slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelWarn})),
+		Telemetry: consumer.Telemetry{
+			Logger: slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelWarn})),
+		},
 	})
 	if err != nil {
 		t.Fatal(err)
@@ -379,7 +381,9 @@ func childMain() int {
 			// positions in MariaDB move, in the handler's transactions.
 			CommitEvery:    1 << 20,
 			CommitInterval: time.Hour,
-			Logger:         slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelWarn})),
+			Telemetry: consumer.Telemetry{
+				Logger: slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelWarn})),
+			},
 		})
 	if err != nil {
 		return fail(err)
