@@ -76,6 +76,12 @@ type Capabilities struct {
 	// Unsupported declares the cases the harness cannot run, each with the
 	// reason, which the skipped case prints. Defaults to none.
 	Unsupported map[Case]string
+	// Parallel says that the cases may run side by side (t.Parallel): each
+	// Destination is independent of every other (its own queue, topic or
+	// stream), a Consumer's Interrupt cuts only that consumer, and the
+	// harness's methods are safe for concurrent use. Defaults to false: the
+	// cases run one after another.
+	Parallel bool
 }
 
 // Ordering is the delivery order a broker and its adapter promise, as far
@@ -244,6 +250,9 @@ func Run(t *testing.T, h Harness) {
 	}
 	for _, c := range Cases() {
 		t.Run(string(c), func(t *testing.T) {
+			if s.caps.Parallel {
+				t.Parallel()
+			}
 			if reason, ok := s.caps.Unsupported[c]; ok {
 				t.Skipf("declared unsupported by the harness: %s", reason)
 			}

@@ -26,6 +26,7 @@ import (
 // so a retried message comes back after the messages published after it:
 // the broker promises no order.
 func TestConformance(t *testing.T) {
+	t.Parallel()
 	t.Run("classic", func(t *testing.T) { adaptertest.Run(t, newAMQPHarness(false)) })
 	t.Run("quorum", func(t *testing.T) { adaptertest.Run(t, newAMQPHarness(true)) })
 }
@@ -47,7 +48,7 @@ func newAMQPHarness(quorum bool) *amqpHarness {
 }
 
 func (h *amqpHarness) Capabilities() adaptertest.Capabilities {
-	return adaptertest.Capabilities{Ordering: adaptertest.OrderNone, ChildProcess: true}
+	return adaptertest.Capabilities{Ordering: adaptertest.OrderNone, ChildProcess: true, Parallel: true}
 }
 
 // amqpBackoff is the retry backoff of opts: RetryDelay doubling up to

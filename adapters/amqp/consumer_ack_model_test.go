@@ -135,6 +135,7 @@ func consModelDone(tag uint64) *consDone {
 // every finished delivery is acknowledged exactly once by the end (Stats
 // agree), and the acks are coalesced (far fewer frames than deliveries).
 func TestAckerModelRandom(t *testing.T) {
+	t.Parallel()
 	for _, tc := range []struct {
 		name                    string
 		prefetch, concurrency   int
@@ -226,6 +227,7 @@ func TestAckerModelRandom(t *testing.T) {
 // waited delay, while the slow one is not; when the slow one finishes, the
 // rest goes in one multiple ack.
 func TestAckerModelStuckBound(t *testing.T) {
+	t.Parallel()
 	m := newConsBrokerModel()
 	const delay = 30 * time.Millisecond
 	c, _, a := consModelAcker(t, 100, 4, time.Millisecond, delay, m)
@@ -275,6 +277,7 @@ func TestAckerModelStuckBound(t *testing.T) {
 // On a dead session nothing is written: the finished deliveries waiting
 // for their ack are abandoned, and counted so.
 func TestAckerModelDeadSession(t *testing.T) {
+	t.Parallel()
 	m := newConsBrokerModel()
 	c, s, a := consModelAcker(t, 100, 4, time.Hour, time.Hour, m)
 	var wg sync.WaitGroup

@@ -103,6 +103,7 @@ func (r *consRuns) total() int {
 // unacknowledged message. When its channel then closes, only the slow
 // message comes back.
 func TestConsumerAckSlowLowTag(t *testing.T) {
+	t.Parallel()
 	url := testenv.AMQPURL()
 	counts := consCounts(t, url)
 	q := consQueue(t, url, consTestDelays)
@@ -179,6 +180,7 @@ func TestConsumerAckSlowLowTag(t *testing.T) {
 // other way would be "unknown delivery tag"), no redelivery, exact counts,
 // every dead letter once, nothing left behind.
 func TestConsumerAckMixedWindow(t *testing.T) {
+	t.Parallel()
 	url := testenv.AMQPURL()
 	q := consQueue(t, url, consTestDelays)
 	var (
@@ -286,6 +288,7 @@ func TestConsumerAckMixedWindow(t *testing.T) {
 // handlers to start return at once and the next two block (by start order:
 // the handler seats are not handed out in delivery order).
 func TestConsumerAckShutdownFlush(t *testing.T) {
+	t.Parallel()
 	url := testenv.AMQPURL()
 	counts := consCounts(t, url)
 	q := consQueue(t, url, consTestDelays)
@@ -355,6 +358,7 @@ func TestConsumerAckShutdownFlush(t *testing.T) {
 // (consumer.Transactional on pgtable, an effects table without a unique
 // constraint) shows each effect once and none lost.
 func TestConsumerAckChannelClosedRedeliversUnacked(t *testing.T) {
+	t.Parallel()
 	url := testenv.AMQPURL()
 	q := consQueue(t, url, consTestDelays)
 	o := consNewOracle(t, 6)
@@ -437,6 +441,7 @@ func TestConsumerAckChannelClosedRedeliversUnacked(t *testing.T) {
 // run with 8 handlers: every message is applied once (oracle), none is
 // lost, and every delivery is accounted for as acknowledged or abandoned.
 func TestConsumerAckChannelClosedStress(t *testing.T) {
+	t.Parallel()
 	url := testenv.AMQPURL()
 	q := consQueue(t, url, consTestDelays)
 	o := consNewOracle(t, 10)

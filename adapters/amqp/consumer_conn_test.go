@@ -32,6 +32,7 @@ func consDial(t *testing.T, rawURL string) *amqp091.Connection {
 // after Run returned), and returns ErrConnectionClosed once the caller
 // closes it.
 func TestConsumerConn(t *testing.T) {
+	t.Parallel()
 	url := testenv.AMQPURL()
 	q := consQueue(t, url, consTestDelays)
 	conn := consDial(t, url)
@@ -108,6 +109,7 @@ func TestConsumerConn(t *testing.T) {
 // ConsumerOptions.Dial opens the connections (the URL is not needed), and
 // the Consumer closes those when Run returns.
 func TestConsumerDial(t *testing.T) {
+	t.Parallel()
 	url := testenv.AMQPURL()
 	q := consQueue(t, url, consTestDelays)
 	var (
@@ -152,6 +154,7 @@ func TestConsumerDial(t *testing.T) {
 // missing, and creates none of it; once the topology is declared as the
 // option's documentation says, retries and dead letters go through it.
 func TestConsumerNoDeclare(t *testing.T) {
+	t.Parallel()
 	url := testenv.AMQPURL()
 	q := consQueue(t, url, consTestDelays)
 	var tries atomic.Int64

@@ -52,6 +52,7 @@ func (l *connErrLog) find(sub string) (string, bool) {
 // say what happened to that connection: closed, or no channel could be
 // opened on it.
 func TestConsumerConnErrors(t *testing.T) {
+	t.Parallel()
 	url := testenv.AMQPURL()
 	q := consQueue(t, url, consTestDelays)
 	h := consumer.HandlerFunc(func(context.Context, *consumer.Message) error { return nil })

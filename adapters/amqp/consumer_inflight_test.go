@@ -18,6 +18,7 @@ import (
 )
 
 func TestConsumerInFlightDefaults(t *testing.T) {
+	t.Parallel()
 	for _, c := range []struct{ prefetch, concurrency, inFlight, want int }{
 		{0, 0, 0, 1},      // one handler keeps the order: nothing beside it
 		{0, 1, 0, 1},      //
@@ -122,6 +123,7 @@ func (s *slowStore) Release(ctx context.Context, l *dedup.Lease) error {
 // overlap beyond the 2 handlers, the handlers never do, and every message
 // is applied once (oracle).
 func TestConsumerInFlightBoundsHandlersNotStoreCalls(t *testing.T) {
+	t.Parallel()
 	url := testenv.AMQPURL()
 	q := consQueue(t, url, consTestDelays)
 	o := consNewOracle(t, 4)
@@ -161,6 +163,7 @@ func TestConsumerInFlightBoundsHandlersNotStoreCalls(t *testing.T) {
 // wait for a handler slot give the key back and are requeued with the
 // prefetched ones, while the running handlers finish and are acked.
 func TestConsumerInFlightGracefulStop(t *testing.T) {
+	t.Parallel()
 	url := testenv.AMQPURL()
 	q := consQueue(t, url, consTestDelays)
 	// Claims that take a while: while one runs, its seat is free for
@@ -242,6 +245,7 @@ func heldKey(t *testing.T, scope, id string, body []byte) (mw consumer.Middlewar
 // times before the message is dead-lettered with retries_exhausted. The
 // dead letter counts the waits in HeaderWaits.
 func TestConsumerWaitsDoNotSpendAttempts(t *testing.T) {
+	t.Parallel()
 	url := testenv.AMQPURL()
 	q := consQueue(t, url, consTestDelays)
 	body := []byte("charge 10 EUR")
@@ -296,6 +300,7 @@ func TestConsumerWaitsDoNotSpendAttempts(t *testing.T) {
 // message with reason wait_limit, without its handler running, and the
 // dead letter says why.
 func TestConsumerMaxWait(t *testing.T) {
+	t.Parallel()
 	url := testenv.AMQPURL()
 	q := consQueue(t, url, consTestDelays)
 	body := []byte("charge 10 EUR")

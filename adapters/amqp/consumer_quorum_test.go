@@ -25,6 +25,7 @@ import (
 )
 
 func TestConsumerQuorumOptions(t *testing.T) {
+	t.Parallel()
 	h := consumer.HandlerFunc(func(context.Context, *consumer.Message) error { return nil })
 	url := testenv.AMQPURL()
 	for name, o := range map[string]ConsumerOptions{
@@ -77,6 +78,7 @@ func TestConsumerQuorumOptions(t *testing.T) {
 // MaxDeliveries deliveries the next one is dead-lettered with reason
 // redelivery_limit without running the handler, and the worker goes on.
 func TestConsumerQuorumRedeliveryLimit(t *testing.T) {
+	t.Parallel()
 	url := testenv.AMQPURL()
 	q := consQueueArgs(t, url, consTestDelays, amqp091.Table{"x-queue-type": "quorum"})
 	const maxDeliveries = 3
@@ -153,6 +155,7 @@ func TestConsumerQuorumRedeliveryLimit(t *testing.T) {
 // neighbour is applied exactly once and acknowledged, ok-c included, whose
 // effect may have committed before the first death left its ack unsent.
 func TestConsumerQuorumCrashLoopSparesNeighbours(t *testing.T) {
+	t.Parallel()
 	for _, conc := range []int{1, 4} {
 		t.Run(fmt.Sprintf("concurrency %d", conc), func(t *testing.T) {
 			url := testenv.AMQPURL()
@@ -242,10 +245,11 @@ func TestConsumerQuorumCrashLoopSparesNeighbours(t *testing.T) {
 // deaths (HeaderReturns), so the message still reaches MaxDeliveries and is
 // dead-lettered, instead of starting from zero after each wait.
 func TestConsumerQuorumRedeliveryLimitAcrossWaits(t *testing.T) {
+	t.Parallel()
 	url := testenv.AMQPURL()
 	q := consQueueArgs(t, url, consTestDelays, amqp091.Table{"x-queue-type": "quorum"})
 	const maxDeliveries = 3
-	mem, err := memstore.New(memstore.Options{Lease: 300 * time.Millisecond})
+	mem, err := memstore.New(memstore.Options{Lease: 2 * time.Second})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -311,6 +315,7 @@ func TestConsumerQuorumRedeliveryLimitAcrossWaits(t *testing.T) {
 // the neighbour in the queue, below MaxDeliveries; the next consumer runs
 // it once and dead-letters nothing.
 func TestConsumerQuorumNeighbourNotCountedByLaterCrashes(t *testing.T) {
+	t.Parallel()
 	url := testenv.AMQPURL()
 	q := consQueueArgs(t, url, consTestDelays, amqp091.Table{"x-queue-type": "quorum"})
 	const maxDeliveries = 3
@@ -403,6 +408,7 @@ func TestConsumerQuorumNeighbourNotCountedByLaterCrashes(t *testing.T) {
 // it holds no handler seat that the stop could take away: it finishes and
 // is acknowledged instead of being given back to reach the bound.
 func TestConsumerQuorumStopDuringAloneClaim(t *testing.T) {
+	t.Parallel()
 	url := testenv.AMQPURL()
 	q := consQueueArgs(t, url, consTestDelays, amqp091.Table{"x-queue-type": "quorum"})
 	const maxDeliveries = 3
@@ -479,6 +485,7 @@ func (g *gatedClaims) Claim(ctx context.Context, k dedup.Key) (*dedup.Lease, err
 // no ordinary message dead-lettered, and every ordinary message applied
 // exactly once (the pgtable oracle: none lost, none twice).
 func TestConsumerQuorumCrashLoopSeveralWorkers(t *testing.T) {
+	t.Parallel()
 	const (
 		seeds         = 10
 		workers       = 3
@@ -488,139 +495,151 @@ func TestConsumerQuorumCrashLoopSeveralWorkers(t *testing.T) {
 	)
 	url := testenv.AMQPURL()
 	consRequireBroker(t, url)
-	var innocentDead, crashDead, lost, twice, deathsAll int
-	for seed := range seeds {
-		t.Run(fmt.Sprintf("seed %d", seed), func(t *testing.T) {
-			q := consQueueArgs(t, url, consTestDelays, amqp091.Table{"x-queue-type": "quorum"})
-			o := consNewOracle(t, 2)
-			// Declared as the workers declare it, so that it can be
-			// watched before the first one started.
-			consAdmin(t, url, func(ch *amqp091.Channel) error {
-				_, err := ch.QueueDeclare(q+".dlq", true, false, false, false, nil)
-				return err
-			})
-			rng := rand.New(rand.NewPCG(uint64(seed), 0x1de))
-			msgs := make([]amqp091.Publishing, 0, ordinary+crashes)
-			for i := range ordinary {
-				id := fmt.Sprintf("ok-%d", i)
-				msgs = append(msgs, amqp091.Publishing{MessageId: id, Body: []byte("body of " + id)})
-			}
-			for i := range crashes {
-				id := fmt.Sprintf("poison-%d", i)
-				at := rng.IntN(len(msgs) + 1)
-				msgs = slices.Insert(msgs, at, amqp091.Publishing{MessageId: id, Body: []byte("body of " + id)})
-			}
-			consPublish(t, url, q, msgs...)
-			start := func() *childproc.Proc {
-				cmd := consPoisonChildCommand(url, q, o.schema, 4)
-				cmd.Env = append(cmd.Env, consChildMaxEnv+"="+strconv.Itoa(maxDeliveries))
-				p, err := childproc.Start(cmd, 64<<10, nil)
-				if err != nil {
-					t.Fatal(err)
+	var (
+		mu                                              sync.Mutex
+		innocentDead, crashDead, lost, twice, deathsAll int
+	)
+	// The seeds run side by side, each on its own queue and oracle schema;
+	// the group ends when every seed has.
+	t.Run("seeds", func(t *testing.T) {
+		for seed := range seeds {
+			t.Run(fmt.Sprintf("seed %d", seed), func(t *testing.T) {
+				t.Parallel()
+				q := consQueueArgs(t, url, consTestDelays, amqp091.Table{"x-queue-type": "quorum"})
+				o := consNewOracle(t, 2)
+				// Declared as the workers declare it, so that it can be
+				// watched before the first one started.
+				consAdmin(t, url, func(ch *amqp091.Channel) error {
+					_, err := ch.QueueDeclare(q+".dlq", true, false, false, false, nil)
+					return err
+				})
+				rng := rand.New(rand.NewPCG(uint64(seed), 0x1de))
+				msgs := make([]amqp091.Publishing, 0, ordinary+crashes)
+				for i := range ordinary {
+					id := fmt.Sprintf("ok-%d", i)
+					msgs = append(msgs, amqp091.Publishing{MessageId: id, Body: []byte("body of " + id)})
 				}
-				return p
-			}
-			procs := make([]*childproc.Proc, workers)
-			for i := range procs {
-				procs[i] = start()
-			}
-			defer func() {
-				for _, p := range procs {
-					p.Kill()
-					<-p.Exited()
+				for i := range crashes {
+					id := fmt.Sprintf("poison-%d", i)
+					at := rng.IntN(len(msgs) + 1)
+					msgs = slices.Insert(msgs, at, amqp091.Publishing{MessageId: id, Body: []byte("body of " + id)})
 				}
-			}()
-			deaths := 0
-			// Settled: nothing ready in the work queue, and every message
-			// applied or dead-lettered (or more dead-lettered than the
-			// crash messages: the outcome this test rejects).
-			settled := func() bool {
-				_, distinct := o.counts(t)
-				dead := consDepth(t, url, q+".dlq")
-				return consDepth(t, url, q) == 0 && dead >= crashes && distinct+dead >= ordinary+crashes
-			}
-			deadline := time.Now().Add(3 * time.Minute)
-			for stops := 0; ; stops++ {
-				for !settled() {
-					if time.Now().After(deadline) {
-						rows, distinct := o.counts(t)
-						t.Fatalf("not settled in 3 minutes: %d deaths, %d effect rows for %d ids, %d ready, %d dead letters",
-							deaths, rows, distinct, consDepth(t, url, q), consDepth(t, url, q+".dlq"))
+				consPublish(t, url, q, msgs...)
+				start := func() *childproc.Proc {
+					cmd := consPoisonChildCommand(url, q, o.schema, 4)
+					cmd.Env = append(cmd.Env, consChildMaxEnv+"="+strconv.Itoa(maxDeliveries))
+					p, err := childproc.Start(cmd, 64<<10, nil)
+					if err != nil {
+						t.Fatal(err)
 					}
-					for i, p := range procs {
-						select {
-						case <-p.Exited():
-						default:
-							continue
-						}
-						if !strings.Contains(p.Stderr(), "panic: poison message poison-") {
-							t.Fatalf("a worker died of something else: %v%s", p.ExitErr(), p.StderrTail())
-						}
-						deaths++
-						if deaths > 2*crashes*maxDeliveries+workers {
-							t.Fatalf("%d worker deaths for %d crash messages (MaxDeliveries %d)", deaths, crashes, maxDeliveries)
-						}
-						procs[i] = start()
-					}
-					time.Sleep(50 * time.Millisecond)
+					return p
 				}
-				// Stop the workers gracefully, so that they send the acks
-				// they hold. One that had just been started may die of
-				// the signal before it handles it: then what it held
-				// comes back, and the workers run again.
-				for _, p := range procs {
-					_ = p.Cmd.Process.Signal(syscall.SIGTERM)
-				}
-				for _, p := range procs {
-					<-p.Exited()
-					if err := p.Err(); err != nil && !consDiedOf(p, syscall.SIGTERM) && !strings.Contains(p.Stderr(), "panic: poison message poison-") {
-						t.Fatalf("a worker's graceful stop: %v%s", err, p.StderrTail())
-					}
-				}
-				if consDepth(t, url, q) == 0 {
-					break
-				}
-				if stops >= 3 {
-					t.Fatalf("messages still come back to the queue after %d graceful stops", stops+1)
-				}
+				procs := make([]*childproc.Proc, workers)
 				for i := range procs {
 					procs[i] = start()
 				}
-			}
-			deathsAll += deaths
-			dead := consGetAll(t, url, q+".dlq")
-			perCrash := map[string]int{}
-			var wrong []string
-			for _, d := range dead {
-				if strings.HasPrefix(d.MessageId, "poison-") && d.Headers[consumer.HeaderReason] == string(ReasonRedeliveryLimit) {
-					perCrash[d.MessageId]++
-					continue
+				defer func() {
+					for _, p := range procs {
+						p.Kill()
+						<-p.Exited()
+					}
+				}()
+				deaths := 0
+				// Settled: nothing ready in the work queue, and every message
+				// applied or dead-lettered (or more dead-lettered than the
+				// crash messages: the outcome this test rejects).
+				settled := func() bool {
+					_, distinct := o.counts(t)
+					dead := consDepth(t, url, q+".dlq")
+					return consDepth(t, url, q) == 0 && dead >= crashes && distinct+dead >= ordinary+crashes
 				}
-				wrong = append(wrong, fmt.Sprintf("%s (%v, %v deliveries)", d.MessageId, d.Headers[consumer.HeaderReason], d.Headers[consumer.HeaderError]))
-			}
-			innocentDead += len(wrong)
-			for i := range crashes {
-				id := fmt.Sprintf("poison-%d", i)
-				if n := perCrash[id]; n != 1 {
-					t.Errorf("%s dead-lettered %d times, want once", id, n)
+				deadline := time.Now().Add(3 * time.Minute)
+				for stops := 0; ; stops++ {
+					for !settled() {
+						if time.Now().After(deadline) {
+							rows, distinct := o.counts(t)
+							t.Fatalf("not settled in 3 minutes: %d deaths, %d effect rows for %d ids, %d ready, %d dead letters",
+								deaths, rows, distinct, consDepth(t, url, q), consDepth(t, url, q+".dlq"))
+						}
+						for i, p := range procs {
+							select {
+							case <-p.Exited():
+							default:
+								continue
+							}
+							if !strings.Contains(p.Stderr(), "panic: poison message poison-") {
+								t.Fatalf("a worker died of something else: %v%s", p.ExitErr(), p.StderrTail())
+							}
+							deaths++
+							if deaths > 2*crashes*maxDeliveries+workers {
+								t.Fatalf("%d worker deaths for %d crash messages (MaxDeliveries %d)", deaths, crashes, maxDeliveries)
+							}
+							procs[i] = start()
+						}
+						time.Sleep(50 * time.Millisecond)
+					}
+					// Stop the workers gracefully, so that they send the acks
+					// they hold. One that had just been started may die of
+					// the signal before it handles it: then what it held
+					// comes back, and the workers run again.
+					for _, p := range procs {
+						_ = p.Cmd.Process.Signal(syscall.SIGTERM)
+					}
+					for _, p := range procs {
+						<-p.Exited()
+						if err := p.Err(); err != nil && !consDiedOf(p, syscall.SIGTERM) && !strings.Contains(p.Stderr(), "panic: poison message poison-") {
+							t.Fatalf("a worker's graceful stop: %v%s", err, p.StderrTail())
+						}
+					}
+					if consDepth(t, url, q) == 0 {
+						break
+					}
+					if stops >= 3 {
+						t.Fatalf("messages still come back to the queue after %d graceful stops", stops+1)
+					}
+					for i := range procs {
+						procs[i] = start()
+					}
 				}
-				crashDead += min(perCrash[id], 1)
-			}
-			if len(wrong) > 0 {
-				t.Errorf("%d other dead letters: %v", len(wrong), wrong)
-			}
-			rows, distinct := o.counts(t)
-			lost += ordinary - distinct
-			twice += rows - distinct
-			if rows != ordinary || distinct != ordinary {
-				t.Errorf("effects: %d rows for %d ids, want %d once each", rows, distinct, ordinary)
-			}
-			if n := consDepth(t, url, q); n != 0 {
-				t.Errorf("%d messages left in the queue", n)
-			}
-			t.Logf("seed %d: %d deaths, %d dead letters (%d ordinary), %d effect rows for %d ids", seed, deaths, len(dead), len(wrong), rows, distinct)
-		})
-	}
+				dead := consGetAll(t, url, q+".dlq")
+				perCrash := map[string]int{}
+				var wrong []string
+				for _, d := range dead {
+					if strings.HasPrefix(d.MessageId, "poison-") && d.Headers[consumer.HeaderReason] == string(ReasonRedeliveryLimit) {
+						perCrash[d.MessageId]++
+						continue
+					}
+					wrong = append(wrong, fmt.Sprintf("%s (%v, %v deliveries)", d.MessageId, d.Headers[consumer.HeaderReason], d.Headers[consumer.HeaderError]))
+				}
+				rows, distinct := o.counts(t)
+				mu.Lock()
+				deathsAll += deaths
+				innocentDead += len(wrong)
+				lost += ordinary - distinct
+				twice += rows - distinct
+				for i := range crashes {
+					crashDead += min(perCrash[fmt.Sprintf("poison-%d", i)], 1)
+				}
+				mu.Unlock()
+				for i := range crashes {
+					id := fmt.Sprintf("poison-%d", i)
+					if n := perCrash[id]; n != 1 {
+						t.Errorf("%s dead-lettered %d times, want once", id, n)
+					}
+				}
+				if len(wrong) > 0 {
+					t.Errorf("%d other dead letters: %v", len(wrong), wrong)
+				}
+				if rows != ordinary || distinct != ordinary {
+					t.Errorf("effects: %d rows for %d ids, want %d once each", rows, distinct, ordinary)
+				}
+				if n := consDepth(t, url, q); n != 0 {
+					t.Errorf("%d messages left in the queue", n)
+				}
+				t.Logf("seed %d: %d deaths, %d dead letters (%d ordinary), %d effect rows for %d ids", seed, deaths, len(dead), len(wrong), rows, distinct)
+			})
+		}
+	})
 	t.Logf("%d seeds, %d workers, %d ordinary and %d crash messages each: %d deaths, %d ordinary messages dead-lettered, %d of %d crash messages dead-lettered, %d lost, %d applied twice",
 		seeds, workers, ordinary, crashes, deathsAll, innocentDead, crashDead, seeds*crashes, lost, twice)
 }

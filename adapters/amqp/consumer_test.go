@@ -54,6 +54,7 @@ func consMemDedup(t testing.TB, scope string) consumer.Middleware {
 }
 
 func TestNewConsumerValidates(t *testing.T) {
+	t.Parallel()
 	h := consumer.HandlerFunc(func(context.Context, *consumer.Message) error { return nil })
 	for name, f := range map[string]func() error{
 		"bad url":     func() error { _, err := NewConsumer("http://x", "q", h, ConsumerOptions{}); return err },
@@ -103,6 +104,7 @@ func TestNewConsumerValidates(t *testing.T) {
 }
 
 func TestConsumerRetryDelay(t *testing.T) {
+	t.Parallel()
 	c, err := NewConsumer(testenv.AMQPURL(), "q", consumer.HandlerFunc(func(context.Context, *consumer.Message) error { return nil }),
 		ConsumerOptions{})
 	if err != nil {
@@ -130,6 +132,7 @@ func TestConsumerRetryDelay(t *testing.T) {
 // broker redelivers on the new connection, and the redelivery is
 // acknowledged as a duplicate. The effect is applied once.
 func TestConsumerChannelClosedMidHandler(t *testing.T) {
+	t.Parallel()
 	url := testenv.AMQPURL()
 	q := consQueue(t, url, consTestDelays)
 	o := consNewOracle(t, 4)
@@ -173,6 +176,7 @@ func TestConsumerChannelClosedMidHandler(t *testing.T) {
 // delivery of the closed channel is redelivered and acknowledged as a
 // duplicate, and the effect is applied once.
 func TestConsumerChannelErrorWhileConsumingReconnects(t *testing.T) {
+	t.Parallel()
 	url := testenv.AMQPURL()
 	q := consQueue(t, url, consTestDelays)
 	topoDeclare(t, url, q, func(int, time.Duration) (bool, amqp091.Table) {
@@ -215,6 +219,7 @@ func TestConsumerChannelErrorWhileConsumingReconnects(t *testing.T) {
 
 // The same message published twice with one message-id is applied once.
 func TestConsumerSameMessageIDTwice(t *testing.T) {
+	t.Parallel()
 	url := testenv.AMQPURL()
 	q := consQueue(t, url, consTestDelays)
 	o := consNewOracle(t, 4)
@@ -262,6 +267,7 @@ func consXDeath(d amqp091.Delivery) map[string]int64 {
 // read); one that always fails is dead-lettered after MaxAttempts with
 // reason retries_exhausted; a Permanent error is dead-lettered at once.
 func TestConsumerRetryBoundAndDelay(t *testing.T) {
+	t.Parallel()
 	url := testenv.AMQPURL()
 	q := consQueue(t, url, consTestDelays)
 	var (
@@ -382,6 +388,7 @@ func equalInts(a, b []int) bool {
 // reason invalid_key; the worker goes on with the next ones. With IDHeader
 // set, the id comes from that header.
 func TestConsumerNoMessageID(t *testing.T) {
+	t.Parallel()
 	url := testenv.AMQPURL()
 	q := consQueue(t, url, consTestDelays)
 	var (
@@ -428,6 +435,7 @@ func TestConsumerNoMessageID(t *testing.T) {
 // without falling back to the message-id property and without running the
 // handler.
 func TestConsumerIDHeaderNotString(t *testing.T) {
+	t.Parallel()
 	url := testenv.AMQPURL()
 	q := consQueue(t, url, consTestDelays)
 	var ran atomic.Int64
@@ -472,6 +480,7 @@ func TestConsumerIDHeaderNotString(t *testing.T) {
 // dead letter's confirm and its ack would be) get the same id; another
 // message a different one.
 func TestConsumerDeadLetterID(t *testing.T) {
+	t.Parallel()
 	url := testenv.AMQPURL()
 	q := consQueue(t, url, consTestDelays)
 	h := consumer.Chain(consumer.HandlerFunc(func(context.Context, *consumer.Message) error {
@@ -518,6 +527,7 @@ func equalStrings(a, b []string) bool {
 // A graceful stop lets the running handler finish and acknowledges it; the
 // prefetched deliveries no handler started go back to the queue.
 func TestConsumerGracefulStop(t *testing.T) {
+	t.Parallel()
 	url := testenv.AMQPURL()
 	q := consQueue(t, url, consTestDelays)
 	started := make(chan struct{})
@@ -574,6 +584,7 @@ func TestConsumerGracefulStop(t *testing.T) {
 // 10,000-message run: the consumer reconnects, nothing is lost, and with
 // pgtable no effect is applied twice.
 func TestConsumerCloseAllConnections(t *testing.T) {
+	t.Parallel()
 	ctl := consRabbitmqctl(t)
 	vh, url := consVhost(t, ctl)
 	q := consQueue(t, url, consTestDelays)
@@ -612,6 +623,7 @@ func TestConsumerCloseAllConnections(t *testing.T) {
 // A worker child process is killed with SIGKILL at least 20 times while it
 // processes: with pgtable, every message is applied exactly once.
 func TestConsumerChildSIGKILL(t *testing.T) {
+	t.Parallel()
 	url := testenv.AMQPURL()
 	q := consQueue(t, url, consTestDelays)
 	o := consNewOracle(t, 2)
@@ -661,6 +673,7 @@ func TestConsumerChildSIGKILL(t *testing.T) {
 // the Consumer reconnects, declares the queue again and consumes what is
 // published to it afterwards, instead of idling until its context ends.
 func TestConsumerBrokerCancel(t *testing.T) {
+	t.Parallel()
 	url := testenv.AMQPURL()
 	q := consQueue(t, url, consTestDelays)
 	var handled atomic.Int64
@@ -689,6 +702,7 @@ func TestConsumerBrokerCancel(t *testing.T) {
 // dead-lettered, and reported as a dead letter, exactly once. Every
 // delivery handed to the chain is reported once.
 func TestConsumerOutcomeOnceWhenDeadLetterUnconfirmed(t *testing.T) {
+	t.Parallel()
 	ctl := consRabbitmqctl(t)
 	vh, url := consVhost(t, ctl)
 	q := consQueue(t, url, consTestDelays)
@@ -764,6 +778,7 @@ func TestConsumerOutcomeOnceWhenDeadLetterUnconfirmed(t *testing.T) {
 // the Consumer settles the delivery as usual, and Run goes on: no channel
 // error, every message acknowledged once, the counts true.
 func TestConsumerHandlerSettlesItsDelivery(t *testing.T) {
+	t.Parallel()
 	url := testenv.AMQPURL()
 	q := consQueue(t, url, consTestDelays)
 	var refused, accepted atomic.Int64

@@ -12,6 +12,7 @@ import (
 )
 
 func TestNewMessage(t *testing.T) {
+	t.Parallel()
 	ts := time.Unix(1700000000, 0)
 	d := amqp091.Delivery{
 		MessageId: "prop-id", Body: []byte("body"), Exchange: "orders", RoutingKey: "eu.created",

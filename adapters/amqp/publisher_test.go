@@ -152,6 +152,7 @@ func pubFailed(t *testing.T, err error) map[int]error {
 }
 
 func TestPublisherOptions(t *testing.T) {
+	t.Parallel()
 	if _, err := NewPublisher("http://x", PublisherOptions{}); err == nil {
 		t.Error("NewPublisher(http URL) = nil error")
 	}

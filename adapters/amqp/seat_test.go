@@ -16,6 +16,7 @@ import (
 // left) hold a seat, never more, and none waits for a seat while one is
 // free.
 func TestGateBoundsHolders(t *testing.T) {
+	t.Parallel()
 	synctest.Test(t, func(t *testing.T) {
 		const size, n = 3, 64
 		g := newGate(size)
@@ -62,6 +63,7 @@ func TestGateBoundsHolders(t *testing.T) {
 }
 
 func TestAwayFreesASeat(t *testing.T) {
+	t.Parallel()
 	synctest.Test(t, func(t *testing.T) {
 		g := newGate(1)
 		var a, b seat
@@ -103,6 +105,7 @@ func TestAwayFreesASeat(t *testing.T) {
 }
 
 func TestNilSeat(t *testing.T) {
+	t.Parallel()
 	var s *seat
 	s.Away()
 	s.leave()
@@ -136,6 +139,7 @@ func seatsFree(t *testing.T, g *gate, n int) bool {
 // Goroutines sharing one seat and calling Away, Back and leave in any
 // order never leak a seat nor give one back twice.
 func TestSeatConcurrentUse(t *testing.T) {
+	t.Parallel()
 	synctest.Test(t, func(t *testing.T) {
 		const size = 3
 		g := newGate(size)
@@ -186,6 +190,7 @@ func TestSeatConcurrentUse(t *testing.T) {
 // stop makes waiting and later Backs return errStopped; held seats stay
 // held; take is not affected.
 func TestGateStop(t *testing.T) {
+	t.Parallel()
 	synctest.Test(t, func(t *testing.T) {
 		g := newGate(1)
 		var a, b seat
@@ -228,6 +233,7 @@ func TestGateStop(t *testing.T) {
 
 // A Back whose context has ended takes no seat, even a free one.
 func TestBackWithEndedContext(t *testing.T) {
+	t.Parallel()
 	synctest.Test(t, func(t *testing.T) {
 		g := newGate(1)
 		var a seat
@@ -261,6 +267,7 @@ func (c *noDone) Done() <-chan struct{} {
 // the handler context of consumer.Dedup makes one (a cancel context
 // registered with its parent) only when asked.
 func TestBackOnAFreeSeatLeavesDoneAlone(t *testing.T) {
+	t.Parallel()
 	g := newGate(1)
 	var s seat
 	if err := g.take(t.Context(), &s); err != nil {

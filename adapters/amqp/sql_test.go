@@ -17,6 +17,7 @@ import (
 // waits on the first's claim and is acknowledged as a duplicate, and each
 // id has its effect exactly once in MariaDB.
 func TestSqlConsumerTransactionalOnMariaDB(t *testing.T) {
+	t.Parallel()
 	url := testenv.AMQPURL()
 	q := consQueue(t, url, consTestDelays)
 	db := testenv.MySQL(t, "")

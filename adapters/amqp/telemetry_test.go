@@ -57,6 +57,7 @@ func telSpanAttr(s sdktrace.ReadOnlySpan, key attribute.Key) attribute.Value {
 // RabbitMQ, on the first delivery and on the retried copy; the Dedup claim
 // runs under the consumer's span.
 func TestConsumerContinuesOutboxTrace(t *testing.T) {
+	t.Parallel()
 	url := testenv.AMQPURL()
 	delays := []time.Duration{10 * time.Millisecond}
 	queue := consQueue(t, url, delays)
@@ -137,6 +138,7 @@ func TestConsumerContinuesOutboxTrace(t *testing.T) {
 // Each verdict is counted with the system, queue, result and dead-letter
 // reason, and nothing holds a message id: no metric attribute, no log line.
 func TestConsumerMetricsByVerdict(t *testing.T) {
+	t.Parallel()
 	url := testenv.AMQPURL()
 	delays := []time.Duration{10 * time.Millisecond}
 	queue := consQueue(t, url, delays)
@@ -192,6 +194,7 @@ func TestConsumerMetricsByVerdict(t *testing.T) {
 // Trace headers of any type, or too long, never panic the consumer and
 // start new traces; a traceparent sent as bytes is read.
 func TestConsumerHostileTraceHeaders(t *testing.T) {
+	t.Parallel()
 	url := testenv.AMQPURL()
 	queue := consQueue(t, url, consTestDelays)
 	spans := telemetrytest.NewSpans(t)
@@ -257,6 +260,7 @@ func TestConsumerHostileTraceHeaders(t *testing.T) {
 // TableCarrier reads strings and bytes of at most MaxHeaderValue bytes and
 // nothing else; a 1 MB value or a value of any other type is absent.
 func TestTableCarrier(t *testing.T) {
+	t.Parallel()
 	huge := telValidTP + strings.Repeat(" ", 1<<20)
 	for name, v := range map[string]any{
 		"int": 5, "int8": int8(5), "int32": int32(5), "int64": int64(5), "uint8": uint8(5), "float": 1.5,
@@ -309,6 +313,7 @@ func TestTableCarrier(t *testing.T) {
 // The span of a delivery without any headers is a root; the default
 // propagator and the global providers need no setup.
 func TestTableCarrierNoHeaders(t *testing.T) {
+	t.Parallel()
 	spans := telemetrytest.NewSpans(t)
 	a := telemetry.NewAdapter(nil, spans, system)
 	d := amqp091.Delivery{}

@@ -82,6 +82,7 @@ func topoRun(t *testing.T, url, q string) error {
 // the retry queues whatever else they carry (durability, a queue type, a
 // TTL, a length limit).
 func TestTopologyNoDeclareRetryQueueArgs(t *testing.T) {
+	t.Parallel()
 	url := testenv.AMQPURL()
 	dlx := func(q string) amqp091.Table {
 		return amqp091.Table{argDeadLetterExchange: "", argDeadLetterRoutingKey: q}
@@ -158,6 +159,7 @@ func TestTopologyNoDeclareRetryQueueArgs(t *testing.T) {
 
 // A refused retry queue is left as it was: the check declares nothing.
 func TestTopologyNoDeclareChecksWithoutChanging(t *testing.T) {
+	t.Parallel()
 	url := testenv.AMQPURL()
 	q := consQueue(t, url, consTestDelays)
 	topoDeclare(t, url, q, func(int, time.Duration) (bool, amqp091.Table) { return true, nil }, true)
@@ -228,6 +230,7 @@ func topoRunUntil(t *testing.T, url, q string, msgs ...amqp091.Publishing) (*Con
 // return an error naming the exchange and the routing key, and the message
 // stays in the work queue.
 func TestTopologyNoDeclareDeadLetterExchangeRoutesNowhere(t *testing.T) {
+	t.Parallel()
 	url := testenv.AMQPURL()
 	q := consQueue(t, url, consTestDelays)
 	topoDeclare(t, url, q, func(int, time.Duration) (bool, amqp091.Table) {
@@ -250,6 +253,7 @@ func TestTopologyNoDeclareDeadLetterExchangeRoutesNowhere(t *testing.T) {
 // the broker returns makes Run return an error naming the queue, and the
 // message stays in the work queue.
 func TestTopologyNoDeclareRetryQueueDeleted(t *testing.T) {
+	t.Parallel()
 	url := testenv.AMQPURL()
 	q := consQueue(t, url, consTestDelays)
 	topoDeclare(t, url, q, func(int, time.Duration) (bool, amqp091.Table) {
@@ -298,6 +302,7 @@ func TestTopologyNoDeclareRetryQueueDeleted(t *testing.T) {
 // the session ends again, and the redelivered message is dead-lettered
 // once. No copy is lost and none counts twice.
 func TestTopologyDeclaredAgainAfterUnroutableCopy(t *testing.T) {
+	t.Parallel()
 	url := testenv.AMQPURL()
 	q := consQueue(t, url, consTestDelays)
 	var flakyRuns atomic.Int32
@@ -373,6 +378,7 @@ func topoExists(t *testing.T, url, name string, exchange bool) bool {
 // it was not given, not the producer's exchange the work queue was bound
 // to.
 func TestTopologyDelete(t *testing.T) {
+	t.Parallel()
 	url := testenv.AMQPURL()
 	consRequireBroker(t, url)
 	q := testenv.Name("idemtest_topo")
@@ -458,6 +464,7 @@ func TestTopologyDelete(t *testing.T) {
 // docs/rabbitmq.md shows chargeWorker, the transactional worker, as
 // ExampleNewConsumer_transactional compiles and runs it.
 func TestExampleChargeWorkerInDocs(t *testing.T) {
+	t.Parallel()
 	doc, err := os.ReadFile("../../docs/rabbitmq.md")
 	if err != nil {
 		t.Fatal(err)

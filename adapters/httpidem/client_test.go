@@ -104,6 +104,7 @@ func roundTrip(ctx context.Context, t *testing.T, tr http.RoundTripper, method, 
 }
 
 func TestTransportRetriesWithOneKey(t *testing.T) {
+	t.Parallel()
 	s := &script{steps: []func(http.ResponseWriter){
 		hangUp,
 		status(http.StatusServiceUnavailable),
@@ -148,6 +149,7 @@ func TestTransportRetriesWithOneKey(t *testing.T) {
 }
 
 func TestTransportKeySources(t *testing.T) {
+	t.Parallel()
 	s := &script{steps: []func(http.ResponseWriter){status(http.StatusServiceUnavailable), status(http.StatusOK)}}
 	srv := quietServer(t, s)
 	tr := fastTransport(t, httpidem.TransportOptions{BareKey: true})
@@ -176,6 +178,7 @@ func TestTransportKeySources(t *testing.T) {
 }
 
 func TestTransportDoesNotRetry(t *testing.T) {
+	t.Parallel()
 	for _, tc := range []struct {
 		name   string
 		method string
@@ -200,6 +203,7 @@ func TestTransportDoesNotRetry(t *testing.T) {
 }
 
 func TestTransportBounds(t *testing.T) {
+	t.Parallel()
 	s := &script{steps: []func(http.ResponseWriter){status(http.StatusServiceUnavailable)}}
 	srv := quietServer(t, s)
 	// MaxAttempts: the last answer is returned.
@@ -266,6 +270,7 @@ func (c *closeHook) Close() error {
 }
 
 func TestTransportNeedsReplayableBody(t *testing.T) {
+	t.Parallel()
 	s := &script{steps: []func(http.ResponseWriter){status(http.StatusOK)}}
 	srv := quietServer(t, s)
 	rq, _ := http.NewRequest(http.MethodPost, srv.URL, io.NopCloser(strings.NewReader("{}")))
@@ -280,6 +285,7 @@ func TestTransportNeedsReplayableBody(t *testing.T) {
 }
 
 func TestTransportOptionsValidation(t *testing.T) {
+	t.Parallel()
 	for _, tc := range []struct {
 		opts httpidem.TransportOptions
 		want string
@@ -301,6 +307,7 @@ func TestTransportOptionsValidation(t *testing.T) {
 // first attempt (409 with Retry-After), the client waits and gets the
 // replay; the handler ran once.
 func TestTransportAgainstMiddleware(t *testing.T) {
+	t.Parallel()
 	store := &hookStore{LeaseStore: newMem(t, memstore.Options{})}
 	conflict := make(chan struct{}, 10)
 	store.onClaim = func(err error) {

@@ -213,6 +213,7 @@ func FuzzDecodeRecord(f *testing.F) {
 }
 
 func TestParseRetryAfter(t *testing.T) {
+	t.Parallel()
 	now := time.Date(2026, 1, 1, 12, 0, 0, 0, time.UTC)
 	for _, tc := range []struct {
 		v    string
@@ -236,6 +237,7 @@ func TestParseRetryAfter(t *testing.T) {
 }
 
 func TestBackoffFullJitter(t *testing.T) {
+	t.Parallel()
 	tr, err := NewTransport(TransportOptions{Backoff: consumer.Backoff{Initial: 10 * time.Millisecond, Max: 100 * time.Millisecond}})
 	if err != nil {
 		t.Fatal(err)
@@ -251,6 +253,7 @@ func TestBackoffFullJitter(t *testing.T) {
 }
 
 func TestScopeIsInjective(t *testing.T) {
+	t.Parallel()
 	seen := map[string][3]string{}
 	for _, p := range []string{"", "0:", "a", "a:POST", "2:ab"} {
 		for _, m := range []string{"POST", "PATCH"} {

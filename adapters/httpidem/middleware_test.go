@@ -27,6 +27,7 @@ import (
 )
 
 func TestReplayAfterCompletion(t *testing.T) {
+	t.Parallel()
 	store := newMem(t, memstore.Options{})
 	h := &countingHandler{}
 	srv := quietServer(t, newMW(t, store, httpidem.Options{}).Handler(h))
@@ -68,6 +69,7 @@ func TestReplayAfterCompletion(t *testing.T) {
 }
 
 func TestMissingKey(t *testing.T) {
+	t.Parallel()
 	store := newMem(t, memstore.Options{})
 	h := &countingHandler{}
 	srv := quietServer(t, newMW(t, store, httpidem.Options{}).Handler(h))
@@ -115,6 +117,7 @@ func TestMissingKey(t *testing.T) {
 }
 
 func TestInvalidKeys(t *testing.T) {
+	t.Parallel()
 	store := newMem(t, memstore.Options{})
 	h := &countingHandler{}
 	mw := newMW(t, store, httpidem.Options{})
@@ -185,6 +188,7 @@ func rawRequest(t *testing.T, url, request string) string {
 }
 
 func TestSameKeyOtherRequest(t *testing.T) {
+	t.Parallel()
 	store := newMem(t, memstore.Options{})
 	h := &countingHandler{}
 	mux := http.NewServeMux()
@@ -217,6 +221,7 @@ func TestSameKeyOtherRequest(t *testing.T) {
 }
 
 func TestPrincipalsDoNotShareKeys(t *testing.T) {
+	t.Parallel()
 	store := newMem(t, memstore.Options{})
 	h := &countingHandler{}
 	mw := newMW(t, store, httpidem.Options{Principal: func(r *http.Request) string { return r.Header.Get("X-User") }})
@@ -236,6 +241,7 @@ func TestPrincipalsDoNotShareKeys(t *testing.T) {
 }
 
 func TestBodyTooLarge(t *testing.T) {
+	t.Parallel()
 	store := newMem(t, memstore.Options{})
 	h := &countingHandler{}
 	srv := quietServer(t, newMW(t, store, httpidem.Options{}).Handler(h))
@@ -280,6 +286,7 @@ func (zeros) Read(p []byte) (int, error) {
 }
 
 func TestPanicReleasesKey(t *testing.T) {
+	t.Parallel()
 	store := newMem(t, memstore.Options{})
 	var calls atomic.Int64
 	h := http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
@@ -327,6 +334,7 @@ func TestPanicReleasesKey(t *testing.T) {
 }
 
 func TestWhichResponsesAreStored(t *testing.T) {
+	t.Parallel()
 	store := newMem(t, memstore.Options{})
 	var calls atomic.Int64
 	h := http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
@@ -380,6 +388,7 @@ func TestWhichResponsesAreStored(t *testing.T) {
 }
 
 func TestInFlightAnswers409(t *testing.T) {
+	t.Parallel()
 	store := newMem(t, memstore.Options{})
 	entered, unblock := make(chan struct{}), make(chan struct{})
 	var calls atomic.Int64
@@ -410,6 +419,7 @@ func TestInFlightAnswers409(t *testing.T) {
 }
 
 func TestWaitForFirst(t *testing.T) {
+	t.Parallel()
 	mem := newMem(t, memstore.Options{})
 	store := &hookStore{LeaseStore: mem}
 	waiting := make(chan struct{}, 100)
@@ -459,6 +469,7 @@ func TestWaitForFirst(t *testing.T) {
 }
 
 func TestResponseTooLargeLease(t *testing.T) {
+	t.Parallel()
 	store := newMem(t, memstore.Options{})
 	var calls atomic.Int64
 	var writeErr error
@@ -513,6 +524,7 @@ func (s *stampedStore) extendedFrom() time.Time {
 }
 
 func TestLeaseIsExtendedWhileHandlerRuns(t *testing.T) {
+	t.Parallel()
 	clock := clocktest.NewManual(time.Unix(1_700_000_000, 0))
 	mem := newMem(t, memstore.Options{Clock: clock, Lease: 30 * time.Second})
 	store := &stampedStore{LeaseStore: mem, clock: clock}
@@ -539,6 +551,7 @@ func TestLeaseIsExtendedWhileHandlerRuns(t *testing.T) {
 }
 
 func TestLeaseLost(t *testing.T) {
+	t.Parallel()
 	clock := clocktest.NewManual(time.Unix(1_700_000_000, 0))
 	store := newMem(t, memstore.Options{Clock: clock, Lease: 30 * time.Second})
 	var calls atomic.Int64
@@ -572,6 +585,7 @@ func TestLeaseLost(t *testing.T) {
 }
 
 func TestStoreDownFailsClosed(t *testing.T) {
+	t.Parallel()
 	store, err := memstore.New(memstore.Options{SweepInterval: -1})
 	if err != nil {
 		t.Fatal(err)
@@ -589,6 +603,7 @@ func TestStoreDownFailsClosed(t *testing.T) {
 }
 
 func TestStoredResultUnreadable(t *testing.T) {
+	t.Parallel()
 	store := newMem(t, memstore.Options{})
 	mw := newMW(t, store, httpidem.Options{})
 	r := httptest.NewRequest(http.MethodPost, "/payments", strings.NewReader("{}"))
@@ -619,6 +634,7 @@ func TestStoredResultUnreadable(t *testing.T) {
 }
 
 func TestCheckOnItsOwn(t *testing.T) {
+	t.Parallel()
 	store := newMem(t, memstore.Options{})
 	mw := newMW(t, store, httpidem.Options{Principal: func(r *http.Request) string { return "acct_1" }})
 	r := httptest.NewRequest(http.MethodPost, "/payments?x=1", strings.NewReader(`{"amount":1}`))
@@ -652,6 +668,7 @@ func TestCheckOnItsOwn(t *testing.T) {
 }
 
 func TestHandlerOutlivesClient(t *testing.T) {
+	t.Parallel()
 	store := newMem(t, memstore.Options{})
 	for _, cancelWithClient := range []bool{false, true} {
 		entered, proceed := make(chan struct{}), make(chan struct{})
@@ -682,6 +699,7 @@ func TestHandlerOutlivesClient(t *testing.T) {
 }
 
 func TestCustomReplayHeaders(t *testing.T) {
+	t.Parallel()
 	store := newMem(t, memstore.Options{})
 	h := &countingHandler{}
 	srv := quietServer(t, newMW(t, store, httpidem.Options{ReplayHeaders: []string{"x-request-serial"}}).Handler(h))
@@ -693,6 +711,7 @@ func TestCustomReplayHeaders(t *testing.T) {
 }
 
 func TestOptionsValidation(t *testing.T) {
+	t.Parallel()
 	store := newMem(t, memstore.Options{})
 	for _, tc := range []struct {
 		opts httpidem.Options

@@ -18,6 +18,7 @@ import (
 // and several values of one field, decodes to what was encoded and replays
 // every value once, in order.
 func TestRecordManyFields(t *testing.T) {
+	t.Parallel()
 	h := http.Header{}
 	names := []string{"Content-Type", "Link", "Location", "Vary", "Etag"}
 	h.Set("Content-Type", "application/json")
@@ -56,6 +57,7 @@ func TestRecordManyFields(t *testing.T) {
 // front) adds the stored values after them, and replaces Content-Length
 // and Idempotent-Replayed.
 func TestReplayOntoExistingHeader(t *testing.T) {
+	t.Parallel()
 	h := http.Header{}
 	h.Set("Vary", "Accept")
 	r, err := decodeRecord(encodeResponse(http.StatusOK, h, []string{"Vary"}, []byte("hello")))
@@ -88,6 +90,7 @@ func TestReplayOntoExistingHeader(t *testing.T) {
 // readBody reads bodies whatever their reader and announced length, up to
 // the limit exactly, and puts them back for Body and GetBody.
 func TestReadBody(t *testing.T) {
+	t.Parallel()
 	const limit = 1000
 	for _, tc := range []struct {
 		name     string
@@ -150,6 +153,7 @@ func TestReadBody(t *testing.T) {
 // than the buffer a pooled digest keeps too, and one call does not leak
 // into the next.
 func TestFingerprintPooled(t *testing.T) {
+	t.Parallel()
 	long := "/" + strings.Repeat("p", 3*maxDigestBuf)
 	for _, tc := range [][4]string{
 		{"POST", "/payments", "/payments", `{"amount":1}`},
@@ -170,6 +174,7 @@ func TestFingerprintPooled(t *testing.T) {
 // is a payment of 200 and {"Amount":200,"amount":100} one of 100. Such
 // bodies are hashed as they are; ordinary ones still canonically.
 func TestFingerprintJSONCaseFoldedNames(t *testing.T) {
+	t.Parallel()
 	type payment struct{ Amount int }
 	r := httptest.NewRequest(http.MethodPost, "/payments", nil)
 	for _, pair := range [][2]string{

@@ -271,6 +271,7 @@ func retryingClient(t testing.TB) *http.Client {
 // slow gateway, and retries with the same key. The retry must not charge
 // again and gets the first attempt's receipt.
 func TestScenarioRetryAfterClientTimeout(t *testing.T) {
+	t.Parallel()
 	forEachBackend(t, func(t *testing.T, w world) {
 		srv, p := w.start(300*time.Millisecond, httpidem.Options{})
 		client := retryingClient(t)
@@ -320,6 +321,7 @@ func TestScenarioRetryAfterClientTimeout(t *testing.T) {
 // Scenario 2: a double click, 10 and 100 identical requests at once. One
 // charge; every other request gets the replay or 409.
 func TestScenarioDoubleClick(t *testing.T) {
+	t.Parallel()
 	forEachBackend(t, func(t *testing.T, w world) {
 		srv, _ := w.start(20*time.Millisecond, httpidem.Options{})
 		var c collector
@@ -364,6 +366,7 @@ func TestScenarioDoubleClick(t *testing.T) {
 
 // Scenario 3 (over HTTP): the replay after completion, many times over.
 func TestScenarioReplayAfterCompletion(t *testing.T) {
+	t.Parallel()
 	forEachBackend(t, func(t *testing.T, w world) {
 		srv, p := w.start(0, httpidem.Options{})
 		var c collector
@@ -395,6 +398,7 @@ func TestScenarioReplayAfterCompletion(t *testing.T) {
 // Scenario 4: the load balancer retries on another instance (its own pool
 // and Redis client) while the first still works.
 func TestScenarioLoadBalancerRetry(t *testing.T) {
+	t.Parallel()
 	forEachBackend(t, func(t *testing.T, w world) {
 		a, _ := w.start(100*time.Millisecond, httpidem.Options{})
 		b, _ := w.start(100*time.Millisecond, httpidem.Options{})
@@ -441,6 +445,7 @@ func TestScenarioLoadBalancerRetry(t *testing.T) {
 // times, and the oracle says so. An oracle that could not fail would prove
 // nothing.
 func TestOracleCatchesNaive(t *testing.T) {
+	t.Parallel()
 	admin := testenv.Pool(t, 3)
 	o := testenv.NewCharges(t, admin, testenv.Schema(t, admin))
 	srv := quietServer(t, &payments{o: o, pool: admin, gateway: 10 * time.Millisecond})

@@ -21,6 +21,7 @@ import (
 // with one key charge once, and every other answer is the replay of the
 // first (or a 409 while it ran); another key charges again.
 func TestTxMariaDB(t *testing.T) {
+	t.Parallel()
 	db := testenv.MySQL(t, "")
 	db.SetMaxOpenConns(40)
 	ctx := testenv.Ctx(t)
@@ -120,6 +121,7 @@ func TestTxMariaDB(t *testing.T) {
 // Redis alone (testdata/redisonly) compiles no database driver: neither
 // pgx nor a database/sql driver is among its packages.
 func TestRedisOnlyCompilesNoDatabaseDriver(t *testing.T) {
+	t.Parallel()
 	gobin, err := exec.LookPath("go")
 	if err != nil {
 		t.Skip("the go command is not on PATH")

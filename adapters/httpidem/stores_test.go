@@ -67,6 +67,7 @@ func (w pgWorld) server(t *testing.T, p *payments, opts httpidem.Options) *httpt
 }
 
 func TestTxRequestRules(t *testing.T) {
+	t.Parallel()
 	w := newPGWorld(t, 5, nil)
 	principal := func(r *http.Request) string { return r.Header.Get("X-User") }
 	srv := w.server(t, &payments{}, httpidem.Options{Principal: principal})
@@ -95,6 +96,7 @@ func TestTxRequestRules(t *testing.T) {
 }
 
 func TestBodyTooLargeStoresNothing(t *testing.T) {
+	t.Parallel()
 	w := newPGWorld(t, 4, nil)
 	big := `{"id":"big","amount":1,"pad":"` + strings.Repeat("x", 10<<20) + `"}`
 	check := func(name string, url string) {
@@ -133,6 +135,7 @@ func TestBodyTooLargeStoresNothing(t *testing.T) {
 // A handler that panics before writing, on every store: the key is given
 // back, the client's retry runs the handler, one charge.
 func TestPanicReleasesKeyOnEveryStore(t *testing.T) {
+	t.Parallel()
 	forEachBackend(t, func(t *testing.T, w world) {
 		srv, p := w.start(0, httpidem.Options{})
 		p.panics.Store(1)
@@ -157,6 +160,7 @@ func TestPanicReleasesKeyOnEveryStore(t *testing.T) {
 // commits, the handler's error answer is sent but not stored, and the retry
 // runs.
 func TestTxFailedStatementIsNotStored(t *testing.T) {
+	t.Parallel()
 	w := newPGWorld(t, 3, nil)
 	var calls atomic.Int64
 	h := http.HandlerFunc(func(rw http.ResponseWriter, r *http.Request) {
@@ -194,6 +198,7 @@ func TestTxFailedStatementIsNotStored(t *testing.T) {
 // An oversized response under a transactional store rolls everything back:
 // no charge, no key; the 500 is not stored.
 func TestTxResponseTooLargeRollsBack(t *testing.T) {
+	t.Parallel()
 	w := newPGWorld(t, 3, nil)
 	h := http.HandlerFunc(func(rw http.ResponseWriter, r *http.Request) {
 		if _, err := httpidem.Tx[pgx.Tx](r.Context()).Exec(r.Context(), w.o.Insert(), "pay-big", "rcpt", 1); err != nil {
@@ -221,6 +226,7 @@ func TestTxResponseTooLargeRollsBack(t *testing.T) {
 // first transaction in PostgreSQL is answered 409, and the handler's writes
 // are the first's only.
 func TestTxLockTimeoutAnswers409(t *testing.T) {
+	t.Parallel()
 	w := newPGWorld(t, 4, map[string]string{"lock_timeout": "200ms"})
 	entered, unblock := make(chan struct{}), make(chan struct{})
 	var once sync.Once
@@ -257,6 +263,7 @@ func TestTxLockTimeoutAnswers409(t *testing.T) {
 // the handler ran (the connection is closed before a byte is sent): one
 // payment, the same key on every attempt, and the client gets the replay.
 func TestClientRetriesThroughDroppedResponse(t *testing.T) {
+	t.Parallel()
 	w := newPGWorld(t, 4, nil)
 	p := &payments{o: w.o}
 	mw, err := httpidem.NewTx(w.store, httpidem.Options{})
@@ -331,6 +338,7 @@ func TestClientRetriesThroughDroppedResponse(t *testing.T) {
 // A transactional store's failure after the handler ran (here: the
 // connection is killed mid-transaction) answers 503 and stores nothing.
 func TestTxStoreFailureAnswers503(t *testing.T) {
+	t.Parallel()
 	w := newPGWorld(t, 3, nil)
 	h := http.HandlerFunc(func(rw http.ResponseWriter, r *http.Request) {
 		tx := httpidem.Tx[pgx.Tx](r.Context())
@@ -366,6 +374,7 @@ func TestTxStoreFailureAnswers503(t *testing.T) {
 // while it is still out of reach says the earlier request's outcome is
 // unknown, and a retry once it is back replays the payment.
 func TestTxCommitReplyLostReplaysCommitted(t *testing.T) {
+	t.Parallel()
 	t.Run("read", func(t *testing.T) { lostCommitReply(t, true) })
 	t.Run("unreachable", func(t *testing.T) { lostCommitReply(t, false) })
 }
@@ -467,6 +476,7 @@ func lostCommitReply(t *testing.T, readable bool) {
 // up when its client goes away, and frees its connection; the first request
 // is not disturbed.
 func TestTxAbandonedWaitFreesConnection(t *testing.T) {
+	t.Parallel()
 	w := newPGWorld(t, 2, nil) // two connections: the first request's, and one more
 	entered, unblock := make(chan struct{}), make(chan struct{})
 	var (
@@ -530,6 +540,7 @@ func TestTxAbandonedWaitFreesConnection(t *testing.T) {
 // transaction (its claim is the key's row, written first), then answers with
 // a replay of the transactional request's response. One charge.
 func TestLeaseRequestWaitsForTxRequest(t *testing.T) {
+	t.Parallel()
 	pool := testenv.Pool(t, 6)
 	schema := testenv.Schema(t, pool)
 	o := testenv.NewCharges(t, pool, schema)
@@ -607,6 +618,7 @@ func waitBlockedBy(t *testing.T, pid int32, what string) {
 // committed row in PostgreSQL, not a 409 "in progress" for as long as the
 // lease lasts; the payment is charged once.
 func TestTwoLevelFailedCacheCompleteReplays(t *testing.T) {
+	t.Parallel()
 	direct := testenv.Redis(t)
 	prefix := testenv.Name("httpidem2l")
 	t.Cleanup(func() { // the lease the failed Complete left

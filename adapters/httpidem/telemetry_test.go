@@ -105,6 +105,7 @@ func keyOf(t *testing.T, mw *httpidem.Middleware, rq req) dedup.Key {
 // outcome and message result, with the route pattern as idem.scope and
 // never the principal or a key.
 func TestMetricsByOutcome(t *testing.T) {
+	t.Parallel()
 	for _, k := range telKinds {
 		t.Run(k.name, func(t *testing.T) {
 			mp := telemetrytest.NewMetrics(t)
@@ -187,6 +188,7 @@ func TestMetricsByOutcome(t *testing.T) {
 
 // TestMetricsStoreDown: a store that fails is a claim error and a retry.
 func TestMetricsStoreDown(t *testing.T) {
+	t.Parallel()
 	mp := telemetrytest.NewMetrics(t)
 	store := newMem(t, memstore.Options{})
 	_ = store.Close()
@@ -206,6 +208,7 @@ func TestMetricsStoreDown(t *testing.T) {
 // TestMetricsScopeWithoutMux: without a ServeMux pattern the scope is the
 // method, never the path (which holds ids); MetricScope overrides it.
 func TestMetricsScopeWithoutMux(t *testing.T) {
+	t.Parallel()
 	mp := telemetrytest.NewMetrics(t)
 	plain := newMW(t, newMem(t, memstore.Options{}), httpidem.Options{Telemetry: consumer.Telemetry{MeterProvider: mp}})
 	named := newMW(t, newMem(t, memstore.Options{}), httpidem.Options{
@@ -228,6 +231,7 @@ func TestMetricsScopeWithoutMux(t *testing.T) {
 // TestMetricsWebhook: a webhook's scope is its configured one; a bad
 // signature is a dead letter without a claim.
 func TestMetricsWebhook(t *testing.T) {
+	t.Parallel()
 	mp := telemetrytest.NewMetrics(t)
 	secret := []byte("whsec_test")
 	wh, err := httpidem.NewWebhook(newMem(t, memstore.Options{}), httpidem.WebhookOptions{
@@ -266,6 +270,7 @@ func TestMetricsWebhook(t *testing.T) {
 // The wait is cancelled and the last answer (in flight) stands; the
 // store's context error is not counted as a store failure.
 func TestMetricsLeaseWaitEndsDuringClaim(t *testing.T) {
+	t.Parallel()
 	opts := httpidem.Options{Principal: byTenant, Wait: time.Minute, PollInterval: time.Millisecond}
 	gone := asTenant(req{key: "key-gone", body: `{}`})
 	// holdRetry runs before every claim (Claim or Process): the first
@@ -354,6 +359,7 @@ func TestMetricsLeaseWaitEndsDuringClaim(t *testing.T) {
 // ended: replayed (the first finished), acquired (it released the key),
 // timed out (409) and cancelled (the client left).
 func TestMetricsLeaseWait(t *testing.T) {
+	t.Parallel()
 	mp := telemetrytest.NewMetrics(t)
 	mem := newMem(t, memstore.Options{})
 	store := &hookStore{LeaseStore: mem}
@@ -448,6 +454,7 @@ func TestMetricsLeaseWait(t *testing.T) {
 // spans are its children and the handler runs under idem.handle; without
 // one there are no spans. No span holds the key or the principal.
 func TestSpansUnderRequestSpan(t *testing.T) {
+	t.Parallel()
 	for _, k := range telKinds {
 		t.Run(k.name, func(t *testing.T) {
 			tp := telemetrytest.NewSpans(t)
@@ -530,6 +537,7 @@ func (completeFails) Complete(context.Context, *dedup.Lease, []byte) error {
 // TestLogsHoldNoKey: the warnings name the key by its hash, never the key
 // or the principal.
 func TestLogsHoldNoKey(t *testing.T) {
+	t.Parallel()
 	var logs telemetrytest.LogBuffer
 	logger := slog.New(slog.NewTextHandler(&logs, &slog.HandlerOptions{Level: slog.LevelDebug}))
 	down := newMem(t, memstore.Options{})

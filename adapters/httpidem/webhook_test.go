@@ -72,6 +72,7 @@ func newWebhookEnv(t *testing.T, store dedup.LeaseStore, clock dedup.Clock) *web
 }
 
 func TestWebhook(t *testing.T) {
+	t.Parallel()
 	now := time.Unix(1_760_000_000, 0)
 	clock := clocktest.NewManual(now)
 	store := newMem(t, memstore.Options{})
@@ -135,6 +136,7 @@ func TestWebhook(t *testing.T) {
 // A forged request that reuses a real event id is refused without a claim,
 // so the real event, arriving after it, is processed. On Redis.
 func TestWebhookForgedIDDoesNotBlockRealEvent(t *testing.T) {
+	t.Parallel()
 	prefix := testenv.Name("httpidemwh")
 	env := newWebhookEnv(t, redisStore(t, prefix), nil)
 	body := `{"id":"evt_real","amount":100}`
@@ -160,6 +162,7 @@ func TestWebhookForgedIDDoesNotBlockRealEvent(t *testing.T) {
 }
 
 func TestWebhookEventIDJSONAndScope(t *testing.T) {
+	t.Parallel()
 	store := newMem(t, memstore.Options{})
 	var calls atomic.Int64
 	wh, err := httpidem.NewWebhook(store, httpidem.WebhookOptions{
@@ -194,6 +197,7 @@ func TestWebhookEventIDJSONAndScope(t *testing.T) {
 }
 
 func TestWebhookOptionsValidation(t *testing.T) {
+	t.Parallel()
 	store := newMem(t, memstore.Options{})
 	for _, tc := range []struct {
 		opts httpidem.WebhookOptions
@@ -217,6 +221,7 @@ func TestWebhookOptionsValidation(t *testing.T) {
 }
 
 func TestVerifySignature(t *testing.T) {
+	t.Parallel()
 	now := time.Unix(1_760_000_000, 0)
 	body := []byte(`{"a":1}`)
 	good := httpidem.SignWebhook(oldSecret, now, body)

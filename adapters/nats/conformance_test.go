@@ -35,6 +35,7 @@ import (
 // keep an order by either: the suite's keys travel only as the subject's
 // last token.
 func TestConformance(t *testing.T) {
+	t.Parallel()
 	h := &natsHarness{}
 	t.Cleanup(h.close)
 	adaptertest.Run(t, h)
@@ -60,7 +61,7 @@ type natsHarness struct {
 }
 
 func (h *natsHarness) Capabilities() adaptertest.Capabilities {
-	return adaptertest.Capabilities{Ordering: adaptertest.OrderNone, ChildProcess: true}
+	return adaptertest.Capabilities{Ordering: adaptertest.OrderNone, ChildProcess: true, Parallel: true}
 }
 
 // conn returns the harness's own connection to the server at rawURL.

@@ -21,6 +21,7 @@ import (
 // duplicate window, is applied exactly once under consumer.Transactional;
 // the copies are acknowledged as duplicates.
 func TestConsumerTransactionalDuplicates(t *testing.T) {
+	t.Parallel()
 	_, js := testenv.NATS(t)
 	s := newStream(t, js, 100*time.Millisecond)
 	o := newOracle(t, 8)
@@ -61,6 +62,7 @@ func TestConsumerTransactionalDuplicates(t *testing.T) {
 // message without an id, a fingerprint mismatch, transient failures past
 // MaxAttempts. A dead letter sent again is dropped by the duplicate window.
 func TestConsumerDeadLetters(t *testing.T) {
+	t.Parallel()
 	_, js := testenv.NATS(t)
 	s := newStream(t, js, 100*time.Millisecond)
 	o := newOracle(t, 4)
@@ -165,6 +167,7 @@ func TestConsumerDeadLetters(t *testing.T) {
 // A transient error naks the message with a delay; the next delivery
 // applies it, once.
 func TestConsumerRetryThenSuccess(t *testing.T) {
+	t.Parallel()
 	_, js := testenv.NATS(t)
 	s := newStream(t, js, 0)
 	o := newOracle(t, 4)
@@ -198,6 +201,7 @@ func TestConsumerRetryThenSuccess(t *testing.T) {
 // A handler that runs past the consumer's AckWait keeps its message: the
 // Consumer sends InProgress, and JetStream does not deliver it again.
 func TestConsumerInProgress(t *testing.T) {
+	t.Parallel()
 	_, js := testenv.NATS(t)
 	s := newStream(t, js, 0)
 	o := newOracle(t, 4)
@@ -234,6 +238,7 @@ func TestConsumerInProgress(t *testing.T) {
 // permanent error returned while stopping sends the message back. The
 // next Consumer applies the rest, each message once.
 func TestConsumerGracefulStop(t *testing.T) {
+	t.Parallel()
 	_, js := testenv.NATS(t)
 	s := newStream(t, js, 0)
 	o := newOracle(t, 8)
@@ -294,6 +299,7 @@ func TestConsumerGracefulStop(t *testing.T) {
 // A handler cannot settle its delivery: the message MsgFrom returns
 // refuses Ack, Nak, Term and InProgress, and the Consumer settles it.
 func TestConsumerMsgFrom(t *testing.T) {
+	t.Parallel()
 	_, js := testenv.NATS(t)
 	s := newStream(t, js, 0)
 	errs := make(chan error, 4)
@@ -328,6 +334,7 @@ func TestConsumerMsgFrom(t *testing.T) {
 // Run refuses a configuration that would lose or loop messages, naming
 // the fix.
 func TestConsumerSetupErrors(t *testing.T) {
+	t.Parallel()
 	_, js := testenv.NATS(t)
 	s := newStream(t, js, 0)
 	h := consumer.HandlerFunc(func(context.Context, *consumer.Message) error { return nil })
@@ -386,6 +393,7 @@ func TestConsumerSetupErrors(t *testing.T) {
 
 // NewConsumer checks its arguments and options.
 func TestNewConsumerErrors(t *testing.T) {
+	t.Parallel()
 	nc, js := testenv.NATS(t)
 	_ = nc
 	h := consumer.HandlerFunc(func(context.Context, *consumer.Message) error { return nil })

@@ -63,6 +63,7 @@ func signalled(err error) bool {
 // again past the duplicate window meanwhile. With pgtable every message is
 // applied exactly once, and nothing is dead-lettered.
 func TestConsumerChildSIGKILL(t *testing.T) {
+	t.Parallel()
 	_, js := testenv.NATS(t)
 	s := newStream(t, js, 100*time.Millisecond)
 	o := newOracle(t, 4)
@@ -141,6 +142,7 @@ func stopChild(t testing.TB, ch *child) {
 // messages pulled with them are not: none of the innocent messages is
 // dead-lettered, each is applied once.
 func TestConsumerCrashLoop(t *testing.T) {
+	t.Parallel()
 	_, js := testenv.NATS(t)
 	s := newStream(t, js, 0)
 	o := newOracle(t, 4)
@@ -197,6 +199,7 @@ func TestConsumerCrashLoop(t *testing.T) {
 // Consumer applies messages: nats.go reconnects, the Consumer pulls
 // again, and every message is applied exactly once.
 func TestConsumerServerRestart(t *testing.T) {
+	t.Parallel()
 	srv, err := fault.StartNATS(context.Background(), fault.NATSOptions{})
 	if err != nil {
 		if testenv.Required() {

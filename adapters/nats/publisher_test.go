@@ -46,6 +46,7 @@ func (c *crashAfterPublish) Publish(ctx context.Context, msgs []*outbox.Message)
 // drops the copies (PubAck.Duplicate), the stream holds each message
 // once, and a Consumer applies each once.
 func TestPublisherRelayRePublish(t *testing.T) {
+	t.Parallel()
 	_, js := testenv.NATS(t)
 	s := newStream(t, js, 0)
 	o := newOracle(t, 8)
@@ -130,6 +131,7 @@ func TestPublisherRelayRePublish(t *testing.T) {
 // Publish fails the messages it cannot send by index, and a key's later
 // messages after a failed one, and confirms the rest.
 func TestPublisherFailures(t *testing.T) {
+	t.Parallel()
 	_, js := testenv.NATS(t)
 	s := newStream(t, js, 0)
 	pub, err := NewPublisher(js, PublisherOptions{})

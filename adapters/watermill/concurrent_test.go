@@ -31,6 +31,7 @@ import (
 // flight, every delivery acknowledged once and every in-flight attempt a
 // retry.
 func TestConcurrentDeliveriesOneEffect(t *testing.T) {
+	t.Parallel()
 	const (
 		routers      = 4
 		subsPerRoute = 25

@@ -36,6 +36,7 @@ import (
 // the messages of a destination are applied in the order they were
 // published, retries included.
 func TestConformanceSQL(t *testing.T) {
+	t.Parallel()
 	adaptertest.Run(t, &sqlHarness{pools: map[string]*pgxpool.Pool{}})
 }
 
@@ -51,7 +52,7 @@ type sqlHarness struct {
 }
 
 func (h *sqlHarness) Capabilities() adaptertest.Capabilities {
-	return adaptertest.Capabilities{Ordering: adaptertest.OrderPerDestination, ChildProcess: true}
+	return adaptertest.Capabilities{Ordering: adaptertest.OrderPerDestination, ChildProcess: true, Parallel: true}
 }
 
 // sqlSchema is watermill-sql's PostgreSQL schema adapter with its messages

@@ -29,6 +29,7 @@ import (
 // crash and connection cases need a pub/sub outside the test process:
 // TestConformanceSQL runs them on watermill-sql.
 func TestConformance(t *testing.T) {
+	t.Parallel()
 	adaptertest.Run(t, &wmHarness{dests: map[string]*wmDest{}})
 }
 

@@ -44,6 +44,7 @@ func twoHandlers(t *testing.T, mw message.HandlerMiddleware, o oracle) ([]string
 // each apply every message once: the scope defaults to the handler name, so
 // each handler has its own keys, and the duplicate is dropped for each.
 func TestTwoHandlersEachApplyOnce(t *testing.T) {
+	t.Parallel()
 	for _, k := range allKinds() {
 		t.Run(k.name, func(t *testing.T) {
 			fx := k.setup(t)
@@ -67,6 +68,7 @@ func TestTwoHandlersEachApplyOnce(t *testing.T) {
 // one key space, so of two handlers of a topic only the first to see a
 // message applies it. Asserted, so the test notices if Watermill changes.
 func TestStockDeduplicatorSharesKeysBetweenHandlers(t *testing.T) {
+	t.Parallel()
 	d := &middleware.Deduplicator{
 		KeyFactory: uuidKey,
 		Repository: must(middleware.NewMapExpiringKeyRepository(time.Hour)),

@@ -39,6 +39,7 @@ func (l *outcomeLog) String() string {
 // TestDedupOutcomes walks a key through the lease middleware's answers:
 // success, duplicate, failure (released, runs again), in flight elsewhere.
 func TestDedupOutcomes(t *testing.T) {
+	t.Parallel()
 	store := newMemstore(t)
 	var log outcomeLog
 	mw := must(idemwatermill.Dedup(store, idemwatermill.Options{Scope: "billing/charge", Telemetry: consumer.Telemetry{OnOutcome: log.add}}))
@@ -101,6 +102,7 @@ func TestDedupOutcomes(t *testing.T) {
 // TestDedupHeartbeat: the lease is extended while the handler runs. The
 // handler waits until it saw three extensions; no clock is asserted.
 func TestDedupHeartbeat(t *testing.T) {
+	t.Parallel()
 	extended := make(chan struct{}, 100)
 	store := &leaseStore{LeaseStore: newMemstore(t), extend: func(context.Context, *dedup.Lease) error {
 		extended <- struct{}{}
@@ -126,6 +128,7 @@ func TestDedupHeartbeat(t *testing.T) {
 // context is cancelled with dedup.ErrLeaseLost as its cause, and the message
 // is retried (an error wrapping ErrLeaseLost), never completed.
 func TestDedupLeaseLost(t *testing.T) {
+	t.Parallel()
 	var completes atomic.Int32
 	store := &leaseStore{
 		LeaseStore: newMemstore(t),
@@ -158,6 +161,7 @@ func TestDedupLeaseLost(t *testing.T) {
 // Err (the handler's context makes its cancel context only on demand) also
 // sees the lease loss, with dedup.ErrLeaseLost as the cause.
 func TestDedupLeaseLostPolled(t *testing.T) {
+	t.Parallel()
 	store := &leaseStore{LeaseStore: newMemstore(t), extend: func(context.Context, *dedup.Lease) error {
 		return dedup.ErrLeaseLost
 	}}
@@ -186,6 +190,7 @@ func TestDedupLeaseLostPolled(t *testing.T) {
 // context.WithCancel whose cancel function is deferred), and it carries the
 // message context's values and deadline meanwhile.
 func TestDedupHandlerContextEnds(t *testing.T) {
+	t.Parallel()
 	for _, derive := range []bool{false, true} {
 		mw := must(idemwatermill.Dedup(newMemstore(t), idemwatermill.Options{Scope: "s"}))
 		ctx, cancel := context.WithTimeout(context.WithValue(context.Background(), ctxKey{}, "v"), time.Hour)
@@ -231,6 +236,7 @@ func TestDedupHandlerContextEnds(t *testing.T) {
 // TestDedupPanicReleases: a panicking handler's key is released and the
 // panic goes on; the redelivery runs the handler.
 func TestDedupPanicReleases(t *testing.T) {
+	t.Parallel()
 	mw := must(idemwatermill.Dedup(newMemstore(t), idemwatermill.Options{Scope: "s"}))
 	var runs atomic.Int32
 	h := mw(func(*message.Message) ([]*message.Message, error) {
@@ -261,6 +267,7 @@ func TestDedupPanicReleases(t *testing.T) {
 // (fail closed, retried); a store that cannot complete gets the message
 // retried.
 func TestDedupStoreFailures(t *testing.T) {
+	t.Parallel()
 	down := errors.New("dial tcp 127.0.0.1:6379: connection refused")
 	var runs atomic.Int32
 	next := func(*message.Message) ([]*message.Message, error) { runs.Add(1); return nil, nil }
@@ -286,6 +293,7 @@ func TestDedupStoreFailures(t *testing.T) {
 // TestFingerprintOption: a custom fingerprint decides what a conflict is;
 // the zero fingerprint turns the check off.
 func TestFingerprintOption(t *testing.T) {
+	t.Parallel()
 	mw := must(idemwatermill.Dedup(newMemstore(t), idemwatermill.Options{Scope: "s", Fingerprint: func(*message.Message) dedup.Fingerprint { return dedup.Fingerprint{} }}))
 	var runs atomic.Int32
 	h := mw(func(*message.Message) ([]*message.Message, error) { runs.Add(1); return nil, nil })
@@ -309,6 +317,7 @@ func (noTxStore) Process(context.Context, dedup.Key, dedup.TxFunc[pgx.Tx]) ([]by
 
 // TestOptionsValidation: constructors refuse bad options with a hint.
 func TestOptionsValidation(t *testing.T) {
+	t.Parallel()
 	store := newMemstore(t)
 	cases := []struct {
 		name string
@@ -344,6 +353,7 @@ func TestOptionsValidation(t *testing.T) {
 // cancellation — a handler that succeeds while the router stops still gets
 // its key completed — but bounded by FinishTimeout.
 func TestDedupFinishContext(t *testing.T) {
+	t.Parallel()
 	t.Run("detached", func(t *testing.T) {
 		mem := newMemstore(t)
 		var completeErr error

@@ -24,6 +24,7 @@ import (
 // poison queue with idem's reason in the metadata, are acknowledged, and never
 // reach the handler; the original is applied once.
 func TestPoisonQueueOption(t *testing.T) {
+	t.Parallel()
 	for _, k := range allKinds() {
 		t.Run(k.name, func(t *testing.T) {
 			fx := k.setup(t)
@@ -86,6 +87,7 @@ func TestPoisonQueueOption(t *testing.T) {
 // a permanent *PoisonError with the reason in the metadata; the handler does
 // not run.
 func TestPoisonWithoutQueue(t *testing.T) {
+	t.Parallel()
 	mw := must(idemwatermill.Dedup(newMemstore(t), idemwatermill.Options{Scope: "billing/charge"}))
 	var runs atomic.Int32
 	h := mw(func(*message.Message) ([]*message.Message, error) { runs.Add(1); return nil, nil })
@@ -137,6 +139,7 @@ func TestPoisonWithoutQueue(t *testing.T) {
 // ShouldRetry = Retryable: poison skips the retries and lands in the poison
 // queue; a transient handler error is retried and never poisoned.
 func TestPoisonQueueWithFilterOutside(t *testing.T) {
+	t.Parallel()
 	poisonPub := &recordingPublisher{}
 	pq := must(middleware.PoisonQueueWithFilter(poisonPub, "poison", idemwatermill.IsPoison))
 	var retried, notRetried atomic.Int32
@@ -187,6 +190,7 @@ func TestPoisonQueueWithFilterOutside(t *testing.T) {
 // TestKeyFunc: KeyFunc picks the id; its error is retried unless it says the
 // key is invalid or permanent.
 func TestKeyFunc(t *testing.T) {
+	t.Parallel()
 	store := newMemstore(t)
 	var keyErr error
 	mw := must(idemwatermill.Dedup(store, idemwatermill.Options{Scope: "s", KeyFunc: func(m *message.Message) (string, error) {
@@ -217,6 +221,7 @@ func TestKeyFunc(t *testing.T) {
 // TestScopeFromHandlerName: outside a router, with no Options.Scope, there
 // is no scope: a configuration error, retried (never poison).
 func TestScopeFromHandlerName(t *testing.T) {
+	t.Parallel()
 	mw := must(idemwatermill.Dedup(newMemstore(t), idemwatermill.Options{}))
 	_, err := mw(func(*message.Message) ([]*message.Message, error) { return nil, nil })(message.NewMessage("a", nil))
 	if err == nil || idemwatermill.IsPoison(err) || !strings.Contains(err.Error(), "Options.Scope") {
@@ -229,6 +234,7 @@ func TestScopeFromHandlerName(t *testing.T) {
 // subscriber received it); when the poison queue cannot publish, the
 // report's error says so next to the poison error.
 func TestOnOutcomeAfterPoisonQueue(t *testing.T) {
+	t.Parallel()
 	for _, k := range allKinds() {
 		t.Run(k.name, func(t *testing.T) {
 			fx := k.setup(t)

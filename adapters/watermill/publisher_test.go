@@ -24,6 +24,7 @@ func outboxBatch() []*outbox.Message {
 // its outbox id as UUID and in outbox.HeaderMessageID, its headers as
 // metadata, its key in MetadataKey.
 func TestPublisher(t *testing.T) {
+	t.Parallel()
 	rec := &recordingPublisher{}
 	p := must(idemwatermill.NewPublisher(rec))
 	if err := p.Publish(context.Background(), outboxBatch()); err != nil {
@@ -47,6 +48,7 @@ func TestPublisher(t *testing.T) {
 // messages of their keys; the rest is sent. When nothing was sent, the error
 // is returned as is (no attempt counted by the relay).
 func TestPublisherFailures(t *testing.T) {
+	t.Parallel()
 	down := errors.New("broker down")
 	rec := &recordingPublisher{err: func(topic string) error {
 		if topic == "orders" {
@@ -84,6 +86,7 @@ func TestPublisherFailures(t *testing.T) {
 
 // TestPublisherStopped: a cancelled context sends nothing and says why.
 func TestPublisherStopped(t *testing.T) {
+	t.Parallel()
 	rec := &recordingPublisher{}
 	ctx, cancel := context.WithCancel(context.Background())
 	cancel()

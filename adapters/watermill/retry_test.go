@@ -55,6 +55,7 @@ func failOnceScenario(t *testing.T, mode string, dedupMW message.HandlerMiddlewa
 // is a broker redelivery or Watermill's Retry middleware; the producer's
 // duplicate is acknowledged without running the handler.
 func TestFailOnceThenSucceedRunsOnce(t *testing.T) {
+	t.Parallel()
 	for _, k := range allKinds() {
 		for _, mode := range retryModes {
 			t.Run(k.name+"/"+mode, func(t *testing.T) {
@@ -79,6 +80,7 @@ func TestFailOnceThenSucceedRunsOnce(t *testing.T) {
 // test asserts the drop, so it keeps passing — and keeps documenting the
 // difference — as long as Watermill behaves this way (v1.5.1 in go.mod).
 func TestStockDeduplicatorDropsRetry(t *testing.T) {
+	t.Parallel()
 	for _, mode := range retryModes {
 		t.Run(mode, func(t *testing.T) {
 			// Timeout set: the zero value means 5ms (not the one minute

@@ -22,6 +22,7 @@ import (
 // in the same transaction) exist once, and a first attempt that failed
 // after writing left nothing behind.
 func TestTransactionalMariaDB(t *testing.T) {
+	t.Parallel()
 	db := testenv.MySQL(t, "")
 	ctx := testenv.Ctx(t)
 	table, charges, obTable := testenv.Name("wk"), testenv.Name("charges"), testenv.Name("ob")
@@ -99,6 +100,7 @@ func TestTransactionalMariaDB(t *testing.T) {
 // writes in another transaction type than the store's is refused at
 // construction, naming both.
 func TestTransactionalRefusesAnOutboxOfAnotherTransaction(t *testing.T) {
+	t.Parallel()
 	db := testenv.MySQL(t, "")
 	ob, err := sqloutbox.New(db, sqloutbox.MySQL, sqloutbox.Options{})
 	if err != nil {

@@ -65,6 +65,7 @@ func telKinds() []telKind {
 // never an id. Lease stores (memstore, redisnx) go through Dedup, pgtable
 // through Transactional.
 func TestMetricsByOutcome(t *testing.T) {
+	t.Parallel()
 	for _, k := range telKinds() {
 		t.Run(k.name, func(t *testing.T) {
 			mp := telemetrytest.NewMetrics(t)
@@ -176,6 +177,7 @@ func TestMetricsByOutcome(t *testing.T) {
 // TestMetricsStoreDown: a claim the store fails is a claim error and a
 // retry; the id is in no attribute.
 func TestMetricsStoreDown(t *testing.T) {
+	t.Parallel()
 	mp := telemetrytest.NewMetrics(t)
 	down := &leaseStore{LeaseStore: newMemstore(t), claim: func(context.Context, dedup.Key) (*dedup.Lease, error) {
 		return nil, errors.New("dial tcp 127.0.0.1:6379: connection refused")
@@ -198,6 +200,7 @@ func TestMetricsStoreDown(t *testing.T) {
 
 // TestMetricsLeaseLost: a lease lost while the handler runs is counted.
 func TestMetricsLeaseLost(t *testing.T) {
+	t.Parallel()
 	mp := telemetrytest.NewMetrics(t)
 	store := &leaseStore{LeaseStore: newMemstore(t), extend: func(context.Context, *dedup.Lease) error { return dedup.ErrLeaseLost }}
 	h := must(idemwatermill.Dedup(store, idemwatermill.Options{Scope: "s", ExtendEvery: time.Millisecond, Telemetry: consumer.Telemetry{MeterProvider: mp}}))(
@@ -253,6 +256,7 @@ func onlySpan(t *testing.T, tp *telemetrytest.Spans, name string) sdktrace.ReadO
 // router), on Dedup and on Transactional; the idem spans are children of the
 // consumer span and the handler runs under idem.handle.
 func TestTraceContinuesFromMetadata(t *testing.T) {
+	t.Parallel()
 	for _, k := range telKinds() {
 		if k.name == "redisnx" {
 			continue // the same code path as memstore
@@ -321,6 +325,7 @@ func TestTraceContinuesFromMetadata(t *testing.T) {
 // span (an OpenTelemetry middleware further out), the middleware starts no
 // consumer span of its own: the idem spans are that span's children.
 func TestTraceUnderOuterSpan(t *testing.T) {
+	t.Parallel()
 	tp := telemetrytest.NewSpans(t)
 	ps := newGoChannel(t)
 	r := newRouter(t)
@@ -354,6 +359,7 @@ func TestTraceUnderOuterSpan(t *testing.T) {
 // malformed tracestate and baggage do not panic the carrier or the
 // propagator; the consumer span starts a new trace.
 func TestTraceHostileMetadata(t *testing.T) {
+	t.Parallel()
 	tp := telemetrytest.NewSpans(t)
 	h := must(idemwatermill.Dedup(newMemstore(t), idemwatermill.Options{Scope: "s", Telemetry: consumer.Telemetry{TracerProvider: tp}}))(
 		func(*message.Message) ([]*message.Message, error) { return nil, nil })
@@ -397,6 +403,7 @@ func TestTraceHostileMetadata(t *testing.T) {
 // an outbox message reach the Watermill metadata unchanged, and the
 // consumer's span continues that trace.
 func TestPublisherKeepsTraceContext(t *testing.T) {
+	t.Parallel()
 	tp := telemetrytest.NewSpans(t)
 	ps := newGoChannel(t)
 	r := newRouter(t)
@@ -440,6 +447,7 @@ func TestPublisherKeepsTraceContext(t *testing.T) {
 // OpenTelemetry's); the relay publishes it through Publisher and the
 // downstream consumer span is a child of the upstream idem.handle span.
 func TestTraceThroughOutbox(t *testing.T) {
+	t.Parallel()
 	tp := telemetrytest.NewSpans(t)
 	fx := pgTxKind().setup(t)
 	ob := must(pgoutbox.New(fx.pool, pgoutbox.Options{Schema: fx.schema, Logger: slog.New(slog.DiscardHandler),
@@ -513,6 +521,7 @@ func TestTraceThroughOutbox(t *testing.T) {
 // application installs its own) the middleware neither starts spans nor
 // changes what the handler sees in msg.Context() beyond its own values.
 func TestNoProviderNoSpans(t *testing.T) {
+	t.Parallel()
 	h := must(idemwatermill.Dedup(newMemstore(t), idemwatermill.Options{Scope: "s"}))(
 		func(m *message.Message) ([]*message.Message, error) {
 			if trace.SpanFromContext(m.Context()).IsRecording() {
@@ -529,6 +538,7 @@ func TestNoProviderNoSpans(t *testing.T) {
 // TestLogsHoldNoID: the warnings name the key by its hash, never the
 // message id.
 func TestLogsHoldNoID(t *testing.T) {
+	t.Parallel()
 	var logs strings.Builder
 	logger := slog.New(slog.NewTextHandler(&logs, &slog.HandlerOptions{Level: slog.LevelDebug}))
 	store := &leaseStore{LeaseStore: newMemstore(t), complete: func(context.Context, *dedup.Lease) error {
@@ -551,6 +561,7 @@ func TestLogsHoldNoID(t *testing.T) {
 // TestTelemetryPanic: a panicking handler ends its spans (with an error)
 // and counts as a retry and a released key, on Dedup and Transactional.
 func TestTelemetryPanic(t *testing.T) {
+	t.Parallel()
 	for _, k := range telKinds() {
 		if k.name == "redisnx" {
 			continue

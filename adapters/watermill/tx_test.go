@@ -45,6 +45,7 @@ func committed(t *testing.T, fx *fixture, scope, id string) (effects, claims int
 // retry finds neither committed, runs, and commits both; the duplicate
 // delivered afterwards does not run the handler.
 func TestTransactionalRollsBackAndRetries(t *testing.T) {
+	t.Parallel()
 	for _, failure := range []string{"error", "panic"} {
 		for _, mode := range retryModes {
 			t.Run(failure+"/"+mode, func(t *testing.T) {
@@ -107,6 +108,7 @@ func TestTransactionalRollsBackAndRetries(t *testing.T) {
 // TestTransactionalContext: the handler sees the transaction in its message's
 // context only while it runs; the message gets its own context back.
 func TestTransactionalContext(t *testing.T) {
+	t.Parallel()
 	fx := pgTxKind().setup(t)
 	mw := fx.middleware(t, idemwatermill.Options{Scope: "orders/ctx"})
 	msg := message.NewMessage(wm.NewUUID(), []byte("x"))
@@ -166,6 +168,7 @@ func outboxRows(t *testing.T, fx *fixture, ob *pgoutbox.Outbox) []outboxRow {
 // outbox once, under the handler's publish topic, with the UUID the handler
 // gave it.
 func TestTransactionalOutbox(t *testing.T) {
+	t.Parallel()
 	fx := pgTxKind().setup(t)
 	ob := newOutbox(t, fx)
 	ps := newGoChannel(t)
@@ -230,6 +233,7 @@ func TestTransactionalOutbox(t *testing.T) {
 // as its UUID (the handler's own UUID, kept) and in the idem-message-id
 // metadata.
 func TestOutboxRelayToWatermill(t *testing.T) {
+	t.Parallel()
 	fx := pgTxKind().setup(t)
 	ob := newOutbox(t, fx)
 	upstream := newGoChannel(t)
@@ -300,6 +304,7 @@ func TestOutboxRelayToWatermill(t *testing.T) {
 // returns messages under Options.Outbox fails (and rolls back) with a hint,
 // unless Options.OutboxTopic names one.
 func TestTransactionalOutboxNeedsTopic(t *testing.T) {
+	t.Parallel()
 	fx := pgTxKind().setup(t)
 	ob := newOutbox(t, fx)
 	produce := func(m *message.Message) ([]*message.Message, error) {
@@ -334,6 +339,7 @@ func TestTransactionalOutboxNeedsTopic(t *testing.T) {
 // the handler; a key held by a lease-mode claim is in flight (retried); a
 // content conflict is poison.
 func TestTransactionalClaimErrors(t *testing.T) {
+	t.Parallel()
 	fx := pgTxKind().setup(t)
 	mw := fx.middleware(t, idemwatermill.Options{Scope: "orders"})
 	var runs atomic.Int32
@@ -373,6 +379,7 @@ func TestTransactionalClaimErrors(t *testing.T) {
 // for the handler's transaction, then sees the key done: the effect and the
 // key's row are the transaction's, once.
 func TestTransactionalLeaseClaimWaits(t *testing.T) {
+	t.Parallel()
 	fx := pgTxKind().setup(t)
 	var outcomes []string
 	mw := fx.middleware(t, idemwatermill.Options{Scope: "charge", Telemetry: consumer.Telemetry{OnOutcome: func(_ context.Context, r consumer.Report) { outcomes = append(outcomes, string(r.Outcome)) }}})

@@ -14,6 +14,7 @@ import (
 )
 
 func TestClaimBatchTx(t *testing.T) {
+	t.Parallel()
 	pool := testenv.Pool(t, 8)
 	s := newStore(t, pool, pgtable.Options{})
 	ctx := testenv.Ctx(t)
@@ -64,6 +65,7 @@ func TestClaimBatchTx(t *testing.T) {
 // different orders, run concurrently: every key is claimed by exactly one
 // committed batch, and no batch deadlocks.
 func TestClaimBatchTxConcurrentOverlap(t *testing.T) {
+	t.Parallel()
 	for _, partitioned := range []bool{false, true} {
 		t.Run(fmt.Sprintf("partitioned=%v", partitioned), func(t *testing.T) { testClaimBatchOverlap(t, partitioned) })
 	}

@@ -29,6 +29,7 @@ func (n planNode) walk(f func(planNode)) {
 // among live ones, one cleanup batch reads the expires_at index, not the
 // whole table (planner settings left at their defaults, statistics fresh).
 func TestCleanupUsesExpiresAtIndex(t *testing.T) {
+	t.Parallel()
 	pool := testenv.Pool(t, 2)
 	s := newStore(t, pool, pgtable.Options{})
 	ctx := testenv.Ctx(t)
@@ -70,6 +71,7 @@ func TestCleanupUsesExpiresAtIndex(t *testing.T) {
 // TestCleanupDeletesExpiredOnly: expired rows go, in several batches, and
 // every live row stays, with expired and live rows interleaved.
 func TestCleanupDeletesExpiredOnly(t *testing.T) {
+	t.Parallel()
 	pool := testenv.Pool(t, 2)
 	s := newStore(t, pool, pgtable.Options{CleanupBatch: 64, KeepKeys: true})
 	ctx := testenv.Ctx(t)

@@ -15,6 +15,7 @@ import (
 // TestProcessHostileKeys: keys that would break naive SQL quoting go through
 // Process and come back unchanged, on a pool and on a single conn.
 func TestProcessHostileKeys(t *testing.T) {
+	t.Parallel()
 	pool := testenv.Pool(t, 4)
 	schema := testenv.Schema(t, pool)
 	ctx := testenv.Ctx(t)
@@ -62,6 +63,7 @@ func TestProcessHostileKeys(t *testing.T) {
 // not deleted yet does not block a new claim (Process deletes it before its
 // insert).
 func TestProcessExpiredRowIsReclaimed(t *testing.T) {
+	t.Parallel()
 	pool := testenv.Pool(t, 4)
 	s := newStore(t, pool, pgtable.Options{})
 	ctx := testenv.Ctx(t)
@@ -89,6 +91,7 @@ func TestProcessExpiredRowIsReclaimed(t *testing.T) {
 
 // TestProcessInsideTx: a store built on a pgx.Tx runs Process in a savepoint.
 func TestProcessInsideTx(t *testing.T) {
+	t.Parallel()
 	pool := testenv.Pool(t, 4)
 	base := newStore(t, pool, pgtable.Options{})
 	ctx := testenv.Ctx(t)

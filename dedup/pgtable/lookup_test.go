@@ -17,6 +17,7 @@ import (
 // would, and sees neither an expired row nor a claim whose transaction is
 // still open (nor waits for it), in both table layouts.
 func TestLookup(t *testing.T) {
+	t.Parallel()
 	pool := testenv.Pool(t, 4)
 	for _, tc := range []struct {
 		name string

@@ -115,6 +115,7 @@ func claimDoesNotWait(t *testing.T, pool *pgxpool.Pool, s *pgtable.Store, held p
 // a new claim goes through without waiting; when the old transaction ends,
 // Cleanup drops the partition.
 func TestPartitionedCleanupNeverMakesClaimsWait(t *testing.T) {
+	t.Parallel()
 	pool := testenv.Pool(t, 6)
 	s := newStore(t, pool, pgtable.Options{Partitioned: true, Retention: 24 * time.Hour, PartitionLockTimeout: time.Hour, KeepKeys: true})
 	ctx := testenv.Ctx(t)
@@ -183,6 +184,7 @@ func TestPartitionedCleanupNeverMakesClaimsWait(t *testing.T) {
 // while that transaction is still open, with the partition pending detach;
 // a Cleanup after it ends finishes the detach and drops the table.
 func TestPartitionedCleanupFinishesInterruptedDetach(t *testing.T) {
+	t.Parallel()
 	pool := testenv.Pool(t, 6)
 	s := newStore(t, pool, pgtable.Options{Partitioned: true, Retention: 24 * time.Hour, PartitionLockTimeout: 20 * time.Millisecond})
 	ctx := testenv.Ctx(t)
@@ -248,6 +250,7 @@ func TestPartitionedCleanupFinishesInterruptedDetach(t *testing.T) {
 // while a claim transaction is held open neither waits for it nor makes a
 // new claim wait.
 func TestEnsurePartitionsNeverMakesClaimsWait(t *testing.T) {
+	t.Parallel()
 	pool := testenv.Pool(t, 6)
 	s := newStore(t, pool, pgtable.Options{Partitioned: true, Retention: 24 * time.Hour, PartitionLockTimeout: time.Hour})
 	ctx := testenv.Ctx(t)

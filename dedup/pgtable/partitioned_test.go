@@ -18,6 +18,7 @@ import (
 )
 
 func TestConformancePartitionedTx(t *testing.T) {
+	t.Parallel()
 	pool := testenv.Pool(t, 20)
 	deduptest.RunTx(t, deduptest.TxHarness[pgx.Tx]{
 		New: func(t testing.TB) dedup.TxStore[pgx.Tx] {
@@ -42,6 +43,7 @@ func TestConformancePartitionedTx(t *testing.T) {
 }
 
 func TestConformancePartitionedLease(t *testing.T) {
+	t.Parallel()
 	pool := testenv.Pool(t, 20)
 	deduptest.RunLease(t, deduptest.LeaseHarness{
 		New: func(t testing.TB, cfg deduptest.Config) deduptest.LeaseInstance {
@@ -100,6 +102,7 @@ func addPastPartition(t testing.TB, pool *pgxpool.Pool, s *pgtable.Store, suffix
 // TestPartitionedCleanupDropsPastDays: the partitions of past days go with
 // their rows; the current partitions and their rows stay.
 func TestPartitionedCleanupDropsPastDays(t *testing.T) {
+	t.Parallel()
 	pool := testenv.Pool(t, 4)
 	s := newStore(t, pool, pgtable.Options{Partitioned: true, Retention: 24 * time.Hour})
 	ctx := testenv.Ctx(t)
@@ -151,6 +154,7 @@ func TestPartitionedCleanupDropsPastDays(t *testing.T) {
 }
 
 func TestConformancePartitionedHourlyTx(t *testing.T) {
+	t.Parallel()
 	pool := testenv.Pool(t, 20)
 	deduptest.RunTx(t, deduptest.TxHarness[pgx.Tx]{
 		New: func(t testing.TB) dedup.TxStore[pgx.Tx] {
@@ -177,6 +181,7 @@ func TestConformancePartitionedHourlyTx(t *testing.T) {
 // margin, claims land in the hour of their expiry, and Cleanup drops the
 // partitions of past hours only.
 func TestPartitionedHourly(t *testing.T) {
+	t.Parallel()
 	pool := testenv.Pool(t, 4)
 	ctx := testenv.Ctx(t)
 	dbHour := func() time.Time {
@@ -236,6 +241,7 @@ func TestPartitionedHourly(t *testing.T) {
 // TestPartitionWidthIsPartOfTheLayout: a table made with daily partitions
 // refuses hourly ones, with a message that says why.
 func TestPartitionWidthIsPartOfTheLayout(t *testing.T) {
+	t.Parallel()
 	pool := testenv.Pool(t, 4)
 	daily := newStore(t, pool, pgtable.Options{Partitioned: true})
 	hourly, err := pgtable.New(pool, pgtable.Options{Schema: daily.Options().Schema, Partitioned: true, PartitionWidth: time.Hour})
@@ -254,6 +260,7 @@ func TestPartitionWidthIsPartOfTheLayout(t *testing.T) {
 // partition (the layout's first form) loses it on Migrate; the default
 // partition's live rows keep answering as duplicates, its expired rows go.
 func TestMigrateFoldsDefaultPartition(t *testing.T) {
+	t.Parallel()
 	pool := testenv.Pool(t, 4)
 	schema := testenv.Schema(t, pool)
 	ctx := testenv.Ctx(t)
@@ -302,6 +309,7 @@ FROM generate_series(1, 4) g`); err != nil {
 // TestPartitionedClaimWithoutPartition: a claim whose expiry no partition
 // covers fails, and says what to run.
 func TestPartitionedClaimWithoutPartition(t *testing.T) {
+	t.Parallel()
 	pool := testenv.Pool(t, 4)
 	s := newStore(t, pool, pgtable.Options{Partitioned: true, PartitionWidth: time.Hour, Retention: time.Hour})
 	ctx := testenv.Ctx(t)

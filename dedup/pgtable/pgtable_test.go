@@ -53,6 +53,7 @@ func downPool(t testing.TB) *pgxpool.Pool {
 }
 
 func TestConformanceTx(t *testing.T) {
+	t.Parallel()
 	pool := testenv.Pool(t, 20)
 	deduptest.RunTx(t, deduptest.TxHarness[pgx.Tx]{
 		New: func(t testing.TB) dedup.TxStore[pgx.Tx] { return newStore(t, pool, pgtable.Options{}) },
@@ -86,6 +87,7 @@ func expireAll(t testing.TB, pool *pgxpool.Pool, s *pgtable.Store) {
 }
 
 func TestConformanceLease(t *testing.T) {
+	t.Parallel()
 	pool := testenv.Pool(t, 20)
 	deduptest.RunLease(t, deduptest.LeaseHarness{
 		New: func(t testing.TB, cfg deduptest.Config) deduptest.LeaseInstance {
@@ -103,6 +105,7 @@ func TestConformanceLease(t *testing.T) {
 }
 
 func TestOptionErrors(t *testing.T) {
+	t.Parallel()
 	pool := testenv.Pool(t, 2)
 	var nilPool *pgxpool.Pool
 	var nilConn *pgx.Conn
@@ -141,6 +144,7 @@ func TestOptionErrors(t *testing.T) {
 }
 
 func TestMigrateConcurrentAndIdempotent(t *testing.T) {
+	t.Parallel()
 	pool := testenv.Pool(t, 20)
 	schema := testenv.Name("idemmig") // does not exist yet: Migrate creates it
 	t.Cleanup(func() { _, _ = pool.Exec(context.Background(), `DROP SCHEMA IF EXISTS "`+schema+`" CASCADE`) })
@@ -199,6 +203,7 @@ func TestMigrateConcurrentAndIdempotent(t *testing.T) {
 }
 
 func TestCleanupBoundedBatches(t *testing.T) {
+	t.Parallel()
 	pool := testenv.Pool(t, 4)
 	s := newStore(t, pool, pgtable.Options{CleanupBatch: 7, KeepKeys: true})
 	ctx := testenv.Ctx(t)

@@ -173,6 +173,7 @@ func blockedBy(t *testing.T, pool *pgxpool.Pool, pid uint32) int {
 // replay its result. fn holds the key until every connection the others
 // could get waits for its transaction.
 func TestProcessConcurrentOneEffect(t *testing.T) {
+	t.Parallel()
 	pool := testenv.Pool(t, 20)
 	watch := testenv.Pool(t, 1) // pool is all taken while fn holds the key
 	for _, v := range procVariants {
@@ -258,6 +259,7 @@ func TestProcessConcurrentOneEffect(t *testing.T) {
 // TestProcessLeaseRowIsInFlight: a live lease-mode row answers ErrInFlight
 // without running fn; once the lease completes, its result replays.
 func TestProcessLeaseRowIsInFlight(t *testing.T) {
+	t.Parallel()
 	pool := testenv.Pool(t, 6)
 	for _, v := range procVariants {
 		t.Run(v.name, func(t *testing.T) {
@@ -361,6 +363,7 @@ func (w procWorld) claimOwnTx(ctx context.Context, t *testing.T, key dedup.Key, 
 // the other claim's result if it committed, or runs if it rolled back. The
 // effect stays single.
 func TestProcessWaitsForAnOpenClaim(t *testing.T) {
+	t.Parallel()
 	pool := testenv.Pool(t, 8)
 	for _, v := range procVariants {
 		for _, commit := range []bool{true, false} {
@@ -431,6 +434,7 @@ func TestProcessWaitsForAnOpenClaim(t *testing.T) {
 // holds wait for Process's transaction and then see its row (the plain
 // layout's primary key, the partitioned layout's advisory lock).
 func TestProcessWritersWait(t *testing.T) {
+	t.Parallel()
 	pool := testenv.Pool(t, 8)
 	for _, v := range procVariants {
 		t.Run(v.name, func(t *testing.T) {
@@ -481,6 +485,7 @@ func TestProcessWritersWait(t *testing.T) {
 // the plain layout's claim took the expired row over (Cleanup leaves it), and
 // the partitioned layout's row deleted meanwhile counts as absent.
 func TestProcessExpiredRowRunsAgain(t *testing.T) {
+	t.Parallel()
 	pool := testenv.Pool(t, 6)
 	for _, v := range procVariants {
 		t.Run(v.name, func(t *testing.T) {
@@ -565,6 +570,7 @@ func TestProcessExpiredRowRunsAgain(t *testing.T) {
 // leaving a failed statement behind writes neither the key's row nor fn's
 // effect, and releases the key's lock at once.
 func TestProcessFailureWritesNothing(t *testing.T) {
+	t.Parallel()
 	pool := testenv.Pool(t, 6)
 	for _, v := range procVariants {
 		t.Run(v.name, func(t *testing.T) {
@@ -636,6 +642,7 @@ func TestProcessFailureWritesNothing(t *testing.T) {
 // result in a second version, the partitioned layout (which writes the row at
 // commit) still writes one. The row expires one retention after the claim.
 func TestProcessWritesTheRowOnce(t *testing.T) {
+	t.Parallel()
 	pool := testenv.Pool(t, 4)
 	for _, v := range procVariants {
 		t.Run(v.name, func(t *testing.T) {
@@ -689,6 +696,7 @@ func TestProcessWritesTheRowOnce(t *testing.T) {
 // first 8 bytes of the key's digest XOR the table's seed, which its other
 // writers take too.
 func TestProcessLockNamespace(t *testing.T) {
+	t.Parallel()
 	pool := testenv.Pool(t, 4)
 	for _, v := range procVariants {
 		t.Run(v.name, func(t *testing.T) {
@@ -744,6 +752,7 @@ func TestProcessLockNamespace(t *testing.T) {
 // waits for the first transaction's lock gives up without running fn, and
 // leaves no connection busy; the first commits undisturbed.
 func TestProcessCancelledWhileWaiting(t *testing.T) {
+	t.Parallel()
 	pool := testenv.Pool(t, 4)
 	for _, v := range procVariants {
 		t.Run(v.name, func(t *testing.T) {
@@ -784,6 +793,7 @@ func TestProcessCancelledWhileWaiting(t *testing.T) {
 // Process's bound path (a DB that is neither a pool nor a conn), in both
 // layouts.
 func TestConformanceTxBoundPath(t *testing.T) {
+	t.Parallel()
 	pool := testenv.Pool(t, 20)
 	for _, partitioned := range []bool{false, true} {
 		name := "plain"

@@ -21,6 +21,7 @@ const maxRowBytes = 150
 // written per claim, batched and one transaction per claim (other sessions
 // of the server write WAL too, so these are upper bounds).
 func TestRowSize(t *testing.T) {
+	t.Parallel()
 	const rows, batch = 100_000, 1000
 	pool := testenv.Pool(t, 2)
 	s := newStore(t, pool, pgtable.Options{})

@@ -20,6 +20,7 @@ import (
 // or a duplicate with the new result), never from the expired row its
 // statement's snapshot still shows.
 func TestClaimBehindATakeoverSeesTheNewOwner(t *testing.T) {
+	t.Parallel()
 	pool := testenv.Pool(t, 8)
 	ctx := testenv.Ctx(t)
 	for _, tc := range []struct {

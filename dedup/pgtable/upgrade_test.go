@@ -102,6 +102,7 @@ FROM (VALUES
 // held by its token, expired rows count as absent, and scope and id are
 // kept only with Options.KeepKeys.
 func TestMigrateConvertsKeyedTable(t *testing.T) {
+	t.Parallel()
 	pool := testenv.Pool(t, 4)
 	for _, partitioned := range []bool{false, true} {
 		for _, keep := range []bool{false, true} {

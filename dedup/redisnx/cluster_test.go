@@ -23,6 +23,7 @@ import (
 // TestClusterConformance runs the suite on a Redis Cluster of three masters
 // with one replica each.
 func TestClusterConformance(t *testing.T) {
+	t.Parallel()
 	c := rediscluster.Start(t, rediscluster.Options{})
 	client := c.Client(t, redis.ClusterOptions{})
 	deduptest.RunLease(t, deduptest.LeaseHarness{
@@ -173,6 +174,7 @@ func waitFor(t *testing.T, what string, cond func() bool) {
 // dead shard's claims succeed again after the promotion, and every
 // completed mark is still there at the end.
 func TestClusterMasterKilledUnderLoad(t *testing.T) {
+	t.Parallel()
 	c, l := newClusterLoad(t, redis.ClusterOptions{ClusterStateReloadInterval: time.Hour})
 	s, shards, ctx := l.s, l.shards, testenv.Ctx(t)
 	const victim, perShard = 0, 4
@@ -318,6 +320,7 @@ func (h *sentHook) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.Pro
 // masters go through: the Store's group commit does not make them wait
 // for the frozen node.
 func TestClusterFrozenMasterDelaysOnlyItsKeys(t *testing.T) {
+	t.Parallel()
 	// Long timeouts: the frozen node's claim stays in flight until the
 	// node is resumed.
 	c, l := newClusterLoad(t, redis.ClusterOptions{ReadTimeout: 2 * time.Minute, WriteTimeout: 2 * time.Minute})

@@ -18,6 +18,7 @@ import (
 // TestScriptsTouchOneKey: every script names KEYS[1] only, so each call
 // touches one key and one Cluster slot.
 func TestScriptsTouchOneKey(t *testing.T) {
+	t.Parallel()
 	keysRef := regexp.MustCompile(`KEYS\[[^\]]*\]`)
 	for name, src := range map[string]string{
 		"claim": claimSrc, "extend": extendSrc, "complete": completeSrc, "release": releaseSrc,
@@ -64,6 +65,7 @@ func deleteKeys(t testing.TB, c *redis.Client, prefix string) {
 
 // TestConformanceLegacy runs the suite on the claim script path.
 func TestConformanceLegacy(t *testing.T) {
+	t.Parallel()
 	deduptest.RunLease(t, deduptest.LeaseHarness{
 		New: func(t testing.TB, cfg deduptest.Config) deduptest.LeaseInstance {
 			s, _ := legacyStore(t, Options{Lease: cfg.Lease, TTL: cfg.TTL})
@@ -85,6 +87,7 @@ func TestConformanceLegacy(t *testing.T) {
 // TestClaimBatchLoadsMissingScript: a pipeline that meets NOSCRIPT loads the
 // script and claims again.
 func TestClaimBatchLoadsMissingScript(t *testing.T) {
+	t.Parallel()
 	s, c := legacyStore(t, Options{})
 	ctx := testenv.Ctx(t)
 	if ok := s.claim.Exists(ctx, c).Val(); len(ok) != 1 || ok[0] {
@@ -151,6 +154,7 @@ func isSetGet(cmd redis.Cmder) bool {
 // TestOldRedisFallsBack: when Redis refuses SET NX GET, the store switches to
 // the claim script and the claim still succeeds, without a double claim.
 func TestOldRedisFallsBack(t *testing.T) {
+	t.Parallel()
 	c := redis.NewClient(&redis.Options{Addr: testenv.RedisAddr()})
 	t.Cleanup(func() { _ = c.Close() })
 	testenv.Redis(t) // skips when Redis is missing
@@ -189,6 +193,7 @@ func TestOldRedisFallsBack(t *testing.T) {
 // TestClaimResult covers the answers to a claim that found a stored record,
 // without Redis.
 func TestClaimResult(t *testing.T) {
+	t.Parallel()
 	c := redis.NewClient(&redis.Options{Addr: "127.0.0.1:1"}) // never dialled
 	defer c.Close()
 	s, err := New(c, Options{Lease: 7 * time.Second})
@@ -270,6 +275,7 @@ func TestClaimResult(t *testing.T) {
 // TestLegacyReadsPreviousLayout: on the claim script's path too, a record
 // of the previous layout answers the claim and the claim leaves no key.
 func TestLegacyReadsPreviousLayout(t *testing.T) {
+	t.Parallel()
 	s, c := legacyStore(t, Options{})
 	ctx := testenv.Ctx(t)
 	fp := dedup.FingerprintOf([]byte("p"))
@@ -304,6 +310,7 @@ func TestLegacyReadsPreviousLayout(t *testing.T) {
 // answer, also when the server lacks the scripts (NOSCRIPT for both kinds)
 // and when it refuses SET NX GET.
 func TestMixedBatch(t *testing.T) {
+	t.Parallel()
 	for _, tc := range []struct {
 		name  string
 		store func(t *testing.T) (*Store, *redis.Client)

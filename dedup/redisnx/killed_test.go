@@ -50,6 +50,7 @@ func startDurableRedis(t *testing.T) *fault.Redis {
 // answer where the truth was unknown. Calls whose reply was lost must
 // answer dedup.ErrOutcomeUnknown (or another error), never lease lost.
 func TestKilledRedisNeverAnswersLeaseLostToItsOwner(t *testing.T) {
+	t.Parallel()
 	srv := startDurableRedis(t)
 	c := redis.NewClient(&redis.Options{Addr: srv.Addr()})
 	t.Cleanup(func() { _ = c.Close() })

@@ -73,6 +73,7 @@ func (c *droppingConn) Read(b []byte) (int, error) {
 // its effect is there. An Extend whose reply was lost is sent again and
 // succeeds: a second run of it finds its own lease.
 func TestLostReplyIsNotLeaseLost(t *testing.T) {
+	t.Parallel()
 	testenv.Redis(t) // skips (or fails under CI) when Redis is down
 	d := &replyDropper{}
 	c := redis.NewClient(&redis.Options{Addr: testenv.RedisAddr(), Dialer: d.dial})

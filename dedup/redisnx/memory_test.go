@@ -52,6 +52,7 @@ func usedMemory(ctx context.Context, t testing.TB, c *redis.Client) int64 {
 // the same run: 100,000 of each, used_memory before and after. A done mark
 // without fingerprint must stay within 160 bytes; the figures are logged.
 func TestMarkMemory(t *testing.T) {
+	t.Parallel()
 	const n = 100_000
 	srv, err := fault.StartRedis(context.Background(), fault.RedisOptions{})
 	switch {

@@ -22,6 +22,7 @@ import (
 // call used for nodeIdle are dropped too; and a dropped master's next call
 // starts new groups and succeeds. The Store's clock is moved by hand.
 func TestNodeGroupsShrink(t *testing.T) {
+	t.Parallel()
 	c := rediscluster.Start(t, rediscluster.Options{})
 	client := c.Client(t, redis.ClusterOptions{})
 	s, err := New(client, Options{Prefix: testenv.Name("redisnx"), FailoverWait: 20 * time.Second})

@@ -82,6 +82,7 @@ func downClient(t testing.TB) *redis.Client {
 }
 
 func TestConformance(t *testing.T) {
+	t.Parallel()
 	deduptest.RunLease(t, deduptest.LeaseHarness{
 		New: func(t testing.TB, cfg deduptest.Config) deduptest.LeaseInstance {
 			s, _ := newStore(t, redisnx.Options{Lease: cfg.Lease, TTL: cfg.TTL})
@@ -98,6 +99,7 @@ func TestConformance(t *testing.T) {
 }
 
 func TestNewErrors(t *testing.T) {
+	t.Parallel()
 	c := redis.NewClient(&redis.Options{Addr: "127.0.0.1:1"}) // New does no I/O
 	defer c.Close()
 	for _, tc := range []struct {
@@ -138,6 +140,7 @@ func TestNewErrors(t *testing.T) {
 }
 
 func TestDefaults(t *testing.T) {
+	t.Parallel()
 	s, c := newStore(t, redisnx.Options{})
 	ctx := testenv.Ctx(t)
 	l, err := s.Claim(ctx, dedup.NewKey(testenv.UniqueID("s"), testenv.UniqueID("id"), []byte("p")))
@@ -172,6 +175,7 @@ func TestDefaults(t *testing.T) {
 // TestExpiries: Redis really expires what the store writes: an in-flight key
 // after the lease, a completed key after the TTL.
 func TestExpiries(t *testing.T) {
+	t.Parallel()
 	const lease, ttl = 20 * time.Second, 3 * time.Hour
 	s, c := newStore(t, redisnx.Options{Lease: lease, TTL: ttl})
 	ctx := testenv.Ctx(t)
@@ -251,6 +255,7 @@ var collisionKeys = []dedup.Key{
 }
 
 func TestKeyEncodingNeverCollides(t *testing.T) {
+	t.Parallel()
 	s, _ := newStore(t, redisnx.Options{})
 	seen := map[string]dedup.Key{}
 	for _, k := range collisionKeys {
@@ -309,6 +314,7 @@ func slot(key string) int {
 }
 
 func TestHashTag(t *testing.T) {
+	t.Parallel()
 	if got := slot("123456789"); got != 0x31C3%16384 {
 		t.Fatalf("slot(123456789) = %d; the CRC16 in this test is wrong", got)
 	}
@@ -337,6 +343,7 @@ func TestHashTag(t *testing.T) {
 // TestOneRedisKeyPerMessage: a message's whole life (claim, extend,
 // complete, duplicate claims) lives in one Redis key, so it has one slot.
 func TestOneRedisKeyPerMessage(t *testing.T) {
+	t.Parallel()
 	prefix := testenv.Name("redisnx")
 	s, c := newStore(t, redisnx.Options{Prefix: prefix})
 	ctx := testenv.Ctx(t)
@@ -366,6 +373,7 @@ func TestOneRedisKeyPerMessage(t *testing.T) {
 }
 
 func TestResults(t *testing.T) {
+	t.Parallel()
 	s, _ := newStore(t, redisnx.Options{})
 	ctx := testenv.Ctx(t)
 	scope := testenv.UniqueID("s")
@@ -398,6 +406,7 @@ func TestResults(t *testing.T) {
 // TestForeignValue: a key that holds something idem did not write is an
 // error, never a duplicate or in-flight answer.
 func TestForeignValue(t *testing.T) {
+	t.Parallel()
 	s, c := newStore(t, redisnx.Options{})
 	ctx := testenv.Ctx(t)
 	scope := testenv.UniqueID("s")
@@ -432,6 +441,7 @@ func TestForeignValue(t *testing.T) {
 }
 
 func TestNilLeaseAndCanceledContext(t *testing.T) {
+	t.Parallel()
 	s, _ := newStore(t, redisnx.Options{})
 	ctx := testenv.Ctx(t)
 	if err := s.Extend(ctx, nil); !errors.Is(err, dedup.ErrLeaseLost) {
@@ -459,6 +469,7 @@ func TestNilLeaseAndCanceledContext(t *testing.T) {
 }
 
 func TestStoreDown(t *testing.T) {
+	t.Parallel()
 	s, err := redisnx.New(downClient(t), redisnx.Options{})
 	if err != nil {
 		t.Fatal(err)
@@ -487,6 +498,7 @@ func TestStoreDown(t *testing.T) {
 }
 
 func TestPrefixesAreIsolated(t *testing.T) {
+	t.Parallel()
 	a, _ := newStore(t, redisnx.Options{})
 	b, _ := newStore(t, redisnx.Options{})
 	ctx := testenv.Ctx(t)
@@ -500,6 +512,7 @@ func TestPrefixesAreIsolated(t *testing.T) {
 }
 
 func TestClaimBatchLarge(t *testing.T) {
+	t.Parallel()
 	s, _ := newStore(t, redisnx.Options{})
 	ctx := testenv.Ctx(t)
 	scope := testenv.UniqueID("s")
@@ -555,6 +568,7 @@ func (r *roundTrips) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.P
 // every caller still gets its own answer: one lease per key, completes
 // that stick, duplicates afterwards.
 func TestConcurrentCallsShareRoundTrips(t *testing.T) {
+	t.Parallel()
 	s, c := newStore(t, redisnx.Options{})
 	rt := &roundTrips{}
 	c.AddHook(rt)
@@ -632,6 +646,7 @@ func mentions(cmds []redis.Cmder, s string) bool {
 // for a round trip instead of its context would not return at all while
 // they are held.
 func TestGroupedCallerHonoursItsContext(t *testing.T) {
+	t.Parallel()
 	s, c := newStore(t, redisnx.Options{})
 	started := make(chan struct{}, redisnx.MaxInFlight) // a slow claim reached the client
 	release := make(chan struct{})                      // lets the slow claims go on
@@ -688,6 +703,7 @@ func TestGroupedCallerHonoursItsContext(t *testing.T) {
 // A panic inside the client (a hook) reaches its caller and leaves the
 // store usable: the group is released, not stuck.
 func TestGroupSurvivesPanickingHook(t *testing.T) {
+	t.Parallel()
 	s, c := newStore(t, redisnx.Options{})
 	c.AddHook(hookFunc(func(cmds []redis.Cmder) {
 		if mentions(cmds, "boom") {
@@ -734,6 +750,7 @@ func previousRecord(state byte, fp dedup.Fingerprint, rest string) string {
 // layout answer claims, single and batched, and the claim leaves no key of
 // its own behind.
 func TestReadsPreviousLayout(t *testing.T) {
+	t.Parallel()
 	prefix := testenv.Name("redisnx")
 	s, c := newStore(t, redisnx.Options{Prefix: prefix})
 	ctx := testenv.Ctx(t)
@@ -814,6 +831,7 @@ func TestReadsPreviousLayout(t *testing.T) {
 // TestRecordsWithoutFingerprint: a key without fingerprint stores none, and
 // a done record holds the result only when there is one.
 func TestRecordsWithoutFingerprint(t *testing.T) {
+	t.Parallel()
 	s, c := newStore(t, redisnx.Options{})
 	ctx := testenv.Ctx(t)
 	for _, result := range []string{"", "r"} {

@@ -16,6 +16,7 @@ import (
 // repeated in the batch, a fingerprint mismatch, an invalid key; and the
 // claims commit with the transaction.
 func TestClaimBatchTx(t *testing.T) {
+	t.Parallel()
 	for _, b := range backends {
 		t.Run(b.name, func(t *testing.T) {
 			db := b.open(t)

@@ -18,6 +18,7 @@ import (
 // TestCleanupBoundedBatches: Cleanup deletes the expired rows, and only
 // them, in batches smaller than their number.
 func TestCleanupBoundedBatches(t *testing.T) {
+	t.Parallel()
 	for _, b := range backends {
 		t.Run(b.name, func(t *testing.T) {
 			db := b.open(t)
@@ -74,6 +75,7 @@ func TestCleanupBoundedBatches(t *testing.T) {
 // for nor deletes an expired row that an open transaction is taking over;
 // it deletes the other expired rows.
 func TestCleanupSkipsHeldRows(t *testing.T) {
+	t.Parallel()
 	for _, name := range []string{"mysql", "postgres-pgx"} {
 		t.Run(name, func(t *testing.T) {
 			b := backendByName(t, name)
@@ -114,6 +116,7 @@ func TestCleanupSkipsHeldRows(t *testing.T) {
 }
 
 func TestMigrateConcurrentAndIdempotent(t *testing.T) {
+	t.Parallel()
 	for _, b := range backends {
 		t.Run(b.name, func(t *testing.T) {
 			db := b.open(t)

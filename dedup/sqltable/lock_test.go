@@ -69,6 +69,7 @@ func waitingOnLock(ctx context.Context, t testing.TB, b backend, db *sql.DB, s *
 // wins when the first rolled back: on PostgreSQL through both drivers, and
 // on MariaDB at each isolation level the store supports.
 func TestDuplicateWaitsOnFirst(t *testing.T) {
+	t.Parallel()
 	type run struct {
 		name, backend, params string
 	}
@@ -160,6 +161,7 @@ func testWaitsOnFirst(t *testing.T, b backend, db *sql.DB, s *sqltable.Store, fi
 // TestIsolationRefused: a MariaDB whose sessions run at READ UNCOMMITTED is
 // refused by every kind of claim, before anything runs.
 func TestIsolationRefused(t *testing.T) {
+	t.Parallel()
 	b := backendByName(t, "mysql")
 	db := testenv.MySQL(t, isolationParam(t, "READ-UNCOMMITTED"))
 	s := newStore(t, b, db, sqltable.Options{})
@@ -195,6 +197,7 @@ func TestIsolationRefused(t *testing.T) {
 // that claim answers an error wrapping ErrTransient, never a duplicate, and
 // the other transaction commits both keys.
 func TestDeadlockIsTransient(t *testing.T) {
+	t.Parallel()
 	for _, name := range []string{"mysql", "postgres-pgx", "postgres-pq"} {
 		t.Run(name, func(t *testing.T) {
 			b := backendByName(t, name)
@@ -260,6 +263,7 @@ func TestDeadlockIsTransient(t *testing.T) {
 // longer than MariaDB's innodb_lock_wait_timeout answers an error wrapping
 // ErrTransient, never a duplicate.
 func TestLockWaitTimeoutIsTransient(t *testing.T) {
+	t.Parallel()
 	b := backendByName(t, "mysql")
 	db := testenv.MySQL(t, "innodb_lock_wait_timeout=1")
 	s := newStore(t, b, db, sqltable.Options{})
@@ -292,6 +296,7 @@ func TestLockWaitTimeoutIsTransient(t *testing.T) {
 // still answers the duplicate with its result: the read after the INSERT
 // is a locking read, which sees the latest committed row.
 func TestClaimTxAfterSnapshot(t *testing.T) {
+	t.Parallel()
 	b := backendByName(t, "mysql")
 	db := testenv.MySQL(t, isolationParam(t, "REPEATABLE-READ"))
 	s := newStore(t, b, db, sqltable.Options{})

@@ -15,6 +15,7 @@ import (
 // would, and sees neither an expired row nor a claim whose transaction is
 // still open (nor waits for it), on every driver.
 func TestLookup(t *testing.T) {
+	t.Parallel()
 	for _, b := range backends {
 		t.Run(b.name, func(t *testing.T) {
 			db := b.open(t)

@@ -155,6 +155,7 @@ func expireAll(t testing.TB, b backend, db *sql.DB, s *sqltable.Store) {
 }
 
 func TestConformanceTx(t *testing.T) {
+	t.Parallel()
 	for _, b := range backends {
 		t.Run(b.name, func(t *testing.T) {
 			db := b.open(t)
@@ -168,6 +169,7 @@ func TestConformanceTx(t *testing.T) {
 }
 
 func TestConformanceLease(t *testing.T) {
+	t.Parallel()
 	for _, b := range backends {
 		t.Run(b.name, func(t *testing.T) {
 			db := b.open(t)
@@ -183,6 +185,7 @@ func TestConformanceLease(t *testing.T) {
 }
 
 func TestOptionErrors(t *testing.T) {
+	t.Parallel()
 	db := openDB(t, "sqlite", "file::memory:")
 	cases := []struct {
 		name    string

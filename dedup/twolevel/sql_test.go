@@ -29,6 +29,7 @@ var sqlRegistry sync.Map // *twolevel.Store[*sql.Tx] -> *sqlFixture
 // database/sql store on MariaDB: the two levels work over any
 // transactional store that can look a key up.
 func TestConformanceMariaDB(t *testing.T) {
+	t.Parallel()
 	mdb := testenv.MySQL(t, "")
 	mdb.SetMaxOpenConns(40)
 	rdb := testenv.Redis(t)

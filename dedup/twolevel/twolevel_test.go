@@ -97,6 +97,7 @@ func flushPrefix(t testing.TB, rdb *redis.Client, prefix string) {
 var registry sync.Map // *twolevel.Store[pgx.Tx] -> *fixture
 
 func TestConformance(t *testing.T) {
+	t.Parallel()
 	pool := testenv.Pool(t, 20)
 	rdb := testenv.Redis(t)
 	deduptest.RunTx(t, deduptest.TxHarness[pgx.Tx]{
@@ -147,6 +148,7 @@ func TestConformance(t *testing.T) {
 // TestHotDuplicatesSkipTheDatabase: once a key is done, duplicates are
 // answered by the cache.
 func TestHotDuplicatesSkipTheDatabase(t *testing.T) {
+	t.Parallel()
 	f := newFixture(t, testenv.Pool(t, 8), testenv.Redis(t))
 	ctx := testenv.Ctx(t)
 	key := dedup.NewKey("pay", testenv.UniqueID("p"), []byte("100"))
@@ -169,6 +171,7 @@ func TestHotDuplicatesSkipTheDatabase(t *testing.T) {
 // restart without persistence) between deliveries; the database still
 // catches every duplicate, and the mark is written back.
 func TestLostCacheCostsOnlyARoundTrip(t *testing.T) {
+	t.Parallel()
 	pool := testenv.Pool(t, 8)
 	f := newFixture(t, pool, testenv.Redis(t))
 	ctx := testenv.Ctx(t)
@@ -208,6 +211,7 @@ func TestLostCacheCostsOnlyARoundTrip(t *testing.T) {
 // TestCacheDownDatabaseDecides: with the cache unreachable, Process still
 // dedups through the database, under concurrency.
 func TestCacheDownDatabaseDecides(t *testing.T) {
+	t.Parallel()
 	pool := testenv.Pool(t, 20)
 	dead := redis.NewClient(&redis.Options{Addr: testenv.DeadAddr(t), MaxRetries: -1, DialTimeout: 100 * time.Millisecond})
 	defer dead.Close()
@@ -254,6 +258,7 @@ func TestCacheDownDatabaseDecides(t *testing.T) {
 }
 
 func TestNewErrors(t *testing.T) {
+	t.Parallel()
 	pool := testenv.Pool(t, 2)
 	db, _ := pgtable.New(pool, pgtable.Options{})
 	if _, err := twolevel.New(nil, db, twolevel.Options{}); err == nil {
@@ -279,6 +284,7 @@ func TestNewErrors(t *testing.T) {
 // committed row (a duplicate with the receipt), not "in flight"; a key
 // whose transaction is really running is still in flight.
 func TestFailedCompleteDoesNotHideTheCommit(t *testing.T) {
+	t.Parallel()
 	pool := testenv.Pool(t, 8)
 	direct := testenv.Redis(t)
 	px, err := fault.NewProxy(testenv.RedisAddr())
@@ -368,6 +374,7 @@ func TestFailedCompleteDoesNotHideTheCommit(t *testing.T) {
 // unknown: Process answers the database's error, neither "in flight" nor a
 // run of fn.
 func TestInFlightUncheckedIsAnError(t *testing.T) {
+	t.Parallel()
 	rdb := testenv.Redis(t)
 	prefix := testenv.Name("idem2l")
 	t.Cleanup(func() { flushPrefix(t, rdb, prefix) })

@@ -14,6 +14,7 @@ import (
 // TestResult: the handler outcome and the claim verdict of each way a run
 // ends.
 func TestResult(t *testing.T) {
+	t.Parallel()
 	key := dedup.Key{Scope: "s", ID: "1"}
 	herr := errors.New("handler failed")
 	commit := errors.New("commit failed")
@@ -44,6 +45,7 @@ func TestResult(t *testing.T) {
 }
 
 func TestHeld(t *testing.T) {
+	t.Parallel()
 	k := dedup.Key{Scope: "s", ID: "i"}
 	for _, c := range []struct {
 		err  error

@@ -16,6 +16,7 @@ import (
 // and drops every message of a key from its first held one, even when it
 // could lock a later message of that key.
 func TestClaimPassesOverHeldRows(t *testing.T) {
+	t.Parallel()
 	pool := testenv.Pool(t, 6)
 	ob := newOutbox(t, pool, pgoutbox.Options{})
 	held := enqueue(t, pool, ob, msg("t", "held", "held-1"), msg("t", "held", "held-2"))

@@ -102,6 +102,7 @@ func idemConsumer(t testing.TB, pool *pgxpool.Pool, schema string, eff *effects)
 // rows were marked. After a restart it publishes the batch again, and the
 // downstream idem consumer applies each message once.
 func TestRelayKilledBetweenPublishAndMark(t *testing.T) {
+	t.Parallel()
 	pool := testenv.Pool(t, 6)
 	ob := newOutbox(t, pool, pgoutbox.Options{})
 	schema := ob.Options().Schema
@@ -259,6 +260,7 @@ func orderReport(t testing.TB, pool *pgxpool.Pool, ob *pgoutbox.Outbox, arrivals
 // session. Nothing is lost, each key's messages arrive in commit order,
 // duplicates are counted.
 func TestThreeRelaysKeepPerKeyOrder(t *testing.T) {
+	t.Parallel()
 	pool := testenv.Pool(t, 8)
 	ob := newOutbox(t, pool, pgoutbox.Options{})
 	rb := outboxtest.NewRabbit(t, "", false)
@@ -315,6 +317,7 @@ func TestThreeRelaysKeepPerKeyOrder(t *testing.T) {
 // Each shard is owned by exactly one relay session; when a relay stops, the
 // others take its shards over.
 func TestShardsOwnedOnceAndHandedOver(t *testing.T) {
+	t.Parallel()
 	pool := testenv.Pool(t, 6)
 	ob := newOutbox(t, pool, pgoutbox.Options{})
 	const shards = 8
@@ -372,6 +375,7 @@ func TestShardsOwnedOnceAndHandedOver(t *testing.T) {
 // while batches are in flight — at a fixed point between publish and mark,
 // and at random moments: the relays reconnect, nothing is lost.
 func TestPostgresSessionsTerminatedMidBatch(t *testing.T) {
+	t.Parallel()
 	pool := testenv.Pool(t, 8)
 	ob := newOutbox(t, pool, pgoutbox.Options{})
 	// A publish takes a moment, so that random kills also land while one
@@ -500,6 +504,7 @@ func TestPostgresSessionsTerminatedMidBatch(t *testing.T) {
 // (rabbitmqctl close_all_connections) twice mid-stream: the relay's
 // publisher reconnects and nothing is lost.
 func TestRabbitMQConnectionsClosedMidStream(t *testing.T) {
+	t.Parallel()
 	ctl := rabbitmqctl(t)
 	vurl := vhost(t, ctl)
 	pool := testenv.Pool(t, 6)
@@ -577,6 +582,7 @@ func vurlPath(t testing.TB, raw string) string {
 // redelivery of the incoming message (a crash before its ACK) finds the
 // claim and writes nothing, so the outbox holds each outgoing message once.
 func TestConsumeTransformProduce(t *testing.T) {
+	t.Parallel()
 	pool := testenv.Pool(t, 4)
 	ob := newOutbox(t, pool, pgoutbox.Options{})
 	store, err := pgtable.New(pool, pgtable.Options{Schema: ob.Options().Schema})

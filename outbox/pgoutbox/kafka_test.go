@@ -141,6 +141,7 @@ func kafkaRun(t testing.TB, c *idemkafka.Consumer) (stop func()) {
 // no rolled-back one is ever seen, and each key's messages are applied, and
 // first delivered, in commit order.
 func TestRelayToKafka(t *testing.T) {
+	t.Parallel()
 	const (
 		total      = 2000
 		keys       = 50

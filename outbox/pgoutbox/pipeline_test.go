@@ -71,6 +71,7 @@ func (p *checkingPublisher) Publish(ctx context.Context, msgs []*outbox.Message)
 // message is still sent only after the previous one was confirmed and
 // marked, and one session never has two batches at the broker at once.
 func TestClaimAheadKeepsKeyOrder(t *testing.T) {
+	t.Parallel()
 	pool := testenv.Pool(t, 6)
 	ob := newOutbox(t, pool, pgoutbox.Options{})
 	const keys, perKey = 40, 8

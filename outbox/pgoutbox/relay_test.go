@@ -20,6 +20,7 @@ import (
 )
 
 func TestNewValidates(t *testing.T) {
+	t.Parallel()
 	pool := testenv.Pool(t, 2)
 	for _, o := range []pgoutbox.Options{
 		{Schema: "Bad"},
@@ -67,6 +68,7 @@ func TestNewValidates(t *testing.T) {
 }
 
 func TestMigrateConcurrentlyAndSQL(t *testing.T) {
+	t.Parallel()
 	pool := testenv.Pool(t, 6)
 	schema := testenv.Schema(t, pool)
 	ob, err := pgoutbox.New(pool, pgoutbox.Options{Schema: schema, Table: "events_out"})
@@ -111,6 +113,7 @@ func TestMigrateConcurrentlyAndSQL(t *testing.T) {
 // Rows of a rolled-back transaction are never published; rows of a
 // committed one always are.
 func TestRolledBackNeverCommittedAlways(t *testing.T) {
+	t.Parallel()
 	pool := testenv.Pool(t, 6)
 	ob := newOutbox(t, pool, pgoutbox.Options{})
 	pub := &memPublisher{}
@@ -172,6 +175,7 @@ func TestRolledBackNeverCommittedAlways(t *testing.T) {
 // the key's lock, so the second takes its sequence number only after the
 // first committed: sequence order is commit order.
 func TestSameKeyEnqueuesSerializeUntilCommit(t *testing.T) {
+	t.Parallel()
 	pool := testenv.Pool(t, 6)
 	ob := newOutbox(t, pool, pgoutbox.Options{})
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
@@ -231,6 +235,7 @@ func TestSameKeyEnqueuesSerializeUntilCommit(t *testing.T) {
 }
 
 func TestEnqueueIDsHeadersAndTrace(t *testing.T) {
+	t.Parallel()
 	pool := testenv.Pool(t, 4)
 	ob := newOutbox(t, pool, pgoutbox.Options{})
 	pub := &memPublisher{}
@@ -292,6 +297,7 @@ func TestEnqueueIDsHeadersAndTrace(t *testing.T) {
 // dead after MaxAttempts, while the other keys flow; the key's later
 // messages wait until it is dead, then proceed.
 func TestPoisonMessageEndsDeadWhileOthersFlow(t *testing.T) {
+	t.Parallel()
 	pool := testenv.Pool(t, 6)
 	ob := newOutbox(t, pool, pgoutbox.Options{})
 	pub := &memPublisher{fail: func(m *outbox.Message) error {
@@ -387,6 +393,7 @@ func deref(s *string) string {
 // the relay backs off and sends the batch again when the broker is back, and
 // once everything is dead or published it stops calling the publisher.
 func TestBrokerDownCountsNoAttemptAndNoHotLoop(t *testing.T) {
+	t.Parallel()
 	pool := testenv.Pool(t, 4)
 	ob := newOutbox(t, pool, pgoutbox.Options{})
 	var down atomic.Bool
@@ -430,6 +437,7 @@ func TestBrokerDownCountsNoAttemptAndNoHotLoop(t *testing.T) {
 // When every message fails, the relay works through the attempts and then
 // stops calling the publisher: no hot loop.
 func TestAllFailingEndsQuiet(t *testing.T) {
+	t.Parallel()
 	pool := testenv.Pool(t, 4)
 	ob := newOutbox(t, pool, pgoutbox.Options{})
 	pub := &memPublisher{fail: func(*outbox.Message) error { return errBoom }}
@@ -461,6 +469,7 @@ func TestAllFailingEndsQuiet(t *testing.T) {
 // Published rows are marked, then deleted by Cleanup after Retention in
 // bounded batches; with DeletePublished they are deleted at once.
 func TestCleanupAndDeletePublished(t *testing.T) {
+	t.Parallel()
 	pool := testenv.Pool(t, 4)
 	ob := newOutbox(t, pool, pgoutbox.Options{Retention: time.Millisecond, CleanupBatch: 7})
 	pub := &memPublisher{}
@@ -499,6 +508,7 @@ func TestCleanupAndDeletePublished(t *testing.T) {
 // at commit can wake the relay; a row inserted without a notification is
 // found by the poll.
 func TestNotifyWakesRelayAndPollingCatchesTheRest(t *testing.T) {
+	t.Parallel()
 	pool := testenv.Pool(t, 4)
 	ob := newOutbox(t, pool, pgoutbox.Options{})
 	pub := &memPublisher{}
@@ -538,6 +548,7 @@ func TestNotifyWakesRelayAndPollingCatchesTheRest(t *testing.T) {
 }
 
 func TestRunWithoutMigrateFails(t *testing.T) {
+	t.Parallel()
 	pool := testenv.Pool(t, 2)
 	ob, err := pgoutbox.New(pool, pgoutbox.Options{Schema: testenv.Schema(t, pool), Logger: quiet()})
 	if err != nil {
@@ -556,6 +567,7 @@ func TestRunWithoutMigrateFails(t *testing.T) {
 
 // NoKeyLock: a second transaction enqueueing the same key does not wait.
 func TestNoKeyLock(t *testing.T) {
+	t.Parallel()
 	pool := testenv.Pool(t, 4)
 	ob := newOutbox(t, pool, pgoutbox.Options{NoKeyLock: true})
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
@@ -573,6 +585,7 @@ func TestNoKeyLock(t *testing.T) {
 
 // Dead rows are kept unless DeadRetention is set.
 func TestDeadRetention(t *testing.T) {
+	t.Parallel()
 	pool := testenv.Pool(t, 4)
 	ob := newOutbox(t, pool, pgoutbox.Options{DeadRetention: time.Millisecond, Retention: time.Hour})
 	pub := &memPublisher{fail: func(*outbox.Message) error { return errBoom }}

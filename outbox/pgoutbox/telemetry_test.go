@@ -23,6 +23,7 @@ import (
 // per table and topic, the publish latency by result, the delay of each
 // confirmed message, and the backlog gauges.
 func TestRelayMetrics(t *testing.T) {
+	t.Parallel()
 	pool := testenv.Pool(t, 6)
 	ob := newOutbox(t, pool, pgoutbox.Options{Table: "events_out"})
 	mp := telemetrytest.NewMetrics(t)
@@ -157,6 +158,7 @@ func gauge(t *testing.T, mp *telemetrytest.Metrics, name string, attrs ...attrib
 // The backlog is queried at most about once per MetricsInterval, however
 // often the provider collects.
 func TestRelayBacklogSampledOncePerInterval(t *testing.T) {
+	t.Parallel()
 	pool := testenv.Pool(t, 6)
 	ob := newOutbox(t, pool, pgoutbox.Options{})
 	mp := telemetrytest.NewMetrics(t)
@@ -181,6 +183,7 @@ func TestRelayBacklogSampledOncePerInterval(t *testing.T) {
 // context: the traceparent header carries its trace id and span id. The
 // relay's "publish <topic>" producer span is a root linked to it.
 func TestRelayTraceContext(t *testing.T) {
+	t.Parallel()
 	pool := testenv.Pool(t, 6)
 	ob := newOutbox(t, pool, pgoutbox.Options{})
 	tp := telemetrytest.NewSpans(t)

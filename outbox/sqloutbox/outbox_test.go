@@ -19,6 +19,7 @@ import (
 )
 
 func TestNewRefusesBadOptions(t *testing.T) {
+	t.Parallel()
 	cases := []struct {
 		name string
 		d    sqloutbox.Dialect
@@ -42,6 +43,7 @@ func TestNewRefusesBadOptions(t *testing.T) {
 }
 
 func TestNewRelayRefusesPostgresAndSQLiteSessions(t *testing.T) {
+	t.Parallel()
 	pg, err := sqloutbox.New(&sql.DB{}, sqloutbox.Postgres, sqloutbox.Options{})
 	if err != nil {
 		t.Fatal(err)
@@ -64,6 +66,7 @@ func TestNewRelayRefusesPostgresAndSQLiteSessions(t *testing.T) {
 // The PostgreSQL migration is pgoutbox's, so that pgoutbox's relay reads
 // the table sqloutbox writes.
 func TestPostgresMigrationIsPgoutboxs(t *testing.T) {
+	t.Parallel()
 	mine, err := os.ReadFile("migrations/postgres/0001_outbox.sql")
 	if err != nil {
 		t.Fatal(err)
@@ -87,6 +90,7 @@ func TestPostgresMigrationIsPgoutboxs(t *testing.T) {
 // Migrate runs twice (and concurrently) without harm and records its
 // version, on each dialect.
 func TestMigrateIdempotent(t *testing.T) {
+	t.Parallel()
 	for _, d := range []sqloutbox.Dialect{sqloutbox.MySQL, sqloutbox.SQLite, sqloutbox.Postgres} {
 		t.Run(d.String(), func(t *testing.T) {
 			ctx := testenv.Ctx(t)
@@ -131,6 +135,7 @@ func TestMigrateIdempotent(t *testing.T) {
 // pgoutbox's relay publishes the committed messages, with their ids, keys,
 // payloads and trace headers, and nothing of a rolled back transaction.
 func TestPostgresEnqueuePublishedByPgoutboxRelay(t *testing.T) {
+	t.Parallel()
 	db, schema := postgresDB(t)
 	ob := newOutbox(t, db, sqloutbox.Postgres, sqloutbox.Options{Schema: schema})
 	pool := testenv.Pool(t, 4)
@@ -200,6 +205,7 @@ func TestPostgresEnqueuePublishedByPgoutboxRelay(t *testing.T) {
 
 // Enqueue validates messages before it writes anything.
 func TestEnqueueRefusesBadMessages(t *testing.T) {
+	t.Parallel()
 	db := sqliteDB(t)
 	ob := newOutbox(t, db, sqloutbox.SQLite, sqloutbox.Options{})
 	ctx := testenv.Ctx(t)

@@ -30,6 +30,7 @@ func newAMQPPublisher(t testing.TB, rawURL string) *idemamqp.Publisher {
 // (publisher confirms): every message arrives with its outbox id as its
 // AMQP message-id, each key's messages in order.
 func TestMariaDBRelaysToRabbitMQ(t *testing.T) {
+	t.Parallel()
 	db := mariaDB(t)
 	ob := newOutbox(t, db, sqloutbox.MySQL, sqloutbox.Options{})
 	rb := outboxtest.NewRabbit(t, "", false)

@@ -116,6 +116,7 @@ func (e *effects) count(t testing.TB) int {
 // every other message, its key's later ones included, goes out; a message
 // published at its third attempt still comes before its key's later ones.
 func TestMariaDBRelaysOracle(t *testing.T) {
+	t.Parallel()
 	db := mariaDB(t)
 	ob := newOutbox(t, db, sqloutbox.MySQL, sqloutbox.Options{})
 	eff := newEffects(t, db)
@@ -251,6 +252,7 @@ func TestMariaDBRelaysOracle(t *testing.T) {
 // before the rows were marked loses its claim: the batch is published again,
 // with the same ids, and nothing is lost or reordered.
 func TestMariaDBRelayKilledBetweenPublishAndMark(t *testing.T) {
+	t.Parallel()
 	db := mariaDB(t)
 	ob := newOutbox(t, db, sqloutbox.MySQL, sqloutbox.Options{})
 	const keys, perKey = 10, 3
@@ -324,6 +326,7 @@ func TestMariaDBRelayKilledBetweenPublishAndMark(t *testing.T) {
 // transaction enqueueing the same key waits, so the key's rows are
 // numbered in commit order.
 func TestMariaDBEnqueueOrdersKeyByCommit(t *testing.T) {
+	t.Parallel()
 	db := mariaDB(t)
 	ob := newOutbox(t, db, sqloutbox.MySQL, sqloutbox.Options{})
 	ctx := testenv.Ctx(t)
@@ -395,6 +398,7 @@ func TestMariaDBEnqueueOrdersKeyByCommit(t *testing.T) {
 // CleanupBatch, keeps pending and dead rows, and deletes dead rows only
 // with a DeadRetention.
 func TestCleanupInBatches(t *testing.T) {
+	t.Parallel()
 	for _, d := range []sqloutbox.Dialect{sqloutbox.MySQL, sqloutbox.SQLite} {
 		t.Run(d.String(), func(t *testing.T) {
 			var db *sql.DB
@@ -452,6 +456,7 @@ func TestCleanupInBatches(t *testing.T) {
 
 // A dead message made pending again by RequeueDead is published.
 func TestRequeueDead(t *testing.T) {
+	t.Parallel()
 	db := mariaDB(t)
 	ob := newOutbox(t, db, sqloutbox.MySQL, sqloutbox.Options{})
 	var healed atomic.Bool
@@ -482,6 +487,7 @@ func TestRequeueDead(t *testing.T) {
 // Run returns at once, with an error saying what to do, when the table
 // does not exist.
 func TestRunWithoutTable(t *testing.T) {
+	t.Parallel()
 	for _, d := range []sqloutbox.Dialect{sqloutbox.MySQL, sqloutbox.SQLite} {
 		t.Run(d.String(), func(t *testing.T) {
 			var db *sql.DB
@@ -510,6 +516,7 @@ func TestRunWithoutTable(t *testing.T) {
 // (within ShutdownTimeout): its rows are marked, and a relay started
 // afterwards publishes the rest, each message once.
 func TestMariaDBRelayStoppedBetweenPublishAndMark(t *testing.T) {
+	t.Parallel()
 	db := mariaDB(t)
 	ob := newOutbox(t, db, sqloutbox.MySQL, sqloutbox.Options{})
 	var want []string

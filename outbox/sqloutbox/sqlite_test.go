@@ -17,6 +17,7 @@ import (
 // dead after MaxAttempts without holding up the rest; a message published
 // at its third attempt still comes before the later ones of its key.
 func TestSQLiteRelay(t *testing.T) {
+	t.Parallel()
 	db := sqliteDB(t)
 	ob := newOutbox(t, db, sqloutbox.SQLite, sqloutbox.Options{})
 	const (

@@ -116,6 +116,7 @@ func runChild() int {
 // the server saw the dead one go) publishes that batch again with the same
 // ids, and every other message once. Nothing is lost.
 func TestCrashBetweenPublishAndConfirm(t *testing.T) {
+	t.Parallel()
 	sources(t, func(t *testing.T, src walrelay.Source) {
 		pool := logicalPool(t)
 		ob := newWAL(t, pool, walrelay.Options{Source: src})

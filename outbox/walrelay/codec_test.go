@@ -10,6 +10,7 @@ import (
 )
 
 func TestCodecRoundTrip(t *testing.T) {
+	t.Parallel()
 	in := []*outbox.Message{
 		{ID: uuid.NewString(), Topic: "orders", Key: []byte("k"), Payload: []byte("p"), Headers: map[string]string{"a": "1", "traceparent": "x"}},
 		{ID: uuid.NewString(), Topic: "", Payload: []byte{}},

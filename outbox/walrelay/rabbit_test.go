@@ -21,6 +21,7 @@ import (
 // exchange that does not exist is refused by the broker on every attempt
 // and parked, while the others arrive.
 func TestRelayToRabbitMQ(t *testing.T) {
+	t.Parallel()
 	sources(t, func(t *testing.T, src walrelay.Source) {
 		u, err := url.Parse(testenv.AMQPURL())
 		if err != nil {

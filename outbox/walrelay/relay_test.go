@@ -21,6 +21,7 @@ import (
 // sentinel committed after the rollbacks proves it: the stream is in commit
 // order, so a rolled-back message would have come before it.
 func TestCommitAndRollback(t *testing.T) {
+	t.Parallel()
 	sources(t, func(t *testing.T, src walrelay.Source) {
 		pool := logicalPool(t)
 		ob := newWAL(t, pool, walrelay.Options{Source: src})
@@ -109,6 +110,7 @@ func TestCommitAndRollback(t *testing.T) {
 // transaction that enqueues first and commits second has its message
 // published second. No per-key lock makes the second transaction wait.
 func TestCommitOrderNotEnqueueOrder(t *testing.T) {
+	t.Parallel()
 	sources(t, func(t *testing.T, src walrelay.Source) {
 		pool := logicalPool(t)
 		ob := newWAL(t, pool, walrelay.Options{Source: src})
@@ -147,6 +149,7 @@ func TestCommitOrderNotEnqueueOrder(t *testing.T) {
 // on. Producers commit concurrently; each owns its keys and commits one
 // transaction at a time, so a key's commit order is its producer's order.
 func TestOrderPerKeyWithRetries(t *testing.T) {
+	t.Parallel()
 	sources(t, func(t *testing.T, src walrelay.Source) {
 		pool := logicalPool(t)
 		ob := newWAL(t, pool, walrelay.Options{Source: src})
@@ -231,6 +234,7 @@ func TestOrderPerKeyWithRetries(t *testing.T) {
 // it, other keys never wait for it, and the slot's position passes it.
 // RequeueDead publishes it again with its id.
 func TestPoisonParked(t *testing.T) {
+	t.Parallel()
 	sources(t, func(t *testing.T, src walrelay.Source) {
 		pool := logicalPool(t)
 		ob := newWAL(t, pool, walrelay.Options{Source: src})
@@ -293,6 +297,7 @@ func TestPoisonParked(t *testing.T) {
 // Only one relay streams a slot. A second one waits, and takes over when
 // the first stops; nothing is lost across the hand-over.
 func TestSecondRelayTakesOver(t *testing.T) {
+	t.Parallel()
 	pool := logicalPool(t)
 	ob := newWAL(t, pool, walrelay.Options{})
 	pubA, pubB := newMemPublisher(), newMemPublisher()
@@ -335,6 +340,7 @@ func TestSecondRelayTakesOver(t *testing.T) {
 // transaction that sent the batch commits, never when it rolls back; it
 // needs the logical messages source.
 func TestQueueEnqueue(t *testing.T) {
+	t.Parallel()
 	pool := logicalPool(t)
 	ob := newWAL(t, pool, walrelay.Options{Source: walrelay.SourceMessages})
 	pub := newMemPublisher()
@@ -382,6 +388,7 @@ func TestQueueEnqueue(t *testing.T) {
 // when the transaction's commit reached the publishing side only after the
 // stop began: the next relay publishes nothing of it again.
 func TestCleanStopConfirmsFinishedBatch(t *testing.T) {
+	t.Parallel()
 	pool := logicalPool(t)
 	ob := newWAL(t, pool, walrelay.Options{})
 	pubA := newMemPublisher()

@@ -17,6 +17,7 @@ import (
 // wal_level on the shared test database, which runs with the default
 // replica level. On the logical cluster it passes.
 func TestCheck(t *testing.T) {
+	t.Parallel()
 	shared := testenv.Pool(t, 2)
 	var level string
 	if err := shared.QueryRow(context.Background(), "SHOW wal_level").Scan(&level); err != nil {
@@ -48,6 +49,7 @@ func TestCheck(t *testing.T) {
 // Slot shows the slot (active while a relay streams it, its lag), DropSlot
 // refuses while a relay streams it and drops it once the relay stopped.
 func TestSlotShowAndDrop(t *testing.T) {
+	t.Parallel()
 	pool := logicalPool(t)
 	ob := newWAL(t, pool, walrelay.Options{})
 	ctx := context.Background()
@@ -96,6 +98,7 @@ func TestSlotShowAndDrop(t *testing.T) {
 // message is parked in the dead table with its raw payload, under an id
 // derived from its position, and the messages after it are published.
 func TestCorruptMessageParked(t *testing.T) {
+	t.Parallel()
 	pool := logicalPool(t)
 	ob := newWAL(t, pool, walrelay.Options{Source: walrelay.SourceMessages})
 	pub := newMemPublisher()
@@ -119,6 +122,7 @@ func TestCorruptMessageParked(t *testing.T) {
 // The table source's rows are never marked; Cleanup deletes them by age,
 // and the relay has published them from the WAL all the same.
 func TestCleanupByAge(t *testing.T) {
+	t.Parallel()
 	pool := logicalPool(t)
 	ob := newWAL(t, pool, walrelay.Options{Source: walrelay.SourceTable, Retention: 1e6 /* 1ms */, CleanupBatch: 3})
 	ids := enqueue(t, pool, ob, msg("t", "a", "1"), msg("t", "b", "2"), msg("t", "c", "3"), msg("t", "d", "4"))
@@ -137,6 +141,7 @@ func TestCleanupByAge(t *testing.T) {
 
 // With no pool, an Outbox only enqueues; the options are validated.
 func TestNewValidates(t *testing.T) {
+	t.Parallel()
 	for _, o := range []walrelay.Options{
 		{Slot: "Bad-Name"}, {Publication: "bad name"}, {Source: 7}, {Table: strings.Repeat("t", 49)}, {Retention: -1},
 	} {
@@ -160,6 +165,7 @@ func TestNewValidates(t *testing.T) {
 }
 
 func TestSourceText(t *testing.T) {
+	t.Parallel()
 	for _, src := range []walrelay.Source{walrelay.SourceMessages, walrelay.SourceTable, 0} {
 		text, err := src.MarshalText()
 		if err != nil {

@@ -18,6 +18,7 @@ import (
 // the backlog drop to zero, and the counters count the published, retried
 // and parked messages.
 func TestRelayMetrics(t *testing.T) {
+	t.Parallel()
 	pool := logicalPool(t)
 	ob := newWAL(t, pool, walrelay.Options{})
 	mp := telemetrytest.NewMetrics(t)

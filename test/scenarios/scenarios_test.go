@@ -219,6 +219,7 @@ func (c *collector) add(id, r string) {
 // slow gateway, and retries. The retry must not charge again, and gets the
 // first attempt's receipt.
 func TestRetryAfterClientTimeout(t *testing.T) {
+	t.Parallel()
 	forEachBackend(t, func(t *testing.T, e env) {
 		const payments = 20
 		var c collector
@@ -266,6 +267,7 @@ func TestRetryAfterClientTimeout(t *testing.T) {
 
 // Scenario 2: a double click, 10 and 100 identical requests at once.
 func TestDoubleClick(t *testing.T) {
+	t.Parallel()
 	forEachBackend(t, func(t *testing.T, e env) {
 		var c collector
 		var ids []string
@@ -318,6 +320,7 @@ func (p *naivePayments) charge(ctx context.Context, id string, amount int64, gat
 // and the oracle says so. A scenario test whose oracle could not fail would
 // prove nothing.
 func TestOracleCatchesNaive(t *testing.T) {
+	t.Parallel()
 	admin := testenv.Pool(t, 10)
 	o := testenv.NewCharges(t, admin, testenv.Schema(t, admin))
 	var c collector
@@ -331,6 +334,7 @@ func TestOracleCatchesNaive(t *testing.T) {
 // Scenario 4: the load balancer retries on another instance (own pool, own
 // Redis client) while the first still works.
 func TestLoadBalancerRetry(t *testing.T) {
+	t.Parallel()
 	forEachBackend(t, func(t *testing.T, e env) {
 		const payments = 30
 		var c collector
@@ -375,6 +379,7 @@ func TestLoadBalancerRetry(t *testing.T) {
 // those that crashed inside the transaction before commit. Messages go
 // through the consumer pipeline; the queue acts on consumer.Result.
 func TestQueueRedeliveryAfterCrash(t *testing.T) {
+	t.Parallel()
 	forEachBackend(t, func(t *testing.T, e env) {
 		const payments = 300
 		crashBeforeAck := 0.3

@@ -30,6 +30,7 @@ import (
 // the trace: its process span is the child of the enqueuing span, and the
 // claim runs under it.
 func TestTraceSurvivesOutboxRelayAndBroker(t *testing.T) {
+	t.Parallel()
 	t.Run("kafka", func(t *testing.T) {
 		k := kafkatest.New(t)
 		topic := k.Topic(t, "idemtrace", 1)

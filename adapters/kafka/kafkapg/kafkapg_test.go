@@ -20,6 +20,7 @@ import (
 func TestMain(m *testing.M) { goleak.VerifyTestMain(m, testenv.LeakOptions()...) }
 
 func TestOffsets(t *testing.T) {
+	t.Parallel()
 	pool := testenv.Pool(t, 4)
 	schema := testenv.Schema(t, pool)
 	ctx := context.Background()
@@ -77,6 +78,7 @@ func TestOffsets(t *testing.T) {
 }
 
 func TestOffsetsOptions(t *testing.T) {
+	t.Parallel()
 	pool := testenv.Pool(t, 1)
 	for _, opts := range []kafkapg.OffsetsOptions{
 		{Table: "Bad"}, {Table: "x; DROP TABLE y"}, {Schema: "1abc"}, {Table: strings.Repeat("t", 51)},
@@ -91,6 +93,7 @@ func TestOffsetsOptions(t *testing.T) {
 }
 
 func TestBatch(t *testing.T) {
+	t.Parallel()
 	pool := testenv.Pool(t, 4)
 	schema := testenv.Schema(t, pool)
 	ctx := context.Background()
@@ -187,6 +190,7 @@ func TestBatch(t *testing.T) {
 }
 
 func TestConstructors(t *testing.T) {
+	t.Parallel()
 	pool := testenv.Pool(t, 1)
 	claims, err := pgtable.New(pool, pgtable.Options{})
 	if err != nil {

@@ -21,6 +21,7 @@ import (
 // the batch ended, with scope and store only, and records its claim, handle
 // and commit spans under the batch's span.
 func TestBatchTelemetry(t *testing.T) {
+	t.Parallel()
 	pool := testenv.Pool(t, 4)
 	schema := testenv.Schema(t, pool)
 	ctx := context.Background()
@@ -94,6 +95,7 @@ func TestBatchTelemetry(t *testing.T) {
 // handler duration per handler call, whatever the number of messages it
 // handles; the claims are counted per message as with Batch.
 func TestBatchAllTelemetry(t *testing.T) {
+	t.Parallel()
 	pool := testenv.Pool(t, 4)
 	schema := testenv.Schema(t, pool)
 	ctx := context.Background()
