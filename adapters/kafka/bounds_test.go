@@ -16,7 +16,6 @@ import (
 // running after its context was cancelled does not hold Run (nor the
 // member's next join) for as long as it runs; its record is not committed.
 func TestRunReturnsPastAHandlerThatIgnoresItsContext(t *testing.T) {
-	t.Parallel()
 	k := newKafka(t)
 	topic := k.topic(t, "stuckhandler", 1)
 	group := testenv.Name("g")

@@ -31,7 +31,6 @@ import (
 // consumed with four workers per partition, so records of one key are
 // handled in order and records of other keys do not wait for them.
 func TestConformance(t *testing.T) {
-	t.Parallel()
 	adaptertest.Run(t, &kafkaHarness{clusters: map[string]*kfake.Cluster{}})
 }
 
@@ -44,7 +43,7 @@ type kafkaHarness struct {
 const conformancePartitions = 2
 
 func (h *kafkaHarness) Capabilities() adaptertest.Capabilities {
-	return adaptertest.Capabilities{Ordering: adaptertest.OrderPerKey, ChildProcess: true, Parallel: true}
+	return adaptertest.Capabilities{Ordering: adaptertest.OrderPerKey, ChildProcess: true}
 }
 
 func (h *kafkaHarness) NewDestination(t testing.TB, _ adaptertest.ConsumerOptions) adaptertest.Destination {

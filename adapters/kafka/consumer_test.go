@@ -33,7 +33,6 @@ func offsetOf(t testing.TB, msg *consumer.Message) int64 {
 // holds the committed offset at 5 while 6..100 finish; once it finishes the
 // offset moves to the end.
 func TestCommitOrder(t *testing.T) {
-	t.Parallel()
 	k := newKafka(t)
 	topic := k.topic(t, "order", 1)
 	group := testenv.Name("g")
@@ -118,7 +117,6 @@ func TestCommitOrder(t *testing.T) {
 // the partition waiting, so records are handled in offset order exactly,
 // and reported once each, when acknowledged.
 func TestRetryInPlaceKeepsOrder(t *testing.T) {
-	t.Parallel()
 	k := newKafka(t)
 	topic := k.topic(t, "retry", 1)
 	group := testenv.Name("g")
@@ -189,7 +187,6 @@ func TestRetryInPlaceKeepsOrder(t *testing.T) {
 // topic with the reason and the original position, and the partition goes
 // on; every good record is handled once and the offsets reach the end.
 func TestPoisonToDeadLetter(t *testing.T) {
-	t.Parallel()
 	k := newKafka(t)
 	topic := k.topic(t, "poison", 2)
 	dlq := k.topic(t, "poison_dlq", 1)
@@ -336,7 +333,6 @@ func TestPoisonToDeadLetter(t *testing.T) {
 // consumes anything. One that does not exist is an error naming it, at once,
 // not a partition that stalls at its first poison record.
 func TestDeadLetterTopicMissing(t *testing.T) {
-	t.Parallel()
 	k := newKafka(t)
 	topic := k.topic(t, "nodlq", 1)
 	k.produce(t, topic, rec(0, "k", "", "poison: no id"), rec(0, "k", "id-1", "v"))
@@ -371,7 +367,6 @@ func TestDeadLetterTopicMissing(t *testing.T) {
 // TestProducerDuplicates: the same id produced again at later offsets (a
 // relay re-publish) is applied once.
 func TestProducerDuplicates(t *testing.T) {
-	t.Parallel()
 	k := newKafka(t)
 	topic := k.topic(t, "dups", 3)
 	group := testenv.Name("g")
@@ -458,7 +453,6 @@ func TestProducerDuplicates(t *testing.T) {
 // group and time reach the handler; OffsetID gives a record without an id
 // header the id topic/partition/offset.
 func TestMessageMapping(t *testing.T) {
-	t.Parallel()
 	k := newKafka(t)
 	topic := k.topic(t, "mapping", 2)
 	group := testenv.Name("g")
@@ -503,7 +497,6 @@ func TestMessageMapping(t *testing.T) {
 // TestIDFunc: an id taken from the payload; a record it refuses is
 // dead-lettered as invalid_key.
 func TestIDFunc(t *testing.T) {
-	t.Parallel()
 	k := newKafka(t)
 	topic := k.topic(t, "idfunc", 1)
 	dlq := k.topic(t, "idfunc_dlq", 1)
@@ -557,7 +550,6 @@ func TestIDFunc(t *testing.T) {
 // TestShutdownCommitsDone: stopping commits what is done, even with commits
 // otherwise never due, and leaves the group.
 func TestShutdownCommitsDone(t *testing.T) {
-	t.Parallel()
 	k := newKafka(t)
 	topic := k.topic(t, "shutdown", 2)
 	group := testenv.Name("g")
@@ -591,7 +583,6 @@ func TestShutdownCommitsDone(t *testing.T) {
 }
 
 func TestNewConsumerValidation(t *testing.T) {
-	t.Parallel()
 	h := consumer.HandlerFunc(func(context.Context, *consumer.Message) error { return nil })
 	cfg := kafkago.ReaderConfig{Brokers: []string{"127.0.0.1:1"}, GroupID: "g", Topic: "t"}
 	ok := idemkafka.ConsumerOptions{DeadLetterTopic: "t.dlq"}
@@ -648,7 +639,6 @@ func TestNewConsumerValidation(t *testing.T) {
 // records produced before the next generation are not skipped (kafka-go
 // issue #1319).
 func TestStartAtLastOffset(t *testing.T) {
-	t.Parallel()
 	k := newKafka(t)
 	topic := k.topic(t, "last", 1)
 	group := testenv.Name("g")

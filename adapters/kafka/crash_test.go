@@ -442,7 +442,6 @@ func oracleCheck(t *testing.T, pool *pgxpool.Pool, schema string, want []string)
 // handler is SIGKILLed at random and named points over 10,000 records (and
 // 500 producer duplicates): no effect applied twice, none lost.
 func TestCrashSafety(t *testing.T) {
-	t.Parallel()
 	k := newKafka(t)
 	pool := testenv.Pool(t, 4)
 	schema := testenv.Schema(t, pool)
@@ -503,7 +502,6 @@ func TestCrashSafety(t *testing.T) {
 // off: no record whose effect committed is handled again (no duplicate
 // claim), none is skipped.
 func TestCrashSafetyOffsetsInPostgres(t *testing.T) {
-	t.Parallel()
 	k := newKafka(t)
 	pool := testenv.Pool(t, 4)
 	schema := testenv.Schema(t, pool)

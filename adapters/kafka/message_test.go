@@ -67,7 +67,6 @@ func FuzzMessage(f *testing.F) {
 // MessageFrom's options: the id header, IDFunc, the length limit and the
 // group; a negative MaxIDLen is refused.
 func TestMessageFromOptions(t *testing.T) {
-	t.Parallel()
 	km := &kafkago.Message{Topic: "t", Partition: 1, Offset: 7, Key: []byte("k"), Value: []byte("v"),
 		Headers: []kafkago.Header{{Key: "ce_id", Value: []byte("evt-1")}, {Key: outbox.HeaderMessageID, Value: []byte("out-1")}}}
 	for _, tc := range []struct {

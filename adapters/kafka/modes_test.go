@@ -22,7 +22,6 @@ import (
 // are handled one at a time in offset order, different keys in parallel,
 // and every record is committed.
 func TestKeyWorkers(t *testing.T) {
-	t.Parallel()
 	k := newKafka(t)
 	topic := k.topic(t, "keys", 2)
 	group := testenv.Name("g")
@@ -104,7 +103,6 @@ func TestKeyWorkers(t *testing.T) {
 // record is dead-lettered alone, and PositionAfter says where the partition
 // stands.
 func TestBatchConsumer(t *testing.T) {
-	t.Parallel()
 	k := newKafka(t)
 	topic := k.topic(t, "batch", 2)
 	dlq := k.topic(t, "batch_dlq", 1)
@@ -232,7 +230,6 @@ func TestBatchConsumer(t *testing.T) {
 // TestPositionAfterOutsideConsumer: no position outside a Consumer's
 // handler.
 func TestPositionAfterOutsideConsumer(t *testing.T) {
-	t.Parallel()
 	if _, ok := idemkafka.PositionAfter(context.Background()); ok {
 		t.Fatal("PositionAfter answered outside a Consumer")
 	}
@@ -243,7 +240,6 @@ func TestPositionAfterOutsideConsumer(t *testing.T) {
 // the partition, not once by each member; and every dead letter carries
 // the id "topic/partition/offset" of its record.
 func TestBatchDeadLettersOnce(t *testing.T) {
-	t.Parallel()
 	k := newKafka(t)
 	topic := k.topic(t, "batchdl", 1)
 	dlq := k.dlq(t, topic)

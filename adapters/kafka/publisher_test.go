@@ -17,7 +17,6 @@ import (
 )
 
 func TestPublisherHeadersAndTopics(t *testing.T) {
-	t.Parallel()
 	k := newKafka(t)
 	topic := k.topic(t, "pub", 1)
 	w := &kafkago.Writer{
@@ -79,7 +78,6 @@ func TestPublisherHeadersAndTopics(t *testing.T) {
 }
 
 func TestNewPublisherChecksTheWriter(t *testing.T) {
-	t.Parallel()
 	for name, w := range map[string]*kafkago.Writer{
 		"nil":     nil,
 		"async":   {Addr: kafkago.TCP("x"), Async: true, RequiredAcks: kafkago.RequireAll},
@@ -97,7 +95,6 @@ func TestNewPublisherChecksTheWriter(t *testing.T) {
 // refused) and a record too large become a PublishError naming exactly the
 // records not confirmed.
 func TestPublisherPartialFailure(t *testing.T) {
-	t.Parallel()
 	c, err := kfake.NewCluster(kfake.NumBrokers(1), kfake.SeedTopics(2, "pp"))
 	if err != nil {
 		t.Fatal(err)

@@ -26,7 +26,6 @@ import (
 // of work per record so that rebalances meet work in flight): no effect
 // applied twice, none lost, and each member handled some.
 func TestRebalance(t *testing.T) {
-	t.Parallel()
 	k := newKafka(t)
 	setup := testenv.Pool(t, 2)
 	schema := testenv.Schema(t, setup)
@@ -167,7 +166,6 @@ func TestRebalance(t *testing.T) {
 // the partitions are assigned to it, without waiting for new records: lag
 // tools then show no lag on partitions that are fully processed.
 func TestOffsetsInPostgresReachKafka(t *testing.T) {
-	t.Parallel()
 	k := newKafka(t)
 	pool := testenv.Pool(t, 4)
 	schema := testenv.Schema(t, pool)

@@ -73,7 +73,6 @@ func newFailingDeadLetters(t *testing.T, topic string, partitions int, dlq strin
 // parked, with the dead letter's reason; good records are reported once
 // each as well.
 func TestOutcomeReportedOnceAfterSettlement(t *testing.T) {
-	t.Parallel()
 	topic, dlq := testenv.Name("rep"), testenv.Name("rep_dlq")
 	k := newFailingDeadLetters(t, topic, 2, dlq)
 	group := testenv.Name("g")

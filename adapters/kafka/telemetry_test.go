@@ -53,7 +53,6 @@ func spanAttr(s sdktrace.ReadOnlySpan, key attribute.Key) (attribute.Value, bool
 // consumer's span after a trip through the Publisher the relay uses and
 // Kafka, and the Dedup claim runs under the consumer's span.
 func TestConsumerContinuesOutboxTrace(t *testing.T) {
-	t.Parallel()
 	k := newKafka(t)
 	topic := k.topic(t, "trace", 1)
 	spans := telemetrytest.NewSpans(t)
@@ -124,7 +123,6 @@ func TestConsumerContinuesOutboxTrace(t *testing.T) {
 // Each verdict is counted with the system, topic, result and dead-letter
 // reason, and nothing holds a message id: no metric attribute, no log line.
 func TestConsumerMetricsByVerdict(t *testing.T) {
-	t.Parallel()
 	k := newKafka(t)
 	topic := k.topic(t, "verdicts", 1)
 	dlq := k.topic(t, "verdicts_dlq", 1)
@@ -182,7 +180,6 @@ func TestConsumerMetricsByVerdict(t *testing.T) {
 // A batch has one span with a link to each record's trace, and its
 // records' verdicts are counted.
 func TestBatchConsumerLinksTraces(t *testing.T) {
-	t.Parallel()
 	k := newKafka(t)
 	topic := k.topic(t, "batchtrace", 1)
 	spans := telemetrytest.NewSpans(t)
@@ -258,7 +255,6 @@ func TestBatchConsumerLinksTraces(t *testing.T) {
 // Hostile trace headers (huge, malformed) never reach the propagator's
 // parser and start new traces; a repeated header reads as its last value.
 func TestConsumerHostileTraceHeaders(t *testing.T) {
-	t.Parallel()
 	k := newKafka(t)
 	topic := k.topic(t, "hostile", 1)
 	spans := telemetrytest.NewSpans(t)

@@ -6,7 +6,6 @@ import (
 )
 
 func TestTrackerContiguousWatermark(t *testing.T) {
-	t.Parallel()
 	tr := newTracker(10, false)
 	if _, ok := tr.take(); ok {
 		t.Fatal("nothing done, yet take offered an offset")
@@ -39,7 +38,6 @@ func TestTrackerContiguousWatermark(t *testing.T) {
 }
 
 func TestTrackerGapsAndCommitStart(t *testing.T) {
-	t.Parallel()
 	tr := newTracker(0, true)
 	off, ok := tr.take()
 	if !ok || off != 0 {
@@ -66,7 +64,6 @@ func TestTrackerGapsAndCommitStart(t *testing.T) {
 }
 
 func TestTrackerNextAssuming(t *testing.T) {
-	t.Parallel()
 	tr := newTracker(0, false)
 	var s []uint64
 	for o := range int64(6) {
@@ -94,7 +91,6 @@ func TestTrackerNextAssuming(t *testing.T) {
 // watermark is always the first unfinished offset, whatever the order of
 // completion, through the buffer's compaction.
 func TestTrackerRandomOrder(t *testing.T) {
-	t.Parallel()
 	r := rand.New(rand.NewPCG(1, 2))
 	tr := newTracker(0, false)
 	done := map[int64]bool{}

@@ -117,7 +117,6 @@ func idsOf(msgs []*consumer.Message) []string {
 // whose handler failed after its write, and the same batch delivered again,
 // leave every acknowledged record's effect once.
 func TestBatchAllOracle(t *testing.T) {
-	t.Parallel()
 	e := newAllEnv(t)
 	ctx := context.Background()
 	errCrash := errors.New("crash after the write")
@@ -180,7 +179,6 @@ func TestBatchAllOracle(t *testing.T) {
 // mismatches and invalid keys (from KeyFunc or from the store) never reach
 // BatchAll's handler, and each message's outcome is reported once.
 func TestBatchAllLeavesOut(t *testing.T) {
-	t.Parallel()
 	e := newAllEnv(t)
 	ctx := context.Background()
 	var calls [][]string
@@ -247,7 +245,6 @@ func TestBatchAllLeavesOut(t *testing.T) {
 // batch together; its error keeps its verdict (a permanent error is
 // dead-lettered, any other retried), and the records are new again.
 func TestBatchAllRollback(t *testing.T) {
-	t.Parallel()
 	e := newAllEnv(t)
 	ctx := context.Background()
 	errBoom := errors.New("boom")
@@ -304,7 +301,6 @@ func TestBatchAllRollback(t *testing.T) {
 // record's effect exactly once, and the stored positions reach the end of
 // each partition.
 func TestBatchAllConsumer(t *testing.T) {
-	t.Parallel()
 	e := newAllEnv(t)
 	k := kafkatest.New(t)
 	ctx := context.Background()

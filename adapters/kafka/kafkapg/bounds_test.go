@@ -38,7 +38,6 @@ func (s *stuckLoad) LoadOffsets(ctx context.Context, group, topic string, partit
 // answers, at the assignment of the only member of a settled group, is cut
 // short and tried again, and the partitions are consumed.
 func TestStuckOffsetLoadIsRetried(t *testing.T) {
-	t.Parallel()
 	pool := testenv.Pool(t, 4)
 	schema := testenv.Schema(t, pool)
 	ctx := context.Background()

@@ -20,7 +20,6 @@ import (
 func TestMain(m *testing.M) { goleak.VerifyTestMain(m, testenv.LeakOptions()...) }
 
 func TestOffsets(t *testing.T) {
-	t.Parallel()
 	pool := testenv.Pool(t, 4)
 	schema := testenv.Schema(t, pool)
 	ctx := context.Background()
@@ -78,7 +77,6 @@ func TestOffsets(t *testing.T) {
 }
 
 func TestOffsetsOptions(t *testing.T) {
-	t.Parallel()
 	pool := testenv.Pool(t, 1)
 	for _, opts := range []kafkapg.OffsetsOptions{
 		{Table: "Bad"}, {Table: "x; DROP TABLE y"}, {Schema: "1abc"}, {Table: strings.Repeat("t", 51)},
@@ -93,7 +91,6 @@ func TestOffsetsOptions(t *testing.T) {
 }
 
 func TestBatch(t *testing.T) {
-	t.Parallel()
 	pool := testenv.Pool(t, 4)
 	schema := testenv.Schema(t, pool)
 	ctx := context.Background()
@@ -190,7 +187,6 @@ func TestBatch(t *testing.T) {
 }
 
 func TestConstructors(t *testing.T) {
-	t.Parallel()
 	pool := testenv.Pool(t, 1)
 	claims, err := pgtable.New(pool, pgtable.Options{})
 	if err != nil {

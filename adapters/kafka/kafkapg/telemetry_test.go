@@ -21,7 +21,6 @@ import (
 // the batch ended, with scope and store only, and records its claim, handle
 // and commit spans under the batch's span.
 func TestBatchTelemetry(t *testing.T) {
-	t.Parallel()
 	pool := testenv.Pool(t, 4)
 	schema := testenv.Schema(t, pool)
 	ctx := context.Background()
@@ -95,7 +94,6 @@ func TestBatchTelemetry(t *testing.T) {
 // handler duration per handler call, whatever the number of messages it
 // handles; the claims are counted per message as with Batch.
 func TestBatchAllTelemetry(t *testing.T) {
-	t.Parallel()
 	pool := testenv.Pool(t, 4)
 	schema := testenv.Schema(t, pool)
 	ctx := context.Background()

@@ -200,7 +200,6 @@ func readerConfig(brokers []string, group, topic string, session time.Duration) 
 // start; a partition with no stored position is consumed from the start.
 // The stored positions then reach Kafka's committed offsets.
 func TestResumeFromStoredPosition(t *testing.T) {
-	t.Parallel()
 	k := kafkatest.New(t)
 	db := testenv.MySQL(t, "")
 	ctx := context.Background()
@@ -403,7 +402,6 @@ func childMain() int {
 // record whose transaction committed is handed to a handler again (no
 // duplicate claim): each restart resumes at the stored positions.
 func TestCrashOracle(t *testing.T) {
-	t.Parallel()
 	k := kafkatest.New(t)
 	if k.Real {
 		t.Skip("the child's session timeout (1.5s) is below a real broker's group.min.session.timeout.ms")

@@ -78,7 +78,6 @@ func newOffsets(t testing.TB, b backend, db *sql.DB, schema string) *kafkasql.Of
 }
 
 func TestOffsets(t *testing.T) {
-	t.Parallel()
 	for _, b := range backends {
 		t.Run(b.name, func(t *testing.T) {
 			db, schema := b.open(t)
@@ -146,7 +145,6 @@ func TestOffsets(t *testing.T) {
 }
 
 func TestOptions(t *testing.T) {
-	t.Parallel()
 	db, err := sql.Open("sqlite", "file::memory:")
 	if err != nil {
 		t.Fatal(err)
@@ -193,7 +191,6 @@ func TestOptions(t *testing.T) {
 // Outside a Consumer there is no position to store: the handler's
 // transaction rolls back (effect and claim) and the error is permanent.
 func TestTransactionalWithoutConsumer(t *testing.T) {
-	t.Parallel()
 	b := backends[0]
 	db, schema := b.open(t)
 	o := newOffsets(t, b, db, schema)
