@@ -206,7 +206,7 @@ func runPartition(ctx context.Context, env *Env, spec partSpec) (Result, error) 
 
 func (pr *partRun) run(ctx context.Context) (res Result, err error) {
 	env := pr.env
-	cuts := env.Scale.Pick(8, 24)
+	cuts := env.Scale.Pick(6, 24)
 	rate := env.Scale.Pick(25, 40) // messages per second
 	for s := range pr.procs {
 		if err := pr.start(s); err != nil {
