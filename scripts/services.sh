@@ -19,6 +19,9 @@
 #      nats-server) and the servers started, bound to 127.0.0.1 (NATS with
 #      JetStream on);
 #   4. else it says which service is missing and what to do, and exits 1.
+# `up` also installs, on Debian as root, the tools the chaos matrix's
+# partition/ cells need when they are missing: nft (nftables) and ip
+# (iproute2). Without them those cells are skipped (and fail under CI=true).
 # With PostgreSQL or MariaDB up, the test database is created if it is
 # missing; on a MariaDB this script installed, root@127.0.0.1 gets an empty
 # password, as the tests connect.
@@ -472,6 +475,26 @@ install_packages() {
 	run env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends "${pkgs[@]}"
 }
 
+# ensure_tools: install nftables and iproute2 when nft or ip is missing
+# (see the header); a failure is reported, not fatal.
+ensure_tools() {
+	local pkgs=()
+	have nft || pkgs+=(nftables)
+	have ip || pkgs+=(iproute2)
+	((${#pkgs[@]})) || return 0
+	if ! can_install; then
+		err "services.sh: ${pkgs[*]} missing: the chaos matrix's partition/ cells need them (Debian packages ${pkgs[*]})"
+		return 0
+	fi
+	say "installing ${pkgs[*]} with apt-get (for the chaos matrix's partition/ cells)"
+	if ((!APT_UPDATED)); then
+		run env DEBIAN_FRONTEND=noninteractive apt-get update -q || true
+		APT_UPDATED=1
+	fi
+	run env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends "${pkgs[@]}" ||
+		err "services.sh: installing ${pkgs[*]} failed: the partition/ cells will be skipped (or fail under CI=true)"
+}
+
 # start_NAME: returns 0 when started, 1 when the start command failed, 2 when
 # the service cannot be started here at all.
 start_postgres() {
@@ -644,6 +667,7 @@ ensure_pg_db_readonly() {
 
 cmd_up() {
 	local s from failed=() todo=() started=()
+	ensure_tools
 	for s in "$@"; do
 		from=$(svc_from "$s")
 		if probe "$s"; then

@@ -36,6 +36,8 @@ import (
 	"sort"
 	"sync"
 	"time"
+
+	"github.com/idemkit/idem/internal/testkit/testenv"
 )
 
 // Scale selects the size of every cell's workload.
@@ -231,6 +233,8 @@ func Run(ctx context.Context, cfg Config) error {
 		}
 		line += fmt.Sprintf(" in %s", took)
 		switch {
+		case errors.Is(err, ErrSkipped) && !testenv.Required():
+			line += " SKIPPED: " + err.Error()
 		case err != nil:
 			line += " FAILED: " + err.Error()
 			failed = append(failed, name)
@@ -296,6 +300,12 @@ func (t *tally) line() string {
 
 // ErrNoCells is returned by the command when -only matches nothing.
 var ErrNoCells = errors.New("chaos: no cell matches")
+
+// ErrSkipped is wrapped in the error of a cell that cannot run on this
+// machine (a privilege or a tool it needs is missing). The run prints the
+// cell as SKIPPED with the reason and goes on, except where services are
+// required (CI=true, testenv.Required): there it fails like any error.
+var ErrSkipped = errors.New("the cell cannot run here")
 
 func hash(s string) uint64 {
 	var h uint64 = 14695981039346656037

@@ -15,6 +15,7 @@ func init() {
 	Register(relayAMQPCell("relay/amqp/sigkill"))
 	Register(rabbitAMQPCell("rabbit/amqp/close-all+stop-app"))
 	Register(rabbitRelayCell("rabbit/relay/close-all+stop-app"))
+	registerPartition()
 	for _, store := range []string{storePG, storeRedis} {
 		Register(kafkaCell("kafka/"+store+"/sigkill", store))
 		Register(amqpCell("amqp/"+store+"/sigkill", store))
