@@ -128,13 +128,13 @@ func runChild() int {
 		})
 	})
 	opts := ConsumerOptions{
-		Concurrency: 4, Prefetch: 16, RetryDelays: testDelays, Logger: quiet(),
-		Config: jetstream.ConsumerConfig{AckWait: time.Second},
-		OnOutcome: func(_ context.Context, r consumer.Report) {
+		Concurrency: 4, Prefetch: 16, Backoff: testBackoff,
+		Telemetry: consumer.Telemetry{Logger: quiet(), OnOutcome: func(_ context.Context, r consumer.Report) {
 			if r.Result.Action == consumer.ActionAck {
 				acked.Add(1)
 			}
-		},
+		}},
+		Config: jetstream.ConsumerConfig{AckWait: time.Second},
 	}
 	if kind == "poison" {
 		opts.MaxDeliveries = childMaxDeliveries

@@ -217,7 +217,7 @@ func TestConsumerServerRestart(t *testing.T) {
 		}
 	}
 	c, err := NewConsumer(js, s.name, "work", o.handler(t, slow), ConsumerOptions{
-		Concurrency: 4, Logger: quiet(), RetryDelays: testDelays, Config: jetstream.ConsumerConfig{AckWait: 2 * time.Second},
+		Concurrency: 4, Telemetry: consumer.Telemetry{Logger: quiet()}, Backoff: testBackoff, Config: jetstream.ConsumerConfig{AckWait: 2 * time.Second},
 	})
 	if err != nil {
 		t.Fatal(err)

@@ -290,5 +290,5 @@ func runConsumer(t testing.TB, c *Consumer) (stop func() error) {
 
 func quiet() *slog.Logger { return slog.New(slog.DiscardHandler) }
 
-// testDelays are short retry delays for tests.
-var testDelays = []time.Duration{20 * time.Millisecond, 50 * time.Millisecond}
+// testBackoff gives short retry delays for tests: 20ms, 40ms, then 50ms.
+var testBackoff = consumer.Backoff{Initial: 20 * time.Millisecond, Max: 50 * time.Millisecond}

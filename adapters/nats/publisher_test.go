@@ -11,6 +11,7 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/nats-io/nats.go"
 
+	"github.com/idemkit/idem/consumer"
 	"github.com/idemkit/idem/internal/testkit/testenv"
 	"github.com/idemkit/idem/outbox"
 	"github.com/idemkit/idem/outbox/pgoutbox"
@@ -73,7 +74,7 @@ func TestPublisherRelayRePublish(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	relay, err := pgoutbox.NewRelay(ob, &crashAfterPublish{pub: pub, crashes: 3}, pgoutbox.RelayOptions{BatchSize: 10, PollInterval: 20 * time.Millisecond, Logger: quiet()})
+	relay, err := pgoutbox.NewRelay(ob, &crashAfterPublish{pub: pub, crashes: 3}, pgoutbox.RelayOptions{BatchSize: 10, PollInterval: 20 * time.Millisecond, Telemetry: consumer.Telemetry{Logger: quiet()}})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -114,7 +115,7 @@ func TestPublisherRelayRePublish(t *testing.T) {
 	}
 	t.Logf("%d rows, %d re-published copies dropped by the duplicate window", n, st.Duplicates)
 
-	c, err := NewConsumer(js, s.name, "work", o.handler(t, nil), ConsumerOptions{Concurrency: 4, Logger: quiet()})
+	c, err := NewConsumer(js, s.name, "work", o.handler(t, nil), ConsumerOptions{Concurrency: 4, Telemetry: consumer.Telemetry{Logger: quiet()}})
 	if err != nil {
 		t.Fatal(err)
 	}
