@@ -14,6 +14,7 @@ import (
 	"github.com/nats-io/nats.go/jetstream"
 
 	"github.com/idemkit/idem/consumer"
+	"github.com/idemkit/idem/internal/testkit/effectstest"
 	"github.com/idemkit/idem/internal/testkit/testenv"
 )
 
@@ -23,7 +24,7 @@ import (
 func TestConsumerTransactionalDuplicates(t *testing.T) {
 	_, js := testenv.NATS(t)
 	s := newStream(t, js, 100*time.Millisecond)
-	o := newOracle(t, 8)
+	o := effectstest.New(t, 8)
 	ids := s.publishN(t, "m", 200)
 	time.Sleep(150 * time.Millisecond) // past the duplicate window
 	copies := 0
@@ -35,7 +36,7 @@ func TestConsumerTransactionalDuplicates(t *testing.T) {
 	if copies == 0 {
 		t.Fatal("the stream dropped every copy: the duplicate window did not elapse")
 	}
-	c, err := NewConsumer(js, s.name, "work", o.handler(t, nil), ConsumerOptions{Concurrency: 4, Telemetry: consumer.Telemetry{Logger: quiet()}, Backoff: testBackoff})
+	c, err := NewConsumer(js, s.name, "work", o.Handler(t, nil), ConsumerOptions{Concurrency: 4, Telemetry: consumer.Telemetry{Logger: quiet()}, Backoff: testBackoff})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -46,7 +47,7 @@ func TestConsumerTransactionalDuplicates(t *testing.T) {
 	if err := stop(); err != nil {
 		t.Fatal(err)
 	}
-	o.check(t, ids)
+	o.Check(t, ids)
 	st := c.Stats()
 	if st.Duplicates != int64(copies) {
 		t.Errorf("Duplicates = %d, want the %d copies", st.Duplicates, copies)
@@ -63,7 +64,7 @@ func TestConsumerTransactionalDuplicates(t *testing.T) {
 func TestConsumerDeadLetters(t *testing.T) {
 	_, js := testenv.NATS(t)
 	s := newStream(t, js, 100*time.Millisecond)
-	o := newOracle(t, 4)
+	o := effectstest.New(t, 4)
 	fail := func(_ context.Context, msg *consumer.Message) error {
 		switch {
 		case strings.HasPrefix(msg.ID, "perm"):
@@ -79,7 +80,7 @@ func TestConsumerDeadLetters(t *testing.T) {
 	s.publish(t, "fp-1", []byte("first"), nil)
 	s.publish(t, "flaky-1", []byte("c"), nil)
 	var outcomes sync.Map
-	c, err := NewConsumer(js, s.name, "work", o.handler(t, fail), ConsumerOptions{
+	c, err := NewConsumer(js, s.name, "work", o.Handler(t, fail), ConsumerOptions{
 		Telemetry: consumer.Telemetry{Logger: quiet(), OnOutcome: func(_ context.Context, r consumer.Report) {
 			if r.Result.Action == consumer.ActionDeadLetter {
 				outcomes.Store(r.Message.ID, r.Outcome)
@@ -90,8 +91,8 @@ func TestConsumerDeadLetters(t *testing.T) {
 		t.Fatal(err)
 	}
 	stop := runConsumer(t, c)
-	testenv.Eventually(t, 30*time.Second, "ok-1 applied", func() bool { _, d := o.counts(t); return d >= 1 })
-	testenv.Eventually(t, 30*time.Second, "fp-1 applied", func() bool { _, d := o.counts(t); return d >= 2 })
+	testenv.Eventually(t, 30*time.Second, "ok-1 applied", func() bool { _, d := o.Counts(t); return d >= 1 })
+	testenv.Eventually(t, 30*time.Second, "fp-1 applied", func() bool { _, d := o.Counts(t); return d >= 2 })
 	time.Sleep(150 * time.Millisecond) // past the duplicate window
 	s.publish(t, "fp-1", []byte("second, other content"), nil)
 	testenv.Eventually(t, 30*time.Second, "every message settled", func() bool {
@@ -100,7 +101,7 @@ func TestConsumerDeadLetters(t *testing.T) {
 	if err := stop(); err != nil {
 		t.Fatal(err)
 	}
-	o.check(t, []string{"ok-1", "fp-1"})
+	o.Check(t, []string{"ok-1", "fp-1"})
 
 	dls := s.deadLetters(t)
 	if len(dls) != 4 {
@@ -166,7 +167,7 @@ func TestConsumerDeadLetters(t *testing.T) {
 func TestConsumerRetryThenSuccess(t *testing.T) {
 	_, js := testenv.NATS(t)
 	s := newStream(t, js, 0)
-	o := newOracle(t, 4)
+	o := effectstest.New(t, 4)
 	var runs atomic.Int64
 	flaky := func(_ context.Context, msg *consumer.Message) error {
 		if runs.Add(1) <= 2 {
@@ -175,7 +176,7 @@ func TestConsumerRetryThenSuccess(t *testing.T) {
 		return nil
 	}
 	s.publish(t, "r-1", []byte("x"), nil)
-	c, err := NewConsumer(js, s.name, "work", o.handler(t, flaky), ConsumerOptions{Telemetry: consumer.Telemetry{Logger: quiet()}, Backoff: testBackoff})
+	c, err := NewConsumer(js, s.name, "work", o.Handler(t, flaky), ConsumerOptions{Telemetry: consumer.Telemetry{Logger: quiet()}, Backoff: testBackoff})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -184,9 +185,9 @@ func TestConsumerRetryThenSuccess(t *testing.T) {
 	if err := stop(); err != nil {
 		t.Fatal(err)
 	}
-	o.check(t, []string{"r-1"})
+	o.Check(t, []string{"r-1"})
 	var attempt int
-	if err := o.pool.QueryRow(context.Background(), "SELECT attempt FROM "+o.table()).Scan(&attempt); err != nil {
+	if err := o.Pool.QueryRow(context.Background(), "SELECT attempt FROM "+o.Table()).Scan(&attempt); err != nil {
 		t.Fatal(err)
 	}
 	if st := c.Stats(); st.Retried != 2 || attempt != 3 {
@@ -199,7 +200,7 @@ func TestConsumerRetryThenSuccess(t *testing.T) {
 func TestConsumerInProgress(t *testing.T) {
 	_, js := testenv.NATS(t)
 	s := newStream(t, js, 0)
-	o := newOracle(t, 4)
+	o := effectstest.New(t, 4)
 	var runs atomic.Int64
 	slow := func(ctx context.Context, _ *consumer.Message) error {
 		runs.Add(1)
@@ -211,7 +212,7 @@ func TestConsumerInProgress(t *testing.T) {
 		}
 	}
 	s.publish(t, "slow-1", []byte("x"), nil)
-	c, err := NewConsumer(js, s.name, "work", o.handler(t, slow), ConsumerOptions{
+	c, err := NewConsumer(js, s.name, "work", o.Handler(t, slow), ConsumerOptions{
 		Telemetry: consumer.Telemetry{Logger: quiet()}, Config: jetstream.ConsumerConfig{AckWait: time.Second},
 	})
 	if err != nil {
@@ -222,7 +223,7 @@ func TestConsumerInProgress(t *testing.T) {
 	if err := stop(); err != nil {
 		t.Fatal(err)
 	}
-	o.check(t, []string{"slow-1"})
+	o.Check(t, []string{"slow-1"})
 	if st := c.Stats(); st.Delivered != 1 || runs.Load() != 1 {
 		t.Errorf("delivered %d times, handler ran %d times; want once", st.Delivered, runs.Load())
 	}
@@ -235,7 +236,7 @@ func TestConsumerInProgress(t *testing.T) {
 func TestConsumerGracefulStop(t *testing.T) {
 	_, js := testenv.NATS(t)
 	s := newStream(t, js, 0)
-	o := newOracle(t, 8)
+	o := effectstest.New(t, 8)
 	ids := s.publishN(t, "g", 20)
 	started := make(chan string, 20)
 	release := make(chan struct{})
@@ -248,7 +249,7 @@ func TestConsumerGracefulStop(t *testing.T) {
 		}
 		return nil
 	}
-	c, err := NewConsumer(js, s.name, "work", o.handler(t, block), ConsumerOptions{Concurrency: 2, Prefetch: 8, Telemetry: consumer.Telemetry{Logger: quiet()}, Backoff: testBackoff})
+	c, err := NewConsumer(js, s.name, "work", o.Handler(t, block), ConsumerOptions{Concurrency: 2, Prefetch: 8, Telemetry: consumer.Telemetry{Logger: quiet()}, Backoff: testBackoff})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -277,17 +278,17 @@ func TestConsumerGracefulStop(t *testing.T) {
 	}
 
 	stopping.Store(false)
-	c2, err := NewConsumer(js, s.name, "work", o.handler(t, func(context.Context, *consumer.Message) error { return nil }), ConsumerOptions{Concurrency: 2, Telemetry: consumer.Telemetry{Logger: quiet()}, Backoff: testBackoff})
+	c2, err := NewConsumer(js, s.name, "work", o.Handler(t, func(context.Context, *consumer.Message) error { return nil }), ConsumerOptions{Concurrency: 2, Telemetry: consumer.Telemetry{Logger: quiet()}, Backoff: testBackoff})
 	if err != nil {
 		t.Fatal(err)
 	}
 	stop2 := runConsumer(t, c2)
-	testenv.Eventually(t, 30*time.Second, "every message applied", func() bool { _, d := o.counts(t); return d == len(ids) })
+	testenv.Eventually(t, 30*time.Second, "every message applied", func() bool { _, d := o.Counts(t); return d == len(ids) })
 	testenv.Eventually(t, 30*time.Second, "nothing pending", func() bool { return pending(t, js, s.name, "work") == 0 })
 	if err := stop2(); err != nil {
 		t.Fatal(err)
 	}
-	o.check(t, ids)
+	o.Check(t, ids)
 }
 
 // A handler cannot settle its delivery: the message MsgFrom returns
