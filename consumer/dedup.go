@@ -8,7 +8,6 @@ import (
 	"time"
 
 	"go.opentelemetry.io/otel/attribute"
-	"go.opentelemetry.io/otel/metric"
 	"go.opentelemetry.io/otel/trace"
 
 	"github.com/idemkit/idem/dedup"
@@ -54,23 +53,26 @@ type DedupOptions struct {
 	// context.WithoutCancel, so a handler that succeeded just as the
 	// consumer stopped is still recorded. Defaults to 10s.
 	FinishTimeout time.Duration
+	// Telemetry: the middleware's metrics, spans, logs and outcome
+	// reports (the block every idem adapter's options embed).
+	//
 	// Logger receives warnings: failed heartbeats and releases, lost
 	// leases. Defaults to discarding them.
-	Logger *slog.Logger
+	//
 	// OnOutcome, if set, is called once per message with its Report
 	// (Outcome, Key, Message, Err). It must be fast and safe for
 	// concurrent use.
-	OnOutcome func(ctx context.Context, r Report)
+	//
 	// MeterProvider receives the metrics idem.claims,
 	// idem.claim.duration, idem.handler.duration and idem.lease.lost
 	// (README, "Operating idem"). Defaults to otel.GetMeterProvider(),
 	// a no-op until the application installs a provider.
-	MeterProvider metric.MeterProvider
+	//
 	// TracerProvider starts the idem.claim, idem.handle and
 	// idem.complete spans, only under a recording span in the message's
 	// context (an adapter's consumer span). Defaults to
 	// otel.GetTracerProvider().
-	TracerProvider trace.TracerProvider
+	Telemetry
 	// StoreName is the idem.store metric attribute. Defaults to the
 	// store's package name: memstore, pgtable, redisnx, twolevel.
 	StoreName string

@@ -116,14 +116,14 @@ func TestDedupConcurrentWithRetryAllAck(t *testing.T) {
 	var once sync.Map
 	dd := mustDedup(t, store, consumer.DedupOptions{
 		Scope: "billing/charge",
-		OnOutcome: func(_ context.Context, r consumer.Report) {
+		Telemetry: consumer.Telemetry{OnOutcome: func(_ context.Context, r consumer.Report) {
 			m, o := r.Message, r.Outcome
 			if o == consumer.OutcomeCompleted {
 				if _, loaded := once.LoadOrStore(m.ID, true); !loaded {
 					close(doneCh(m.ID))
 				}
 			}
-		},
+		}},
 	})
 	// The first owner of an id finishes only once another delivery of it
 	// found the key in flight and waits in Retry.
@@ -202,9 +202,9 @@ func TestDedupFailureReleases(t *testing.T) {
 			t.Error("SetResult under Dedup returned false")
 		}
 		return nil
-	}), mustDedup(t, cs, consumer.DedupOptions{OnOutcome: func(_ context.Context, r consumer.Report) {
+	}), mustDedup(t, cs, consumer.DedupOptions{Telemetry: consumer.Telemetry{OnOutcome: func(_ context.Context, r consumer.Report) {
 		outcomes = append(outcomes, string(r.Outcome))
-	}}))
+	}}}))
 	ctx := t.Context()
 
 	r := consumer.Process(ctx, h, msg("m1", "p"))
@@ -360,7 +360,7 @@ func TestDedupStoreDownFailsClosed(t *testing.T) {
 	h := consumer.Chain(consumer.HandlerFunc(func(context.Context, *consumer.Message) error {
 		ran = true
 		return nil
-	}), mustDedup(t, store, consumer.DedupOptions{OnOutcome: func(_ context.Context, r consumer.Report) { outcome = r.Outcome }}))
+	}), mustDedup(t, store, consumer.DedupOptions{Telemetry: consumer.Telemetry{OnOutcome: func(_ context.Context, r consumer.Report) { outcome = r.Outcome }}}))
 	r := consumer.Process(t.Context(), h, msg("m1", "p"))
 	wantResult(t, r, consumer.ActionRetry, consumer.OutcomeTransient)
 	if ran {
@@ -522,7 +522,7 @@ func TestDedupCompleteFails(t *testing.T) {
 	} {
 		var outcome consumer.Outcome
 		h := consumer.Chain(ok, mustDedup(t, failingCompleteStore{store, c.err}, consumer.DedupOptions{
-			OnOutcome: func(_ context.Context, r consumer.Report) { outcome = r.Outcome },
+			Telemetry: consumer.Telemetry{OnOutcome: func(_ context.Context, r consumer.Report) { outcome = r.Outcome }},
 		}))
 		r := consumer.Process(t.Context(), h, msg("m-"+string(c.reason), "p"))
 		wantResult(t, r, consumer.ActionRetry, c.reason)

@@ -8,12 +8,16 @@ import (
 	"go.opentelemetry.io/otel/trace"
 )
 
-// Telemetry is the block of observability settings that every idem
-// adapter's options embed (idemkafka.ConsumerOptions,
-// idemamqp.ConsumerOptions, idemwatermill.Options, httpidem.Options): the
-// same four fields with the same meaning everywhere. The options struct
-// that embeds it says which metrics, spans and log lines its adapter
-// gives, and what its Logger defaults to. The zero value is usable.
+// Telemetry is the block of observability settings that idem's options
+// structs embed: the adapters' (idemkafka.ConsumerOptions,
+// idemamqp.ConsumerOptions, idemnats.ConsumerOptions,
+// idemwatermill.Options, httpidem.Options), DedupOptions, TxOptions,
+// kafkapg.BatchOptions and the outbox relays' RelayOptions: the same four
+// fields with the same meaning everywhere. The options struct that embeds
+// it says which metrics, spans and log lines its component gives, what
+// its Logger defaults to, and which fields it does not use (a relay
+// settles no consumer message and refuses an OnOutcome). The zero value
+// is usable.
 type Telemetry struct {
 	// MeterProvider receives the adapter's metrics. Defaults to the
 	// OpenTelemetry global, a no-op until the application installs a

@@ -30,7 +30,7 @@ func TestDedupMetricsByOutcome(t *testing.T) {
 			return fail
 		}
 		return nil
-	}), mustDedup(t, store, consumer.DedupOptions{Scope: "billing/charge", MeterProvider: mp}))
+	}), mustDedup(t, store, consumer.DedupOptions{Scope: "billing/charge", Telemetry: consumer.Telemetry{MeterProvider: mp}}))
 
 	consumer.Process(t.Context(), h, msg("order-1", "p"))     // first, completed
 	consumer.Process(t.Context(), h, msg("order-1", "p"))     // duplicate
@@ -47,7 +47,7 @@ func TestDedupMetricsByOutcome(t *testing.T) {
 	closed := newStore(t, memstore.Options{})
 	_ = closed.Close()
 	hc := consumer.Chain(consumer.HandlerFunc(func(context.Context, *consumer.Message) error { return nil }),
-		mustDedup(t, closed, consumer.DedupOptions{Scope: "billing/charge", MeterProvider: mp, StoreName: "down"}))
+		mustDedup(t, closed, consumer.DedupOptions{Scope: "billing/charge", Telemetry: consumer.Telemetry{MeterProvider: mp}, StoreName: "down"}))
 	consumer.Process(t.Context(), hc, msg("order-2", "p")) // error
 
 	scope := telemetry.AttrScope.String("billing/charge")
@@ -92,7 +92,7 @@ func TestDedupMetricsLeaseLost(t *testing.T) {
 		close(started)
 		<-ctx.Done()
 		return ctx.Err()
-	}), mustDedup(t, store, consumer.DedupOptions{Scope: "s", ExtendEvery: 2 * time.Millisecond, MeterProvider: mp}))
+	}), mustDedup(t, store, consumer.DedupOptions{Scope: "s", ExtendEvery: 2 * time.Millisecond, Telemetry: consumer.Telemetry{MeterProvider: mp}}))
 	done := make(chan struct{})
 	go func() { defer close(done); consumer.Process(t.Context(), h, msg("m1", "p")) }()
 	<-started
@@ -148,7 +148,7 @@ func TestDedupSpans(t *testing.T) {
 	h := consumer.Chain(consumer.HandlerFunc(func(ctx context.Context, _ *consumer.Message) error {
 		handlerSpan = trace.SpanContextFromContext(ctx)
 		return nil
-	}), mustDedup(t, store, consumer.DedupOptions{Scope: "billing/charge", TracerProvider: tp}))
+	}), mustDedup(t, store, consumer.DedupOptions{Scope: "billing/charge", Telemetry: consumer.Telemetry{TracerProvider: tp}}))
 
 	// Without a recording parent, no spans at all.
 	consumer.Process(t.Context(), h, msg("order-0", "p"))
@@ -191,7 +191,7 @@ func TestDedupSpans(t *testing.T) {
 func TestTransactionalSpans(t *testing.T) {
 	tp := telemetrytest.NewSpans(t)
 	store := newTxStore()
-	h, err := consumer.Transactional(store, consumer.TxOptions{Scope: "ledger", TracerProvider: tp},
+	h, err := consumer.Transactional(store, consumer.TxOptions{Scope: "ledger", Telemetry: consumer.Telemetry{TracerProvider: tp}},
 		func(_ context.Context, tx *fakeTx, m *consumer.Message) error {
 			if m.ID == "boom" {
 				panic("handler exploded")

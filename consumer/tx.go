@@ -4,9 +4,6 @@ import (
 	"context"
 	"errors"
 
-	"go.opentelemetry.io/otel/metric"
-	"go.opentelemetry.io/otel/trace"
-
 	"github.com/idemkit/idem/dedup"
 	"github.com/idemkit/idem/internal/telemetry"
 	"github.com/idemkit/idem/internal/txflow"
@@ -33,18 +30,25 @@ type TxOptions struct {
 	// MaxKeyLen limits scope and id, in bytes. Defaults to
 	// dedup.DefaultMaxKeyLen.
 	MaxKeyLen int
+	// Telemetry: the handler's metrics, spans and outcome reports (the
+	// block every idem adapter's options embed).
+	//
 	// OnOutcome, if set, is called once per message with its Report
 	// (Outcome, Key, Message, Err). It must be fast and safe for
 	// concurrent use.
-	OnOutcome func(ctx context.Context, r Report)
+	//
 	// MeterProvider receives idem.claims, idem.claim.duration and
 	// idem.handler.duration. Defaults to otel.GetMeterProvider(), a no-op
 	// until the application installs a provider.
-	MeterProvider metric.MeterProvider
+	//
 	// TracerProvider records the idem.claim, idem.handle and idem.commit
 	// spans under a recording span in the message's context. Defaults to
 	// otel.GetTracerProvider().
-	TracerProvider trace.TracerProvider
+	//
+	// Logger is not used: Transactional logs nothing of its own, its
+	// failures are its return value (the adapter that settles the
+	// message logs them).
+	Telemetry
 	// StoreName is the idem.store metric attribute. Defaults to the
 	// store's package name (pgtable).
 	StoreName string

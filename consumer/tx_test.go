@@ -82,12 +82,12 @@ func TestTransactional(t *testing.T) {
 	var mu sync.Mutex
 	h, err := consumer.Transactional[*fakeTx](store, consumer.TxOptions{
 		Scope: "billing/ledger",
-		OnOutcome: func(_ context.Context, r consumer.Report) {
+		Telemetry: consumer.Telemetry{OnOutcome: func(_ context.Context, r consumer.Report) {
 			o := r.Outcome
 			mu.Lock()
 			outcomes = append(outcomes, o)
 			mu.Unlock()
-		},
+		}},
 	}, func(ctx context.Context, tx *fakeTx, m *consumer.Message) error {
 		tx.writes = append(tx.writes, "debit "+m.ID)
 		if fail {
@@ -197,7 +197,7 @@ func TestTransactionalLosesTheKey(t *testing.T) {
 	ran := 0
 	h, err := consumer.Transactional[*fakeTx](store, consumer.TxOptions{
 		Scope:     "billing/ledger",
-		OnOutcome: func(_ context.Context, r consumer.Report) { outcomes = append(outcomes, r.Outcome) },
+		Telemetry: consumer.Telemetry{OnOutcome: func(_ context.Context, r consumer.Report) { outcomes = append(outcomes, r.Outcome) }},
 	}, func(_ context.Context, tx *fakeTx, m *consumer.Message) error {
 		ran++
 		tx.writes = append(tx.writes, "debit "+m.ID)

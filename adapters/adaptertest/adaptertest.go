@@ -182,12 +182,12 @@ type DeadLetter struct {
 // ConsumerOptions are the settings the suite asks a consumer for. A harness
 // maps them to its adapter's options.
 type ConsumerOptions struct {
-	// RetryDelay is the delay before the first retry of a message that
-	// failed with a transient error; later retries may wait longer, up to
-	// MaxRetryDelay.
-	RetryDelay time.Duration
-	// MaxRetryDelay caps the retry delay.
-	MaxRetryDelay time.Duration
+	// Backoff shapes the delays between the retries of a message that
+	// failed with a transient error: Backoff.Initial before the first,
+	// growing by Backoff.Factor up to Backoff.Max. A harness passes it to
+	// its adapter's Backoff, or maps it to the adapter's own retry
+	// settings.
+	Backoff consumer.Backoff
 	// MaxAttempts is the delivery bound of a message that keeps failing
 	// with a transient error, where the adapter has one: after that many
 	// attempts it is dead-lettered. The suite sets it above what any case
@@ -292,7 +292,7 @@ func cannot(t testing.TB, msg string) {
 
 // options are the consumer options every case uses.
 func options() ConsumerOptions {
-	return ConsumerOptions{RetryDelay: 20 * time.Millisecond, MaxRetryDelay: 200 * time.Millisecond, MaxAttempts: 100}
+	return ConsumerOptions{Backoff: consumer.Backoff{Initial: 20 * time.Millisecond, Max: 200 * time.Millisecond, Factor: 2}, MaxAttempts: 100}
 }
 
 // testCtx bounds one step of a case.

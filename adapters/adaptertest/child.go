@@ -146,7 +146,7 @@ func runChild(h Harness, spec childSpec) int {
 // childWork builds the Work of a child from w's Effect, OnOutcome and
 // AfterCommit.
 func childWork(o *oracle, w Work) (Work, error) {
-	h, err := consumer.Transactional(o.store, consumer.TxOptions{Scope: scope, OnOutcome: w.OnOutcome}, w.Effect)
+	h, err := consumer.Transactional(o.store, consumer.TxOptions{Scope: scope, Telemetry: consumer.Telemetry{OnOutcome: w.OnOutcome}}, w.Effect)
 	if err != nil {
 		return Work{}, err
 	}

@@ -124,7 +124,7 @@ func (o *oracle) onOutcome(_ context.Context, r consumer.Report) {
 
 // work is what the consumers of the case run.
 func (o *oracle) work() (Work, error) {
-	h, err := consumer.Transactional(o.store, consumer.TxOptions{Scope: scope, OnOutcome: o.onOutcome}, o.effect)
+	h, err := consumer.Transactional(o.store, consumer.TxOptions{Scope: scope, Telemetry: consumer.Telemetry{OnOutcome: o.onOutcome}}, o.effect)
 	if err != nil {
 		return Work{}, err
 	}

@@ -51,12 +51,6 @@ func (h *amqpHarness) Capabilities() adaptertest.Capabilities {
 	return adaptertest.Capabilities{Ordering: adaptertest.OrderNone, ChildProcess: true, Parallel: true}
 }
 
-// amqpBackoff is the retry backoff of opts: RetryDelay doubling up to
-// MaxRetryDelay.
-func amqpBackoff(opts adaptertest.ConsumerOptions) consumer.Backoff {
-	return consumer.Backoff{Initial: opts.RetryDelay, Max: opts.MaxRetryDelay, Factor: 2}
-}
-
 func (h *amqpHarness) queueArgs() amqp091.Table {
 	if h.quorum {
 		return amqp091.Table{"x-queue-type": "quorum"}
@@ -97,7 +91,7 @@ func (h *amqpHarness) NewDestination(t testing.TB, opts adaptertest.ConsumerOpti
 		_ = amqpAdmin(rawURL, func(ch *amqp091.Channel) error {
 			_, _ = ch.QueueDelete(q, false, false, false)
 			_, _ = ch.QueueDelete(q+".dlq", false, false, false)
-			names, _ := idemamqp.RetryQueues(q, idemamqp.ConsumerOptions{Backoff: amqpBackoff(opts)})
+			names, _ := idemamqp.RetryQueues(q, idemamqp.ConsumerOptions{Backoff: opts.Backoff})
 			for _, name := range names {
 				_, _ = ch.QueueDelete(name, false, false, false)
 			}
@@ -157,7 +151,7 @@ func (h *amqpHarness) Start(ctx context.Context, d adaptertest.Destination, w ad
 		QueueArgs:        h.queueArgs(),
 		IDHeader:         amqpIDHeader,
 		Prefetch:         20,
-		Backoff:          amqpBackoff(opts),
+		Backoff:          opts.Backoff,
 		MaxAttempts:      opts.MaxAttempts,
 		ReconnectBackoff: consumer.Backoff{Initial: 20 * time.Millisecond, Max: 500 * time.Millisecond},
 		Telemetry:        consumer.Telemetry{Logger: slog.New(slog.DiscardHandler)},

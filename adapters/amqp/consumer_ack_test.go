@@ -17,6 +17,7 @@ import (
 	amqp091 "github.com/rabbitmq/amqp091-go"
 
 	"github.com/idemkit/idem/consumer"
+	"github.com/idemkit/idem/internal/testkit/effectstest"
 	"github.com/idemkit/idem/internal/testkit/testenv"
 )
 
@@ -361,14 +362,14 @@ func TestConsumerAckChannelClosedRedeliversUnacked(t *testing.T) {
 	t.Parallel()
 	url := testenv.AMQPURL()
 	q := consQueue(t, url, consTestDelays)
-	o := consNewOracle(t, 6)
+	o := effectstest.New(t, 6)
 	var (
 		slowCh  atomic.Pointer[amqp091.Channel]
 		started = make(chan struct{})
 		release = make(chan struct{})
 		first   atomic.Bool
 	)
-	inner := o.handler(t, func(ctx context.Context, msg *consumer.Message) error {
+	inner := o.Handler(t, func(ctx context.Context, msg *consumer.Message) error {
 		if msg.ID == "slow-0" && first.CompareAndSwap(false, true) {
 			d, _ := DeliveryFrom(ctx)
 			slowCh.Store(consChannel(d))
@@ -425,7 +426,7 @@ func TestConsumerAckChannelClosedRedeliversUnacked(t *testing.T) {
 		t.Errorf("redelivered %v, want exactly the unacknowledged %v", redelivered, want)
 	}
 	mu.Unlock()
-	rows, distinct := o.counts(t)
+	rows, distinct := o.Counts(t)
 	if rows != 21 || distinct != 21 {
 		t.Errorf("effects: %d rows for %d ids, want 21 for 21", rows, distinct)
 	}
@@ -444,11 +445,11 @@ func TestConsumerAckChannelClosedStress(t *testing.T) {
 	t.Parallel()
 	url := testenv.AMQPURL()
 	q := consQueue(t, url, consTestDelays)
-	o := consNewOracle(t, 10)
+	o := effectstest.New(t, 10)
 	const n = 3000
 	closers := map[string]bool{"m-400": true, "m-1100": true, "m-1900": true, "m-2600": true}
 	var closed sync.Map
-	h := o.handler(t, func(ctx context.Context, msg *consumer.Message) error {
+	h := o.Handler(t, func(ctx context.Context, msg *consumer.Message) error {
 		if closers[msg.ID] {
 			if _, again := closed.LoadOrStore(msg.ID, true); !again {
 				d, _ := DeliveryFrom(ctx)
@@ -463,10 +464,10 @@ func TestConsumerAckChannelClosedStress(t *testing.T) {
 		t.Fatal(err)
 	}
 	stop := consStart(t, c)
-	testenv.Eventually(t, 120*time.Second, "every message applied", func() bool { _, d := o.counts(t); return d >= n })
+	testenv.Eventually(t, 120*time.Second, "every message applied", func() bool { _, d := o.Counts(t); return d >= n })
 	testenv.Eventually(t, 30*time.Second, "the queue to drain", func() bool { return consDepth(t, url, q) == 0 })
 	stop()
-	rows, distinct := o.counts(t)
+	rows, distinct := o.Counts(t)
 	st := c.Stats()
 	t.Logf("%d messages, %d effect rows for %d ids; stats %+v", n, rows, distinct, st)
 	if distinct != n {

@@ -14,6 +14,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/idemkit/idem/consumer"
+	"github.com/idemkit/idem/internal/testkit/effectstest"
 	"github.com/idemkit/idem/internal/testkit/testenv"
 )
 
@@ -78,7 +79,7 @@ func consRunChild() int {
 		return fail(err)
 	}
 	defer pool.Close()
-	o, err := consOpenOracle(pool, os.Getenv(consChildSchemaEnv))
+	o, err := effectstest.Open(pool, os.Getenv(consChildSchemaEnv))
 	if err != nil {
 		return fail(err)
 	}
@@ -101,7 +102,7 @@ func consRunChild() int {
 			return nil
 		}
 	}
-	h, err := o.txHandler(before)
+	h, err := o.TxHandler(before, nil)
 	if err != nil {
 		return fail(err)
 	}

@@ -5,15 +5,12 @@ import (
 	"fmt"
 	"log/slog"
 	"net/url"
+	"sync"
 	"testing"
 	"time"
 
-	"github.com/jackc/pgx/v5"
-	"github.com/jackc/pgx/v5/pgxpool"
 	amqp091 "github.com/rabbitmq/amqp091-go"
 
-	"github.com/idemkit/idem/consumer"
-	"github.com/idemkit/idem/dedup/pgtable"
 	"github.com/idemkit/idem/internal/testkit/testenv"
 )
 
@@ -156,79 +153,6 @@ func consGetAll(t testing.TB, rawURL, queue string) []amqp091.Delivery {
 	return out
 }
 
-// consOracle is a PostgreSQL schema with the pgtable store and an effects
-// table without any unique constraint: every applied effect is a row, so a
-// duplicate effect shows as a second row.
-type consOracle struct {
-	pool   *pgxpool.Pool
-	schema string
-	store  *pgtable.Store
-}
-
-func consNewOracle(t testing.TB, maxConns int32) *consOracle {
-	t.Helper()
-	pool := testenv.Pool(t, maxConns)
-	schema := testenv.Schema(t, pool)
-	o, err := consOpenOracle(pool, schema)
-	if err != nil {
-		t.Fatal(err)
-	}
-	ctx := context.Background()
-	if err := o.store.Migrate(ctx); err != nil {
-		t.Fatal(err)
-	}
-	if _, err := pool.Exec(ctx, "CREATE TABLE "+o.table()+" (id text NOT NULL, attempt int NOT NULL, redelivered bool NOT NULL)"); err != nil {
-		t.Fatal(err)
-	}
-	return o
-}
-
-func consOpenOracle(pool *pgxpool.Pool, schema string) (*consOracle, error) {
-	store, err := pgtable.New(pool, pgtable.Options{Schema: schema, Logger: consQuiet()})
-	if err != nil {
-		return nil, err
-	}
-	return &consOracle{pool: pool, schema: schema, store: store}, nil
-}
-
-func (o *consOracle) table() string { return pgx.Identifier{o.schema, "effects"}.Sanitize() }
-
-// handler is the Transactional handler that applies the effect, after
-// before (if set) ran inside the transaction.
-func (o *consOracle) handler(t testing.TB, before func(ctx context.Context, msg *consumer.Message) error) consumer.Handler {
-	t.Helper()
-	h, err := o.txHandler(before)
-	if err != nil {
-		t.Fatal(err)
-	}
-	return h
-}
-
-func (o *consOracle) txHandler(before func(ctx context.Context, msg *consumer.Message) error) (consumer.Handler, error) {
-	ins := "INSERT INTO " + o.table() + " (id, attempt, redelivered) VALUES ($1, $2, $3)"
-	return consumer.Transactional(o.store, consumer.TxOptions{Scope: "test/effects"},
-		func(ctx context.Context, tx pgx.Tx, msg *consumer.Message) error {
-			if before != nil {
-				if err := before(ctx, msg); err != nil {
-					return err
-				}
-			}
-			_, err := tx.Exec(ctx, ins, msg.ID, msg.Attempt, msg.Redelivered)
-			return err
-		})
-}
-
-// counts returns the number of effect rows and of distinct ids.
-func (o *consOracle) counts(t testing.TB) (rows, distinct int) {
-	t.Helper()
-	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-	defer cancel()
-	if err := o.pool.QueryRow(ctx, "SELECT count(*), count(DISTINCT id) FROM "+o.table()).Scan(&rows, &distinct); err != nil {
-		t.Fatal(err)
-	}
-	return rows, distinct
-}
-
 // consWorkersStopped installs c's workersStopped hook. The returned wait
 // blocks until a graceful stop has stopped the workers; it fails the test
 // if Run returned first (stopped closed) or a minute passed.
@@ -260,38 +184,21 @@ func consStopThenRelease(stop func(), waitWorkers func(stopped <-chan struct{}),
 }
 
 // consStart runs c until the returned stop is called (or the test ends)
-// and waits for it to consume.
+// and waits for it to consume; stop fails the test when Run returned an
+// error.
 func consStart(t testing.TB, c *Consumer) (stop func()) {
 	t.Helper()
-	ctx, cancel := context.WithCancel(context.Background())
-	done := make(chan error, 1)
-	go func() { done <- c.Run(ctx) }()
-	stopped := false
+	run := testenv.StartRun(t, c.Run, c.Ready())
+	var once sync.Once
 	stop = func() {
 		t.Helper()
-		if stopped {
-			return
-		}
-		stopped = true
-		cancel()
-		select {
-		case err := <-done:
-			if err != nil {
+		once.Do(func() {
+			if err := run(); err != nil {
 				t.Errorf("Run: %v", err)
 			}
-		case <-time.After(60 * time.Second):
-			t.Fatal("Run did not return 60s after its context ended")
-		}
+		})
 	}
 	t.Cleanup(stop)
-	select {
-	case <-c.Ready():
-	case err := <-done:
-		stopped = true
-		t.Fatalf("Run returned before consuming: %v", err)
-	case <-time.After(30 * time.Second):
-		t.Fatal("the consumer did not start consuming in 30s")
-	}
 	return stop
 }
 

@@ -14,6 +14,7 @@ import (
 	"github.com/idemkit/idem/consumer"
 	"github.com/idemkit/idem/dedup"
 	"github.com/idemkit/idem/dedup/memstore"
+	"github.com/idemkit/idem/internal/testkit/effectstest"
 	"github.com/idemkit/idem/internal/testkit/testenv"
 )
 
@@ -126,11 +127,11 @@ func TestConsumerInFlightBoundsHandlersNotStoreCalls(t *testing.T) {
 	t.Parallel()
 	url := testenv.AMQPURL()
 	q := consQueue(t, url, consTestDelays)
-	o := consNewOracle(t, 4)
+	o := effectstest.New(t, 4)
 	store, dd := slowDedup(t, "inflight")
 	var handlers peakCounter
 	var handled atomic.Int64
-	h := consumer.Chain(o.handler(t, func(context.Context, *consumer.Message) error {
+	h := consumer.Chain(o.Handler(t, func(context.Context, *consumer.Message) error {
 		handlers.enter()
 		defer handlers.leave()
 		time.Sleep(2 * time.Millisecond)
@@ -146,7 +147,7 @@ func TestConsumerInFlightBoundsHandlersNotStoreCalls(t *testing.T) {
 	stop := consStart(t, c)
 	testenv.Eventually(t, 60*time.Second, "every message acked", func() bool { return c.Stats().Acked >= n })
 	stop()
-	rows, distinct := o.counts(t)
+	rows, distinct := o.Counts(t)
 	if rows != n || distinct != n {
 		t.Fatalf("effects: %d rows for %d ids, want %d for %d", rows, distinct, n, n)
 	}

@@ -21,6 +21,7 @@ import (
 	"github.com/idemkit/idem/dedup"
 	"github.com/idemkit/idem/dedup/memstore"
 	"github.com/idemkit/idem/internal/childproc"
+	"github.com/idemkit/idem/internal/testkit/effectstest"
 	"github.com/idemkit/idem/internal/testkit/testenv"
 )
 
@@ -160,7 +161,7 @@ func TestConsumerQuorumCrashLoopSparesNeighbours(t *testing.T) {
 		t.Run(fmt.Sprintf("concurrency %d", conc), func(t *testing.T) {
 			url := testenv.AMQPURL()
 			q := consQueueArgs(t, url, consTestDelays, amqp091.Table{"x-queue-type": "quorum"})
-			o := consNewOracle(t, 2)
+			o := effectstest.New(t, 2)
 			var msgs []amqp091.Publishing
 			for _, id := range []string{"ok-c", "poison", "ok-d", "ok-e"} {
 				msgs = append(msgs, amqp091.Publishing{MessageId: id, Body: []byte("body of " + id)})
@@ -169,12 +170,12 @@ func TestConsumerQuorumCrashLoopSparesNeighbours(t *testing.T) {
 			// Settled: the neighbours applied, or more than the poison
 			// dead-lettered (the outcome this test rejects).
 			settled := func() bool {
-				_, distinct := o.counts(t)
+				_, distinct := o.Counts(t)
 				return consDepth(t, url, q) == 0 && consDepth(t, url, q+".dlq") >= 1 && (distinct == 3 || consDepth(t, url, q+".dlq") >= 2)
 			}
 			deaths, stops := 0, 0
 			for {
-				p, err := childproc.Start(consPoisonChildCommand(url, q, o.schema, conc), 64<<10, nil)
+				p, err := childproc.Start(consPoisonChildCommand(url, q, o.Schema, conc), 64<<10, nil)
 				if err != nil {
 					t.Fatal(err)
 				}
@@ -227,7 +228,7 @@ func TestConsumerQuorumCrashLoopSparesNeighbours(t *testing.T) {
 			if len(dead) != 1 || dead[0].MessageId != "poison" || dead[0].Headers[consumer.HeaderReason] != string(ReasonRedeliveryLimit) {
 				t.Errorf("dead letters %v, want only poison (%s)", ids, ReasonRedeliveryLimit)
 			}
-			rows, distinct := o.counts(t)
+			rows, distinct := o.Counts(t)
 			if rows != 3 || distinct != 3 {
 				t.Errorf("effects: %d rows for %d ids, want ok-c, ok-d and ok-e once each", rows, distinct)
 			}
@@ -506,7 +507,7 @@ func TestConsumerQuorumCrashLoopSeveralWorkers(t *testing.T) {
 			t.Run(fmt.Sprintf("seed %d", seed), func(t *testing.T) {
 				t.Parallel()
 				q := consQueueArgs(t, url, consTestDelays, amqp091.Table{"x-queue-type": "quorum"})
-				o := consNewOracle(t, 2)
+				o := effectstest.New(t, 2)
 				// Declared as the workers declare it, so that it can be
 				// watched before the first one started.
 				consAdmin(t, url, func(ch *amqp091.Channel) error {
@@ -526,7 +527,7 @@ func TestConsumerQuorumCrashLoopSeveralWorkers(t *testing.T) {
 				}
 				consPublish(t, url, q, msgs...)
 				start := func() *childproc.Proc {
-					cmd := consPoisonChildCommand(url, q, o.schema, 4)
+					cmd := consPoisonChildCommand(url, q, o.Schema, 4)
 					cmd.Env = append(cmd.Env, consChildMaxEnv+"="+strconv.Itoa(maxDeliveries))
 					p, err := childproc.Start(cmd, 64<<10, nil)
 					if err != nil {
@@ -549,7 +550,7 @@ func TestConsumerQuorumCrashLoopSeveralWorkers(t *testing.T) {
 				// applied or dead-lettered (or more dead-lettered than the
 				// crash messages: the outcome this test rejects).
 				settled := func() bool {
-					_, distinct := o.counts(t)
+					_, distinct := o.Counts(t)
 					dead := consDepth(t, url, q+".dlq")
 					return consDepth(t, url, q) == 0 && dead >= crashes && distinct+dead >= ordinary+crashes
 				}
@@ -557,7 +558,7 @@ func TestConsumerQuorumCrashLoopSeveralWorkers(t *testing.T) {
 				for stops := 0; ; stops++ {
 					for !settled() {
 						if time.Now().After(deadline) {
-							rows, distinct := o.counts(t)
+							rows, distinct := o.Counts(t)
 							t.Fatalf("not settled in 3 minutes: %d deaths, %d effect rows for %d ids, %d ready, %d dead letters",
 								deaths, rows, distinct, consDepth(t, url, q), consDepth(t, url, q+".dlq"))
 						}
@@ -611,7 +612,7 @@ func TestConsumerQuorumCrashLoopSeveralWorkers(t *testing.T) {
 					}
 					wrong = append(wrong, fmt.Sprintf("%s (%v, %v deliveries)", d.MessageId, d.Headers[consumer.HeaderReason], d.Headers[consumer.HeaderError]))
 				}
-				rows, distinct := o.counts(t)
+				rows, distinct := o.Counts(t)
 				mu.Lock()
 				deathsAll += deaths
 				innocentDead += len(wrong)

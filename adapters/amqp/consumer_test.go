@@ -17,6 +17,7 @@ import (
 
 	"github.com/idemkit/idem/consumer"
 	"github.com/idemkit/idem/dedup/memstore"
+	"github.com/idemkit/idem/internal/testkit/effectstest"
 	"github.com/idemkit/idem/internal/testkit/testenv"
 )
 
@@ -135,9 +136,9 @@ func TestConsumerChannelClosedMidHandler(t *testing.T) {
 	t.Parallel()
 	url := testenv.AMQPURL()
 	q := consQueue(t, url, consTestDelays)
-	o := consNewOracle(t, 4)
+	o := effectstest.New(t, 4)
 	var closed atomic.Bool
-	h := o.handler(t, func(ctx context.Context, _ *consumer.Message) error {
+	h := o.Handler(t, func(ctx context.Context, _ *consumer.Message) error {
 		if closed.CompareAndSwap(false, true) {
 			d, ok := DeliveryFrom(ctx)
 			if !ok {
@@ -156,7 +157,7 @@ func TestConsumerChannelClosedMidHandler(t *testing.T) {
 	consPublish(t, url, q, consMsgs("closed", 1)...)
 	testenv.Eventually(t, 30*time.Second, "the redelivery to be acked as a duplicate", func() bool { return c.Stats().Duplicates >= 1 })
 	stop()
-	rows, distinct := o.counts(t)
+	rows, distinct := o.Counts(t)
 	st := c.Stats()
 	t.Logf("stats: %+v", st)
 	if rows != 1 || distinct != 1 {
@@ -182,9 +183,9 @@ func TestConsumerChannelErrorWhileConsumingReconnects(t *testing.T) {
 	topoDeclare(t, url, q, func(int, time.Duration) (bool, amqp091.Table) {
 		return true, amqp091.Table{argDeadLetterExchange: "", argDeadLetterRoutingKey: q}
 	}, true)
-	o := consNewOracle(t, 4)
+	o := effectstest.New(t, 4)
 	var refused atomic.Bool
-	h := o.handler(t, func(ctx context.Context, _ *consumer.Message) error {
+	h := o.Handler(t, func(ctx context.Context, _ *consumer.Message) error {
 		if refused.CompareAndSwap(false, true) {
 			d, ok := DeliveryFrom(ctx)
 			if !ok {
@@ -203,7 +204,7 @@ func TestConsumerChannelErrorWhileConsumingReconnects(t *testing.T) {
 	consPublish(t, url, q, consMsgs("refused", 1)...)
 	testenv.Eventually(t, 30*time.Second, "the redelivery to be acked as a duplicate", func() bool { return c.Stats().Duplicates >= 1 })
 	stop() // fails the test if Run returned an error
-	rows, distinct := o.counts(t)
+	rows, distinct := o.Counts(t)
 	st := c.Stats()
 	t.Logf("stats: %+v", st)
 	if rows != 1 || distinct != 1 {
@@ -222,8 +223,8 @@ func TestConsumerSameMessageIDTwice(t *testing.T) {
 	t.Parallel()
 	url := testenv.AMQPURL()
 	q := consQueue(t, url, consTestDelays)
-	o := consNewOracle(t, 4)
-	c, err := NewConsumer(url, q, o.handler(t, nil), consOpts(ConsumerOptions{}))
+	o := effectstest.New(t, 4)
+	c, err := NewConsumer(url, q, o.Handler(t, nil), consOpts(ConsumerOptions{}))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -232,7 +233,7 @@ func TestConsumerSameMessageIDTwice(t *testing.T) {
 	consPublish(t, url, q, m[0], m[1], m[0])
 	testenv.Eventually(t, 30*time.Second, "3 acks", func() bool { return c.Stats().Acked >= 3 })
 	stop()
-	rows, distinct := o.counts(t)
+	rows, distinct := o.Counts(t)
 	if rows != 2 || distinct != 2 {
 		t.Fatalf("effects: %d rows for %d ids, want 2 for 2", rows, distinct)
 	}
@@ -588,25 +589,25 @@ func TestConsumerCloseAllConnections(t *testing.T) {
 	ctl := consRabbitmqctl(t)
 	vh, url := consVhost(t, ctl)
 	q := consQueue(t, url, consTestDelays)
-	o := consNewOracle(t, 10)
+	o := effectstest.New(t, 10)
 	const n = 10000
 	consPublish(t, url, q, consMsgs("m", n)...)
-	c, err := NewConsumer(url, q, o.handler(t, nil), consOpts(ConsumerOptions{Concurrency: 8, Prefetch: 100}))
+	c, err := NewConsumer(url, q, o.Handler(t, nil), consOpts(ConsumerOptions{Concurrency: 8, Prefetch: 100}))
 	if err != nil {
 		t.Fatal(err)
 	}
 	stop := consStart(t, c)
 	for i, at := range []int{2000, 6000} {
-		testenv.Eventually(t, 120*time.Second, "progress", func() bool { _, d := o.counts(t); return d >= at })
+		testenv.Eventually(t, 120*time.Second, "progress", func() bool { _, d := o.Counts(t); return d >= at })
 		ctl("close_all_connections", "--vhost", vh, "idem test: connection kill mid-run")
 		// The consumer reconnects even if the run finished while
 		// rabbitmqctl started (a close on an idle connection).
 		testenv.Eventually(t, 60*time.Second, "a reconnect", func() bool { return c.Stats().Connects >= int64(i+2) })
 	}
-	testenv.Eventually(t, 150*time.Second, "every message applied", func() bool { _, d := o.counts(t); return d >= n })
+	testenv.Eventually(t, 150*time.Second, "every message applied", func() bool { _, d := o.Counts(t); return d >= n })
 	testenv.Eventually(t, 30*time.Second, "the queue to drain", func() bool { return consDepth(t, url, q) == 0 })
 	stop()
-	rows, distinct := o.counts(t)
+	rows, distinct := o.Counts(t)
 	st := c.Stats()
 	t.Logf("%d messages, %d effect rows for %d ids; stats %+v", n, rows, distinct, st)
 	if distinct != n {
@@ -626,40 +627,40 @@ func TestConsumerChildSIGKILL(t *testing.T) {
 	t.Parallel()
 	url := testenv.AMQPURL()
 	q := consQueue(t, url, consTestDelays)
-	o := consNewOracle(t, 2)
+	o := effectstest.New(t, 2)
 	total := 3000
 	consPublish(t, url, q, consMsgs("k0", total)...)
 	const kills = 20
 	for k, batch := 0, 1; k < kills; k++ {
-		if _, d := o.counts(t); d >= total-200 {
+		if _, d := o.Counts(t); d >= total-200 {
 			consPublish(t, url, q, consMsgs(fmt.Sprintf("k%d", batch), 1000)...)
 			total += 1000
 			batch++
 		}
-		rows0, _ := o.counts(t)
-		cmd := consChildCommand(url, q, o.schema)
+		rows0, _ := o.Counts(t)
+		cmd := consChildCommand(url, q, o.Schema)
 		if err := cmd.Start(); err != nil {
 			t.Fatal(err)
 		}
 		// Killed at a random point of its work: once it applied a random
 		// number of effects.
 		more := rand.N(100)
-		testenv.Eventually(t, 60*time.Second, "the child to apply effects", func() bool { r, _ := o.counts(t); return r > rows0+more })
+		testenv.Eventually(t, 60*time.Second, "the child to apply effects", func() bool { r, _ := o.Counts(t); return r > rows0+more })
 		_ = cmd.Process.Kill()
 		_ = cmd.Wait()
 	}
 	// The last child drains the queue and stops on SIGTERM.
-	cmd := consChildCommand(url, q, o.schema)
+	cmd := consChildCommand(url, q, o.Schema)
 	if err := cmd.Start(); err != nil {
 		t.Fatal(err)
 	}
-	testenv.Eventually(t, 120*time.Second, "every message applied", func() bool { _, d := o.counts(t); return d >= total })
+	testenv.Eventually(t, 120*time.Second, "every message applied", func() bool { _, d := o.Counts(t); return d >= total })
 	testenv.Eventually(t, 30*time.Second, "the queue to drain", func() bool { return consDepth(t, url, q) == 0 })
 	_ = cmd.Process.Signal(syscall.SIGTERM)
 	if err := cmd.Wait(); err != nil {
 		t.Errorf("the last child: %v", err)
 	}
-	rows, distinct := o.counts(t)
+	rows, distinct := o.Counts(t)
 	t.Logf("%d messages, %d SIGKILLs: %d effect rows for %d ids", total, kills, rows, distinct)
 	if distinct != total {
 		t.Errorf("%d of %d messages applied: %d lost", distinct, total, total-distinct)

@@ -69,7 +69,7 @@ func TestConsumerContinuesOutboxTrace(t *testing.T) {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { _ = store.Close() })
-	dd, err := consumer.Dedup(store, consumer.DedupOptions{Scope: "test/trace", TracerProvider: spans})
+	dd, err := consumer.Dedup(store, consumer.DedupOptions{Scope: "test/trace", Telemetry: consumer.Telemetry{TracerProvider: spans}})
 	if err != nil {
 		t.Fatal(err)
 	}

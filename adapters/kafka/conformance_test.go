@@ -129,7 +129,7 @@ func (h *kafkaHarness) Start(_ context.Context, d adaptertest.Destination, w ada
 	c, err := idemkafka.NewConsumer(rc, w.Handler, idemkafka.ConsumerOptions{
 		DeadLetterTopic: d.DeadLetter,
 		Workers:         4,
-		Backoff:         consumer.Backoff{Initial: opts.RetryDelay, Max: opts.MaxRetryDelay},
+		Backoff:         opts.Backoff,
 		CommitInterval:  100 * time.Millisecond,
 		Telemetry:       consumer.Telemetry{Logger: slog.New(slog.DiscardHandler)},
 	})

@@ -145,7 +145,7 @@ func childMain() int {
 	var c *idemkafka.Consumer
 	switch mode {
 	case "pgtable":
-		h, err := consumer.Transactional(claims, consumer.TxOptions{Scope: "test/crash", OnOutcome: dupOutcome}, effect)
+		h, err := consumer.Transactional(claims, consumer.TxOptions{Scope: "test/crash", Telemetry: consumer.Telemetry{OnOutcome: dupOutcome}}, effect)
 		if err != nil {
 			return fail(err)
 		}
@@ -160,7 +160,7 @@ func childMain() int {
 		}
 		opts.Offsets = offsets
 		if os.Getenv(childHandlerEnv) == "batch" {
-			bh, err := kafkapg.Batch(pool, claims, kafkapg.BatchOptions{Scope: "test/crash", Offsets: offsets, OnOutcome: dupOutcome}, effect)
+			bh, err := kafkapg.Batch(pool, claims, kafkapg.BatchOptions{Scope: "test/crash", Offsets: offsets, Telemetry: consumer.Telemetry{OnOutcome: dupOutcome}}, effect)
 			if err != nil {
 				return fail(err)
 			}
@@ -170,7 +170,7 @@ func childMain() int {
 				return fail(err)
 			}
 		} else {
-			h, err := kafkapg.Transactional(claims, offsets, consumer.TxOptions{Scope: "test/crash", OnOutcome: dupOutcome}, effect)
+			h, err := kafkapg.Transactional(claims, offsets, consumer.TxOptions{Scope: "test/crash", Telemetry: consumer.Telemetry{OnOutcome: dupOutcome}}, effect)
 			if err != nil {
 				return fail(err)
 			}

@@ -17,6 +17,7 @@ import (
 	"github.com/nats-io/nats.go/jetstream"
 
 	"github.com/idemkit/idem/consumer"
+	"github.com/idemkit/idem/internal/testkit/effectstest"
 	"github.com/idemkit/idem/internal/testkit/testenv"
 )
 
@@ -80,7 +81,7 @@ func runChild() int {
 		return fail(err)
 	}
 	defer pool.Close()
-	o, err := openOracle(pool, os.Getenv(childSchemaEnv))
+	o, err := effectstest.Open(pool, os.Getenv(childSchemaEnv))
 	if err != nil {
 		return fail(err)
 	}
@@ -113,7 +114,7 @@ func runChild() int {
 		}
 	}
 	inTx := func(context.Context, *consumer.Message) error { die("in_tx"); return nil }
-	tx, err := o.txHandler(before, inTx)
+	tx, err := o.TxHandler(before, inTx)
 	if err != nil {
 		return fail(err)
 	}
@@ -128,13 +129,13 @@ func runChild() int {
 		})
 	})
 	opts := ConsumerOptions{
-		Concurrency: 4, Prefetch: 16, RetryDelays: testDelays, Logger: quiet(),
-		Config: jetstream.ConsumerConfig{AckWait: time.Second},
-		OnOutcome: func(_ context.Context, r consumer.Report) {
+		Concurrency: 4, Prefetch: 16, Backoff: testBackoff,
+		Telemetry: consumer.Telemetry{Logger: quiet(), OnOutcome: func(_ context.Context, r consumer.Report) {
 			if r.Result.Action == consumer.ActionAck {
 				acked.Add(1)
 			}
-		},
+		}},
+		Config: jetstream.ConsumerConfig{AckWait: time.Second},
 	}
 	if kind == "poison" {
 		opts.MaxDeliveries = childMaxDeliveries

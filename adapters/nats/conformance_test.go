@@ -18,6 +18,7 @@ import (
 
 	"github.com/idemkit/idem/adapters/adaptertest"
 	idemnats "github.com/idemkit/idem/adapters/nats"
+	"github.com/idemkit/idem/consumer"
 	"github.com/idemkit/idem/internal/testkit/fault"
 	"github.com/idemkit/idem/internal/testkit/testenv"
 )
@@ -175,16 +176,6 @@ func (h *natsHarness) Publish(ctx context.Context, d adaptertest.Destination, ms
 	return nil
 }
 
-// natsDelays are the retry delays of opts: RetryDelay doubling up to
-// MaxRetryDelay.
-func natsDelays(opts adaptertest.ConsumerOptions) []time.Duration {
-	var ds []time.Duration
-	for d := opts.RetryDelay; d < opts.MaxRetryDelay; d *= 2 {
-		ds = append(ds, d)
-	}
-	return append(ds, opts.MaxRetryDelay)
-}
-
 // Start runs a Consumer whose connection goes through a fault proxy, so
 // that Interrupt can cut it.
 func (h *natsHarness) Start(ctx context.Context, d adaptertest.Destination, w adaptertest.Work, opts adaptertest.ConsumerOptions) (adaptertest.Consumer, error) {
@@ -220,7 +211,7 @@ func (h *natsHarness) Start(ctx context.Context, d adaptertest.Destination, w ad
 		Config:      jetstream.ConsumerConfig{AckPolicy: jetstream.AckExplicitPolicy, AckWait: natsAckWait},
 		Concurrency: 4,
 		Prefetch:    8,
-		RetryDelays: natsDelays(opts),
+		Backoff:     opts.Backoff,
 		MaxAttempts: opts.MaxAttempts,
 		// A message nacked more than MaxDeliveries times is dead-lettered
 		// (redelivery_limit) whatever MaxAttempts says: keep the two
@@ -229,7 +220,7 @@ func (h *natsHarness) Start(ctx context.Context, d adaptertest.Destination, w ad
 		DeadLetterSubject: d.DeadLetter,
 		DeadLetterStream:  d.Params["dlq_stream"],
 		FetchWait:         200 * time.Millisecond,
-		Logger:            slog.New(slog.DiscardHandler),
+		Telemetry:         consumer.Telemetry{Logger: slog.New(slog.DiscardHandler)},
 	})
 	if err != nil {
 		return fail(err)

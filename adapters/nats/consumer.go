@@ -32,9 +32,8 @@ const system = "nats"
 //     duplicate): acknowledged with AckSync, which waits for the server
 //     to confirm the acknowledgement.
 //   - ActionRetry (a transient error, a key in flight elsewhere, a lost
-//     lease, a timeout): NakWithDelay with the delay of
-//     ConsumerOptions.RetryDelays for the delivery count, or the store's
-//     hint when that is longer. A transient failure on the MaxAttempts-th
+//     lease, a timeout): NakWithDelay with ConsumerOptions.Backoff's delay
+//     for the delivery count, or the store's hint when that is longer. A transient failure on the MaxAttempts-th
 //     delivery dead-letters the message with reason retries_exhausted
 //     instead.
 //   - ActionDeadLetter (Permanent, a panic, a fingerprint mismatch, an
@@ -667,7 +666,7 @@ func (c *Consumer) abandoned(ctx context.Context, d *delivery, what string, err 
 
 // deadLetter publishes d's copy to the dead-letter subject, waits for its
 // PubAck, then terminates d. A copy that is not stored leaves d nacked
-// with the first retry delay.
+// with the first retry delay (Backoff.Initial).
 func (c *Consumer) deadLetter(mctx, runCtx context.Context, d *delivery, msg *consumer.Message, res consumer.Result) settlement {
 	out := c.deadLetterMsg(d, res)
 	pctx, cancel := context.WithTimeout(context.WithoutCancel(mctx), c.opts.PublishTimeout)
@@ -677,7 +676,7 @@ func (c *Consumer) deadLetter(mctx, runCtx context.Context, d *delivery, msg *co
 		c.opts.Logger.LogAttrs(mctx, slog.LevelError, "nats: publishing a dead letter failed; the message comes back",
 			slog.String("stream", c.stream), slog.String("durable", c.durable), slog.String("dead_letter_subject", c.opts.DeadLetterSubject),
 			slog.String("message", where(d.md)), slog.Any("err", err))
-		delay := c.opts.RetryDelays[0]
+		delay := c.opts.Backoff.Initial
 		if runCtx.Err() != nil {
 			delay = 0
 		}

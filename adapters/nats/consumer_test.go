@@ -14,6 +14,7 @@ import (
 	"github.com/nats-io/nats.go/jetstream"
 
 	"github.com/idemkit/idem/consumer"
+	"github.com/idemkit/idem/internal/testkit/effectstest"
 	"github.com/idemkit/idem/internal/testkit/testenv"
 )
 
@@ -24,7 +25,7 @@ func TestConsumerTransactionalDuplicates(t *testing.T) {
 	t.Parallel()
 	_, js := testenv.NATS(t)
 	s := newStream(t, js, 100*time.Millisecond)
-	o := newOracle(t, 8)
+	o := effectstest.New(t, 8)
 	ids := s.publishN(t, "m", 200)
 	time.Sleep(150 * time.Millisecond) // past the duplicate window
 	copies := 0
@@ -36,7 +37,7 @@ func TestConsumerTransactionalDuplicates(t *testing.T) {
 	if copies == 0 {
 		t.Fatal("the stream dropped every copy: the duplicate window did not elapse")
 	}
-	c, err := NewConsumer(js, s.name, "work", o.handler(t, nil), ConsumerOptions{Concurrency: 4, Logger: quiet(), RetryDelays: testDelays})
+	c, err := NewConsumer(js, s.name, "work", o.Handler(t, nil), ConsumerOptions{Concurrency: 4, Telemetry: consumer.Telemetry{Logger: quiet()}, Backoff: testBackoff})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -47,7 +48,7 @@ func TestConsumerTransactionalDuplicates(t *testing.T) {
 	if err := stop(); err != nil {
 		t.Fatal(err)
 	}
-	o.check(t, ids)
+	o.Check(t, ids)
 	st := c.Stats()
 	if st.Duplicates != int64(copies) {
 		t.Errorf("Duplicates = %d, want the %d copies", st.Duplicates, copies)
@@ -65,7 +66,7 @@ func TestConsumerDeadLetters(t *testing.T) {
 	t.Parallel()
 	_, js := testenv.NATS(t)
 	s := newStream(t, js, 100*time.Millisecond)
-	o := newOracle(t, 4)
+	o := effectstest.New(t, 4)
 	fail := func(_ context.Context, msg *consumer.Message) error {
 		switch {
 		case strings.HasPrefix(msg.ID, "perm"):
@@ -81,20 +82,19 @@ func TestConsumerDeadLetters(t *testing.T) {
 	s.publish(t, "fp-1", []byte("first"), nil)
 	s.publish(t, "flaky-1", []byte("c"), nil)
 	var outcomes sync.Map
-	c, err := NewConsumer(js, s.name, "work", o.handler(t, fail), ConsumerOptions{
-		Logger: quiet(), RetryDelays: testDelays, MaxAttempts: 3,
-		OnOutcome: func(_ context.Context, r consumer.Report) {
+	c, err := NewConsumer(js, s.name, "work", o.Handler(t, fail), ConsumerOptions{
+		Telemetry: consumer.Telemetry{Logger: quiet(), OnOutcome: func(_ context.Context, r consumer.Report) {
 			if r.Result.Action == consumer.ActionDeadLetter {
 				outcomes.Store(r.Message.ID, r.Outcome)
 			}
-		},
+		}}, Backoff: testBackoff, MaxAttempts: 3,
 	})
 	if err != nil {
 		t.Fatal(err)
 	}
 	stop := runConsumer(t, c)
-	testenv.Eventually(t, 30*time.Second, "ok-1 applied", func() bool { _, d := o.counts(t); return d >= 1 })
-	testenv.Eventually(t, 30*time.Second, "fp-1 applied", func() bool { _, d := o.counts(t); return d >= 2 })
+	testenv.Eventually(t, 30*time.Second, "ok-1 applied", func() bool { _, d := o.Counts(t); return d >= 1 })
+	testenv.Eventually(t, 30*time.Second, "fp-1 applied", func() bool { _, d := o.Counts(t); return d >= 2 })
 	time.Sleep(150 * time.Millisecond) // past the duplicate window
 	s.publish(t, "fp-1", []byte("second, other content"), nil)
 	testenv.Eventually(t, 30*time.Second, "every message settled", func() bool {
@@ -103,7 +103,7 @@ func TestConsumerDeadLetters(t *testing.T) {
 	if err := stop(); err != nil {
 		t.Fatal(err)
 	}
-	o.check(t, []string{"ok-1", "fp-1"})
+	o.Check(t, []string{"ok-1", "fp-1"})
 
 	dls := s.deadLetters(t)
 	if len(dls) != 4 {
@@ -170,7 +170,7 @@ func TestConsumerRetryThenSuccess(t *testing.T) {
 	t.Parallel()
 	_, js := testenv.NATS(t)
 	s := newStream(t, js, 0)
-	o := newOracle(t, 4)
+	o := effectstest.New(t, 4)
 	var runs atomic.Int64
 	flaky := func(_ context.Context, msg *consumer.Message) error {
 		if runs.Add(1) <= 2 {
@@ -179,7 +179,7 @@ func TestConsumerRetryThenSuccess(t *testing.T) {
 		return nil
 	}
 	s.publish(t, "r-1", []byte("x"), nil)
-	c, err := NewConsumer(js, s.name, "work", o.handler(t, flaky), ConsumerOptions{Logger: quiet(), RetryDelays: testDelays})
+	c, err := NewConsumer(js, s.name, "work", o.Handler(t, flaky), ConsumerOptions{Telemetry: consumer.Telemetry{Logger: quiet()}, Backoff: testBackoff})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -188,9 +188,9 @@ func TestConsumerRetryThenSuccess(t *testing.T) {
 	if err := stop(); err != nil {
 		t.Fatal(err)
 	}
-	o.check(t, []string{"r-1"})
+	o.Check(t, []string{"r-1"})
 	var attempt int
-	if err := o.pool.QueryRow(context.Background(), "SELECT attempt FROM "+o.table()).Scan(&attempt); err != nil {
+	if err := o.Pool.QueryRow(context.Background(), "SELECT attempt FROM "+o.Table()).Scan(&attempt); err != nil {
 		t.Fatal(err)
 	}
 	if st := c.Stats(); st.Retried != 2 || attempt != 3 {
@@ -204,7 +204,7 @@ func TestConsumerInProgress(t *testing.T) {
 	t.Parallel()
 	_, js := testenv.NATS(t)
 	s := newStream(t, js, 0)
-	o := newOracle(t, 4)
+	o := effectstest.New(t, 4)
 	var runs atomic.Int64
 	slow := func(ctx context.Context, _ *consumer.Message) error {
 		runs.Add(1)
@@ -216,8 +216,8 @@ func TestConsumerInProgress(t *testing.T) {
 		}
 	}
 	s.publish(t, "slow-1", []byte("x"), nil)
-	c, err := NewConsumer(js, s.name, "work", o.handler(t, slow), ConsumerOptions{
-		Logger: quiet(), Config: jetstream.ConsumerConfig{AckWait: time.Second},
+	c, err := NewConsumer(js, s.name, "work", o.Handler(t, slow), ConsumerOptions{
+		Telemetry: consumer.Telemetry{Logger: quiet()}, Config: jetstream.ConsumerConfig{AckWait: time.Second},
 	})
 	if err != nil {
 		t.Fatal(err)
@@ -227,7 +227,7 @@ func TestConsumerInProgress(t *testing.T) {
 	if err := stop(); err != nil {
 		t.Fatal(err)
 	}
-	o.check(t, []string{"slow-1"})
+	o.Check(t, []string{"slow-1"})
 	if st := c.Stats(); st.Delivered != 1 || runs.Load() != 1 {
 		t.Errorf("delivered %d times, handler ran %d times; want once", st.Delivered, runs.Load())
 	}
@@ -241,7 +241,7 @@ func TestConsumerGracefulStop(t *testing.T) {
 	t.Parallel()
 	_, js := testenv.NATS(t)
 	s := newStream(t, js, 0)
-	o := newOracle(t, 8)
+	o := effectstest.New(t, 8)
 	ids := s.publishN(t, "g", 20)
 	started := make(chan string, 20)
 	release := make(chan struct{})
@@ -254,7 +254,7 @@ func TestConsumerGracefulStop(t *testing.T) {
 		}
 		return nil
 	}
-	c, err := NewConsumer(js, s.name, "work", o.handler(t, block), ConsumerOptions{Concurrency: 2, Prefetch: 8, Logger: quiet(), RetryDelays: testDelays})
+	c, err := NewConsumer(js, s.name, "work", o.Handler(t, block), ConsumerOptions{Concurrency: 2, Prefetch: 8, Telemetry: consumer.Telemetry{Logger: quiet()}, Backoff: testBackoff})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -283,17 +283,17 @@ func TestConsumerGracefulStop(t *testing.T) {
 	}
 
 	stopping.Store(false)
-	c2, err := NewConsumer(js, s.name, "work", o.handler(t, func(context.Context, *consumer.Message) error { return nil }), ConsumerOptions{Concurrency: 2, Logger: quiet(), RetryDelays: testDelays})
+	c2, err := NewConsumer(js, s.name, "work", o.Handler(t, func(context.Context, *consumer.Message) error { return nil }), ConsumerOptions{Concurrency: 2, Telemetry: consumer.Telemetry{Logger: quiet()}, Backoff: testBackoff})
 	if err != nil {
 		t.Fatal(err)
 	}
 	stop2 := runConsumer(t, c2)
-	testenv.Eventually(t, 30*time.Second, "every message applied", func() bool { _, d := o.counts(t); return d == len(ids) })
+	testenv.Eventually(t, 30*time.Second, "every message applied", func() bool { _, d := o.Counts(t); return d == len(ids) })
 	testenv.Eventually(t, 30*time.Second, "nothing pending", func() bool { return pending(t, js, s.name, "work") == 0 })
 	if err := stop2(); err != nil {
 		t.Fatal(err)
 	}
-	o.check(t, ids)
+	o.Check(t, ids)
 }
 
 // A handler cannot settle its delivery: the message MsgFrom returns
@@ -315,7 +315,7 @@ func TestConsumerMsgFrom(t *testing.T) {
 		return nil
 	})
 	s.publish(t, "x-1", []byte("x"), nil)
-	c, err := NewConsumer(js, s.name, "work", h, ConsumerOptions{Logger: quiet()})
+	c, err := NewConsumer(js, s.name, "work", h, ConsumerOptions{Telemetry: consumer.Telemetry{Logger: quiet()}})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -373,12 +373,12 @@ func TestConsumerSetupErrors(t *testing.T) {
 	if _, err := js.CreateOrUpdateConsumer(ctx, s.name, jetstream.ConsumerConfig{Durable: "low", AckPolicy: jetstream.AckExplicitPolicy, MaxDeliver: 3}); err != nil {
 		t.Fatal(err)
 	}
-	c, err := NewConsumer(js, s.name, "low", h, ConsumerOptions{NoDeclare: true, Logger: quiet()})
+	c, err := NewConsumer(js, s.name, "low", h, ConsumerOptions{NoDeclare: true, Telemetry: consumer.Telemetry{Logger: quiet()}})
 	if err != nil {
 		t.Fatal(err)
 	}
 	_ = c // NoDeclare needs a dead-letter stream: create it through a declaring Consumer first.
-	c0, err := NewConsumer(js, s.name, "declarer", h, ConsumerOptions{Logger: quiet()})
+	c0, err := NewConsumer(js, s.name, "declarer", h, ConsumerOptions{Telemetry: consumer.Telemetry{Logger: quiet()}})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -409,7 +409,10 @@ func TestNewConsumerErrors(t *testing.T) {
 		{"backoff", "s", "d", ConsumerOptions{Config: jetstream.ConsumerConfig{BackOff: []time.Duration{time.Second}}}},
 		{"max deliver too low", "s", "d", ConsumerOptions{Config: jetstream.ConsumerConfig{MaxDeliver: 5}}},
 		{"wildcard dead-letter subject", "s", "d", ConsumerOptions{DeadLetterSubject: "s.>"}},
-		{"retry delay too short", "s", "d", ConsumerOptions{RetryDelays: []time.Duration{time.Microsecond}}},
+		{"retry delay too short", "s", "d", ConsumerOptions{Backoff: consumer.Backoff{Initial: time.Microsecond}}},
+		{"retry delay too long", "s", "d", ConsumerOptions{Backoff: consumer.Backoff{Max: 25 * time.Hour}}},
+		{"backoff factor below 1", "s", "d", ConsumerOptions{Backoff: consumer.Backoff{Factor: 0.5}}},
+		{"negative fetch wait", "s", "d", ConsumerOptions{FetchWait: -time.Second}},
 		{"negative max deliveries", "s", "d", ConsumerOptions{MaxDeliveries: -2}},
 		{"other durable in config", "s", "d", ConsumerOptions{Config: jetstream.ConsumerConfig{Durable: "e"}}},
 	} {
@@ -422,5 +425,69 @@ func TestNewConsumerErrors(t *testing.T) {
 	}
 	if _, err := NewConsumer(js, "s", "d", nil, ConsumerOptions{}); err == nil {
 		t.Error("NewConsumer accepted a nil handler")
+	}
+}
+
+// NewConsumer refuses a MaxAttempts that the delivery bounds would never
+// let a message reach: JetStream counts every delivery, and a message
+// delivered more than MaxDeliveries times (which the durable's MaxDeliver
+// must exceed) is dead-lettered as redelivery_limit first.
+func TestNewConsumerMaxAttemptsAboveMaxDeliveries(t *testing.T) {
+	_, js := testenv.NATS(t)
+	h := consumer.HandlerFunc(func(context.Context, *consumer.Message) error { return nil })
+	for _, tc := range []struct {
+		name    string
+		opts    ConsumerOptions
+		wantErr string // empty: accepted
+	}{
+		{"above the default MaxDeliveries", ConsumerOptions{MaxAttempts: 11},
+			"nats: ConsumerOptions.MaxAttempts (11) is greater than MaxDeliveries (10)"},
+		{"above MaxDeliveries and the durable's MaxDeliver", ConsumerOptions{MaxAttempts: 8, MaxDeliveries: 5,
+			Config: jetstream.ConsumerConfig{MaxDeliver: 6}}, "nats: ConsumerOptions.MaxAttempts (8) is greater than MaxDeliveries (5)"},
+		{"MaxDeliver at or below MaxAttempts", ConsumerOptions{MaxAttempts: 4, MaxDeliveries: 4,
+			Config: jetstream.ConsumerConfig{MaxDeliver: 4}}, "the durable consumer's MaxDeliver is 4"},
+		{"equal to MaxDeliveries", ConsumerOptions{MaxAttempts: 10}, ""},
+		{"equal, below MaxDeliver", ConsumerOptions{MaxAttempts: 6, MaxDeliveries: 6,
+			Config: jetstream.ConsumerConfig{MaxDeliver: 7}}, ""},
+		{"no delivery bound", ConsumerOptions{MaxAttempts: 1000, MaxDeliveries: -1}, ""},
+	} {
+		_, err := NewConsumer(js, "s", "d", h, tc.opts)
+		switch {
+		case tc.wantErr == "" && err != nil:
+			t.Errorf("%s: NewConsumer: %v", tc.name, err)
+		case tc.wantErr != "" && (err == nil || !strings.Contains(err.Error(), tc.wantErr)):
+			t.Errorf("%s: NewConsumer = %v, want an error containing %q", tc.name, err, tc.wantErr)
+		}
+	}
+}
+
+// The delay after a failed delivery is Backoff's for the delivery count,
+// or the store's hint when that is longer, never more than 24h; the zero
+// Backoff gives 1s, 5s, 25s, 2m.
+func TestRetryDelay(t *testing.T) {
+	_, js := testenv.NATS(t)
+	h := consumer.HandlerFunc(func(context.Context, *consumer.Message) error { return nil })
+	c, err := NewConsumer(js, "s", "d", h, ConsumerOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	o := c.opts
+	for _, tc := range []struct {
+		n    int
+		hint time.Duration
+		want time.Duration
+	}{
+		{1, 0, time.Second},
+		{2, 0, 5 * time.Second},
+		{3, 0, 25 * time.Second},
+		{4, 0, 2 * time.Minute},
+		{40, 0, 2 * time.Minute},
+		{1, 3 * time.Second, 3 * time.Second},
+		{2, 3 * time.Second, 5 * time.Second},
+		{1, 48 * time.Hour, 24 * time.Hour},
+	} {
+		if got := o.retryDelay(tc.n, tc.hint); got != tc.want {
+			t.Errorf("retryDelay(%d, %v) = %v, want %v", tc.n, tc.hint, got, tc.want)
+		}
 	}
 }

@@ -14,6 +14,7 @@ import (
 	"github.com/nats-io/nats.go/jetstream"
 
 	"github.com/idemkit/idem/consumer"
+	"github.com/idemkit/idem/internal/testkit/effectstest"
 	"github.com/idemkit/idem/internal/testkit/fault"
 	"github.com/idemkit/idem/internal/testkit/testenv"
 )
@@ -66,7 +67,7 @@ func TestConsumerChildSIGKILL(t *testing.T) {
 	t.Parallel()
 	_, js := testenv.NATS(t)
 	s := newStream(t, js, 100*time.Millisecond)
-	o := newOracle(t, 4)
+	o := effectstest.New(t, 4)
 	var ids []string
 	batch := 0
 	publish := func(n int) {
@@ -82,20 +83,20 @@ func TestConsumerChildSIGKILL(t *testing.T) {
 	publish(400)
 	kills := 0
 	for round := range 12 {
-		if _, d := o.counts(t); d >= len(ids)-50 {
+		if _, d := o.Counts(t); d >= len(ids)-50 {
 			time.Sleep(150 * time.Millisecond) // past the duplicate window
 			publish(300)
 		}
-		rows0, _ := o.counts(t)
+		rows0, _ := o.Counts(t)
 		point := ""
 		if round%2 == 1 {
 			point = namedPoints[(round/2)%len(namedPoints)]
 		}
-		ch := startChild(t, "worker", testenv.NATSURL(), s.name, o.schema, point, rand.N(40))
+		ch := startChild(t, "worker", testenv.NATSURL(), s.name, o.Schema, point, rand.N(40))
 		<-ch.ready
 		if point == "" {
 			more := rand.N(60)
-			testenv.Eventually(t, 60*time.Second, "the child to apply effects", func() bool { r, _ := o.counts(t); return r > rows0+more })
+			testenv.Eventually(t, 60*time.Second, "the child to apply effects", func() bool { r, _ := o.Counts(t); return r > rows0+more })
 			ch.kill()
 		}
 		select {
@@ -109,14 +110,14 @@ func TestConsumerChildSIGKILL(t *testing.T) {
 		kills++
 	}
 	// The last child drains the stream and stops on SIGTERM.
-	ch := startChild(t, "worker", testenv.NATSURL(), s.name, o.schema, "", 0)
+	ch := startChild(t, "worker", testenv.NATSURL(), s.name, o.Schema, "", 0)
 	<-ch.ready
-	testenv.Eventually(t, 120*time.Second, "every message applied", func() bool { _, d := o.counts(t); return d >= len(ids) })
+	testenv.Eventually(t, 120*time.Second, "every message applied", func() bool { _, d := o.Counts(t); return d >= len(ids) })
 	testenv.Eventually(t, 60*time.Second, "nothing pending", func() bool { return pending(t, js, s.name, "work") == 0 })
 	stopChild(t, ch)
-	rows, distinct := o.counts(t)
+	rows, distinct := o.Counts(t)
 	t.Logf("%d messages, %d SIGKILLs: %d effect rows for %d ids", len(ids), kills, rows, distinct)
-	o.check(t, ids)
+	o.Check(t, ids)
 	if n := len(s.deadLetters(t)); n != 0 {
 		t.Errorf("%d messages dead-lettered", n)
 	}
@@ -145,7 +146,7 @@ func TestConsumerCrashLoop(t *testing.T) {
 	t.Parallel()
 	_, js := testenv.NATS(t)
 	s := newStream(t, js, 0)
-	o := newOracle(t, 4)
+	o := effectstest.New(t, 4)
 	var innocent []string
 	for i := range 150 {
 		id := fmt.Sprintf("ok-%d", i)
@@ -157,7 +158,7 @@ func TestConsumerCrashLoop(t *testing.T) {
 	}
 	deaths := 0
 	for {
-		ch := startChild(t, "poison", testenv.NATSURL(), s.name, o.schema, "", 0)
+		ch := startChild(t, "poison", testenv.NATSURL(), s.name, o.Schema, "", 0)
 		var err error
 		select {
 		case err = <-ch.done:
@@ -177,7 +178,7 @@ func TestConsumerCrashLoop(t *testing.T) {
 		}
 	}
 	testenv.Eventually(t, 30*time.Second, "nothing pending", func() bool { return pending(t, js, s.name, "work") == 0 })
-	o.check(t, innocent)
+	o.Check(t, innocent)
 	dls := s.deadLetters(t)
 	seen := map[string]int{}
 	for _, m := range dls {
@@ -210,7 +211,7 @@ func TestConsumerServerRestart(t *testing.T) {
 	t.Cleanup(func() { _ = srv.Close() })
 	_, js := testenv.NATSAt(t, srv.URL())
 	s := newStream(t, js, 0)
-	o := newOracle(t, 8)
+	o := effectstest.New(t, 8)
 	slow := func(ctx context.Context, _ *consumer.Message) error {
 		select {
 		case <-time.After(2 * time.Millisecond):
@@ -219,8 +220,8 @@ func TestConsumerServerRestart(t *testing.T) {
 			return ctx.Err()
 		}
 	}
-	c, err := NewConsumer(js, s.name, "work", o.handler(t, slow), ConsumerOptions{
-		Concurrency: 4, Logger: quiet(), RetryDelays: testDelays, Config: jetstream.ConsumerConfig{AckWait: 2 * time.Second},
+	c, err := NewConsumer(js, s.name, "work", o.Handler(t, slow), ConsumerOptions{
+		Concurrency: 4, Telemetry: consumer.Telemetry{Logger: quiet()}, Backoff: testBackoff, Config: jetstream.ConsumerConfig{AckWait: 2 * time.Second},
 	})
 	if err != nil {
 		t.Fatal(err)
@@ -228,8 +229,8 @@ func TestConsumerServerRestart(t *testing.T) {
 	ids := s.publishN(t, "a", 300)
 	stop := runConsumer(t, c)
 	for k := range 3 {
-		rows0, _ := o.counts(t)
-		testenv.Eventually(t, 60*time.Second, "effects before the crash", func() bool { r, _ := o.counts(t); return r > rows0+20 })
+		rows0, _ := o.Counts(t)
+		testenv.Eventually(t, 60*time.Second, "effects before the crash", func() bool { r, _ := o.Counts(t); return r > rows0+20 })
 		if err := srv.Kill(); err != nil {
 			t.Fatal(err)
 		}
@@ -243,12 +244,12 @@ func TestConsumerServerRestart(t *testing.T) {
 			ids = append(ids, id)
 		}
 	}
-	testenv.Eventually(t, 120*time.Second, "every message applied", func() bool { _, d := o.counts(t); return d >= len(ids) })
+	testenv.Eventually(t, 120*time.Second, "every message applied", func() bool { _, d := o.Counts(t); return d >= len(ids) })
 	testenv.Eventually(t, 60*time.Second, "nothing pending", func() bool { return pending(t, js, s.name, "work") == 0 })
 	if err := stop(); err != nil {
 		t.Fatal(err)
 	}
-	o.check(t, ids)
+	o.Check(t, ids)
 	t.Logf("%d messages over 3 server crashes: stats %+v", len(ids), c.Stats())
 }
 

@@ -28,8 +28,8 @@
 //
 // # Retries and long handlers
 //
-// A transient failure naks the message with the delay of
-// ConsumerOptions.RetryDelays for its delivery count (NakWithDelay); the
+// A transient failure naks the message with ConsumerOptions.Backoff's
+// delay for its delivery count (NakWithDelay); the
 // failure on the MaxAttempts-th delivery dead-letters it instead, with
 // reason retries_exhausted. Every message pulled and not yet settled gets
 // InProgress every third of the durable consumer's AckWait, so a handler

@@ -8,13 +8,10 @@ import (
 	"testing"
 	"time"
 
-	"github.com/jackc/pgx/v5"
-	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 
 	"github.com/idemkit/idem/consumer"
-	"github.com/idemkit/idem/dedup/pgtable"
 	"github.com/idemkit/idem/internal/testkit/testenv"
 )
 
@@ -142,153 +139,14 @@ func pending(t testing.TB, js jetstream.JetStream, stream, durable string) int {
 	return int(info.NumPending) + info.NumAckPending
 }
 
-// oracle is a PostgreSQL schema with the pgtable store and an effects
-// table without any unique constraint: every applied effect is a row, so a
-// duplicate effect shows as a second row.
-type oracle struct {
-	pool   *pgxpool.Pool
-	schema string
-	store  *pgtable.Store
-}
-
-func newOracle(t testing.TB, maxConns int32) *oracle {
-	t.Helper()
-	pool := testenv.Pool(t, maxConns)
-	schema := testenv.Schema(t, pool)
-	o, err := openOracle(pool, schema)
-	if err != nil {
-		t.Fatal(err)
-	}
-	ctx := context.Background()
-	if err := o.store.Migrate(ctx); err != nil {
-		t.Fatal(err)
-	}
-	if _, err := pool.Exec(ctx, "CREATE TABLE "+o.table()+" (id text NOT NULL, attempt int NOT NULL)"); err != nil {
-		t.Fatal(err)
-	}
-	return o
-}
-
-func openOracle(pool *pgxpool.Pool, schema string) (*oracle, error) {
-	store, err := pgtable.New(pool, pgtable.Options{Schema: schema, Logger: quiet()})
-	if err != nil {
-		return nil, err
-	}
-	return &oracle{pool: pool, schema: schema, store: store}, nil
-}
-
-func (o *oracle) table() string { return pgx.Identifier{o.schema, "effects"}.Sanitize() }
-
-// txHandler is the Transactional handler that applies the effect, after
-// before (if set) ran inside the transaction and before after (if set)
-// runs, still inside it.
-func (o *oracle) txHandler(before, after func(ctx context.Context, msg *consumer.Message) error) (consumer.Handler, error) {
-	ins := "INSERT INTO " + o.table() + " (id, attempt) VALUES ($1, $2)"
-	return consumer.Transactional(o.store, consumer.TxOptions{Scope: "test/effects"},
-		func(ctx context.Context, tx pgx.Tx, msg *consumer.Message) error {
-			if before != nil {
-				if err := before(ctx, msg); err != nil {
-					return err
-				}
-			}
-			if _, err := tx.Exec(ctx, ins, msg.ID, msg.Attempt); err != nil {
-				return err
-			}
-			if after != nil {
-				return after(ctx, msg)
-			}
-			return nil
-		})
-}
-
-func (o *oracle) handler(t testing.TB, before func(ctx context.Context, msg *consumer.Message) error) consumer.Handler {
-	t.Helper()
-	h, err := o.txHandler(before, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
-	return h
-}
-
-// counts returns the number of effect rows and of distinct ids.
-func (o *oracle) counts(t testing.TB) (rows, distinct int) {
-	t.Helper()
-	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-	defer cancel()
-	if err := o.pool.QueryRow(ctx, "SELECT count(*), count(DISTINCT id) FROM "+o.table()).Scan(&rows, &distinct); err != nil {
-		t.Fatal(err)
-	}
-	return rows, distinct
-}
-
-// check fails the test unless every id in want has exactly one effect
-// row and no other id has any.
-func (o *oracle) check(t testing.TB, want []string) {
-	t.Helper()
-	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-	defer cancel()
-	rows, err := o.pool.Query(ctx, "SELECT id, count(*) FROM "+o.table()+" GROUP BY id")
-	if err != nil {
-		t.Fatal(err)
-	}
-	got := map[string]int{}
-	for rows.Next() {
-		var id string
-		var n int
-		if err := rows.Scan(&id, &n); err != nil {
-			t.Fatal(err)
-		}
-		got[id] = n
-	}
-	if err := rows.Err(); err != nil {
-		t.Fatal(err)
-	}
-	dups, lost := 0, 0
-	for _, id := range want {
-		switch n := got[id]; {
-		case n == 0:
-			lost++
-		case n > 1:
-			dups += n - 1
-		}
-		delete(got, id)
-	}
-	if dups > 0 || lost > 0 || len(got) > 0 {
-		t.Errorf("%d ids: %d duplicate effects, %d lost, %d unexpected ids", len(want), dups, lost, len(got))
-	}
-}
-
 // runConsumer runs c until the test ends (or stop is called) and waits
 // for Ready.
 func runConsumer(t testing.TB, c *Consumer) (stop func() error) {
 	t.Helper()
-	ctx, cancel := context.WithCancel(context.Background())
-	errc := make(chan error, 1)
-	go func() { errc <- c.Run(ctx) }()
-	select {
-	case <-c.Ready():
-	case err := <-errc:
-		cancel()
-		t.Fatalf("Run returned before Ready: %v", err)
-	case <-time.After(30 * time.Second):
-		cancel()
-		t.Fatal("the consumer was not ready within 30s")
-	}
-	var err error
-	stopped := false
-	stop = func() error {
-		if !stopped {
-			stopped = true
-			cancel()
-			err = <-errc
-		}
-		return err
-	}
-	t.Cleanup(func() { _ = stop() })
-	return stop
+	return testenv.StartRun(t, c.Run, c.Ready())
 }
 
 func quiet() *slog.Logger { return slog.New(slog.DiscardHandler) }
 
-// testDelays are short retry delays for tests.
-var testDelays = []time.Duration{20 * time.Millisecond, 50 * time.Millisecond}
+// testBackoff gives short retry delays for tests: 20ms, 40ms, then 50ms.
+var testBackoff = consumer.Backoff{Initial: 20 * time.Millisecond, Max: 50 * time.Millisecond}

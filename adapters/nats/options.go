@@ -1,21 +1,18 @@
 package idemnats
 
 import (
-	"context"
 	"errors"
 	"fmt"
 	"log/slog"
-	"slices"
 	"strings"
 	"time"
 
 	"github.com/nats-io/nats.go/jetstream"
-	"go.opentelemetry.io/otel/metric"
 	"go.opentelemetry.io/otel/propagation"
-	"go.opentelemetry.io/otel/trace"
 
 	"github.com/idemkit/idem/consumer"
 	"github.com/idemkit/idem/dedup"
+	"github.com/idemkit/idem/internal/defaults"
 	"github.com/idemkit/idem/internal/telemetry"
 )
 
@@ -29,8 +26,8 @@ type ConsumerOptions struct {
 	// when it is zero. A MaxDeliver of its own must be above
 	// MaxDeliveries, or JetStream would stop delivering a message that
 	// kills every worker before the Consumer could dead-letter it. BackOff
-	// must be empty: retry delays are RetryDelays, sent with each
-	// NakWithDelay. FilterSubject picks the stream's subjects the Consumer
+	// must be empty: retry delays are ConsumerOptions.Backoff's, sent with
+	// each NakWithDelay. FilterSubject picks the stream's subjects the Consumer
 	// takes. Defaults to the zero ConsumerConfig: every subject of the
 	// stream, from its first message.
 	Config jetstream.ConsumerConfig
@@ -65,19 +62,25 @@ type ConsumerOptions struct {
 	// Defaults to 4 × Concurrency; it must be at least Concurrency.
 	Prefetch int
 
-	// RetryDelays are the delays before the 2nd, 3rd, ... delivery of a
-	// message whose handler failed with a transient error (sent with
-	// NakWithDelay); the last one repeats. A message whose key another
-	// owner holds (in_flight) waits at least as long as the store says
-	// the owner's lease has left. Defaults to 1s, 5s, 30s, 2m.
-	RetryDelays []time.Duration
+	// Backoff gives the delay before the 2nd, 3rd, ... delivery of a
+	// message whose handler failed with a transient error: after its n-th
+	// delivery the message is nacked with Backoff.Delay(n)
+	// (NakWithDelay), without jitter. A message whose key another owner
+	// holds (in_flight) waits at least as long as the store says the
+	// owner's lease has left (at most 24h). Initial must be at least 1ms
+	// and Max at most 24h. Defaults to Initial 1s, Max 2m, Factor 5: 1s,
+	// 5s, 25s, 2m, then 2m.
+	Backoff consumer.Backoff
 	// MaxAttempts bounds the deliveries of a message that keeps failing
 	// with a transient error: a failure on the MaxAttempts-th delivery
 	// (NumDelivered) dead-letters it with reason retries_exhausted.
 	// JetStream counts every delivery, including those after a crash of a
 	// worker. A delivery that found its key held by another owner is not
 	// a failure and never exhausts the attempts (MaxDeliveries bounds it).
-	// Defaults to 5; 1 means no retry.
+	// It must not exceed MaxDeliveries (unless that is -1): a message
+	// delivered more than MaxDeliveries times is dead-lettered with reason
+	// redelivery_limit before its attempts could run out. Defaults to 5;
+	// 1 means no retry.
 	MaxAttempts int
 	// MaxDeliveries bounds the deliveries of a message: one delivered more
 	// than MaxDeliveries times (NumDelivered above MaxDeliveries) is
@@ -113,12 +116,15 @@ type ConsumerOptions struct {
 	// Defaults to 1s.
 	FetchWait time.Duration
 
+	// Telemetry: the Consumer's metrics, spans, logs and outcome reports
+	// (consumer's block, shared by every adapter).
+	//
 	// Logger receives warnings (dead letters, failed acknowledgements,
 	// pulls that failed), with the context of the message's span when
 	// there is one. Message ids appear only hashed (message_id_hash,
 	// dedup.HashKey with an empty scope), subjects and payloads never.
 	// Defaults to slog.Default().
-	Logger *slog.Logger
+	//
 	// OnOutcome, if set, is called once per delivery, after it was
 	// settled, with its consumer.Report: Result is the verdict the
 	// Consumer carried out and Outcome is Result's (Result.Outcome).
@@ -132,21 +138,21 @@ type ConsumerOptions struct {
 	// is zero: consumer.Dedup's and consumer.Transactional's own
 	// OnOutcome report the key. It must be fast and safe for concurrent
 	// use.
-	OnOutcome func(ctx context.Context, r consumer.Report)
-
+	//
 	// MeterProvider receives idem.messages (each delivery's verdict: ack,
 	// retry or dead_letter, with the dead-letter reason) and
 	// messaging.process.duration, with the attributes messaging.system
 	// "nats" and messaging.destination.name the stream (docs/operating.md).
 	// Defaults to the OpenTelemetry global, a no-op until the application
 	// installs a provider.
-	MeterProvider metric.MeterProvider
+	//
 	// TracerProvider starts a consumer span "process <stream>" for each
 	// delivery, continuing the trace found in its headers (the
 	// traceparent the outbox stored at Enqueue time). The handler chain
 	// runs in that span's context. Defaults to the OpenTelemetry global,
 	// a no-op until the application installs a provider.
-	TracerProvider trace.TracerProvider
+	consumer.Telemetry
+
 	// Propagator reads the trace context from the message's headers (see
 	// HeaderCarrier). Defaults to W3C Trace Context (traceparent,
 	// tracestate), what the outbox stores.
@@ -159,61 +165,54 @@ type ConsumerOptions struct {
 // that took it.
 const ReasonRedeliveryLimit consumer.Outcome = "redelivery_limit"
 
+// defaultBackoff is ConsumerOptions.Backoff's default.
+var defaultBackoff = consumer.Backoff{Initial: time.Second, Max: 2 * time.Minute, Factor: 5}
+
+// maxRetryDelay caps every retry delay: Backoff.Max and a store's hint.
+const maxRetryDelay = 24 * time.Hour
+
 func (o *ConsumerOptions) setDefaults(stream string) error {
-	ints := []struct {
-		name string
-		v    *int
-		def  int
-	}{
-		{"MaxIDLen", &o.MaxIDLen, dedup.DefaultMaxKeyLen},
-		{"Concurrency", &o.Concurrency, 1},
-		{"MaxAttempts", &o.MaxAttempts, 5},
-	}
-	for _, f := range ints {
-		if *f.v < 0 {
-			return fmt.Errorf("nats: ConsumerOptions.%s is %d; it must be positive (or zero for %d)", f.name, *f.v, f.def)
-		}
-		if *f.v == 0 {
-			*f.v = f.def
-		}
-	}
-	switch {
-	case o.Prefetch == 0:
-		o.Prefetch = 4 * o.Concurrency
-	case o.Prefetch < o.Concurrency:
-		return fmt.Errorf("nats: ConsumerOptions.Prefetch is %d; it must be at least Concurrency (%d)", o.Prefetch, o.Concurrency)
-	}
-	switch {
-	case o.MaxDeliveries == 0:
-		o.MaxDeliveries = 10
-	case o.MaxDeliveries < -1:
-		return fmt.Errorf("nats: ConsumerOptions.MaxDeliveries is %d; it must be positive, 0 (the default, 10) or -1 (no bound)", o.MaxDeliveries)
-	}
-	durs := []struct {
-		name string
-		v    *time.Duration
-		def  time.Duration
-	}{
-		{"PublishTimeout", &o.PublishTimeout, 10 * time.Second},
-		{"ShutdownTimeout", &o.ShutdownTimeout, 30 * time.Second},
-		{"FetchWait", &o.FetchWait, time.Second},
-	}
-	for _, f := range durs {
-		if *f.v < 0 {
-			return fmt.Errorf("nats: ConsumerOptions.%s is %v; it must not be negative (zero means %v)", f.name, *f.v, f.def)
-		}
-		if *f.v == 0 {
-			*f.v = f.def
+	c := defaults.New("nats: ConsumerOptions")
+	c.Int("MaxIDLen", &o.MaxIDLen, dedup.DefaultMaxKeyLen)
+	c.Int("Concurrency", &o.Concurrency, 1)
+	c.Int("MaxAttempts", &o.MaxAttempts, 5)
+	c.Duration("PublishTimeout", &o.PublishTimeout, 10*time.Second)
+	c.Duration("ShutdownTimeout", &o.ShutdownTimeout, 30*time.Second)
+	c.Duration("FetchWait", &o.FetchWait, time.Second)
+	var err error
+	o.Backoff, err = o.Backoff.WithDefaults(defaultBackoff)
+	c.Wrap("Backoff", err)
+	if c.Err() == nil {
+		switch {
+		case o.Prefetch == 0:
+			o.Prefetch = 4 * o.Concurrency
+		case o.Prefetch < o.Concurrency:
+			c.Fail("Prefetch", "is %d; it must be at least Concurrency (%d)", o.Prefetch, o.Concurrency)
 		}
 	}
-	if len(o.RetryDelays) == 0 {
-		o.RetryDelays = []time.Duration{time.Second, 5 * time.Second, 30 * time.Second, 2 * time.Minute}
-	}
-	o.RetryDelays = slices.Clone(o.RetryDelays)
-	for _, d := range o.RetryDelays {
-		if d < time.Millisecond || d > 24*time.Hour {
-			return fmt.Errorf("nats: ConsumerOptions.RetryDelays: %v is out of range [1ms, 24h]", d)
+	if c.Err() == nil {
+		switch {
+		case o.MaxDeliveries == 0:
+			o.MaxDeliveries = 10
+		case o.MaxDeliveries < -1:
+			c.Fail("MaxDeliveries", "is %d; it must be positive, 0 (the default, 10) or -1 (no bound)", o.MaxDeliveries)
 		}
+	}
+	if c.Err() == nil && o.MaxDeliveries >= 0 && o.MaxAttempts > o.MaxDeliveries {
+		c.Fail("MaxAttempts", "(%d) is greater than MaxDeliveries (%d): JetStream counts every delivery, so the message would be "+
+			"dead-lettered with reason redelivery_limit before its attempts run out; lower MaxAttempts, or raise MaxDeliveries "+
+			"(and the durable consumer's MaxDeliver, which must stay above it)", o.MaxAttempts, o.MaxDeliveries)
+	}
+	if c.Err() == nil {
+		switch b := o.Backoff; {
+		case b.Initial < time.Millisecond:
+			c.Fail("Backoff.Initial", "is %v; it must be at least 1ms (NakWithDelay's delay is in milliseconds)", b.Initial)
+		case b.Max > maxRetryDelay:
+			c.Fail("Backoff.Max", "is %v; it must be at most 24h", b.Max)
+		}
+	}
+	if err := c.Err(); err != nil {
+		return err
 	}
 	if o.DeadLetterSubject == "" {
 		o.DeadLetterSubject = stream + ".dlq"
@@ -246,7 +245,7 @@ func (o *ConsumerOptions) checkConfig() error {
 		return fmt.Errorf("nats: ConsumerOptions.Config.AckPolicy is %v; the Consumer acknowledges each message on its own, after its effect committed: use jetstream.AckExplicitPolicy", c.AckPolicy)
 	}
 	if len(c.BackOff) > 0 {
-		return errors.New("nats: ConsumerOptions.Config.BackOff is set; the Consumer sets each retry's delay with NakWithDelay: use ConsumerOptions.RetryDelays")
+		return errors.New("nats: ConsumerOptions.Config.BackOff is set; the Consumer sets each retry's delay with NakWithDelay: use ConsumerOptions.Backoff")
 	}
 	if c.AckWait < 0 {
 		return fmt.Errorf("nats: ConsumerOptions.Config.AckWait is %v; it must not be negative", c.AckWait)
@@ -284,9 +283,8 @@ func checkName(what, name string) error {
 	return nil
 }
 
-// retryDelay is the delay before the delivery after delivery n: the
-// configured one, or the hint when it is longer (capped at 24h).
+// retryDelay is the delay before the delivery after delivery n:
+// Backoff.Delay(n), or the hint when it is longer (capped at 24h).
 func (o *ConsumerOptions) retryDelay(n int, hint time.Duration) time.Duration {
-	d := o.RetryDelays[min(max(n, 1), len(o.RetryDelays))-1]
-	return min(max(d, hint), 24*time.Hour)
+	return min(max(o.Backoff.Delay(n), hint), maxRetryDelay)
 }

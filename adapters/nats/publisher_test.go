@@ -11,6 +11,8 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/nats-io/nats.go"
 
+	"github.com/idemkit/idem/consumer"
+	"github.com/idemkit/idem/internal/testkit/effectstest"
 	"github.com/idemkit/idem/internal/testkit/testenv"
 	"github.com/idemkit/idem/outbox"
 	"github.com/idemkit/idem/outbox/pgoutbox"
@@ -49,9 +51,9 @@ func TestPublisherRelayRePublish(t *testing.T) {
 	t.Parallel()
 	_, js := testenv.NATS(t)
 	s := newStream(t, js, 0)
-	o := newOracle(t, 8)
+	o := effectstest.New(t, 8)
 	ctx := testenv.Ctx(t)
-	ob, err := pgoutbox.New(o.pool, pgoutbox.Options{Schema: o.schema, Logger: quiet()})
+	ob, err := pgoutbox.New(o.Pool, pgoutbox.Options{Schema: o.Schema, Logger: quiet()})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -61,7 +63,7 @@ func TestPublisherRelayRePublish(t *testing.T) {
 	const n = 60
 	var ids []string
 	for i := range n {
-		err := pgx.BeginFunc(ctx, o.pool, func(tx pgx.Tx) error {
+		err := pgx.BeginFunc(ctx, o.Pool, func(tx pgx.Tx) error {
 			got, err := ob.Enqueue(ctx, tx, outbox.Message{Topic: s.subject(), Key: fmt.Appendf(nil, "k%d", i%7), Payload: fmt.Appendf(nil, "event %d", i)})
 			ids = append(ids, got...)
 			return err
@@ -74,7 +76,7 @@ func TestPublisherRelayRePublish(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	relay, err := pgoutbox.NewRelay(ob, &crashAfterPublish{pub: pub, crashes: 3}, pgoutbox.RelayOptions{BatchSize: 10, PollInterval: 20 * time.Millisecond, Logger: quiet()})
+	relay, err := pgoutbox.NewRelay(ob, &crashAfterPublish{pub: pub, crashes: 3}, pgoutbox.RelayOptions{BatchSize: 10, PollInterval: 20 * time.Millisecond, Telemetry: consumer.Telemetry{Logger: quiet()}})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -115,17 +117,17 @@ func TestPublisherRelayRePublish(t *testing.T) {
 	}
 	t.Logf("%d rows, %d re-published copies dropped by the duplicate window", n, st.Duplicates)
 
-	c, err := NewConsumer(js, s.name, "work", o.handler(t, nil), ConsumerOptions{Concurrency: 4, Logger: quiet()})
+	c, err := NewConsumer(js, s.name, "work", o.Handler(t, nil), ConsumerOptions{Concurrency: 4, Telemetry: consumer.Telemetry{Logger: quiet()}})
 	if err != nil {
 		t.Fatal(err)
 	}
 	stop := runConsumer(t, c)
-	testenv.Eventually(t, 30*time.Second, "every message applied", func() bool { _, d := o.counts(t); return d == n })
+	testenv.Eventually(t, 30*time.Second, "every message applied", func() bool { _, d := o.Counts(t); return d == n })
 	testenv.Eventually(t, 30*time.Second, "nothing pending", func() bool { return pending(t, js, s.name, "work") == 0 })
 	if err := stop(); err != nil {
 		t.Fatal(err)
 	}
-	o.check(t, ids)
+	o.Check(t, ids)
 }
 
 // Publish fails the messages it cannot send by index, and a key's later

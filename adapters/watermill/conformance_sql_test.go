@@ -193,9 +193,9 @@ func (h *sqlHarness) Start(ctx context.Context, d adaptertest.Destination, w ada
 	// all the same, the claim being idem's). Until then the group's
 	// offset row stays locked, so it bounds how long a hung handler holds
 	// up the destination. It is twice Retry's longest wait in a handler
-	// (MaxAttempts waits of at most MaxRetryDelay), so a message is not
+	// (MaxAttempts waits of at most Backoff.Max), so a message is not
 	// given up while Retry still works on it.
-	deadline := 2 * time.Duration(opts.MaxAttempts) * opts.MaxRetryDelay
+	deadline := 2 * time.Duration(opts.MaxAttempts) * opts.Backoff.Max
 	sub, err := wmsql.NewSubscriber(db, wmsql.SubscriberConfig{
 		ConsumerGroup:  sqlGroup,
 		SchemaAdapter:  schema,
@@ -207,8 +207,8 @@ func (h *sqlHarness) Start(ctx context.Context, d adaptertest.Destination, w ada
 		// and waiting on it for ever.
 		InitializeSchema: false,
 		PollInterval:     20 * time.Millisecond,
-		ResendInterval:   opts.RetryDelay,
-		RetryInterval:    opts.RetryDelay,
+		ResendInterval:   opts.Backoff.Initial,
+		RetryInterval:    opts.Backoff.Initial,
 	}, nopLogger)
 	if err != nil {
 		c.close()

@@ -138,9 +138,9 @@ func startConformanceRouter(ctx context.Context, d adaptertest.Destination, w ad
 	}
 	retry := middleware.Retry{
 		MaxRetries:      opts.MaxAttempts - 1,
-		InitialInterval: opts.RetryDelay,
-		MaxInterval:     opts.MaxRetryDelay,
-		Multiplier:      2,
+		InitialInterval: opts.Backoff.Initial,
+		MaxInterval:     opts.Backoff.Max,
+		Multiplier:      opts.Backoff.Factor,
 		ShouldRetry:     func(p middleware.RetryParams) bool { return idemwatermill.Retryable(p.Err) },
 	}
 	tx, err := idemwatermill.Transactional(w.Store, idemwatermill.Options{

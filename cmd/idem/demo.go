@@ -335,14 +335,14 @@ func demo(ctx context.Context, cfg demoConfig, stdout io.Writer) (*demoResult, e
 		// and the relay publishes them again.
 		cp := &crashingPublisher{pub: br.pub, rng: mrand.New(mrand.NewPCG(cfg.seed, 2)), rate: cfg.republishes}
 		pr, err := pgoutbox.NewRelay(pgd.ob, cp, pgoutbox.RelayOptions{
-			BatchSize:           relayBatch,
-			PollInterval:        100 * time.Millisecond,
-			ReconnectBackoff:    5 * time.Millisecond,
-			MaxReconnectBackoff: 50 * time.Millisecond,
-			CleanupInterval:     -1,
-			DeletePublished:     true,
-			ShutdownTimeout:     2 * time.Second,
-			Logger:              logger,
+			BatchSize:        relayBatch,
+			PollInterval:     100 * time.Millisecond,
+			ReconnectBackoff: consumer.Backoff{Initial: 5 * time.Millisecond, Max: 50 * time.Millisecond},
+
+			CleanupInterval: -1,
+			DeletePublished: true,
+			ShutdownTimeout: 2 * time.Second,
+			Telemetry:       consumer.Telemetry{Logger: logger},
 		})
 		if err != nil {
 			return nil, err

@@ -208,7 +208,7 @@ func (c *child) run(ctx context.Context) error {
 		if err != nil {
 			return err
 		}
-		dd, err := consumer.Dedup(store, consumer.DedupOptions{Scope: chargeScope, Logger: c.logger})
+		dd, err := consumer.Dedup(store, consumer.DedupOptions{Scope: chargeScope, Telemetry: consumer.Telemetry{Logger: c.logger}})
 		if err != nil {
 			return err
 		}

@@ -12,6 +12,7 @@ import (
 
 	"github.com/idemkit/idem/adapters/amqp"
 	"github.com/idemkit/idem/adapters/kafka"
+	"github.com/idemkit/idem/consumer"
 	"github.com/idemkit/idem/outbox"
 	"github.com/idemkit/idem/outbox/pgoutbox"
 	"github.com/idemkit/idem/outbox/walrelay"
@@ -167,8 +168,7 @@ func runRelay(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 			BatchSize:       *batch,
 			MaxAttempts:     *maxTries,
 			ShutdownTimeout: *shutdown,
-			MeterProvider:   ms.meterProvider(),
-			Logger:          logger,
+			Telemetry:       consumer.Telemetry{MeterProvider: ms.meterProvider(), Logger: logger},
 		})
 		if err != nil {
 			return err
@@ -188,9 +188,8 @@ func runRelay(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 			PollInterval:    *poll,
 			MaxAttempts:     *maxTries,
 			ShutdownTimeout: *shutdown,
-			MeterProvider:   ms.meterProvider(),
+			Telemetry:       consumer.Telemetry{MeterProvider: ms.meterProvider(), Logger: logger},
 			MetricsInterval: 5 * time.Second,
-			Logger:          logger,
 		})
 		if err != nil {
 			return err

@@ -41,15 +41,11 @@ func (d tmplData) SchemaIndex(suffix string) string {
 
 // Migrations returns the store's migrations in order.
 func (s *Store) Migrations() ([]Migration, error) {
-	ms, err := sqlmigrate.Render(migrationFS, "migrations/"+s.dialect.String(), tmplData{s})
+	ms, err := sqlmigrate.Render[Migration](migrationFS, "migrations/"+s.dialect.String(), tmplData{s})
 	if err != nil {
 		return nil, fmt.Errorf("sqltable: %w", err)
 	}
-	out := make([]Migration, len(ms))
-	for i, m := range ms {
-		out[i] = Migration(m)
-	}
-	return out, nil
+	return ms, nil
 }
 
 // SQL returns every migration as one script (on PostgreSQL with the schema's
@@ -91,12 +87,8 @@ func (s *Store) Migrate(ctx context.Context) error {
 	if err != nil {
 		return err
 	}
-	rendered := make([]sqlmigrate.Migration, len(ms))
-	for i, m := range ms {
-		rendered[i] = sqlmigrate.Migration(m)
-	}
 	t := sqlmigrate.Target{Dialect: s.dialect, Schema: s.opts.Schema, VersionTable: s.versionTable(), LockName: s.lockName()}
-	if err := sqlmigrate.Apply(ctx, s.db, t, rendered); err != nil {
+	if err := sqlmigrate.Apply(ctx, s.db, t, ms); err != nil {
 		return fmt.Errorf("sqltable: migrate %s: %w", s.table, err)
 	}
 	return nil

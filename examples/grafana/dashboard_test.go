@@ -403,7 +403,7 @@ func walRelay(t *testing.T, mp *sdkmetric.MeterProvider) (stop func()) {
 		t.Fatal(err)
 	}
 	pub := &memPublisher{}
-	r, err := walrelay.NewRelay(ob, pub, walrelay.RelayOptions{MeterProvider: mp, MetricsInterval: 10 * time.Millisecond, Logger: quiet()})
+	r, err := walrelay.NewRelay(ob, pub, walrelay.RelayOptions{Telemetry: consumer.Telemetry{MeterProvider: mp, Logger: quiet()}, MetricsInterval: 10 * time.Millisecond})
 	if err != nil {
 		stopAll()
 		t.Fatal(err)
@@ -466,7 +466,7 @@ func leaseClaims(t *testing.T, mp *sdkmetric.MeterProvider) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	dd, err := consumer.Dedup(store, consumer.DedupOptions{Scope: "billing/charge", MeterProvider: mp})
+	dd, err := consumer.Dedup(store, consumer.DedupOptions{Scope: "billing/charge", Telemetry: consumer.Telemetry{MeterProvider: mp}})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -493,7 +493,7 @@ func leaseLost(t *testing.T, mp *sdkmetric.MeterProvider) {
 	}
 	t.Cleanup(func() { _ = store.Close() })
 	started := make(chan struct{})
-	dd, err := consumer.Dedup(store, consumer.DedupOptions{Scope: "mail/send", ExtendEvery: 2 * time.Millisecond, MeterProvider: mp})
+	dd, err := consumer.Dedup(store, consumer.DedupOptions{Scope: "mail/send", ExtendEvery: 2 * time.Millisecond, Telemetry: consumer.Telemetry{MeterProvider: mp}})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -529,7 +529,7 @@ func txClaims(t *testing.T, mp *sdkmetric.MeterProvider) {
 	if err := store.Migrate(ctx); err != nil {
 		t.Fatal(err)
 	}
-	h, err := consumer.Transactional(store, consumer.TxOptions{Scope: "ledger/post", MeterProvider: mp},
+	h, err := consumer.Transactional(store, consumer.TxOptions{Scope: "ledger/post", Telemetry: consumer.Telemetry{MeterProvider: mp}},
 		func(context.Context, pgx.Tx, *consumer.Message) error { return nil })
 	if err != nil {
 		t.Fatal(err)
@@ -611,8 +611,8 @@ func relay(t *testing.T, mp *sdkmetric.MeterProvider) (stop func()) {
 	}
 	pub := &memPublisher{}
 	r, err := pgoutbox.NewRelay(ob, pub, pgoutbox.RelayOptions{
-		MeterProvider: mp, MaxAttempts: 2, Backoff: 10 * time.Millisecond, MaxBackoff: 20 * time.Millisecond,
-		PollInterval: 50 * time.Millisecond, MetricsInterval: 10 * time.Millisecond, Logger: quiet(),
+		Telemetry: consumer.Telemetry{MeterProvider: mp, Logger: quiet()}, MaxAttempts: 2, Backoff: consumer.Backoff{Initial: 10 * time.Millisecond, Max: 20 * time.Millisecond},
+		PollInterval: 50 * time.Millisecond, MetricsInterval: 10 * time.Millisecond,
 	})
 	if err != nil {
 		t.Fatal(err)

@@ -132,7 +132,7 @@ func run(ctx context.Context, cfg config) error {
 	}
 	c, err := idemnats.NewConsumer(js, cfg.stream, "billing", consumer.Chain(charge, consumer.Recover()), idemnats.ConsumerOptions{
 		Concurrency: 8,
-		RetryDelays: []time.Duration{100 * time.Millisecond, time.Second},
+		Backoff:     consumer.Backoff{Initial: 100 * time.Millisecond, Max: time.Second},
 	})
 	if err != nil {
 		return err

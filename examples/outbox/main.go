@@ -25,6 +25,7 @@ import (
 	"go.opentelemetry.io/otel/propagation"
 
 	"github.com/idemkit/idem/adapters/amqp"
+	"github.com/idemkit/idem/consumer"
 	"github.com/idemkit/idem/outbox"
 	"github.com/idemkit/idem/outbox/pgoutbox"
 )
@@ -124,7 +125,7 @@ func run(ctx context.Context, pgURL, amqpURL, schema, exchange string, n int, ke
 		return err
 	}
 	defer func() { _ = pub.Close() }()
-	relay, err := pgoutbox.NewRelay(ob, pub, pgoutbox.RelayOptions{Logger: logger})
+	relay, err := pgoutbox.NewRelay(ob, pub, pgoutbox.RelayOptions{Telemetry: consumer.Telemetry{Logger: logger}})
 	if err != nil {
 		return err
 	}

@@ -181,7 +181,7 @@ func run(ctx context.Context, cfg config, out io.Writer) (summary, error) {
 	if err != nil {
 		return sum, err
 	}
-	relay, err := pgoutbox.NewRelay(ob, pub, pgoutbox.RelayOptions{Shards: 1, PollInterval: 200 * time.Millisecond, CleanupInterval: -1, Logger: logger})
+	relay, err := pgoutbox.NewRelay(ob, pub, pgoutbox.RelayOptions{Shards: 1, PollInterval: 200 * time.Millisecond, CleanupInterval: -1, Telemetry: consumer.Telemetry{Logger: logger}})
 	if err != nil {
 		return sum, err
 	}

@@ -11,19 +11,6 @@ import (
 	"time"
 )
 
-// Exp is the delay before retry n (1-based) of an exponential backoff:
-// base·2^(n-1), at most limit. It never overflows.
-func Exp(base, limit time.Duration, n int) time.Duration {
-	d := base
-	for i := 1; i < n && d < limit; i++ {
-		if d > limit/2 {
-			return limit
-		}
-		d *= 2
-	}
-	return min(d, limit)
-}
-
 // Pow is the delay before retry n (1-based) of a geometric backoff:
 // base·factor^(n-1), at most limit; base (capped by limit) for n < 2 or a
 // factor at or below 1. It never overflows.
@@ -62,25 +49,28 @@ func Upper(d time.Duration) time.Duration {
 }
 
 // Growing is an exponential delay for a loop that retries until it
-// succeeds: Next starts at Min, doubles up to Max, and is spread ±20%;
-// Reset starts it again after a success.
+// succeeds: Next starts at Min, grows by Factor (2 when zero) up to Max,
+// and is spread ±20%; Reset starts it again after a success.
 type Growing struct {
 	Min, Max time.Duration
-	cur      time.Duration
+	Factor   float64
+	n        int
 }
 
 // Next returns the next delay.
 func (g *Growing) Next() time.Duration {
-	if g.cur == 0 {
-		g.cur = g.Min
-	} else {
-		g.cur = min(2*g.cur, g.Max)
+	if g.n < math.MaxInt32 {
+		g.n++
 	}
-	return Spread(g.cur)
+	f := g.Factor
+	if f == 0 {
+		f = 2
+	}
+	return Spread(Pow(g.Min, g.Max, f, g.n))
 }
 
 // Reset makes the next delay Min again.
-func (g *Growing) Reset() { g.cur = 0 }
+func (g *Growing) Reset() { g.n = 0 }
 
 // Sleep waits d or until ctx ends. It reports whether d passed: false when
 // ctx was done first (or already), true at once for d ≤ 0.

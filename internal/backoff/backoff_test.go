@@ -8,25 +8,6 @@ import (
 	"time"
 )
 
-func TestExp(t *testing.T) {
-	for _, c := range []struct {
-		base, limit time.Duration
-		n           int
-		want        time.Duration
-	}{
-		{time.Second, time.Minute, 1, time.Second},
-		{time.Second, time.Minute, 3, 4 * time.Second},
-		{time.Second, time.Minute, 7, time.Minute},
-		{time.Second, 5 * time.Second, 100, 5 * time.Second},
-		{time.Duration(math.MaxInt64 / 3), math.MaxInt64, 10, math.MaxInt64}, // no overflow
-		{0, time.Minute, 5, 0},
-	} {
-		if got := Exp(c.base, c.limit, c.n); got != c.want {
-			t.Errorf("Exp(%v, %v, %d) = %v, want %v", c.base, c.limit, c.n, got, c.want)
-		}
-	}
-}
-
 func TestPow(t *testing.T) {
 	for _, c := range []struct {
 		base, limit time.Duration
@@ -79,6 +60,12 @@ func TestGrowing(t *testing.T) {
 	g.Reset()
 	if d := g.Next(); d > 12*time.Second/10 {
 		t.Fatalf("after Reset: %v, want Min", d)
+	}
+	g = Growing{Min: time.Second, Max: 20 * time.Second, Factor: 3}
+	for i, want := range []time.Duration{time.Second, 3 * time.Second, 9 * time.Second, 20 * time.Second, 20 * time.Second} {
+		if d := g.Next(); d < 8*want/10 || d > 12*want/10 {
+			t.Fatalf("factor 3, delay %d: %v, want %v ±20%%", i, d, want)
+		}
 	}
 }
 

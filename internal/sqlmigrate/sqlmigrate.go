@@ -30,15 +30,26 @@ type Migration struct {
 	SQL     string
 }
 
+// Shape is a package's own migration type: a struct with Migration's
+// fields (sqltable.Migration, sqloutbox.Migration, kafkasql.Migration),
+// which Render returns and Apply and Script take as they are.
+type Shape interface {
+	~struct {
+		Version string
+		SQL     string
+	}
+}
+
 // Render parses every dir/*.sql of fsys as a text/template, executes it with
-// data and returns the migrations ordered by file name.
-func Render(fsys fs.FS, dir string, data any) ([]Migration, error) {
+// data and returns the migrations ordered by file name, as the caller's
+// own migration type M.
+func Render[M Shape](fsys fs.FS, dir string, data any) ([]M, error) {
 	names, err := fs.Glob(fsys, dir+"/*.sql")
 	if err != nil {
 		return nil, err
 	}
 	sort.Strings(names)
-	out := make([]Migration, 0, len(names))
+	out := make([]M, 0, len(names))
 	for _, n := range names {
 		raw, err := fs.ReadFile(fsys, n)
 		if err != nil {
@@ -52,7 +63,7 @@ func Render(fsys fs.FS, dir string, data any) ([]Migration, error) {
 		if err := t.Execute(&b, data); err != nil {
 			return nil, fmt.Errorf("migration %s: %w", n, err)
 		}
-		out = append(out, Migration{Version: strings.TrimSuffix(n[len(dir)+1:], ".sql"), SQL: b.String()})
+		out = append(out, M{Version: strings.TrimSuffix(n[len(dir)+1:], ".sql"), SQL: b.String()})
 	}
 	return out, nil
 }
@@ -61,10 +72,7 @@ func Render(fsys fs.FS, dir string, data any) ([]Migration, error) {
 // goose, golang-migrate or by hand: each migration under a comment naming
 // it ("-- idem <what> migration <version>"), after the creation of
 // quotedSchema when it is not empty.
-func Script[M ~struct {
-	Version string
-	SQL     string
-}](what, quotedSchema string, ms []M) string {
+func Script[M Shape](what, quotedSchema string, ms []M) string {
 	var b strings.Builder
 	if quotedSchema != "" {
 		fmt.Fprintf(&b, "CREATE SCHEMA IF NOT EXISTS %s;\n\n", quotedSchema)
@@ -174,7 +182,11 @@ func (t Target) record() string {
 // statements, so an interrupted migration is applied again); on SQLite in
 // one BEGIN IMMEDIATE transaction. Errors name the step ("lock", "schema",
 // "version table", "begin", "commit") or the migration's version.
-func Apply(ctx context.Context, db *sql.DB, t Target, ms []Migration) error {
+func Apply[M Shape](ctx context.Context, db *sql.DB, t Target, own []M) error {
+	ms := make([]Migration, len(own))
+	for i, m := range own {
+		ms[i] = Migration(m)
+	}
 	conn, err := db.Conn(ctx)
 	if err != nil {
 		return err

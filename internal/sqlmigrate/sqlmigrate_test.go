@@ -44,7 +44,7 @@ func TestRender(t *testing.T) {
 		"m/sqlite/notes.txt":  {Data: []byte("not a migration")},
 		"m/mysql/0001_a.sql":  {Data: []byte("other dialect;\n")},
 	}
-	ms, err := Render(fsys, "m/sqlite", data{T: `"t"`})
+	ms, err := Render[Migration](fsys, "m/sqlite", data{T: `"t"`})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -53,7 +53,7 @@ func TestRender(t *testing.T) {
 		t.Fatalf("Render = %q; want %q", ms, want)
 	}
 	bad := fstest.MapFS{"m/sqlite/0001_a.sql": {Data: []byte("{{.Nope}}")}}
-	if _, err := Render(bad, "m/sqlite", data{}); err == nil {
+	if _, err := Render[Migration](bad, "m/sqlite", data{}); err == nil {
 		t.Fatal("Render of a template naming a missing field: no error")
 	}
 }

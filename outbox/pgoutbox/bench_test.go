@@ -12,6 +12,7 @@ import (
 	"github.com/jackc/pgx/v5"
 	amqp091 "github.com/rabbitmq/amqp091-go"
 
+	"github.com/idemkit/idem/consumer"
 	"github.com/idemkit/idem/internal/telemetry"
 	"github.com/idemkit/idem/internal/testkit/outboxtest"
 	"github.com/idemkit/idem/internal/testkit/telemetrytest"
@@ -106,7 +107,7 @@ func BenchmarkRelayToRabbitMQ(b *testing.B) {
 		pub := newAMQPPublisher(b, rb.URL)
 		mp, all := telemetrytest.Reach(telemetry.MetricOutboxPublished, benchRound)
 		r, err := pgoutbox.NewRelay(ob, pub, pgoutbox.RelayOptions{
-			BatchSize: batch, Sessions: sessions, DeletePublished: del, MeterProvider: mp, MetricsInterval: time.Hour, CleanupInterval: -1, Logger: quiet(),
+			BatchSize: batch, Sessions: sessions, DeletePublished: del, Telemetry: consumer.Telemetry{MeterProvider: mp, Logger: quiet()}, MetricsInterval: time.Hour, CleanupInterval: -1,
 		})
 		if err != nil {
 			b.Fatal(err)
@@ -202,7 +203,7 @@ func benchLatency(b *testing.B, sessions int) {
 	pool := testenv.Pool(b, 12)
 	ob := newOutbox(b, pool, pgoutbox.Options{})
 	pub := &latencyPublisher{Publisher: newAMQPPublisher(b, rb.URL), confirmed: map[string]time.Time{}}
-	r, err := pgoutbox.NewRelay(ob, pub, pgoutbox.RelayOptions{CleanupInterval: -1, Logger: quiet(), Sessions: sessions})
+	r, err := pgoutbox.NewRelay(ob, pub, pgoutbox.RelayOptions{CleanupInterval: -1, Telemetry: consumer.Telemetry{Logger: quiet()}, Sessions: sessions})
 	if err != nil {
 		b.Fatal(err)
 	}

@@ -18,6 +18,7 @@ import (
 	sdktrace "go.opentelemetry.io/otel/sdk/trace"
 	"go.opentelemetry.io/otel/trace"
 
+	"github.com/idemkit/idem/consumer"
 	"github.com/idemkit/idem/outbox"
 	"github.com/idemkit/idem/outbox/pgoutbox"
 )
@@ -204,7 +205,7 @@ func ExampleRelayOptions_openTelemetry() {
 	defer func() { _ = tp.Shutdown(context.Background()) }()
 
 	pub := &confirmOne{got: make(chan *outbox.Message, 1)}
-	relay, err := pgoutbox.NewRelay(ob, pub, pgoutbox.RelayOptions{MeterProvider: mp, TracerProvider: tp})
+	relay, err := pgoutbox.NewRelay(ob, pub, pgoutbox.RelayOptions{Telemetry: consumer.Telemetry{MeterProvider: mp, TracerProvider: tp}})
 	if err != nil {
 		fmt.Println(err)
 		return

@@ -13,6 +13,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 	"go.opentelemetry.io/otel/propagation"
 
+	"github.com/idemkit/idem/consumer"
 	"github.com/idemkit/idem/internal/telemetry"
 	"github.com/idemkit/idem/internal/testkit/outboxtest"
 	"github.com/idemkit/idem/internal/testkit/telemetrytest"
@@ -68,17 +69,11 @@ func fastRelay(o pgoutbox.RelayOptions) pgoutbox.RelayOptions {
 	if o.RebalanceInterval == 0 {
 		o.RebalanceInterval = 100 * time.Millisecond
 	}
-	if o.Backoff == 0 {
-		o.Backoff = 20 * time.Millisecond
+	if o.Backoff == (consumer.Backoff{}) {
+		o.Backoff = consumer.Backoff{Initial: 20 * time.Millisecond, Max: 200 * time.Millisecond}
 	}
-	if o.MaxBackoff == 0 {
-		o.MaxBackoff = 200 * time.Millisecond
-	}
-	if o.ReconnectBackoff == 0 {
-		o.ReconnectBackoff = 20 * time.Millisecond
-	}
-	if o.MaxReconnectBackoff == 0 {
-		o.MaxReconnectBackoff = 200 * time.Millisecond
+	if o.ReconnectBackoff == (consumer.Backoff{}) {
+		o.ReconnectBackoff = consumer.Backoff{Initial: 20 * time.Millisecond, Max: 200 * time.Millisecond}
 	}
 	if o.Logger == nil {
 		o.Logger = quiet()

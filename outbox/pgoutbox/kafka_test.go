@@ -216,7 +216,7 @@ func TestRelayToKafka(t *testing.T) {
 	t.Cleanup(func() { _ = w.Close() })
 	mp := telemetrytest.NewMetrics(t)
 	r, err := pgoutbox.NewRelay(ob, kafkaPublisher(t, w), fastRelay(pgoutbox.RelayOptions{
-		Shards: 8, Sessions: 2, CleanupInterval: -1, MeterProvider: mp, MetricsInterval: time.Hour,
+		Shards: 8, Sessions: 2, CleanupInterval: -1, Telemetry: consumer.Telemetry{MeterProvider: mp}, MetricsInterval: time.Hour,
 	}))
 	if err != nil {
 		t.Fatal(err)

@@ -4,14 +4,12 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"log/slog"
 	"sync/atomic"
 	"time"
 
 	"github.com/jackc/pgx/v5"
-	"go.opentelemetry.io/otel/metric"
-	"go.opentelemetry.io/otel/trace"
 
+	"github.com/idemkit/idem/consumer"
 	"github.com/idemkit/idem/internal/backoff"
 	"github.com/idemkit/idem/outbox"
 	"github.com/idemkit/idem/outbox/internal/relaycore"
@@ -61,16 +59,18 @@ type RelayOptions struct {
 	// *outbox.PublishError naming the message); an error for the whole
 	// batch (the broker unreachable) counts no attempt. Defaults to 10.
 	MaxAttempts int
-	// Backoff is the delay before the second attempt of a failed message;
-	// it doubles with each further attempt up to MaxBackoff (±20% jitter).
-	// Defaults to 1s and 5m: with the default MaxAttempts a message that
-	// always fails is dead after about 8.5 minutes. The consumer's dedup
-	// retention must outlive that horizon.
-	Backoff, MaxBackoff time.Duration
-	// ReconnectBackoff is the first delay before a session reconnects to
-	// the database or retries a batch whose Publish failed as a whole; it
-	// doubles up to MaxReconnectBackoff. Defaults to 100ms and 10s.
-	ReconnectBackoff, MaxReconnectBackoff time.Duration
+	// Backoff spaces the attempts of a failed message: after its n-th
+	// failed attempt it waits Backoff.Delay(n), spread ±20%. Initial must
+	// be at least 1ms. Defaults to Initial 1s, Max 5m, Factor 2: with the
+	// default MaxAttempts a message that always fails is dead after about
+	// 8.5 minutes. The consumer's dedup retention must outlive that
+	// horizon.
+	Backoff consumer.Backoff
+	// ReconnectBackoff spaces a session's reconnects to the database and
+	// its retries of a batch whose Publish failed as a whole: Initial,
+	// growing by Factor up to Max, each spread ±20%, and Initial again
+	// after a success. Defaults to Initial 100ms, Max 10s, Factor 2.
+	ReconnectBackoff consumer.Backoff
 	// DeletePublished deletes a row once its message is confirmed instead
 	// of marking it published. Defaults to false (marked, and deleted by
 	// Cleanup after Options.Retention).
@@ -78,6 +78,9 @@ type RelayOptions struct {
 	// CleanupInterval is how often the relay runs Outbox.Cleanup.
 	// Negative disables it. Defaults to 1 minute.
 	CleanupInterval time.Duration
+	// Telemetry: the relay's metrics, spans and logs (consumer's block,
+	// shared by every adapter and relay).
+	//
 	// MeterProvider receives the relay's OpenTelemetry metrics (README,
 	// "Operating idem"): the counters idem.outbox.published, .retried and
 	// .dead (attributes idem.outbox.table, messaging.destination.name =
@@ -89,13 +92,22 @@ type RelayOptions struct {
 	// about once per MetricsInterval. Defaults to otel.GetMeterProvider(),
 	// a no-op until the application installs a provider (with a no-op
 	// provider the backlog is never queried).
-	MeterProvider metric.MeterProvider
+	//
 	// TracerProvider starts a producer span per published batch, "publish
 	// <topic>", linked to the trace context each message carries from
 	// Enqueue (the messages' headers keep that context). Defaults to
 	// otel.GetTracerProvider(), a no-op until the application installs a
 	// provider.
-	TracerProvider trace.TracerProvider
+	//
+	// Logger receives warnings (sessions lost, publish failures, messages
+	// parked dead; message ids only as dedup.HashKey("", id)) and debug
+	// lines about shards. Defaults to the Outbox's logger
+	// (Options.Logger, itself defaulting to slog.Default()).
+	//
+	// OnOutcome must be nil: a relay publishes rows and settles no
+	// consumer message, so it has no consumer.Report to give; the counters
+	// above count its messages. NewRelay refuses a set OnOutcome.
+	consumer.Telemetry
 	// MetricsInterval is the shortest time between two backlog queries
 	// for the MeterProvider's gauges (a collection in between reports the
 	// last sample). Defaults to 15s.
@@ -106,11 +118,6 @@ type RelayOptions struct {
 	// QueryTimeout bounds each database round trip of a session. Defaults
 	// to 30s.
 	QueryTimeout time.Duration
-	// Logger receives warnings (sessions lost, publish failures, messages
-	// parked dead; message ids only as dedup.HashKey("", id)) and debug
-	// lines about shards. Defaults to the Outbox's logger
-	// (Options.Logger, itself defaulting to slog.Default()).
-	Logger *slog.Logger
 }
 
 // Relay publishes the committed rows of an Outbox through a Publisher. Run
@@ -185,10 +192,6 @@ func (o *RelayOptions) fill(ob *Outbox) error {
 	err = relaycore.FillDurations(prefix,
 		relaycore.Duration{Name: "PollInterval", V: &o.PollInterval, Def: time.Second},
 		relaycore.Duration{Name: "RebalanceInterval", V: &o.RebalanceInterval, Def: time.Second},
-		relaycore.Duration{Name: "Backoff", V: &o.Backoff, Def: time.Second},
-		relaycore.Duration{Name: "MaxBackoff", V: &o.MaxBackoff, Def: 5 * time.Minute},
-		relaycore.Duration{Name: "ReconnectBackoff", V: &o.ReconnectBackoff, Def: 100 * time.Millisecond},
-		relaycore.Duration{Name: "MaxReconnectBackoff", V: &o.MaxReconnectBackoff, Def: 10 * time.Second},
 		relaycore.Duration{Name: "MetricsInterval", V: &o.MetricsInterval, Def: 15 * time.Second},
 		relaycore.Duration{Name: "ShutdownTimeout", V: &o.ShutdownTimeout, Def: 10 * time.Second},
 		relaycore.Duration{Name: "QueryTimeout", V: &o.QueryTimeout, Def: 30 * time.Second})
@@ -196,8 +199,8 @@ func (o *RelayOptions) fill(ob *Outbox) error {
 		return err
 	}
 	return relaycore.FillCommon(prefix, relaycore.Common{
-		Backoff: o.Backoff, MaxBackoff: o.MaxBackoff, ReconnectBackoff: o.ReconnectBackoff, MaxReconnectBackoff: o.MaxReconnectBackoff,
-		CleanupInterval: &o.CleanupInterval, Logger: &o.Logger,
+		Backoff: &o.Backoff, BackoffDef: consumer.Backoff{Initial: time.Second, Max: 5 * time.Minute, Factor: 2},
+		ReconnectBackoff: &o.ReconnectBackoff, CleanupInterval: &o.CleanupInterval, Telemetry: &o.Telemetry,
 	}, ob.opts.Logger)
 }
 
@@ -254,9 +257,9 @@ func (r *Relay) Run(ctx context.Context) error {
 
 // sessionLoop runs one session, reconnecting with backoff, until ctx ends.
 func (r *Relay) sessionLoop(ctx context.Context, idx int, stop context.CancelCauseFunc) {
-	bo := backoff.Growing{Min: r.opts.ReconnectBackoff, Max: r.opts.MaxReconnectBackoff}
+	bo := relaycore.Growing(r.opts.ReconnectBackoff)
 	for ctx.Err() == nil {
-		s := &session{r: r, idx: idx, pubBackoff: backoff.Growing{Min: r.opts.ReconnectBackoff, Max: r.opts.MaxReconnectBackoff}}
+		s := &session{r: r, idx: idx, pubBackoff: relaycore.Growing(r.opts.ReconnectBackoff)}
 		err := s.run(ctx)
 		if ctx.Err() != nil {
 			return

@@ -12,6 +12,7 @@ import (
 
 	"github.com/jackc/pgx/v5"
 
+	"github.com/idemkit/idem/consumer"
 	"github.com/idemkit/idem/internal/telemetry"
 	"github.com/idemkit/idem/internal/testkit/telemetrytest"
 	"github.com/idemkit/idem/internal/testkit/testenv"
@@ -55,7 +56,10 @@ func TestNewValidates(t *testing.T) {
 		{Shards: 4, Sessions: 5},
 		{BatchSize: -1},
 		{PollInterval: -time.Second},
-		{Backoff: time.Minute, MaxBackoff: time.Second},
+		{Backoff: consumer.Backoff{Initial: time.Minute, Max: time.Second}},
+		{Backoff: consumer.Backoff{Initial: time.Microsecond}},
+		{ReconnectBackoff: consumer.Backoff{Factor: 0.5}},
+		{Telemetry: consumer.Telemetry{OnOutcome: func(context.Context, consumer.Report) {}}},
 		{BatchSize: 100, ScanWindow: 10},
 	} {
 		if _, err := pgoutbox.NewRelay(ob, &memPublisher{}, o); err == nil {
@@ -309,8 +313,8 @@ func TestPoisonMessageEndsDeadWhileOthersFlow(t *testing.T) {
 	mp := telemetrytest.NewMetrics(t)
 	const maxAttempts = 4
 	r, err := pgoutbox.NewRelay(ob, pub, fastRelay(pgoutbox.RelayOptions{
-		MaxAttempts: maxAttempts, Backoff: 30 * time.Millisecond, MaxBackoff: 100 * time.Millisecond,
-		MeterProvider: mp, MetricsInterval: 50 * time.Millisecond,
+		MaxAttempts: maxAttempts, Backoff: consumer.Backoff{Initial: 30 * time.Millisecond, Max: 100 * time.Millisecond},
+		Telemetry: consumer.Telemetry{MeterProvider: mp}, MetricsInterval: 50 * time.Millisecond,
 	}))
 	if err != nil {
 		t.Fatal(err)

@@ -556,7 +556,7 @@ func (s *session) sortOut(batch []claimed, pe *outbox.PublishError) *marks {
 		dead := n >= o.MaxAttempts
 		m.failSeqs = append(m.failSeqs, c.seq)
 		m.failErrs = append(m.failErrs, relaycore.Truncate(ferr.Error(), 2000))
-		m.delays = append(m.delays, relaycore.RetryDelay(o.Backoff, o.MaxBackoff, n).Milliseconds())
+		m.delays = append(m.delays, relaycore.RetryDelay(o.Backoff, n).Milliseconds())
 		m.failDead = append(m.failDead, dead)
 		if dead {
 			m.dead[c.msg.Topic]++

@@ -12,6 +12,7 @@ import (
 	"go.opentelemetry.io/otel/attribute"
 	"go.opentelemetry.io/otel/trace"
 
+	"github.com/idemkit/idem/consumer"
 	"github.com/idemkit/idem/internal/telemetry"
 	"github.com/idemkit/idem/internal/testkit/telemetrytest"
 	"github.com/idemkit/idem/internal/testkit/testenv"
@@ -51,7 +52,7 @@ func TestRelayMetrics(t *testing.T) {
 	r, err := pgoutbox.NewRelay(ob, pub, fastRelay(pgoutbox.RelayOptions{
 		Shards:          2,
 		MaxAttempts:     3,
-		MeterProvider:   mp,
+		Telemetry:       consumer.Telemetry{MeterProvider: mp},
 		MetricsInterval: 20 * time.Millisecond,
 	}))
 	if err != nil {
@@ -162,7 +163,7 @@ func TestRelayBacklogSampledOncePerInterval(t *testing.T) {
 	pool := testenv.Pool(t, 6)
 	ob := newOutbox(t, pool, pgoutbox.Options{})
 	mp := telemetrytest.NewMetrics(t)
-	r, err := pgoutbox.NewRelay(ob, &memPublisher{}, fastRelay(pgoutbox.RelayOptions{MeterProvider: mp, MetricsInterval: time.Hour}))
+	r, err := pgoutbox.NewRelay(ob, &memPublisher{}, fastRelay(pgoutbox.RelayOptions{Telemetry: consumer.Telemetry{MeterProvider: mp}, MetricsInterval: time.Hour}))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -188,7 +189,7 @@ func TestRelayTraceContext(t *testing.T) {
 	ob := newOutbox(t, pool, pgoutbox.Options{})
 	tp := telemetrytest.NewSpans(t)
 	pub := &memPublisher{}
-	r, err := pgoutbox.NewRelay(ob, pub, fastRelay(pgoutbox.RelayOptions{TracerProvider: tp}))
+	r, err := pgoutbox.NewRelay(ob, pub, fastRelay(pgoutbox.RelayOptions{Telemetry: consumer.Telemetry{TracerProvider: tp}}))
 	if err != nil {
 		t.Fatal(err)
 	}

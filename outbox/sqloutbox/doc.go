@@ -53,9 +53,12 @@
 // the same ids.
 //
 // Trace context present at Enqueue time travels with the message as in
-// outbox/pgoutbox (Options.Propagator). This relay reports no
-// OpenTelemetry metrics or spans; Backlog returns the pending count and
-// the oldest message's age.
+// outbox/pgoutbox (Options.Propagator). The relay counts its messages
+// published, retried and parked dead, times each Publish and starts a
+// producer span per batch, as outbox/pgoutbox's does
+// (RelayOptions.MeterProvider and TracerProvider); it has no backlog
+// gauges: Backlog returns the pending count and the oldest message's
+// age.
 //
 // This package imports no driver.
 package sqloutbox

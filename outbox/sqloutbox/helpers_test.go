@@ -16,6 +16,7 @@ import (
 	"github.com/jackc/pgx/v5/stdlib"
 	_ "modernc.org/sqlite"
 
+	"github.com/idemkit/idem/consumer"
 	"github.com/idemkit/idem/internal/testkit/outboxtest"
 	"github.com/idemkit/idem/internal/testkit/testenv"
 	"github.com/idemkit/idem/outbox"
@@ -141,17 +142,11 @@ func fastRelay(o sqloutbox.RelayOptions) sqloutbox.RelayOptions {
 	if o.PollInterval == 0 {
 		o.PollInterval = 20 * time.Millisecond
 	}
-	if o.Backoff == 0 {
-		o.Backoff = 10 * time.Millisecond
+	if o.Backoff == (consumer.Backoff{}) {
+		o.Backoff = consumer.Backoff{Initial: 10 * time.Millisecond, Max: 50 * time.Millisecond}
 	}
-	if o.MaxBackoff == 0 {
-		o.MaxBackoff = 50 * time.Millisecond
-	}
-	if o.ReconnectBackoff == 0 {
-		o.ReconnectBackoff = 10 * time.Millisecond
-	}
-	if o.MaxReconnectBackoff == 0 {
-		o.MaxReconnectBackoff = 100 * time.Millisecond
+	if o.ReconnectBackoff == (consumer.Backoff{}) {
+		o.ReconnectBackoff = consumer.Backoff{Initial: 10 * time.Millisecond, Max: 100 * time.Millisecond}
 	}
 	if o.Logger == nil {
 		o.Logger = quiet()

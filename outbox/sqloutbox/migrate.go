@@ -43,15 +43,11 @@ func (d tmplData) Constraint(suffix string) string {
 // in the same table, so pgoutbox's Migrate and this one are
 // interchangeable.
 func (o *Outbox) Migrations() ([]Migration, error) {
-	ms, err := sqlmigrate.Render(migrationFS, "migrations/"+o.dialect.String(), tmplData{o: o})
+	ms, err := sqlmigrate.Render[Migration](migrationFS, "migrations/"+o.dialect.String(), tmplData{o: o})
 	if err != nil {
 		return nil, fmt.Errorf("sqloutbox: %w", err)
 	}
-	out := make([]Migration, len(ms))
-	for i, m := range ms {
-		out[i] = Migration(m)
-	}
-	return out, nil
+	return ms, nil
 }
 
 // SQL returns every migration as one script (with the schema creation on
@@ -94,10 +90,6 @@ func (o *Outbox) Migrate(ctx context.Context) error {
 	if err != nil {
 		return err
 	}
-	rendered := make([]sqlmigrate.Migration, len(ms))
-	for i, m := range ms {
-		rendered[i] = sqlmigrate.Migration(m)
-	}
 	vt := o.versionTable()
 	t := sqlmigrate.Target{Dialect: o.dialect, VersionTable: vt}
 	switch o.dialect {
@@ -115,7 +107,7 @@ func (o *Outbox) Migrate(ctx context.Context) error {
 		t.VersionColumns = " (version TEXT NOT NULL PRIMARY KEY, applied_at INTEGER NOT NULL)"
 		t.Record = "INSERT OR IGNORE INTO " + vt + " (version, applied_at) VALUES (?, CAST(unixepoch('subsec') * 1000000 AS INTEGER))"
 	}
-	if err := sqlmigrate.Apply(ctx, o.db, t, rendered); err != nil {
+	if err := sqlmigrate.Apply(ctx, o.db, t, ms); err != nil {
 		return fmt.Errorf("sqloutbox: migrate %s: %w", o.table, err)
 	}
 	return nil

@@ -12,6 +12,7 @@ import (
 	"github.com/google/uuid"
 	"go.opentelemetry.io/otel/propagation"
 
+	"github.com/idemkit/idem/consumer"
 	"github.com/idemkit/idem/internal/testkit/testenv"
 	"github.com/idemkit/idem/outbox"
 	"github.com/idemkit/idem/outbox/pgoutbox"
@@ -163,7 +164,7 @@ func TestPostgresEnqueuePublishedByPgoutboxRelay(t *testing.T) {
 		t.Fatal(err)
 	}
 	pub := &memPublisher{}
-	relay, err := pgoutbox.NewRelay(pob, pub, pgoutbox.RelayOptions{CleanupInterval: -1, Logger: quiet()})
+	relay, err := pgoutbox.NewRelay(pob, pub, pgoutbox.RelayOptions{CleanupInterval: -1, Telemetry: consumer.Telemetry{Logger: quiet()}})
 	if err != nil {
 		t.Fatal(err)
 	}

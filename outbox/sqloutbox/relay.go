@@ -5,12 +5,12 @@ import (
 	"database/sql"
 	"errors"
 	"fmt"
-	"log/slog"
 	"reflect"
 	"strings"
 	"sync/atomic"
 	"time"
 
+	"github.com/idemkit/idem/consumer"
 	"github.com/idemkit/idem/dedup"
 	"github.com/idemkit/idem/internal/backoff"
 	"github.com/idemkit/idem/outbox"
@@ -42,16 +42,18 @@ type RelayOptions struct {
 	// *outbox.PublishError naming the message); an error for the whole
 	// batch (the broker unreachable) counts no attempt. Defaults to 10.
 	MaxAttempts int
-	// Backoff is the delay before the second attempt of a failed message;
-	// it doubles with each further attempt up to MaxBackoff (±20% jitter).
-	// A failed message holds back the later messages of its key until it
-	// is published or dead; other keys go on. Defaults to 1s and 5m. The
-	// consumer's dedup retention must outlive that horizon.
-	Backoff, MaxBackoff time.Duration
-	// ReconnectBackoff is the first delay before a session retries after
-	// a database error or a batch whose Publish failed as a whole; it
-	// doubles up to MaxReconnectBackoff. Defaults to 100ms and 10s.
-	ReconnectBackoff, MaxReconnectBackoff time.Duration
+	// Backoff spaces the attempts of a failed message: after its n-th
+	// failed attempt it waits Backoff.Delay(n), spread ±20%. Initial must
+	// be at least 1ms. A failed message holds back the later messages of
+	// its key until it is published or dead; other keys go on. Defaults
+	// to Initial 1s, Max 5m, Factor 2. The consumer's dedup retention must
+	// outlive that horizon.
+	Backoff consumer.Backoff
+	// ReconnectBackoff spaces a session's retries after a database error
+	// or a batch whose Publish failed as a whole: Initial, growing by
+	// Factor up to Max, each spread ±20%, and Initial again after a
+	// success. Defaults to Initial 100ms, Max 10s, Factor 2.
+	ReconnectBackoff consumer.Backoff
 	// DeletePublished deletes a row once its message is confirmed instead
 	// of marking it published. Defaults to false (marked, and deleted by
 	// Cleanup after Options.Retention).
@@ -65,10 +67,29 @@ type RelayOptions struct {
 	// QueryTimeout bounds each database statement of a session. Defaults
 	// to 30s.
 	QueryTimeout time.Duration
+	// Telemetry: the relay's metrics, spans and logs (consumer's block,
+	// shared by every adapter and relay).
+	//
+	// MeterProvider receives the counters idem.outbox.published, .retried
+	// and .dead (attributes idem.outbox.table, messaging.destination.name
+	// = topic), counted when the marks of a batch committed, and the
+	// histogram idem.outbox.publish.duration (one per batch, idem.result
+	// ok or error), as outbox/pgoutbox's relay records them. Defaults to
+	// otel.GetMeterProvider(), a no-op until the application installs a
+	// provider.
+	//
+	// TracerProvider starts a producer span per published batch,
+	// "publish <topic>", linked to the trace context each message carries
+	// from Enqueue. Defaults to otel.GetTracerProvider().
+	//
 	// Logger receives warnings (database errors, publish failures,
 	// messages parked dead; message ids only as dedup.HashKey("", id)).
 	// Defaults to the Outbox's logger.
-	Logger *slog.Logger
+	//
+	// OnOutcome must be nil: a relay publishes rows and settles no
+	// consumer message, so it has no consumer.Report to give; the counters
+	// above count its messages. NewRelay refuses a set OnOutcome.
+	consumer.Telemetry
 }
 
 // Relay publishes the committed rows of an Outbox on MySQL, MariaDB or
@@ -80,6 +101,7 @@ type Relay struct {
 	opts    RelayOptions
 	running atomic.Bool
 	hooks   hooks
+	tel     *relaycore.Telemetry
 }
 
 // hooks are test seams (set through export_test.go).
@@ -113,7 +135,13 @@ func NewRelay(ob *Outbox, pub outbox.Publisher, opts RelayOptions) (*Relay, erro
 	if err := opts.fill(ob); err != nil {
 		return nil, err
 	}
-	return &Relay{ob: ob, pub: pub, opts: opts}, nil
+	table := ob.opts.Table
+	if ob.opts.Schema != "" {
+		table = ob.opts.Schema + "." + table
+	}
+	tel := relaycore.NewTelemetry(opts.MeterProvider, opts.TracerProvider, table,
+		"Time from an outbox row becoming available to the broker's confirmation.")
+	return &Relay{ob: ob, pub: pub, opts: opts, tel: tel}, nil
 }
 
 func (o *RelayOptions) fill(ob *Outbox) error {
@@ -130,18 +158,14 @@ func (o *RelayOptions) fill(ob *Outbox) error {
 	}
 	err = relaycore.FillDurations(prefix,
 		relaycore.Duration{Name: "PollInterval", V: &o.PollInterval, Def: time.Second},
-		relaycore.Duration{Name: "Backoff", V: &o.Backoff, Def: time.Second},
-		relaycore.Duration{Name: "MaxBackoff", V: &o.MaxBackoff, Def: 5 * time.Minute},
-		relaycore.Duration{Name: "ReconnectBackoff", V: &o.ReconnectBackoff, Def: 100 * time.Millisecond},
-		relaycore.Duration{Name: "MaxReconnectBackoff", V: &o.MaxReconnectBackoff, Def: 10 * time.Second},
 		relaycore.Duration{Name: "ShutdownTimeout", V: &o.ShutdownTimeout, Def: 10 * time.Second},
 		relaycore.Duration{Name: "QueryTimeout", V: &o.QueryTimeout, Def: 30 * time.Second})
 	if err != nil {
 		return err
 	}
 	return relaycore.FillCommon(prefix, relaycore.Common{
-		Backoff: o.Backoff, MaxBackoff: o.MaxBackoff, ReconnectBackoff: o.ReconnectBackoff, MaxReconnectBackoff: o.MaxReconnectBackoff,
-		CleanupInterval: &o.CleanupInterval, Logger: &o.Logger,
+		Backoff: &o.Backoff, BackoffDef: consumer.Backoff{Initial: time.Second, Max: 5 * time.Minute, Factor: 2},
+		ReconnectBackoff: &o.ReconnectBackoff, CleanupInterval: &o.CleanupInterval, Telemetry: &o.Telemetry,
 	}, ob.opts.Logger)
 }
 
@@ -187,7 +211,7 @@ func (r *Relay) Run(ctx context.Context) error {
 // backoff.
 func (r *Relay) sessionLoop(ctx context.Context, idx int, stop context.CancelCauseFunc) {
 	o := &r.opts
-	bo := backoff.Growing{Min: o.ReconnectBackoff, Max: o.MaxReconnectBackoff}
+	bo := relaycore.Growing(o.ReconnectBackoff)
 	var nextDue time.Time // the earliest retry this session scheduled
 	for ctx.Err() == nil {
 		n, due, err := r.cycle(ctx)
@@ -263,7 +287,7 @@ func (r *Relay) cycle(ctx context.Context) (int, time.Time, error) {
 	for i, c := range batch {
 		msgs[i] = c.msg
 	}
-	pe, _, err := relaycore.Publish(fctx, nil, r.pub, msgs, "", func(msgs []*outbox.Message, err error) {
+	pe, _, err := relaycore.Publish(fctx, r.tel, r.pub, msgs, "", func(msgs []*outbox.Message, err error) {
 		if h := r.hooks.afterPublish; h != nil {
 			h(tx, msgs, err)
 		}
@@ -279,7 +303,8 @@ func (r *Relay) cycle(ctx context.Context) (int, time.Time, error) {
 			return 0, time.Time{}, fmt.Errorf("mark: begin: %w", err)
 		}
 	}
-	due, err := r.mark(fctx, tx, batch, pe)
+	var counts markCounts
+	due, err := r.mark(fctx, tx, batch, pe, &counts)
 	if err != nil {
 		_ = tx.Rollback()
 		return 0, time.Time{}, fmt.Errorf("mark: %w", err)
@@ -287,6 +312,9 @@ func (r *Relay) cycle(ctx context.Context) (int, time.Time, error) {
 	if err := tx.Commit(); err != nil {
 		return 0, time.Time{}, fmt.Errorf("mark: commit: %w", err)
 	}
+	r.tel.Count(fctx, r.tel.Published, counts.published)
+	r.tel.Count(fctx, r.tel.Retried, counts.retried)
+	r.tel.Count(fctx, r.tel.Dead, counts.dead)
 	return len(batch), due, nil
 }
 
@@ -338,10 +366,24 @@ func (r *Relay) claim(ctx context.Context, q queryer) ([]claimed, error) {
 	return out, nil
 }
 
+// markCounts are the messages of a batch marked published, retried and
+// dead, per topic.
+type markCounts struct {
+	published, retried, dead map[string]int
+}
+
+// add counts one message of topic in *m, making the map.
+func (markCounts) add(m *map[string]int, topic string) {
+	if *m == nil {
+		*m = map[string]int{}
+	}
+	(*m)[topic]++
+}
+
 // mark writes the outcome of a publish whose per-message failures are pe
-// (nil: all published) in tx. It returns the earliest time a failed,
-// not dead message is due again.
-func (r *Relay) mark(ctx context.Context, tx *sql.Tx, batch []claimed, pe *outbox.PublishError) (time.Time, error) {
+// (nil: all published) in tx, and counts it in counts. It returns the
+// earliest time a failed, not dead message is due again.
+func (r *Relay) mark(ctx context.Context, tx *sql.Tx, batch []claimed, pe *outbox.PublishError, counts *markCounts) (time.Time, error) {
 	o := &r.opts
 	qctx, cancel := context.WithTimeout(ctx, o.QueryTimeout)
 	defer cancel()
@@ -353,17 +395,22 @@ func (r *Relay) mark(ctx context.Context, tx *sql.Tx, batch []claimed, pe *outbo
 		failed, ferr := relaycore.Failed(pe, i)
 		if !failed {
 			ok = append(ok, c.seq)
+			counts.add(&counts.published, c.msg.Topic)
 			continue
 		}
 		n := c.attempts + 1
 		state := 0
-		delay := relaycore.RetryDelay(o.Backoff, o.MaxBackoff, n)
+		delay := relaycore.RetryDelay(o.Backoff, n)
 		if n >= o.MaxAttempts {
 			state = 2
+			counts.add(&counts.dead, c.msg.Topic)
 			o.Logger.Warn("sqloutbox: message parked as dead", "table", r.ob.table, "id_hash", dedup.HashKey("", c.msg.ID),
 				"topic", c.msg.Topic, "attempts", n, "err", ferr)
-		} else if at := time.Now().Add(delay); due.IsZero() || at.Before(due) {
-			due = at
+		} else {
+			counts.add(&counts.retried, c.msg.Topic)
+			if at := time.Now().Add(delay); due.IsZero() || at.Before(due) {
+				due = at
+			}
 		}
 		if _, err := tx.ExecContext(qctx, r.ob.sql.markFailed, relaycore.Truncate(ferr.Error(), 2000), delay.Microseconds(), state, state, c.seq); err != nil {
 			return time.Time{}, err

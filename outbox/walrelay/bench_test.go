@@ -17,6 +17,7 @@ import (
 
 	idemamqp "github.com/idemkit/idem/adapters/amqp"
 	idemkafka "github.com/idemkit/idem/adapters/kafka"
+	"github.com/idemkit/idem/consumer"
 	"github.com/idemkit/idem/internal/telemetry"
 	"github.com/idemkit/idem/internal/testkit/kafkatest"
 	"github.com/idemkit/idem/internal/testkit/telemetrytest"
@@ -85,7 +86,7 @@ func benchOutbox(b *testing.B, pool *pgxpool.Pool, src walrelay.Source, topic st
 // a loaded machine, a large part of a round).
 func measureRelay(b *testing.B, ob *walrelay.Outbox, pub outbox.Publisher, batch int) (float64, float64) {
 	mp, all := telemetrytest.Reach(telemetry.MetricOutboxPublished, benchRound)
-	r, err := walrelay.NewRelay(ob, pub, walrelay.RelayOptions{BatchSize: batch, MeterProvider: mp, MetricsInterval: time.Hour, CleanupInterval: -1, Logger: quiet()})
+	r, err := walrelay.NewRelay(ob, pub, walrelay.RelayOptions{BatchSize: batch, Telemetry: consumer.Telemetry{MeterProvider: mp, Logger: quiet()}, MetricsInterval: time.Hour, CleanupInterval: -1})
 	if err != nil {
 		b.Fatal(err)
 	}
@@ -332,7 +333,7 @@ func BenchmarkCommitToPublish(b *testing.B) {
 			for b.Loop() {
 				ob := newWAL(b, pool, walrelay.Options{Source: src, Schema: testenv.Schema(b, pool)})
 				pub := &latencyPublisher{at: map[string]time.Time{}}
-				r, err := walrelay.NewRelay(ob, pub, walrelay.RelayOptions{CleanupInterval: -1, Logger: quiet()})
+				r, err := walrelay.NewRelay(ob, pub, walrelay.RelayOptions{CleanupInterval: -1, Telemetry: consumer.Telemetry{Logger: quiet()}})
 				if err != nil {
 					b.Fatal(err)
 				}

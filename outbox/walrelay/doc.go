@@ -80,7 +80,7 @@
 // # A message the broker refuses
 //
 // A message the Publisher reports failed (an *outbox.PublishError naming
-// it) is retried with exponential backoff (Backoff up to MaxBackoff) while
+// it) is retried with exponential backoff (RelayOptions.Backoff) while
 // the other keys are published; after MaxAttempts it is parked: copied to
 // the dead table with its id, topic, key, payload, headers, attempts, last
 // error and commit LSN, and the relay moves past it. The WAL cannot skip a
@@ -89,7 +89,7 @@
 // with the outbox's prefix that cannot be decoded is parked at once, with
 // its raw payload and an id derived from its position. A Publish error for
 // the whole batch (the broker down) counts no attempt: the batch is sent
-// again after ReconnectBackoff, doubling. Nothing spins: a waiting relay
+// again after ReconnectBackoff's growing delay. Nothing spins: a waiting relay
 // sleeps until the next retry falls due.
 //
 // # When the relay stops: WAL retention

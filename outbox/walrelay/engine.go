@@ -64,7 +64,7 @@ type engine struct {
 
 func newEngine(r *Relay, confirmed *atomic.Uint64) *engine {
 	return &engine{r: r, confirmed: confirmed, blocked: map[string]bool{}, perKey: map[string]int{},
-		pubBackoff: backoff.Growing{Min: r.opts.ReconnectBackoff, Max: r.opts.MaxReconnectBackoff}}
+		pubBackoff: relaycore.Growing(r.opts.ReconnectBackoff)}
 }
 
 func (e *engine) run(ctx context.Context, items <-chan item) error {
@@ -290,7 +290,7 @@ func (e *engine) publish(ctx context.Context, batch []*entry) error {
 			e.parking++
 			continue
 		}
-		en.due = now.Add(relaycore.RetryDelay(o.Backoff, o.MaxBackoff, en.attempts))
+		en.due = now.Add(relaycore.RetryDelay(o.Backoff, en.attempts))
 		retried[en.msg.Topic]++
 	}
 	tel.Count(pctx, tel.Published, published)
@@ -330,7 +330,7 @@ func (e *engine) park(ctx context.Context, now time.Time) {
 			en.tx.final.String(), en.attempts, relaycore.Truncate(en.lastErr.Error(), 2000))
 		cancel()
 		if err != nil {
-			en.due = now.Add(backoff.Spread(o.ReconnectBackoff))
+			en.due = now.Add(backoff.Spread(o.ReconnectBackoff.Initial))
 			if ctx.Err() == nil {
 				o.Logger.Warn("walrelay: cannot park a message in the dead table; trying again", "table", ob.deadQ,
 					"id_hash", dedup.HashKey("", m.ID), "err", err)

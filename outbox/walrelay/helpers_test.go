@@ -13,6 +13,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 	"go.opentelemetry.io/otel/propagation"
 
+	"github.com/idemkit/idem/consumer"
 	"github.com/idemkit/idem/internal/testkit/outboxtest"
 	"github.com/idemkit/idem/internal/testkit/testenv"
 	"github.com/idemkit/idem/outbox"
@@ -122,17 +123,11 @@ func enqueue(t testing.TB, pool *pgxpool.Pool, ob *walrelay.Outbox, msgs ...outb
 
 // fastRelay are relay options that make tests quick.
 func fastRelay(o walrelay.RelayOptions) walrelay.RelayOptions {
-	if o.Backoff == 0 {
-		o.Backoff = 10 * time.Millisecond
+	if o.Backoff == (consumer.Backoff{}) {
+		o.Backoff = consumer.Backoff{Initial: 10 * time.Millisecond, Max: 50 * time.Millisecond}
 	}
-	if o.MaxBackoff == 0 {
-		o.MaxBackoff = 50 * time.Millisecond
-	}
-	if o.ReconnectBackoff == 0 {
-		o.ReconnectBackoff = 20 * time.Millisecond
-	}
-	if o.MaxReconnectBackoff == 0 {
-		o.MaxReconnectBackoff = 200 * time.Millisecond
+	if o.ReconnectBackoff == (consumer.Backoff{}) {
+		o.ReconnectBackoff = consumer.Backoff{Initial: 20 * time.Millisecond, Max: 200 * time.Millisecond}
 	}
 	if o.TakeoverInterval == 0 {
 		o.TakeoverInterval = 50 * time.Millisecond

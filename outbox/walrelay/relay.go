@@ -4,14 +4,12 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"log/slog"
 	"sync/atomic"
 	"time"
 
 	"github.com/jackc/pgx/v5/pgconn"
-	"go.opentelemetry.io/otel/metric"
-	"go.opentelemetry.io/otel/trace"
 
+	"github.com/idemkit/idem/consumer"
 	"github.com/idemkit/idem/internal/backoff"
 	"github.com/idemkit/idem/outbox"
 	"github.com/idemkit/idem/outbox/internal/relaycore"
@@ -40,19 +38,21 @@ type RelayOptions struct {
 	// (an *outbox.PublishError naming the message); an error for the whole
 	// batch (the broker unreachable) counts no attempt. Defaults to 10.
 	MaxAttempts int
-	// Backoff is the delay before the second attempt of a failed message;
-	// it doubles with each further attempt up to MaxBackoff (±20%
-	// jitter). Defaults to 1s and 1m: with the default MaxAttempts a
-	// message that always fails is parked after about 4.5 minutes. The
-	// slot's position cannot pass a message until it is published or
-	// parked, so this is also the longest a poison message delays the
-	// confirmation of the others (they are published meanwhile).
-	Backoff, MaxBackoff time.Duration
-	// ReconnectBackoff is the first delay before the relay reconnects
-	// after losing its replication connection, or retries a batch whose
-	// Publish failed as a whole; it doubles up to MaxReconnectBackoff.
-	// Defaults to 100ms and 10s.
-	ReconnectBackoff, MaxReconnectBackoff time.Duration
+	// Backoff spaces the attempts of a failed message: after its n-th
+	// failed attempt it waits Backoff.Delay(n), spread ±20%. Initial must
+	// be at least 1ms. Defaults to Initial 1s, Max 1m, Factor 2: with the
+	// default MaxAttempts a message that always fails is parked after
+	// about 4.5 minutes. The slot's position cannot pass a message until
+	// it is published or parked, so this is also the longest a poison
+	// message delays the confirmation of the others (they are published
+	// meanwhile).
+	Backoff consumer.Backoff
+	// ReconnectBackoff spaces the relay's reconnects after it lost its
+	// replication connection, and its retries of a batch whose Publish
+	// failed as a whole: Initial, growing by Factor up to Max, each spread
+	// ±20%, and Initial again after a success. Defaults to Initial 100ms,
+	// Max 10s, Factor 2.
+	ReconnectBackoff consumer.Backoff
 	// TakeoverInterval is how often a relay whose slot another relay
 	// streams tries again to stream it: the longest a standby relay takes
 	// to notice that the active one is gone. Defaults to 1s.
@@ -70,17 +70,27 @@ type RelayOptions struct {
 	// past which the relay logs a warning at each sample. Defaults to
 	// 1 GiB.
 	LagWarnBytes int64
+	// Telemetry: the relay's metrics, spans and logs (consumer's block,
+	// shared by every adapter and relay).
+	//
 	// MeterProvider receives the relay's OpenTelemetry metrics: the
 	// outbox counters and histograms of the poll relay
 	// (idem.outbox.published, .retried, .dead, .publish.duration,
 	// .delay), and the slot gauges idem.outbox.slot.lag and .retained
 	// (sampled every MetricsInterval) and idem.outbox.slot.lag_age.
 	// Defaults to otel.GetMeterProvider().
-	MeterProvider metric.MeterProvider
+	//
 	// TracerProvider starts a producer span per published batch, linked
 	// to the trace context each message carries from Enqueue. Defaults to
 	// otel.GetTracerProvider().
-	TracerProvider trace.TracerProvider
+	//
+	// Logger receives warnings (connection lost, publish failures,
+	// messages parked, the slot's lag). Defaults to the Outbox's logger.
+	//
+	// OnOutcome must be nil: a relay publishes rows and settles no
+	// consumer message, so it has no consumer.Report to give; the counters
+	// above count its messages. NewRelay refuses a set OnOutcome.
+	consumer.Telemetry
 	// MetricsInterval is how often the slot's lag is sampled from the
 	// database. Defaults to 15s.
 	MetricsInterval time.Duration
@@ -91,9 +101,6 @@ type RelayOptions struct {
 	// QueryTimeout bounds each database round trip other than the
 	// stream. Defaults to 30s.
 	QueryTimeout time.Duration
-	// Logger receives warnings (connection lost, publish failures,
-	// messages parked, the slot's lag). Defaults to the Outbox's logger.
-	Logger *slog.Logger
 }
 
 func (o *RelayOptions) fill(ob *Outbox) error {
@@ -110,10 +117,6 @@ func (o *RelayOptions) fill(ob *Outbox) error {
 		return fmt.Errorf("walrelay: RelayOptions.MaxInFlight %d is smaller than BatchSize %d", o.MaxInFlight, o.BatchSize)
 	}
 	err = relaycore.FillDurations(prefix,
-		relaycore.Duration{Name: "Backoff", V: &o.Backoff, Def: time.Second},
-		relaycore.Duration{Name: "MaxBackoff", V: &o.MaxBackoff, Def: time.Minute},
-		relaycore.Duration{Name: "ReconnectBackoff", V: &o.ReconnectBackoff, Def: 100 * time.Millisecond},
-		relaycore.Duration{Name: "MaxReconnectBackoff", V: &o.MaxReconnectBackoff, Def: 10 * time.Second},
 		relaycore.Duration{Name: "TakeoverInterval", V: &o.TakeoverInterval, Def: time.Second},
 		relaycore.Duration{Name: "StatusInterval", V: &o.StatusInterval, Def: time.Second},
 		relaycore.Duration{Name: "MetricsInterval", V: &o.MetricsInterval, Def: 15 * time.Second},
@@ -123,8 +126,8 @@ func (o *RelayOptions) fill(ob *Outbox) error {
 		return err
 	}
 	err = relaycore.FillCommon(prefix, relaycore.Common{
-		Backoff: o.Backoff, MaxBackoff: o.MaxBackoff, ReconnectBackoff: o.ReconnectBackoff, MaxReconnectBackoff: o.MaxReconnectBackoff,
-		CleanupInterval: &o.CleanupInterval, Logger: &o.Logger,
+		Backoff: &o.Backoff, BackoffDef: consumer.Backoff{Initial: time.Second, Max: time.Minute, Factor: 2},
+		ReconnectBackoff: &o.ReconnectBackoff, CleanupInterval: &o.CleanupInterval, Telemetry: &o.Telemetry,
 	}, ob.opts.Logger)
 	if err != nil {
 		return err
@@ -232,7 +235,7 @@ func (r *Relay) Run(ctx context.Context) error {
 // streamLoop runs streaming sessions, reconnecting with backoff and
 // waiting while another relay holds the slot, until ctx ends.
 func (r *Relay) streamLoop(ctx context.Context, stop context.CancelCauseFunc) {
-	bo := backoff.Growing{Min: r.opts.ReconnectBackoff, Max: r.opts.MaxReconnectBackoff}
+	bo := relaycore.Growing(r.opts.ReconnectBackoff)
 	waiting := false
 	for ctx.Err() == nil {
 		s := newSession(r)

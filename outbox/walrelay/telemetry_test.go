@@ -7,6 +7,7 @@ import (
 
 	"go.opentelemetry.io/otel/attribute"
 
+	"github.com/idemkit/idem/consumer"
 	"github.com/idemkit/idem/internal/telemetry"
 	"github.com/idemkit/idem/internal/testkit/telemetrytest"
 	"github.com/idemkit/idem/outbox"
@@ -36,7 +37,7 @@ func TestRelayMetrics(t *testing.T) {
 		return nil
 	})
 	start(t, newRelay(t, ob, pub, walrelay.RelayOptions{
-		MaxAttempts: 2, MeterProvider: mp, MetricsInterval: 10 * time.Millisecond,
+		MaxAttempts: 2, Telemetry: consumer.Telemetry{MeterProvider: mp}, MetricsInterval: 10 * time.Millisecond,
 	}))
 	ids := enqueue(t, pool, ob, msg("orders", "k1", "ok"), msg("orders", "k2", "retry"), msg("payments", "k3", "dead"))
 

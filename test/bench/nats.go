@@ -156,12 +156,12 @@ func natsBare(ctx context.Context, js jetstream.JetStream, stream string, n int,
 func natsIdem(ctx context.Context, e *env, js jetstream.JetStream, stream string, n int, h consumer.Handler) (float64, error) {
 	m := newMeter(n)
 	c, err := idemnats.NewConsumer(js, stream, "idem", h, idemnats.ConsumerOptions{
-		Prefetch: natsPrefetch, Concurrency: natsConcurrency, Logger: e.log,
-		OnOutcome: func(_ context.Context, r consumer.Report) {
+		Prefetch: natsPrefetch, Concurrency: natsConcurrency,
+		Telemetry: consumer.Telemetry{Logger: e.log, OnOutcome: func(_ context.Context, r consumer.Report) {
 			if r.Result.Action == consumer.ActionAck {
 				m.tick()
 			}
-		},
+		}},
 	})
 	if err != nil {
 		return 0, err

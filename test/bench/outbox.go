@@ -11,6 +11,7 @@ import (
 	amqp091 "github.com/rabbitmq/amqp091-go"
 
 	idemamqp "github.com/idemkit/idem/adapters/amqp"
+	"github.com/idemkit/idem/consumer"
 	"github.com/idemkit/idem/internal/testkit/testenv"
 	"github.com/idemkit/idem/outbox"
 	"github.com/idemkit/idem/outbox/pgoutbox"
@@ -150,7 +151,7 @@ func outboxRelay(ctx context.Context, e *env, exchange string, n int) (float64, 
 	}
 	defer func() { _ = amqpPub.Close() }()
 	pub := &counting{Publisher: amqpPub, want: int64(n), done: make(chan struct{})}
-	r, err := pgoutbox.NewRelay(ob, pub, pgoutbox.RelayOptions{BatchSize: outboxBatch, CleanupInterval: -1, Logger: e.log})
+	r, err := pgoutbox.NewRelay(ob, pub, pgoutbox.RelayOptions{BatchSize: outboxBatch, CleanupInterval: -1, Telemetry: consumer.Telemetry{Logger: e.log}})
 	if err != nil {
 		return 0, err
 	}

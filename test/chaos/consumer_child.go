@@ -277,7 +277,7 @@ func brokerHandler(r *childRun, pool *pgxpool.Pool) (consumer.Handler, func(), e
 			closer()
 			return nil, nil, err
 		}
-		dd, err := consumer.Dedup(store, consumer.DedupOptions{Scope: cfg.Scope, Logger: childLogger()})
+		dd, err := consumer.Dedup(store, consumer.DedupOptions{Scope: cfg.Scope, Telemetry: consumer.Telemetry{Logger: childLogger()}})
 		if err != nil {
 			closer()
 			return nil, nil, err

@@ -27,6 +27,7 @@ import (
 	"github.com/nats-io/nats.go/jetstream"
 
 	idemnats "github.com/idemkit/idem/adapters/nats"
+	"github.com/idemkit/idem/consumer"
 	"github.com/idemkit/idem/internal/testkit/fault"
 	"github.com/idemkit/idem/outbox"
 )
@@ -232,12 +233,12 @@ func natsConsumerOptions(string) idemnats.ConsumerOptions {
 		Config:          jetstream.ConsumerConfig{Durable: natsDurable, AckWait: 2 * time.Second},
 		Concurrency:     4,
 		Prefetch:        16,
-		RetryDelays:     []time.Duration{100 * time.Millisecond, 500 * time.Millisecond},
+		Backoff:         consumer.Backoff{Initial: 100 * time.Millisecond, Max: 500 * time.Millisecond, Factor: 5},
 		MaxAttempts:     10,
 		MaxDeliveries:   50,
 		ShutdownTimeout: 5 * time.Second,
 		PublishTimeout:  5 * time.Second,
-		Logger:          childLogger(),
+		Telemetry:       consumer.Telemetry{Logger: childLogger()},
 	}
 }
 

@@ -47,7 +47,7 @@ func srvMyHandler(db *sql.DB, o *myOracle, name string, outcomes *srvCounts) (co
 	if err != nil {
 		return nil, err
 	}
-	return consumer.Transactional(store, consumer.TxOptions{Scope: "chaos/" + name, OnOutcome: outcomes.outcome},
+	return consumer.Transactional(store, consumer.TxOptions{Scope: "chaos/" + name, Telemetry: consumer.Telemetry{OnOutcome: outcomes.outcome}},
 		func(ctx context.Context, tx *sql.Tx, m *consumer.Message) error {
 			return o.record(ctx, tx, m.ID, "consumer")
 		})

@@ -322,17 +322,17 @@ func killingPublisher(r *childRun) (outbox.Publisher, func(), error) {
 // relayOptions are the options of every relay of the cells.
 func relayOptions(logger *slog.Logger) pgoutbox.RelayOptions {
 	return pgoutbox.RelayOptions{
-		Logger:              logger,
-		Shards:              8,
-		BatchSize:           50,
-		PollInterval:        200 * time.Millisecond,
-		RebalanceInterval:   300 * time.Millisecond,
-		Backoff:             100 * time.Millisecond,
-		MaxBackoff:          time.Second,
-		ReconnectBackoff:    50 * time.Millisecond,
-		MaxReconnectBackoff: time.Second,
-		CleanupInterval:     -1,
-		ShutdownTimeout:     5 * time.Second,
-		QueryTimeout:        10 * time.Second,
+		Telemetry:         consumer.Telemetry{Logger: logger},
+		Shards:            8,
+		BatchSize:         50,
+		PollInterval:      200 * time.Millisecond,
+		RebalanceInterval: 300 * time.Millisecond,
+		Backoff:           consumer.Backoff{Initial: 100 * time.Millisecond, Max: time.Second},
+
+		ReconnectBackoff: consumer.Backoff{Initial: 50 * time.Millisecond, Max: time.Second},
+
+		CleanupInterval: -1,
+		ShutdownTimeout: 5 * time.Second,
+		QueryTimeout:    10 * time.Second,
 	}
 }

@@ -168,7 +168,7 @@ func srvPGTable(ctx context.Context, env *Env, f srvPGFault) (res Result, err er
 		return res, err
 	}
 	var outcomes srvCounts
-	h, err := consumer.Transactional(store, consumer.TxOptions{Scope: "chaos/" + name, OnOutcome: outcomes.outcome},
+	h, err := consumer.Transactional(store, consumer.TxOptions{Scope: "chaos/" + name, Telemetry: consumer.Telemetry{OnOutcome: outcomes.outcome}},
 		func(ctx context.Context, tx pgx.Tx, m *consumer.Message) error {
 			return o.Record(ctx, tx, m.ID, "consumer")
 		})
@@ -234,10 +234,10 @@ func srvRelayOptions() pgoutbox.RelayOptions {
 	return pgoutbox.RelayOptions{
 		Shards: 4, Sessions: 2, BatchSize: 64,
 		PollInterval: 200 * time.Millisecond, RebalanceInterval: 300 * time.Millisecond,
-		MaxAttempts: 1000, Backoff: 50 * time.Millisecond, MaxBackoff: time.Second,
-		ReconnectBackoff: 50 * time.Millisecond, MaxReconnectBackoff: 500 * time.Millisecond,
-		CleanupInterval: -1, ShutdownTimeout: 5 * time.Second, QueryTimeout: 5 * time.Second,
-		Logger: srvQuiet,
+		MaxAttempts: 1000, Backoff: consumer.Backoff{Initial: 50 * time.Millisecond, Max: time.Second},
+		ReconnectBackoff: consumer.Backoff{Initial: 50 * time.Millisecond, Max: 500 * time.Millisecond},
+		CleanupInterval:  -1, ShutdownTimeout: 5 * time.Second, QueryTimeout: 5 * time.Second,
+		Telemetry: consumer.Telemetry{Logger: srvQuiet},
 	}
 }
 
@@ -448,7 +448,7 @@ func srvPGOutbox(ctx context.Context, env *Env, f srvPGFault) (res Result, err e
 		return res, err
 	}
 	var outcomes srvCounts
-	apply, err := consumer.Transactional(store, consumer.TxOptions{Scope: "chaos/" + name, OnOutcome: outcomes.outcome},
+	apply, err := consumer.Transactional(store, consumer.TxOptions{Scope: "chaos/" + name, Telemetry: consumer.Telemetry{OnOutcome: outcomes.outcome}},
 		func(ctx context.Context, tx pgx.Tx, m *consumer.Message) error {
 			return o.Record(ctx, tx, m.ID, "relay")
 		})

@@ -159,7 +159,7 @@ func srvProxyPGTable(ctx context.Context, env *Env) (res Result, err error) {
 		return res, err
 	}
 	var outcomes srvCounts
-	h, err := consumer.Transactional(store, consumer.TxOptions{Scope: "chaos/" + name, OnOutcome: outcomes.outcome},
+	h, err := consumer.Transactional(store, consumer.TxOptions{Scope: "chaos/" + name, Telemetry: consumer.Telemetry{OnOutcome: outcomes.outcome}},
 		func(ctx context.Context, tx pgx.Tx, m *consumer.Message) error {
 			return o.Record(ctx, tx, m.ID, "consumer")
 		})
@@ -240,7 +240,7 @@ func srvProxyRedisNX(ctx context.Context, env *Env) (res Result, err error) {
 		return res, err
 	}
 	var outcomes srvCounts
-	dd, err := consumer.Dedup(store, consumer.DedupOptions{Scope: "chaos/" + name, OnOutcome: outcomes.outcome, FinishTimeout: 3 * time.Second})
+	dd, err := consumer.Dedup(store, consumer.DedupOptions{Scope: "chaos/" + name, Telemetry: consumer.Telemetry{OnOutcome: outcomes.outcome}, FinishTimeout: 3 * time.Second})
 	if err != nil {
 		return res, err
 	}
@@ -331,7 +331,7 @@ func srvProxyOutboxKafka(ctx context.Context, env *Env) (res Result, err error) 
 	}
 
 	var outcomes srvCounts
-	apply, err := consumer.Transactional(store, consumer.TxOptions{Scope: "chaos/" + name, OnOutcome: outcomes.outcome},
+	apply, err := consumer.Transactional(store, consumer.TxOptions{Scope: "chaos/" + name, Telemetry: consumer.Telemetry{OnOutcome: outcomes.outcome}},
 		func(ctx context.Context, tx pgx.Tx, m *consumer.Message) error {
 			return o.Record(ctx, tx, m.ID, "consumer")
 		})

@@ -175,7 +175,7 @@ func srvStartAMQPBroker(ctx context.Context, env *Env, name string, shared *pgxp
 	b.closers = append(b.closers, b.pub.Close)
 
 	var outcomes srvCounts
-	apply, err := consumer.Transactional(store, consumer.TxOptions{Scope: "chaos/" + name, OnOutcome: outcomes.outcome},
+	apply, err := consumer.Transactional(store, consumer.TxOptions{Scope: "chaos/" + name, Telemetry: consumer.Telemetry{OnOutcome: outcomes.outcome}},
 		func(ctx context.Context, tx pgx.Tx, m *consumer.Message) error {
 			return o.Record(ctx, tx, m.ID, "consumer")
 		})

@@ -134,7 +134,7 @@ func srvRedisNX(ctx context.Context, env *Env) (res Result, err error) {
 		return res, err
 	}
 	var outcomes srvCounts
-	dd, err := consumer.Dedup(store, consumer.DedupOptions{Scope: "chaos/" + name, OnOutcome: outcomes.outcome, FinishTimeout: 3 * time.Second})
+	dd, err := consumer.Dedup(store, consumer.DedupOptions{Scope: "chaos/" + name, Telemetry: consumer.Telemetry{OnOutcome: outcomes.outcome}, FinishTimeout: 3 * time.Second})
 	if err != nil {
 		return res, err
 	}

@@ -134,7 +134,7 @@ func srvRedisClusterKill(ctx context.Context, env *Env) (res Result, err error) 
 	}
 	scope := "chaos/" + name
 	var outcomes srvCounts
-	dd, err := consumer.Dedup(store, consumer.DedupOptions{Scope: scope, OnOutcome: outcomes.outcome, FinishTimeout: 3 * time.Second})
+	dd, err := consumer.Dedup(store, consumer.DedupOptions{Scope: scope, Telemetry: consumer.Telemetry{OnOutcome: outcomes.outcome}, FinishTimeout: 3 * time.Second})
 	if err != nil {
 		return res, err
 	}

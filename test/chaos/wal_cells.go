@@ -102,10 +102,10 @@ func walMigratedOutbox(ctx context.Context, pool *pgxpool.Pool, logger *slog.Log
 // before a crash is published again.
 func walRelayOptions(logger *slog.Logger) walrelay.RelayOptions {
 	return walrelay.RelayOptions{
-		BatchSize: 64, MaxAttempts: 1000, Backoff: 50 * time.Millisecond, MaxBackoff: time.Second,
-		ReconnectBackoff: 50 * time.Millisecond, MaxReconnectBackoff: 500 * time.Millisecond,
+		BatchSize: 64, MaxAttempts: 1000, Backoff: consumer.Backoff{Initial: 50 * time.Millisecond, Max: time.Second},
+		ReconnectBackoff: consumer.Backoff{Initial: 50 * time.Millisecond, Max: 500 * time.Millisecond},
 		TakeoverInterval: 100 * time.Millisecond, StatusInterval: 200 * time.Millisecond, CleanupInterval: -1,
-		ShutdownTimeout: 5 * time.Second, QueryTimeout: 5 * time.Second, Logger: logger,
+		ShutdownTimeout: 5 * time.Second, QueryTimeout: 5 * time.Second, Telemetry: consumer.Telemetry{Logger: logger},
 	}
 }
 
@@ -413,7 +413,7 @@ func walPGImmediate(ctx context.Context, env *Env) (res Result, err error) {
 		return res, err
 	}
 	var outcomes srvCounts
-	apply, err := consumer.Transactional(store, consumer.TxOptions{Scope: "chaos/" + name, OnOutcome: outcomes.outcome},
+	apply, err := consumer.Transactional(store, consumer.TxOptions{Scope: "chaos/" + name, Telemetry: consumer.Telemetry{OnOutcome: outcomes.outcome}},
 		func(ctx context.Context, tx pgx.Tx, m *consumer.Message) error {
 			return o.Record(ctx, tx, m.ID, "relay")
 		})

@@ -394,7 +394,7 @@ func TestQueueRedeliveryAfterCrash(t *testing.T) {
 		switch p := e.a.(type) {
 		case *txPayments:
 			var err error
-			h, err = consumer.Transactional(p.store, consumer.TxOptions{Scope: "payments/charge", MeterProvider: mp},
+			h, err = consumer.Transactional(p.store, consumer.TxOptions{Scope: "payments/charge", Telemetry: consumer.Telemetry{MeterProvider: mp}},
 				func(ctx context.Context, tx pgx.Tx, msg *consumer.Message) error {
 					r := testenv.Receipt()
 					if _, err := tx.Exec(ctx, p.o.Insert(), msg.ID, r, 100); err != nil {
@@ -411,7 +411,7 @@ func TestQueueRedeliveryAfterCrash(t *testing.T) {
 				t.Fatal(err)
 			}
 		case *leasePayments:
-			mw, err := consumer.Dedup(p.store, consumer.DedupOptions{Scope: "payments/charge", MeterProvider: mp})
+			mw, err := consumer.Dedup(p.store, consumer.DedupOptions{Scope: "payments/charge", Telemetry: consumer.Telemetry{MeterProvider: mp}})
 			if err != nil {
 				t.Fatal(err)
 			}

@@ -196,7 +196,7 @@ func (p *sqlPayments) charge(ctx context.Context, id string, amount int64, gatew
 // sqlHandler is the consumer pipeline's handler of the queue scenario on
 // sqltable.
 func sqlHandler(t *testing.T, p *sqlPayments, mp *telemetrytest.Metrics, midTxCrashes *atomic.Int64) consumer.Handler {
-	h, err := consumer.Transactional(p.store, consumer.TxOptions{Scope: "payments/charge", MeterProvider: mp},
+	h, err := consumer.Transactional(p.store, consumer.TxOptions{Scope: "payments/charge", Telemetry: consumer.Telemetry{MeterProvider: mp}},
 		func(ctx context.Context, tx *sql.Tx, msg *consumer.Message) error {
 			r := testenv.Receipt()
 			if _, err := tx.ExecContext(ctx, p.o.insert(), msg.ID, r, 100); err != nil {

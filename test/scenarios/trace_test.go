@@ -113,7 +113,7 @@ func traceTrip(t *testing.T, topic, key string, pub outbox.Publisher, mk func(co
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { _ = store.Close() })
-	dd, err := consumer.Dedup(store, consumer.DedupOptions{Scope: "billing/charge", TracerProvider: spans})
+	dd, err := consumer.Dedup(store, consumer.DedupOptions{Scope: "billing/charge", Telemetry: consumer.Telemetry{TracerProvider: spans}})
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -191,9 +191,9 @@ func TestBatchAllLeavesOut(t *testing.T) {
 			}
 			return m.ID, nil
 		},
-		OnOutcome: func(_ context.Context, r consumer.Report) {
+		Telemetry: consumer.Telemetry{OnOutcome: func(_ context.Context, r consumer.Report) {
 			outcomes = append(outcomes, r.Message.ID+":"+string(r.Outcome))
-		},
+		}},
 	}, func(ctx context.Context, tx pgx.Tx, msgs []*consumer.Message) error {
 		calls = append(calls, idsOf(msgs))
 		return e.insertAll(ctx, tx, msgs)

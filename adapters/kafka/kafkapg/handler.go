@@ -6,8 +6,6 @@ import (
 	"fmt"
 
 	"github.com/jackc/pgx/v5"
-	"go.opentelemetry.io/otel/metric"
-	"go.opentelemetry.io/otel/trace"
 
 	idemkafka "github.com/idemkit/idem/adapters/kafka"
 	"github.com/idemkit/idem/consumer"
@@ -63,10 +61,13 @@ type BatchOptions struct {
 	// Offsets, when set, stores the partition's position in each batch's
 	// transaction. Give the Consumer the same one as ConsumerOptions.Offsets.
 	Offsets *Offsets
+	// Telemetry: the handler's metrics, spans and outcome reports
+	// (consumer's block, shared by every adapter).
+	//
 	// OnOutcome, if set, is called once per message of a committed batch
 	// with its Report: consumer.OutcomeCompleted, OutcomeDuplicate,
 	// OutcomeFingerprintMismatch or OutcomeInvalidKey.
-	OnOutcome func(ctx context.Context, r consumer.Report)
+	//
 	// MeterProvider receives idem.claims (one per message, by outcome),
 	// idem.claim.duration (the batch claim's time, once per outcome) and
 	// idem.handler.duration (each handler call, by how the batch ended:
@@ -75,13 +76,16 @@ type BatchOptions struct {
 	// "pgtable", as consumer.Transactional does. Defaults to the
 	// OpenTelemetry global, a no-op until the application installs a
 	// provider.
-	MeterProvider metric.MeterProvider
+	//
 	// TracerProvider records an idem.claim span around the batch claim, an
 	// idem.handle span per handler call (per message with Batch, per batch
 	// with BatchAll) and an idem.commit span, under the
 	// recording span in the batch's context (the idemkafka.Consumer's batch
 	// span). Defaults to the OpenTelemetry global.
-	TracerProvider trace.TracerProvider
+	//
+	// Logger is not used, as in consumer.TxOptions: the batch's failures
+	// are its return value, which the idemkafka.Consumer logs.
+	consumer.Telemetry
 }
 
 // Batch returns a idemkafka.BatchHandler that handles a batch of records in one

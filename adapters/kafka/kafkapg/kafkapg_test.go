@@ -116,7 +116,7 @@ func TestBatch(t *testing.T) {
 	var outcomes []string
 	bh, err := kafkapg.Batch(pool, claims, kafkapg.BatchOptions{
 		Scope:     "test/batch",
-		OnOutcome: func(_ context.Context, r consumer.Report) { outcomes = append(outcomes, string(r.Outcome)) },
+		Telemetry: consumer.Telemetry{OnOutcome: func(_ context.Context, r consumer.Report) { outcomes = append(outcomes, string(r.Outcome)) }},
 	}, h)
 	if err != nil {
 		t.Fatal(err)

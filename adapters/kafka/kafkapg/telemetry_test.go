@@ -40,7 +40,7 @@ func TestBatchTelemetry(t *testing.T) {
 	}
 	mp := telemetrytest.NewMetrics(t)
 	spans := telemetrytest.NewSpans(t)
-	bh, err := kafkapg.Batch(pool, claims, kafkapg.BatchOptions{Scope: "test/batch", MeterProvider: mp, TracerProvider: spans}, h)
+	bh, err := kafkapg.Batch(pool, claims, kafkapg.BatchOptions{Scope: "test/batch", Telemetry: consumer.Telemetry{MeterProvider: mp, TracerProvider: spans}}, h)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -115,7 +115,7 @@ func TestBatchAllTelemetry(t *testing.T) {
 	}
 	mp := telemetrytest.NewMetrics(t)
 	spans := telemetrytest.NewSpans(t)
-	bh, err := kafkapg.BatchAll(pool, claims, kafkapg.BatchOptions{Scope: "test/batch", MeterProvider: mp, TracerProvider: spans}, h)
+	bh, err := kafkapg.BatchAll(pool, claims, kafkapg.BatchOptions{Scope: "test/batch", Telemetry: consumer.Telemetry{MeterProvider: mp, TracerProvider: spans}}, h)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -354,7 +354,7 @@ func childMain() int {
 	}
 	h, err := kafkasql.Transactional(claims, offsets, consumer.TxOptions{
 		Scope: "test/crash",
-		OnOutcome: func(_ context.Context, r consumer.Report) {
+		Telemetry: consumer.Telemetry{OnOutcome: func(_ context.Context, r consumer.Report) {
 			switch r.Outcome {
 			case consumer.OutcomeDuplicate:
 				fmt.Println(childDupLine, r.Message.ID)
@@ -362,7 +362,7 @@ func childMain() int {
 				committedTx.Add(1)
 				die("after_commit")
 			}
-		},
+		}},
 	}, func(ctx context.Context, tx *sql.Tx, msg *consumer.Message) error {
 		if err := e.insert(ctx, tx, msg); err != nil {
 			return err

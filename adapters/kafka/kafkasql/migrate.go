@@ -27,15 +27,11 @@ func (d tmplData) Table() string { return d.o.table }
 
 // Migrations returns the migrations of o's dialect in order.
 func (o *Offsets) Migrations() ([]Migration, error) {
-	ms, err := sqlmigrate.Render(migrationFS, "migrations/"+o.dialect.String(), tmplData{o})
+	ms, err := sqlmigrate.Render[Migration](migrationFS, "migrations/"+o.dialect.String(), tmplData{o})
 	if err != nil {
 		return nil, fmt.Errorf("kafkasql: %w", err)
 	}
-	out := make([]Migration, len(ms))
-	for i, m := range ms {
-		out[i] = Migration(m)
-	}
-	return out, nil
+	return ms, nil
 }
 
 // SQL returns every migration as one script (on PostgreSQL with the
@@ -76,15 +72,11 @@ func (o *Offsets) Migrate(ctx context.Context) error {
 	if err != nil {
 		return err
 	}
-	rendered := make([]sqlmigrate.Migration, len(ms))
-	for i, m := range ms {
-		rendered[i] = sqlmigrate.Migration(m)
-	}
 	t := sqlmigrate.Target{Dialect: o.dialect, Schema: o.opts.Schema, VersionTable: o.versionTable(), LockName: o.lockName()}
 	if o.dialect == MySQL {
 		t.VersionColumns = " (version VARCHAR(255) NOT NULL PRIMARY KEY, applied_at DATETIME(6) NOT NULL DEFAULT CURRENT_TIMESTAMP(6)) ENGINE = InnoDB"
 	}
-	if err := sqlmigrate.Apply(ctx, o.db, t, rendered); err != nil {
+	if err := sqlmigrate.Apply(ctx, o.db, t, ms); err != nil {
 		return fmt.Errorf("kafkasql: migrate %s: %w", o.table, err)
 	}
 	return nil

@@ -14,10 +14,12 @@ import (
 	"context"
 	"crypto/rand"
 	"encoding/hex"
+	"errors"
 	"fmt"
 	"net"
 	"os"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -202,4 +204,42 @@ func UniqueID(prefix string) string {
 	var b [8]byte
 	_, _ = rand.Read(b[:])
 	return prefix + "-" + hex.EncodeToString(b[:])
+}
+
+// StartRun runs run (a consumer's Run) until the returned stop is called
+// or the test ends, and waits for ready (its Ready channel); the test
+// fails when run returns first or ready does not come within 30s. stop
+// cancels run's context and returns its error, the same one on every
+// call; the test fails when run has not returned a minute later.
+func StartRun(t testing.TB, run func(context.Context) error, ready <-chan struct{}) (stop func() error) {
+	t.Helper()
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- run(ctx) }()
+	var (
+		once sync.Once
+		err  error
+	)
+	stop = func() error {
+		once.Do(func() {
+			cancel()
+			select {
+			case err = <-done:
+			case <-time.After(time.Minute):
+				err = errors.New("the consumer's Run did not return a minute after its context ended")
+				t.Error(err)
+			}
+		})
+		return err
+	}
+	t.Cleanup(func() { _ = stop() })
+	select {
+	case <-ready:
+	case err := <-done:
+		once.Do(cancel)
+		t.Fatalf("Run returned before it was ready: %v", err)
+	case <-time.After(30 * time.Second):
+		t.Fatal("Run was not ready within 30s")
+	}
+	return stop
 }

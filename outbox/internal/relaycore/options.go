@@ -1,12 +1,15 @@
 package relaycore
 
 import (
+	"errors"
 	"fmt"
 	"log/slog"
 	"time"
 
 	"go.opentelemetry.io/otel/propagation"
 
+	"github.com/idemkit/idem/consumer"
+	"github.com/idemkit/idem/internal/backoff"
 	"github.com/idemkit/idem/internal/telemetry"
 )
 
@@ -60,30 +63,62 @@ func FillDurations(prefix string, durs ...Duration) error {
 	return nil
 }
 
-// Common are the relay options every relay has, filled by FillCommon
-// after FillDurations.
+// Common are the relay options every relay has, filled by FillCommon.
 type Common struct {
-	Backoff, MaxBackoff, ReconnectBackoff, MaxReconnectBackoff time.Duration
-	CleanupInterval                                            *time.Duration
-	Logger                                                     **slog.Logger
+	// Backoff spaces the attempts of a failed message; BackoffDef is its
+	// default.
+	Backoff    *consumer.Backoff
+	BackoffDef consumer.Backoff
+	// ReconnectBackoff spaces the retries of a session; its default is
+	// Initial 100ms, Max 10s, Factor 2.
+	ReconnectBackoff *consumer.Backoff
+	CleanupInterval  *time.Duration
+	Telemetry        *consumer.Telemetry
 }
 
-// FillCommon checks that each backoff's maximum is not shorter than its
-// start, defaults CleanupInterval to a minute and Logger to def.
+// DefaultReconnectBackoff is the default of every relay's
+// RelayOptions.ReconnectBackoff.
+var DefaultReconnectBackoff = consumer.Backoff{Initial: 100 * time.Millisecond, Max: 10 * time.Second, Factor: 2}
+
+// errOnOutcome is FillCommon's answer to a set Telemetry.OnOutcome.
+var errOnOutcome = errors.New("OnOutcome is set, but a relay reports no consumer.Report: " +
+	"its MeterProvider counts the messages published, retried and parked dead (idem.outbox.published, .retried, .dead); leave OnOutcome nil")
+
+// FillCommon fills both backoffs with their defaults and checks them
+// (their Initial at least 1ms), defaults CleanupInterval to a minute and
+// the Logger to def, and refuses a set OnOutcome: a relay publishes rows,
+// it settles no consumer message to report on.
 func FillCommon(prefix string, c Common, def *slog.Logger) error {
-	if c.MaxBackoff < c.Backoff {
-		return fmt.Errorf("%sMaxBackoff %v is shorter than Backoff %v", prefix, c.MaxBackoff, c.Backoff)
+	for _, b := range []struct {
+		name string
+		v    *consumer.Backoff
+		def  consumer.Backoff
+	}{{"Backoff", c.Backoff, c.BackoffDef}, {"ReconnectBackoff", c.ReconnectBackoff, DefaultReconnectBackoff}} {
+		v, err := b.v.WithDefaults(b.def)
+		if err != nil {
+			return fmt.Errorf("%s%s: %w", prefix, b.name, err)
+		}
+		if v.Initial < time.Millisecond {
+			return fmt.Errorf("%s%s.Initial is %v; use at least 1ms", prefix, b.name, v.Initial)
+		}
+		*b.v = v
 	}
-	if c.MaxReconnectBackoff < c.ReconnectBackoff {
-		return fmt.Errorf("%sMaxReconnectBackoff %v is shorter than ReconnectBackoff %v", prefix, c.MaxReconnectBackoff, c.ReconnectBackoff)
+	if c.Telemetry.OnOutcome != nil {
+		return fmt.Errorf("%s%w", prefix, errOnOutcome)
 	}
 	if *c.CleanupInterval == 0 {
 		*c.CleanupInterval = time.Minute
 	}
-	if *c.Logger == nil {
-		*c.Logger = def
+	if c.Telemetry.Logger == nil {
+		c.Telemetry.Logger = def
 	}
 	return nil
+}
+
+// Growing is the reconnect loop's delay of b: Initial, growing by Factor
+// up to Max, each spread ±20%.
+func Growing(b consumer.Backoff) backoff.Growing {
+	return backoff.Growing{Min: b.Initial, Max: b.Max, Factor: b.Factor}
 }
 
 // CheckRetentions refuses a negative retention, or one under 1ms; zero

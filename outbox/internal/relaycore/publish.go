@@ -7,6 +7,7 @@ import (
 	"strings"
 	"time"
 
+	"github.com/idemkit/idem/consumer"
 	"github.com/idemkit/idem/internal/backoff"
 	"github.com/idemkit/idem/outbox"
 )
@@ -65,8 +66,8 @@ func Failed(pe *outbox.PublishError, i int) (bool, error) {
 
 // RetryDelay is the delay before the attempt after failed attempt n
 // (1-based): base·2^(n-1), at most limit, ±20%.
-func RetryDelay(base, limit time.Duration, n int) time.Duration {
-	return backoff.Spread(backoff.Exp(base, limit, n))
+func RetryDelay(b consumer.Backoff, n int) time.Duration {
+	return backoff.Spread(b.Delay(n))
 }
 
 // Truncate cuts an error text for a last_error column: at most n bytes,

@@ -3,12 +3,14 @@ package relaycore
 import (
 	"context"
 	"errors"
+	"log/slog"
 	"strings"
 	"testing"
 	"time"
 
 	"github.com/google/uuid"
 
+	"github.com/idemkit/idem/consumer"
 	"github.com/idemkit/idem/outbox"
 )
 
@@ -33,10 +35,58 @@ func TestFillIntsAndDurations(t *testing.T) {
 	if err := FillDurations("x: O.", Duration{Name: "D", V: &d, Def: time.Second}); err == nil || err.Error() != "x: O.D is 1µs; use at least 1ms" {
 		t.Fatalf("too short: %v", err)
 	}
-	var cleanup time.Duration
-	c := Common{Backoff: 2 * time.Second, MaxBackoff: time.Second, CleanupInterval: &cleanup}
-	if err := FillCommon("x: O.", c, nil); err == nil || !strings.Contains(err.Error(), "MaxBackoff 1s is shorter than Backoff 2s") {
-		t.Fatalf("backoff pair: %v", err)
+}
+
+func TestFillCommon(t *testing.T) {
+	def := slog.New(slog.DiscardHandler)
+	fill := func(bo, rbo consumer.Backoff, tel consumer.Telemetry) (consumer.Backoff, consumer.Backoff, consumer.Telemetry, time.Duration, error) {
+		var cleanup time.Duration
+		err := FillCommon("x: O.", Common{Backoff: &bo, BackoffDef: consumer.Backoff{Initial: time.Second, Max: time.Minute},
+			ReconnectBackoff: &rbo, CleanupInterval: &cleanup, Telemetry: &tel}, def)
+		return bo, rbo, tel, cleanup, err
+	}
+	bo, rbo, tel, cleanup, err := fill(consumer.Backoff{}, consumer.Backoff{Max: time.Second}, consumer.Telemetry{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if want := (consumer.Backoff{Initial: time.Second, Max: time.Minute, Factor: 2}); bo != want {
+		t.Errorf("Backoff = %+v, want %+v", bo, want)
+	}
+	if want := (consumer.Backoff{Initial: 100 * time.Millisecond, Max: time.Second, Factor: 2}); rbo != want {
+		t.Errorf("ReconnectBackoff = %+v, want %+v", rbo, want)
+	}
+	if tel.Logger != def || cleanup != time.Minute {
+		t.Errorf("Logger %v, CleanupInterval %v: want the default logger and 1m", tel.Logger, cleanup)
+	}
+	for _, tc := range []struct {
+		bo, rbo consumer.Backoff
+		tel     consumer.Telemetry
+		want    string
+	}{
+		{bo: consumer.Backoff{Initial: 2 * time.Second, Max: time.Second}, want: "x: O.Backoff: Initial (2s) is greater than Max (1s)"},
+		{rbo: consumer.Backoff{Initial: -1}, want: "x: O.ReconnectBackoff: Initial is -1ns; it must be positive (or zero for 100ms)"},
+		{rbo: consumer.Backoff{Initial: time.Microsecond}, want: "x: O.ReconnectBackoff.Initial is 1µs; use at least 1ms"},
+		{bo: consumer.Backoff{Factor: 0.5}, want: "x: O.Backoff: Factor is 0.5; it must be at least 1 (or zero for 2)"},
+		{tel: consumer.Telemetry{OnOutcome: func(context.Context, consumer.Report) {}}, want: "x: O.OnOutcome is set, but a relay reports no consumer.Report"},
+	} {
+		if _, _, _, _, err := fill(tc.bo, tc.rbo, tc.tel); err == nil || !strings.HasPrefix(err.Error(), tc.want) {
+			t.Errorf("FillCommon = %v, want an error starting with %q", err, tc.want)
+		}
+	}
+}
+
+func TestRetryDelayAndGrowing(t *testing.T) {
+	b := consumer.Backoff{Initial: time.Second, Max: 30 * time.Second, Factor: 3}
+	for n, want := range map[int]time.Duration{1: time.Second, 2: 3 * time.Second, 3: 9 * time.Second, 4: 27 * time.Second, 5: 30 * time.Second} {
+		if d := RetryDelay(b, n); d < 8*want/10 || d > 12*want/10 {
+			t.Errorf("RetryDelay(n=%d) = %v, want %v ±20%%", n, d, want)
+		}
+	}
+	g := Growing(b)
+	for i, want := range []time.Duration{time.Second, 3 * time.Second, 9 * time.Second, 27 * time.Second, 30 * time.Second} {
+		if d := g.Next(); d < 8*want/10 || d > 12*want/10 {
+			t.Errorf("Growing delay %d = %v, want %v ±20%%", i, d, want)
+		}
 	}
 }
 
