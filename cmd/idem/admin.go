@@ -131,12 +131,18 @@ func runOutbox(ctx context.Context, args []string, stdout, stderr io.Writer) err
 }
 
 const dedupSynopsis = `dedup [flags] stats|cleanup
+       dedup show --scope S --id ID [flags]   (see "idem dedup show -h")
 
   stats    rows per scope (of stores that keep scopes: pgtable Options.KeepKeys):
            done and in flight, expired (cleanup deletes them), the next expiry
-  cleanup  delete the expired rows now, in bounded batches`
+  cleanup  delete the expired rows now, in bounded batches
+  show     one key in pgtable, sqltable or redisnx: state, expiry,
+           fingerprint, result`
 
 func runDedup(ctx context.Context, args []string, stdout, stderr io.Writer) error {
+	if len(args) > 0 && args[0] == "show" {
+		return runDedupShow(ctx, args[1:], stdout, stderr)
+	}
 	fs := newFlagSet("dedup", dedupSynopsis, stderr)
 	var pg pgFlags
 	pg.register(fs, withDedup)
@@ -153,10 +159,12 @@ func runDedup(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	}
 	switch action {
 	case "stats", "cleanup":
+	case "show":
+		return usageError(fs, "write show first, then its flags: idem dedup show --scope S --id ID ...")
 	case "":
-		return usageError(fs, "missing action: stats or cleanup")
+		return usageError(fs, "missing action: stats, cleanup or show")
 	default:
-		return usageError(fs, "unknown action %q: want stats or cleanup", action)
+		return usageError(fs, "unknown action %q: want stats, cleanup or show", action)
 	}
 	pool, err := pg.connect(ctx)
 	if err != nil {

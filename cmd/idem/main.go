@@ -108,6 +108,8 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		return 1
 	case errors.Is(err, errPending):
 		return exitPending
+	case errors.Is(err, errAbsent):
+		return exitAbsent
 	default:
 		// One line, whatever the error: pgconn's list one line per address.
 		msg := strings.Join(strings.Fields(strings.ReplaceAll(strings.ReplaceAll(err.Error(), ":\n", ": "), "\n", "; ")), " ")
