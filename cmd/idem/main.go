@@ -90,6 +90,8 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		err = runOutbox(ctx, rest, stdout, stderr)
 	case "dedup":
 		err = runDedup(ctx, rest, stdout, stderr)
+	case "deadletter":
+		err = runDeadletter(ctx, rest, stdout, stderr)
 	case "help", "-h", "-help", "--help":
 		fprint(stdout, usage)
 		return 0
