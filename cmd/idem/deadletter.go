@@ -333,9 +333,13 @@ func dlqList(ctx context.Context, b dlqBackend, sel *selection, limit int, w io.
 		}
 		return list[i].reason+"\x00"+list[i].source < list[j].reason+"\x00"+list[j].source
 	})
-	fprintf(w, "\n%-22s %-24s %6s  %-24s %-24s %s\n", "REASON", "SOURCE", "COUNT", "FIRST SEEN", "LAST SEEN", "ERROR (A SAMPLE)")
+	rw, sw := len("REASON"), len("SOURCE")
 	for _, g := range list {
-		fprintf(w, "%-22s %-24s %6d  %-24s %-24s %s\n", orDash(g.reason), orDash(g.source), g.count,
+		rw, sw = max(rw, len(orDash(g.reason))), max(sw, len(orDash(g.source)))
+	}
+	fprintf(w, "\n%-*s  %-*s  %6s  %-20s  %-20s  %s\n", rw, "REASON", sw, "SOURCE", "COUNT", "FIRST SEEN", "LAST SEEN", "ERROR (A SAMPLE)")
+	for _, g := range list {
+		fprintf(w, "%-*s  %-*s  %6d  %-20s  %-20s  %s\n", rw, orDash(g.reason), sw, orDash(g.source), g.count,
 			timeText(g.first), timeText(g.last), cut(g.sample, 100))
 	}
 	fprintln(w)
@@ -361,7 +365,9 @@ func dlqShow(ctx context.Context, b dlqBackend, id string, scan int, w io.Writer
 		if !d.matchesID(id) {
 			continue
 		}
-		row := func(name, format string, args ...any) { fprintf(w, "%-12s "+format+"\n", append([]any{name}, args...)...) }
+		row := func(name, format string, args ...any) {
+			fprintf(w, "%-12s "+format+"\n", append([]any{name}, args...)...)
+		}
 		row("in", "%s", b.describe())
 		row("position", "%s", d.pos)
 		row("id", "%s", orDash(d.id))
@@ -424,7 +430,11 @@ func dlqAct(ctx context.Context, b dlqBackend, action string, sel *selection, li
 				}
 			}
 			copies++
-			fprintf(w, "%-16s %s (a copy of a letter replayed above)\n", map[bool]string{true: "would remove", false: "removed"}[dry], d.line())
+			what := "removed"
+			if dry {
+				what = "would remove"
+			}
+			fprintf(w, "%-16s %s (a copy of a letter replayed above)\n", what, d.line())
 			continue
 		}
 		switch {
@@ -454,16 +464,15 @@ func dlqAct(ctx context.Context, b dlqBackend, action string, sel *selection, li
 	}
 	var sum strings.Builder
 	fmt.Fprintf(&sum, "deadletter %s", action)
-	if dry {
-		sum.WriteString(" (dry run, nothing changed)")
-	}
-	fmt.Fprintf(&sum, ": %d %s", acted, verb)
-	if action == "replay" {
-		fmt.Fprintf(&sum, ", %d copies removed", copies)
-		if dry {
-			fmt.Fprintf(&sum, " (would be)")
-		}
-		fmt.Fprintf(&sum, ", %d not replayed", skipped)
+	switch {
+	case dry && action == "replay":
+		fmt.Fprintf(&sum, " (dry run, nothing changed): would replay %d, would remove %d copies", acted, copies)
+	case dry:
+		fmt.Fprintf(&sum, " (dry run, nothing changed): would discard %d", acted)
+	case action == "replay":
+		fmt.Fprintf(&sum, ": %d replayed, %d copies removed, %d not replayed", acted, copies, skipped)
+	default:
+		fmt.Fprintf(&sum, ": %d discarded", acted)
 	}
 	fmt.Fprintf(&sum, ", %d not selected; %d read from %s", left, read, b.describe())
 	switch {

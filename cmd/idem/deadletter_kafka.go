@@ -184,10 +184,13 @@ func (k *kafkaDLQ) start(ctx context.Context) error {
 	if err == nil {
 		err = of.Error
 	}
-	if err != nil {
+	committed := map[int]kafkago.OffsetFetchPartition{}
+	switch {
+	case errors.Is(err, kafkago.GroupIdNotFound):
+		of = &kafkago.OffsetFetchResponse{} // nothing committed yet
+	case err != nil:
 		return fmt.Errorf("committed offsets of group %q: %w", k.group, err)
 	}
-	committed := map[int]kafkago.OffsetFetchPartition{}
 	for _, p := range of.Topics[k.topic] {
 		if p.Error != nil {
 			return fmt.Errorf("committed offset of group %q, partition %d: %w", k.group, p.Partition, p.Error)

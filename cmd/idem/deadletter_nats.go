@@ -109,12 +109,10 @@ func natsLetter(m *jetstream.RawStreamMsg) *deadLetter {
 	d.errText = m.Header.Get(idemnats.HeaderError)
 	d.attempts = m.Header.Get(idemnats.HeaderAttempts)
 	d.source = m.Header.Get(idemnats.HeaderSubject)
-	// The replay carries the original Nats-Msg-Id; a message that had
-	// none carries the dead letter's id, the same on every replay.
+	// The replay carries the original Nats-Msg-Id. A message that had
+	// none is published without one, as it was: a Consumer's IDFunc
+	// gives it its id again.
 	d.msgID = m.Header.Get(idemnats.HeaderMessageID)
-	if d.msgID == "" {
-		d.msgID = d.id
-	}
 	return d
 }
 

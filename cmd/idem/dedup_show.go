@@ -211,7 +211,9 @@ func runDedupShow(ctx context.Context, args []string, stdout, stderr io.Writer) 
 
 // printKeyState prints st, one field a line.
 func printKeyState(w io.Writer, where string, key dedup.Key, st dedup.KeyState, now time.Time) {
-	row := func(name, format string, args ...any) { fprintf(w, "%-12s "+format+"\n", append([]any{name}, args...)...) }
+	row := func(name, format string, args ...any) {
+		fprintf(w, "%-12s "+format+"\n", append([]any{name}, args...)...)
+	}
 	row("store", "%s", where)
 	if key.Scope != "" {
 		row("key", "scope %q, id %q", key.Scope, key.ID)
