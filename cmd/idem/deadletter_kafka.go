@@ -247,7 +247,7 @@ func (k *kafkaDLQ) fetch(ctx context.Context, p int) error {
 		return fmt.Errorf("fetch partition %d at offset %d: %w", p, k.cursor, err)
 	}
 	start := k.cursor
-	for {
+	for res.Records != nil {
 		rec, err := res.Records.ReadRecord()
 		if errors.Is(err, io.EOF) {
 			break

@@ -43,12 +43,12 @@ Exits 0 when the store holds the key (in flight or done), 4 when it does
 not (absent, or a row whose time has passed: a claim would take it).`
 
 // exitAbsent is the exit status of "idem dedup show" when the store does
-// not hold the key.
+// not hold the key, and of "idem deadletter show" when no letter matches.
 const exitAbsent = 4
 
-// errAbsent reports that "idem dedup show" did not find the key held; the
-// state has been printed already.
-var errAbsent = errors.New("key not held")
+// errAbsent reports that what "show" looked for is not there; what was
+// found has been printed already.
+var errAbsent = errors.New("not found")
 
 // inspector is what "dedup show" needs of a store.
 type inspector interface {
