@@ -25,7 +25,7 @@ The dead letters of a consumer or a relay, read where they were parked:
 
   list             dead letters grouped by reason and source: count, first and
                    last seen, a sample of the error; then one line each
-                   (at most --limit read; --reason filters)
+                   (at most --limit; --reason filters)
   show ID          one dead letter with its headers and payload (ID: the dead
                    letter's id, its message id, or its position as list prints
                    it); exits 4 when none matches
@@ -38,7 +38,7 @@ The dead letters of a consumer or a relay, read where they were parked:
 
 replay and discard act on a selection: --reason R, --id ID (both
 repeatable; together, a letter must match both) or --all, at most --limit
-letters, found among at most --scan letters read. --dry-run prints what
+letters. Every command reads at most --scan letters. --dry-run prints what
 would be done and changes nothing. A summary line ends every run; the exit
 status is 1 when a letter could not be acted on.
 
@@ -146,8 +146,8 @@ func runDeadletter(ctx context.Context, args []string, stdout, stderr io.Writer)
 	fs.Var((*multiFlag)(&sel.reasons), "reason", "select the dead letters of this reason (repeatable)")
 	fs.Var((*multiFlag)(&sel.ids), "id", "select the dead letter of this id, message id or position (repeatable)")
 	fs.BoolVar(&sel.all, "all", false, "replay or discard: select every dead letter")
-	limit := fs.Int("limit", 100, "most dead letters list reads, and replay or discard acts on")
-	scan := fs.Int("scan", 10000, "most dead letters show, replay and discard read to find the selection")
+	limit := fs.Int("limit", 100, "most dead letters list prints, and replay or discard acts on")
+	scan := fs.Int("scan", 10000, "most dead letters a command reads to find the selection")
 	dryRun := fs.Bool("dry-run", false, "replay or discard: print what would be done, change nothing")
 
 	action, args := splitAction(args)
@@ -205,7 +205,7 @@ func runDeadletter(ctx context.Context, args []string, stdout, stderr io.Writer)
 	var runErr error
 	switch action {
 	case "list":
-		runErr = dlqList(ctx, b, &sel, *limit, stdout)
+		runErr = dlqList(ctx, b, &sel, *limit, *scan, stdout)
 	case "show":
 		runErr = dlqShow(ctx, b, sel.ids[0], *scan, stdout)
 	default:
@@ -265,8 +265,8 @@ func (f *dlqFlags) open(ctx context.Context, fs *flag.FlagSet, set map[string]bo
 }
 
 // dlqList prints the dead letters grouped by reason and source, then one
-// line each.
-func dlqList(ctx context.Context, b dlqBackend, sel *selection, limit int, w io.Writer) error {
+// line each: at most limit of them, found among at most scan read.
+func dlqList(ctx context.Context, b dlqBackend, sel *selection, limit, scan int, w io.Writer) error {
 	type group struct {
 		reason, source string
 		count          int
@@ -278,9 +278,13 @@ func dlqList(ctx context.Context, b dlqBackend, sel *selection, limit int, w io.
 		letters []*deadLetter
 		more    bool
 	)
-	for {
+	for read := 0; ; read++ {
 		if err := ctx.Err(); err != nil {
 			return err
+		}
+		if read == scan {
+			more = true
+			break
 		}
 		d, err := b.next(ctx)
 		if err != nil {
@@ -316,8 +320,11 @@ func dlqList(ctx context.Context, b dlqBackend, sel *selection, limit int, w io.
 		}
 	}
 	fprintf(w, "%s: %d dead letters", b.describe(), len(letters))
-	if more {
+	switch {
+	case more && len(letters) == limit:
 		fprintf(w, " (the first %d: more follow, raise --limit)", limit)
+	case more:
+		fprintf(w, " among the first %d read (more may follow: raise --scan)", scan)
 	}
 	fprintln(w)
 	if len(letters) == 0 {
