@@ -93,3 +93,22 @@ func ExampleStoredResult() {
 	// in flight is a duplicate: false
 	// mismatch: true
 }
+
+// A store finds a key by its digest, and logs show the digest's first half
+// as the key's Hash, so a log line can be matched to a row or a Redis key.
+// ParseDigest reads a digest back, as pgtable's key column prints it (a
+// uuid) or as plain hex.
+func ExampleDigestOf() {
+	k := dedup.Key{Scope: "billing-consumer/charge", ID: "order-A-1"}
+	d := k.Digest()
+	fmt.Println(d.Hash() == k.Hash(), len(d.String()))
+	u := d.String()
+	back, err := dedup.ParseDigest(u[:8] + "-" + u[8:12] + "-" + u[12:16] + "-" + u[16:20] + "-" + u[20:])
+	fmt.Println(back == d, err)
+	_, err = dedup.ParseDigest(k.Hash())
+	fmt.Println(err != nil)
+	// Output:
+	// true 32
+	// true <nil>
+	// true
+}

@@ -59,3 +59,29 @@ func TestFingerprintFraming(t *testing.T) {
 		t.Fatal("the parts' boundary does not count")
 	}
 }
+
+// TestDigest: a key's digest is the first 16 bytes of SHA-256(scope, 0x00,
+// id), whose first 8 are Key.Hash.
+func TestDigest(t *testing.T) {
+	k := dedup.Key{Scope: "billing/charge", ID: "p-1"}
+	sum := sha256.Sum256([]byte("billing/charge\x00p-1"))
+	if d := k.Digest(); !bytes.Equal(d[:], sum[:16]) || d.Hash() != k.Hash() {
+		t.Fatalf("Digest %s, want %x with Hash %s", d, sum[:16], k.Hash())
+	}
+	for _, in := range []string{"", "zz", k.Hash(), strings.Repeat("g", 32), k.Digest().String() + "00"} {
+		if _, err := dedup.ParseDigest(in); err == nil {
+			t.Errorf("ParseDigest(%q) = nil error", in)
+		}
+	}
+	if d, err := dedup.ParseDigest(strings.ToUpper(k.Digest().String())); err != nil || d != k.Digest() {
+		t.Errorf("ParseDigest of upper-case hex = %s, %v", d, err)
+	}
+	var st dedup.KeyState
+	if st.Held() || st.Status.String() != "absent" {
+		t.Errorf("zero KeyState: held %v, status %s", st.Held(), st.Status)
+	}
+	st = dedup.KeyState{Status: dedup.KeyDone, Expired: true}
+	if st.Held() {
+		t.Error("an expired done key is held")
+	}
+}

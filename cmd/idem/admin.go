@@ -19,7 +19,10 @@ const outboxSynopsis = `outbox [flags] stats|dead|requeue ID...
 
   stats          pending messages, the oldest one's age, published and dead counts
   dead           the dead messages with their last error (--limit)
-  requeue ID...  make dead messages pending again (RequeueDead)`
+  requeue ID...  make dead messages pending again (RequeueDead)
+
+"idem deadletter --outbox" lists them grouped, replays (requeues) and
+discards them by selection, as it does the brokers' dead letters.`
 
 // splitAction takes the action (and its arguments) before or after the flags.
 func splitAction(args []string) (action string, rest []string) {
@@ -92,29 +95,14 @@ func runOutbox(ctx context.Context, args []string, stdout, stderr io.Writer) err
 		fprintf(stdout, "%s: %d pending (oldest %v), %d published (kept for retention), %d dead\n",
 			ob.Table(), pending, oldest.Round(time.Millisecond), published, dead)
 	case "dead":
-		rows, err := pool.Query(ctx, "SELECT id::text, topic, attempts, coalesce(last_error, ''), dead_at FROM "+ob.Table()+
-			" WHERE state = 2 ORDER BY dead_at LIMIT $1", *limit)
+		dead, err := ob.Dead(ctx, nil, *limit)
 		if err != nil {
-			return fmt.Errorf("%s: %w", ob.Table(), err)
-		}
-		defer rows.Close()
-		n := 0
-		for rows.Next() {
-			var (
-				id, topic, lastErr string
-				attempts           int
-				deadAt             time.Time
-			)
-			if err := rows.Scan(&id, &topic, &attempts, &lastErr, &deadAt); err != nil {
-				return err
-			}
-			n++
-			fprintf(stdout, "%s  topic=%s attempts=%d dead_at=%s error=%q\n", id, topic, attempts, deadAt.UTC().Format(time.RFC3339), lastErr)
-		}
-		if err := rows.Err(); err != nil {
 			return err
 		}
-		if n == 0 {
+		for _, m := range dead {
+			fprintf(stdout, "%s  topic=%s attempts=%d dead_at=%s error=%q\n", m.ID, m.Topic, m.Attempts, m.DeadAt.UTC().Format(time.RFC3339), m.LastError)
+		}
+		if len(dead) == 0 {
 			fprintf(stdout, "%s: no dead messages\n", ob.Table())
 		}
 	case "requeue":
@@ -131,12 +119,18 @@ func runOutbox(ctx context.Context, args []string, stdout, stderr io.Writer) err
 }
 
 const dedupSynopsis = `dedup [flags] stats|cleanup
+       dedup show --scope S --id ID [flags]   (see "idem dedup show -h")
 
   stats    rows per scope (of stores that keep scopes: pgtable Options.KeepKeys):
            done and in flight, expired (cleanup deletes them), the next expiry
-  cleanup  delete the expired rows now, in bounded batches`
+  cleanup  delete the expired rows now, in bounded batches
+  show     one key in pgtable, sqltable or redisnx: state, expiry,
+           fingerprint, result`
 
 func runDedup(ctx context.Context, args []string, stdout, stderr io.Writer) error {
+	if len(args) > 0 && args[0] == "show" {
+		return runDedupShow(ctx, args[1:], stdout, stderr)
+	}
 	fs := newFlagSet("dedup", dedupSynopsis, stderr)
 	var pg pgFlags
 	pg.register(fs, withDedup)
@@ -153,10 +147,12 @@ func runDedup(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	}
 	switch action {
 	case "stats", "cleanup":
+	case "show":
+		return usageError(fs, "write show first, then its flags: idem dedup show --scope S --id ID ...")
 	case "":
-		return usageError(fs, "missing action: stats or cleanup")
+		return usageError(fs, "missing action: stats, cleanup or show")
 	default:
-		return usageError(fs, "unknown action %q: want stats or cleanup", action)
+		return usageError(fs, "unknown action %q: want stats, cleanup or show", action)
 	}
 	pool, err := pg.connect(ctx)
 	if err != nil {

@@ -1,18 +1,46 @@
 // Command idem is idem's command line: an embedded demo that shows the
-// problem idem solves and the fix, and the operator's tools for the
-// PostgreSQL tables and the outbox relay.
+// problem idem solves and the fix, and the operator's tools for the dedup
+// stores, the outbox relay and the dead letters.
 //
 // Usage:
 //
-//	idem demo    [flags]              a payments pipeline, naive against idem (no server needed)
-//	idem migrate up|status|sql        the pgtable and pgoutbox migrations
-//	idem relay   [flags]              the outbox relay as a long-running process
-//	idem outbox  stats|dead|requeue   the outbox table: backlog, dead messages, requeue
-//	idem dedup   stats|cleanup        the dedup table: rows per scope, delete expired rows
+//	idem demo       [flags]                      a payments pipeline, naive against idem (no server needed)
+//	idem migrate    up|status|sql                the pgtable and pgoutbox migrations
+//	idem relay      [flags]                      the outbox relay as a long-running process
+//	idem outbox     stats|dead|requeue           the outbox table: backlog, dead messages, requeue
+//	idem dedup      stats|cleanup                the dedup table: rows per scope, delete expired rows
+//	idem dedup      show                         one key of pgtable, sqltable or redisnx
+//	idem deadletter list|show|replay|discard     dead letters of Kafka, RabbitMQ, NATS and the outbox
 //
 // Run "idem <command> -help" for a command's flags. Flags may also come from
-// the environment: IDEM_POSTGRES_URL, IDEM_REDIS_URL, IDEM_KAFKA_BROKERS and
-// IDEM_AMQP_URL set the defaults of --postgres, --redis, --kafka and --amqp.
+// the environment: IDEM_POSTGRES_URL, IDEM_REDIS_URL, IDEM_KAFKA_BROKERS,
+// IDEM_AMQP_URL and IDEM_NATS_URL set the defaults of --postgres, --redis,
+// --kafka, --amqp and --nats.
+//
+// # idem dedup show
+//
+// Finds one key, by --scope and --id or by its stored --digest, in pgtable
+// (--postgres), sqltable (--driver mysql|sqlite|postgres with --dsn) or
+// redisnx (--redis, --prefix), through the store's Inspect method, and
+// prints its state (in flight, done, expired or absent), when it expires,
+// its fingerprint, its stored result, and its scope and id when the store
+// keeps them. It exits 0 when the store holds the key and 4 when it does
+// not.
+//
+// # idem deadletter
+//
+// Reads the dead letters where the adapters parked them: a Kafka
+// dead-letter topic (--kafka, --topic), a RabbitMQ dead-letter queue
+// (--amqp, --queue), a NATS dead-letter stream (--nats, --stream) or the
+// outbox's dead rows (--outbox). "list" groups them by reason and source,
+// "show" prints one with its headers and payload, "replay" publishes a
+// selection (--reason, --id or --all, at most --limit) again to where it
+// came from with its message id, removing each letter once the publish was
+// confirmed, and "discard" removes a selection; --dry-run changes nothing.
+// A consumer's claim drops a replay of a message it applied already, so an
+// interrupted replay is run again without harm. On Kafka, which cannot
+// delete a record, what was removed is the committed offsets (and commit
+// metadata) of the tool's own consumer group, --group.
 //
 // # idem demo
 //
@@ -56,6 +84,9 @@ Usage:
   idem relay   [flags]            run the outbox relay until SIGINT or SIGTERM
   idem outbox  stats|dead|requeue look into the outbox table; requeue dead messages
   idem dedup   stats|cleanup      look into the dedup table; delete expired rows
+  idem dedup   show               one key of a dedup store: state, expiry, fingerprint, result
+  idem deadletter list|show|replay|discard
+                                  browse dead letters by reason; replay or discard them
 
 Run "idem <command> -help" for the flags of a command.
 `
@@ -72,7 +103,8 @@ var errUsage = errors.New("usage")
 
 // run runs the command in args and returns the exit status: 0 on success,
 // 1 on failure, 2 on bad usage, 3 when "idem migrate status" finds a
-// migration pending.
+// migration pending, 4 when "idem dedup show" finds the key not held or
+// "idem deadletter show" finds no such letter.
 func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	if len(args) == 0 {
 		fprint(stderr, usage)
@@ -90,6 +122,8 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		err = runOutbox(ctx, rest, stdout, stderr)
 	case "dedup":
 		err = runDedup(ctx, rest, stdout, stderr)
+	case "deadletter":
+		err = runDeadletter(ctx, rest, stdout, stderr)
 	case "help", "-h", "-help", "--help":
 		fprint(stdout, usage)
 		return 0
@@ -108,6 +142,8 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		return 1
 	case errors.Is(err, errPending):
 		return exitPending
+	case errors.Is(err, errAbsent):
+		return exitAbsent
 	default:
 		// One line, whatever the error: pgconn's list one line per address.
 		msg := strings.Join(strings.Fields(strings.ReplaceAll(strings.ReplaceAll(err.Error(), ":\n", ": "), "\n", "; ")), " ")

@@ -160,6 +160,8 @@ func TestFlagErrorsNameTheCommand(t *testing.T) {
 		{[]string{"relay", "slot", "show", "--bogus"}, "idem relay slot"},
 		{[]string{"outbox", "stats", "--bogus"}, "idem outbox"},
 		{[]string{"dedup", "stats", "--bogus"}, "idem dedup"},
+		{[]string{"dedup", "show", "--bogus"}, "idem dedup show"},
+		{[]string{"deadletter", "list", "--bogus"}, "idem deadletter"},
 	} {
 		t.Run(strings.Join(tc.args, " "), func(t *testing.T) {
 			code, _, errOut := runCmd(context.Background(), t, tc.args...)
@@ -173,8 +175,8 @@ func TestFlagErrorsNameTheCommand(t *testing.T) {
 }
 
 func TestHelp(t *testing.T) {
-	for _, cmd := range []string{"demo", "migrate", "relay", "outbox", "dedup"} {
-		code, _, errOut := runCmd(context.Background(), t, cmd, "-help")
+	for _, cmd := range []string{"demo", "migrate", "relay", "outbox", "dedup", "dedup show", "deadletter"} {
+		code, _, errOut := runCmd(context.Background(), t, append(strings.Fields(cmd), "-help")...)
 		if code != 0 || !strings.Contains(errOut, "Usage: idem "+cmd) {
 			t.Errorf("%s -help: exit %d, output %q", cmd, code, errOut)
 		}

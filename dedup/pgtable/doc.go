@@ -86,6 +86,15 @@
 // expiry no partition covers fails: run CleanupLoop, or EnsurePartitions on
 // a schedule. The partitioned layout needs PostgreSQL 14 or later.
 //
+// # Reading a key
+//
+// Lookup answers for a key as a claim would, without claiming it (for a
+// cache in front of the store). Inspect, and InspectDigest by the key
+// column when only the digest is known, read a key's row for an operator
+// ("idem dedup show"): its dedup.KeyState, with the row's state, expiry,
+// fingerprint, result and, with Options.KeepKeys, scope and id. Each is
+// one read of the primary key.
+//
 // # Connections
 //
 // New takes a *pgxpool.Pool, a *pgx.Conn or a pgx.Tx. With a pool, Process and

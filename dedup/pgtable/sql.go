@@ -14,6 +14,7 @@ type statements struct {
 	claimBatchSorted, claimBatchLookup          string
 	leaseClaim, leaseExtend, leaseComplete      string
 	leaseRelease, cleanup, backdateForTestsOnly string
+	inspect                                     string
 }
 
 // expiredRow is true for a row that no longer counts: a lease that ran out,
@@ -69,6 +70,14 @@ FROM {{T}} e WHERE e.key = $1 AND NOT {{EXPIRED}} AND NOT EXISTS (SELECT 1 FROM 
 		lookup: r.Replace(`
 SELECT {{STATE}}, e.fingerprint, e.result, {{LEASE}}, {{EXPIRED}}
 FROM {{T}} e WHERE e.key = $1`),
+
+		// $1 key. Inspect: the row whatever its state, with the time it
+		// expires and whether that has passed. In the partitioned layout a
+		// key has at most one row (a claim deletes an expired row before
+		// it inserts); the newest wins all the same.
+		inspect: r.Replace(`
+SELECT e.token IS NOT NULL, e.expires_at, {{EXPIRED}}, e.fingerprint, e.result, e.scope, e.id
+FROM {{T}} e WHERE e.key = $1 ORDER BY e.expires_at DESC LIMIT 1`),
 
 		// $1 key, $2 result.
 		setResult: r.Replace(`UPDATE {{T}} SET result = $2 WHERE key = $1 AND token IS NULL`),

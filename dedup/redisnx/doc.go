@@ -97,7 +97,10 @@
 // scope and id; two (scope, id) pairs share a key only if 128 bits of
 // SHA-256 collide. Store.RedisKey returns the key of a dedup.Key, for
 // operators (the key does not reveal the scope and id: look a message up
-// by computing its key).
+// by computing its key). Store.Inspect reads a key's record as a
+// dedup.KeyState (state, expiry, fingerprint, result) in one MULTI, and
+// InspectDigest does so by the key's dedup.Digest alone ("idem dedup
+// show").
 //
 // The value is a binary record: one state byte, the 32-byte fingerprint
 // only when the key has one ('L' in flight, 'D' done; without a

@@ -103,6 +103,13 @@
 // token, the stored result, and with Options.KeepKeys the key's scope and
 // id.
 //
+// # Reading a key
+//
+// Lookup answers for a key as a claim would, without claiming it. Inspect,
+// and InspectDigest by the digest column when only the digest is known,
+// read a key's row for an operator ("idem dedup show"): its
+// dedup.KeyState. Each is one read of the primary key, without a lock.
+//
 // # A store that is down
 //
 // A claim on a database that cannot be reached returns the driver's error,

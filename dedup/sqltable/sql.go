@@ -19,7 +19,7 @@ import (
 type statements struct {
 	insertDone, insertLease     string
 	lookup                      string
-	peek                        string
+	peek, inspect               string
 	takeoverDone, takeoverLease string
 	setResult                   string
 	extend, complete, release   string
@@ -37,6 +37,8 @@ type clock struct {
 	leftMs string
 	// nowText selects now as Cleanup passes it back as its cutoff.
 	nowText string
+	// expiresMs is expires_at as Unix milliseconds.
+	expiresMs string
 }
 
 func clockOf(d sqldialect.Dialect) clock {
@@ -47,21 +49,26 @@ func clockOf(d sqldialect.Dialect) clock {
 			plus:    `(UTC_TIMESTAMP(6) + INTERVAL ? * 1000 MICROSECOND)`,
 			leftMs:  `GREATEST(0, TIMESTAMPDIFF(MICROSECOND, UTC_TIMESTAMP(6), expires_at) DIV 1000)`,
 			nowText: `SELECT DATE_FORMAT(UTC_TIMESTAMP(6), '%Y-%m-%d %H:%i:%s.%f')`,
+			// The column holds UTC without a zone: its distance from the
+			// epoch, also without one.
+			expiresMs: `(TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', expires_at) DIV 1000)`,
 		}
 	case sqldialect.SQLite:
 		const now = `CAST((julianday('now') - 2440587.5) * 86400000.0 AS INTEGER)`
 		return clock{
-			now:     now,
-			plus:    `(` + now + ` + ?)`,
-			leftMs:  `MAX(0, expires_at - ` + now + `)`,
-			nowText: `SELECT ` + now,
+			now:       now,
+			plus:      `(` + now + ` + ?)`,
+			leftMs:    `MAX(0, expires_at - ` + now + `)`,
+			nowText:   `SELECT ` + now,
+			expiresMs: `expires_at`,
 		}
 	}
 	return clock{
-		now:     `clock_timestamp()`,
-		plus:    `(clock_timestamp() + CAST(? AS bigint) * interval '1 millisecond')`,
-		leftMs:  `GREATEST(0, CAST(extract(epoch FROM (expires_at - clock_timestamp())) * 1000 AS bigint))`,
-		nowText: `SELECT clock_timestamp()`,
+		now:       `clock_timestamp()`,
+		plus:      `(clock_timestamp() + CAST(? AS bigint) * interval '1 millisecond')`,
+		leftMs:    `GREATEST(0, CAST(extract(epoch FROM (expires_at - clock_timestamp())) * 1000 AS bigint))`,
+		nowText:   `SELECT clock_timestamp()`,
+		expiresMs: `CAST(floor(extract(epoch FROM expires_at) * 1000) AS bigint)`,
 	}
 }
 
@@ -75,7 +82,7 @@ func buildStatements(d sqldialect.Dialect, table string) statements {
 		// snapshot.
 		onConflict, lockRead = "", " LOCK IN SHARE MODE"
 	}
-	r := strings.NewReplacer("{{T}}", table, "{{NOW}}", c.now, "{{PLUS}}", c.plus, "{{LEFT}}", c.leftMs,
+	r := strings.NewReplacer("{{T}}", table, "{{NOW}}", c.now, "{{PLUS}}", c.plus, "{{LEFT}}", c.leftMs, "{{EXPMS}}", c.expiresMs,
 		"{{CONFLICT}}", onConflict, "{{LOCKREAD}}", lockRead)
 	q := func(s string) string { return d.Rebind(r.Replace(s)) }
 	st := statements{
@@ -97,6 +104,12 @@ FROM {{T}} WHERE digest = ?{{LOCKREAD}}`),
 		// waiting for a transaction that holds it (Lookup).
 		peek: q(`SELECT CASE WHEN token IS NULL THEN 2 ELSE 1 END, fingerprint, result,
     CASE WHEN token IS NULL THEN 0 ELSE {{LEFT}} END, CASE WHEN expires_at <= {{NOW}} THEN 1 ELSE 0 END
+FROM {{T}} WHERE digest = ?`),
+		// digest. Inspect: in flight (1 or 0), expires_at as Unix
+		// milliseconds, expired (1 or 0), fingerprint, result, scope, id;
+		// without a lock, as peek.
+		inspect: q(`SELECT CASE WHEN token IS NULL THEN 0 ELSE 1 END, {{EXPMS}},
+    CASE WHEN expires_at <= {{NOW}} THEN 1 ELSE 0 END, fingerprint, result, scope, id
 FROM {{T}} WHERE digest = ?`),
 		// retention ms, fingerprint, scope, id, digest. Takes over an
 		// expired row, done.

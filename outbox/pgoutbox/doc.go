@@ -66,9 +66,10 @@
 // message is sent only after the previous one was confirmed and marked. A
 // key whose oldest pending message waits for a retry is skipped entirely, so
 // its later messages wait too; once that message is parked dead, the later
-// ones proceed (RequeueDead puts a dead message back). Keys do not wait for
-// one another: a batch takes the oldest messages of many keys, and a failing
-// key never holds the others back.
+// ones proceed (Dead lists the dead messages, RequeueDead puts one back,
+// DeleteDead deletes one; "idem outbox" and "idem deadletter" call them).
+// Keys do not wait for one another: a batch takes the oldest messages of
+// many keys, and a failing key never holds the others back.
 //
 // The claim also protects the order on its own: it takes a key's messages
 // only from its oldest pending one, and drops a key whose oldest message is

@@ -9,7 +9,7 @@ type statements struct {
 	claim, nextDue, markPublished, markDelete string
 	markFailed                                string
 	cleanup, cleanupDead, backlog             string
-	requeueDead                               string
+	requeueDead, deadPage, deleteDead         string
 }
 
 func buildStatements(table string) statements {
@@ -125,6 +125,15 @@ DELETE FROM {{T}} WHERE seq = ANY (ARRAY(
 		backlog: r.Replace(`
 SELECT count(*), coalesce((extract(epoch FROM (clock_timestamp() - min(created_at))) * 1000)::bigint, 0)
 FROM {{T}} WHERE state = 0`),
+
+		// $1, $2 the dead_at and seq of the last row of the previous
+		// page, $3 the page size. A range scan of the dead-row index.
+		deadPage: r.Replace(`
+SELECT seq, id::text, topic, key, payload, headers, attempts, coalesce(last_error, ''), created_at, dead_at
+FROM {{T}} WHERE state = 2 AND dead_at >= $1 AND (dead_at, seq) > ($1, $2)
+ORDER BY dead_at, seq LIMIT $3`),
+
+		deleteDead: r.Replace(`DELETE FROM {{T}} WHERE id = ANY ($1::uuid[]) AND state = 2`),
 
 		requeueDead: r.Replace(`
 UPDATE {{T}} SET state = 0, attempts = 0, last_error = NULL, dead_at = NULL, available_at = clock_timestamp()
