@@ -98,7 +98,7 @@ func partHandler(r *childRun, pool *pgxpool.Pool, out *outcomeLog) (consumer.Han
 		if err != nil {
 			return nil, nil, err
 		}
-		inner, err = consumer.Transactional(store, consumer.TxOptions{Scope: cfg.Scope, OnOutcome: record},
+		inner, err = consumer.Transactional(store, consumer.TxOptions{Scope: cfg.Scope, Telemetry: consumer.Telemetry{OnOutcome: record}},
 			func(ctx context.Context, tx pgx.Tx, msg *consumer.Message) error {
 				_, err := tx.Exec(ctx, ins, msg.ID, cfg.Name)
 				return err
@@ -118,7 +118,7 @@ func partHandler(r *childRun, pool *pgxpool.Pool, out *outcomeLog) (consumer.Han
 			return nil, nil, err
 		}
 		dd, err := consumer.Dedup(store, consumer.DedupOptions{
-			Scope: cfg.Scope, Logger: childLogger(), OnOutcome: record, FinishTimeout: 3 * time.Second,
+			Scope: cfg.Scope, Telemetry: consumer.Telemetry{Logger: childLogger(), OnOutcome: record}, FinishTimeout: 3 * time.Second,
 		})
 		if err != nil {
 			closer()
