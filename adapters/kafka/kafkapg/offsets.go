@@ -67,10 +67,16 @@ func NewOffsets(db pgtable.DB, opts OffsetsOptions) (*Offsets, error) {
 	}
 	o := &Offsets{db: db, opts: opts, table: sqlname.Qualified(opts.Schema, opts.Table)}
 	// $1 group, $2 topics, $3 partitions, $4 offsets. The greater offset
-	// wins; a row that would not move is left alone.
+	// wins; a row that would not move is left alone, and one already at or
+	// past its offset is not even locked (ON CONFLICT DO UPDATE locks the
+	// row it finds, and a lock is a write): the Consumer's periodic commit
+	// of positions that the batches' transactions stored already writes
+	// nothing, and commits without waiting for a WAL flush.
 	o.save = `INSERT INTO ` + o.table + ` AS t (group_id, topic, partition, next_offset, updated_at)
 SELECT $1, u.topic, u.partition, u.next_offset, clock_timestamp()
 FROM unnest($2::text[], $3::integer[], $4::bigint[]) AS u(topic, partition, next_offset)
+WHERE NOT EXISTS (SELECT 1 FROM ` + o.table + ` s
+    WHERE s.group_id = $1 AND s.topic = u.topic AND s.partition = u.partition AND s.next_offset >= u.next_offset)
 ORDER BY u.topic, u.partition
 ON CONFLICT (group_id, topic, partition) DO UPDATE
     SET next_offset = EXCLUDED.next_offset, updated_at = EXCLUDED.updated_at
