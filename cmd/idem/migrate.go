@@ -116,6 +116,7 @@ func runMigrate(ctx context.Context, args []string, stdout, stderr io.Writer) er
 	driver := fs.String("driver", envDefault("IDEM_DRIVER", ""), "migrate the dedup table of sqltable (database/sql) instead: mysql, sqlite or postgres (or IDEM_DRIVER); needs --dsn")
 	dsn := fs.String("dsn", envDefault("IDEM_DSN", ""), "the database/sql data source name of --driver (or IDEM_DSN), e.g. user@tcp(host:3306)/db or file:app.db")
 	partitioned := fs.Bool("partitioned", false, "the dedup table is partitioned by expiry (pgtable.Options.Partitioned; give the application's setting)")
+	orderedKeys := fs.Bool("time-ordered-keys", false, "the dedup table keys the rows of UUIDv6/v7 ids by their time (pgtable.Options.TimeOrderedKeys; give the application's setting: converting an older table keys its rows that way only with it)")
 	// Accept the action before or after the flags.
 	var action string
 	if len(args) > 0 && !strings.HasPrefix(args[0], "-") {
@@ -140,6 +141,9 @@ func runMigrate(ctx context.Context, args []string, stdout, stderr io.Writer) er
 	}
 
 	if *driver != "" {
+		if *orderedKeys {
+			return usageError(fs, "--time-ordered-keys is a setting of pgtable, not of the sqltable store of --driver")
+		}
 		schema := ""
 		fs.Visit(func(f *flag.Flag) {
 			if f.Name == "schema" {
@@ -160,7 +164,8 @@ func runMigrate(ctx context.Context, args []string, stdout, stderr io.Writer) er
 		defer pool.Close()
 		db = pool
 	}
-	store, err := pgtable.New(db, pgtable.Options{Schema: pg.schema, Table: pg.dedupTable, KeepKeys: *keepKeys, Partitioned: *partitioned})
+	store, err := pgtable.New(db, pgtable.Options{Schema: pg.schema, Table: pg.dedupTable, KeepKeys: *keepKeys,
+		Partitioned: *partitioned, TimeOrderedKeys: *orderedKeys})
 	if err != nil {
 		return err
 	}

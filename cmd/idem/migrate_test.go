@@ -101,4 +101,12 @@ func TestMigrateDedupLayoutFlags(t *testing.T) {
 	if !strings.Contains(plain, "scope TYPE text USING NULL") || !strings.Contains(kept, "scope TYPE text USING scope") {
 		t.Errorf("--keep-keys: the conversion of an older table keeps scope only with the flag")
 	}
+	const orderedKey = "[67][0-9a-fA-F]{3}" // the version-6/7 test of the time-ordered key
+	_, ordered, _ := runCmd(context.Background(), t, "migrate", "sql", "--schema", "billing", "--time-ordered-keys")
+	if strings.Contains(plain, orderedKey) || !strings.Contains(ordered, orderedKey) {
+		t.Errorf("--time-ordered-keys: the conversion of an older table keys UUIDv6/v7 ids by their time only with the flag")
+	}
+	if code, _, _ := runCmd(context.Background(), t, "migrate", "sql", "--driver", "sqlite", "--dsn", "file::memory:", "--time-ordered-keys"); code == 0 {
+		t.Errorf("--time-ordered-keys with --driver accepted")
+	}
 }

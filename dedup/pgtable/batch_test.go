@@ -1,12 +1,14 @@
 package pgtable_test
 
 import (
+	"context"
 	"errors"
 	"fmt"
 	"sync"
 	"testing"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/idemkit/idem/dedup"
 	"github.com/idemkit/idem/dedup/pgtable"
@@ -74,6 +76,20 @@ func TestClaimBatchTxConcurrentOverlap(t *testing.T) {
 func testClaimBatchOverlap(t *testing.T, partitioned bool) {
 	pool := testenv.Pool(t, 16)
 	s := newStore(t, pool, pgtable.Options{Partitioned: partitioned})
+	testBatchOverlap(t, pool, s, func(ctx context.Context, keys []dedup.Key) ([]error, error) {
+		var res []error
+		err := pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
+			var err error
+			res, err = s.ClaimBatchTx(ctx, tx, keys)
+			return err
+		})
+		return res, err
+	})
+}
+
+// testBatchOverlap runs batches of overlapping keys through claim, each in
+// a transaction that commits, and checks that every key was claimed once.
+func testBatchOverlap(t *testing.T, pool *pgxpool.Pool, s *pgtable.Store, claim func(ctx context.Context, keys []dedup.Key) ([]error, error)) {
 	ctx := testenv.Ctx(t)
 	const workers, keysPer, universe = 8, 200, 500
 	var mu sync.Mutex
@@ -93,12 +109,7 @@ func testClaimBatchOverlap(t *testing.T, partitioned bool) {
 					keys[i], keys[j] = keys[j], keys[i]
 				}
 			}
-			var res []error
-			err := pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
-				var err error
-				res, err = s.ClaimBatchTx(ctx, tx, keys)
-				return err
-			})
+			res, err := claim(ctx, keys)
 			if err != nil {
 				errs <- err
 				return

@@ -126,7 +126,8 @@ func (s *Store) ClaimTx(ctx context.Context, tx pgx.Tx, key dedup.Key) error {
 // SetResultTx stores result with key's claim in tx, for later duplicates to
 // read (dedup.StoredResult). Call it after ClaimTx succeeded, before commit.
 func (s *Store) SetResultTx(ctx context.Context, tx pgx.Tx, key dedup.Key, result []byte) error {
-	tag, err := tx.Exec(ctx, s.sql.setResult, keyDigest(key.Scope, key.ID), result)
+	row, _ := s.rowKey(key)
+	tag, err := tx.Exec(ctx, s.sql.setResult, row, result)
 	if err != nil {
 		return fmt.Errorf("pgtable: store result of %s: %w", key, err)
 	}
@@ -274,28 +275,7 @@ func (s *Store) claimBatchInsert(ctx context.Context, tx pgx.Tx, b *claimBatch) 
 	if s.opts.Partitioned {
 		return s.claimBatchPartitioned(ctx, tx, b)
 	}
-	// Distinct keys in a fixed (bytewise digest) order; a key repeated in
-	// the batch is claimed by its first occurrence.
-	first := make(map[[16]byte]int, len(b.digests))
-	order := make([]int, 0, len(b.digests))
-	for i, d := range b.digests {
-		if _, dup := first[d.Bytes]; dup {
-			continue
-		}
-		first[d.Bytes] = i
-		order = append(order, i)
-	}
-	sort.Slice(order, func(x, y int) bool {
-		return bytes.Compare(b.digests[order[x]].Bytes[:], b.digests[order[y]].Bytes[:]) < 0
-	})
-	var sorted claimBatch
-	for _, i := range order {
-		sorted.digests = append(sorted.digests, b.digests[i])
-		sorted.fps = append(sorted.fps, b.fps[i])
-		if b.scopes != nil {
-			sorted.scopes, sorted.ids = append(sorted.scopes, b.scopes[i]), append(sorted.ids, b.ids[i])
-		}
-	}
+	sorted, first := b.sorted()
 	rows, err := tx.Query(ctx, s.sql.claimBatchSorted, sorted.digests, sorted.fps, s.retentionArg, sorted.scopes, sorted.ids)
 	if err != nil {
 		return nil, fmt.Errorf("pgtable: batch claim: %w", err)
@@ -312,6 +292,35 @@ func (s *Store) claimBatchInsert(ctx context.Context, tx pgx.Tx, b *claimBatch) 
 		return nil, fmt.Errorf("pgtable: batch claim: %w", err)
 	}
 	return won, nil
+}
+
+// sorted returns b's distinct keys in a fixed (bytewise row key) order, so
+// that overlapping batches take their keys in the same order and cannot
+// deadlock, and the index in b of each key's first occurrence: a key
+// repeated in the batch is claimed by its first occurrence.
+func (b *claimBatch) sorted() (sorted claimBatch, first map[[16]byte]int) {
+	first = make(map[[16]byte]int, len(b.digests))
+	order := make([]int, 0, len(b.digests))
+	for i, d := range b.digests {
+		if _, dup := first[d.Bytes]; dup {
+			continue
+		}
+		first[d.Bytes] = i
+		order = append(order, i)
+	}
+	sort.Slice(order, func(x, y int) bool {
+		return bytes.Compare(b.digests[order[x]].Bytes[:], b.digests[order[y]].Bytes[:]) < 0
+	})
+	sorted.digests = make([]pgtype.UUID, 0, len(order))
+	sorted.fps = make([][]byte, 0, len(order))
+	for _, i := range order {
+		sorted.digests = append(sorted.digests, b.digests[i])
+		sorted.fps = append(sorted.fps, b.fps[i])
+		if b.scopes != nil {
+			sorted.scopes, sorted.ids = append(sorted.scopes, b.scopes[i]), append(sorted.ids, b.ids[i])
+		}
+	}
+	return sorted, first
 }
 
 // fingerprintFromBytes converts stored bytes back into a dedup.Fingerprint. Empty

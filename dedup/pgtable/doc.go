@@ -2,7 +2,8 @@
 // processed_events table with one row per key, every time taken from the
 // database clock. A row is keyed by the key's digest, a uuid holding the
 // first 16 bytes of SHA-256(scope || 0x00 || id) (dedup.Key.Hash shows its
-// first 8), and holds its expiry, the lease token of a key in flight, the
+// first 8; see Options.TimeOrderedKeys for the key of a time-ordered id),
+// and holds its expiry, the lease token of a key in flight, the
 // fingerprint and the stored result (each NULL when absent), and the scope
 // and id only with Options.KeepKeys. A claimed key without a result or a
 // fingerprint takes 116 bytes with its index entries (TestRowSize).
@@ -17,8 +18,24 @@
 // rolled back. There is no lease and no clock involved: the effect on the
 // database happens once for as long as the row is kept.
 //
-// ClaimBatchTx claims many keys in one statement for consumers that handle a
-// batch in one transaction.
+// ClaimBatchTx claims many keys in one statement, inside the caller's
+// transaction. BeginBatch is the cheaper form for a consumer that handles a
+// batch in a transaction of its own (kafkapg's Batch and BatchAll): BEGIN
+// and a plain INSERT of the batch's rows travel in one round trip, with no
+// conflict clause and nothing sent back, and statements queued with
+// BatchTx.AtCommit (a consumer's position) travel with COMMIT, so a batch
+// of new keys costs the round trips of the bare business transaction and
+// one row a key (with its entries in the primary key and the expires_at
+// index). A key that already has a row fails that INSERT with a unique
+// violation (after waiting for a concurrent transaction that holds the
+// key); the batch is then claimed again, in a new transaction, with
+// ClaimBatchTx's statements, which answer each key.
+//
+// With Options.TimeOrderedKeys, the row of an id that is a UUID of version
+// 7 (what idem's outbox writes) or 6 is keyed by the id's time followed by
+// the key's digest, so new rows land at the end of the primary key rather
+// than on random pages: fewer pages written per claim, fewer full-page
+// images in the WAL. It is set per table, when the table is new.
 //
 // Process wraps the whole shape and implements dedup.TxStore[pgx.Tx]:
 //
@@ -32,7 +49,7 @@
 //
 // A first message thus costs the round trips of the bare business
 // transaction and one row insert beside its own. A concurrent claim of the
-// same key, by Process, ClaimTx, ClaimBatchTx or the lease mode, waits on
+// same key, by Process, ClaimTx, ClaimBatchTx, BeginBatch or the lease mode, waits on
 // the primary key until the first transaction ends, then sees its row (a
 // duplicate replays its result), or claims the key if the first rolled
 // back. When fn fails or panics, the transaction rolls back and nothing is

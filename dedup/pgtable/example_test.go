@@ -239,3 +239,98 @@ func ExampleStore_Lease() {
 	// later redelivery: duplicate, capture cap_8
 	// release after complete: true
 }
+
+// A consumer handles a batch of messages in one transaction: BeginBatch
+// claims every key with BEGIN, the effects of the keys claimed first are
+// written in one statement, and the consumer's position goes with COMMIT.
+// The same batch delivered again finds every key claimed.
+func ExampleStore_BeginBatch() {
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	cfg, err := pgxpool.ParseConfig(postgresURL)
+	if err != nil {
+		fmt.Println(err)
+		return
+	}
+	cfg.ConnConfig.ConnectTimeout = 5 * time.Second
+	pool, err := pgxpool.NewWithConfig(ctx, cfg)
+	if err != nil {
+		fmt.Println(err)
+		return
+	}
+	defer pool.Close()
+
+	schema := "idem_example_" + strings.ToLower(rand.Text())
+	defer func() {
+		_, _ = pool.Exec(context.Background(), "DROP SCHEMA "+pgx.Identifier{schema}.Sanitize()+" CASCADE")
+	}()
+	// The ids are UUIDs of version 7, as idem's outbox writes them:
+	// TimeOrderedKeys keeps their order in the table's primary key.
+	store, err := pgtable.New(pool, pgtable.Options{Schema: schema, TimeOrderedKeys: true})
+	if err != nil {
+		fmt.Println(err)
+		return
+	}
+	if err := store.Migrate(ctx); err != nil {
+		fmt.Println(err)
+		return
+	}
+	ledger := pgx.Identifier{schema, "ledger"}.Sanitize()
+	position := pgx.Identifier{schema, "position"}.Sanitize()
+	for _, ddl := range []string{
+		"CREATE TABLE " + ledger + " (id text PRIMARY KEY, amount int NOT NULL)",
+		"CREATE TABLE " + position + " (next bigint NOT NULL)",
+		"INSERT INTO " + position + " VALUES (0)",
+	} {
+		if _, err := pool.Exec(ctx, ddl); err != nil {
+			fmt.Println(err)
+			return
+		}
+	}
+
+	ids := []string{"0190f5c2-8a00-7000-8000-000000000001", "0190f5c2-8a00-7000-8000-000000000002", "0190f5c2-8a01-7000-8000-000000000003"}
+	handle := func(delivery int) error {
+		keys := make([]dedup.Key, len(ids))
+		for i, id := range ids {
+			keys[i] = dedup.NewKey("ledger/post", id, nil)
+		}
+		bt, verdicts, err := store.BeginBatch(ctx, pool, keys)
+		if err != nil {
+			return err
+		}
+		defer func() { _ = bt.Rollback(ctx) }() // does nothing after Commit
+		var fresh []string
+		for i, v := range verdicts {
+			switch {
+			case v == nil:
+				fresh = append(fresh, ids[i])
+			case !errors.Is(v, dedup.ErrDuplicate):
+				return v
+			}
+		}
+		if _, err := bt.Tx().Exec(ctx, "INSERT INTO "+ledger+" (id, amount) SELECT unnest($1::text[]), 100", fresh); err != nil {
+			return err
+		}
+		bt.AtCommit("UPDATE "+position+" SET next = $1", int64(len(ids)))
+		if err := bt.Commit(ctx); err != nil {
+			return err
+		}
+		fmt.Printf("delivery %d: %d new, %d duplicates\n", delivery, len(fresh), len(ids)-len(fresh))
+		return nil
+	}
+	for delivery := 1; delivery <= 2; delivery++ {
+		if err := handle(delivery); err != nil {
+			fmt.Printf("delivery %d: %v\n", delivery, err)
+		}
+	}
+	var rows, next int64
+	if err := pool.QueryRow(ctx, "SELECT (SELECT count(*) FROM "+ledger+"), (SELECT next FROM "+position+")").Scan(&rows, &next); err != nil {
+		fmt.Println(err)
+		return
+	}
+	fmt.Printf("ledger rows: %d, position: %d\n", rows, next)
+	// Output:
+	// delivery 1: 3 new, 0 duplicates
+	// delivery 2: 0 new, 3 duplicates
+	// ledger rows: 3, position: 3
+}

@@ -138,7 +138,8 @@ func (l *LeaseStore) change(ctx context.Context, op, stmt string, lease *dedup.L
 	if lease == nil {
 		return fmt.Errorf("pgtable: %s: nil lease: %w", op, dedup.ErrLeaseLost)
 	}
-	tag, err := l.s.db.Exec(ctx, stmt, append([]any{keyDigest(lease.Key.Scope, lease.Key.ID), lease.Token}, args...)...)
+	row, _ := l.s.rowKey(lease.Key)
+	tag, err := l.s.db.Exec(ctx, stmt, append([]any{row, lease.Token}, args...)...)
 	if err != nil {
 		if op != "extend" && mayHaveRun(err) {
 			return fmt.Errorf("pgtable: %s %s: %w: %w", op, lease.Key, dedup.ErrOutcomeUnknown, err)

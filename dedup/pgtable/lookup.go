@@ -23,7 +23,8 @@ func (s *Store) Lookup(ctx context.Context, key dedup.Key) error {
 	if err := s.validate(key); err != nil {
 		return err
 	}
-	row, err := scanKeyRow(s.db.QueryRow(ctx, s.sql.lookup, keyDigest(key.Scope, key.ID)))
+	k, _ := s.rowKey(key)
+	row, err := scanKeyRow(s.db.QueryRow(ctx, s.sql.lookup, k))
 	if err != nil {
 		return fmt.Errorf("pgtable: lookup %s: %w", key, err)
 	}

@@ -21,14 +21,15 @@ type tmplData struct {
 	schema, table string
 	part          partitioning
 	keepKeys      bool
+	orderedKeys   bool
 }
 
 // KeepKeys is Options.KeepKeys.
 func (d tmplData) KeepKeys() bool { return d.keepKeys }
 
-// Key is the SQL expression of the digest of the text expressions scope and
-// id (keySQL).
-func (d tmplData) Key(scope, id string) string { return keySQL(scope, id) }
+// Key is the SQL expression of the row key of the text expressions scope
+// and id (keySQL).
+func (d tmplData) Key(scope, id string) string { return keySQL(scope, id, d.orderedKeys) }
 
 // PartColumn and PartType are the partition key of a partitioned table.
 func (d tmplData) PartColumn() string { return d.part.column }
@@ -55,7 +56,7 @@ func (s *Store) Migrations() ([]Migration, error) {
 	if s.opts.Partitioned {
 		dir = "migrations_partitioned"
 	}
-	return pgmigrate.Render("pgtable", migrationFS, dir, tmplData{schema: s.opts.Schema, table: s.opts.Table, part: s.part, keepKeys: s.opts.KeepKeys})
+	return pgmigrate.Render("pgtable", migrationFS, dir, tmplData{schema: s.opts.Schema, table: s.opts.Table, part: s.part, keepKeys: s.opts.KeepKeys, orderedKeys: s.opts.TimeOrderedKeys})
 }
 
 // SQL returns every migration as one script, with the schema creation, for

@@ -12,6 +12,7 @@ import "strings"
 type statements struct {
 	claimFirst, claimTx, lookup, setResult      string
 	claimBatchSorted, claimBatchLookup          string
+	claimBatchPlain                             string
 	leaseClaim, leaseExtend, leaseComplete      string
 	leaseRelease, cleanup, backdateForTestsOnly string
 	inspect                                     string
@@ -95,6 +96,19 @@ ON CONFLICT (key) DO UPDATE
         scope = EXCLUDED.scope, id = EXCLUDED.id
     WHERE {{EXPIRED}}
 RETURNING e.key`),
+
+		// $1 keys, $2 fingerprints, $3 retention ms, $4 scopes, $5 ids
+		// (NULL unless kept): distinct keys, sorted in Go, inserted in
+		// that order, with no conflict clause: one row a key and its index
+		// entries, nothing sent back. A key that has a row (live or
+		// expired), or that a concurrent transaction inserted, fails the
+		// whole statement with a unique violation, after waiting for that
+		// transaction to end (BeginBatch then claims the batch with
+		// claimBatchSorted in a new transaction).
+		claimBatchPlain: r.Replace(`
+INSERT INTO {{T}} (key, expires_at, fingerprint, scope, id)
+SELECT u.key, clock_timestamp() + $3 * interval '1 millisecond', u.fp, u.scope, u.id
+FROM unnest($1::uuid[], $2::bytea[], $4::text[], $5::text[]) AS u(key, fp, scope, id)`),
 
 		// $1 keys.
 		claimBatchLookup: r.Replace(`

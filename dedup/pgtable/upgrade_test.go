@@ -206,3 +206,40 @@ func checkConverted(t *testing.T, pool *pgxpool.Pool, s *pgtable.Store, partitio
 		t.Errorf("Migrate again: %v", err)
 	}
 }
+
+// TestMigrateConvertsKeyedTableOrderedKeys: converted with
+// Options.TimeOrderedKeys, a mark of the first layout whose id is a UUID of
+// version 7 gets the time-ordered row key, and answers as a duplicate.
+func TestMigrateConvertsKeyedTableOrderedKeys(t *testing.T) {
+	pool := testenv.Pool(t, 4)
+	for _, partitioned := range []bool{false, true} {
+		t.Run(fmt.Sprintf("partitioned=%v", partitioned), func(t *testing.T) {
+			schema := testenv.Schema(t, pool)
+			keyedTable(t, pool, schema, partitioned)
+			ctx := testenv.Ctx(t)
+			id := v7(1_700_000_000_000, 3)
+			partCol, partVal := "", ""
+			if partitioned {
+				partCol, partVal = ", part_day", ", ((now() + interval '3 days') AT TIME ZONE 'UTC')::date"
+			}
+			if _, err := pool.Exec(ctx, `INSERT INTO "`+schema+`".processed_events
+				(scope, id, state, created_at, completed_at, expires_at`+partCol+`)
+				VALUES ('done', $1, 2, now(), now(), now() + interval '3 days'`+partVal+`)`, id); err != nil {
+				t.Fatal(err)
+			}
+			s := newStore(t, pool, pgtable.Options{Schema: schema, Partitioned: partitioned, Retention: 24 * time.Hour, TimeOrderedKeys: true})
+			k := dedup.Key{Scope: "done", ID: id}
+			var n int
+			if err := pool.QueryRow(ctx, "SELECT count(*) FROM "+s.Table()+" WHERE key = $1::uuid", pgtable.RowKey(s, k)).Scan(&n); err != nil || n != 1 {
+				t.Fatalf("rows keyed %s after Migrate: %d (%v), want 1", pgtable.RowKey(s, k), n, err)
+			}
+			if err := s.Lookup(ctx, k); !errors.Is(err, dedup.ErrDuplicate) {
+				t.Fatalf("Lookup of the converted mark = %v, want ErrDuplicate", err)
+			}
+			if _, err := s.Process(ctx, dedup.Key{Scope: "done", ID: "plain"},
+				func(context.Context, pgx.Tx) ([]byte, error) { return nil, nil }); !errors.Is(err, dedup.ErrDuplicate) {
+				t.Fatalf("done/plain after Migrate: %v, want ErrDuplicate", err)
+			}
+		})
+	}
+}

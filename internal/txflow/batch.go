@@ -20,13 +20,13 @@ type Tx interface {
 
 // BatchSteps are the caller's parts of ProcessBatch.
 type BatchSteps[T Tx] struct {
-	// Who prefixes the errors of begin and commit, such as "kafkapg".
+	// Who prefixes the errors of the commit, such as "kafkapg".
 	Who string
-	// Begin opens the transaction.
-	Begin func(ctx context.Context) (T, error)
-	// Claim claims every key in tx with one statement and returns one
-	// verdict per key: nil for a key claimed first, else the claim error.
-	Claim func(ctx context.Context, tx T, keys []dedup.Key) ([]error, error)
+	// Begin opens the transaction and claims every key in it (with one
+	// statement, sent with BEGIN where it can be), and returns one verdict
+	// per key: nil for a key claimed first, else the claim error. When it
+	// returns an error, no transaction is open.
+	Begin func(ctx context.Context, keys []dedup.Key) (T, []error, error)
 	// Work acts on the verdicts in tx: it calls run(h, js...) for each run
 	// of the handler, with the indexes js of the keys that run handles
 	// (one key, or several handled by one call), and writes whatever else
@@ -38,19 +38,23 @@ type BatchSteps[T Tx] struct {
 const attrBatchCount = attribute.Key("messaging.batch.message_count")
 
 // ProcessBatch is the transaction flow for several keys claimed with one
-// statement: begin, claim every key in the transaction, run the work, commit.
-// It records the telemetry on tel as Process does: idem.claims by verdict
-// with the claim's duration, the claim span (under a recording span, with
-// the number of keys), an idem.handle span (with the key's hash for a run
-// that handles one key, the number of keys for a run that handles several)
-// and one handler duration for each handler run, by how the batch ended
-// (completed, released, complete_failed), and the commit span. It returns nil once the batch
+// statement: begin and claim every key in the transaction, run the work,
+// commit. It records the telemetry on tel as Process does: idem.claims by
+// verdict with the claim's duration (BEGIN included), the claim span
+// (under a recording span, with the number of keys), an idem.handle span
+// (with the key's hash for a run that handles one key, the number of keys
+// for a run that handles several) and one handler duration for each
+// handler run, by how the batch ended (completed, released,
+// complete_failed), and the commit span. It returns nil once the batch
 // committed; the transaction is rolled back otherwise, also when a handler
 // panics (the panic goes on).
 func ProcessBatch[T Tx](ctx context.Context, tel *telemetry.Dedup, keys []dedup.Key, s BatchSteps[T]) (err error) {
-	tx, err := s.Begin(ctx)
+	// Span attributes are built only under a recording span (the key
+	// hashes cost a SHA-256 each).
+	tracing := telemetry.Recording(ctx)
+	tx, verdicts, err := claimBatch(ctx, tel, tracing, keys, s.Begin)
 	if err != nil {
-		return fmt.Errorf("%s: begin: %w", s.Who, err)
+		return err
 	}
 	committed := false
 	// ran holds the time each handler run took; they are recorded with
@@ -67,13 +71,6 @@ func ProcessBatch[T Tx](ctx context.Context, tel *telemetry.Dedup, keys []dedup.
 			tel.Handled(ctx, handled, d)
 		}
 	}()
-	// Span attributes are built only under a recording span (the key
-	// hashes cost a SHA-256 each).
-	tracing := telemetry.Recording(ctx)
-	verdicts, err := claimBatch(ctx, tel, tracing, tx, keys, s.Claim)
-	if err != nil {
-		return err
-	}
 	run := func(h func(ctx context.Context) error, js ...int) error {
 		hctx, endHandle := ctx, func(error, ...attribute.KeyValue) {}
 		if tracing {
@@ -103,24 +100,25 @@ func ProcessBatch[T Tx](ctx context.Context, tel *telemetry.Dedup, keys []dedup.
 	return nil
 }
 
-// claimBatch runs the batch claim under its span and counts its verdicts.
-func claimBatch[T Tx](ctx context.Context, tel *telemetry.Dedup, tracing bool, tx T, keys []dedup.Key,
-	claim func(context.Context, T, []dedup.Key) ([]error, error)) ([]error, error) {
+// claimBatch runs begin, the batch claim, under its span and counts its
+// verdicts.
+func claimBatch[T Tx](ctx context.Context, tel *telemetry.Dedup, tracing bool, keys []dedup.Key,
+	begin func(context.Context, []dedup.Key) (T, []error, error)) (T, []error, error) {
 	start := time.Now()
 	cctx, endClaim := ctx, func(error, ...attribute.KeyValue) {}
 	if tracing {
 		cctx, endClaim = telemetry.StartSpan(ctx, tel.Tracer, "idem.claim",
 			telemetry.AttrScope.String(tel.Scope()), telemetry.AttrStore.String(tel.Store()), attrBatchCount.Int(len(keys)))
 	}
-	verdicts, err := claim(cctx, tx, keys)
+	tx, verdicts, err := begin(cctx, keys)
 	took := time.Since(start)
 	endClaim(err)
 	if err != nil {
 		tel.ClaimedN(ctx, telemetry.ClaimError, len(keys), took)
-		return nil, err
+		return tx, nil, err
 	}
 	recordClaims(ctx, tel, verdicts, took)
-	return verdicts, nil
+	return tx, verdicts, nil
 }
 
 // recordClaims counts the verdicts of one batch claim that took took.

@@ -8,10 +8,10 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
-	"strconv"
 	"strings"
 	"time"
 
+	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5"
 	kafkago "github.com/segmentio/kafka-go"
 
@@ -117,7 +117,12 @@ func (k *kafkaBroker) topic(ctx context.Context, n int) (string, func(), error) 
 	defer func() { _ = w.Close() }()
 	recs := make([]kafkago.Message, 0, 5000)
 	for i := range n {
-		id := name + "-" + strconv.Itoa(i)
+		// Time-ordered ids, as idem's outbox writes them.
+		u, err := uuid.NewV7()
+		if err != nil {
+			return "", del, err
+		}
+		id := u.String()
 		recs = append(recs, kafkago.Message{Partition: i % kafkaPartitions, Key: []byte(id), Value: payload,
 			Headers: []kafkago.Header{{Key: outbox.HeaderMessageID, Value: []byte(id)}}})
 		if len(recs) == cap(recs) || i == n-1 {
@@ -322,61 +327,98 @@ func kafkaTxRow() row {
 	}
 }
 
-func kafkaBatchRow() row {
-	return row{
-		path:     "Kafka, batch claim + offsets in PostgreSQL (kafkapg.BatchAll)",
-		baseline: "same Reader, one tx per fetched batch (up to 100) inserting the rows with unnest",
+// batchKind is the variant of the Kafka batch rows.
+type batchKind int
+
+const (
+	batchAll         batchKind = iota // kafkapg.BatchAll, business tables with a primary key
+	batchAllNoPK                      // kafkapg.BatchAll, business tables without an index (reference)
+	batchOffsetsOnly                  // kafkapg.OffsetsOnly, business tables with a primary key
+)
+
+func kafkaBatchRow() row       { return kafkaBatch(batchAll) }
+func kafkaBatchNoPKRow() row   { return kafkaBatch(batchAllNoPK) }
+func kafkaOffsetsOnlyRow() row { return kafkaBatch(batchOffsetsOnly) }
+
+// kafkaBatch is a row of the Kafka batch path: the baseline is kafka-go's
+// Reader with one transaction per fetched batch inserting the records with
+// unnest; idem's side writes the same rows through kafkapg.BatchAll (with
+// claims in pgtable, TimeOrderedKeys, the records' ids being UUIDv7) or
+// kafkapg.OffsetsOnly, with the positions in PostgreSQL.
+func kafkaBatch(kind batchKind) row {
+	r := row{
+		path:     "Kafka, batch claim + offsets in PostgreSQL (kafkapg.BatchAll, time-ordered keys)",
+		baseline: "same Reader, one tx per fetched batch (up to 100) inserting the rows with unnest into a table with a primary key on the id (UUIDv7)",
 		target:   0.85, unit: "msg/s", floor: batchFloor,
-		build: func(ctx context.Context, e *env) (side, side, error) {
-			bareTable, err := e.table(ctx, "kafka_batch_bare", "id text NOT NULL, payload bytea, at timestamptz NOT NULL DEFAULT now()")
-			if err != nil {
-				return nil, nil, err
+	}
+	cols := "id text PRIMARY KEY, payload bytea, at timestamptz NOT NULL DEFAULT now()"
+	switch kind {
+	case batchAllNoPK:
+		r.path = "Kafka, batch claim + offsets in PostgreSQL (kafkapg.BatchAll, time-ordered keys), business tables without an index (reference)"
+		r.baseline = "same Reader, one tx per fetched batch (up to 100) inserting the rows with unnest into a table without an index"
+		r.floor = batchNoPKFloor
+		cols = "id text NOT NULL, payload bytea, at timestamptz NOT NULL DEFAULT now()"
+	case batchOffsetsOnly:
+		r.path = "Kafka, batch with offsets only, broker redelivery only (kafkapg.OffsetsOnly)"
+		r.target = 0.95
+		r.floor = offsetsOnlyFloor
+	}
+	prefix := [...]string{"kafka_batch", "kafka_batch_nopk", "kafka_offsets_only"}[kind]
+	r.build = func(ctx context.Context, e *env) (side, side, error) {
+		bareTable, err := e.table(ctx, prefix+"_bare", cols)
+		if err != nil {
+			return nil, nil, err
+		}
+		idemTable, err := e.table(ctx, prefix+"_idem", cols)
+		if err != nil {
+			return nil, nil, err
+		}
+		offsets, err := kafkapg.NewOffsets(e.pool, kafkapg.OffsetsOptions{Schema: e.schema, Table: prefix + "_offsets"})
+		if err == nil {
+			err = offsets.Migrate(ctx)
+		}
+		if err != nil {
+			return nil, nil, err
+		}
+		unnest := "INSERT INTO " + bareTable + " (id, payload) SELECT * FROM unnest($1::text[], $2::bytea[])"
+		idemUnnest := "INSERT INTO " + idemTable + " (id, payload) SELECT * FROM unnest($1::text[], $2::bytea[])"
+		insertAll := func(ctx context.Context, tx pgx.Tx, msgs []*consumer.Message) error {
+			ids, payloads := make([]string, len(msgs)), make([][]byte, len(msgs))
+			for i, m := range msgs {
+				ids[i], payloads[i] = m.ID, m.Payload
 			}
-			idemTable, err := e.table(ctx, "kafka_batch_idem", "id text NOT NULL, payload bytea, at timestamptz NOT NULL DEFAULT now()")
-			if err != nil {
-				return nil, nil, err
+			_, err := tx.Exec(ctx, idemUnnest, ids, payloads)
+			return err
+		}
+		var bh idemkafka.BatchHandler
+		if kind == batchOffsetsOnly {
+			bh, err = kafkapg.OffsetsOnly(e.pool, offsets, kafkapg.OffsetsOnlyOptions{Scope: "bench/kafka"}, insertAll)
+		} else {
+			claims, cerr := e.claims(ctx, prefix+"_claims", pgtable.Options{TimeOrderedKeys: true})
+			if cerr != nil {
+				return nil, nil, cerr
 			}
-			claims, err := e.claims(ctx, "kafka_batch_claims", pgtable.Options{})
-			if err != nil {
-				return nil, nil, err
-			}
-			offsets, err := kafkapg.NewOffsets(e.pool, kafkapg.OffsetsOptions{Schema: e.schema, Table: "kafka_batch_offsets"})
-			if err == nil {
-				err = offsets.Migrate(ctx)
-			}
-			if err != nil {
-				return nil, nil, err
-			}
-			unnest := "INSERT INTO " + bareTable + " (id, payload) SELECT * FROM unnest($1::text[], $2::bytea[])"
-			idemUnnest := "INSERT INTO " + idemTable + " (id, payload) SELECT * FROM unnest($1::text[], $2::bytea[])"
-			bh, err := kafkapg.BatchAll(e.pool, claims, kafkapg.BatchOptions{Scope: "bench/kafka", Offsets: offsets},
-				func(ctx context.Context, tx pgx.Tx, msgs []*consumer.Message) error {
-					ids, payloads := make([]string, len(msgs)), make([][]byte, len(msgs))
-					for i, m := range msgs {
-						ids[i], payloads[i] = m.ID, m.Payload
-					}
-					_, err := tx.Exec(ctx, idemUnnest, ids, payloads)
+			bh, err = kafkapg.BatchAll(e.pool, claims, kafkapg.BatchOptions{Scope: "bench/kafka", Offsets: offsets}, insertAll)
+		}
+		if err != nil {
+			return nil, nil, err
+		}
+		bare := kafkaSide(e, func(ctx context.Context, k *kafkaBroker, topic string, n int) (float64, error) {
+			return kafkaBare(ctx, k, topic, n, true, func(ctx context.Context, ms []kafkago.Message) error {
+				ids, payloads := make([]string, len(ms)), make([][]byte, len(ms))
+				for i, m := range ms {
+					ids[i], payloads[i] = string(m.Key), m.Value
+				}
+				return pgx.BeginFunc(ctx, e.pool, func(tx pgx.Tx) error {
+					_, err := tx.Exec(ctx, unnest, ids, payloads)
 					return err
 				})
-			if err != nil {
-				return nil, nil, err
-			}
-			bare := kafkaSide(e, func(ctx context.Context, k *kafkaBroker, topic string, n int) (float64, error) {
-				return kafkaBare(ctx, k, topic, n, true, func(ctx context.Context, ms []kafkago.Message) error {
-					ids, payloads := make([]string, len(ms)), make([][]byte, len(ms))
-					for i, m := range ms {
-						ids[i], payloads[i] = string(m.Key), m.Value
-					}
-					return pgx.BeginFunc(ctx, e.pool, func(tx pgx.Tx) error {
-						_, err := tx.Exec(ctx, unnest, ids, payloads)
-						return err
-					})
-				})
 			})
-			idem := kafkaSide(e, func(ctx context.Context, k *kafkaBroker, topic string, n int) (float64, error) {
-				return kafkaIdem(ctx, e, k, topic, n, bh, offsets)
-			})
-			return bare, idem, nil
-		},
+		})
+		idem := kafkaSide(e, func(ctx context.Context, k *kafkaBroker, topic string, n int) (float64, error) {
+			return kafkaIdem(ctx, e, k, topic, n, bh, offsets)
+		})
+		return bare, idem, nil
 	}
+	return r
 }

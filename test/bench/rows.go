@@ -7,6 +7,8 @@ func rows() []row {
 	return []row{
 		kafkaTxRow(),
 		kafkaBatchRow(),
+		kafkaBatchNoPKRow(),
+		kafkaOffsetsOnlyRow(),
 		amqpTxRow(),
 		amqpLeaseRow(),
 		natsTxRow(),

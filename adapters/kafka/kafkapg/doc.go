@@ -49,6 +49,34 @@
 //	bh, _ := kafkapg.BatchAll(pool, claims, kafkapg.BatchOptions{Scope: "billing/ledger", Offsets: offsets},
 //		func(ctx context.Context, tx pgx.Tx, msgs []*consumer.Message) error { return ledger.InsertAll(ctx, tx, msgs) })
 //
+// A batch's claim is pgtable's BeginBatch: BEGIN and a plain INSERT of the
+// batch's keys in one round trip, and the position in the round trip of
+// COMMIT, so that a batch of new records costs the round trips of a bare
+// batch transaction (BEGIN, the handler's statements, COMMIT). A duplicate
+// in the batch makes the INSERT fail with a unique violation; the batch is
+// then claimed again, in a new transaction, with the statements that answer
+// each key. With ids that are UUIDs of version 7 (idem's outbox writes
+// them), pgtable.Options.TimeOrderedKeys keeps the claims' primary key in
+// time order.
+//
+// # Offsets only
+//
+// OffsetsOnly is a BatchHandler whose only claim is the partition's
+// position: each batch moves the stored position from at most its first
+// offset to the position after it (one UPDATE, sent with BEGIN), and a
+// record before the stored position is a duplicate. There is no row per
+// message, so a batch costs the bare batch transaction and that UPDATE:
+//
+//	bh, _ := kafkapg.OffsetsOnly(pool, offsets, kafkapg.OffsetsOnlyOptions{}, ledger.InsertAll)
+//	c, _ := idemkafka.NewBatchConsumer(readerConfig, bh, idemkafka.ConsumerOptions{Offsets: offsets, DeadLetterTopic: "billing.dlq"})
+//
+// It catches broker redelivery only (a crash or a rebalance before the
+// Kafka commit, offsets reset), never a producer that sends the same
+// message twice: that is two records at two offsets, and the handler runs
+// for both, as with ids made of topic, partition and offset. Use Batch or
+// BatchAll, whose claims are the message ids, where producers can send a
+// message twice.
+//
 // # Schema
 //
 // Schema and table names are options, checked against an allow-list and

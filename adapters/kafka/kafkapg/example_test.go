@@ -12,6 +12,7 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
+	kafkago "github.com/segmentio/kafka-go"
 
 	idemkafka "github.com/idemkit/idem/adapters/kafka"
 	"github.com/idemkit/idem/adapters/kafka/kafkapg"
@@ -123,4 +124,41 @@ func ExampleBatchAll() {
 	// writing [p-3]
 	// duplicates acknowledged: 2
 	// payments: 3
+}
+
+// A consumer whose duplicates can only be broker redeliveries (its
+// producer is idempotent and never sends a message twice) claims each batch
+// by its position alone: one UPDATE per batch, no row per message.
+func ExampleOffsetsOnly() {
+	ctx := context.Background()
+	pool, err := pgxpool.New(ctx, cmp.Or(os.Getenv("IDEM_TEST_POSTGRES_URL"), "postgres://postgres@127.0.0.1:5432/test?sslmode=disable"))
+	if err != nil {
+		panic(err)
+	}
+	defer pool.Close()
+	offsets, err := kafkapg.NewOffsets(pool, kafkapg.OffsetsOptions{})
+	if err != nil {
+		panic(err)
+	}
+	if err := offsets.Migrate(ctx); err != nil {
+		panic(err)
+	}
+	bh, err := kafkapg.OffsetsOnly(pool, offsets, kafkapg.OffsetsOnlyOptions{Scope: "metrics/ingest"},
+		func(ctx context.Context, tx pgx.Tx, msgs []*consumer.Message) error {
+			ids, bodies := make([]string, len(msgs)), make([][]byte, len(msgs))
+			for i, m := range msgs {
+				ids[i], bodies[i] = m.ID, m.Payload
+			}
+			_, err := tx.Exec(ctx, "INSERT INTO samples (id, body) SELECT * FROM unnest($1::text[], $2::bytea[])", ids, bodies)
+			return err
+		})
+	if err != nil {
+		panic(err)
+	}
+	c, err := idemkafka.NewBatchConsumer(kafkago.ReaderConfig{Brokers: []string{"localhost:9092"}, GroupID: "metrics", Topic: "samples"},
+		bh, idemkafka.ConsumerOptions{Offsets: offsets, DeadLetterTopic: "samples.dlq"})
+	if err != nil {
+		panic(err)
+	}
+	_ = c.Run(ctx)
 }

@@ -59,7 +59,8 @@ type BatchOptions struct {
 	// disable the check.
 	Fingerprint func(*consumer.Message) dedup.Fingerprint
 	// Offsets, when set, stores the partition's position in each batch's
-	// transaction. Give the Consumer the same one as ConsumerOptions.Offsets.
+	// transaction, in the round trip of its COMMIT. Give the Consumer the
+	// same one as ConsumerOptions.Offsets.
 	Offsets *Offsets
 	// Telemetry: the handler's metrics, spans and outcome reports
 	// (consumer's block, shared by every adapter).
@@ -89,10 +90,10 @@ type BatchOptions struct {
 }
 
 // Batch returns a idemkafka.BatchHandler that handles a batch of records in one
-// transaction on db: one statement claims every key (pgtable's ClaimBatchTx),
-// h runs for each key claimed first, in offset order, and with
-// BatchOptions.Offsets the partition's position is written; then the
-// transaction commits. Effects, claims and position commit together.
+// transaction on db: one statement sent with BEGIN claims every key
+// (pgtable's BeginBatch), h runs for each key claimed first, in offset
+// order, and with BatchOptions.Offsets the partition's position is written
+// with COMMIT. Effects, claims and position commit together.
 //
 // A duplicate is acknowledged without h; a fingerprint mismatch is reported
 // for the dead-letter topic (after the commit, so its position is stored by a
@@ -198,11 +199,12 @@ func (b *batch) handle(ctx context.Context, msgs []*consumer.Message) error {
 		keyOf[i] = keys[len(keys)-1]
 	}
 	outcomes := make([]consumer.Outcome, len(msgs))
-	err := txflow.ProcessBatch(ctx, b.tel, keys, txflow.BatchSteps[pgx.Tx]{
-		Who:   "kafkapg",
-		Begin: b.db.Begin,
-		Claim: b.claims.ClaimBatchTx,
-		Work: func(ctx context.Context, tx pgx.Tx, verdicts []error, run func(func(context.Context) error, ...int) error) error {
+	err := txflow.ProcessBatch(ctx, b.tel, keys, txflow.BatchSteps[*pgtable.BatchTx]{
+		Who: "kafkapg",
+		Begin: func(ctx context.Context, keys []dedup.Key) (*pgtable.BatchTx, []error, error) {
+			return b.claims.BeginBatch(ctx, b.db, keys)
+		},
+		Work: func(ctx context.Context, tx *pgtable.BatchTx, verdicts []error, run func(func(context.Context) error, ...int) error) error {
 			return b.work(ctx, tx, msgs, keys, at, verdicts, run, errs, outcomes)
 		},
 	})
@@ -225,8 +227,9 @@ func (b *batch) handle(ctx context.Context, msgs []*consumer.Message) error {
 // duplicates and poison are noted in errs and outcomes, and with
 // BatchOptions.Offsets the partition's position after the done messages is
 // written.
-func (b *batch) work(ctx context.Context, tx pgx.Tx, msgs []*consumer.Message, keys []dedup.Key, at []int, verdicts []error,
+func (b *batch) work(ctx context.Context, btx *pgtable.BatchTx, msgs []*consumer.Message, keys []dedup.Key, at []int, verdicts []error,
 	run func(func(context.Context) error, ...int) error, errs map[int]error, outcomes []consumer.Outcome) error {
+	tx := btx.Tx()
 	done := make([]*consumer.Message, 0, len(msgs))
 	var (
 		fresh  []*consumer.Message // for all: the messages claimed first
@@ -271,5 +274,7 @@ func (b *batch) work(ctx context.Context, tx pgx.Tx, msgs []*consumer.Message, k
 	if !ok {
 		return consumer.Permanent(errNoPosition)
 	}
-	return b.opts.Offsets.SaveTx(ctx, tx, pos)
+	// The position goes with COMMIT, in its round trip.
+	btx.AtCommit(b.opts.Offsets.saveOne, b.opts.Offsets.saveArgs(pos)...)
+	return nil
 }

@@ -219,3 +219,51 @@ func TestConstructors(t *testing.T) {
 		t.Error("BatchAll accepted a nil handler")
 	}
 }
+
+// TestSaveOffsetsBehind: SaveOffsets of a position the table holds already
+// (the Consumer's periodic commit after a batch's transaction stored it)
+// neither moves it nor waits for a transaction that holds its row: it
+// writes nothing.
+func TestSaveOffsetsBehind(t *testing.T) {
+	pool := testenv.Pool(t, 4)
+	schema := testenv.Schema(t, pool)
+	ctx := testenv.Ctx(t)
+	o, err := kafkapg.NewOffsets(pool, kafkapg.OffsetsOptions{Schema: schema})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := o.Migrate(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if err := o.SaveOffsets(ctx, "g", map[string]map[int]int64{"t": {0: 100}}); err != nil {
+		t.Fatal(err)
+	}
+	holder, err := pool.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = holder.Rollback(ctx) }()
+	if _, err := holder.Exec(ctx, "SELECT 1 FROM "+o.Table()+" WHERE partition = 0 FOR UPDATE"); err != nil {
+		t.Fatal(err)
+	}
+	done := make(chan error, 1)
+	go func() { done <- o.SaveOffsets(ctx, "g", map[string]map[int]int64{"t": {0: 100}}) }()
+	select {
+	case err := <-done:
+		if err != nil {
+			t.Fatal(err)
+		}
+	case <-ctx.Done():
+		t.Fatal("SaveOffsets of the stored position waited for the transaction holding its row")
+	}
+	if err := holder.Rollback(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if err := o.SaveOffsets(ctx, "g", map[string]map[int]int64{"t": {0: 90, 1: 5}}); err != nil {
+		t.Fatal(err)
+	}
+	got, err := o.LoadOffsets(ctx, "g", "t", []int{0, 1})
+	if err != nil || got[0] != 100 || got[1] != 5 {
+		t.Fatalf("LoadOffsets = %v, %v; want map[0:100 1:5]", got, err)
+	}
+}

@@ -35,7 +35,14 @@ type Offsets struct {
 	opts  OffsetsOptions
 	table string // quoted, schema-qualified
 	save  string
-	load  string
+	// saveOne writes one partition's position: $1 group, $2 topic, $3
+	// partition, $4 offset.
+	saveOne string
+	load    string
+	// The statements of OffsetsOnly's claim (claimRange): $1 group, $2
+	// topic, $3 partition, $4 offset, and for advance $5 the batch's first
+	// offset.
+	advance, lockRow, insertNew string
 }
 
 var _ idemkafka.OffsetStore = (*Offsets)(nil)
@@ -60,14 +67,34 @@ func NewOffsets(db pgtable.DB, opts OffsetsOptions) (*Offsets, error) {
 	}
 	o := &Offsets{db: db, opts: opts, table: sqlname.Qualified(opts.Schema, opts.Table)}
 	// $1 group, $2 topics, $3 partitions, $4 offsets. The greater offset
-	// wins; a row that would not move is left alone.
+	// wins; a row that would not move is left alone, and one already at or
+	// past its offset is not even locked (ON CONFLICT DO UPDATE locks the
+	// row it finds, and a lock is a write): the Consumer's periodic commit
+	// of positions that the batches' transactions stored already writes
+	// nothing, and commits without waiting for a WAL flush.
 	o.save = `INSERT INTO ` + o.table + ` AS t (group_id, topic, partition, next_offset, updated_at)
 SELECT $1, u.topic, u.partition, u.next_offset, clock_timestamp()
 FROM unnest($2::text[], $3::integer[], $4::bigint[]) AS u(topic, partition, next_offset)
+WHERE NOT EXISTS (SELECT 1 FROM ` + o.table + ` s
+    WHERE s.group_id = $1 AND s.topic = u.topic AND s.partition = u.partition AND s.next_offset >= u.next_offset)
 ORDER BY u.topic, u.partition
 ON CONFLICT (group_id, topic, partition) DO UPDATE
     SET next_offset = EXCLUDED.next_offset, updated_at = EXCLUDED.updated_at
     WHERE t.next_offset < EXCLUDED.next_offset`
+	o.saveOne = `INSERT INTO ` + o.table + ` AS t (group_id, topic, partition, next_offset, updated_at)
+VALUES ($1, $2, $3, $4, clock_timestamp())
+ON CONFLICT (group_id, topic, partition) DO UPDATE
+    SET next_offset = EXCLUDED.next_offset, updated_at = EXCLUDED.updated_at
+    WHERE t.next_offset < EXCLUDED.next_offset`
+	// The position moves to $4 only from at most $5: a concurrent
+	// transaction that holds the row makes it wait, then it is checked
+	// against the row that transaction left.
+	o.advance = `UPDATE ` + o.table + ` SET next_offset = $4, updated_at = clock_timestamp()
+WHERE group_id = $1 AND topic = $2 AND partition = $3 AND next_offset <= $5`
+	o.lockRow = `SELECT next_offset FROM ` + o.table + ` WHERE group_id = $1 AND topic = $2 AND partition = $3 FOR UPDATE`
+	o.insertNew = `INSERT INTO ` + o.table + ` (group_id, topic, partition, next_offset, updated_at)
+VALUES ($1, $2, $3, $4, clock_timestamp())
+ON CONFLICT (group_id, topic, partition) DO NOTHING`
 	o.load = `SELECT partition, next_offset FROM ` + o.table + ` WHERE group_id = $1 AND topic = $2 AND partition = ANY($3::integer[])`
 	return o, nil
 }
@@ -133,7 +160,15 @@ func (o *Offsets) SaveOffsets(ctx context.Context, group string, offsets map[str
 // SaveTx writes pos in tx: it commits with the effect and the claim, or not
 // at all. Get pos from idemkafka.PositionAfter.
 func (o *Offsets) SaveTx(ctx context.Context, tx pgx.Tx, pos idemkafka.Position) error {
-	return o.saveOn(ctx, tx, pos.Group, map[string]map[int]int64{pos.Topic: {pos.Partition: pos.Offset}})
+	if _, err := tx.Exec(ctx, o.saveOne, o.saveArgs(pos)...); err != nil {
+		return fmt.Errorf("kafkapg: save offsets: %w", err)
+	}
+	return nil
+}
+
+// saveArgs are the arguments of o.saveOne that write pos.
+func (o *Offsets) saveArgs(pos idemkafka.Position) []any {
+	return []any{pos.Group, pos.Topic, int32(pos.Partition), pos.Offset}
 }
 
 //go:embed migrations/*.sql
