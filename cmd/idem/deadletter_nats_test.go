@@ -13,6 +13,7 @@ import (
 	"github.com/nats-io/nats.go/jetstream"
 
 	idemnats "github.com/idemkit/idem/adapters/nats"
+	"github.com/idemkit/idem/consumer"
 	"github.com/idemkit/idem/internal/testkit/testenv"
 )
 
@@ -33,7 +34,7 @@ func natsStream(t *testing.T, js jetstream.JetStream, oracle *poisonOracle, dup 
 		_ = js.DeleteStream(ctx, name+"-dlq")
 	})
 	c, err := idemnats.NewConsumer(js, name, "work", oracle.handler(t, "billing/charge"), idemnats.ConsumerOptions{
-		Logger: slog.New(slog.NewTextHandler(io.Discard, nil)),
+		Telemetry: consumer.Telemetry{Logger: slog.New(slog.NewTextHandler(io.Discard, nil))},
 	})
 	if err != nil {
 		t.Fatal(err)
