@@ -285,7 +285,7 @@ func (b *Bouncer) Start(ctx context.Context) error {
 	for {
 		if p.exited() {
 			b.proc = nil
-			return fmt.Errorf("pgbouncer: exited at start: %v: %s", p.exitErr(), b.LogTail())
+			return fmt.Errorf("pgbouncer: exited at start: %w: %s", p.exitErr(), b.LogTail())
 		}
 		cctx, ccancel := context.WithTimeout(ctx, 2*time.Second)
 		c, err := pgconn.Connect(cctx, b.URLMode(""))
