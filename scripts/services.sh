@@ -26,6 +26,15 @@
 # missing; on a MariaDB this script installed, root@127.0.0.1 gets an empty
 # password, as the tests connect.
 #
+# Tools: `up` also makes sure of the programs that tests start throwaway
+# copies of themselves, never as a service: pgbouncer (the tests and chaos
+# cells through PgBouncer, internal/testkit/pgbouncer). A missing one is
+# installed on Debian as root (the knobs below apply), and a system service
+# its package's scripts may have started is stopped and disabled. When it
+# cannot be installed, `up` says so and fails only under CI=true (or
+# IDEM_REQUIRE_SERVICES=1), where the tests that need it would fail; else
+# they skip. `status` lists them.
+#
 # Addresses, the same variables the tests read (internal/testkit/testenv):
 #   IDEM_TEST_POSTGRES_URL   postgres://postgres@127.0.0.1:5432/test?sslmode=disable
 #   IDEM_TEST_REDIS_ADDR     127.0.0.1:6379
@@ -43,8 +52,9 @@
 #   IDEM_SERVICES_DRY_RUN=1      print the commands that would change the machine
 #                                instead of running them
 #   IDEM_SERVICES_SIMULATE_DOWN="postgres redis"
-#                                treat these services as unreachable (for
-#                                testing this script; pair with DRY_RUN=1)
+#                                treat these services (or tools: pgbouncer)
+#                                as missing (for testing this script; pair
+#                                with DRY_RUN=1)
 
 set -euo pipefail
 
@@ -475,9 +485,9 @@ install_packages() {
 	run env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends "${pkgs[@]}"
 }
 
-# ensure_tools: install nftables and iproute2 when nft or ip is missing
+# ensure_net_tools: install nftables and iproute2 when nft or ip is missing
 # (see the header); a failure is reported, not fatal.
-ensure_tools() {
+ensure_net_tools() {
 	local pkgs=()
 	have nft || pkgs+=(nftables)
 	have ip || pkgs+=(iproute2)
@@ -493,6 +503,92 @@ ensure_tools() {
 	fi
 	run env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends "${pkgs[@]}" ||
 		err "services.sh: installing ${pkgs[*]} failed: the partition/ cells will be skipped (or fail under CI=true)"
+}
+
+# ------------------------------------------------------------------ tools
+
+TOOLS=(pgbouncer)
+
+# tool_path NAME: prints the tool's executable; fails when it is missing.
+# Debian installs pgbouncer in /usr/sbin, which a user's PATH may lack.
+tool_path() {
+	[[ $SIMULATE_DOWN == *" $1 "* ]] && return 1
+	local p
+	if [[ $1 == pgbouncer && -n ${IDEM_PGBOUNCER:-} && -x $IDEM_PGBOUNCER ]]; then
+		say "$IDEM_PGBOUNCER"
+		return 0
+	fi
+	if p=$(command -v "$1" 2>/dev/null); then
+		say "$p"
+		return 0
+	fi
+	for p in "/usr/sbin/$1" "/usr/local/sbin/$1" "/usr/local/bin/$1"; do
+		if [[ -x $p ]]; then
+			say "$p"
+			return 0
+		fi
+	done
+	return 1
+}
+
+# stop_tool_service NAME: the tests start their own copies; stop and
+# disable the system service the package's scripts may have started.
+stop_tool_service() {
+	if [[ -d /run/systemd/system ]] && have systemctl; then
+		run systemctl disable --now "$1.service" "$1.socket" 2>/dev/null || true
+	elif [[ -x /etc/init.d/$1 ]]; then
+		run /etc/init.d/"$1" stop 2>/dev/null || true
+		if have update-rc.d; then
+			run update-rc.d "$1" disable 2>/dev/null || true
+		fi
+	fi
+}
+
+# ensure_tools: install the missing tools where this script may; returns 1
+# when one is still missing and CI=true or IDEM_REQUIRE_SERVICES=1.
+ensure_tools() {
+	local t missing=()
+	for t in "${TOOLS[@]}"; do
+		tool_path "$t" >/dev/null || missing+=("$t")
+	done
+	((${#missing[@]})) || return 0
+	if can_install; then
+		say "installing ${missing[*]} with apt-get (tools the tests start themselves)"
+		if ((!APT_UPDATED)); then
+			run env DEBIAN_FRONTEND=noninteractive apt-get update -q
+			APT_UPDATED=1
+		fi
+		if run env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends "${missing[@]}"; then
+			for t in "${missing[@]}"; do
+				stop_tool_service "$t"
+				if [[ $DRY_RUN == 1 ]]; then
+					say "$t: would be installed (dry run)"
+				else
+					say "$t: installed ($(tool_path "$t" || echo "not found after the install"))"
+				fi
+			done
+			return 0
+		fi
+	fi
+	for t in "${missing[@]}"; do
+		err "$t: MISSING - the tests that run it skip, or fail under CI=true"
+		err "  install it: apt-get install $t (Debian), or set IDEM_PGBOUNCER to the pgbouncer executable"
+	done
+	if [[ ${CI:-} == true || ${IDEM_REQUIRE_SERVICES:-} == 1 ]]; then
+		return 1
+	fi
+	return 0
+}
+
+tools_status() {
+	local t p
+	for t in "${TOOLS[@]}"; do
+		if p=$(tool_path "$t"); then
+			say "$t: installed ($p)"
+		else
+			say "$t: missing (tool; the tests that run it skip, or fail under CI=true)"
+		fi
+	done
 }
 
 # start_NAME: returns 0 when started, 1 when the start command failed, 2 when
@@ -667,7 +763,7 @@ ensure_pg_db_readonly() {
 
 cmd_up() {
 	local s from failed=() todo=() started=()
-	ensure_tools
+	ensure_net_tools
 	for s in "$@"; do
 		from=$(svc_from "$s")
 		if probe "$s"; then
@@ -791,6 +887,8 @@ cmd_up() {
 		done
 	fi
 
+	ensure_tools || failed+=("${TOOLS[@]}")
+
 	if ((${#failed[@]})); then
 		err "services.sh: not available: ${failed[*]}"
 		return 1
@@ -831,7 +929,10 @@ main() {
 	(($#)) || set -- "${DEFAULT_SERVICES[@]}"
 	case $cmd in
 	up) cmd_up "$@" ;;
-	status) cmd_status "$@" ;;
+	status)
+		tools_status
+		cmd_status "$@"
+		;;
 	down) cmd_down ;;
 	-h | --help | help) sed -n '2,/^$/s/^# \{0,1\}//p' "$0" ;;
 	*) usage ;;

@@ -29,6 +29,7 @@ import (
 	"github.com/idemkit/idem/dedup/redisnx"
 	"github.com/idemkit/idem/dedup/twolevel"
 	"github.com/idemkit/idem/internal/telemetry"
+	"github.com/idemkit/idem/internal/testkit/pgbouncer"
 	"github.com/idemkit/idem/internal/testkit/telemetrytest"
 	"github.com/idemkit/idem/internal/testkit/testenv"
 )
@@ -144,6 +145,16 @@ var backends = []backend{
 	}},
 	{"pgtable_lease", "pgtable", func(t *testing.T, schema, _ string, opts httpidem.Options) (*httpidem.Middleware, *pgxpool.Pool) {
 		pool := testenv.Pool(t, 5)
+		return mustMW(t)(httpidem.New(pgStore(t, pool, schema).Lease(), opts)), pool
+	}},
+	// Each instance through a PgBouncer of its own in transaction mode (a
+	// sidecar), in front of the same database.
+	{"pgtable_tx_pgbouncer", "pgtable", func(t *testing.T, schema, _ string, opts httpidem.Options) (*httpidem.Middleware, *pgxpool.Pool) {
+		pool := pgbouncer.New(t, pgbouncer.Options{}).Pool(t, 5)
+		return mustMW(t)(httpidem.NewTx(pgStore(t, pool, schema), opts)), pool
+	}},
+	{"pgtable_lease_pgbouncer", "pgtable", func(t *testing.T, schema, _ string, opts httpidem.Options) (*httpidem.Middleware, *pgxpool.Pool) {
+		pool := pgbouncer.New(t, pgbouncer.Options{}).Pool(t, 5)
 		return mustMW(t)(httpidem.New(pgStore(t, pool, schema).Lease(), opts)), pool
 	}},
 	{"redisnx", "redisnx", func(t *testing.T, _, prefix string, opts httpidem.Options) (*httpidem.Middleware, *pgxpool.Pool) {

@@ -8,6 +8,7 @@ import (
 	"strings"
 	"time"
 
+	"github.com/jackc/pgx/v5"
 	kafkago "github.com/segmentio/kafka-go"
 
 	"github.com/idemkit/idem/adapters/amqp"
@@ -39,6 +40,12 @@ decoding messages, no table; the default) or table (the outbox table).
 it, so that PostgreSQL stops keeping WAL for a relay that will not come
 back (stop the relay first).
 
+Through PgBouncer in transaction mode (or another pooler), --postgres may
+point at the pooler while --direct-postgres points at PostgreSQL itself:
+the poll relay's sessions (session-level advisory locks, LISTEN) and the
+WAL relay's replication connection use it. Without it, the relay refuses a
+pooled connection and exits 1.
+
 With --metrics-addr (off by default; :9464 is the usual port) it serves
 GET /metrics in the Prometheus text format, through the OpenTelemetry
 Prometheus exporter: idem_outbox_published_total, idem_outbox_retried_total
@@ -57,6 +64,7 @@ func runRelay(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	pg.register(fs, withOutbox)
 	var (
 		source    = fs.String("source", "poll", "where the relay reads the outbox: poll (the table) or wal (logical replication)")
+		directURL = fs.String("direct-postgres", envDefault("IDEM_DIRECT_POSTGRES_URL", ""), "PostgreSQL URL, not through a pooler, for the relay's own connections when --postgres goes through PgBouncer (or IDEM_DIRECT_POSTGRES_URL; default --postgres)")
 		walSource = fs.String("wal-source", "messages", "with --source wal: what Enqueue writes, messages or table")
 		slot      = fs.String("slot", "", "with --source wal: the replication slot (default idem_outbox_<schema>_<table>)")
 		brokers   = fs.String("kafka", envDefault("IDEM_KAFKA_BROKERS", ""), "comma-separated Kafka brokers (or IDEM_KAFKA_BROKERS)")
@@ -90,6 +98,13 @@ func runRelay(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 		return usageError(fs, "--shards, --sessions and --poll are for --source poll; the WAL relay streams one slot")
 	case *source == "poll" && (*slot != "" || *walSource != "messages"):
 		return usageError(fs, "--slot and --wal-source are for --source wal")
+	}
+	var direct *pgx.ConnConfig
+	if *directURL != "" {
+		var err error
+		if direct, err = pgx.ParseConfig(*directURL); err != nil {
+			return usageError(fs, "--direct-postgres: %v", err)
+		}
 	}
 	var walSrc walrelay.Source
 	if err := walSrc.UnmarshalText([]byte(*walSource)); err != nil {
@@ -164,12 +179,16 @@ func runRelay(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 		if err := ob.Migrate(ctx); err != nil {
 			return fmt.Errorf("relay: %w", err)
 		}
-		r, err := walrelay.NewRelay(ob, pub, walrelay.RelayOptions{
+		ropts := walrelay.RelayOptions{
 			BatchSize:       *batch,
 			MaxAttempts:     *maxTries,
 			ShutdownTimeout: *shutdown,
 			Telemetry:       consumer.Telemetry{MeterProvider: ms.meterProvider(), Logger: logger},
-		})
+		}
+		if direct != nil {
+			ropts.ConnConfig = &direct.Config
+		}
+		r, err := walrelay.NewRelay(ob, pub, ropts)
 		if err != nil {
 			return err
 		}
@@ -190,6 +209,7 @@ func runRelay(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 			ShutdownTimeout: *shutdown,
 			Telemetry:       consumer.Telemetry{MeterProvider: ms.meterProvider(), Logger: logger},
 			MetricsInterval: 5 * time.Second,
+			ConnConfig:      direct,
 		})
 		if err != nil {
 			return err
@@ -213,6 +233,9 @@ func runRelay(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	err = run(ctx)
 	ms.setRunning(false)
 	if err != nil {
+		if strings.Contains(err.Error(), "RelayOptions.ConnConfig") {
+			return fmt.Errorf("relay: %w (idem relay: set --direct-postgres)", err)
+		}
 		return fmt.Errorf("relay: %w", err)
 	}
 	logger.Info("relay stopped")

@@ -17,7 +17,8 @@ import (
 // has passed, concurrently and under Options.PartitionLockTimeout, and drops
 // them; claims never wait for it. A partition still read by a transaction
 // older than the detach is finished by a later call. It needs a
-// *pgxpool.Pool or *pgx.Conn then, not a pgx.Tx.
+// *pgxpool.Pool or *pgx.Conn then, not a pgx.Tx, that reaches PostgreSQL
+// itself: through a pooler (PgBouncer) it returns an error that says so.
 func (s *Store) Cleanup(ctx context.Context) (int64, error) {
 	if s.opts.Partitioned {
 		return s.cleanupPartitioned(ctx)

@@ -121,4 +121,13 @@
 // lease operations commit only with it; the key stays held until that
 // transaction ends. Statements go through pgx, so the connection's
 // DefaultQueryExecMode applies (prepared statements by default).
+//
+// Through PgBouncer in transaction mode every path works but one: claims
+// (Process, ClaimTx, ClaimBatchTx), the lease mode, Migrate, Cleanup of a
+// plain table and EnsurePartitions hold nothing across transactions. Give
+// the pool an exec mode that prepares no named statement
+// (default_query_exec_mode=cache_describe, exec or simple_protocol), or
+// run PgBouncer 1.21 or later with max_prepared_statements set. Cleanup of
+// a partitioned table needs a session of its own (see Cleanup) and returns
+// an error through a pooler: run it on a Store on a direct pool.
 package pgtable

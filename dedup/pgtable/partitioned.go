@@ -14,6 +14,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/idemkit/idem/dedup"
+	"github.com/idemkit/idem/internal/pgdirect"
 	"github.com/idemkit/idem/internal/pgmigrate"
 	"github.com/idemkit/idem/internal/sqlname"
 )
@@ -474,6 +475,19 @@ func (s *Store) cleanupPartitioned(ctx context.Context) (int64, error) {
 		return 0, err
 	}
 	defer release()
+	// Before the session setting and lock: through a pooler they would
+	// stay on a server connection that other clients get next.
+	probe, err := pgdirect.Detect(ctx, conn)
+	if err != nil {
+		return 0, fmt.Errorf("pgtable: cleanup %s: %w", s.table, err)
+	}
+	if probe.Pooled() {
+		return 0, fmt.Errorf("pgtable: cleanup of the partitioned table %s needs a session of its own: ALTER TABLE ... DETACH PARTITION ... CONCURRENTLY "+
+			"cannot run in a transaction, so it runs under a session-level advisory lock and lock_timeout, which a pooler in transaction mode "+
+			"(PgBouncer's pool_mode=transaction) does not keep, and the store's connection is %s: run Cleanup (or CleanupLoop) on a Store made "+
+			"with the same Options on a pool that connects to PostgreSQL itself; claims, Migrate and EnsurePartitions may stay on the pooler",
+			s.table, probe)
+	}
 	if _, err := conn.Exec(ctx, fmt.Sprintf("SET lock_timeout = %d", s.opts.PartitionLockTimeout.Milliseconds())); err != nil {
 		return 0, fmt.Errorf("pgtable: cleanup %s: %w", s.table, err)
 	}

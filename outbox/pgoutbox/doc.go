@@ -61,6 +61,11 @@
 // the others over the outbox's channel, so a planned hand-over leaves a
 // shard without an owner for milliseconds only.
 //
+// Those locks and LISTEN need sessions of their own: through PgBouncer in
+// transaction mode, Enqueue, Migrate and Cleanup work on the pool, and
+// RelayOptions.ConnConfig gives the sessions a direct connection. Run
+// refuses a session connection that goes through a pooler.
+//
 // Within its shards a session publishes a key's messages in sequence order,
 // and at most PerKeyBatch (default 1) of them per batch: a key's next
 // message is sent only after the previous one was confirmed and marked. A

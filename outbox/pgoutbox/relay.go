@@ -118,6 +118,25 @@ type RelayOptions struct {
 	// QueryTimeout bounds each database round trip of a session. Defaults
 	// to 30s.
 	QueryTimeout time.Duration
+	// ConnConfig is what the sessions' dedicated connections connect
+	// with. They hold session-level advisory locks (the shards) and
+	// LISTEN, so they must reach PostgreSQL itself: a pooler that hands
+	// each transaction another server connection (PgBouncer's
+	// pool_mode=transaction) keeps neither. When the Outbox's pool goes
+	// through such a pooler, set this to a direct connection to the same
+	// database, for example pgx.ParseConfig of its URL; Enqueue, Cleanup
+	// and the backlog gauges keep using the pool. Run refuses a session
+	// connection that goes through a pooler (see SessionPooler). Defaults
+	// to the pool's ConnConfig.
+	ConnConfig *pgx.ConnConfig
+	// SessionPooler accepts session connections that go through a pooler
+	// in session mode (PgBouncer's pool_mode=session), which keeps a
+	// client on one server connection for as long as it is connected.
+	// Run cannot tell that from transaction mode: a pooler of either mode
+	// runs the statements on another backend than the one it announced
+	// when the connection started, and Run refuses such a connection
+	// unless this is set. Defaults to false.
+	SessionPooler bool
 }
 
 // Relay publishes the committed rows of an Outbox through a Publisher. Run
@@ -160,7 +179,11 @@ func NewRelay(ob *Outbox, pub outbox.Publisher, opts RelayOptions) (*Relay, erro
 	if err := opts.fill(ob); err != nil {
 		return nil, err
 	}
-	return &Relay{ob: ob, pub: pub, opts: opts, connCfg: ob.pool.Config().ConnConfig,
+	connCfg := ob.pool.Config().ConnConfig
+	if opts.ConnConfig != nil {
+		connCfg = opts.ConnConfig.Copy()
+	}
+	return &Relay{ob: ob, pub: pub, opts: opts, connCfg: connCfg,
 		tel: newRelayTelemetry(opts.MeterProvider, opts.TracerProvider, ob.opts.Schema+"."+ob.opts.Table)}, nil
 }
 
@@ -213,9 +236,9 @@ func (r *Relay) Options() RelayOptions { return r.opts }
 // the relay cannot work at all (the table does not exist: run Migrate), and
 // when called while already running.
 //
-// Each session opens a dedicated connection with the pool's connection
-// settings (not one of the pool's connections; the pool's AfterConnect hook
-// does not run on it). On it the session LISTENs on the outbox's channel,
+// Each session opens a dedicated connection with RelayOptions.ConnConfig,
+// by default the pool's connection settings (not one of the pool's
+// connections; the pool's AfterConnect hook does not run on it). On it the session LISTENs on the outbox's channel,
 // holds its shards' session-level advisory locks, and runs its claim
 // transactions, so a session whose connection drops loses its shards and its
 // claims at the same moment. While a full batch awaits the broker, the
@@ -232,9 +255,14 @@ func (r *Relay) Options() RelayOptions { return r.opts }
 // Every outage is retried, never returned: the database unreachable, the
 // connection killed, the broker down.
 //
-// The sessions need real PostgreSQL sessions: LISTEN and session-level
-// advisory locks do not work through a transaction-pooling proxy (PgBouncer
-// in transaction mode); point the pool at PostgreSQL or a session-mode pool.
+// The sessions need PostgreSQL sessions of their own: LISTEN and
+// session-level advisory locks do not survive a pooler that hands each
+// transaction another server connection (PgBouncer's
+// pool_mode=transaction). Each session connection is checked before it
+// takes any of them: when its statements run on another backend than the
+// one announced at its start, a pooler stands between, and Run returns an
+// error that says to set RelayOptions.ConnConfig to a direct connection
+// (or RelayOptions.SessionPooler, for a pooler in session mode).
 func (r *Relay) Run(ctx context.Context) error {
 	if !r.running.CompareAndSwap(false, true) {
 		return errors.New("pgoutbox: Relay.Run called while the relay is running")

@@ -14,6 +14,7 @@ import (
 
 	"github.com/idemkit/idem/dedup"
 	"github.com/idemkit/idem/internal/backoff"
+	"github.com/idemkit/idem/internal/pgdirect"
 	"github.com/idemkit/idem/outbox"
 	"github.com/idemkit/idem/outbox/internal/relaycore"
 )
@@ -129,6 +130,20 @@ func (s *session) dial(ctx context.Context, listen bool) (*pgx.Conn, error) {
 	if err != nil {
 		return nil, fmt.Errorf("connect: %w", err)
 	}
+	// Before any session state: through a pooler it would stay on a
+	// server connection that other clients get next.
+	probe, err := pgdirect.Detect(cctx, conn)
+	if err != nil {
+		_ = conn.Close(cctx)
+		return nil, fmt.Errorf("check connection: %w", err)
+	}
+	if probe.Pooled() && !s.r.opts.SessionPooler {
+		_ = conn.Close(cctx)
+		return nil, fmt.Errorf("%w: the relay's sessions hold session-level advisory locks (their shards) and LISTEN, "+
+			"which a pooler in transaction mode (PgBouncer's pool_mode=transaction) does not keep, and the connection to %s is %s: "+
+			"set RelayOptions.ConnConfig to a direct connection to PostgreSQL (the Outbox's pool may stay on the pooler), "+
+			"or RelayOptions.SessionPooler if the pooler runs in session mode", errFatal, cfg.Host, probe)
+	}
 	// These connections run only the relay's statements. The claim scans
 	// the pending rows in seq order and stops after ScanWindow of them;
 	// the planner, misjudging the shard filter's selectivity, would rather
@@ -138,7 +153,7 @@ func (s *session) dial(ctx context.Context, listen bool) (*pgx.Conn, error) {
 		return nil, fmt.Errorf("session settings: %w", err)
 	}
 	if h := s.r.hooks.connected; h != nil {
-		h(conn.PgConn().PID())
+		h(probe.Backend)
 	}
 	return conn, nil
 }

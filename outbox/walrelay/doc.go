@@ -21,6 +21,11 @@
 // logs a warning, and what was committed before is not published. Slots
 // are cluster-wide: give each outbox its own (Options.Slot).
 //
+// The pool may go through PgBouncer in transaction mode (Enqueue, Migrate
+// and the relay's queries hold nothing across transactions); the
+// replication connection cannot, and RelayOptions.ConnConfig gives it a
+// direct one.
+//
 //	ob, err := walrelay.New(pool, walrelay.Options{})
 //	err = ob.Migrate(ctx)
 //	ids, err := ob.Enqueue(ctx, tx, outbox.Message{Topic: "orders", Key: key, Payload: body})

@@ -101,6 +101,15 @@ type RelayOptions struct {
 	// QueryTimeout bounds each database round trip other than the
 	// stream. Defaults to 30s.
 	QueryTimeout time.Duration
+	// ConnConfig is what the replication connection connects with (the
+	// relay adds replication=database). Replication connections do not
+	// go through a pooler that does not pass them on (PgBouncer before
+	// 1.23 refuses them): when the Outbox's pool goes through one, set
+	// this to a direct connection to the same database, for example
+	// &cfg.Config of pgx.ParseConfig of its URL; the relay's other
+	// queries keep using the pool. Defaults to the pool's connection
+	// settings.
+	ConnConfig *pgconn.Config
 }
 
 func (o *RelayOptions) fill(ob *Outbox) error {
@@ -184,6 +193,9 @@ func NewRelay(ob *Outbox, pub outbox.Publisher, opts RelayOptions) (*Relay, erro
 		return nil, err
 	}
 	cfg := ob.pool.Config().ConnConfig.Config.Copy()
+	if opts.ConnConfig != nil {
+		cfg = opts.ConnConfig.Copy()
+	}
 	return &Relay{ob: ob, pub: pub, opts: opts, connCfg: cfg,
 		tel: newRelayTelemetry(opts.MeterProvider, opts.TracerProvider, ob.opts.Schema+"."+ob.opts.Table, ob.opts.Slot)}, nil
 }
@@ -209,9 +221,13 @@ func (r *Relay) Options() RelayOptions { return r.opts }
 // sends again everything after the confirmed position: the messages that
 // were in flight are published again with the same ids.
 //
-// The replication connection must reach PostgreSQL itself (or a pooler
-// that passes replication connections through); the relay's other
-// queries (the slot's lag, parking, Cleanup) use the pool.
+// The replication connection (RelayOptions.ConnConfig, by default the
+// pool's settings) must reach PostgreSQL itself, or a pooler that passes
+// replication connections on; the relay's other queries (the slot's lag,
+// parking, Cleanup) use the pool. A pooler that refuses the replication
+// connection (PgBouncer before 1.23: "unsupported startup parameter:
+// replication") makes Run return an error that says to set
+// RelayOptions.ConnConfig to a direct connection.
 func (r *Relay) Run(ctx context.Context) error {
 	if !r.running.CompareAndSwap(false, true) {
 		return errors.New("walrelay: Relay.Run called while the relay is running")

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -136,6 +137,11 @@ func (s *session) connect(ctx context.Context) error {
 	}
 	conn, err := pgconn.ConnectConfig(qctx, cfg)
 	if err != nil {
+		if poolerRefusesReplication(err) {
+			return fmt.Errorf("%w: the replication connection to %s was refused by a connection pooler (%w), and a pooler in transaction mode "+
+				"could not keep a replication stream anyway: set RelayOptions.ConnConfig to a direct connection to PostgreSQL "+
+				"(the Outbox's pool may stay on the pooler)", errFatal, cfg.Host, err)
+		}
 		return fmt.Errorf("connect: %w", err)
 	}
 	s.conn = conn
@@ -392,4 +398,12 @@ func (rd *reader) logical(ctx context.Context, xld pglogrepl.XLogData) error {
 		return rd.flush(ctx)
 	}
 	return nil
+}
+
+// poolerRefusesReplication reports the error PgBouncer (before 1.23)
+// answers a replication connection with: a startup parameter it does not
+// know. PostgreSQL itself never says so.
+func poolerRefusesReplication(err error) bool {
+	var pe *pgconn.PgError
+	return errors.As(err, &pe) && strings.Contains(pe.Message, "unsupported startup parameter") && strings.Contains(pe.Message, "replication")
 }

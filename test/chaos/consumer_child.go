@@ -67,6 +67,7 @@ type childConfig struct {
 	Name      string   `json:"name"` // worker name, written with each effect
 	Store     string   `json:"store"`
 	PGURL     string   `json:"pg"`
+	DirectURL string   `json:"direct_pg"` // a relay's sessions, when PGURL goes through PgBouncer (pgbouncer_cells.go)
 	RedisAddr string   `json:"redis"`
 	AMQPURL   string   `json:"amqp"`
 	NATSURL   string   `json:"nats"`

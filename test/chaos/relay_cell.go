@@ -278,7 +278,13 @@ func relayChild(ctx context.Context) error {
 		return err
 	}
 	defer closer()
-	relay, err := pgoutbox.NewRelay(ob, pub, relayOptions(childLogger()))
+	opts := relayOptions(childLogger())
+	if r.cfg.DirectURL != "" {
+		if opts.ConnConfig, err = pgx.ParseConfig(r.cfg.DirectURL); err != nil {
+			return err
+		}
+	}
+	relay, err := pgoutbox.NewRelay(ob, pub, opts)
 	if err != nil {
 		return err
 	}
