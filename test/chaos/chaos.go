@@ -43,9 +43,10 @@ import (
 // Scale selects the size of every cell's workload.
 type Scale string
 
-// The scales. Small finishes the whole matrix in under 5 minutes on 2 cores;
-// Full is the run whose figures go to docs/RELIABILITY.md (at least 100,000
-// messages and 200 kills over all cells).
+// The scales. Small is the quick run inside the test command (a few cuts,
+// kills or faults per cell); Full is the run whose figures go to
+// docs/RELIABILITY.md (at least 100,000 messages and 200 kills over all
+// cells).
 const (
 	Small Scale = "small"
 	Full  Scale = "full"
