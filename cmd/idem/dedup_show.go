@@ -37,7 +37,9 @@ them (KeepKeys). It is one read of the key's primary key or Redis key.
 --digest takes the key's stored digest, 32 hex digits (pgtable's key
 column prints it as a uuid), for a key whose scope and id are not known;
 logs show only its first half (the key's hash). On Redis it reads the
-current key layout only.
+current key layout only. A pgtable store with TimeOrderedKeys keys the
+rows of UUIDv6/v7 ids by their time: give --time-ordered-keys with
+--scope and --id, or the key column as it reads to --digest.
 
 Exits 0 when the store holds the key (in flight or done), 4 when it does
 not (absent, or a row whose time has passed: a claim would take it).`
@@ -68,6 +70,7 @@ func runDedupShow(ctx context.Context, args []string, stdout, stderr io.Writer) 
 		dsn      = fs.String("dsn", envDefault("IDEM_DSN", ""), "the database/sql data source name of --driver (or IDEM_DSN), e.g. user@tcp(host:3306)/db or file:app.db")
 		redisURL = fs.String("redis", envDefault("IDEM_REDIS_URL", ""), "the redisnx store: a Redis URL or host:port (or IDEM_REDIS_URL)")
 		prefix   = fs.String("prefix", "idem", "with --redis: the store's key prefix (redisnx.Options.Prefix)")
+		ordered  = fs.Bool("time-ordered-keys", false, "with --postgres: the store keys the rows of UUIDv6/v7 ids by their time (pgtable.Options.TimeOrderedKeys; give the application's setting)")
 	)
 	if err := parseFlags(fs, args); err != nil {
 		return err
@@ -123,6 +126,9 @@ func runDedupShow(ctx context.Context, args []string, stdout, stderr io.Writer) 
 		return usageError(fs, "name the store: --postgres, --driver with --dsn, or --redis")
 	}
 
+	if *ordered && kind != "postgres" {
+		return usageError(fs, "--time-ordered-keys is a setting of the pgtable store (--postgres)")
+	}
 	var (
 		store inspector
 		where string
@@ -134,7 +140,7 @@ func runDedupShow(ctx context.Context, args []string, stdout, stderr io.Writer) 
 			return err
 		}
 		defer pool.Close()
-		s, err := pgtable.New(pool, pgtable.Options{Schema: pg.schema, Table: pg.dedupTable})
+		s, err := pgtable.New(pool, pgtable.Options{Schema: pg.schema, Table: pg.dedupTable, TimeOrderedKeys: *ordered})
 		if err != nil {
 			return err
 		}

@@ -241,6 +241,49 @@ func TestDedupShow(t *testing.T) {
 	}
 }
 
+// TestDedupShowTimeOrderedKeys: a pgtable store with TimeOrderedKeys keys
+// the row of a UUIDv7 id by its time: "dedup show" finds it by scope and id
+// with --time-ordered-keys (not without), and by the key column as it
+// reads.
+func TestDedupShowTimeOrderedKeys(t *testing.T) {
+	pool := testenv.Pool(t, 4)
+	schema := testenv.Schema(t, pool)
+	ctx := context.Background()
+	s, err := pgtable.New(pool, pgtable.Options{Schema: schema, TimeOrderedKeys: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := s.Migrate(ctx); err != nil {
+		t.Fatal(err)
+	}
+	key := dedup.Key{Scope: "billing/charge", ID: "018bcfe5-6800-7000-8000-00000000002a"}
+	if _, err := s.Process(ctx, key, func(context.Context, pgx.Tx) ([]byte, error) { return nil, nil }); err != nil {
+		t.Fatal(err)
+	}
+	var column string
+	if err := pool.QueryRow(ctx, "SELECT key::text FROM "+s.Table()).Scan(&column); err != nil {
+		t.Fatal(err)
+	}
+	base := []string{"dedup", "show", "--postgres", testenv.PostgresURL(), "--schema", schema}
+	for _, c := range []struct {
+		args []string
+		code int
+	}{
+		{[]string{"--scope", key.Scope, "--id", key.ID, "--time-ordered-keys"}, 0},
+		{[]string{"--scope", key.Scope, "--id", key.ID}, exitAbsent},
+		{[]string{"--digest", column}, 0},
+	} {
+		code, out, errOut := runCmd(ctx, t, append(base, c.args...)...)
+		if code != c.code || errOut != "" {
+			t.Errorf("dedup show %v: exit %d (stderr %q), want %d; output:\n%s", c.args, code, errOut, c.code, out)
+		}
+	}
+	if code, _, errOut := runCmd(ctx, t, "dedup", "show", "--redis", "127.0.0.1:1", "--scope", "s", "--id", "i", "--time-ordered-keys"); code == 0 ||
+		!strings.Contains(errOut, "--time-ordered-keys is a setting of the pgtable store") {
+		t.Errorf("--time-ordered-keys with --redis: exit %d, %q", code, errOut)
+	}
+}
+
 func TestDedupShowUsage(t *testing.T) {
 	ctx := context.Background()
 	t.Setenv("IDEM_POSTGRES_URL", "")

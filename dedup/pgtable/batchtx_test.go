@@ -366,5 +366,16 @@ func TestTimeOrderedKeys(t *testing.T) {
 		if err := pool.QueryRow(ctx, "SELECT count(*) FROM "+s.Table()+" WHERE key = $1::uuid", pgtable.RowKey(s, k)).Scan(&n); err != nil || n != 1 {
 			t.Errorf("rows keyed %s: %d (%v), want 1", pgtable.RowKey(s, k), n, err)
 		}
+		st, err := s.Inspect(ctx, k)
+		if err != nil || st.Status != dedup.KeyDone || st.Digest != k.Digest() {
+			t.Errorf("Inspect(%s) = %+v, %v; want a done row, with the key's digest", k.ID, st, err)
+		}
+		row, err := dedup.ParseDigest(pgtable.RowKey(s, k))
+		if err != nil {
+			t.Fatal(err)
+		}
+		if st, err := s.InspectDigest(ctx, row); err != nil || st.Status != dedup.KeyDone {
+			t.Errorf("InspectDigest of the key column of %s = %+v, %v; want a done row", k.ID, st, err)
+		}
 	}
 }

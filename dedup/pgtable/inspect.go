@@ -16,13 +16,20 @@ import (
 // dedup show"): the row's state, when it expires and whether that has
 // passed, its fingerprint, its result and, when the row keeps them
 // (Options.KeepKeys), its scope and id. A key with no row is
-// dedup.KeyAbsent. It is InspectDigest of the key's digest; the key is
-// not validated (a key no claim accepts has no row).
+// dedup.KeyAbsent. It reads the key's row by its row key (the key's
+// digest, or with Options.TimeOrderedKeys the time-ordered form of a
+// UUIDv6/v7 id) as InspectDigest does; the key is not validated (a key no
+// claim accepts has no row).
 func (s *Store) Inspect(ctx context.Context, key dedup.Key) (dedup.KeyState, error) {
-	return s.InspectDigest(ctx, key.Digest())
+	row, _ := s.rowKey(key)
+	st, err := s.InspectDigest(ctx, dedup.Digest(row.Bytes))
+	st.Digest = key.Digest()
+	return st, err
 }
 
-// InspectDigest is Inspect by the key's digest, the table's key column:
+// InspectDigest is Inspect by the table's key column, the key's digest (or,
+// with Options.TimeOrderedKeys and an id that is a UUID of version 6 or 7,
+// the time-ordered form of the row key: give the key column as it reads):
 // for a row found by its key when scope and id are not known. It is one
 // read of the primary key (of every partition, in the partitioned
 // layout), as last committed: it claims nothing and waits for no

@@ -7,8 +7,6 @@ import (
 	"strconv"
 
 	"github.com/jackc/pgx/v5"
-	"go.opentelemetry.io/otel/metric"
-	"go.opentelemetry.io/otel/trace"
 
 	idemkafka "github.com/idemkit/idem/adapters/kafka"
 	"github.com/idemkit/idem/consumer"
@@ -24,21 +22,27 @@ type OffsetsOnlyOptions struct {
 	// Scope names the handler in telemetry (idem.scope) and in the Key of
 	// each Report. Defaults to "kafkapg/offsets-only".
 	Scope string
+	// Telemetry: the handler's metrics, spans and outcome reports
+	// (consumer's block, shared by every adapter).
+	//
 	// OnOutcome, if set, is called once per message of a committed batch
 	// with its Report: consumer.OutcomeCompleted, or
 	// consumer.OutcomeDuplicate for a record before the stored position
 	// (a broker redelivery).
-	OnOutcome func(ctx context.Context, r consumer.Report)
+	//
 	// MeterProvider receives idem.claims (one per message: first, or
 	// duplicate for a record before the stored position),
 	// idem.claim.duration (the compare-and-set of the position, BEGIN
 	// included) and idem.handler.duration (one per batch), with idem.store
 	// "kafkapg". Defaults to the OpenTelemetry global.
-	MeterProvider metric.MeterProvider
+	//
 	// TracerProvider records the idem.claim, idem.handle and idem.commit
 	// spans of each batch under the recording span in its context.
 	// Defaults to the OpenTelemetry global.
-	TracerProvider trace.TracerProvider
+	//
+	// Logger is not used: the batch's failures are its return value, which
+	// the idemkafka.Consumer logs.
+	consumer.Telemetry
 }
 
 // errNotCovered is the verdict of a record of a batch that comes after a
