@@ -224,7 +224,7 @@ func runDeadletter(ctx context.Context, args []string, stdout, stderr io.Writer)
 func (f *dlqFlags) open(ctx context.Context, fs *flag.FlagSet, set map[string]bool) (dlqBackend, error) {
 	kinds := []string{}
 	for _, k := range []string{"kafka", "amqp", "nats", "outbox"} {
-		if set[k] {
+		if set[k] && (k != "outbox" || f.outbox) {
 			kinds = append(kinds, k)
 		}
 	}
