@@ -39,8 +39,9 @@ The dead letters of a consumer or a relay, read where they were parked:
 replay and discard act on a selection: --reason R, --id ID (both
 repeatable; together, a letter must match both) or --all, at most --limit
 letters. Every command reads at most --scan letters. --dry-run prints what
-would be done and changes nothing. A summary line ends every run; the exit
-status is 1 when a letter could not be acted on.
+would be done and changes nothing. A summary line ends every replay and
+discard; the exit status is 1 when a selected letter could not be acted
+on.
 
 A replayed message keeps its id, so a consumer whose claim already holds
 it (the message was applied before it was dead-lettered, or a replay ran
@@ -224,7 +225,7 @@ func runDeadletter(ctx context.Context, args []string, stdout, stderr io.Writer)
 func (f *dlqFlags) open(ctx context.Context, fs *flag.FlagSet, set map[string]bool) (dlqBackend, error) {
 	kinds := []string{}
 	for _, k := range []string{"kafka", "amqp", "nats", "outbox"} {
-		if set[k] {
+		if set[k] && (k != "outbox" || f.outbox) {
 			kinds = append(kinds, k)
 		}
 	}
