@@ -134,3 +134,45 @@ func logTail(path string, n int64) string {
 	}
 	return strings.TrimSpace(string(b))
 }
+
+// Process is a child process a test owns, for packages that start servers
+// of their own: started in a process group of its own with a parent-death
+// signal, and reaped by a goroutine that holds its OS thread for the
+// child's lifetime, as fault's own servers are.
+type Process struct{ o *owned }
+
+// StartProcess starts cmd (keeping the SysProcAttr it has, a Credential
+// say) and returns it owned; deathSig reaches it when the thread that
+// forked it exits.
+func StartProcess(cmd *exec.Cmd, deathSig syscall.Signal) (*Process, error) {
+	o, err := startOwned(cmd, deathSig)
+	if err != nil {
+		return nil, err
+	}
+	return &Process{o: o}, nil
+}
+
+// Exited reports whether the process has exited.
+func (p *Process) Exited() bool { return p.o.exited() }
+
+// Err is the process's exit error: "running" while it runs, "exit status 0"
+// when it exited cleanly.
+func (p *Process) Err() error {
+	if !p.o.exited() {
+		return errors.New("running")
+	}
+	return exitErr(p.o.err)
+}
+
+// Kill SIGKILLs the process and waits until it is reaped.
+func (p *Process) Kill() { p.o.kill() }
+
+// Stop sends sig, waits up to grace for the process to exit, then SIGKILLs
+// it and waits until it is reaped.
+func (p *Process) Stop(sig syscall.Signal, grace time.Duration) {
+	if !p.o.exited() {
+		// An error means the process is already gone; wait below either way.
+		_ = p.o.cmd.Process.Signal(sig)
+	}
+	p.o.wait(grace)
+}

@@ -8,22 +8,15 @@ import (
 	"os"
 	"os/exec"
 	"os/user"
-	"runtime"
 	"strconv"
 	"syscall"
 	"time"
 
-	"github.com/idemkit/idem/internal/childproc"
+	"github.com/idemkit/idem/internal/testkit/fault"
 )
 
-// proc is a started pgbouncer, reaped by a goroutine of its own that holds
-// its OS thread for the child's lifetime: the parent-death signal fires
-// when the thread that forked the child exits.
-type proc struct {
-	cmd  *exec.Cmd
-	done chan struct{}
-	err  error // Wait's error; read after done
-}
+// proc is a started pgbouncer (see fault.Process).
+type proc struct{ p *fault.Process }
 
 // startProc starts bin on the configuration file ini, its output appended
 // to log. Run by root, it runs as the postgres (or nobody) OS user, and
@@ -51,25 +44,11 @@ func startProc(bin, ini, log string) (*proc, error) {
 		}
 		cmd.SysProcAttr.Credential = cred
 	}
-	childproc.SetDeathSignal(cmd, syscall.SIGKILL)
-	p := &proc{cmd: cmd, done: make(chan struct{})}
-	started := make(chan error, 1)
-	go func() {
-		runtime.LockOSThread()
-		defer runtime.UnlockOSThread()
-		if err := cmd.Start(); err != nil {
-			started <- err
-			close(p.done)
-			return
-		}
-		started <- nil
-		p.err = cmd.Wait()
-		close(p.done)
-	}()
-	if err := <-started; err != nil {
+	p, err := fault.StartProcess(cmd, syscall.SIGKILL)
+	if err != nil {
 		return nil, err
 	}
-	return p, nil
+	return &proc{p: p}, nil
 }
 
 // unprivileged is the credential of the postgres OS user, or of nobody.
@@ -91,44 +70,13 @@ func unprivileged() (*syscall.Credential, error) {
 	return nil, fmt.Errorf("pgbouncer refuses to run as root, and there is neither a postgres nor a nobody OS user to run it as: %w", errors.Join(errs...))
 }
 
-func (p *proc) exited() bool {
-	select {
-	case <-p.done:
-		return true
-	default:
-		return false
-	}
-}
+func (p *proc) exited() bool { return p.p.Exited() }
 
-func (p *proc) exitErr() error {
-	if !p.exited() {
-		return errors.New("running")
-	}
-	if p.err == nil {
-		return errors.New("exit status 0")
-	}
-	return p.err
-}
+func (p *proc) exitErr() error { return p.p.Err() }
 
 // kill SIGKILLs the process and waits until it is reaped.
-func (p *proc) kill() {
-	if !p.exited() {
-		_ = p.cmd.Process.Kill()
-	}
-	<-p.done
-}
+func (p *proc) kill() { p.p.Kill() }
 
 // stop sends SIGTERM (PgBouncer's immediate shutdown), then SIGKILL after
 // grace.
-func (p *proc) stop(grace time.Duration) {
-	if !p.exited() {
-		_ = p.cmd.Process.Signal(syscall.SIGTERM)
-	}
-	t := time.NewTimer(grace)
-	defer t.Stop()
-	select {
-	case <-p.done:
-	case <-t.C:
-		p.kill()
-	}
-}
+func (p *proc) stop(grace time.Duration) { p.p.Stop(syscall.SIGTERM, grace) }
