@@ -265,31 +265,40 @@ func (f *dlqFlags) open(ctx context.Context, fs *flag.FlagSet, set map[string]bo
 	return openOutboxDLQ(ctx, f)
 }
 
-// dlqList prints the dead letters grouped by reason and source, then one
-// line each: at most limit of them, found among at most scan read.
-func dlqList(ctx context.Context, b dlqBackend, sel *selection, limit, scan int, w io.Writer) error {
-	type group struct {
-		reason, source string
-		count          int
-		first, last    time.Time
-		sample         string
-	}
-	groups := map[[2]string]*group{}
-	var (
-		letters []*deadLetter
-		more    bool
-	)
+// letterGroup is the dead letters of one reason and source.
+type letterGroup struct {
+	Reason, Source string
+	Count          int
+	First, Last    time.Time
+	Sample         string // the error of one of them
+}
+
+// letterScan is what collectLetters found.
+type letterScan struct {
+	letters []*deadLetter
+	// groups are by reason and source, the largest first.
+	groups []*letterGroup
+	// more is set when the scan stopped at limit or scan.
+	more bool
+}
+
+// collectLetters reads the dead letters sel matches, at most limit of
+// them found among at most scan read, and groups them by reason and
+// source.
+func collectLetters(ctx context.Context, b dlqBackend, sel *selection, limit, scan int) (*letterScan, error) {
+	groups := map[[2]string]*letterGroup{}
+	res := &letterScan{}
 	for read := 0; ; read++ {
 		if err := ctx.Err(); err != nil {
-			return err
+			return nil, err
 		}
 		if read == scan {
-			more = true
+			res.more = true
 			break
 		}
 		d, err := b.next(ctx)
 		if err != nil {
-			return fmt.Errorf("%s: %w", b.describe(), err)
+			return nil, fmt.Errorf("%s: %w", b.describe(), err)
 		}
 		if d == nil {
 			break
@@ -297,58 +306,69 @@ func dlqList(ctx context.Context, b dlqBackend, sel *selection, limit, scan int,
 		if !sel.match(d) {
 			continue
 		}
-		if len(letters) == limit {
-			more = true
+		if len(res.letters) == limit {
+			res.more = true
 			break
 		}
-		letters = append(letters, d)
+		res.letters = append(res.letters, d)
 		g := groups[[2]string{d.reason, d.source}]
 		if g == nil {
-			g = &group{reason: d.reason, source: d.source, sample: d.errText}
+			g = &letterGroup{Reason: d.reason, Source: d.source, Sample: d.errText}
 			groups[[2]string{d.reason, d.source}] = g
 		}
-		g.count++
+		g.Count++
 		if !d.at.IsZero() {
-			if g.first.IsZero() || d.at.Before(g.first) {
-				g.first = d.at
+			if g.First.IsZero() || d.at.Before(g.First) {
+				g.First = d.at
 			}
-			if d.at.After(g.last) {
-				g.last = d.at
+			if d.at.After(g.Last) {
+				g.Last = d.at
 			}
 		}
-		if g.sample == "" {
-			g.sample = d.errText
+		if g.Sample == "" {
+			g.Sample = d.errText
 		}
 	}
+	for _, g := range groups {
+		res.groups = append(res.groups, g)
+	}
+	sort.Slice(res.groups, func(i, j int) bool {
+		a, b := res.groups[i], res.groups[j]
+		if a.Count != b.Count {
+			return a.Count > b.Count
+		}
+		return a.Reason+"\x00"+a.Source < b.Reason+"\x00"+b.Source
+	})
+	return res, nil
+}
+
+// dlqList prints the dead letters grouped by reason and source, then one
+// line each: at most limit of them, found among at most scan read.
+func dlqList(ctx context.Context, b dlqBackend, sel *selection, limit, scan int, w io.Writer) error {
+	res, err := collectLetters(ctx, b, sel, limit, scan)
+	if err != nil {
+		return err
+	}
+	letters := res.letters
 	fprintf(w, "%s: %d dead letters", b.describe(), len(letters))
 	switch {
-	case more && len(letters) == limit:
+	case res.more && len(letters) == limit:
 		fprintf(w, " (the first %d: more follow, raise --limit)", limit)
-	case more:
+	case res.more:
 		fprintf(w, " among the first %d read (more may follow: raise --scan)", scan)
 	}
 	fprintln(w)
 	if len(letters) == 0 {
 		return nil
 	}
-	list := make([]*group, 0, len(groups))
-	for _, g := range groups {
-		list = append(list, g)
-	}
-	sort.Slice(list, func(i, j int) bool {
-		if list[i].count != list[j].count {
-			return list[i].count > list[j].count
-		}
-		return list[i].reason+"\x00"+list[i].source < list[j].reason+"\x00"+list[j].source
-	})
 	rw, sw := len("REASON"), len("SOURCE")
-	for _, g := range list {
-		rw, sw = max(rw, len(orDash(g.reason))), max(sw, len(orDash(g.source)))
+	for _, g := range res.groups {
+		rw, sw = max(rw, len(orDash(g.Reason))), max(sw, len(orDash(g.Source)))
 	}
 	fprintf(w, "\n%-*s  %-*s  %6s  %-20s  %-20s  %s\n", rw, "REASON", sw, "SOURCE", "COUNT", "FIRST SEEN", "LAST SEEN", "ERROR (A SAMPLE)")
-	for _, g := range list {
-		fprintf(w, "%-*s  %-*s  %6d  %-20s  %-20s  %s\n", rw, orDash(g.reason), sw, orDash(g.source), g.count,
-			timeText(g.first), timeText(g.last), cut(g.sample, 100))
+	for _, g := range res.groups {
+		fprintf(w, "%-*s  %-*s  %6d  %-20s  %-20s  %s\n", rw, orDash(g.Reason), sw, orDash(g.Source), g.Count,
+			timeText(g.First), timeText(g.Last), cut(g.Sample, 100))
 	}
 	fprintln(w)
 	for _, d := range letters {
@@ -357,22 +377,34 @@ func dlqList(ctx context.Context, b dlqBackend, sel *selection, limit, scan int,
 	return nil
 }
 
-// dlqShow prints the first dead letter that id names.
-func dlqShow(ctx context.Context, b dlqBackend, id string, scan int, w io.Writer) error {
+// findLetter returns the first dead letter that id names among at most
+// scan read, or nil when none does.
+func findLetter(ctx context.Context, b dlqBackend, id string, scan int) (*deadLetter, error) {
 	for range scan {
 		if err := ctx.Err(); err != nil {
-			return err
+			return nil, err
 		}
 		d, err := b.next(ctx)
 		if err != nil {
-			return fmt.Errorf("%s: %w", b.describe(), err)
+			return nil, fmt.Errorf("%s: %w", b.describe(), err)
 		}
 		if d == nil {
 			break
 		}
-		if !d.matchesID(id) {
-			continue
+		if d.matchesID(id) {
+			return d, nil
 		}
+	}
+	return nil, nil
+}
+
+// dlqShow prints the first dead letter that id names.
+func dlqShow(ctx context.Context, b dlqBackend, id string, scan int, w io.Writer) error {
+	d, err := findLetter(ctx, b, id, scan)
+	if err != nil {
+		return err
+	}
+	if d != nil {
 		row := func(name, format string, args ...any) {
 			fprintf(w, "%-12s "+format+"\n", append([]any{name}, args...)...)
 		}

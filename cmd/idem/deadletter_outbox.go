@@ -23,6 +23,9 @@ type outboxDLQ struct {
 	page  []pgoutbox.DeadMessage
 	after *pgoutbox.DeadMessage
 	done  bool
+	// shared is set when the pool belongs to someone else (the
+	// console's): close leaves it open.
+	shared bool
 }
 
 // outboxPage is how many dead rows one read takes.
@@ -97,6 +100,8 @@ func (o *outboxDLQ) discard(ctx context.Context, d *deadLetter) error {
 }
 
 func (o *outboxDLQ) close(context.Context) error {
-	o.pool.Close()
+	if !o.shared {
+		o.pool.Close()
+	}
 	return nil
 }

@@ -75,6 +75,9 @@ type demoConfig struct {
 	// rerun is the flags that repeat this run: every flag given, and the
 	// seed.
 	rerun string
+	// done, when set (--console), is called with the run's result and
+	// the console's sources on its broker and store, before they close.
+	done func(*demoResult, *consoleSources) error
 }
 
 func runDemo(ctx context.Context, args []string, stdout, stderr io.Writer) error {
@@ -96,6 +99,7 @@ func runDemo(ctx context.Context, args []string, stdout, stderr io.Writer) error
 	fs.StringVar(&cfg.kafkaBrokers, "kafka", envDefault("IDEM_KAFKA_BROKERS", ""), "comma-separated Kafka brokers instead of the in-process kfake cluster")
 	fs.StringVar(&cfg.amqpURL, "amqp", envDefault("IDEM_AMQP_URL", ""), "RabbitMQ URL (amqp://user:password@host:port/vhost): the pipeline runs over RabbitMQ instead of Kafka, through a fanout exchange and a queue per consumer named after the run (deleted at the end)")
 	fs.StringVar(&cfg.progress, "progress", "auto", "progress display: auto (a bar on a terminal, plain lines otherwise), bar, plain or none")
+	withConsole, ccfg := registerDemoConsole(fs)
 	if err := parseFlags(fs, args); err != nil {
 		return err
 	}
@@ -124,6 +128,12 @@ func runDemo(ctx context.Context, args []string, stdout, stderr io.Writer) error
 	case cfg.amqpURL != "" && cfg.kafkaBrokers != "":
 		return usageError(fs, "--amqp and --kafka are exclusive")
 	}
+	if *withConsole {
+		if err := ccfg.check(); err != nil {
+			return usageError(fs, "%v", err)
+		}
+		cfg.done = demoConsole(ctx, ccfg, stdout)
+	}
 	if cfg.seed == 0 {
 		var b [8]byte
 		_, _ = rand.Read(b[:])
@@ -144,7 +154,9 @@ func runDemo(ctx context.Context, args []string, stdout, stderr io.Writer) error
 	if err != nil {
 		return err
 	}
-	res.print(stdout)
+	if !res.printed {
+		res.print(stdout)
+	}
 	if res.idem.extra() != 0 || res.idem.lost() != 0 {
 		return errFailed
 	}
@@ -184,7 +196,12 @@ func init() { redis.SetLogger(quietRedis{}) }
 func rerunFlags(fs *flag.FlagSet, seed uint64) string {
 	args := []string{"--payments", fs.Lookup("payments").Value.String(), "--seed", strconv.FormatUint(seed, 10)}
 	fs.Visit(func(f *flag.Flag) {
-		if f.Name != "payments" && f.Name != "seed" {
+		switch b, isBool := f.Value.(interface{ IsBoolFlag() bool }); {
+		case f.Name == "payments" || f.Name == "seed":
+		case isBool && b.IsBoolFlag():
+			// "--keep true" would read true as an argument.
+			args = append(args, "--"+f.Name+"="+f.Value.String())
+		default:
 			args = append(args, "--"+f.Name, shellQuote(f.Value.String()))
 		}
 	})
@@ -218,6 +235,8 @@ type demoResult struct {
 	// got and the processes started again.
 	children        bool
 	kills, restarts int
+	// printed is set when the table has been printed (by --console).
+	printed bool
 }
 
 // demo runs the pipeline and returns its counts.
@@ -247,8 +266,11 @@ func demo(ctx context.Context, cfg demoConfig, stdout io.Writer) (*demoResult, e
 
 	// The dedup store, shared by the idem API and the idem consumer group
 	// (each with its own scope).
-	var store dedup.LeaseStore
-	var pgd *pgDemo
+	var (
+		store      dedup.LeaseStore
+		storeWhere string
+		pgd        *pgDemo
+	)
 	redisPrefix := "idem-demo-" + runID
 	switch {
 	case cfg.postgres != "":
@@ -293,7 +315,7 @@ func demo(ctx context.Context, cfg demoConfig, stdout io.Writer) (*demoResult, e
 		if err != nil {
 			return nil, err
 		}
-		store = rs
+		store, storeWhere = rs, fmt.Sprintf("redisnx at %s, prefix %q", opt.Addr, redisPrefix)
 		res.store = "dedup marks in Redis (redisnx) at " + opt.Addr
 	}
 	// A shared store lets the idem consumer live in other processes: they
@@ -528,6 +550,11 @@ loop:
 	res.idem.crashes = int(groups[1].crashes.Load())
 	res.kills, res.restarts = int(groups[1].kills.Load()), int(groups[1].restarts.Load())
 	res.elapsed = time.Since(start)
+	if cfg.done != nil {
+		if err := cfg.done(res, demoSources(br, pgd, cfg.schema, store, storeWhere)); err != nil {
+			return nil, err
+		}
+	}
 	return res, nil
 }
 

@@ -11,6 +11,7 @@
 //	idem dedup      stats|cleanup                the dedup table: rows per scope, delete expired rows
 //	idem dedup      show                         one key of pgtable, sqltable or redisnx
 //	idem deadletter list|show|replay|discard     dead letters of Kafka, RabbitMQ, NATS and the outbox
+//	idem console    [flags]                      all of the above in a web console
 //
 // Run "idem <command> -help" for a command's flags. Flags may also come from
 // the environment: IDEM_POSTGRES_URL, IDEM_REDIS_URL, IDEM_KAFKA_BROKERS,
@@ -42,6 +43,21 @@
 // delete a record, what was removed is the committed offsets (and commit
 // metadata) of the tool's own consumer group, --group.
 //
+// # idem console
+//
+// Serves a web console (html/template pages embedded in the binary, plain
+// HTML forms) on --listen, 127.0.0.1:7070 by default: the outbox's backlog
+// (bounded counts), its oldest pending message and its dead rows with a
+// requeue action; the WAL relay's replication slot (lag, retained WAL);
+// the dedup stores' rows by state and a key lookup that shows the key's
+// dedup.KeyState; the dead letters grouped by reason, one with its headers
+// and payload, and the replay or discard of a selection. Sources take the
+// flags and environment of the commands above. A --listen address that is
+// not a loopback address needs --token (IDEM_CONSOLE_TOKEN), which every
+// request must then carry (a login form's HttpOnly cookie, or
+// "Authorization: Bearer"); every action is a POST with a CSRF token and
+// an Origin check, confirmed on a second page.
+//
 // # idem demo
 //
 // With no flags it needs no server: an in-process Kafka cluster (kfake) and
@@ -52,7 +68,9 @@
 // that crashes between publish and mark now and then (it publishes the batch
 // again); two consumer groups read the topic, a naive one and one with the
 // idem dedup claim, and crash before committing their offsets and restart.
-// Effects are counted in each consumer's effect sink. --amqp URL runs the
+// Effects are counted in each consumer's effect sink. --console serves
+// "idem console" on the demo's store, outbox and topics once it has run,
+// until SIGINT. --amqp URL runs the
 // same pipeline over RabbitMQ instead of Kafka. With a shared store
 // (--postgres or --redis) the idem consumers run as child processes of the
 // demo, which SIGKILLs them at random (--crash-rate, --seed) and restarts
@@ -87,6 +105,7 @@ Usage:
   idem dedup   show               one key of a dedup store: state, expiry, fingerprint, result
   idem deadletter list|show|replay|discard
                                   browse dead letters by reason; replay or discard them
+  idem console [flags]            a web console for all of the above (127.0.0.1 by default)
 
 Run "idem <command> -help" for the flags of a command.
 `
@@ -124,6 +143,8 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		err = runDedup(ctx, rest, stdout, stderr)
 	case "deadletter":
 		err = runDeadletter(ctx, rest, stdout, stderr)
+	case "console":
+		err = runConsole(ctx, rest, stdout, stderr)
 	case "help", "-h", "-help", "--help":
 		fprint(stdout, usage)
 		return 0
