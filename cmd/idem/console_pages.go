@@ -59,6 +59,14 @@ func (c *console) routes() {
 	c.mux.HandleFunc("GET /deadletters", c.dlqPage)
 	c.mux.HandleFunc("GET /deadletters/show", c.dlqShowPage)
 	c.mux.HandleFunc("POST /deadletters/act", c.dlqActPage)
+	c.mux.HandleFunc("POST /logout", c.logout)
+}
+
+// logout clears the session cookie.
+func (c *console) logout(w http.ResponseWriter, r *http.Request) {
+	http.SetCookie(w, &http.Cookie{Name: consoleSessionCookie, Value: "", Path: "/", MaxAge: -1,
+		HttpOnly: true, SameSite: http.SameSiteStrictMode, Secure: r.TLS != nil})
+	http.Redirect(w, r, "/login", http.StatusSeeOther)
 }
 
 // render writes the page name with data; a template error becomes a 500.

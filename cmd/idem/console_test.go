@@ -1,0 +1,193 @@
+package main
+
+import (
+	"context"
+	"flag"
+	"io"
+	"net/http"
+	"net/http/cookiejar"
+	"net/http/httptest"
+	"net/url"
+	"regexp"
+	"strings"
+	"testing"
+)
+
+// startConsole serves the console's handler, configured by args as "idem
+// console" takes them, on a loopback httptest server.
+func startConsole(t *testing.T, args ...string) *httptest.Server {
+	t.Helper()
+	fs := flag.NewFlagSet("console", flag.ContinueOnError)
+	fs.SetOutput(io.Discard)
+	var cfg consoleConfig
+	cfg.register(fs)
+	if err := fs.Parse(args); err != nil {
+		t.Fatal(err)
+	}
+	if err := cfg.check(); err != nil {
+		t.Fatal(err)
+	}
+	set := map[string]bool{}
+	fs.Visit(func(f *flag.Flag) { set[f.Name] = true })
+	src, err := openConsoleSources(context.Background(), &cfg, set)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(src.close)
+	h, err := newConsole(&cfg, src)
+	if err != nil {
+		t.Fatal(err)
+	}
+	srv := httptest.NewServer(h)
+	t.Cleanup(srv.Close)
+	return srv
+}
+
+// consoleClient is an HTTP client with a cookie jar, as a browser keeps.
+func consoleClient(t *testing.T) *http.Client {
+	t.Helper()
+	jar, err := cookiejar.New(nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return &http.Client{Jar: jar, CheckRedirect: func(*http.Request, []*http.Request) error { return http.ErrUseLastResponse }}
+}
+
+// do sends a request and returns its status and body.
+func do(t *testing.T, c *http.Client, method, u string, form url.Values, header map[string]string) (int, http.Header, string) {
+	t.Helper()
+	var body io.Reader
+	if form != nil {
+		body = strings.NewReader(form.Encode())
+	}
+	req, err := http.NewRequest(method, u, body)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if form != nil {
+		req.Header.Set("Content-Type", "application/x-www-form-urlencoded")
+	}
+	for k, v := range header {
+		if k == "Host" {
+			req.Host = v
+			continue
+		}
+		req.Header.Set(k, v)
+	}
+	res, err := c.Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = res.Body.Close() }()
+	b, err := io.ReadAll(res.Body)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return res.StatusCode, res.Header, string(b)
+}
+
+var csrfField = regexp.MustCompile(`name="csrf" value="([0-9a-f]+)"`)
+
+// TestConsoleSecurity: a console with a token refuses every request
+// without it (401), takes it as a Bearer header or from the cookie its
+// login form sets (HttpOnly, SameSite=Strict), and refuses a POST from
+// another origin or without a valid CSRF token (403); a console without a
+// token answers only to a loopback Host; "idem console" refuses to listen
+// on a non-loopback address without a token.
+func TestConsoleSecurity(t *testing.T) {
+	const token = "console-token-0123456789"
+	srv := startConsole(t, "--token", token, "--listen", "0.0.0.0:0")
+	c := consoleClient(t)
+	bearer := map[string]string{"Authorization": "Bearer " + token}
+
+	status, h, body := do(t, c, "GET", srv.URL+"/outbox", nil, nil)
+	if status != http.StatusUnauthorized || !strings.Contains(body, `name="token"`) {
+		t.Fatalf("GET without the token: %d, want 401 and the login form:\n%s", status, body)
+	}
+	for name, want := range map[string]string{"X-Frame-Options": "DENY", "Cache-Control": "no-store", "X-Content-Type-Options": "nosniff"} {
+		if got := h.Get(name); got != want {
+			t.Errorf("%s: %q, want %q", name, got, want)
+		}
+	}
+	if csp := h.Get("Content-Security-Policy"); !strings.Contains(csp, "default-src 'none'") || !strings.Contains(csp, "frame-ancestors 'none'") {
+		t.Errorf("Content-Security-Policy: %q", csp)
+	}
+	if status, _, _ := do(t, c, "GET", srv.URL+"/outbox", nil, map[string]string{"Authorization": "Bearer wrong-token-0123456789"}); status != http.StatusUnauthorized {
+		t.Errorf("GET with a wrong token: %d, want 401", status)
+	}
+	same := map[string]string{"Origin": srv.URL}
+	if status, _, _ := do(t, c, "POST", srv.URL+"/outbox/requeue", url.Values{"id": {"x"}}, same); status != http.StatusUnauthorized {
+		t.Errorf("POST without the token: %d, want 401", status)
+	}
+
+	status, _, body = do(t, c, "GET", srv.URL+"/outbox", nil, bearer)
+	if status != http.StatusOK || !strings.Contains(body, "No outbox is configured") {
+		t.Fatalf("GET with the Bearer token: %d\n%s", status, body)
+	}
+	// The login form: a wrong token is refused, the right one sets the
+	// session cookie.
+	if status, _, _ := do(t, c, "POST", srv.URL+"/login", url.Values{"token": {"nope"}, "next": {"/dedup"}}, same); status != http.StatusUnauthorized {
+		t.Errorf("login with a wrong token: %d, want 401", status)
+	}
+	status, h, _ = do(t, c, "POST", srv.URL+"/login", url.Values{"token": {token}, "next": {"https://evil.example/"}}, same)
+	if status != http.StatusSeeOther || h.Get("Location") != "/" {
+		t.Errorf("login: %d to %q, want 303 to / (never to another site)", status, h.Get("Location"))
+	}
+	ck := h.Get("Set-Cookie")
+	if !strings.Contains(ck, consoleSessionCookie+"=") || !strings.Contains(ck, "HttpOnly") || !strings.Contains(ck, "SameSite=Strict") || strings.Contains(ck, token) {
+		t.Errorf("session cookie: %q, want HttpOnly, SameSite=Strict, without the token", ck)
+	}
+	status, _, body = do(t, c, "GET", srv.URL+"/dedup", nil, nil)
+	if status != http.StatusOK {
+		t.Fatalf("GET with the session cookie: %d", status)
+	}
+	m := csrfField.FindStringSubmatch(body)
+	if m == nil {
+		t.Fatalf("no CSRF token on the page (its log-out form):\n%s", body)
+	}
+	csrf := m[1]
+
+	// An action: refused from another origin, without an origin, or
+	// without a valid CSRF token; let through with both.
+	for _, tc := range []struct {
+		name   string
+		header map[string]string
+		form   url.Values
+		want   int
+	}{
+		{"another origin", map[string]string{"Origin": "http://evil.example"}, url.Values{"csrf": {csrf}, "id": {"x"}}, http.StatusForbidden},
+		{"origin null", map[string]string{"Origin": "null"}, url.Values{"csrf": {csrf}, "id": {"x"}}, http.StatusForbidden},
+		{"no origin or referer", nil, url.Values{"csrf": {csrf}, "id": {"x"}}, http.StatusForbidden},
+		{"another site's referer", map[string]string{"Referer": "http://evil.example/page"}, url.Values{"csrf": {csrf}, "id": {"x"}}, http.StatusForbidden},
+		{"cross-site fetch", map[string]string{"Origin": srv.URL, "Sec-Fetch-Site": "cross-site"}, url.Values{"csrf": {csrf}, "id": {"x"}}, http.StatusForbidden},
+		{"no CSRF token", same, url.Values{"id": {"x"}}, http.StatusForbidden},
+		{"a forged CSRF token", same, url.Values{"csrf": {strings.Repeat("0", 64)}, "id": {"x"}}, http.StatusForbidden},
+		// Through the checks: the outbox is not configured.
+		{"same origin with the CSRF token", same, url.Values{"csrf": {csrf}, "id": {"x"}}, http.StatusNotFound},
+		{"own referer with the CSRF token", map[string]string{"Referer": srv.URL + "/outbox"}, url.Values{"csrf": {csrf}, "id": {"x"}}, http.StatusNotFound},
+	} {
+		if status, _, body := do(t, c, "POST", srv.URL+"/outbox/requeue", tc.form, tc.header); status != tc.want {
+			t.Errorf("POST, %s: %d, want %d\n%s", tc.name, status, tc.want, body)
+		}
+	}
+	// The CSRF token is bound to the browser's nonce: another browser
+	// (another cookie jar), logged in, cannot use it.
+	other := consoleClient(t)
+	if status, _, _ := do(t, other, "POST", srv.URL+"/outbox/requeue", url.Values{"csrf": {csrf}, "id": {"x"}}, map[string]string{"Origin": srv.URL, "Authorization": "Bearer " + token}); status != http.StatusForbidden {
+		t.Errorf("POST with another browser's CSRF token: %d, want 403", status)
+	}
+
+	// Without a token the console answers only to loopback names.
+	local := startConsole(t)
+	if status, _, _ := do(t, consoleClient(t), "GET", local.URL+"/", nil, nil); status != http.StatusOK {
+		t.Errorf("GET of a console without a token: %d, want 200", status)
+	}
+	if status, _, _ := do(t, consoleClient(t), "GET", local.URL+"/", nil, map[string]string{"Host": "attacker.example"}); status != http.StatusMisdirectedRequest {
+		t.Errorf("GET with a foreign Host (DNS rebinding): %d, want 421", status)
+	}
+
+	code, _, errOut := runCmd(context.Background(), t, "console", "--listen", "0.0.0.0:0")
+	if code != 2 || !strings.Contains(errOut, "--token") {
+		t.Errorf("idem console --listen 0.0.0.0:0 without a token: exit %d, want 2 with a word on --token\n%s", code, errOut)
+	}
+}
