@@ -505,6 +505,24 @@ ensure_net_tools() {
 		err "services.sh: installing ${pkgs[*]} failed: the partition/ cells will be skipped (or fail under CI=true)"
 }
 
+# ensure_browser: install Chromium when it is missing: the console's
+# browser tests (cmd/idem, TestConsole*) drive it headless, and fail
+# under CI=true without it.
+ensure_browser() {
+	[[ -x /usr/bin/chromium ]] && return 0
+	if ! can_install; then
+		err "services.sh: chromium missing: the console's browser tests need it (Debian packages chromium chromium-driver)"
+		return 0
+	fi
+	say "installing chromium with apt-get (for the console's browser tests)"
+	if ((!APT_UPDATED)); then
+		run env DEBIAN_FRONTEND=noninteractive apt-get update -q || true
+		APT_UPDATED=1
+	fi
+	run env DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium chromium-driver ||
+		err "services.sh: installing chromium failed: the console's browser tests will be skipped (or fail under CI=true)"
+}
+
 # ------------------------------------------------------------------ tools
 
 TOOLS=(pgbouncer)
@@ -764,6 +782,7 @@ ensure_pg_db_readonly() {
 cmd_up() {
 	local s from failed=() todo=() started=()
 	ensure_net_tools
+	ensure_browser
 	for s in "$@"; do
 		from=$(svc_from "$s")
 		if probe "$s"; then

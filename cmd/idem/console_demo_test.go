@@ -1,0 +1,75 @@
+package main
+
+import (
+	"bytes"
+	"context"
+	"regexp"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/idemkit/idem/internal/testkit/testenv"
+)
+
+// syncBuffer is a bytes.Buffer that a command writes while a test reads.
+type syncBuffer struct {
+	mu sync.Mutex
+	b  bytes.Buffer
+}
+
+func (s *syncBuffer) Write(p []byte) (int, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.Write(p)
+}
+
+func (s *syncBuffer) String() string {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.String()
+}
+
+// TestConsoleDemo runs "idem demo --console" on kfake and memstore: once
+// the run has printed its table, the console serves the run's Kafka
+// dead-letter topic until the command is interrupted, and the command
+// exits with the run's status.
+func TestConsoleDemo(t *testing.T) {
+	b := newBrowser(t)
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	var out, errOut syncBuffer
+	code := make(chan int, 1)
+	go func() {
+		code <- run(ctx, []string{"demo", "--payments", "100", "--progress", "none", "--console", "--console-listen", "127.0.0.1:0"}, &out, &errOut)
+	}()
+	url := regexp.MustCompile(`idem console: (http://127\.0\.0\.1:\d+/)`)
+	var base string
+	testenv.Eventually(t, 2*time.Minute, "the console's URL", func() bool {
+		select {
+		case c := <-code:
+			t.Fatalf("demo exited %d before serving the console:\n%s\n%s", c, out.String(), errOut.String())
+		default:
+		}
+		if m := url.FindStringSubmatch(out.String()); m != nil {
+			base = m[1]
+			return true
+		}
+		return false
+	})
+	if !strings.Contains(out.String(), "demo: 100 payments") {
+		t.Errorf("the run's table comes before the console:\n%s", out.String())
+	}
+	b.open(base + "deadletters")
+	if body := b.text("main"); !regexp.MustCompile(`0 dead letters in Kafka topic "payments-[0-9a-f]+\.dlq"`).MatchString(body) {
+		t.Errorf("dead letters of the run's topic:\n%s", body)
+	}
+	b.open(base + "dedup")
+	if body := b.text("main"); !strings.Contains(body, "No dedup store is configured") {
+		t.Errorf("dedup page of a memstore run:\n%s", body)
+	}
+	cancel()
+	if c := <-code; c != 0 {
+		t.Errorf("demo --console exited %d, want 0 (the run's status)\n%s", c, errOut.String())
+	}
+}
