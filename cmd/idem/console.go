@@ -331,11 +331,17 @@ func serveConsole(ctx context.Context, cfg *consoleConfig, src *consoleSources, 
 		return err
 	case <-ctx.Done():
 	}
-	sctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 5*time.Second)
+	// Requests in flight get a moment to end; then the connections
+	// left (a browser's idle or speculative ones) are closed.
+	sctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 2*time.Second)
 	defer cancel()
-	err = srv.Shutdown(sctx)
-	<-done
-	return err
+	if err := srv.Shutdown(sctx); err != nil {
+		_ = srv.Close()
+	}
+	if err := <-done; !errors.Is(err, http.ErrServerClosed) {
+		return err
+	}
+	return nil
 }
 
 // consoleHost is the address to print for a listener's address: an
