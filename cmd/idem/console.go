@@ -9,7 +9,6 @@ import (
 	"io"
 	"net"
 	"net/http"
-	"strings"
 	"sync"
 	"time"
 
@@ -126,7 +125,7 @@ func (c *consoleConfig) register(fs *flag.FlagSet) {
 func (c *consoleConfig) check() error {
 	host, _, err := net.SplitHostPort(c.listen)
 	if err != nil {
-		return fmt.Errorf("--listen %q: %v", c.listen, err)
+		return fmt.Errorf("--listen %q: %w", c.listen, err)
 	}
 	switch {
 	case !loopbackHost(host) && c.token == "":
@@ -355,15 +354,4 @@ func consoleHost(addr string) string {
 		host = "localhost"
 	}
 	return net.JoinHostPort(host, port)
-}
-
-// joinNonEmpty joins the non-empty parts.
-func joinNonEmpty(sep string, parts ...string) string {
-	var out []string
-	for _, p := range parts {
-		if p != "" {
-			out = append(out, p)
-		}
-	}
-	return strings.Join(out, sep)
 }

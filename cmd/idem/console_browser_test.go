@@ -152,4 +152,6 @@ func (b *browser) screenshot(name string) {
 }
 
 // chromedpClick clicks the element sel.
-func chromedpClick(sel string) chromedp.Action[chromedp.Void] { return chromedp.Click(chromedp.CSS(sel)) }
+func chromedpClick(sel string) chromedp.Action[chromedp.Void] {
+	return chromedp.Click(chromedp.CSS(sel))
+}

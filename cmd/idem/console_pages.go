@@ -32,10 +32,8 @@ var consoleFuncs = template.FuncMap{
 	"ago": func(d time.Duration) string {
 		return d.Round(time.Millisecond).String()
 	},
-	"bytes":     printable,
-	"keyText":   func(b []byte) string { return printable(b) },
-	"plural":    func(n int, one, many string) string { return map[bool]string{true: one, false: many}[n == 1] },
-	"hasPrefix": func(s, p string) bool { return len(s) >= len(p) && s[:len(p)] == p },
+	"keyText": printable,
+	"plural":  func(n int, one, many string) string { return map[bool]string{true: one, false: many}[n == 1] },
 }
 
 // page is what layout.html renders: the page's title, the CSRF token of
