@@ -5,7 +5,7 @@
 #   make lint    gofmt, go vet, golangci-lint (installed on first use)
 #   make chaos   the reliability matrix (CHAOS_SCALE=small|full, CHAOS_SEED, CHAOS_ONLY)
 #   make bench   the benchmark table: each path against its baseline (QUICK=1: smoke run)
-#   make up      start or check PostgreSQL, Redis, RabbitMQ, MariaDB, NATS; install pgbouncer (scripts/services.sh)
+#   make up      start or check PostgreSQL, Redis, RabbitMQ, MariaDB, NATS; install pgbouncer and Chromium (scripts/services.sh)
 #   make down    stop what `make up` started with docker compose
 #   make status  probe the services
 #   make fmt     gofmt -s -w every Go file

@@ -172,7 +172,10 @@ type consoleSources struct {
 	slotGiven   bool
 
 	stores []*consoleStore
-	dlqs   []*consoleDLQ
+	// storeNote says why the dedup page has no store when the reason is
+	// not a missing flag (the demo's memstore).
+	storeNote string
+	dlqs      []*consoleDLQ
 
 	closers []func()
 }

@@ -44,8 +44,11 @@ func demoSources(br *demoBroker, pgd *pgDemo, schema string, store dedup.LeaseSt
 			counts: func(ctx context.Context) (*dedupCounts, error) { return pgDedupCounts(ctx, pool, table) }})
 		src.addOutboxDLQ()
 	}
-	if in, ok := store.(inspector); ok {
+	switch in, ok := store.(inspector); {
+	case ok:
 		src.stores = append(src.stores, &consoleStore{Name: "redisnx", Where: storeWhere, inspector: in})
+	case pgd == nil:
+		src.storeNote = "The demo's dedup marks are in memstore, which keeps them in the demo's memory and cannot be inspected: run the demo with --postgres or --redis to look its keys up here."
 	}
 	if br.kind == brokerKafka {
 		f := dlqFlags{kafka: strings.Join(br.brokers, ","), topic: br.dlq, group: "idem-deadletter", idHeader: "idem-message-id"}

@@ -65,7 +65,7 @@ func TestConsoleDemo(t *testing.T) {
 		t.Errorf("dead letters of the run's topic:\n%s", body)
 	}
 	b.open(base + "dedup")
-	if body := b.text("main"); !strings.Contains(body, "No dedup store is configured") {
+	if body := b.text("main"); !strings.Contains(body, "The demo's dedup marks are in memstore") {
 		t.Errorf("dedup page of a memstore run:\n%s", body)
 	}
 	cancel()

@@ -329,6 +329,7 @@ FROM (SELECT token, expires_at FROM `+table+` LIMIT $1) s`, consoleCap+1, table)
 // dedupView is the dedup page.
 type dedupView struct {
 	Stores []storeCounts
+	Note   string
 	// The lookup form and its answer.
 	Store, Scope, ID, Digest string
 	Looked                   bool
@@ -393,7 +394,7 @@ func (c *console) dedupPage(w http.ResponseWriter, r *http.Request) {
 	ctx, cancel := context.WithTimeout(r.Context(), consoleTimeout)
 	defer cancel()
 	q := r.URL.Query()
-	v := dedupView{Store: q.Get("store"), Scope: q.Get("scope"), ID: q.Get("id"), Digest: q.Get("digest")}
+	v := dedupView{Store: q.Get("store"), Scope: q.Get("scope"), ID: q.Get("id"), Digest: q.Get("digest"), Note: c.src.storeNote}
 	for _, s := range c.src.stores {
 		sc := storeCounts{Name: s.Name, Where: s.Where}
 		if s.counts != nil {
