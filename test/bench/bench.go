@@ -111,7 +111,9 @@ func Run(ctx context.Context, cfg Config) error {
 		}
 		results = append(results, res)
 	}
+	lat := measureLatency(ctx, e, func(path string) bool { return cfg.Only == nil || cfg.Only.MatchString(path) })
 	printTable(cfg.Out, results, started, cfg)
+	printLatency(cfg.Out, lat)
 	return nil
 }
 
