@@ -46,10 +46,14 @@ type latencyStats struct {
 // (relay is nil).
 type latencyCase struct {
 	relay  *relayKind
+	peer   bool // Watermill's forwarder
 	target relayTarget
 }
 
 func (c latencyCase) path() string {
+	if c.peer {
+		return "latency: " + peerName + " to " + c.target.name
+	}
 	if c.relay == nil {
 		return "latency: dual write (commit, then publish with the bare client) to " + c.target.name
 	}
@@ -60,7 +64,9 @@ func (c latencyCase) path() string {
 func latencyCases() []latencyCase {
 	var out []latencyCase
 	for _, t := range []relayTarget{rabbitTarget, kafkaTarget} {
-		out = append(out, latencyCase{target: t}, latencyCase{relay: &pollRelay, target: t}, latencyCase{relay: &walRelay, target: t})
+		out = append(out, latencyCase{target: t}, latencyCase{relay: &pollRelay, target: t},
+			latencyCase{relay: &pollRelayNoNotify, target: t}, latencyCase{relay: &walRelay, target: t},
+			latencyCase{peer: true, target: t})
 	}
 	return out
 }
@@ -111,6 +117,9 @@ func latencyRun(ctx context.Context, e *env, c latencyCase, offered int) (latenc
 	}
 	defer reset()
 	d := e.size.duration / 2
+	if c.peer {
+		return peerLatency(ctx, e, c.target, topic, offered, d)
+	}
 	if c.relay == nil {
 		return dualWrite(ctx, e, c.target, topic, offered, d)
 	}
@@ -265,12 +274,20 @@ func relayLatency(ctx context.Context, e *env, relay relayKind, target relayTarg
 		}
 		return ids[0], nil
 	}
-	// One message through before the clock starts: the relay is running
-	// (its session, its stream).
+	return timedRun(ctx, s, errc, enqueue, rate, d, "relay")
+}
+
+// timedRun measures a running relay (the one whose Run returns on errc,
+// confirming into s): one message through before the clock starts (the
+// relay's session or stream is up), then the producers at rate for d,
+// each committing a transaction that enqueues one message, then the wait
+// until every message was confirmed.
+func timedRun(ctx context.Context, s *stamps, errc <-chan error, enqueue func(ctx context.Context, i int) (string, error), rate int, d time.Duration, what string) (latencyStats, error) {
 	first, err := enqueue(ctx, 0)
 	if err != nil {
 		return latencyStats{}, err
 	}
+	deadline := time.After(time.Minute)
 	for {
 		s.mu.Lock()
 		_, ok := s.confirmed[first]
@@ -280,7 +297,9 @@ func relayLatency(ctx context.Context, e *env, relay relayKind, target relayTarg
 		}
 		select {
 		case err := <-errc:
-			return latencyStats{}, fmt.Errorf("relay stopped: %w", err)
+			return latencyStats{}, fmt.Errorf("%s stopped: %w", what, err)
+		case <-deadline:
+			return latencyStats{}, fmt.Errorf("the %s did not publish its first message within a minute", what)
 		case <-time.After(5 * time.Millisecond):
 		}
 	}
@@ -301,13 +320,9 @@ func relayLatency(ctx context.Context, e *env, relay relayKind, target relayTarg
 	select {
 	case <-s.all:
 	case err := <-errc:
-		return latencyStats{}, fmt.Errorf("relay stopped: %w", err)
+		return latencyStats{}, fmt.Errorf("%s stopped: %w", what, err)
 	case <-time.After(5 * time.Minute):
-		return latencyStats{}, errors.New("the relay did not publish every message within 5 minutes")
-	}
-	cancel()
-	if err := <-errc; err != nil && !errors.Is(err, context.Canceled) {
-		return latencyStats{}, err
+		return latencyStats{}, fmt.Errorf("the %s did not publish every message within 5 minutes", what)
 	}
 	return s.stats(rate, began, ended)
 }

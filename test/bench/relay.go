@@ -42,7 +42,18 @@ type relayKind struct {
 }
 
 var pollRelay = relayKind{name: "outbox poll relay (pgoutbox.Relay)", open: func(ctx context.Context, e *env) (*relayOutbox, error) {
-	ob, err := pgoutbox.New(e.pool, pgoutbox.Options{Schema: e.schema, Table: testenv.Name("outbox"), Logger: e.log})
+	return openPollRelay(ctx, e, pgoutbox.Options{}, 0)
+}}
+
+// pollRelayNoNotify is the poll relay without Enqueue's notification,
+// polling every 5 ms (a latency row only).
+var pollRelayNoNotify = relayKind{name: "outbox poll relay, NoNotify, polling every 5 ms (pgoutbox.Relay)", open: func(ctx context.Context, e *env) (*relayOutbox, error) {
+	return openPollRelay(ctx, e, pgoutbox.Options{NoNotify: true}, 5*time.Millisecond)
+}}
+
+func openPollRelay(ctx context.Context, e *env, opts pgoutbox.Options, poll time.Duration) (*relayOutbox, error) {
+	opts.Schema, opts.Table, opts.Logger = e.schema, testenv.Name("outbox"), e.log
+	ob, err := pgoutbox.New(e.pool, opts)
 	if err == nil {
 		err = ob.Migrate(ctx)
 	}
@@ -51,9 +62,10 @@ var pollRelay = relayKind{name: "outbox poll relay (pgoutbox.Relay)", open: func
 	}
 	return &relayOutbox{enqueue: ob.Enqueue, pool: e.pool, vacuum: "VACUUM ANALYZE " + ob.Table(),
 		newRelay: func(pub outbox.Publisher) (interface{ Run(context.Context) error }, error) {
-			return pgoutbox.NewRelay(ob, pub, pgoutbox.RelayOptions{BatchSize: outboxBatch, CleanupInterval: -1, Telemetry: consumer.Telemetry{Logger: e.log}})
+			return pgoutbox.NewRelay(ob, pub, pgoutbox.RelayOptions{BatchSize: outboxBatch, CleanupInterval: -1, PollInterval: poll,
+				Telemetry: consumer.Telemetry{Logger: e.log}})
 		}}, nil
-}}
+}
 
 var walRelay = relayKind{name: "outbox WAL relay (walrelay.Relay)", open: func(ctx context.Context, e *env) (*relayOutbox, error) {
 	pool, err := e.logicalPool(ctx)
@@ -213,6 +225,22 @@ func relayRow(relay relayKind, broker relayTarget, target float64) row {
 	if broker.name == "Kafka" {
 		baseline = "bare kafka-go Writer, WriteMessages of 500, acks from all"
 	}
+	// Watermill's forwarder is a poll relay too: it runs beside the poll
+	// relay, on a destination of its own.
+	var peer func(ctx context.Context, e *env) (side, error)
+	if relay.name == pollRelay.name {
+		peer = func(ctx context.Context, e *env) (side, error) {
+			topic, reset, err := broker.dest(ctx, e)
+			if err != nil {
+				return nil, err
+			}
+			run := peerSide(e, broker, topic)
+			return func(ctx context.Context, warm bool) (float64, error) {
+				defer reset()
+				return run(ctx, warm)
+			}, nil
+		}
+	}
 	return row{
 		path:     fmt.Sprintf("%s to %s", relay.name, broker.name),
 		baseline: baseline,
@@ -232,6 +260,7 @@ func relayRow(relay relayKind, broker relayTarget, target float64) row {
 			}
 			return bare, idem, nil
 		},
+		peer: peer,
 	}
 }
 
