@@ -211,14 +211,14 @@ func produce(ctx context.Context, rate int, d time.Duration, tx func(ctx context
 		mu   sync.Mutex
 		errs []error
 	)
-	began = time.Now()
-	stop := began.Add(d)
+	start := time.Now()
+	stop := start.Add(d)
 	for p := range latencyProducers {
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
 			// Spread the producers' turns over one period.
-			next := began.Add(per * time.Duration(p) / latencyProducers)
+			next := start.Add(per * time.Duration(p) / latencyProducers)
 			for i := p; ; i += latencyProducers {
 				if wait := time.Until(next); wait > 0 {
 					time.Sleep(wait)
@@ -238,7 +238,7 @@ func produce(ctx context.Context, rate int, d time.Duration, tx func(ctx context
 		}()
 	}
 	wg.Wait()
-	return began, time.Now(), errors.Join(errs...)
+	return start, time.Now(), errors.Join(errs...)
 }
 
 // relayLatency runs relay publishing to target while the producers
