@@ -39,6 +39,8 @@ Sources take the flags and environment of the other commands:
   --kafka, --topic      a Kafka dead-letter topic
   --amqp, --queue       a RabbitMQ dead-letter queue
   --nats, --stream      a NATS dead-letter stream
+  --watermill-sql TOPIC the poison queue of a Watermill router on
+                        watermill-sql (--postgres, --schema)
   --outbox              the outbox's dead rows on the dead-letter page too
 
 A page whose source is not configured says so.
@@ -68,6 +70,8 @@ type consoleConfig struct {
 	driver, dsn      string
 
 	dlq dlqFlags
+	// watermillTopic is the poison topic of a watermill-sql router.
+	watermillTopic string
 
 	// scan and limit bound what a dead-letter page reads and lists.
 	scan, limit int
@@ -117,6 +121,7 @@ func (c *consoleConfig) register(fs *flag.FlagSet) {
 	fs.StringVar(&c.dlq.queue, "queue", "", "with --amqp: the dead-letter queue (\"<queue>.dlq\")")
 	fs.StringVar(&c.dlq.nats, "nats", envDefault("IDEM_NATS_URL", ""), "NATS URL (or IDEM_NATS_URL); needs --stream")
 	fs.StringVar(&c.dlq.stream, "stream", "", "with --nats: the dead-letter stream (\"<stream>-dlq\")")
+	fs.StringVar(&c.watermillTopic, "watermill-sql", "", "the poison topic of a Watermill router on watermill-sql: the table watermill_<topic> in --schema (needs --postgres)")
 	fs.IntVar(&c.scan, "scan", 1000, "most dead letters a page reads")
 	fs.IntVar(&c.limit, "limit", 100, "most dead letters a page lists, and an action acts on")
 }
@@ -136,6 +141,8 @@ func (c *consoleConfig) check() error {
 		return errors.New("--scan and --limit must be at least 1")
 	case c.dlq.outbox && c.pg.url == "":
 		return errors.New("--outbox needs --postgres")
+	case c.watermillTopic != "" && c.pg.url == "":
+		return errors.New("--watermill-sql needs --postgres")
 	case c.dlq.kafka != "" && c.dlq.topic == "":
 		return errors.New("--kafka needs --topic, the dead-letter topic")
 	case c.dlq.amqp != "" && c.dlq.queue == "":
@@ -278,6 +285,12 @@ func openConsoleSources(ctx context.Context, c *consoleConfig, set map[string]bo
 	if f.nats != "" {
 		src.dlqs = append(src.dlqs, &consoleDLQ{Name: "nats", Label: fmt.Sprintf("NATS stream %q", f.stream),
 			open: func(ctx context.Context) (dlqBackend, error) { return openNATSDLQ(ctx, &f) }})
+	}
+	if c.watermillTopic != "" {
+		wf := f
+		wf.pg, wf.watermill, wf.topic = c.pg, true, c.watermillTopic
+		src.dlqs = append(src.dlqs, &consoleDLQ{Name: "watermill-sql", Label: fmt.Sprintf("Watermill poison topic %q", wf.topic),
+			open: func(ctx context.Context) (dlqBackend, error) { return openWatermillDLQ(ctx, &wf) }})
 	}
 	if f.outbox && src.outbox != nil {
 		src.addOutboxDLQ()

@@ -10,7 +10,7 @@
 //	idem outbox     stats|dead|requeue           the outbox table: backlog, dead messages, requeue
 //	idem dedup      stats|cleanup                the dedup table: rows per scope, delete expired rows
 //	idem dedup      show                         one key of pgtable, sqltable or redisnx
-//	idem deadletter list|show|replay|discard     dead letters of Kafka, RabbitMQ, NATS and the outbox
+//	idem deadletter list|show|replay|discard     dead letters of Kafka, RabbitMQ, NATS, Watermill and the outbox
 //	idem console    [flags]                      all of the above in a web console
 //
 // Run "idem <command> -help" for a command's flags. Flags may also come from
@@ -32,8 +32,9 @@
 //
 // Reads the dead letters where the adapters parked them: a Kafka
 // dead-letter topic (--kafka, --topic), a RabbitMQ dead-letter queue
-// (--amqp, --queue), a NATS dead-letter stream (--nats, --stream) or the
-// outbox's dead rows (--outbox). "list" groups them by reason and source,
+// (--amqp, --queue), a NATS dead-letter stream (--nats, --stream), the
+// poison queue of a Watermill router on watermill-sql (--watermill-sql,
+// --topic) or the outbox's dead rows (--outbox). "list" groups them by reason and source,
 // "show" prints one with its headers and payload, "replay" publishes a
 // selection (--reason, --id or --all, at most --limit) again to where it
 // came from with its message id, removing each letter once the publish was

@@ -40,6 +40,16 @@ type Options struct {
 	// the same key concurrently may see their messages published in the
 	// other order. Defaults to false (ordered by commit).
 	NoKeyLock bool
+	// NoNotify stops Enqueue from sending its pg_notify. PostgreSQL
+	// serializes the commits of transactions that sent a notification (the
+	// notification queue's lock is held through the commit's flush to
+	// disk), so many concurrent transactions that enqueue commit one flush
+	// at a time instead of sharing flushes; without the notification they
+	// commit as they would without the outbox. The relays then find new
+	// rows by polling alone: set RelayOptions.PollInterval to the delay
+	// you accept (a poll that finds nothing is one index probe). Defaults
+	// to false (notify).
+	NoNotify bool
 	// Retention is how long published rows are kept before Cleanup
 	// deletes them. Defaults to 24 hours.
 	Retention time.Duration
@@ -150,7 +160,7 @@ func (o *Outbox) Channel() string { return o.channel }
 //
 // Enqueue also issues pg_notify on Channel, which PostgreSQL delivers at
 // commit and folds into one notification per transaction: the relay wakes
-// up right after the commit.
+// up right after the commit (unless Options.NoNotify).
 func (o *Outbox) Enqueue(ctx context.Context, tx pgx.Tx, msgs ...outbox.Message) ([]string, error) {
 	if tx == nil {
 		return nil, errors.New("pgoutbox: Enqueue: tx is nil; pass the business transaction")
@@ -208,7 +218,9 @@ func (o *Outbox) Enqueue(ctx context.Context, tx pgx.Tx, msgs ...outbox.Message)
 		b.Queue(o.sql.lockKeys, lockIDs)
 	}
 	b.Queue(o.sql.insert, ids, topics, keys, hashes, payloads, headers)
-	b.Queue(o.sql.notify, o.channel)
+	if !o.opts.NoNotify {
+		b.Queue(o.sql.notify, o.channel)
+	}
 	if err := tx.SendBatch(ctx, b).Close(); err != nil {
 		return nil, fmt.Errorf("pgoutbox: Enqueue into %s: %w", o.table, err)
 	}

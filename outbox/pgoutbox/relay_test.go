@@ -587,6 +587,49 @@ func TestNoKeyLock(t *testing.T) {
 	enqueue(t, pool, ob, msg("t", "k", "2")) // would block with the key lock
 }
 
+// NoNotify: Enqueue sends no notification, and a relay finds the row by
+// polling. A listener on the channel receives, as its first notification,
+// the marker sent after the NoNotify transaction committed.
+func TestNoNotify(t *testing.T) {
+	t.Parallel()
+	pool := testenv.Pool(t, 4)
+	ob := newOutbox(t, pool, pgoutbox.Options{NoNotify: true})
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	conn, err := pool.Acquire(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Release()
+	if _, err := conn.Exec(ctx, "LISTEN "+pgx.Identifier{ob.Channel()}.Sanitize()); err != nil {
+		t.Fatal(err)
+	}
+	enqueue(t, pool, ob, msg("t", "k", "1"))
+	if _, err := pool.Exec(ctx, "SELECT pg_notify($1, 'marker')", ob.Channel()); err != nil {
+		t.Fatal(err)
+	}
+	n, err := conn.Conn().WaitForNotification(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if n.Payload != "marker" {
+		t.Fatalf("first notification on %s: %q, want the marker (Enqueue notified)", ob.Channel(), n.Payload)
+	}
+	_, _ = conn.Exec(ctx, "UNLISTEN *")
+
+	pub := &memPublisher{}
+	r, err := pgoutbox.NewRelay(ob, pub, fastRelay(pgoutbox.RelayOptions{PollInterval: 20 * time.Millisecond, RebalanceInterval: time.Hour}))
+	if err != nil {
+		t.Fatal(err)
+	}
+	idle := onIdle(r)
+	start(t, r)
+	testenv.Eventually(t, 20*time.Second, "the first row published", func() bool { return len(pub.published()) == 1 })
+	waitIdle(t, idle)
+	enqueue(t, pool, ob, msg("t", "k", "2"))
+	testenv.Eventually(t, 20*time.Second, "the second row published by the poll", func() bool { return len(pub.published()) == 2 })
+}
+
 // Dead rows are kept unless DeadRetention is set.
 func TestDeadRetention(t *testing.T) {
 	t.Parallel()

@@ -65,6 +65,9 @@ type row struct {
 	// handNote, when set, says under the table what the row's by-hand
 	// side sends; the Redis rows share one note.
 	handNote string
+	// peer, when set, builds the side of a peer library doing the same
+	// work (peerName). It runs as one more side in the row's rounds.
+	peer func(ctx context.Context, e *env) (side, error)
 }
 
 // result is a measured row.
@@ -72,6 +75,7 @@ type result struct {
 	row
 	bare, idem []float64    // rates per round
 	hand       []float64    // the commands-by-hand side's rates per round, when the row has one
+	peer       []float64    // the peer's rates per round, when the row has one
 	err        error        // why the row was not measured
 	sql        *floorResult // the row's SQL floor, measured right after it
 }
@@ -101,7 +105,7 @@ func Run(ctx context.Context, cfg Config) error {
 			continue
 		}
 		res := result{row: r}
-		res.bare, res.idem, res.hand, res.err = measureRow(ctx, e, r)
+		res.bare, res.idem, res.hand, res.peer, res.err = measureRow(ctx, e, r)
 		if res.err != nil {
 			e.logf("%s: not measured: %v", r.path, res.err)
 		}
@@ -111,32 +115,45 @@ func Run(ctx context.Context, cfg Config) error {
 		}
 		results = append(results, res)
 	}
+	lat := measureLatency(ctx, e, func(path string) bool { return cfg.Only == nil || cfg.Only.MatchString(path) })
 	printTable(cfg.Out, results, started, cfg)
+	printLatency(cfg.Out, lat)
 	return nil
 }
 
-func measureRow(ctx context.Context, e *env, r row) (bare, idem, hand []float64, err error) {
+func measureRow(ctx context.Context, e *env, r row) (bare, idem, hand, peer []float64, err error) {
 	e.logf("%s: setting up", r.path)
 	b, i, err := r.build(ctx, e)
 	if err != nil {
-		return nil, nil, nil, err
+		return nil, nil, nil, nil, err
 	}
 	sides := []side{b, i}
+	handAt, peerAt := -1, -1
 	if r.byHand != nil {
 		h, err := r.byHand(ctx, e)
 		if err != nil {
-			return nil, nil, nil, fmt.Errorf("commands-by-hand side: %w", err)
+			return nil, nil, nil, nil, fmt.Errorf("commands-by-hand side: %w", err)
 		}
-		sides = append(sides, h)
+		handAt, sides = len(sides), append(sides, h)
+	}
+	if r.peer != nil {
+		p, err := r.peer(ctx, e)
+		if err != nil {
+			return nil, nil, nil, nil, fmt.Errorf("peer side: %w", err)
+		}
+		peerAt, sides = len(sides), append(sides, p)
 	}
 	rates, err := alternate(ctx, e, r.path, e.cfg.Rounds, sides...)
 	if err != nil {
-		return nil, nil, nil, err
+		return nil, nil, nil, nil, err
 	}
-	if r.byHand != nil {
-		hand = rates[2]
+	if handAt >= 0 {
+		hand = rates[handAt]
 	}
-	return rates[0], rates[1], hand, nil
+	if peerAt >= 0 {
+		peer = rates[peerAt]
+	}
+	return rates[0], rates[1], hand, peer, nil
 }
 
 // alternate runs a warm-up of every side, then rounds in which the sides
@@ -203,6 +220,7 @@ func printTable(w io.Writer, results []result, started time.Time, cfg Config) {
 	}
 	printSQLFloors(p, results)
 	printByHand(p, results)
+	printPeers(p, results)
 	p("\n")
 }
 
@@ -319,4 +337,24 @@ func loadavg() string {
 		return "?"
 	}
 	return strings.Join(f[:3], " ")
+}
+
+// printPeers prints the table of the peer sides, when a row has one.
+func printPeers(p func(format string, args ...any), results []result) {
+	if !slices.ContainsFunc(results, func(r result) bool { return r.peer != nil || (r.err != nil && r.row.peer != nil) }) {
+		return
+	}
+	p("\nThe same work by a peer, %s, in the same rounds:\n\n", peerName)
+	p("| path | baseline rate | idem rate | peer rate | idem / peer | peer / baseline |\n|---|---:|---:|---:|---:|---:|\n")
+	for _, r := range results {
+		if r.row.peer == nil {
+			continue
+		}
+		if r.err != nil {
+			p("| %s | not measured | not measured | not measured | – | – |\n", r.path)
+			continue
+		}
+		b, i, x := median(r.bare), median(r.idem), median(r.peer)
+		p("| %s | %s | %s | %s | %.2f | %.2f |\n", r.path, rate(b, r.unit), rate(i, r.unit), rate(x, r.unit), i/x, x/b)
+	}
 }

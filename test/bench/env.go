@@ -29,10 +29,14 @@ type env struct {
 	amqpURL string
 	kafka   *kafkaBroker // nil until a Kafka row starts it
 	mysql   *sql.DB      // MariaDB, nil until a sqltable row opens it
-	pgstd   *sql.DB      // PostgreSQL through pgx's stdlib driver, nil until a sqltable row opens it
-	schema  string       // every table of the run, dropped at the end
-	log     *slog.Logger // for the components under test: warnings only
-	seq     atomic.Int64
+	// logical is a pool on a throwaway cluster with wal_level = logical
+	// (the WAL relay's), nil until a WAL relay row starts it.
+	logical    *pgxpool.Pool
+	logicalErr error
+	pgstd      *sql.DB      // PostgreSQL through pgx's stdlib driver, nil until a sqltable row opens it
+	schema     string       // every table of the run, dropped at the end
+	log        *slog.Logger // for the components under test: warnings only
+	seq        atomic.Int64
 
 	floorOnce sync.Once // creates the pgbench scripts' tables
 

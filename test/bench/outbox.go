@@ -7,14 +7,10 @@ import (
 	"sync/atomic"
 	"time"
 
-	"github.com/jackc/pgx/v5"
 	amqp091 "github.com/rabbitmq/amqp091-go"
 
-	idemamqp "github.com/idemkit/idem/adapters/amqp"
-	"github.com/idemkit/idem/consumer"
 	"github.com/idemkit/idem/internal/testkit/testenv"
 	"github.com/idemkit/idem/outbox"
-	"github.com/idemkit/idem/outbox/pgoutbox"
 )
 
 // outboxBatch is how many messages both sides have in flight at once: the
@@ -74,29 +70,6 @@ func (e *env) exchange() (string, func(), error) {
 	return x, purge, err
 }
 
-func outboxRow() row {
-	return row{
-		path:     "outbox poll relay to RabbitMQ with confirms (pgoutbox.Relay)",
-		baseline: "bare amqp091-go publisher with confirms, 500 in flight",
-		target:   0.70, unit: "msg/s",
-		build: func(ctx context.Context, e *env) (side, side, error) {
-			x, purge, err := e.exchange()
-			if err != nil {
-				return nil, nil, err
-			}
-			bare := func(ctx context.Context, warm bool) (float64, error) {
-				defer purge()
-				return outboxBare(ctx, e, x, warmed(e.size.deliveries, warm))
-			}
-			idem := func(ctx context.Context, warm bool) (float64, error) {
-				defer purge()
-				return outboxRelay(ctx, e, x, warmed(e.size.deliveries, warm))
-			}
-			return bare, idem, nil
-		},
-	}
-}
-
 func outboxBare(ctx context.Context, e *env, exchange string, n int) (rate float64, err error) {
 	err = e.amqp(func(ch *amqp091.Channel) error {
 		if err := ch.Confirm(false); err != nil {
@@ -121,55 +94,4 @@ func outboxBare(ctx context.Context, e *env, exchange string, n int) (rate float
 		return nil
 	})
 	return rate, err
-}
-
-// outboxRelay enqueues n messages into a fresh outbox (untimed), then times
-// a relay publishing them.
-func outboxRelay(ctx context.Context, e *env, exchange string, n int) (float64, error) {
-	ob, err := pgoutbox.New(e.pool, pgoutbox.Options{Schema: e.schema, Table: testenv.Name("outbox"), Logger: e.log})
-	if err != nil {
-		return 0, err
-	}
-	if err := ob.Migrate(ctx); err != nil {
-		return 0, err
-	}
-	for i := 0; i < n; i += 1000 {
-		var msgs []outbox.Message
-		for j := i; j < min(i+1000, n); j++ {
-			msgs = append(msgs, outbox.Message{Topic: exchange, Key: fmt.Append(nil, "key-", j%1000), Payload: payload})
-		}
-		if err := pgx.BeginFunc(ctx, e.pool, func(tx pgx.Tx) error { _, err := ob.Enqueue(ctx, tx, msgs...); return err }); err != nil {
-			return 0, err
-		}
-	}
-	if _, err := e.pool.Exec(ctx, "VACUUM ANALYZE "+ob.Table()); err != nil {
-		return 0, err
-	}
-	amqpPub, err := idemamqp.NewPublisher(e.amqpURL, idemamqp.PublisherOptions{Logger: e.log})
-	if err != nil {
-		return 0, err
-	}
-	defer func() { _ = amqpPub.Close() }()
-	pub := &counting{Publisher: amqpPub, want: int64(n), done: make(chan struct{})}
-	r, err := pgoutbox.NewRelay(ob, pub, pgoutbox.RelayOptions{BatchSize: outboxBatch, CleanupInterval: -1, Telemetry: consumer.Telemetry{Logger: e.log}})
-	if err != nil {
-		return 0, err
-	}
-	ctx, cancel := context.WithCancel(ctx)
-	defer cancel()
-	errc := make(chan error, 1)
-	go func() { errc <- r.Run(ctx) }()
-	select {
-	case <-pub.done:
-	case err := <-errc:
-		return 0, fmt.Errorf("relay stopped: %w", err)
-	case <-time.After(10 * time.Minute):
-		return 0, fmt.Errorf("relay published %d of %d in 10 minutes", pub.n.Load(), n)
-	}
-	rate := float64(n) / pub.end.Sub(time.Unix(0, pub.first.Load())).Seconds()
-	cancel()
-	if err := <-errc; err != nil && !errors.Is(err, context.Canceled) {
-		return 0, err
-	}
-	return rate, nil
 }

@@ -20,7 +20,10 @@ func rows() []row {
 		sqltableMariaRow(),
 		sqltablePgRow(),
 		redisnxRow(),
-		outboxRow(),
+		relayRow(pollRelay, rabbitTarget, 0.70),
+		relayRow(pollRelay, kafkaTarget, 0.50),
+		relayRow(walRelay, rabbitTarget, 0.90),
+		relayRow(walRelay, kafkaTarget, 0.70),
 	}
 }
 
