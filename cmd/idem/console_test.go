@@ -11,6 +11,8 @@ import (
 	"regexp"
 	"strings"
 	"testing"
+
+	"github.com/idemkit/idem/internal/testkit/testenv"
 )
 
 // startConsole serves the console's handler, configured by args as "idem
@@ -189,5 +191,40 @@ func TestConsoleSecurity(t *testing.T) {
 	code, _, errOut := runCmd(context.Background(), t, "console", "--listen", "0.0.0.0:0")
 	if code != 2 || !strings.Contains(errOut, "--token") {
 		t.Errorf("idem console --listen 0.0.0.0:0 without a token: exit %d, want 2 with a word on --token\n%s", code, errOut)
+	}
+}
+
+// TestConsoleWatermillDiscard: the console lists the poison queue of a
+// Watermill router on watermill-sql by reason, and a discard of one letter
+// (its form's POST, then the confirmation's) deletes that letter only.
+func TestConsoleWatermillDiscard(t *testing.T) {
+	r := newWMRig(t)
+	r.publish(t, r.poison, r.letter("wm-a", "bad-a"), r.letter("wm-b", "bad-b"))
+	srv := startConsole(t, "--watermill-sql", r.poison, "--postgres", testenv.PostgresURL(), "--schema", r.schema)
+	c := consoleClient(t)
+	status, _, body := do(t, c, "GET", srv.URL+"/deadletters?dest=watermill-sql", nil, nil)
+	if status != http.StatusOK || !strings.Contains(body, "2 dead letters") || !strings.Contains(body, "cannot parse bad-a") {
+		t.Fatalf("dead-letter page: %d\n%s", status, body)
+	}
+	m := csrfField.FindStringSubmatch(body)
+	if m == nil {
+		t.Fatalf("no CSRF token on the page:\n%s", body)
+	}
+	form := url.Values{"csrf": {m[1]}, "dest": {"watermill-sql"}, "action": {"discard"}, "id": {"wm-a"}}
+	origin := map[string]string{"Origin": srv.URL}
+	status, _, body = do(t, c, "POST", srv.URL+"/deadletters/act", form, origin)
+	if status != http.StatusOK || !strings.Contains(body, "would discard 1") {
+		t.Fatalf("discard, first POST: %d, want the confirmation of a dry run\n%s", status, body)
+	}
+	if n := r.letters(t); n != 2 {
+		t.Fatalf("%d letters before the confirmation, want 2", n)
+	}
+	form.Set("confirm", "yes")
+	status, _, body = do(t, c, "POST", srv.URL+"/deadletters/act", form, origin)
+	if status != http.StatusOK || !strings.Contains(body, ": 1 discarded") {
+		t.Fatalf("discard, confirmed: %d\n%s", status, body)
+	}
+	if rows := r.rows(t, r.poison); len(rows) != 1 || rows["wm-b"] != 1 {
+		t.Errorf("letters after the discard: %v, want wm-b only", rows)
 	}
 }
