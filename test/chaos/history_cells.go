@@ -51,7 +51,7 @@ func init() {
 			return scenario.RedisnxKilled(ctx, historySize(env, scenario.Size{Clients: 16, Ops: 300, Keys: 24}))
 		}},
 		{"history/redisnx-cluster/failover", func(ctx context.Context, env *Env) (*scenario.Outcome, error) {
-			return scenario.RedisnxCluster(ctx, historySize(env, scenario.Size{Clients: 16, Ops: 300, Keys: 48}))
+			return scenario.RedisnxCluster(ctx, historySize(env, scenario.Size{Clients: 16, Ops: 600, Keys: 96}))
 		}},
 		{"history/pgtable-lease/cut", func(ctx context.Context, env *Env) (*scenario.Outcome, error) {
 			return scenario.PgtableLease(ctx, env.PGURL, historySize(env, scenario.Size{Clients: 16, Ops: 250, Keys: 64}))

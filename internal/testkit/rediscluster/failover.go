@@ -10,6 +10,8 @@ import (
 	"os"
 	"path/filepath"
 	"strings"
+
+	"github.com/redis/go-redis/v9"
 )
 
 // FailOver replaces the master at addr by one of its replicas without
@@ -26,8 +28,12 @@ import (
 //  5. start the killed node again empty (data and cluster config removed,
 //     so it cannot come back claiming the slots it had), make every node
 //     forget its old identity, and join it to the cluster as a replica of
-//     the promoted master; wait until the cluster is whole again and the
-//     replica has caught up, so the shard can be failed over once more.
+//     the promoted master; wait until the cluster is whole again, the
+//     replica has caught up and every node names it a replica, so the
+//     shard can be failed over once more.
+//
+// The whole takes a few seconds: the node timeout, the replica's election,
+// and the empty node's full sync.
 //
 // Redis replicates asynchronously: a master killed without step 2 may take
 // its last acknowledged writes with it. FailOver keeps that window out, so
@@ -73,7 +79,46 @@ func (c *Cluster) FailOver(ctx context.Context, addr string) (promoted string, e
 	if err := c.waitReady(ctx, len(shards)); err != nil {
 		return promoted, fmt.Errorf("rediscluster: after failing %s over: %w", addr, err)
 	}
-	return promoted, nil
+	for {
+		ok, err := c.seenAsReplica(ctx, slot, addr)
+		if err == nil && ok {
+			return promoted, nil
+		}
+		if perr := pause(ctx); perr != nil {
+			return promoted, fmt.Errorf("rediscluster: not every node names %s a replica of slot %d's shard (last error: %w): %w", addr, slot, err, perr)
+		}
+	}
+}
+
+// seenAsReplica reports whether every running node names replica as an
+// online replica in the shard of slot (CLUSTER SHARDS on each).
+func (c *Cluster) seenAsReplica(ctx context.Context, slot int, replica string) (bool, error) {
+	for _, a := range c.addrs {
+		if !c.nodes[a].Running() {
+			continue
+		}
+		n := redis.NewClient(&redis.Options{Addr: a, MaxRetries: -1})
+		shards, err := n.ClusterShards(ctx).Result()
+		_ = n.Close()
+		if err != nil {
+			return false, fmt.Errorf("CLUSTER SHARDS on %s: %w", a, err)
+		}
+		seen := false
+		for _, rs := range shards {
+			if !(Shard{Slots: rs.Slots}).Owns(slot) {
+				continue
+			}
+			for _, node := range rs.Nodes {
+				if fmt.Sprintf("%s:%d", node.IP, node.Port) == replica && node.Role == "replica" && node.Health == "online" {
+					seen = true
+				}
+			}
+		}
+		if !seen {
+			return false, nil
+		}
+	}
+	return true, nil
 }
 
 // rejoin starts the killed node at addr again empty and makes it a
@@ -106,6 +151,11 @@ func (c *Cluster) rejoin(ctx context.Context, addr, oldID, master string) error 
 	}
 	if _, err := c.command(ctx, addr, "CLUSTER", "MEET", host, port, bus); err != nil {
 		return fmt.Errorf("CLUSTER MEET: %w", err)
+	}
+	// Without this the master waits 5s (Redis's default) for more
+	// replicas before it starts the new one's full sync.
+	if err := c.ConfigSet(ctx, master, "repl-diskless-sync-delay", "0"); err != nil {
+		return err
 	}
 	masterID, err := c.command(ctx, master, "CLUSTER", "MYID")
 	if err != nil {
