@@ -28,9 +28,9 @@ import (
 //  5. start the killed node again empty (data and cluster config removed,
 //     so it cannot come back claiming the slots it had), make every node
 //     forget its old identity, and join it to the cluster as a replica of
-//     the promoted master; wait until the cluster is whole again, the
-//     replica has caught up and every node names it a replica, so the
-//     shard can be failed over once more.
+//     the promoted master; wait until every node sees all the nodes
+//     again, the replica's full sync is done and every node names it a
+//     replica, so the shard can be failed over once more.
 //
 // The whole takes a few seconds: the node timeout, the replica's election,
 // and the empty node's full sync.
@@ -76,18 +76,49 @@ func (c *Cluster) FailOver(ctx context.Context, addr string) (promoted string, e
 	if err := c.rejoin(ctx, addr, oldID, promoted); err != nil {
 		return promoted, fmt.Errorf("rediscluster: rejoin %s as a replica of %s: %w", addr, promoted, err)
 	}
-	if err := c.waitReady(ctx, len(shards)); err != nil {
-		return promoted, fmt.Errorf("rediscluster: after failing %s over: %w", addr, err)
-	}
+	// Not waitReady: its check that replicas have their master's
+	// offset seldom holds while clients write.
 	for {
-		ok, err := c.seenAsReplica(ctx, slot, addr)
-		if err == nil && ok {
+		err := c.whole(ctx, slot, addr, promoted)
+		if err == nil {
 			return promoted, nil
 		}
 		if perr := pause(ctx); perr != nil {
-			return promoted, fmt.Errorf("rediscluster: not every node names %s a replica of slot %d's shard (last error: %w): %w", addr, slot, err, perr)
+			return promoted, fmt.Errorf("rediscluster: after failing %s over: %w (%w)", addr, err, perr)
 		}
 	}
+}
+
+// whole reports an error unless every running node sees the cluster as
+// ok with all its nodes, master lists replica as online (its full sync
+// done), and every node names replica a replica in slot's shard.
+func (c *Cluster) whole(ctx context.Context, slot int, replica, master string) error {
+	for _, a := range c.addrs {
+		info, err := c.command(ctx, a, "CLUSTER", "INFO")
+		if err != nil {
+			return err
+		}
+		if !strings.Contains(info, "cluster_state:ok") ||
+			!strings.Contains(info, fmt.Sprintf("cluster_known_nodes:%d\r", len(c.addrs))) {
+			return fmt.Errorf("%s: %s", a, info)
+		}
+	}
+	host, port, err := net.SplitHostPort(replica)
+	if err != nil {
+		return err
+	}
+	info, err := c.command(ctx, master, "INFO", "replication")
+	if err != nil {
+		return err
+	}
+	if !strings.Contains(info, "ip="+host+",port="+port+",state=online") {
+		return fmt.Errorf("%s is not an online replica of %s: %s", replica, master, info)
+	}
+	seen, err := c.seenAsReplica(ctx, slot, replica)
+	if err == nil && !seen {
+		err = fmt.Errorf("not every node names %s a replica", replica)
+	}
+	return err
 }
 
 // seenAsReplica reports whether every running node names replica as an

@@ -140,6 +140,7 @@ func RedisnxCluster(ctx context.Context, size Size) (*Outcome, error) {
 		return nil, err
 	}
 	pauses, failovers := 0, 0
+	var took []time.Duration // each FailOver, from the pause of writes to the rejoined replica
 	var ferr faultErr
 	w := linear.Workload{Scope: testenv.UniqueID("rcl"), Keys: 6, Lease: lease, TTL: ttl, Ops: 40, CallTimeout: 200 * time.Millisecond}
 	size.apply(&w)
@@ -164,10 +165,12 @@ func RedisnxCluster(ctx context.Context, size Size) (*Outcome, error) {
 				}
 				pauses++
 			} else {
+				start := time.Now()
 				if _, err := cl.FailOver(ctx, m); err != nil {
 					ferr.set(fmt.Errorf("fail %s over: %w", m, err))
 					return false
 				}
+				took = append(took, time.Since(start))
 				failovers++
 			}
 			n++
@@ -179,7 +182,7 @@ func RedisnxCluster(ctx context.Context, size Size) (*Outcome, error) {
 	}
 	return &Outcome{Name: "redisnx cluster", Model: linear.LeaseModel(lease, ttl, Slack), History: h,
 		Faults: pauses + failovers, Restarts: failovers,
-		Note: fmt.Sprintf("%d masters frozen for 300ms, %d failed over (paused, in sync, SIGKILLed, replaced)", pauses, failovers)}, nil
+		Note: fmt.Sprintf("%d masters frozen for 300ms, %d failed over (paused, in sync, SIGKILLed, replaced%s)", pauses, failovers, meanMax(took))}, nil
 }
 
 // every runs f every d until ctx ends or f returns false.
@@ -196,4 +199,19 @@ func every(ctx context.Context, d time.Duration, f func() bool) {
 			}
 		}
 	}
+}
+
+// meanMax describes durations as ", each in 3.1s mean, 4.2s max", or ""
+// without any.
+func meanMax(ds []time.Duration) string {
+	if len(ds) == 0 {
+		return ""
+	}
+	var sum, top time.Duration
+	for _, d := range ds {
+		sum += d
+		top = max(top, d)
+	}
+	mean := sum / time.Duration(len(ds))
+	return fmt.Sprintf(", each in %v mean, %v max", mean.Round(100*time.Millisecond), top.Round(100*time.Millisecond))
 }
