@@ -65,7 +65,7 @@ func pgSchema(ctx context.Context, url string, maxConns int32) (pool *pgxpool.Po
 	return pool, schema, drop, nil
 }
 
-// PgtableLease: clients on pgtable's lease mode, on the PostgreSQL at url
+// PgtableLease runs clients on pgtable's lease mode, on the PostgreSQL at url
 // in a schema of their own, through a proxy that every 300ms spends 20ms
 // cutting connections after forwarding a statement and before its reply
 // reaches the client (the server ran it; the client cannot know). Reads
@@ -146,7 +146,7 @@ func PgtableLease(ctx context.Context, url string, size Size) (*Outcome, error) 
 		Note:   fmt.Sprintf("%d replies cut after PostgreSQL ran the statement, in %d windows of 20ms", st.Cuts, windows)}, nil
 }
 
-// Twolevel: clients process keys through twolevel (redisnx in front of
+// Twolevel runs clients that process keys through twolevel (redisnx in front of
 // pgtable on the PostgreSQL at url, in a schema of its own), while the
 // cache, a throwaway Redis without persistence, is SIGKILLed and restarted
 // empty every 100ms; one fn in eight fails. Checked under TxModel: each

@@ -65,7 +65,7 @@ func (f *faultErr) get() error {
 	return f.err
 }
 
-// RedisnxKilled: clients on redisnx, with go-redis's default retries, on a
+// RedisnxKilled runs clients on redisnx, with go-redis's default retries, on a
 // Redis that fsyncs every write before answering (appendonly yes,
 // appendfsync always) and is SIGKILLed and restarted every 300ms. Calls cut
 // by a kill are Unknown outcomes. Checked under LeaseModel: a restart
@@ -107,7 +107,7 @@ func RedisnxKilled(ctx context.Context, size Size) (*Outcome, error) {
 		Note: fmt.Sprintf("Redis (appendfsync always) SIGKILLed and restarted %d times", kills)}, nil
 }
 
-// RedisnxCluster: clients on redisnx on a three-master Redis Cluster
+// RedisnxCluster runs clients on redisnx on a three-master Redis Cluster
 // (one replica each, cluster-node-timeout 1s), while every 500ms a fault
 // hits one master, the shards in turn, alternating two kinds:
 //

@@ -94,7 +94,7 @@ func (o *Outcome) Search() (*linear.Violation, error) {
 	return linear.Search(o.Name, o.Model, o.History.Operations())
 }
 
-// Memstore: clients on a memstore with a lease and retention of 100ms, so
+// Memstore runs clients on a memstore with a lease and retention of 100ms, so
 // leases run out, stale owners come back and done marks expire; no fault
 // beyond time. Checked under LeaseModel. Defaults: 8 clients, 3 keys, 60
 // operations each.
