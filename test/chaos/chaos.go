@@ -15,7 +15,10 @@
 //
 // The oracle: effects are written to a table with no
 // unique constraint, duplicates are ids with more than one effect row, and
-// lost are acknowledged (or sent) inputs without an effect row.
+// lost are acknowledged (or sent) inputs without an effect row. The
+// history/ cells have none: they check the stores' answers for
+// linearizability (history_cells.go), count the operations as messages,
+// and fail on a history their model does not explain.
 //
 // Child processes: a cell that SIGKILLs a consumer re-executes the chaos
 // binary itself with IDEM_CHAOS_CHILD set to the name of a function

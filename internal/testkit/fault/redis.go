@@ -87,6 +87,10 @@ func StartRedis(ctx context.Context, opts RedisOptions) (*Redis, error) {
 // Addr is the host:port the server listens on.
 func (r *Redis) Addr() string { return fmt.Sprintf("127.0.0.1:%d", r.port) }
 
+// Dir is the server's working directory (its --dir), which a Restart
+// keeps.
+func (r *Redis) Dir() string { return r.dir }
+
 // Running reports whether the server process is up.
 func (r *Redis) Running() bool {
 	r.mu.Lock()

@@ -26,15 +26,29 @@ type Violation struct {
 	// of the longest order the checker found, and the operations that
 	// could come next, none of which the model accepts.
 	SubHistory string
+	// PathErr says why Path is empty.
+	PathErr error
 }
 
-// Find checks ops key by key against model. It returns the first key
+// Error describes the violation: the key, where its visualization is, and
+// its sub-history.
+func (v *Violation) Error() string {
+	where := v.Path
+	if where == "" {
+		where = fmt.Sprintf("none (%v)", v.PathErr)
+	}
+	return fmt.Sprintf("the history of key %s is not linearizable; visualization: %s\n%s", v.Key, where, v.SubHistory)
+}
+
+// Search checks ops key by key against model. It returns the first key
 // whose history is not linearizable, with its visualization written to a
 // directory of its own (under $IDEM_LINEAR_DIR when set, else the system's
 // temporary directory; it is kept for inspection), or nil when every key
-// is linearizable. It fails t when a key's check runs out of CheckTimeout.
-func Find(t testing.TB, name string, model porcupine.Model, ops []porcupine.Operation) *Violation {
-	t.Helper()
+// is linearizable. It returns an error when a key's check runs out of
+// CheckTimeout (a history too large to check is no evidence); a
+// visualization that cannot be written leaves Violation.Path empty and
+// its reason in Violation.PathErr.
+func Search(name string, model porcupine.Model, ops []porcupine.Operation) (*Violation, error) {
 	byKey := map[string][]porcupine.Operation{}
 	var keys []string
 	for _, op := range ops {
@@ -51,22 +65,36 @@ func Find(t testing.TB, name string, model porcupine.Model, ops []porcupine.Oper
 		case porcupine.Ok:
 			continue
 		case porcupine.Unknown:
-			t.Fatalf("%s: the check of key %s (%d operations) ran out of %v; shrink the run", name, k, len(byKey[k]), CheckTimeout)
+			return nil, fmt.Errorf("%s: the check of key %s (%d operations) ran out of %v; shrink the run", name, k, len(byKey[k]), CheckTimeout)
 		}
 		v := &Violation{Key: k, SubHistory: subHistory(byKey[k], info, model)}
 		dir, err := outDir(name)
 		if err != nil {
-			t.Logf("%s: no directory for the visualization: %v", name, err)
-			return v
+			v.PathErr = fmt.Errorf("no directory for the visualization: %w", err)
+			return v, nil
 		}
 		v.Path = filepath.Join(dir, "key-"+k+".html")
 		if err := porcupine.VisualizePath(model, info, v.Path); err != nil {
-			t.Logf("%s: writing the visualization: %v", name, err)
+			v.PathErr = fmt.Errorf("writing the visualization: %w", err)
 			v.Path = ""
 		}
-		return v
+		return v, nil
 	}
-	return nil
+	return nil, nil
+}
+
+// Find is Search for a test: it fails t when a key's check runs out of
+// CheckTimeout, and logs why a visualization could not be written.
+func Find(t testing.TB, name string, model porcupine.Model, ops []porcupine.Operation) *Violation {
+	t.Helper()
+	v, err := Search(name, model, ops)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if v != nil && v.PathErr != nil {
+		t.Logf("%s: %v", name, v.PathErr)
+	}
+	return v
 }
 
 // Check fails t when ops, checked key by key against model, are not
@@ -77,7 +105,7 @@ func Check(t testing.TB, name string, model porcupine.Model, h *History) {
 	ops := h.Operations()
 	t.Logf("%s: %d operations: %v", name, len(ops), h.Counts())
 	if v := Find(t, name, model, ops); v != nil {
-		t.Fatalf("%s: the history of key %s is not linearizable; visualization: %s\n%s", name, v.Key, v.Path, v.SubHistory)
+		t.Fatalf("%s: %v", name, v)
 	}
 }
 

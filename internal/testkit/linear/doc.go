@@ -14,7 +14,9 @@
 // are checked against, key by key; their docs say what each promises and
 // what it does not cover. Check fails a test on a history that no order
 // of its operations explains, printing the failing key's sub-history and
-// the path of Porcupine's visualization of it.
+// the path of Porcupine's visualization of it; Search returns the same
+// violation to a caller without a testing.T (the chaos matrix). The
+// scenarios that produce the histories are in the scenario subpackage.
 //
 // This package is test-only: nothing in the library imports it.
 package linear

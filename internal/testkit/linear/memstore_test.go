@@ -11,12 +11,11 @@ import (
 	"github.com/idemkit/idem/dedup"
 	"github.com/idemkit/idem/dedup/memstore"
 	"github.com/idemkit/idem/internal/testkit/linear"
+	"github.com/idemkit/idem/internal/testkit/linear/scenario"
 	"github.com/idemkit/idem/internal/testkit/testenv"
 )
 
-// slack covers the difference between a store's clock and the history's,
-// and the stores' rounding of expiries to milliseconds.
-const slack = 20 * time.Millisecond
+const slack = scenario.Slack
 
 func newMemstore(t *testing.T, lease, ttl time.Duration) *memstore.Store {
 	t.Helper()
@@ -30,13 +29,14 @@ func newMemstore(t *testing.T, lease, ttl time.Duration) *memstore.Store {
 
 // TestMemstoreLinearizable: the history of eight clients on three keys of a
 // memstore (lease and retention of 100ms, so leases run out, stale owners
-// come back and done marks expire) is linearizable under LeaseModel.
+// come back and done marks expire; scenario.Memstore) is linearizable
+// under LeaseModel.
 func TestMemstoreLinearizable(t *testing.T) {
-	const lease, ttl = 100 * time.Millisecond, 100 * time.Millisecond
-	s := newMemstore(t, lease, ttl)
-	w := linear.Workload{Scope: testenv.UniqueID("mem"), Lease: lease, TTL: ttl}
-	h := linear.RunLease(testenv.Ctx(t), linear.Target{Store: s}, w, nil)
-	linear.Check(t, "memstore", linear.LeaseModel(lease, ttl, slack), h)
+	o, err := scenario.Memstore(testenv.Ctx(t), scenario.Size{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	linear.Check(t, o.Name, o.Model, o.History)
 }
 
 // doubleGrant is a broken store: a claim that finds the key in flight is

@@ -52,3 +52,47 @@ func TestStart(t *testing.T) {
 		t.Fatal(err)
 	}
 }
+
+// TestFailOver: keys written before each failover are all there after it,
+// on the promoted replica, and the cluster is whole again (one master
+// and one replica per shard) so the same shard fails over again.
+func TestFailOver(t *testing.T) {
+	c := rediscluster.Start(t, rediscluster.Options{})
+	ctx := testenv.Ctx(t)
+	cc := c.Client(t, redis.ClusterOptions{})
+	written := 0
+	for round := range 4 {
+		for range 200 {
+			if err := cc.Set(ctx, fmt.Sprintf("k%d", written), round, 0).Err(); err != nil {
+				t.Fatal(err)
+			}
+			written++
+		}
+		shards, err := c.Shards(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		old := shards[round%2].Master
+		promoted, err := c.FailOver(ctx, old)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if promoted == old {
+			t.Fatalf("round %d: %s is still the master", round, old)
+		}
+		after, err := c.Shards(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, s := range after {
+			if s.Master == "" || len(s.Replicas) != 1 {
+				t.Fatalf("round %d: shard %+v, want one master and one replica", round, s)
+			}
+		}
+		for i := range written {
+			if err := cc.Get(ctx, fmt.Sprintf("k%d", i)).Err(); err != nil {
+				t.Fatalf("round %d: key k%d after failing %s over to %s: %v", round, i, old, promoted, err)
+			}
+		}
+	}
+}
