@@ -9,7 +9,6 @@ import (
 	"io"
 	"net"
 	"net/http"
-	"sync"
 	"time"
 
 	"github.com/jackc/pgx/v5/pgxpool"
@@ -197,13 +196,15 @@ type consoleStore struct {
 }
 
 // consoleDLQ is a dead-letter destination. Its backend is opened for each
-// request and closed at its end; mu keeps two requests from reading one
-// destination at once (RabbitMQ's are taken from the queue while read).
+// request and closed at its end; turn (a channel of one slot) keeps two
+// requests from reading one destination at once (RabbitMQ's are taken
+// from the queue while read), and a request waits for its turn only as
+// long as its context lasts.
 type consoleDLQ struct {
-	Name  string // kafka, amqp, nats or outbox
+	Name  string // kafka, amqp, nats, watermill-sql or outbox
 	Label string
 	open  func(ctx context.Context) (dlqBackend, error)
-	mu    sync.Mutex
+	turn  chan struct{}
 }
 
 func (s *consoleSources) close() {
@@ -275,21 +276,21 @@ func openConsoleSources(ctx context.Context, c *consoleConfig, set map[string]bo
 	}
 	f := c.dlq
 	if f.kafka != "" {
-		src.dlqs = append(src.dlqs, &consoleDLQ{Name: "kafka", Label: fmt.Sprintf("Kafka topic %q", f.topic),
+		src.dlqs = append(src.dlqs, &consoleDLQ{turn: make(chan struct{}, 1), Name: "kafka", Label: fmt.Sprintf("Kafka topic %q", f.topic),
 			open: func(ctx context.Context) (dlqBackend, error) { return openKafkaDLQ(ctx, &f) }})
 	}
 	if f.amqp != "" {
-		src.dlqs = append(src.dlqs, &consoleDLQ{Name: "amqp", Label: fmt.Sprintf("RabbitMQ queue %q", f.queue),
+		src.dlqs = append(src.dlqs, &consoleDLQ{turn: make(chan struct{}, 1), Name: "amqp", Label: fmt.Sprintf("RabbitMQ queue %q", f.queue),
 			open: func(ctx context.Context) (dlqBackend, error) { return openAMQPDLQ(ctx, &f) }})
 	}
 	if f.nats != "" {
-		src.dlqs = append(src.dlqs, &consoleDLQ{Name: "nats", Label: fmt.Sprintf("NATS stream %q", f.stream),
+		src.dlqs = append(src.dlqs, &consoleDLQ{turn: make(chan struct{}, 1), Name: "nats", Label: fmt.Sprintf("NATS stream %q", f.stream),
 			open: func(ctx context.Context) (dlqBackend, error) { return openNATSDLQ(ctx, &f) }})
 	}
 	if c.watermillTopic != "" {
 		wf := f
-		wf.pg, wf.watermill, wf.topic = c.pg, true, c.watermillTopic
-		src.dlqs = append(src.dlqs, &consoleDLQ{Name: "watermill-sql", Label: fmt.Sprintf("Watermill poison topic %q", wf.topic),
+		wf.pg, wf.watermill = c.pg, c.watermillTopic
+		src.dlqs = append(src.dlqs, &consoleDLQ{turn: make(chan struct{}, 1), Name: "watermill-sql", Label: fmt.Sprintf("Watermill poison topic %q", wf.watermill),
 			open: func(ctx context.Context) (dlqBackend, error) { return openWatermillDLQ(ctx, &wf) }})
 	}
 	if f.outbox && src.outbox != nil {
@@ -319,7 +320,7 @@ func (s *consoleSources) usePostgres(pool *pgxpool.Pool, c *consoleConfig) error
 // addOutboxDLQ lists the outbox's dead rows among the dead letters.
 func (s *consoleSources) addOutboxDLQ() {
 	pool, ob := s.pool, s.outbox
-	s.dlqs = append(s.dlqs, &consoleDLQ{Name: "outbox", Label: "outbox " + ob.Table(),
+	s.dlqs = append(s.dlqs, &consoleDLQ{turn: make(chan struct{}, 1), Name: "outbox", Label: "outbox " + ob.Table(),
 		open: func(context.Context) (dlqBackend, error) { return &outboxDLQ{pool: pool, ob: ob, shared: true}, nil }})
 }
 

@@ -52,7 +52,7 @@ func demoSources(br *demoBroker, pgd *pgDemo, schema string, store dedup.LeaseSt
 	}
 	if br.kind == brokerKafka {
 		f := dlqFlags{kafka: strings.Join(br.brokers, ","), topic: br.dlq, group: "idem-deadletter", idHeader: "idem-message-id"}
-		src.dlqs = append(src.dlqs, &consoleDLQ{Name: "kafka", Label: "Kafka topic \"" + br.dlq + "\"",
+		src.dlqs = append(src.dlqs, &consoleDLQ{turn: make(chan struct{}, 1), Name: "kafka", Label: "Kafka topic \"" + br.dlq + "\"",
 			open: func(ctx context.Context) (dlqBackend, error) { return openKafkaDLQ(ctx, &f) }})
 	}
 	return src

@@ -40,9 +40,13 @@ func TestConsoleDemo(t *testing.T) {
 	defer cancel()
 	var out, errOut syncBuffer
 	code := make(chan int, 1)
+	exited := make(chan struct{})
 	go func() {
+		defer close(exited)
 		code <- run(ctx, []string{"demo", "--payments", "100", "--progress", "none", "--console", "--console-listen", "127.0.0.1:0"}, &out, &errOut)
 	}()
+	// A test that fails early still waits for the command it started.
+	t.Cleanup(func() { cancel(); <-exited })
 	url := regexp.MustCompile(`idem console: (http://127\.0\.0\.1:\d+/)`)
 	var base string
 	testenv.Eventually(t, 2*time.Minute, "the console's URL", func() bool {

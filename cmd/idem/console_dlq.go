@@ -41,14 +41,31 @@ type letterView struct {
 	Headers []header
 	Payload string
 	Size    int
+	// Truncated says that Payload holds only the first maxPayloadShown
+	// bytes.
+	Truncated bool
 }
 
-func newLetterView(d *deadLetter) letterView {
+// maxPayloadShown is how much of a payload the letter page shows.
+const maxPayloadShown = 64 << 10
+
+// newLetterView returns d as a list shows it, or with full as its own
+// page shows it: with its headers and (the first maxPayloadShown bytes
+// of) its payload.
+func newLetterView(d *deadLetter, full bool) letterView {
 	v := letterView{Pos: d.pos, ID: d.id, MsgID: d.msgID, Reason: d.reason, Source: d.source, Attempts: d.attempts,
-		At: timeText(d.at), Error: d.errText, Sel: d.id, Payload: printable(d.payload), Size: len(d.payload)}
+		At: timeText(d.at), Error: d.errText, Sel: d.id, Size: len(d.payload)}
 	if v.Sel == "" {
 		v.Sel = d.pos
 	}
+	if !full {
+		return v
+	}
+	p := d.payload
+	if len(p) > maxPayloadShown {
+		p, v.Truncated = p[:maxPayloadShown], true
+	}
+	v.Payload = printable(p)
 	if d.key != nil {
 		v.Key, v.HasKey = printable(d.key), true
 	}
@@ -76,8 +93,12 @@ func (c *console) dest(r *http.Request) *consoleDLQ {
 // withBackend opens d's backend, runs f on it and closes it, one request
 // at a time per destination.
 func withBackend(ctx context.Context, d *consoleDLQ, f func(b dlqBackend) error) error {
-	d.mu.Lock()
-	defer d.mu.Unlock()
+	select {
+	case d.turn <- struct{}{}:
+	case <-ctx.Done():
+		return fmt.Errorf("%s is busy with another request: %w", d.Label, ctx.Err())
+	}
+	defer func() { <-d.turn }()
 	b, err := d.open(ctx)
 	if err != nil {
 		return err
@@ -114,7 +135,7 @@ func (c *console) dlqPage(w http.ResponseWriter, r *http.Request) {
 		}
 		v.Groups, v.More = res.groups, res.more
 		for _, l := range res.letters {
-			v.Letters = append(v.Letters, newLetterView(l))
+			v.Letters = append(v.Letters, newLetterView(l, false))
 		}
 		return nil
 	})
@@ -149,7 +170,7 @@ func (c *console) dlqShowPage(w http.ResponseWriter, r *http.Request) {
 	err := withBackend(ctx, d, func(b dlqBackend) error {
 		l, err := findLetter(ctx, b, v.ID, c.cfg.scan)
 		if l != nil {
-			lv := newLetterView(l)
+			lv := newLetterView(l, true)
 			v.Letter = &lv
 		}
 		return err
@@ -157,15 +178,31 @@ func (c *console) dlqShowPage(w http.ResponseWriter, r *http.Request) {
 	if err != nil {
 		v.Err = err.Error()
 	}
+	status := http.StatusOK
 	if v.Letter == nil && err == nil {
-		w.WriteHeader(http.StatusNotFound)
+		status = http.StatusNotFound
 	}
-	c.render(w, r, "letter", "Dead letter", v)
+	c.renderStatus(w, r, status, "letter", "Dead letter", v)
+}
+
+// seenBackend is a backend that keeps the letters read through it.
+type seenBackend struct {
+	dlqBackend
+	seen []*deadLetter
+}
+
+func (s *seenBackend) next(ctx context.Context) (*deadLetter, error) {
+	d, err := s.dlqBackend.next(ctx)
+	if d != nil {
+		s.seen = append(s.seen, d)
+	}
+	return d, err
 }
 
 // dlqActPage replays or discards a selection: the first POST shows what
-// would be done (a dry run) with the form that does it; the POST of that
-// form (confirm=yes) does it.
+// would be done (a dry run) with the form that does it, which names the
+// letters shown by id; the POST of that form (confirm=yes) does it, to
+// those letters (and to copies of them: letters of the same id).
 func (c *console) dlqActPage(w http.ResponseWriter, r *http.Request) {
 	d := c.dest(r)
 	if d == nil {
@@ -192,20 +229,25 @@ func (c *console) dlqActPage(w http.ResponseWriter, r *http.Request) {
 	confirmed := r.PostFormValue("confirm") == "yes"
 	v := actionView{Action: action, Target: d.Label, Post: "/deadletters/act", Back: "/deadletters?dest=" + d.Name}
 	v.Fields = append(v.Fields, field{"dest", d.Name}, field{"action", action})
-	for _, reason := range sel.reasons {
-		v.Fields = append(v.Fields, field{"reason", reason})
-	}
-	for _, id := range sel.ids {
-		v.Fields = append(v.Fields, field{"id", id})
-	}
-	if sel.all {
-		v.Fields = append(v.Fields, field{"all", "yes"})
-	}
 	ctx, cancel := context.WithTimeout(r.Context(), consoleTimeout)
 	defer cancel()
 	var out bytes.Buffer
 	err := withBackend(ctx, d, func(b dlqBackend) error {
-		return dlqAct(ctx, b, action, &sel, c.cfg.limit, c.cfg.scan, !confirmed, &out)
+		if confirmed {
+			return dlqAct(ctx, b, action, &sel, c.cfg.limit, c.cfg.scan, false, &out)
+		}
+		// The dry run: the confirm form names the letters it showed, by
+		// id, so that a letter parked after it is not acted on unseen.
+		seen := &seenBackend{dlqBackend: b}
+		err := dlqAct(ctx, seen, action, &sel, c.cfg.limit, c.cfg.scan, true, &out)
+		ids := map[string]bool{}
+		for _, l := range seen.seen {
+			if id := newLetterView(l, false).Sel; sel.match(l) && !ids[id] {
+				ids[id] = true
+				v.Fields = append(v.Fields, field{"id", id})
+			}
+		}
+		return err
 	})
 	v.Lines = slices.DeleteFunc(strings.Split(out.String(), "\n"), func(s string) bool { return s == "" })
 	for _, l := range v.Lines {

@@ -69,6 +69,12 @@ func (c *console) logout(w http.ResponseWriter, r *http.Request) {
 
 // render writes the page name with data; a template error becomes a 500.
 func (c *console) render(w http.ResponseWriter, r *http.Request, name, title string, data any) {
+	c.renderStatus(w, r, http.StatusOK, name, title, data)
+}
+
+// renderStatus renders a page with status. The headers (the CSRF nonce
+// cookie among them) are set before the status is written.
+func (c *console) renderStatus(w http.ResponseWriter, r *http.Request, status int, name, title string, data any) {
 	t := c.pages[name]
 	var buf bytes.Buffer
 	p := page{Title: title, Active: name, CSRF: c.csrfToken(w, r), Token: c.cfg.token != "", Data: data}
@@ -77,13 +83,13 @@ func (c *console) render(w http.ResponseWriter, r *http.Request, name, title str
 		return
 	}
 	w.Header().Set("Content-Type", "text/html; charset=utf-8")
+	w.WriteHeader(status)
 	_, _ = w.Write(buf.Bytes())
 }
 
 // fail renders an error page with status.
 func (c *console) fail(w http.ResponseWriter, r *http.Request, status int, err error) {
-	w.WriteHeader(status)
-	c.render(w, r, "error", "Error", err.Error())
+	c.renderStatus(w, r, status, "error", "Error", err.Error())
 }
 
 type homeView struct {
@@ -441,15 +447,14 @@ func (c *console) dedupPage(w http.ResponseWriter, r *http.Request) {
 		inspect = true
 		st, err = store.Inspect(ctx, dedup.Key{Scope: v.Scope, ID: v.ID})
 	}
+	status := http.StatusOK
 	switch {
 	case err != nil && inspect:
-		v.Err = err.Error()
-		w.WriteHeader(http.StatusBadGateway)
+		v.Err, status = err.Error(), http.StatusBadGateway
 	case err != nil:
-		v.Err = err.Error()
-		w.WriteHeader(http.StatusBadRequest)
+		v.Err, status = err.Error(), http.StatusBadRequest
 	default:
 		v.Where, v.State = store.Where, newKeyStateView(st, time.Now())
 	}
-	c.render(w, r, "dedup", "Dedup", v)
+	c.renderStatus(w, r, status, "dedup", "Dedup", v)
 }

@@ -13,6 +13,7 @@ import (
 	"net"
 	"net/http"
 	"net/url"
+	"strconv"
 	"strings"
 	"time"
 )
@@ -100,8 +101,7 @@ func (c *console) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	if !c.authorized(r) {
-		w.WriteHeader(http.StatusUnauthorized)
-		c.render(w, r, "login", "Log in", loginData{Next: r.URL.RequestURI()})
+		c.renderStatus(w, r, http.StatusUnauthorized, "login", "Log in", loginData{Next: r.URL.RequestURI()})
 		return
 	}
 	if r.Method == http.MethodPost && !c.validCSRF(r) {
@@ -135,7 +135,26 @@ func (c *console) authorized(r *http.Request) bool {
 		return true
 	}
 	ck, err := r.Cookie(consoleSessionCookie)
-	return err == nil && equalStrings(ck.Value, c.mac("session", c.cfg.token))
+	if err != nil {
+		return false
+	}
+	issued, mac, ok := strings.Cut(ck.Value, ".")
+	if !ok || !equalStrings(mac, c.mac("session", c.cfg.token, issued)) {
+		return false
+	}
+	at, err := strconv.ParseInt(issued, 10, 64)
+	return err == nil && time.Since(time.Unix(at, 0)) < consoleSessionTTL
+}
+
+// consoleSessionTTL is how long a login lasts. The session cookie holds
+// the time of the login and a MAC of it and the token, so a copied cookie
+// is refused once this has passed, whatever its browser does.
+const consoleSessionTTL = 12 * time.Hour
+
+// session returns a session cookie's value for a login now.
+func (c *console) session() string {
+	issued := strconv.FormatInt(time.Now().Unix(), 10)
+	return issued + "." + c.mac("session", c.cfg.token, issued)
 }
 
 type loginData struct {
@@ -146,10 +165,7 @@ type loginData struct {
 // login shows the login form (GET) or checks the token it posts and sets
 // the session cookie.
 func (c *console) login(w http.ResponseWriter, r *http.Request) {
-	next := r.FormValue("next")
-	if u, err := url.Parse(next); next == "" || err != nil || u.Host != "" || u.Scheme != "" || !strings.HasPrefix(next, "/") || strings.HasPrefix(next, "//") {
-		next = "/"
-	}
+	next := localPath(r.FormValue("next"))
 	if c.cfg.token == "" {
 		http.Redirect(w, r, next, http.StatusSeeOther)
 		return
@@ -159,13 +175,24 @@ func (c *console) login(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	if !equalStrings(r.PostFormValue("token"), c.cfg.token) {
-		w.WriteHeader(http.StatusUnauthorized)
-		c.render(w, r, "login", "Log in", loginData{Next: next, Failed: true})
+		c.renderStatus(w, r, http.StatusUnauthorized, "login", "Log in", loginData{Next: next, Failed: true})
 		return
 	}
-	http.SetCookie(w, &http.Cookie{Name: consoleSessionCookie, Value: c.mac("session", c.cfg.token), Path: "/",
-		HttpOnly: true, SameSite: http.SameSiteStrictMode, Secure: r.TLS != nil, MaxAge: int((12 * time.Hour).Seconds())})
+	http.SetCookie(w, &http.Cookie{Name: consoleSessionCookie, Value: c.session(), Path: "/",
+		HttpOnly: true, SameSite: http.SameSiteStrictMode, Secure: r.TLS != nil, MaxAge: int(consoleSessionTTL.Seconds())})
 	http.Redirect(w, r, next, http.StatusSeeOther)
+}
+
+// localPath returns next when it is a path on this console, else "/": a
+// login never sends the browser to another site. Browsers read a
+// backslash as a slash, so "/\\evil.example" would leave the site too.
+func localPath(next string) string {
+	u, err := url.Parse(next)
+	if next == "" || err != nil || u.Host != "" || u.Scheme != "" || !strings.HasPrefix(next, "/") ||
+		strings.HasPrefix(next, "//") || strings.ContainsAny(next, "\\\r\n\t") {
+		return "/"
+	}
+	return next
 }
 
 // csrfToken returns the CSRF token of r's browser, setting the nonce

@@ -3,14 +3,17 @@ package main
 import (
 	"context"
 	"flag"
+	"html"
 	"io"
 	"net/http"
 	"net/http/cookiejar"
 	"net/http/httptest"
 	"net/url"
 	"regexp"
+	"strconv"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/idemkit/idem/internal/testkit/testenv"
 )
@@ -135,6 +138,11 @@ func TestConsoleSecurity(t *testing.T) {
 	if status != http.StatusSeeOther || h.Get("Location") != "/" {
 		t.Errorf("login: %d to %q, want 303 to / (never to another site)", status, h.Get("Location"))
 	}
+	for _, next := range []string{"//evil.example/", "/\\evil.example/", "/\\/evil.example/", "javascript:alert(1)", "\\\\evil.example"} {
+		if status, h, _ := do(t, c, "POST", srv.URL+"/login", url.Values{"token": {token}, "next": {next}}, same); status != http.StatusSeeOther || h.Get("Location") != "/" {
+			t.Errorf("login with next %q: %d to %q, want 303 to / (never to another site)", next, status, h.Get("Location"))
+		}
+	}
 	ck := h.Get("Set-Cookie")
 	if !strings.Contains(ck, consoleSessionCookie+"=") || !strings.Contains(ck, "HttpOnly") || !strings.Contains(ck, "SameSite=Strict") || strings.Contains(ck, token) {
 		t.Errorf("session cookie: %q, want HttpOnly, SameSite=Strict, without the token", ck)
@@ -226,5 +234,57 @@ func TestConsoleWatermillDiscard(t *testing.T) {
 	}
 	if rows := r.rows(t, r.poison); len(rows) != 1 || rows["wm-b"] != 1 {
 		t.Errorf("letters after the discard: %v, want wm-b only", rows)
+	}
+
+	// The confirmation acts on the letters the dry run showed: a letter
+	// of the same reason parked in between is left alone.
+	form = url.Values{"csrf": {m[1]}, "dest": {"watermill-sql"}, "action": {"discard"}, "reason": {"permanent"}}
+	status, _, body = do(t, c, "POST", srv.URL+"/deadletters/act", form, origin)
+	if status != http.StatusOK || !strings.Contains(body, "would discard 1") {
+		t.Fatalf("discard by reason, first POST: %d, want the confirmation of a dry run of wm-b\n%s", status, body)
+	}
+	confirm := url.Values{}
+	for _, f := range hiddenField.FindAllStringSubmatch(body, -1) {
+		confirm.Add(f[1], html.UnescapeString(f[2]))
+	}
+	r.publish(t, r.poison, r.letter("wm-c", "bad-c"))
+	status, _, body = do(t, c, "POST", srv.URL+"/deadletters/act", confirm, origin)
+	if status != http.StatusOK || !strings.Contains(body, ": 1 discarded") {
+		t.Fatalf("discard by reason, confirmed with %v: %d\n%s", confirm, status, body)
+	}
+	if rows := r.rows(t, r.poison); len(rows) != 1 || rows["wm-c"] != 1 {
+		t.Errorf("letters after the confirmed discard: %v, want wm-c only (parked after the dry run)", rows)
+	}
+}
+
+// hiddenField is a hidden input of a page's form.
+var hiddenField = regexp.MustCompile(`<input type="hidden" name="([a-z]+)" value="([^"]*)">`)
+
+// A login lasts consoleSessionTTL: a session cookie older than that, or
+// whose time was changed, is refused like no cookie.
+func TestConsoleSessionExpires(t *testing.T) {
+	const token = "0123456789abcdef-token"
+	c, err := newConsole(&consoleConfig{token: token}, &consoleSources{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	with := func(value string) bool {
+		r := httptest.NewRequest(http.MethodGet, "/", nil)
+		r.AddCookie(&http.Cookie{Name: consoleSessionCookie, Value: value})
+		return c.authorized(r)
+	}
+	if !with(c.session()) {
+		t.Fatal("a fresh session is refused")
+	}
+	old := strconv.FormatInt(time.Now().Add(-consoleSessionTTL-time.Minute).Unix(), 10)
+	if with(old + "." + c.mac("session", token, old)) {
+		t.Error("a session older than its TTL is accepted")
+	}
+	fresh := strconv.FormatInt(time.Now().Unix(), 10)
+	if with(fresh + "." + c.mac("session", token, old)) {
+		t.Error("a session whose time was moved forward is accepted")
+	}
+	if with(c.mac("session", token)) {
+		t.Error("a session without its time is accepted")
 	}
 }

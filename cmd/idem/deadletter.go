@@ -12,7 +12,7 @@ import (
 	"time"
 )
 
-const deadletterSynopsis = `deadletter list|show|replay|discard (--kafka BROKERS --topic T | --amqp URL --queue Q | --nats URL --stream S | --watermill-sql --topic T --postgres URL | --outbox --postgres URL) [flags]
+const deadletterSynopsis = `deadletter list|show|replay|discard (--kafka BROKERS --topic T | --amqp URL --queue Q | --nats URL --stream S | --watermill-sql TOPIC --postgres URL | --outbox --postgres URL) [flags]
 
 The dead letters of a consumer or a relay, read where they were parked:
 
@@ -20,8 +20,7 @@ The dead letters of a consumer or a relay, read where they were parked:
                       (ConsumerOptions.DeadLetterTopic)
   --amqp, --queue     the RabbitMQ Consumer's dead-letter queue ("<queue>.dlq")
   --nats, --stream    the NATS Consumer's dead-letter stream ("<stream>-dlq")
-  --watermill-sql, --topic
-                      the poison queue of a Watermill router on watermill-sql:
+  --watermill-sql    the poison topic of a Watermill router on watermill-sql:
                       the table "watermill_<topic>" (--postgres, --schema)
   --outbox            the dead rows of the outbox table (--postgres, --schema,
                       --outbox-table), as "idem outbox dead" lists them
@@ -128,7 +127,8 @@ func (d *deadLetter) matchesID(id string) bool {
 // dlqFlags name the dead-letter destination.
 type dlqFlags struct {
 	pg                            pgFlags
-	outbox, watermill             bool
+	outbox                        bool
+	watermill                     string // the poison topic
 	kafka, topic, group, idHeader string
 	amqp, queue                   string
 	nats, stream                  string
@@ -139,9 +139,9 @@ func runDeadletter(ctx context.Context, args []string, stdout, stderr io.Writer)
 	var f dlqFlags
 	f.pg.register(fs, withOutbox)
 	fs.BoolVar(&f.outbox, "outbox", false, "the dead rows of the outbox table (--postgres)")
-	fs.BoolVar(&f.watermill, "watermill-sql", false, "the poison queue of a Watermill router on watermill-sql (--topic, --postgres)")
+	fs.StringVar(&f.watermill, "watermill-sql", "", "the poison topic of a Watermill router on watermill-sql (with --postgres)")
 	fs.StringVar(&f.kafka, "kafka", envDefault("IDEM_KAFKA_BROKERS", ""), "comma-separated Kafka brokers (or IDEM_KAFKA_BROKERS)")
-	fs.StringVar(&f.topic, "topic", "", "with --kafka: the dead-letter topic; with --watermill-sql: the poison topic")
+	fs.StringVar(&f.topic, "topic", "", "with --kafka: the dead-letter topic")
 	fs.StringVar(&f.group, "group", "idem-deadletter", "with --kafka: the consumer group whose committed offsets record what replay and discard removed")
 	fs.StringVar(&f.idHeader, "id-header", "idem-message-id", "with --kafka: the header that carries the message id (ConsumerOptions.IDHeader)")
 	fs.StringVar(&f.amqp, "amqp", envDefault("IDEM_AMQP_URL", ""), "RabbitMQ URL (or IDEM_AMQP_URL)")
@@ -230,7 +230,7 @@ func runDeadletter(ctx context.Context, args []string, stdout, stderr io.Writer)
 func (f *dlqFlags) open(ctx context.Context, fs *flag.FlagSet, set map[string]bool) (dlqBackend, error) {
 	kinds := []string{}
 	for _, k := range []string{"kafka", "amqp", "nats", "outbox", "watermill-sql"} {
-		if set[k] && (k != "outbox" || f.outbox) && (k != "watermill-sql" || f.watermill) {
+		if set[k] && (k != "outbox" || f.outbox) {
 			kinds = append(kinds, k)
 		}
 	}
@@ -242,7 +242,7 @@ func (f *dlqFlags) open(ctx context.Context, fs *flag.FlagSet, set map[string]bo
 		}
 	}
 	if len(kinds) != 1 {
-		return nil, usageError(fs, "name one dead-letter destination: --kafka with --topic, --amqp with --queue, --nats with --stream, --watermill-sql with --topic, or --outbox")
+		return nil, usageError(fs, "name one dead-letter destination: --kafka with --topic, --amqp with --queue, --nats with --stream, --watermill-sql, or --outbox")
 	}
 	need := func(flag, v string) error {
 		if v == "" {
@@ -267,8 +267,8 @@ func (f *dlqFlags) open(ctx context.Context, fs *flag.FlagSet, set map[string]bo
 		}
 		return openNATSDLQ(ctx, f)
 	case "watermill-sql":
-		if err := need("topic", f.topic); err != nil {
-			return nil, err
+		if f.watermill == "" {
+			return nil, usageError(fs, "--watermill-sql needs the poison topic")
 		}
 		return openWatermillDLQ(ctx, f)
 	}

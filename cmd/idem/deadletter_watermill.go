@@ -64,7 +64,7 @@ func openWatermillDLQ(ctx context.Context, f *dlqFlags) (dlqBackend, error) {
 	w.schema = wmsql.DefaultPostgreSQLSchema{GenerateMessagesTableName: func(topic string) string {
 		return pgx.Identifier{f.pg.schema, "watermill_" + topic}.Sanitize()
 	}}
-	w.table = w.schema.MessagesTable(f.topic)
+	w.table = w.schema.MessagesTable(f.watermill)
 	var exists bool
 	if err := pool.QueryRow(ctx, "SELECT to_regclass($1) IS NOT NULL", w.table).Scan(&exists); err != nil {
 		_ = w.close(ctx)
@@ -72,7 +72,7 @@ func openWatermillDLQ(ctx context.Context, f *dlqFlags) (dlqBackend, error) {
 	}
 	if !exists {
 		_ = w.close(ctx)
-		return nil, fmt.Errorf("no table %s: is %q the poison topic of a watermill-sql router in schema %q?", w.table, f.topic, f.pg.schema)
+		return nil, fmt.Errorf("no table %s: is %q the poison topic of a watermill-sql router in schema %q?", w.table, f.watermill, f.pg.schema)
 	}
 	return w, nil
 }

@@ -176,7 +176,7 @@ func (r *wmRig) duplicatesOf(id string) int {
 }
 
 func (r *wmRig) flags() []string {
-	return []string{"--watermill-sql", "--topic", r.poison, "--postgres", testenv.PostgresURL(), "--schema", r.schema}
+	return []string{"--watermill-sql", r.poison, "--postgres", testenv.PostgresURL(), "--schema", r.schema}
 }
 
 // letter is a poison message as idem's middleware leaves it: its reason,

@@ -33,8 +33,8 @@
 // Reads the dead letters where the adapters parked them: a Kafka
 // dead-letter topic (--kafka, --topic), a RabbitMQ dead-letter queue
 // (--amqp, --queue), a NATS dead-letter stream (--nats, --stream), the
-// poison queue of a Watermill router on watermill-sql (--watermill-sql,
-// --topic) or the outbox's dead rows (--outbox). "list" groups them by reason and source,
+// poison queue of a Watermill router on watermill-sql (--watermill-sql
+// TOPIC) or the outbox's dead rows (--outbox). "list" groups them by reason and source,
 // "show" prints one with its headers and payload, "replay" publishes a
 // selection (--reason, --id or --all, at most --limit) again to where it
 // came from with its message id, removing each letter once the publish was

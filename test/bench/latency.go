@@ -259,9 +259,8 @@ func relayLatency(ctx context.Context, e *env, relay relayKind, target relayTarg
 		return latencyStats{}, err
 	}
 	rctx, cancel := context.WithCancel(ctx)
-	defer cancel()
-	errc := make(chan error, 1)
-	go func() { errc <- r.Run(rctx) }()
+	errc, stopped := runUntil(rctx, r.Run)
+	defer func() { cancel(); <-stopped }()
 	enqueue := func(ctx context.Context, i int) (string, error) {
 		var ids []string
 		err := pgx.BeginFunc(ctx, ob.pool, func(tx pgx.Tx) error {
@@ -275,6 +274,18 @@ func relayLatency(ctx context.Context, e *env, relay relayKind, target relayTarg
 		return ids[0], nil
 	}
 	return timedRun(ctx, s, errc, enqueue, rate, d, "relay")
+}
+
+// runUntil runs run(ctx) on a goroutine of its own. Its error arrives on
+// errc (buffered: it never blocks), and stopped closes once it returned,
+// so that a measurement waits for its relay before the next one starts.
+func runUntil(ctx context.Context, run func(context.Context) error) (errc <-chan error, stopped <-chan struct{}) {
+	ec, done := make(chan error, 1), make(chan struct{})
+	go func() {
+		defer close(done)
+		ec <- run(ctx)
+	}()
+	return ec, done
 }
 
 // timedRun measures a running relay (the one whose Run returns on errc,

@@ -78,28 +78,32 @@ func (f *forwarderOutbox) enqueue(tx pgx.Tx, dest string, msgs ...*message.Messa
 	return forwarder.NewPublisher(pub, forwarder.PublisherConfig{ForwarderTopic: f.topic}).Publish(dest, msgs...)
 }
 
-// run runs the forwarder publishing through out until ctx ends.
-func (f *forwarderOutbox) run(ctx context.Context, e *env, out message.Publisher) (running <-chan struct{}, done <-chan error, err error) {
+// run runs the forwarder publishing through out until ctx ends: its
+// error arrives on errc, and stopped closes once it and its subscriber
+// are closed.
+func (f *forwarderOutbox) run(ctx context.Context, e *env, out message.Publisher) (running <-chan struct{}, errc <-chan error, stopped <-chan struct{}, err error) {
 	sub, err := f.subscriber(e)
 	if err != nil {
-		return nil, nil, err
+		return nil, nil, nil, err
 	}
 	fw, err := forwarder.NewForwarder(sub, out, wm.NopLogger{}, forwarder.Config{ForwarderTopic: f.topic, CloseTimeout: 10 * time.Second})
 	if err != nil {
 		_ = sub.Close()
-		return nil, nil, err
+		return nil, nil, nil, err
 	}
-	errc := make(chan error, 1)
-	go func() {
+	errc, stopped = runUntil(ctx, func(ctx context.Context) error {
+		closed := make(chan struct{})
+		go func() {
+			defer close(closed)
+			<-ctx.Done()
+			_ = fw.Close()
+		}()
 		err := fw.Run(ctx)
+		<-closed
 		_ = sub.Close()
-		errc <- err
-	}()
-	go func() {
-		<-ctx.Done()
-		_ = fw.Close()
-	}()
-	return fw.Running(), errc, nil
+		return err
+	})
+	return fw.Running(), errc, stopped, nil
 }
 
 // peerPublisher is the forwarder's publisher to target.
@@ -181,10 +185,11 @@ func peerSide(e *env, target relayTarget, topic string) side {
 		pub := &wmCounting{Publisher: p, want: int64(n), done: make(chan struct{})}
 		ctx, cancel := context.WithCancel(ctx)
 		defer cancel()
-		_, errc, err := f.run(ctx, e, pub)
+		_, errc, stopped, err := f.run(ctx, e, pub)
 		if err != nil {
 			return 0, err
 		}
+		defer func() { cancel(); <-stopped }()
 		select {
 		case <-pub.done:
 		case err := <-errc:
@@ -217,10 +222,11 @@ func peerLatency(ctx context.Context, e *env, target relayTarget, topic string, 
 	pub := &wmCounting{Publisher: p, s: s}
 	rctx, cancel := context.WithCancel(ctx)
 	defer cancel()
-	running, errc, err := f.run(rctx, e, pub)
+	running, errc, stopped, err := f.run(rctx, e, pub)
 	if err != nil {
 		return latencyStats{}, err
 	}
+	defer func() { cancel(); <-stopped }()
 	select {
 	case <-running:
 	case err := <-errc:

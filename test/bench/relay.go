@@ -297,9 +297,8 @@ func drainRelay(ctx context.Context, e *env, relay relayKind, broker relayTarget
 		return 0, err
 	}
 	ctx, cancel := context.WithCancel(ctx)
-	defer cancel()
-	errc := make(chan error, 1)
-	go func() { errc <- r.Run(ctx) }()
+	errc, stopped := runUntil(ctx, r.Run)
+	defer func() { cancel(); <-stopped }()
 	select {
 	case <-pub.done:
 	case err := <-errc:
