@@ -3,6 +3,9 @@ package main
 import (
 	"context"
 	"errors"
+	"os"
+	"os/exec"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -10,6 +13,7 @@ import (
 	kafkago "github.com/segmentio/kafka-go"
 
 	idemkafka "github.com/idemkit/idem/adapters/kafka"
+	"github.com/idemkit/idem/consumer"
 	"github.com/idemkit/idem/internal/testkit/kafkatest"
 	"github.com/idemkit/idem/internal/testkit/testenv"
 	"github.com/idemkit/idem/outbox"
@@ -205,4 +209,102 @@ func TestDeadletterKafka(t *testing.T) {
 	if n := r.count(); n != 0 {
 		t.Errorf("%d dead letters for the first tool group after the second replay, want 0", n)
 	}
+}
+
+// TestDeadletterKafkaReplayKilled SIGKILLs "idem deadletter replay" on a
+// Kafka dead-letter topic part way through, then runs it again. The
+// killed run's progress is the last commit of its tool group, so the
+// second run publishes again the letters replayed since (up to a
+// commit's worth) and the consumer's claim drops those copies: every
+// message is applied exactly once, and no letter is left.
+func TestDeadletterKafkaReplayKilled(t *testing.T) {
+	env := kafkatest.New(t)
+	work := env.Topic(t, "dlwork", 2)
+	dlq := work + "_dlq"
+	env.CreateTopic(t, dlq, 2)
+	oracle := newPoisonOracle(t)
+	oracle.fixed.Store(true)
+	c, err := idemkafka.NewConsumer(kafkago.ReaderConfig{
+		Brokers: env.Brokers, GroupID: testenv.Name("g"), Topic: work,
+		HeartbeatInterval: 100 * time.Millisecond, SessionTimeout: 10 * time.Second, RebalanceTimeout: 20 * time.Second,
+		JoinGroupBackoff: 100 * time.Millisecond, MaxWait: 100 * time.Millisecond,
+		ReadBackoffMin: 10 * time.Millisecond, ReadBackoffMax: 100 * time.Millisecond,
+	}, oracle.handler(t, "billing/charge"), idemkafka.ConsumerOptions{DeadLetterTopic: dlq, CommitInterval: 20 * time.Millisecond})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- c.Run(ctx) }()
+	t.Cleanup(func() {
+		cancel()
+		if err := <-done; err != nil && !errors.Is(err, context.Canceled) {
+			t.Errorf("consumer: %v", err)
+		}
+	})
+
+	// Letters as the Consumer parks them: the reason, the source topic and
+	// partition, the message id.
+	const n = 3000
+	want := ids("k", n)
+	letters := make([]kafkago.Message, n)
+	for i, id := range want {
+		p := i % 2
+		letters[i] = kafkago.Message{Partition: p, Key: []byte("k-" + id), Value: []byte("ok-" + id), Headers: []kafkago.Header{
+			{Key: outbox.HeaderMessageID, Value: []byte(id)},
+			{Key: consumer.HeaderReason, Value: []byte(consumer.OutcomePermanent)},
+			{Key: consumer.HeaderSource, Value: []byte(work)},
+			{Key: idemkafka.HeaderPartition, Value: []byte(strconv.Itoa(p))},
+		}}
+	}
+	w := &kafkago.Writer{Addr: kafkago.TCP(env.Brokers...), Topic: dlq, Transport: env.Transport, RequiredAcks: kafkago.RequireAll,
+		Balancer: kafkago.BalancerFunc(func(m kafkago.Message, _ ...int) int { return m.Partition }), BatchSize: 500}
+	if err := w.WriteMessages(testenv.Ctx(t), letters...); err != nil {
+		t.Fatal(err)
+	}
+	_ = w.Close()
+
+	flags := []string{"--kafka", strings.Join(env.Brokers, ","), "--topic", dlq, "--group", testenv.Name("tool")}
+	cmd := exec.Command(os.Args[0], append([]string{"deadletter", "replay", "--all", "--limit", "10000"}, flags...)...)
+	cmd.Env = append(os.Environ(), mainEnv+"=1")
+	var out strings.Builder
+	cmd.Stdout, cmd.Stderr = &out, &out
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	exited := make(chan error, 1)
+	go func() { exited <- cmd.Wait() }()
+	testenv.Eventually(t, 2*time.Minute, "350 letters replayed", func() bool {
+		select {
+		case err := <-exited:
+			t.Fatalf("the replay ended before it was killed (%v): more letters are needed to kill it part way\n%s", err, out.String())
+		default:
+		}
+		return kafkaEnds(t, env, work, 2) >= 350
+	})
+	if err := cmd.Process.Kill(); err != nil {
+		t.Fatal(err)
+	}
+	if err := <-exited; err == nil {
+		t.Fatal("the replay exited 0 after SIGKILL")
+	}
+	published := kafkaEnds(t, env, work, 2)
+	if published >= n {
+		t.Fatalf("%d of %d letters published when the replay was killed: it was not killed part way", published, n)
+	}
+
+	r := dlqRun{t: t, flags: flags}
+	replayed, copies := summaryCounts(t, r.run(0, "replay", "--all", "--limit", "10000"))
+	// The tool commits its progress every 100 letters.
+	if again := replayed + int(published) - n; again < 0 || again > 100 {
+		t.Errorf("second replay: %d replayed after %d published by the killed run; want the rest of the %d and at most 100 again", replayed, published, n)
+	}
+	if copies != 0 {
+		t.Errorf("second replay removed %d copies, want 0", copies)
+	}
+	if left := r.count(); left != 0 {
+		t.Errorf("%d letters left after the second replay, want 0", left)
+	}
+	oracle.waitApplied(t, want)
+	t.Logf("killed after %d publishes; the second run replayed %d (%d again)", published, replayed, replayed+int(published)-n)
 }
