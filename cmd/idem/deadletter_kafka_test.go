@@ -3,8 +3,6 @@ package main
 import (
 	"context"
 	"errors"
-	"os"
-	"os/exec"
 	"strconv"
 	"strings"
 	"testing"
@@ -66,21 +64,10 @@ func kafkaCommitted(t *testing.T, env *kafkatest.Env, group, topic string, parti
 	return false
 }
 
-// TestDeadletterKafka dead-letters messages through the Kafka Consumer (a
-// poison handler: permanent errors and panics, and a producer's duplicate
-// of two poison messages), lists them by reason, shows one, replays nothing
-// with --dry-run, discards one, fixes the handler and replays the rest in
-// runs bounded by --limit, and checks with the oracle that every message
-// but the discarded one was applied exactly once. A second replay of the
-// same letters under another tool group (progress lost) publishes them
-// again: the consumer's claim drops every copy.
-func TestDeadletterKafka(t *testing.T) {
-	env := kafkatest.New(t)
-	work := env.Topic(t, "dlwork", 2)
-	dlq := work + "_dlq"
-	env.CreateTopic(t, dlq, 2)
-	oracle := newPoisonOracle(t)
-
+// runKafkaConsumer runs a Consumer of work with oracle's handler,
+// dead-lettering to dlq, until the test ends.
+func runKafkaConsumer(t *testing.T, env *kafkatest.Env, work, dlq string, oracle *poisonOracle) {
+	t.Helper()
 	c, err := idemkafka.NewConsumer(kafkago.ReaderConfig{
 		Brokers: env.Brokers, GroupID: testenv.Name("g"), Topic: work,
 		HeartbeatInterval: 100 * time.Millisecond, SessionTimeout: 10 * time.Second, RebalanceTimeout: 20 * time.Second,
@@ -99,6 +86,24 @@ func TestDeadletterKafka(t *testing.T) {
 			t.Errorf("consumer: %v", err)
 		}
 	})
+}
+
+// TestDeadletterKafka dead-letters messages through the Kafka Consumer (a
+// poison handler: permanent errors and panics, and a producer's duplicate
+// of two poison messages), lists them by reason, shows one, replays nothing
+// with --dry-run, discards one, fixes the handler and replays the rest in
+// runs bounded by --limit, and checks with the oracle that every message
+// but the discarded one was applied exactly once. A second replay of the
+// same letters under another tool group (progress lost) publishes them
+// again: the consumer's claim drops every copy.
+func TestDeadletterKafka(t *testing.T) {
+	env := kafkatest.New(t)
+	work := env.Topic(t, "dlwork", 2)
+	dlq := work + "_dlq"
+	env.CreateTopic(t, dlq, 2)
+	oracle := newPoisonOracle(t)
+
+	runKafkaConsumer(t, env, work, dlq, oracle)
 
 	ok, bad, boom := ids("ok", 10), ids("bad", 6), ids("boom", 4)
 	var recs []kafkago.Message
@@ -224,24 +229,7 @@ func TestDeadletterKafkaReplayKilled(t *testing.T) {
 	env.CreateTopic(t, dlq, 2)
 	oracle := newPoisonOracle(t)
 	oracle.fixed.Store(true)
-	c, err := idemkafka.NewConsumer(kafkago.ReaderConfig{
-		Brokers: env.Brokers, GroupID: testenv.Name("g"), Topic: work,
-		HeartbeatInterval: 100 * time.Millisecond, SessionTimeout: 10 * time.Second, RebalanceTimeout: 20 * time.Second,
-		JoinGroupBackoff: 100 * time.Millisecond, MaxWait: 100 * time.Millisecond,
-		ReadBackoffMin: 10 * time.Millisecond, ReadBackoffMax: 100 * time.Millisecond,
-	}, oracle.handler(t, "billing/charge"), idemkafka.ConsumerOptions{DeadLetterTopic: dlq, CommitInterval: 20 * time.Millisecond})
-	if err != nil {
-		t.Fatal(err)
-	}
-	ctx, cancel := context.WithCancel(context.Background())
-	done := make(chan error, 1)
-	go func() { done <- c.Run(ctx) }()
-	t.Cleanup(func() {
-		cancel()
-		if err := <-done; err != nil && !errors.Is(err, context.Canceled) {
-			t.Errorf("consumer: %v", err)
-		}
-	})
+	runKafkaConsumer(t, env, work, dlq, oracle)
 
 	// Letters as the Consumer parks them: the reason, the source topic and
 	// partition, the message id.
@@ -265,15 +253,7 @@ func TestDeadletterKafkaReplayKilled(t *testing.T) {
 	_ = w.Close()
 
 	flags := []string{"--kafka", strings.Join(env.Brokers, ","), "--topic", dlq, "--group", testenv.Name("tool")}
-	cmd := exec.Command(os.Args[0], append([]string{"deadletter", "replay", "--all", "--limit", "10000"}, flags...)...)
-	cmd.Env = append(os.Environ(), mainEnv+"=1")
-	var out strings.Builder
-	cmd.Stdout, cmd.Stderr = &out, &out
-	if err := cmd.Start(); err != nil {
-		t.Fatal(err)
-	}
-	exited := make(chan error, 1)
-	go func() { exited <- cmd.Wait() }()
+	cmd, exited, out := startProcess(t, append([]string{"deadletter", "replay", "--all", "--limit", "10000"}, flags...)...)
 	testenv.Eventually(t, 2*time.Minute, "350 letters replayed", func() bool {
 		select {
 		case err := <-exited:

@@ -4,8 +4,6 @@ import (
 	"context"
 	"database/sql"
 	"fmt"
-	"os"
-	"os/exec"
 	"regexp"
 	"strconv"
 	"strings"
@@ -310,15 +308,7 @@ func TestDeadletterWatermillReplayKilled(t *testing.T) {
 		t.Fatal(err)
 	}
 
-	cmd := exec.Command(os.Args[0], append([]string{"deadletter", "replay", "--all", "--limit", "1000"}, r.flags()...)...)
-	cmd.Env = append(os.Environ(), mainEnv+"=1")
-	var out strings.Builder
-	cmd.Stdout, cmd.Stderr = &out, &out
-	if err := cmd.Start(); err != nil {
-		t.Fatal(err)
-	}
-	exited := make(chan error, 1)
-	go func() { exited <- cmd.Wait() }()
+	cmd, exited, out := startProcess(t, append([]string{"deadletter", "replay", "--all", "--limit", "1000"}, r.flags()...)...)
 	testenv.Eventually(t, 60*time.Second, "the replay waiting on the locked letter", func() bool {
 		select {
 		case err := <-exited:

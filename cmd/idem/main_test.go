@@ -8,6 +8,7 @@ import (
 	"os/exec"
 	"regexp"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -46,6 +47,42 @@ func runProcess(t *testing.T, args ...string) (code int, stdout, stderr string) 
 		t.Fatalf("run %v: %v", args, err)
 	}
 	return cmd.ProcessState.ExitCode(), out.String(), errOut.String()
+}
+
+// syncBuffer is a bytes.Buffer that a command writes while a test reads.
+type syncBuffer struct {
+	mu sync.Mutex
+	b  bytes.Buffer
+}
+
+func (s *syncBuffer) Write(p []byte) (int, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.Write(p)
+}
+
+func (s *syncBuffer) String() string {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.String()
+}
+
+// startProcess starts the command in a child process of the test binary,
+// for a test that kills it: exited receives the child's end, out collects
+// its stdout and stderr. The child is killed when the test ends.
+func startProcess(t *testing.T, args ...string) (cmd *exec.Cmd, exited <-chan error, out *syncBuffer) {
+	t.Helper()
+	cmd = exec.Command(os.Args[0], args...)
+	cmd.Env = append(os.Environ(), mainEnv+"=1")
+	out = &syncBuffer{}
+	cmd.Stdout, cmd.Stderr = out, out
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	ec := make(chan error, 1)
+	go func() { ec <- cmd.Wait() }()
+	t.Cleanup(func() { _ = cmd.Process.Kill() })
+	return cmd, ec, out
 }
 
 // runCmd runs the command in process and returns its exit status and output.
