@@ -70,19 +70,19 @@ func (s *syncBuffer) String() string {
 // startProcess starts the command in a child process of the test binary,
 // for a test that kills it: exited receives the child's end, out collects
 // its stdout and stderr. The child is killed when the test ends.
-func startProcess(t *testing.T, args ...string) (cmd *exec.Cmd, exited <-chan error, out *syncBuffer) {
+func startProcess(t *testing.T, args ...string) (*exec.Cmd, <-chan error, *syncBuffer) {
 	t.Helper()
-	cmd = exec.Command(os.Args[0], args...)
+	cmd := exec.Command(os.Args[0], args...)
 	cmd.Env = append(os.Environ(), mainEnv+"=1")
-	out = &syncBuffer{}
+	out := &syncBuffer{}
 	cmd.Stdout, cmd.Stderr = out, out
 	if err := cmd.Start(); err != nil {
 		t.Fatal(err)
 	}
-	ec := make(chan error, 1)
-	go func() { ec <- cmd.Wait() }()
+	exited := make(chan error, 1)
+	go func() { exited <- cmd.Wait() }()
 	t.Cleanup(func() { _ = cmd.Process.Kill() })
-	return cmd, ec, out
+	return cmd, exited, out
 }
 
 // runCmd runs the command in process and returns its exit status and output.
