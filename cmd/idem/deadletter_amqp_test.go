@@ -2,7 +2,6 @@ package main
 
 import (
 	"context"
-	"errors"
 	"io"
 	"log/slog"
 	"regexp"
@@ -93,24 +92,7 @@ func TestDeadletterRabbitMQ(t *testing.T) {
 		}
 	})
 	oracle := newPoisonOracle(t)
-	c, err := idemamqp.NewConsumer(url, queue, oracle.handler(t, "billing/charge"), opts)
-	if err != nil {
-		t.Fatal(err)
-	}
-	ctx, cancel := context.WithCancel(context.Background())
-	done := make(chan error, 1)
-	go func() { done <- c.Run(ctx) }()
-	t.Cleanup(func() {
-		cancel()
-		if err := <-done; err != nil && !errors.Is(err, context.Canceled) {
-			t.Errorf("consumer: %v", err)
-		}
-	})
-	select {
-	case <-c.Ready():
-	case <-time.After(30 * time.Second):
-		t.Fatal("the consumer is not ready")
-	}
+	startAMQPConsumer(t, url, queue, oracle, opts)
 
 	ok, bad, boom := ids("ok", 6), ids("bad", 4), ids("boom", 2)
 	var ps []amqp091.Publishing
