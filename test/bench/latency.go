@@ -248,6 +248,7 @@ func relayLatency(ctx context.Context, e *env, relay relayKind, target relayTarg
 	if err != nil {
 		return latencyStats{}, err
 	}
+	defer ob.closeAfter(ctx)
 	p, closePub, err := target.publisher(ctx, e)
 	if err != nil {
 		return latencyStats{}, err

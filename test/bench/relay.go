@@ -33,6 +33,18 @@ type relayOutbox struct {
 	pool     *pgxpool.Pool // the outbox's database
 	newRelay func(pub outbox.Publisher) (interface{ Run(context.Context) error }, error)
 	vacuum   string // a statement run after the enqueue, before the relay starts ("" for none)
+	// close, when set, removes what the outbox holds on the server once its
+	// relay stopped (the WAL relay's slot: a cluster has few).
+	close func(ctx context.Context)
+}
+
+// closeAfter runs close, when set, with a context of its own.
+func (o *relayOutbox) closeAfter(ctx context.Context) {
+	if o.close != nil {
+		cctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 30*time.Second)
+		defer cancel()
+		o.close(cctx)
+	}
 }
 
 // relayKind is one of the two relays.
@@ -79,7 +91,7 @@ var walRelay = relayKind{name: "outbox WAL relay (walrelay.Relay)", open: func(c
 	if err != nil {
 		return nil, err
 	}
-	e.onClose(func(ctx context.Context) {
+	drop := func(ctx context.Context) {
 		// A relay that just stopped may hold the slot for a moment.
 		for range 100 {
 			if err := ob.DropSlot(ctx); !errors.Is(err, walrelay.ErrSlotActive) {
@@ -88,8 +100,8 @@ var walRelay = relayKind{name: "outbox WAL relay (walrelay.Relay)", open: func(c
 			time.Sleep(100 * time.Millisecond)
 		}
 		_, _ = pool.Exec(ctx, "DROP PUBLICATION IF EXISTS "+pgx.Identifier{ob.Options().Publication}.Sanitize())
-	})
-	return &relayOutbox{enqueue: ob.Enqueue, pool: pool,
+	}
+	return &relayOutbox{enqueue: ob.Enqueue, pool: pool, close: drop,
 		newRelay: func(pub outbox.Publisher) (interface{ Run(context.Context) error }, error) {
 			return walrelay.NewRelay(ob, pub, walrelay.RelayOptions{BatchSize: outboxBatch, CleanupInterval: -1, Telemetry: consumer.Telemetry{Logger: e.log}})
 		}}, nil
@@ -272,6 +284,7 @@ func drainRelay(ctx context.Context, e *env, relay relayKind, broker relayTarget
 	if err != nil {
 		return 0, err
 	}
+	defer ob.closeAfter(ctx)
 	for i := 0; i < n; i += 1000 {
 		var msgs []outbox.Message
 		for j := i; j < min(i+1000, n); j++ {
