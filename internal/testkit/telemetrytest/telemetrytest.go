@@ -159,6 +159,11 @@ type Verdict struct {
 // count in both, idem.reason on dead letters only, and total messages in all.
 func (m *Metrics) CheckVerdicts(system, destination string, total float64, want ...Verdict) {
 	m.t.Helper()
+	// A verdict's duration is recorded right after its count, which the
+	// caller waited for: wait for the durations too.
+	for deadline := time.Now().Add(10 * time.Second); m.Sum(telemetry.MetricProcessDuration) < total && time.Now().Before(deadline); {
+		time.Sleep(10 * time.Millisecond)
+	}
 	for _, w := range want {
 		attrs := []attribute.KeyValue{telemetry.AttrSystem.String(system), telemetry.AttrDestination.String(destination), telemetry.AttrResult.String(w.Result)}
 		if w.Reason != "" {
