@@ -98,7 +98,14 @@ func (o *poisonOracle) delivered(id string) int {
 // applied returns the effects, counted by message id.
 func (o *poisonOracle) applied(t *testing.T) map[string]int {
 	t.Helper()
-	rows, err := o.pool.Query(context.Background(), "SELECT id, count(*) FROM "+o.effects+" GROUP BY id")
+	return countByID(t, o.pool, "SELECT id, count(*) FROM "+o.effects+" GROUP BY id")
+}
+
+// countByID runs query, whose rows are an id and a count, and returns the
+// counts by id.
+func countByID(t *testing.T, pool *pgxpool.Pool, query string) map[string]int {
+	t.Helper()
+	rows, err := pool.Query(context.Background(), query)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -137,25 +137,7 @@ func (r *wmRig) publish(t *testing.T, topic string, msgs ...*message.Message) {
 // rows returns the number of rows of topic's table, by message UUID.
 func (r *wmRig) rows(t *testing.T, topic string) map[string]int {
 	t.Helper()
-	rows, err := r.pool.Query(context.Background(), "SELECT uuid, count(*) FROM "+r.adapter.MessagesTable(topic)+" GROUP BY uuid")
-	if err != nil {
-		t.Fatal(err)
-	}
-	out := map[string]int{}
-	for rows.Next() {
-		var (
-			id string
-			n  int
-		)
-		if err := rows.Scan(&id, &n); err != nil {
-			t.Fatal(err)
-		}
-		out[id] = n
-	}
-	if err := rows.Err(); err != nil {
-		t.Fatal(err)
-	}
-	return out
+	return countByID(t, r.pool, "SELECT uuid, count(*) FROM "+r.adapter.MessagesTable(topic)+" GROUP BY uuid")
 }
 
 func (r *wmRig) letters(t *testing.T) int {
