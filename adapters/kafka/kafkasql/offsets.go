@@ -235,9 +235,37 @@ func (o *Offsets) wrap(what string, err error) error {
 }
 
 // SaveOffsets implements idemkafka.OffsetStore. It writes every position in
-// one statement, outside any transaction of the caller.
+// one statement, outside any transaction of the caller. Positions already
+// stored (or passed) are dropped first by a plain read: an upsert locks the
+// row it finds even when it changes nothing, and the Consumer's periodic
+// commit saves positions that the handlers' transactions (SaveTx) stored
+// already, so without the read each of those commits would wait for a
+// handler's transaction on the row and write to the log for nothing.
 func (o *Offsets) SaveOffsets(ctx context.Context, group string, offsets map[string]map[int]int64) error {
-	return o.saveOn(ctx, o.db, group, offsets)
+	ahead := make(map[string]map[int]int64, len(offsets))
+	for topic, ps := range offsets {
+		if len(ps) == 0 {
+			continue
+		}
+		parts := make([]int, 0, len(ps))
+		for p := range ps {
+			parts = append(parts, p)
+		}
+		stored, err := o.LoadOffsets(ctx, group, topic, parts)
+		if err != nil {
+			return err
+		}
+		for p, off := range ps {
+			if cur, ok := stored[p]; ok && cur >= off {
+				continue
+			}
+			if ahead[topic] == nil {
+				ahead[topic] = map[int]int64{}
+			}
+			ahead[topic][p] = off
+		}
+	}
+	return o.saveOn(ctx, o.db, group, ahead)
 }
 
 // SaveTx writes pos in tx, a transaction begun on the Offsets' database: it

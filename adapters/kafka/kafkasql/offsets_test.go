@@ -6,6 +6,7 @@ import (
 	"path/filepath"
 	"strings"
 	"testing"
+	"time"
 
 	// The drivers the tests run Offsets on.
 	_ "github.com/go-sql-driver/mysql"
@@ -139,6 +140,55 @@ func TestOffsets(t *testing.T) {
 			script, err := o.SQL()
 			if err != nil || !strings.Contains(script, o.Table()) {
 				t.Fatalf("SQL() = %q, %v", script, err)
+			}
+		})
+	}
+}
+
+// SaveOffsets of positions already stored writes nothing, so it does not
+// wait for a transaction that holds their rows (a handler's SaveTx).
+func TestSaveOffsetsBehind(t *testing.T) {
+	for _, b := range backends {
+		t.Run(b.name, func(t *testing.T) {
+			db, schema := b.open(t)
+			o := newOffsets(t, b, db, schema)
+			ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+			defer cancel()
+			if err := o.SaveOffsets(ctx, "g", map[string]map[int]int64{"t": {0: 100, 1: 7}}); err != nil {
+				t.Fatal(err)
+			}
+			holder, err := db.BeginTx(ctx, nil)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer func() { _ = holder.Rollback() }()
+			lock := "SELECT next_offset FROM " + o.Table() + " WHERE partition_id = 0 FOR UPDATE"
+			if b.dialect == kafkasql.SQLite {
+				// A write takes the database's one write lock.
+				lock = "UPDATE " + o.Table() + " SET next_offset = next_offset WHERE partition_id = 0"
+			}
+			if _, err := holder.ExecContext(ctx, lock); err != nil {
+				t.Fatal(err)
+			}
+			done := make(chan error, 1)
+			go func() { done <- o.SaveOffsets(ctx, "g", map[string]map[int]int64{"t": {0: 100, 1: 5}}) }()
+			select {
+			case err := <-done:
+				if err != nil {
+					t.Fatal(err)
+				}
+			case <-time.After(20 * time.Second):
+				t.Fatal("SaveOffsets of stored positions waited for the transaction holding their rows")
+			}
+			if err := holder.Rollback(); err != nil {
+				t.Fatal(err)
+			}
+			if err := o.SaveOffsets(ctx, "g", map[string]map[int]int64{"t": {0: 90, 1: 8, 2: 3}}); err != nil {
+				t.Fatal(err)
+			}
+			got, err := o.LoadOffsets(ctx, "g", "t", []int{0, 1, 2})
+			if err != nil || got[0] != 100 || got[1] != 8 || got[2] != 3 {
+				t.Fatalf("LoadOffsets = %v, %v; want map[0:100 1:8 2:3]", got, err)
 			}
 		})
 	}
