@@ -170,7 +170,9 @@ type hooks struct {
 	// slotBusy runs when the relay found the slot streamed by another.
 	slotBusy func()
 	// beforeCommit runs in the reader after it handed a transaction's
-	// messages to the engine and before it hands the commit.
+	// messages to the engine and before it hands the commit (not for a
+	// transaction with none of the relay's messages, such as another
+	// outbox's on the same database).
 	beforeCommit func()
 	// afterPublish runs after Publish returned, before the results are
 	// recorded and the position confirmed.

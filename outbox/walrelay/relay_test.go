@@ -409,7 +409,14 @@ func TestCleanStopConfirmsFinishedBatch(t *testing.T) {
 			})
 		}
 	})
+	streaming := make(chan struct{}, 10)
+	walrelay.SetOnStreaming(ra, func() { streaming <- struct{}{} })
 	a := start(t, ra)
+	<-streaming
+	// Another outbox's transaction on the same database reaches the
+	// reader first, with nothing of this relay's: it is not held back.
+	other := newWAL(t, pool, walrelay.Options{})
+	enqueue(t, pool, other, msg("t", "k", "other"))
 	first := enqueue(t, pool, ob, msg("t", "k", "1"), msg("t", "j", "2"))
 	<-published
 	a.Cancel()

@@ -253,6 +253,7 @@ type reader struct {
 	nextStatus time.Time
 	tx         *txn     // between BEGIN and COMMIT
 	pending    []*entry // messages of tx not handed over yet
+	handed     bool     // some of tx's messages were handed over
 	marked     pglogrepl.LSN
 }
 
@@ -299,6 +300,7 @@ func (rd *reader) flush(ctx context.Context) error {
 	}
 	it := item{tx: rd.tx, entries: rd.pending}
 	rd.pending = nil
+	rd.handed = true
 	return rd.hand(ctx, it)
 }
 
@@ -347,6 +349,7 @@ func (rd *reader) logical(ctx context.Context, xld pglogrepl.XLogData) error {
 		// The commit time by the local clock: now, less how long ago
 		// the server committed by its own clock.
 		rd.tx = &txn{commit: m.CommitTime, final: m.FinalLSN, localCommit: now.Add(-max(xld.ServerTime.Sub(m.CommitTime), 0))}
+		rd.handed = false
 	case *pglogrepl.InsertMessage:
 		if rd.tx == nil || s.r.ob.opts.Source != SourceTable {
 			return nil
@@ -384,7 +387,7 @@ func (rd *reader) logical(ctx context.Context, xld pglogrepl.XLogData) error {
 		if err := rd.flush(ctx); err != nil {
 			return err
 		}
-		if h := s.r.hooks.beforeCommit; h != nil {
+		if h := s.r.hooks.beforeCommit; h != nil && rd.handed {
 			h()
 		}
 		tx := rd.tx
