@@ -497,7 +497,6 @@ func (c *Consumer) handle(ctx, hctx context.Context, s *consSession, a *consAcke
 				return
 			}
 			if out = c.ack(s, d); out == settledAcked {
-				c.confirmAcks(s)
 				c.stats.acked.Add(1)
 				if r.Duplicate {
 					c.stats.duplicates.Add(1)
@@ -506,6 +505,15 @@ func (c *Consumer) handle(ctx, hctx context.Context, s *consSession, a *consAcke
 			break
 		}
 		out = c.settle(mctx, s, d, msg, r)
+	}
+	if excl && out != settledAbandoned {
+		// The broker has processed the settlement (an ack, or a dead
+		// letter's or retry copy's ack, or a requeue) before the held
+		// deliveries start: one of them may kill the worker, and an ack
+		// written but not yet processed when the connection drops is
+		// lost. The returned delivery would then come back and be
+		// dead-lettered (or retried) a second time.
+		c.confirmAcks(s)
 	}
 	a.settled(d.DeliveryTag, out == settledAbandoned)
 	c.report(mctx, msg, r, out, start, end)
