@@ -177,6 +177,10 @@ type Config struct {
 	Exe       string
 	Verbose   bool
 	Out       io.Writer
+	// Parallel is how many cells run at a time (0 or 1: one). The cells
+	// share the services but nothing else: each has its own schema, key
+	// prefix, queue, topic, throwaway servers and namespaces.
+	Parallel int
 }
 
 // Names returns the registered cells in run order.
@@ -197,74 +201,151 @@ func Names() []string {
 	return names
 }
 
-// Run runs the cells in order and prints their lines and the total. It
+// Run runs the cells and prints their lines and the total. Up to
+// cfg.Parallel cells run at a time (1 when unset), each line printed when
+// its cell ends; the Last cells run after all others, one at a time. It
 // returns an error when a cell failed to run or broke its promise.
 func Run(ctx context.Context, cfg Config) error {
-	_, _ = fmt.Fprintf(cfg.Out, "chaos: scale %s, seed %d\n", cfg.Scale, cfg.Seed)
-	var total tally
-	var failed []string
-	ran := 0
+	par := max(cfg.Parallel, 1)
+	_, _ = fmt.Fprintf(cfg.Out, "chaos: scale %s, seed %d, %d cell(s) at a time\n", cfg.Scale, cfg.Seed, par)
+	var first, last []string
 	for _, name := range Names() {
 		if cfg.Only != nil && !cfg.Only.MatchString(name) {
 			continue
 		}
-		ran++
 		mu.Lock()
 		c := cells[name]
 		mu.Unlock()
-		dir, err := os.MkdirTemp("", "idem-chaos-")
-		if err != nil {
-			return err
-		}
-		env := &Env{
-			Scale: cfg.Scale, Seed: cfg.Seed,
-			Rand:  rand.New(rand.NewPCG(cfg.Seed, hash(name))),
-			PGURL: cfg.PGURL, RedisAddr: cfg.RedisAddr, AMQPURL: cfg.AMQPURL, NATSURL: cfg.NATSURL,
-			Exe: cfg.Exe, TempDir: dir, Verbose: cfg.Verbose, out: cfg.Out, name: name,
-		}
-		start := time.Now()
-		r, err := c.Run(ctx, env)
-		_ = os.RemoveAll(dir)
-		took := time.Since(start).Round(100 * time.Millisecond)
-		total.add(c, r)
-		line := fmt.Sprintf("chaos: %s: %d messages, %d kills, %d restarts, %d redeliveries, %d duplicate effects, %d lost",
-			name, r.Messages, r.Kills, r.Restarts, r.Redeliveries, r.Duplicates, r.Lost)
-		if c.ExpectDuplicates && r.Messages > 0 {
-			line += fmt.Sprintf(" (duplicates expected: %.3f%% of messages)", 100*float64(r.Duplicates)/float64(r.Messages))
-		}
-		if r.Note != "" {
-			line += " [" + r.Note + "]"
-		}
-		line += fmt.Sprintf(" in %s", took)
-		switch {
-		case errors.Is(err, ErrSkipped) && !testenv.Required():
-			line += " SKIPPED: " + err.Error()
-		case err != nil:
-			line += " FAILED: " + err.Error()
-			failed = append(failed, name)
-		case r.Messages == 0:
-			line += " FAILED: the cell sent no messages"
-			failed = append(failed, name)
-		case r.Lost != 0 || (!c.ExpectDuplicates && r.Duplicates != 0):
-			line += " FAILED: promise broken"
-			failed = append(failed, name)
-		}
-		_, _ = fmt.Fprintln(cfg.Out, line)
-		if ctx.Err() != nil {
-			break
+		if c.Last {
+			last = append(last, name)
+		} else {
+			first = append(first, name)
 		}
 	}
-	_, _ = fmt.Fprintln(cfg.Out, total.line())
-	if ran == 0 {
+	if len(first)+len(last) == 0 {
+		_, _ = fmt.Fprintln(cfg.Out, (&tally{}).line())
 		return ErrNoCells
 	}
-	if len(failed) > 0 {
-		return fmt.Errorf("chaos: %d cell(s) failed: %v (seed %d)", len(failed), failed, cfg.Seed)
+	r := &runner{cfg: cfg}
+	r.runAll(ctx, first, par)
+	r.runAll(ctx, last, 1)
+	_, _ = fmt.Fprintln(cfg.Out, r.total.line())
+	if len(r.failed) > 0 {
+		sort.Strings(r.failed)
+		return fmt.Errorf("chaos: %d cell(s) failed: %v (seed %d)", len(r.failed), r.failed, cfg.Seed)
 	}
 	if ctx.Err() != nil {
 		return ctx.Err()
 	}
 	return nil
+}
+
+// runner runs the cells of one Run and keeps what they add up to.
+type runner struct {
+	cfg    Config
+	mu     sync.Mutex // guards total, failed and the writes to cfg.Out
+	total  tally
+	failed []string
+}
+
+// runAll runs names, par at a time, in order of start; it starts none once
+// ctx is done.
+func (r *runner) runAll(ctx context.Context, names []string, par int) {
+	slots := make(chan struct{}, par)
+	var wg sync.WaitGroup
+	for _, name := range names {
+		select {
+		case slots <- struct{}{}:
+		case <-ctx.Done():
+		}
+		if ctx.Err() != nil {
+			break
+		}
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			defer func() { <-slots }()
+			r.runCell(ctx, name)
+		}()
+	}
+	wg.Wait()
+}
+
+// runCell runs one cell in a temporary directory of its own and prints its
+// line.
+func (r *runner) runCell(ctx context.Context, name string) {
+	cfg := r.cfg
+	mu.Lock()
+	c := cells[name]
+	mu.Unlock()
+	out := &lockedWriter{mu: &r.mu, w: cfg.Out}
+	dir, err := os.MkdirTemp("", "idem-chaos-")
+	if err != nil {
+		r.report(c, Result{}, fmt.Sprintf("chaos: %s: FAILED: %v", name, err))
+		return
+	}
+	env := &Env{
+		Scale: cfg.Scale, Seed: cfg.Seed,
+		Rand:  rand.New(rand.NewPCG(cfg.Seed, hash(name))),
+		PGURL: cfg.PGURL, RedisAddr: cfg.RedisAddr, AMQPURL: cfg.AMQPURL, NATSURL: cfg.NATSURL,
+		Exe: cfg.Exe, TempDir: dir, Verbose: cfg.Verbose, out: out, name: name,
+	}
+	start := time.Now()
+	res, err := c.Run(ctx, env)
+	_ = os.RemoveAll(dir)
+	took := time.Since(start).Round(100 * time.Millisecond)
+	line := fmt.Sprintf("chaos: %s: %d messages, %d kills, %d restarts, %d redeliveries, %d duplicate effects, %d lost",
+		name, res.Messages, res.Kills, res.Restarts, res.Redeliveries, res.Duplicates, res.Lost)
+	if c.ExpectDuplicates && res.Messages > 0 {
+		line += fmt.Sprintf(" (duplicates expected: %.3f%% of messages)", 100*float64(res.Duplicates)/float64(res.Messages))
+	}
+	if res.Note != "" {
+		line += " [" + res.Note + "]"
+	}
+	line += fmt.Sprintf(" in %s", took)
+	switch {
+	case errors.Is(err, ErrSkipped) && !testenv.Required():
+		line += " SKIPPED: " + err.Error()
+	case err != nil:
+		line += " FAILED: " + err.Error()
+	case res.Messages == 0:
+		line += " FAILED: the cell sent no messages"
+		err = errors.New("no messages")
+	case res.Lost != 0 || (!c.ExpectDuplicates && res.Duplicates != 0):
+		line += " FAILED: promise broken"
+		err = errors.New("promise broken")
+	}
+	if errors.Is(err, ErrSkipped) && !testenv.Required() {
+		err = nil
+	}
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	r.total.add(c, res)
+	if err != nil {
+		r.failed = append(r.failed, name)
+	}
+	_, _ = fmt.Fprintln(cfg.Out, line)
+}
+
+// report records a cell that could not start.
+func (r *runner) report(c Cell, res Result, line string) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	r.total.add(c, res)
+	r.failed = append(r.failed, c.Name)
+	_, _ = fmt.Fprintln(r.cfg.Out, line)
+}
+
+// lockedWriter serializes the progress lines of cells running at once.
+type lockedWriter struct {
+	mu *sync.Mutex
+	w  io.Writer
+}
+
+func (l *lockedWriter) Write(p []byte) (int, error) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.w.Write(p)
 }
 
 // tally sums the cells' results for the total line. Duplicates in the

@@ -2,8 +2,10 @@ package chaos
 
 import (
 	"context"
+	"fmt"
 	"os"
 	"path/filepath"
+	"regexp"
 	"strings"
 	"sync"
 	"testing"
@@ -162,4 +164,108 @@ func TestTotalLineSeparatesExpectedDuplicates(t *testing.T) {
 	if got := none.line(); got != want {
 		t.Fatalf("total line without lease cells\n%s\nwant\n%s", got, want)
 	}
+}
+
+// Run runs up to Parallel cells at a time, the Last cells after every
+// other one and alone, prints every cell's line and sums them, and names
+// the cells that broke their promise.
+func TestRunParallel(t *testing.T) {
+	const par = 3
+	p := &parRun{gate: make(chan struct{})}
+	p.arrived.Add(par)
+	go func() { p.arrived.Wait(); close(p.gate) }()
+	parMu.Lock()
+	parCur = p
+	parMu.Unlock()
+	mu.Lock()
+	_, registered := cells["test/par/0"] // by an earlier -count run
+	mu.Unlock()
+	if !registered {
+		for i := range 8 {
+			Register(parCell(i, par, i >= 6, i == 4))
+		}
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	var out strings.Builder
+	err := Run(ctx, Config{Scale: Small, Seed: 1, Only: regexp.MustCompile(`^test/par/`), Out: &out, Parallel: par})
+	if err == nil || !strings.Contains(err.Error(), "[test/par/4]") {
+		t.Fatalf("Run = %v; want the broken cell test/par/4 named\n%s", err, out.String())
+	}
+	if ctx.Err() != nil {
+		t.Fatalf("the first %d cells did not run at once\n%s", par, out.String())
+	}
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.most > par {
+		t.Errorf("%d cells ran at once, want at most %d", p.most, par)
+	}
+	if p.othersAfter || p.lastBeside {
+		t.Errorf("a Last cell ran beside another (%v) or before one (%v)", p.lastBeside, p.othersAfter)
+	}
+	for i := range 8 {
+		if !strings.Contains(out.String(), fmt.Sprintf("chaos: test/par/%d: 10 messages, 1 kills", i)) {
+			t.Errorf("no line for test/par/%d", i)
+		}
+	}
+	if !strings.Contains(out.String(), "chaos: total: 80 messages, 8 kills") {
+		t.Errorf("total line wrong:\n%s", out.String())
+	}
+}
+
+// parRun is what the test/par/ cells of one TestRunParallel run record.
+type parRun struct {
+	mu          sync.Mutex
+	running     int
+	most        int
+	lastStarted bool
+	othersAfter bool // a cell that is not Last started after a Last one
+	lastBeside  bool // a Last cell ran beside another
+	// The first cells wait at gate until all of them arrived.
+	arrived sync.WaitGroup
+	gate    chan struct{}
+}
+
+var (
+	parMu  sync.Mutex
+	parCur *parRun
+)
+
+// parCell is test/par/i: it records what runs beside it, and the first
+// par cells wait for one another.
+func parCell(i, par int, last, broken bool) Cell {
+	return Cell{Name: fmt.Sprintf("test/par/%d", i), Last: last, Run: func(ctx context.Context, _ *Env) (Result, error) {
+		parMu.Lock()
+		p := parCur
+		parMu.Unlock()
+		p.mu.Lock()
+		p.running++
+		p.most = max(p.most, p.running)
+		if last {
+			p.lastBeside = p.lastBeside || p.running > 1
+			p.lastStarted = true
+		} else if p.lastStarted {
+			p.othersAfter = true
+		}
+		p.mu.Unlock()
+		defer func() {
+			p.mu.Lock()
+			p.running--
+			p.mu.Unlock()
+		}()
+		if i < par {
+			p.arrived.Done()
+			select {
+			case <-p.gate:
+			case <-ctx.Done():
+				return Result{}, ctx.Err()
+			}
+		}
+		time.Sleep(5 * time.Millisecond)
+		r := Result{Messages: 10, Kills: 1}
+		if broken {
+			r.Duplicates = 1
+		}
+		return r, nil
+	}}
 }

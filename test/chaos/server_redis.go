@@ -39,9 +39,17 @@ import (
 )
 
 func init() {
+	// go-redis logs every dial its pool retried against a server a fault
+	// took down; the cell's line says what happened.
+	redis.SetLogger(srvQuietRedis{})
 	Register(Cell{Name: "redis/restart/redisnx", ExpectDuplicates: true, Run: srvRedisNX})
 	Register(Cell{Name: "redis/restart/twolevel", Run: srvRedisTwoLevel})
 }
+
+// srvQuietRedis drops go-redis's own log lines.
+type srvQuietRedis struct{}
+
+func (srvQuietRedis) Printf(context.Context, string, ...any) {}
 
 // srvRedisClient is the cells' go-redis client: small pool, short
 // timeouts, go-redis's default retries.

@@ -89,6 +89,7 @@ var (
 	checkOnce sync.Once
 	checkErr  error
 	seq       atomic.Int64
+	newMu     sync.Mutex // held by New from picking a block to using it
 )
 
 // Check reports whether namespaces can be used here (nil), or why not,
@@ -144,6 +145,10 @@ func New(ctx context.Context, n int) (*Net, error) {
 	if n < 1 {
 		return nil, errors.New("netns: New needs at least one namespace")
 	}
+	// One New at a time in this process: the block is free only until
+	// its first address is added, and a run may create Nets at once.
+	newMu.Lock()
+	defer newMu.Unlock()
 	base, err := freeBlock(ctx, n)
 	if err != nil {
 		return nil, err

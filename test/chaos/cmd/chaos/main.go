@@ -2,7 +2,7 @@
 // test/chaos). `make chaos` builds and runs it; CHAOS_SCALE=small makes
 // the quick run that the test command includes.
 //
-//	chaos [-scale small|full] [-seed N] [-only REGEXP] [-v]
+//	chaos [-scale small|full] [-seed N] [-only REGEXP] [-parallel N] [-v]
 package main
 
 import (
@@ -26,6 +26,7 @@ func main() {
 	seed := flag.Uint64("seed", 0, "random seed; 0 picks one and prints it (env CHAOS_SEED)")
 	only := flag.String("only", os.Getenv("CHAOS_ONLY"), "run only the cells whose name matches this regexp (env CHAOS_ONLY)")
 	list := flag.Bool("list", false, "list the cells and exit")
+	parallel := flag.Int("parallel", 0, "cells run at a time; 0: 3 at -scale small, 1 at full (env CHAOS_PARALLEL)")
 	verbose := flag.Bool("v", os.Getenv("CHAOS_VERBOSE") != "", "print progress lines")
 	flag.Parse()
 
@@ -47,6 +48,18 @@ func main() {
 			}
 		} else {
 			*seed = uint64(time.Now().UnixNano())
+		}
+	}
+	if *parallel == 0 {
+		if s := os.Getenv("CHAOS_PARALLEL"); s != "" {
+			if _, err := fmt.Sscan(s, parallel); err != nil || *parallel < 1 {
+				fmt.Fprintf(os.Stderr, "chaos: CHAOS_PARALLEL: want a number of cells above 0, not %q\n", s)
+				os.Exit(2)
+			}
+		} else if *scale == string(chaos.Small) {
+			*parallel = 3
+		} else {
+			*parallel = 1
 		}
 	}
 	var re *regexp.Regexp
@@ -74,6 +87,7 @@ func main() {
 		Exe:       exe,
 		Verbose:   *verbose,
 		Out:       os.Stdout,
+		Parallel:  *parallel,
 	})
 	stop()
 	if err != nil {
