@@ -11,8 +11,9 @@
 #   make fmt     gofmt -s -w every Go file
 #
 # Variables: GOTESTFLAGS (extra go test flags, e.g. GOTESTFLAGS='-run TestX -v'),
-# PKGS (default ./...), QUICK=1, ROUNDS (default 3) and ONLY (a regexp of
-# the rows' paths) for make bench.
+# GOTEST_P (test binaries at a time, default 4), PKGS (default ./...),
+# QUICK=1, ROUNDS (default 3) and ONLY (a regexp of the rows' paths) for
+# make bench.
 
 SHELL := bash
 .SHELLFLAGS := -eu -o pipefail -c
@@ -22,6 +23,10 @@ MAKEFLAGS += --no-print-directory
 GO ?= go
 PKGS ?= ./...
 GOTESTFLAGS ?=
+# Test binaries run at a time. Most of the tests wait on servers, child
+# processes and timeouts rather than compute, so twice the cores of the
+# 2-core machines the suite is timed on keeps both busy.
+GOTEST_P ?= 4
 
 GOLANGCI_LINT_VERSION := 2.15.0
 # go install's target: the first GOPATH entry's bin (GOBIN is set explicitly
@@ -35,7 +40,7 @@ GOFILES = $(shell find . -name '*.go' -not -path './.git/*' -not -path '*/testda
 .PHONY: help up down status test test-go lint fmt-check vet golangci-lint tools fmt bench chaos
 
 help:
-	@sed -n '3,15s/^# \{0,1\}//p' $(firstword $(MAKEFILE_LIST))
+	@sed -n '3,16s/^# \{0,1\}//p' $(firstword $(MAKEFILE_LIST))
 
 up:
 	@scripts/services.sh up
@@ -50,7 +55,7 @@ test: test-go
 	@$(MAKE) chaos CHAOS_SCALE=small
 
 test-go: up
-	$(GO) test -race -count=1 -timeout 30m $(GOTESTFLAGS) $(PKGS)
+	$(GO) test -race -count=1 -p $(GOTEST_P) -timeout 30m $(GOTESTFLAGS) $(PKGS)
 	@# The allocation ceilings (Test*Allocations) again without the race
 	@# detector, which makes sync.Pool drop items at random: some of them
 	@# only build without it (//go:build !race).
