@@ -3,7 +3,7 @@
 #   make test    services up, every test with -race, then CHAOS_SCALE=small make chaos (the test command)
 #   make test-go services up, every test with -race, the allocation tests without (no chaos matrix)
 #   make lint    gofmt, go vet, golangci-lint (installed on first use)
-#   make chaos   the reliability matrix (CHAOS_SCALE=small|full, CHAOS_SEED, CHAOS_ONLY, CHAOS_PARALLEL)
+#   make chaos   the reliability matrix (CHAOS_SCALE=small|full, CHAOS_MULT, CHAOS_SEED, CHAOS_ONLY, CHAOS_PARALLEL)
 #   make bench   the benchmark table: each path against its baseline (QUICK=1: smoke run)
 #   make up      start or check PostgreSQL, Redis, RabbitMQ, MariaDB, NATS; install pgbouncer and Chromium (scripts/services.sh)
 #   make down    stop what `make up` started with docker compose

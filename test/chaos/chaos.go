@@ -55,7 +55,9 @@ const (
 	Full  Scale = "full"
 )
 
-// Pick returns small when s is Small, else full.
+// Pick returns small when s is Small, else full, whatever the run's
+// multiple: for what a multiple must not change (a rate, how long a drain
+// may take). A cell's sizes go through Env.Pick.
 func (s Scale) Pick(small, full int) int {
 	if s == Small {
 		return small
@@ -69,6 +71,7 @@ func (s Scale) Pick(small, full int) int {
 // processes.
 type Env struct {
 	Scale     Scale
+	Mult      int // the full scale's multiple (Config.Mult), at least 1
 	Seed      uint64
 	Rand      *rand.Rand
 	PGURL     string // shared PostgreSQL (database test)
@@ -80,6 +83,16 @@ type Env struct {
 	Verbose   bool
 	out       io.Writer
 	name      string
+}
+
+// Pick returns the size of something the cell counts (messages, kills,
+// rounds of faults) or the time it may take in all: small at the small
+// scale, full times the run's multiple at the full one.
+func (e *Env) Pick(small, full int) int {
+	if e.Scale == Small {
+		return small
+	}
+	return full * max(e.Mult, 1)
 }
 
 // Logf prints a progress line for the cell when the run is verbose.
@@ -177,6 +190,9 @@ type Config struct {
 	Exe       string
 	Verbose   bool
 	Out       io.Writer
+	// Mult multiplies the full scale's sizes (messages, faults, time
+	// limits; 0 or 1: as they are). It does not apply at the small scale.
+	Mult int
 	// Parallel is how many cells run at a time (0 or 1: one). The cells
 	// share the services but nothing else: each has its own schema, key
 	// prefix, queue, topic, throwaway servers and namespaces.
@@ -207,7 +223,11 @@ func Names() []string {
 // returns an error when a cell failed to run or broke its promise.
 func Run(ctx context.Context, cfg Config) error {
 	par := max(cfg.Parallel, 1)
-	_, _ = fmt.Fprintf(cfg.Out, "chaos: scale %s, seed %d, %d cell(s) at a time\n", cfg.Scale, cfg.Seed, par)
+	scale := string(cfg.Scale)
+	if cfg.Scale == Full && cfg.Mult > 1 {
+		scale += fmt.Sprintf(" x%d", cfg.Mult)
+	}
+	_, _ = fmt.Fprintf(cfg.Out, "chaos: scale %s, seed %d, %d cell(s) at a time\n", scale, cfg.Seed, par)
 	var first, last []string
 	for _, name := range Names() {
 		if cfg.Only != nil && !cfg.Only.MatchString(name) {
@@ -285,7 +305,7 @@ func (r *runner) runCell(ctx context.Context, name string) {
 		return
 	}
 	env := &Env{
-		Scale: cfg.Scale, Seed: cfg.Seed,
+		Scale: cfg.Scale, Mult: max(cfg.Mult, 1), Seed: cfg.Seed,
 		Rand:  rand.New(rand.NewPCG(cfg.Seed, hash(name))),
 		PGURL: cfg.PGURL, RedisAddr: cfg.RedisAddr, AMQPURL: cfg.AMQPURL, NATSURL: cfg.NATSURL,
 		Exe: cfg.Exe, TempDir: dir, Verbose: cfg.Verbose, out: out, name: name,

@@ -269,3 +269,21 @@ func parCell(i, par int, last, broken bool) Cell {
 		return r, nil
 	}}
 }
+
+// A multiple scales the full sizes that go through Env.Pick, not the small
+// ones, nor what Scale.Pick returns.
+func TestPickMultiple(t *testing.T) {
+	full := &Env{Scale: Full, Mult: 3}
+	if got := full.Pick(5, 40); got != 120 {
+		t.Errorf("full x3: Env.Pick = %d, want 120", got)
+	}
+	if got := full.Scale.Pick(25, 40); got != 40 {
+		t.Errorf("full x3: Scale.Pick = %d, want 40", got)
+	}
+	if got := (&Env{Scale: Small, Mult: 3}).Pick(5, 40); got != 5 {
+		t.Errorf("small x3: Env.Pick = %d, want 5", got)
+	}
+	if got := (&Env{Scale: Full}).Pick(5, 40); got != 40 {
+		t.Errorf("full without a multiple: Env.Pick = %d, want 40", got)
+	}
+}

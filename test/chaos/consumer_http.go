@@ -335,7 +335,7 @@ func httpCell(name, store string) Cell {
 		Name:             name,
 		ExpectDuplicates: store == storeRedis,
 		Run: func(ctx context.Context, env *Env) (Result, error) {
-			n, kills := env.Scale.Pick(1000, 20000), env.Scale.Pick(8, 40)
+			n, kills := env.Pick(1000, 20000), env.Pick(8, 40)
 			return withBase(ctx, env, name, store, n, func(b *cellBase) (Result, error) {
 				w, cleanup, err := newHTTPWorkload(ctx, b)
 				if err != nil {
@@ -344,7 +344,7 @@ func httpCell(name, store string) Cell {
 				defer cleanup()
 				return killCell(ctx, b, w, killSpec{
 					kills: kills, workers: 2, points: consumerPoints,
-					named: 8 * time.Second, limit: time.Duration(env.Scale.Pick(90, 600)) * time.Second,
+					named: 8 * time.Second, limit: time.Duration(env.Pick(90, 600)) * time.Second,
 				})
 			})
 		},

@@ -247,7 +247,7 @@ func natsKillCell(name string) Cell {
 	return Cell{
 		Name: name,
 		Run: func(ctx context.Context, env *Env) (Result, error) {
-			n, kills := env.Scale.Pick(1000, 20000), env.Scale.Pick(8, 40)
+			n, kills := env.Pick(1000, 20000), env.Pick(8, 40)
 			return withBase(ctx, env, name, storePG, n, func(b *cellBase) (Result, error) {
 				w, cleanup, err := newNATSWorkload(b, env.NATSURL)
 				if err != nil {
@@ -256,7 +256,7 @@ func natsKillCell(name string) Cell {
 				defer cleanup()
 				return killCell(ctx, b, w, killSpec{
 					kills: kills, workers: 2, points: consumerPoints,
-					named: 8 * time.Second, limit: time.Duration(env.Scale.Pick(120, 900)) * time.Second,
+					named: 8 * time.Second, limit: time.Duration(env.Pick(120, 900)) * time.Second,
 				})
 			})
 		},
@@ -269,7 +269,7 @@ func natsServerCell(name string) Cell {
 	return Cell{
 		Name: name,
 		Run: func(ctx context.Context, env *Env) (Result, error) {
-			n, rounds := env.Scale.Pick(1000, 20000), env.Scale.Pick(3, 15)
+			n, rounds := env.Pick(1000, 20000), env.Pick(3, 15)
 			srv, err := fault.StartNATS(ctx, fault.NATSOptions{})
 			if err != nil {
 				return Result{}, err
@@ -287,7 +287,7 @@ func natsServerCell(name string) Cell {
 				go func() {
 					faults <- natsServerFaults(fctx, env, srv, w, rounds, &serverKills)
 				}()
-				res, err := killCell(ctx, b, w, killSpec{workers: 2, limit: time.Duration(env.Scale.Pick(180, 900)) * time.Second})
+				res, err := killCell(ctx, b, w, killSpec{workers: 2, limit: time.Duration(env.Pick(180, 900)) * time.Second})
 				stopFaults()
 				if ferr := <-faults; err == nil && ferr != nil {
 					err = ferr

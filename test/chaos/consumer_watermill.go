@@ -232,7 +232,7 @@ func wmCell(name, store string) Cell {
 		Name:             name,
 		ExpectDuplicates: store == storeRedis,
 		Run: func(ctx context.Context, env *Env) (Result, error) {
-			n, kills := env.Scale.Pick(800, 10000), env.Scale.Pick(6, 30)
+			n, kills := env.Pick(800, 10000), env.Pick(6, 30)
 			return withBase(ctx, env, name, store, n, func(b *cellBase) (Result, error) {
 				w, cleanup, err := newWMWorkload(b)
 				if err != nil {
@@ -241,7 +241,7 @@ func wmCell(name, store string) Cell {
 				defer cleanup()
 				return killCell(ctx, b, w, killSpec{
 					kills: kills, workers: 2, points: consumerPoints,
-					named: 8 * time.Second, limit: time.Duration(env.Scale.Pick(90, 600)) * time.Second,
+					named: 8 * time.Second, limit: time.Duration(env.Pick(90, 600)) * time.Second,
 				})
 			})
 		},

@@ -91,7 +91,7 @@ func kafkaOffsetsCell(name string) Cell {
 	return Cell{
 		Name: name,
 		Run: func(ctx context.Context, env *Env) (Result, error) {
-			n, kills := env.Scale.Pick(1000, 20000), env.Scale.Pick(8, 40)
+			n, kills := env.Pick(1000, 20000), env.Pick(8, 40)
 			return withBase(ctx, env, name, storePG, n, func(b *cellBase) (Result, error) {
 				w, err := newKafkaWorkload(ctx, b, "kafka-consumer-offsets", kafkaOffsetsPartitions, kafkaOffsetsBrokers)
 				if err != nil {
@@ -103,7 +103,7 @@ func kafkaOffsetsCell(name string) Cell {
 				go func() { failovers <- failover(fctx, w.k, 3*time.Second) }()
 				res, err := killCell(ctx, b, w, killSpec{
 					kills: kills, workers: kafkaOffsetsWorkers, points: consumerPoints,
-					named: 8 * time.Second, limit: time.Duration(env.Scale.Pick(120, 900)) * time.Second,
+					named: 8 * time.Second, limit: time.Duration(env.Pick(120, 900)) * time.Second,
 				})
 				stopFailover()
 				res.Restarts += <-failovers

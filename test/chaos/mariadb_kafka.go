@@ -114,7 +114,7 @@ func kafkaSQLCell(name string) Cell {
 	return Cell{
 		Name: name,
 		Run: func(ctx context.Context, env *Env) (res Result, err error) {
-			n, kills := env.Scale.Pick(1000, 20000), env.Scale.Pick(8, 40)
+			n, kills := env.Pick(1000, 20000), env.Pick(8, 40)
 			root, err := myDSN(mySharedDSN(), "")
 			if err != nil {
 				return res, err
@@ -150,7 +150,7 @@ func kafkaSQLCell(name string) Cell {
 			w := &myKafkaWorkload{kafkaWorkload: kw, o: o, dsn: dsn, scope: b.scope}
 			st, runErr := runKills(ctx, env, w, killSpec{
 				ids: b.ids, kills: kills, workers: 2, points: consumerPoints,
-				named: 8 * time.Second, limit: time.Duration(env.Scale.Pick(90, 600)) * time.Second,
+				named: 8 * time.Second, limit: time.Duration(env.Pick(90, 600)) * time.Second,
 			})
 			res = Result{Messages: n, Kills: st.kills, Restarts: st.restarts, Note: "sqltable on MariaDB; " + st.note()}
 			deliveries, distinct, cerr := countDeliveries(env.TempDir, "deliveries")

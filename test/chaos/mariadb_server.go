@@ -81,8 +81,8 @@ func srvMyFaults(m *fault.MariaDB, rounds int, r *rand.Rand, res *Result, slowes
 
 func srvMariaDBSQLTable(ctx context.Context, env *Env) (res Result, err error) {
 	const name = "mariadb/sigkill/sqltable"
-	n := env.Scale.Pick(600, 4000)
-	rounds := env.Scale.Pick(5, 25)
+	n := env.Pick(600, 4000)
+	rounds := env.Pick(5, 25)
 	m, err := fault.StartMariaDB(ctx, fault.MariaDBOptions{})
 	if err != nil {
 		return res, err
@@ -139,8 +139,8 @@ func srvMariaDBSQLTable(ctx context.Context, env *Env) (res Result, err error) {
 
 func srvProxySQLTable(ctx context.Context, env *Env) (res Result, err error) {
 	const name = "proxy/sqltable-mariadb"
-	n := env.Scale.Pick(800, 5000)
-	rounds := env.Scale.Pick(15, 100)
+	n := env.Pick(800, 5000)
+	rounds := env.Pick(15, 100)
 	root, err := myDSN(mySharedDSN(), "")
 	if err != nil {
 		return res, err

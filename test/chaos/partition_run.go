@@ -175,7 +175,7 @@ func runPartition(ctx context.Context, env *Env, spec partSpec) (Result, error) 
 	} else if len(removed) > 0 {
 		env.Logf("removed what a run that no longer runs left: %v", removed)
 	}
-	ctx, cancel := context.WithTimeout(ctx, time.Duration(env.Scale.Pick(8, 25))*time.Minute)
+	ctx, cancel := context.WithTimeout(ctx, time.Duration(env.Pick(8, 25))*time.Minute)
 	defer cancel()
 	return withBase(ctx, env, spec.name, spec.store, 0, func(b *cellBase) (res Result, err error) {
 		w, cleanup, err := newAMQPWorkload(b)
@@ -206,8 +206,8 @@ func runPartition(ctx context.Context, env *Env, spec partSpec) (Result, error) 
 
 func (pr *partRun) run(ctx context.Context) (res Result, err error) {
 	env := pr.env
-	cuts := env.Scale.Pick(6, 24)
-	rate := env.Scale.Pick(25, 40) // messages per second
+	cuts := env.Pick(6, 24)
+	rate := env.Scale.Pick(25, 40) // messages per second, the same at every multiple
 	for s := range pr.procs {
 		if err := pr.start(s); err != nil {
 			return res, err

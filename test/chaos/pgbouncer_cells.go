@@ -72,9 +72,9 @@ func pgbouncerConsumerCell(name string, bouncerKills bool) Cell {
 				return Result{}, err
 			}
 			defer bn.Close()
-			n, kills := env.Scale.Pick(1000, 20000), env.Scale.Pick(8, 40)
+			n, kills := env.Pick(1000, 20000), env.Pick(8, 40)
 			if bouncerKills {
-				n, kills = env.Scale.Pick(3000, 20000), env.Scale.Pick(2, 10)
+				n, kills = env.Pick(3000, 20000), env.Pick(2, 10)
 			}
 			return withBase(ctx, env, name, storePG, n, func(b *cellBase) (Result, error) {
 				kw, err := newKafkaWorkload(ctx, b, "kafka-consumer", kafkaPartitions, 1)
@@ -88,7 +88,7 @@ func pgbouncerConsumerCell(name string, bouncerKills bool) Cell {
 				}
 				res, err := killCell(ctx, b, bouncedWorkload{kw, bn.URL()}, killSpec{
 					kills: kills, workers: 2, points: consumerPoints,
-					named: 8 * time.Second, limit: time.Duration(env.Scale.Pick(90, 600)) * time.Second,
+					named: 8 * time.Second, limit: time.Duration(env.Pick(90, 600)) * time.Second,
 				})
 				if bk != nil {
 					kills, restarts, kerr := bk.stop()
@@ -184,7 +184,7 @@ func pgbouncerRelayCell(name string) Cell {
 			direct := env.PGURL
 			benv := *env
 			benv.PGURL = bn.URL()
-			n, kills := env.Scale.Pick(1000, 20000), env.Scale.Pick(8, 40)
+			n, kills := env.Pick(1000, 20000), env.Pick(8, 40)
 			return withBase(ctx, &benv, name, storePG, n, func(b *cellBase) (Result, error) {
 				sink, cleanup, err := newKafkaSink(ctx, b)
 				if err != nil {

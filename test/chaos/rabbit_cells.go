@@ -231,9 +231,9 @@ func rabbitAMQPCell(name string) Cell {
 		Name: name,
 		Last: true,
 		Run: func(ctx context.Context, env *Env) (Result, error) {
-			n := env.Scale.Pick(1000, 10000)
-			closes, stops := env.Scale.Pick(4, 12), env.Scale.Pick(2, 4)
-			ctx, cancel := context.WithTimeout(ctx, time.Duration(env.Scale.Pick(600, 1200))*time.Second)
+			n := env.Pick(1000, 10000)
+			closes, stops := env.Pick(4, 12), env.Pick(2, 4)
+			ctx, cancel := context.WithTimeout(ctx, time.Duration(env.Pick(600, 1200))*time.Second)
 			defer cancel()
 			return withBase(ctx, env, name, storePG, n, func(b *cellBase) (Result, error) {
 				q, node, stopNode, err := rabbitBroker(ctx, env, b)
@@ -291,9 +291,9 @@ func rabbitRelayCell(name string) Cell {
 		Name: name,
 		Last: true,
 		Run: func(ctx context.Context, env *Env) (Result, error) {
-			n := env.Scale.Pick(1000, 10000)
-			closes, stops := env.Scale.Pick(4, 12), env.Scale.Pick(2, 4)
-			ctx, cancel := context.WithTimeout(ctx, time.Duration(env.Scale.Pick(600, 1200))*time.Second)
+			n := env.Pick(1000, 10000)
+			closes, stops := env.Pick(4, 12), env.Pick(2, 4)
+			ctx, cancel := context.WithTimeout(ctx, time.Duration(env.Pick(600, 1200))*time.Second)
 			defer cancel()
 			return withBase(ctx, env, name, storePG, n, func(b *cellBase) (Result, error) {
 				ids, err := uuidIDs(n)

@@ -146,7 +146,7 @@ func relayAMQPCell(name string) Cell {
 	return Cell{
 		Name: name,
 		Run: func(ctx context.Context, env *Env) (Result, error) {
-			n, kills := env.Scale.Pick(1000, 20000), env.Scale.Pick(8, 40)
+			n, kills := env.Pick(1000, 20000), env.Pick(8, 40)
 			return withBase(ctx, env, name, storePG, n, func(b *cellBase) (Result, error) {
 				ctl, err := newRabbitCtl(env.AMQPURL)
 				if err != nil {
@@ -179,7 +179,7 @@ func relayKillCell(ctx context.Context, b *cellBase, sink relaySink, kills int) 
 	defer w.close()
 	res, err := killCell(ctx, b, w, killSpec{
 		kills: kills, workers: 2, points: relayPoints,
-		named: 8 * time.Second, limit: time.Duration(b.env.Scale.Pick(90, 600)) * time.Second,
+		named: 8 * time.Second, limit: time.Duration(b.env.Pick(90, 600)) * time.Second,
 	})
 	pubs, distinct, perr := countDeliveries(b.env.TempDir, "publishes")
 	if perr == nil {

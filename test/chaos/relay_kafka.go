@@ -129,7 +129,7 @@ func relayKafkaCell(name string) Cell {
 	return Cell{
 		Name: name,
 		Run: func(ctx context.Context, env *Env) (Result, error) {
-			n, kills := env.Scale.Pick(1000, 20000), env.Scale.Pick(8, 40)
+			n, kills := env.Pick(1000, 20000), env.Pick(8, 40)
 			return withBase(ctx, env, name, storePG, n, func(b *cellBase) (Result, error) {
 				sink, cleanup, err := newKafkaSink(ctx, b)
 				if err != nil {

@@ -339,8 +339,8 @@ func (p *srvPauseRun) handOver(id string) {
 }
 
 func srvPause(ctx context.Context, env *Env, name, kind string) (res Result, err error) {
-	n := env.Scale.Pick(500, 3000)
-	pauses := env.Scale.Pick(5, 40)
+	n := env.Pick(500, 3000)
+	pauses := env.Pick(5, 40)
 	shared, err := srvPool(ctx, env.PGURL, 4)
 	if err != nil {
 		return res, err

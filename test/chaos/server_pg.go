@@ -149,8 +149,8 @@ func srvEnsureUp(ctx context.Context, pg *fault.Postgres, res *Result) error {
 
 func srvPGTable(ctx context.Context, env *Env, f srvPGFault) (res Result, err error) {
 	name := "pg/" + f.name + "/pgtable"
-	n := env.Scale.Pick(600, 4000)
-	rounds := env.Scale.Pick(f.small, f.full)
+	n := env.Pick(600, 4000)
+	rounds := env.Pick(f.small, f.full)
 	pg, pool, err := srvStartPG(ctx)
 	if err != nil {
 		return res, err
@@ -420,8 +420,8 @@ func srvOutboxVerdict(ctx context.Context, pool *pgxpool.Pool, ob *pgoutbox.Outb
 
 func srvPGOutbox(ctx context.Context, env *Env, f srvPGFault) (res Result, err error) {
 	name := "pg/" + f.name + "/outbox"
-	n := env.Scale.Pick(600, 4000)
-	rounds := env.Scale.Pick(f.small, f.full)
+	n := env.Pick(600, 4000)
+	rounds := env.Pick(f.small, f.full)
 	pg, tpool, err := srvStartPG(ctx)
 	if err != nil {
 		return res, err

@@ -116,8 +116,8 @@ func srvHostPort(addr string) (string, uint16, error) {
 
 func srvProxyPGTable(ctx context.Context, env *Env) (res Result, err error) {
 	const name = "proxy/pgtable"
-	n := env.Scale.Pick(800, 5000)
-	rounds := env.Scale.Pick(15, 100)
+	n := env.Pick(800, 5000)
+	rounds := env.Pick(15, 100)
 	shared, err := srvPool(ctx, env.PGURL, 4)
 	if err != nil {
 		return res, err
@@ -209,8 +209,8 @@ func srvRedisPrefix(name string, seed uint64) string {
 
 func srvProxyRedisNX(ctx context.Context, env *Env) (res Result, err error) {
 	const name = "proxy/redisnx"
-	n := env.Scale.Pick(800, 5000)
-	rounds := env.Scale.Pick(15, 100)
+	n := env.Pick(800, 5000)
+	rounds := env.Pick(15, 100)
 	shared, err := srvPool(ctx, env.PGURL, 4)
 	if err != nil {
 		return res, err
@@ -270,8 +270,8 @@ func srvProxyRedisNX(ctx context.Context, env *Env) (res Result, err error) {
 
 func srvProxyOutboxKafka(ctx context.Context, env *Env) (res Result, err error) {
 	const name = "proxy/outbox-kafka"
-	n := env.Scale.Pick(800, 5000)
-	rounds := env.Scale.Pick(15, 100)
+	n := env.Pick(800, 5000)
+	rounds := env.Pick(15, 100)
 	topic, dlq := "chaos", "chaos-dlq" // srvProducers enqueue to topic "chaos"
 	cluster, err := kfake.NewCluster(kfake.NumBrokers(1), kfake.SeedTopics(4, topic, dlq),
 		kfake.GroupMinSessionTimeout(100*time.Millisecond))

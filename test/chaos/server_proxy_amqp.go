@@ -37,8 +37,8 @@ func init() {
 
 func srvProxyOutboxAMQP(ctx context.Context, env *Env) (res Result, err error) {
 	const name = "proxy/outbox-amqp"
-	n := env.Scale.Pick(800, 5000)
-	rounds := env.Scale.Pick(15, 100)
+	n := env.Pick(800, 5000)
+	rounds := env.Pick(15, 100)
 
 	shared, err := srvPool(ctx, env.PGURL, 6)
 	if err != nil {

@@ -129,8 +129,8 @@ func (e *srvRedisEnv) close(ctx context.Context) error {
 
 func srvRedisNX(ctx context.Context, env *Env) (res Result, err error) {
 	const name = "redis/restart/redisnx"
-	n := env.Scale.Pick(800, 5000)
-	rounds := env.Scale.Pick(8, 40)
+	n := env.Pick(800, 5000)
+	rounds := env.Pick(8, 40)
 	e, err := srvRedisSetup(ctx, env, name)
 	if err != nil {
 		return res, err
@@ -163,8 +163,8 @@ func srvRedisNX(ctx context.Context, env *Env) (res Result, err error) {
 
 func srvRedisTwoLevel(ctx context.Context, env *Env) (res Result, err error) {
 	const name = "redis/restart/twolevel"
-	n := env.Scale.Pick(800, 5000)
-	rounds := env.Scale.Pick(8, 40)
+	n := env.Pick(800, 5000)
+	rounds := env.Pick(8, 40)
 	e, err := srvRedisSetup(ctx, env, name)
 	if err != nil {
 		return res, err

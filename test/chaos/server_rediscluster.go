@@ -105,8 +105,8 @@ func srvClusterKills(c *rediscluster.Cluster, gate *srvGate, kills int, r *rand.
 
 func srvRedisClusterKill(ctx context.Context, env *Env) (res Result, err error) {
 	const name = "redis/cluster/master-kill"
-	n := env.Scale.Pick(1500, 6000)
-	kills := env.Scale.Pick(2, 3)
+	n := env.Pick(1500, 6000)
+	kills := env.Pick(2, 3)
 	c, err := rediscluster.New(ctx, rediscluster.Options{})
 	if err != nil {
 		return res, err

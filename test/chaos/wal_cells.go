@@ -230,7 +230,7 @@ func walAMQPKillCell(name string) Cell {
 	return Cell{
 		Name: name,
 		Run: func(ctx context.Context, env *Env) (res Result, err error) {
-			n, kills := env.Scale.Pick(1000, 20000), env.Scale.Pick(8, 40)
+			n, kills := env.Pick(1000, 20000), env.Pick(8, 40)
 			pg, pool, err := walStartPG(ctx)
 			if err != nil {
 				return res, err
@@ -279,7 +279,7 @@ func walKillCell(ctx context.Context, b *cellBase, w *walWorkload, kills int) (R
 	defer w.close()
 	res, err := killCell(ctx, b, w, killSpec{
 		kills: kills, workers: 1, points: relayPoints,
-		named: 8 * time.Second, limit: time.Duration(b.env.Scale.Pick(90, 600)) * time.Second,
+		named: 8 * time.Second, limit: time.Duration(b.env.Pick(90, 600)) * time.Second,
 	})
 	pubs, distinct, perr := countDeliveries(b.env.TempDir, "publishes")
 	if perr == nil {
@@ -381,8 +381,8 @@ func walPGImmediate(ctx context.Context, env *Env) (res Result, err error) {
 	if f.name != "immediate" {
 		return res, fmt.Errorf("the first PostgreSQL fault is %s, not immediate", f.name)
 	}
-	n := env.Scale.Pick(600, 4000)
-	rounds := env.Scale.Pick(f.small, f.full)
+	n := env.Pick(600, 4000)
+	rounds := env.Pick(f.small, f.full)
 	pg, tpool, err := walStartPG(ctx)
 	if err != nil {
 		return res, err
@@ -452,8 +452,8 @@ func walPGImmediate(ctx context.Context, env *Env) (res Result, err error) {
 // walProxyAMQP is wal/proxy/amqp.
 func walProxyAMQP(ctx context.Context, env *Env) (res Result, err error) {
 	const name = "wal/proxy/amqp"
-	n := env.Scale.Pick(800, 5000)
-	rounds := env.Scale.Pick(15, 100)
+	n := env.Pick(800, 5000)
+	rounds := env.Pick(15, 100)
 	pg, tpool, err := walStartPG(ctx)
 	if err != nil {
 		return res, err

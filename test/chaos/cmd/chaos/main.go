@@ -2,7 +2,7 @@
 // test/chaos). `make chaos` builds and runs it; CHAOS_SCALE=small makes
 // the quick run that the test command includes.
 //
-//	chaos [-scale small|full] [-seed N] [-only REGEXP] [-parallel N] [-v]
+//	chaos [-scale small|full] [-mult N] [-seed N] [-only REGEXP] [-parallel N] [-v]
 package main
 
 import (
@@ -26,6 +26,7 @@ func main() {
 	seed := flag.Uint64("seed", 0, "random seed; 0 picks one and prints it (env CHAOS_SEED)")
 	only := flag.String("only", os.Getenv("CHAOS_ONLY"), "run only the cells whose name matches this regexp (env CHAOS_ONLY)")
 	list := flag.Bool("list", false, "list the cells and exit")
+	mult := flag.Int("mult", 0, "multiply the full scale's messages, faults and time limits (env CHAOS_MULT; default 1)")
 	parallel := flag.Int("parallel", 0, "cells run at a time; 0: 3 at -scale small, 1 at full (env CHAOS_PARALLEL)")
 	verbose := flag.Bool("v", os.Getenv("CHAOS_VERBOSE") != "", "print progress lines")
 	flag.Parse()
@@ -62,6 +63,15 @@ func main() {
 			*parallel = 1
 		}
 	}
+	if *mult == 0 {
+		*mult = 1
+		if s := os.Getenv("CHAOS_MULT"); s != "" {
+			if _, err := fmt.Sscan(s, mult); err != nil || *mult < 1 {
+				fmt.Fprintf(os.Stderr, "chaos: CHAOS_MULT: want a multiple of 1 or more, not %q\n", s)
+				os.Exit(2)
+			}
+		}
+	}
 	var re *regexp.Regexp
 	if *only != "" {
 		var err error
@@ -88,6 +98,7 @@ func main() {
 		Verbose:   *verbose,
 		Out:       os.Stdout,
 		Parallel:  *parallel,
+		Mult:      *mult,
 	})
 	stop()
 	if err != nil {
