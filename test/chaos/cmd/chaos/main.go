@@ -51,27 +51,12 @@ func main() {
 			*seed = uint64(time.Now().UnixNano())
 		}
 	}
-	if *parallel == 0 {
-		if s := os.Getenv("CHAOS_PARALLEL"); s != "" {
-			if _, err := fmt.Sscan(s, parallel); err != nil || *parallel < 1 {
-				fmt.Fprintf(os.Stderr, "chaos: CHAOS_PARALLEL: want a number of cells above 0, not %q\n", s)
-				os.Exit(2)
-			}
-		} else if *scale == string(chaos.Small) {
-			*parallel = 3
-		} else {
-			*parallel = 1
-		}
+	defParallel := 1
+	if *scale == string(chaos.Small) {
+		defParallel = 3
 	}
-	if *mult == 0 {
-		*mult = 1
-		if s := os.Getenv("CHAOS_MULT"); s != "" {
-			if _, err := fmt.Sscan(s, mult); err != nil || *mult < 1 {
-				fmt.Fprintf(os.Stderr, "chaos: CHAOS_MULT: want a multiple of 1 or more, not %q\n", s)
-				os.Exit(2)
-			}
-		}
-	}
+	*parallel = count("parallel", *parallel, "CHAOS_PARALLEL", defParallel)
+	*mult = count("mult", *mult, "CHAOS_MULT", 1)
 	var re *regexp.Regexp
 	if *only != "" {
 		var err error
@@ -105,6 +90,28 @@ func main() {
 		fmt.Fprintln(os.Stderr, err)
 		os.Exit(1)
 	}
+}
+
+// count returns a count of 1 or more: the flag's value when set, else the
+// environment variable's, else def. It exits on anything else.
+func count(flagName string, flagValue int, env string, def int) int {
+	if flagValue > 0 {
+		return flagValue
+	}
+	if flagValue < 0 {
+		fmt.Fprintf(os.Stderr, "chaos: -%s: want 1 or more, not %d\n", flagName, flagValue)
+		os.Exit(2)
+	}
+	s := os.Getenv(env)
+	if s == "" {
+		return def
+	}
+	var n int
+	if _, err := fmt.Sscan(s, &n); err != nil || n < 1 {
+		fmt.Fprintf(os.Stderr, "chaos: %s: want 1 or more, not %q\n", env, s)
+		os.Exit(2)
+	}
+	return n
 }
 
 func envOr(name, def string) string {
