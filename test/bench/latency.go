@@ -5,7 +5,10 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"os"
 	"slices"
+	"strconv"
+	"strings"
 	"sync"
 	"time"
 
@@ -40,6 +43,10 @@ type latencyStats struct {
 	p50, p99 time.Duration // commit to confirm
 	max      time.Duration
 	drain    time.Duration // from the last commit to the last confirm
+	// cpu is the share of the machine's cores that were busy (any
+	// process) from the first commit to the last confirm; -1 where
+	// /proc/stat cannot be read.
+	cpu float64
 }
 
 // latencyCase is one relay to one broker, or the baseline to one broker
@@ -101,8 +108,8 @@ func measureLatency(ctx context.Context, e *env, only func(string) bool) []laten
 					continue
 				}
 				r.runs[rate] = append(r.runs[rate], s)
-				e.logf("%s at %d msg/s: round %d/%d: p50 %s p99 %s max %s, %.0f commits/s, drain %s (load %s)",
-					r.path(), rate, round+1, e.cfg.Rounds, ms(s.p50), ms(s.p99), ms(s.max), s.achieved, ms(s.drain), loadavg())
+				e.logf("%s at %d msg/s: round %d/%d: p50 %s p99 %s max %s, %.0f commits/s, drain %s, CPU %s busy (load %s)",
+					r.path(), rate, round+1, e.cfg.Rounds, ms(s.p50), ms(s.p99), ms(s.max), s.achieved, ms(s.drain), percent(s.cpu), loadavg())
 			}
 		}
 	}
@@ -117,13 +124,51 @@ func latencyRun(ctx context.Context, e *env, c latencyCase, offered int) (latenc
 	}
 	defer reset()
 	d := e.size.duration / 2
-	if c.peer {
+	switch {
+	case c.peer:
 		return peerLatency(ctx, e, c.target, topic, offered, d)
-	}
-	if c.relay == nil {
+	case c.relay == nil:
 		return dualWrite(ctx, e, c.target, topic, offered, d)
+	default:
+		return relayLatency(ctx, e, *c.relay, c.target, topic, offered, d)
 	}
-	return relayLatency(ctx, e, *c.relay, c.target, topic, offered, d)
+}
+
+// cpuSample is the machine's CPU time so far, from /proc/stat, in clock
+// ticks: busy (user, nice, system, irq, softirq, steal) and in all.
+type cpuSample struct{ busy, total uint64 }
+
+func readCPU() (cpuSample, bool) {
+	b, err := os.ReadFile("/proc/stat")
+	if err != nil {
+		return cpuSample{}, false
+	}
+	line, _, _ := strings.Cut(string(b), "\n")
+	f := strings.Fields(line)
+	if len(f) < 9 || f[0] != "cpu" {
+		return cpuSample{}, false
+	}
+	var s cpuSample
+	for i, v := range f[1:9] { // user nice system idle iowait irq softirq steal
+		n, err := strconv.ParseUint(v, 10, 64)
+		if err != nil {
+			return cpuSample{}, false
+		}
+		s.total += n
+		if i != 3 && i != 4 {
+			s.busy += n
+		}
+	}
+	return s, true
+}
+
+// busySince is the share of the CPU time since from that was busy, or -1.
+func busySince(from cpuSample, ok bool) float64 {
+	to, ok2 := readCPU()
+	if !ok || !ok2 || to.total <= from.total {
+		return -1
+	}
+	return float64(to.busy-from.busy) / float64(to.total-from.total)
 }
 
 // stamps records when each message was committed and confirmed.
@@ -133,6 +178,8 @@ type stamps struct {
 	confirmed map[string]time.Time
 	want      int // confirmations to wait for; 0 until the producers are done
 	all       chan struct{}
+	cpu       cpuSample // the machine's CPU time when the producers started
+	cpuOK     bool
 }
 
 func newStamps() *stamps {
@@ -176,7 +223,7 @@ func (s *stamps) check() {
 func (s *stamps) stats(rate int, began, ended time.Time) (latencyStats, error) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	st := latencyStats{offered: rate, achieved: float64(len(s.committed)) / ended.Sub(began).Seconds()}
+	st := latencyStats{offered: rate, achieved: float64(len(s.committed)) / ended.Sub(began).Seconds(), cpu: busySince(s.cpu, s.cpuOK)}
 	lat := make([]time.Duration, 0, len(s.committed))
 	var lastCommit, lastConfirm time.Time
 	for id, c := range s.committed {
@@ -203,9 +250,11 @@ func (s *stamps) stats(rate int, began, ended time.Time) (latencyStats, error) {
 
 // produce runs the producers at rate for d: each commits a transaction
 // (through tx) on its turn, skipping the turns it is late for. It returns
-// when they are done, with the time they started and ended.
-func produce(ctx context.Context, rate int, d time.Duration, tx func(ctx context.Context, i int) error) (began, ended time.Time, err error) {
+// when they are done, with the time they started and ended. It notes in s
+// the machine's CPU time at the start.
+func produce(ctx context.Context, s *stamps, rate int, d time.Duration, tx func(ctx context.Context, i int) error) (began, ended time.Time, err error) {
 	per := time.Duration(latencyProducers) * time.Second / time.Duration(rate)
+	s.cpu, s.cpuOK = readCPU()
 	var (
 		wg   sync.WaitGroup
 		mu   sync.Mutex
@@ -318,7 +367,7 @@ func timedRun(ctx context.Context, s *stamps, errc <-chan error, enqueue func(ct
 	s.mu.Lock()
 	clear(s.confirmed)
 	s.mu.Unlock()
-	began, ended, err := produce(ctx, rate, d, func(ctx context.Context, i int) error {
+	began, ended, err := produce(ctx, s, rate, d, func(ctx context.Context, i int) error {
 		id, err := enqueue(ctx, i)
 		if err == nil {
 			s.commit(id, time.Now())
@@ -373,7 +422,7 @@ func dualWrite(ctx context.Context, e *env, target relayTarget, topic string, ra
 	}
 	defer closeSend()
 	s := newStamps()
-	began, ended, err := produce(ctx, rate, d, func(ctx context.Context, i int) error {
+	began, ended, err := produce(ctx, s, rate, d, func(ctx context.Context, i int) error {
 		id := e.id("m")
 		if _, err := e.pool.Exec(ctx, "INSERT INTO "+table+" (id, payload) VALUES ($1, $2)", id, payload); err != nil {
 			return err
@@ -442,6 +491,15 @@ func kafkaSender(_ context.Context, e *env, topic string) (func(ctx context.Cont
 	return send, func() { _ = w.Close() }, nil
 }
 
+// percent prints a share as a percentage, or "–" for a negative one (not
+// measured).
+func percent(f float64) string {
+	if f < 0 {
+		return "–"
+	}
+	return fmt.Sprintf("%.0f%%", 100*f)
+}
+
 func ms(d time.Duration) string { return fmt.Sprintf("%.1f ms", float64(d.Microseconds())/1000) }
 
 // printLatency prints the latency table: per row and rate, the medians of
@@ -452,12 +510,12 @@ func printLatency(w io.Writer, results []latencyResult) {
 	}
 	p := func(format string, args ...any) { _, _ = fmt.Fprintf(w, format, args...) }
 	p("\nCommit to confirmed publish, %d producers committing one message per transaction at the offered rate (medians of the rounds):\n\n", latencyProducers)
-	p("| path | offered | committed | p50 | p99 | max | last commit to last confirm |\n|---|---:|---:|---:|---:|---:|---:|\n")
+	p("| path | offered | committed | p50 | p99 | max | last commit to last confirm | CPU busy |\n|---|---:|---:|---:|---:|---:|---:|---:|\n")
 	for _, r := range results {
 		for _, offered := range latencyRates {
 			runs := r.runs[offered]
 			if len(runs) == 0 {
-				p("| %s | %s msg/s | not measured | – | – | – | – |\n", r.path(), thousands(int64(offered)))
+				p("| %s | %s msg/s | not measured | – | – | – | – | – |\n", r.path(), thousands(int64(offered)))
 				continue
 			}
 			med := func(f func(latencyStats) time.Duration) string {
@@ -467,13 +525,13 @@ func printLatency(w io.Writer, results []latencyResult) {
 				}
 				return ms(time.Duration(median(xs)))
 			}
-			ach := make([]float64, len(runs))
+			ach, cpu := make([]float64, len(runs)), make([]float64, len(runs))
 			for i, s := range runs {
-				ach[i] = s.achieved
+				ach[i], cpu[i] = s.achieved, s.cpu
 			}
-			p("| %s | %s msg/s | %s | %s | %s | %s | %s |\n", r.path(), thousands(int64(offered)), rate(median(ach), "msg/s"),
+			p("| %s | %s msg/s | %s | %s | %s | %s | %s | %s |\n", r.path(), thousands(int64(offered)), rate(median(ach), "msg/s"),
 				med(func(s latencyStats) time.Duration { return s.p50 }), med(func(s latencyStats) time.Duration { return s.p99 }),
-				med(func(s latencyStats) time.Duration { return s.max }), med(func(s latencyStats) time.Duration { return s.drain }))
+				med(func(s latencyStats) time.Duration { return s.max }), med(func(s latencyStats) time.Duration { return s.drain }), percent(median(cpu)))
 		}
 	}
 	for _, r := range results {
