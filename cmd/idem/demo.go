@@ -64,6 +64,7 @@ type demoConfig struct {
 	partitions     int
 	clients        int
 	timeout        time.Duration
+	dedupTTL       time.Duration
 	postgres       string
 	schema         string
 	redisURL       string
@@ -92,6 +93,7 @@ func runDemo(ctx context.Context, args []string, stdout, stderr io.Writer) error
 	fs.IntVar(&cfg.partitions, "partitions", 4, "partitions of the payments topic")
 	fs.IntVar(&cfg.clients, "clients", 16, "concurrent HTTP clients")
 	fs.DurationVar(&cfg.timeout, "timeout", 0, "give up after this long (default 2m, or 1ms per payment when that is longer)")
+	fs.DurationVar(&cfg.dedupTTL, "dedup-ttl", 30*time.Second, "how long a completed key's dedup mark is kept, in memory (memstore) or in Redis: it must outlast every redelivery (the demo's come within seconds); dropping older marks keeps a long run's memory flat")
 	fs.StringVar(&cfg.postgres, "postgres", envDefault("IDEM_POSTGRES_URL", ""), "PostgreSQL URL: dedup marks in pgtable, messages through a pgoutbox relay, charges in a table (drops and recreates the demo's demo_* tables in --schema; the default run takes about a minute)")
 	fs.StringVar(&cfg.schema, "schema", "", "schema of the demo's tables with --postgres, kept at the end (default: a fresh idem_demo_<run>, dropped at the end unless --keep)")
 	fs.BoolVar(&cfg.keep, "keep", false, "keep what the run made at the end: the fresh --postgres schema, the --redis marks")
@@ -117,6 +119,8 @@ func runDemo(ctx context.Context, args []string, stdout, stderr io.Writer) error
 		return usageError(fs, "--partitions must be between 1 and 1000")
 	case cfg.clients <= 0:
 		return usageError(fs, "--clients must be positive")
+	case cfg.dedupTTL <= 0:
+		return usageError(fs, "--dedup-ttl must be positive")
 	case cfg.timeout < 0:
 		return usageError(fs, "--timeout must be positive")
 	case cfg.progress != "auto" && cfg.progress != "bar" && cfg.progress != "plain" && cfg.progress != "none":
@@ -288,7 +292,8 @@ func demo(ctx context.Context, cfg demoConfig, stdout io.Writer) (*demoResult, e
 		}
 		res.store = "pgtable + pgoutbox on " + pgd.where
 	case cfg.redisURL == "":
-		ms, err := memstore.New(memstore.Options{})
+		// Sweeping four times per TTL holds at most 1.25 TTLs of marks.
+		ms, err := memstore.New(memstore.Options{TTL: cfg.dedupTTL, SweepInterval: max(cfg.dedupTTL/4, time.Second)})
 		if err != nil {
 			return nil, err
 		}
@@ -311,7 +316,7 @@ func demo(ctx context.Context, cfg demoConfig, stdout io.Writer) (*demoResult, e
 		if !cfg.keep {
 			defer deleteRedisKeys(client, redisPrefix+":")
 		}
-		rs, err := redisnx.New(client, redisnx.Options{Prefix: redisPrefix, TTL: time.Hour})
+		rs, err := redisnx.New(client, redisnx.Options{Prefix: redisPrefix, TTL: cfg.dedupTTL})
 		if err != nil {
 			return nil, err
 		}
@@ -448,7 +453,7 @@ func demo(ctx context.Context, cfg demoConfig, stdout io.Writer) (*demoResult, e
 			// Complete would charge again once the lease ran out (the
 			// limit of lease stores the README states), so the child is
 			// stopped between deliveries before it is killed.
-			cc.Redis, cc.Prefix = cfg.redisURL, redisPrefix
+			cc.Redis, cc.Prefix, cc.TTLMS = cfg.redisURL, redisPrefix, cfg.dedupTTL.Milliseconds()
 			g.freeze = true
 		}
 		g.exe, g.child = exe, cc

@@ -69,6 +69,7 @@ type childConfig struct {
 	Schema   string `json:"schema,omitempty"`
 	Redis    string `json:"redis,omitempty"`
 	Prefix   string `json:"prefix,omitempty"`
+	TTLMS    int64  `json:"ttl_ms,omitempty"` // the marks' TTL in Redis (--dedup-ttl)
 }
 
 func init() {
@@ -204,7 +205,7 @@ func (c *child) run(ctx context.Context) error {
 		// A short lease: a claim of this process outlives it only
 		// when it was killed without a freeze (a freeze that timed
 		// out), and then holds the redelivery back for this long.
-		store, err := redisnx.New(client, redisnx.Options{Prefix: cfg.Prefix, TTL: time.Hour, Lease: 5 * time.Second})
+		store, err := redisnx.New(client, redisnx.Options{Prefix: cfg.Prefix, TTL: time.Duration(cfg.TTLMS) * time.Millisecond, Lease: 5 * time.Second})
 		if err != nil {
 			return err
 		}
