@@ -34,6 +34,12 @@ GOLANGCI_LINT_VERSION := 2.15.0
 TOOLS_BIN := $(firstword $(subst :, ,$(shell $(GO) env GOPATH)))/bin
 GOLANGCI_LINT := $(TOOLS_BIN)/golangci-lint
 
+# The packages that hold an allocation test (func Test...Allocations), for
+# the test-go step that runs them without -race: with the default PKGS only
+# those are built again, not every test binary.
+ALLOC_TEST := ^func Test[A-Za-z0-9_]*Allocations[(]
+ALLOC_PKGS = $(if $(filter ./...,$(PKGS)),$(or $(sort $(dir $(shell grep -rlE --include='*_test.go' '$(ALLOC_TEST)' . 2>/dev/null))),./...),$(PKGS))
+
 # Every Go file but testdata fixtures and vendored code.
 GOFILES = $(shell find . -name '*.go' -not -path './.git/*' -not -path '*/testdata/*' -not -path './vendor/*' 2>/dev/null)
 
@@ -59,7 +65,7 @@ test-go: up
 	@# The allocation ceilings (Test*Allocations) again without the race
 	@# detector, which makes sync.Pool drop items at random: some of them
 	@# only build without it (//go:build !race).
-	$(GO) test -count=1 -run 'Allocations$$' $(PKGS)
+	$(GO) test -count=1 -run 'Allocations$$' $(ALLOC_PKGS)
 
 # The reliability matrix (test/chaos): built once, so the cells can
 # re-execute the binary as the consumers they SIGKILL.
