@@ -38,7 +38,7 @@ GOLANGCI_LINT := $(TOOLS_BIN)/golangci-lint
 # the test-go step that runs them without -race: with the default PKGS only
 # those are built again, not every test binary.
 ALLOC_TEST := ^func Test[A-Za-z0-9_]*Allocations[(]
-ALLOC_PKGS = $(if $(filter ./...,$(PKGS)),$(or $(sort $(dir $(shell grep -rlE --include='*_test.go' '$(ALLOC_TEST)' . 2>/dev/null))),./...),$(PKGS))
+ALLOC_PKGS = $(if $(filter ./...,$(PKGS)),$(or $(sort $(dir $(shell grep -rlE --include='*_test.go' --exclude-dir=.git --exclude-dir=testdata --exclude-dir=vendor '$(ALLOC_TEST)' . 2>/dev/null))),./...),$(PKGS))
 
 # Every Go file but testdata fixtures and vendored code.
 GOFILES = $(shell find . -name '*.go' -not -path './.git/*' -not -path '*/testdata/*' -not -path './vendor/*' 2>/dev/null)

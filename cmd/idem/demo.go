@@ -93,10 +93,10 @@ func runDemo(ctx context.Context, args []string, stdout, stderr io.Writer) error
 	fs.IntVar(&cfg.partitions, "partitions", 4, "partitions of the payments topic")
 	fs.IntVar(&cfg.clients, "clients", 16, "concurrent HTTP clients")
 	fs.DurationVar(&cfg.timeout, "timeout", 0, "give up after this long (default 2m, or 1ms per payment when that is longer)")
-	fs.DurationVar(&cfg.dedupTTL, "dedup-ttl", 30*time.Second, "how long a completed key's dedup mark is kept, in memory (memstore) or in Redis: it must outlast every redelivery (the demo's come within seconds); dropping older marks keeps a long run's memory flat")
+	fs.DurationVar(&cfg.dedupTTL, "dedup-ttl", 30*time.Second, "how long a completed key's dedup mark is kept, in memory (memstore) or in Redis (not with --postgres: pgtable keeps its marks 24h); it must outlast every redelivery, and bounds the marks a long run holds to those of the last TTL")
 	fs.StringVar(&cfg.postgres, "postgres", envDefault("IDEM_POSTGRES_URL", ""), "PostgreSQL URL: dedup marks in pgtable, messages through a pgoutbox relay, charges in a table (drops and recreates the demo's demo_* tables in --schema; the default run takes about a minute)")
 	fs.StringVar(&cfg.schema, "schema", "", "schema of the demo's tables with --postgres, kept at the end (default: a fresh idem_demo_<run>, dropped at the end unless --keep)")
-	fs.BoolVar(&cfg.keep, "keep", false, "keep what the run made at the end: the fresh --postgres schema, the --redis marks")
+	fs.BoolVar(&cfg.keep, "keep", false, "keep what the run made at the end: the fresh --postgres schema, the --redis marks (until --dedup-ttl expires them)")
 	fs.StringVar(&cfg.redisURL, "redis", envDefault("IDEM_REDIS_URL", ""), "Redis URL (redis://[user:password@]host:port/db, rediss:// for TLS) or host:port: dedup marks in Redis (redisnx) instead of memstore")
 	fs.StringVar(&cfg.kafkaBrokers, "kafka", envDefault("IDEM_KAFKA_BROKERS", ""), "comma-separated Kafka brokers instead of the in-process kfake cluster")
 	fs.StringVar(&cfg.amqpURL, "amqp", envDefault("IDEM_AMQP_URL", ""), "RabbitMQ URL (amqp://user:password@host:port/vhost): the pipeline runs over RabbitMQ instead of Kafka, through a fanout exchange and a queue per consumer named after the run (deleted at the end)")
@@ -119,8 +119,8 @@ func runDemo(ctx context.Context, args []string, stdout, stderr io.Writer) error
 		return usageError(fs, "--partitions must be between 1 and 1000")
 	case cfg.clients <= 0:
 		return usageError(fs, "--clients must be positive")
-	case cfg.dedupTTL <= 0:
-		return usageError(fs, "--dedup-ttl must be positive")
+	case cfg.dedupTTL < time.Second:
+		return usageError(fs, "--dedup-ttl must be at least 1s")
 	case cfg.timeout < 0:
 		return usageError(fs, "--timeout must be positive")
 	case cfg.progress != "auto" && cfg.progress != "bar" && cfg.progress != "plain" && cfg.progress != "none":
@@ -292,7 +292,7 @@ func demo(ctx context.Context, cfg demoConfig, stdout io.Writer) (*demoResult, e
 		}
 		res.store = "pgtable + pgoutbox on " + pgd.where
 	case cfg.redisURL == "":
-		// Sweeping four times per TTL holds at most 1.25 TTLs of marks.
+		// A mark is swept at most max(TTL/4, 1s) after it expired.
 		ms, err := memstore.New(memstore.Options{TTL: cfg.dedupTTL, SweepInterval: max(cfg.dedupTTL/4, time.Second)})
 		if err != nil {
 			return nil, err
@@ -453,6 +453,12 @@ func demo(ctx context.Context, cfg demoConfig, stdout io.Writer) (*demoResult, e
 			// Complete would charge again once the lease ran out (the
 			// limit of lease stores the README states), so the child is
 			// stopped between deliveries before it is killed.
+			// A killed child's deliveries come back once its
+			// session timed out and the group rejoined, or its 5s
+			// lease ran out: a mark must outlast that.
+			if least := 2*br.session + 5*time.Second; cfg.dedupTTL < least {
+				return nil, fmt.Errorf("--dedup-ttl %v is shorter than a killed consumer's deliveries may take to come back with --redis: use at least %v", cfg.dedupTTL, least)
+			}
 			cc.Redis, cc.Prefix, cc.TTLMS = cfg.redisURL, redisPrefix, cfg.dedupTTL.Milliseconds()
 			g.freeze = true
 		}

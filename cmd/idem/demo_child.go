@@ -195,6 +195,9 @@ func (c *child) run(ctx context.Context) error {
 			return err
 		}
 	case cfg.Redis != "":
+		if cfg.TTLMS <= 0 {
+			return errors.New("demo child: no TTL for the Redis marks")
+		}
 		opt, err := redisOptions(cfg.Redis)
 		if err != nil {
 			return err

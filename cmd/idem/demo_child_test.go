@@ -178,6 +178,12 @@ func TestDemoRedis(t *testing.T) {
 	r := runDemoChecked(t, 400, "--redis", "redis://"+testenv.RedisAddr()+"/0",
 		"--crash-rate", "0.002", "--republish-rate", "0.2", "--seed", "7")
 	checkChildren(t, r)
+
+	// A TTL a killed child's redelivery could outlast is refused.
+	code, _, errOut := runCmd(context.Background(), t, "demo", "--payments", "10", "--redis", "redis://"+testenv.RedisAddr()+"/0", "--dedup-ttl", "3s")
+	if want := "is shorter than a killed consumer's deliveries may take to come back"; code != 1 || !strings.Contains(errOut, want) {
+		t.Errorf("--dedup-ttl 3s with --redis: exit status %d, stderr %q; want 1 and %q", code, errOut, want)
+	}
 }
 
 // TestDemoPostgresFreshSchema runs the demo with --postgres and no

@@ -145,6 +145,7 @@ func TestFlagErrors(t *testing.T) {
 		{[]string{"demo", "--payments", "99999999999"}, 2, "--payments must be between 1 and 1000000"},
 		{[]string{"demo", "--payments", "9223372036854775807"}, 2, "--payments must be between 1 and 1000000"},
 		{[]string{"demo", "--timeout", "-1s"}, 2, "--timeout must be positive"},
+		{[]string{"demo", "--dedup-ttl", "500ms"}, 2, "--dedup-ttl must be at least 1s"},
 		{[]string{"demo", "--payments", "x"}, 2, "invalid value"},
 		{[]string{"demo", "--crash-rate", "2"}, 2, "rates must be between 0 and 1"},
 		{[]string{"demo", "--nope"}, 2, "flag provided but not defined: -nope"},

@@ -162,13 +162,14 @@ func readCPU() (cpuSample, bool) {
 	return s, true
 }
 
-// busySince is the share of the CPU time since from that was busy, or -1.
+// busySince is the share of the CPU time since the sample from that was
+// busy, or -1.
 func busySince(from cpuSample, ok bool) float64 {
 	to, ok2 := readCPU()
-	if !ok || !ok2 || to.total <= from.total {
+	if !ok || !ok2 || to.total <= from.total || to.busy < from.busy {
 		return -1
 	}
-	return float64(to.busy-from.busy) / float64(to.total-from.total)
+	return min(float64(to.busy-from.busy)/float64(to.total-from.total), 1)
 }
 
 // stamps records when each message was committed and confirmed.
@@ -221,9 +222,10 @@ func (s *stamps) check() {
 
 // stats computes the run's figures.
 func (s *stamps) stats(rate int, began, ended time.Time) (latencyStats, error) {
+	cpu := busySince(s.cpu, s.cpuOK)
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	st := latencyStats{offered: rate, achieved: float64(len(s.committed)) / ended.Sub(began).Seconds(), cpu: busySince(s.cpu, s.cpuOK)}
+	st := latencyStats{offered: rate, achieved: float64(len(s.committed)) / ended.Sub(began).Seconds(), cpu: cpu}
 	lat := make([]time.Duration, 0, len(s.committed))
 	var lastCommit, lastConfirm time.Time
 	for id, c := range s.committed {
@@ -525,13 +527,20 @@ func printLatency(w io.Writer, results []latencyResult) {
 				}
 				return ms(time.Duration(median(xs)))
 			}
-			ach, cpu := make([]float64, len(runs)), make([]float64, len(runs))
+			ach, cpu := make([]float64, len(runs)), []float64{}
 			for i, s := range runs {
-				ach[i], cpu[i] = s.achieved, s.cpu
+				ach[i] = s.achieved
+				if s.cpu >= 0 {
+					cpu = append(cpu, s.cpu)
+				}
+			}
+			busy := -1.0 // not measured
+			if len(cpu) > 0 {
+				busy = median(cpu)
 			}
 			p("| %s | %s msg/s | %s | %s | %s | %s | %s | %s |\n", r.path(), thousands(int64(offered)), rate(median(ach), "msg/s"),
 				med(func(s latencyStats) time.Duration { return s.p50 }), med(func(s latencyStats) time.Duration { return s.p99 }),
-				med(func(s latencyStats) time.Duration { return s.max }), med(func(s latencyStats) time.Duration { return s.drain }), percent(median(cpu)))
+				med(func(s latencyStats) time.Duration { return s.max }), med(func(s latencyStats) time.Duration { return s.drain }), percent(busy))
 		}
 	}
 	for _, r := range results {
