@@ -169,17 +169,22 @@ func srvWork(ctx context.Context, cfg srvPauseConfig) error {
 
 // handle runs one delivery and returns its verdict line:
 // "<action> <id> <stale>", stale being "-", "fenced" (a stale owner caught
-// before it wrote its effect) or "late" (caught after it started writing
-// it: the effect may have landed).
+// before it wrote its effect), "late" (caught after it started writing
+// it: the effect may have landed) or "failed" (it started writing its
+// effect, and then the write or its Complete failed otherwise, a Redis
+// timeout say: the effect may have landed without the key completed, so
+// the redelivery writes it again, the window consumer.Dedup documents).
 func (w *srvPauseWorker) handle(ctx context.Context, id string, attempt int) (consumer.Result, string) {
 	r := consumer.Process(ctx, w.h, &consumer.Message{ID: id, Payload: srvPayload(id), Attempt: attempt, Topic: "chaos"})
 	_, wrote := w.wrote.LoadAndDelete(id)
 	stale := "-"
-	if errors.Is(r.Err, dedup.ErrLeaseLost) {
+	switch {
+	case errors.Is(r.Err, dedup.ErrLeaseLost) && wrote:
+		stale = "late"
+	case errors.Is(r.Err, dedup.ErrLeaseLost):
 		stale = "fenced"
-		if wrote {
-			stale = "late"
-		}
+	case wrote && r.Err != nil:
+		stale = "failed"
 	}
 	return r, fmt.Sprintf("%s %s %s", r.Action, id, stale)
 }
@@ -304,6 +309,7 @@ type srvPauseRun struct {
 	handedOver   map[string]bool
 	local        chan string
 	fenced, late int
+	failed       int // wrote the effect, then failed other than by a lost lease
 	childAcks    int
 	localAcks    int
 	handovers    int
@@ -324,6 +330,8 @@ func (p *srvPauseRun) stale(s string) {
 		p.fenced++
 	case "late":
 		p.late++
+	case "failed":
+		p.failed++
 	}
 }
 
@@ -585,17 +593,19 @@ func srvPause(ctx context.Context, env *Env, name, kind string) (res Result, err
 		return res, errors.Join(runErr, err)
 	}
 	caught := run.fenced + run.late
-	res.Note = fmt.Sprintf("%d pauses of 1-1.4s (lease %v); %d stale owners caught with ErrLeaseLost: %d with no effect written (fenced), %d after starting to write it; acked by the child %d, by the local consumer %d",
-		done.Load(), srvPauseLease, caught, run.fenced, run.late, run.childAcks, run.localAcks)
+	res.Note = fmt.Sprintf("%d pauses of 1-1.4s (lease %v); %d stale owners caught with ErrLeaseLost: %d with no effect written (fenced), %d after starting to write it; %d failed otherwise after starting to write their effect; acked by the child %d, by the local consumer %d",
+		done.Load(), srvPauseLease, caught, run.fenced, run.late, run.failed, run.childAcks, run.localAcks)
 	if len(run.badLines) > 0 {
 		runErr = errors.Join(runErr, fmt.Errorf("%d unreadable line(s) from the child, first %q", len(run.badLines), run.badLines[0]))
 	}
 	if runErr == nil && caught == 0 {
 		runErr = errors.New("no stale owner was caught: the pauses never froze a handler past its lease")
 	}
-	if kind == "redis" && res.Duplicates > run.late {
-		runErr = errors.Join(runErr, fmt.Errorf("%d duplicate effects but only %d stale owners caught after starting their effect (%s)",
-			res.Duplicates, run.late, srvDupDetail(ctx, shared, o)))
+	// Every duplicate needs a writer whose effect may have landed without
+	// its Complete: one caught late, or one whose write or Complete failed.
+	if kind == "redis" && res.Duplicates > run.late+run.failed {
+		runErr = errors.Join(runErr, fmt.Errorf("%d duplicate effects but only %d stale owners caught after starting their effect and %d failed after starting it (%s)",
+			res.Duplicates, run.late, run.failed, srvDupDetail(ctx, shared, o)))
 	}
 	return res, runErr
 }
