@@ -81,6 +81,33 @@ type demoConfig struct {
 	done func(*demoResult, *consoleSources) error
 }
 
+// defaultDedupTTL is how long the demo's marks are kept without
+// --dedup-ttl: its redeliveries in this process come within a second or
+// two of the first delivery.
+const defaultDedupTTL = 10 * time.Second
+
+// settleTTL sets the marks' TTL. With --redis the idem consumer runs in
+// child processes that are killed, and a killed child's deliveries come
+// back once its group session timed out and the group rejoined, or once
+// its lease (childLease) ran out: a mark must outlast that.
+func (cfg *demoConfig) settleTTL(br *demoBroker) error {
+	given := cfg.dedupTTL != 0
+	if !given {
+		cfg.dedupTTL = defaultDedupTTL
+	}
+	if cfg.redisURL == "" {
+		return nil
+	}
+	least := 2*br.session + childLease
+	switch {
+	case !given:
+		cfg.dedupTTL = max(cfg.dedupTTL, least)
+	case cfg.dedupTTL < least:
+		return fmt.Errorf("--dedup-ttl %v is shorter than a killed consumer's deliveries may take to come back with --redis: use at least %v", cfg.dedupTTL, least)
+	}
+	return nil
+}
+
 func runDemo(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	var cfg demoConfig
 	fs := newFlagSet("demo", "demo [flags]", stderr)
@@ -93,7 +120,7 @@ func runDemo(ctx context.Context, args []string, stdout, stderr io.Writer) error
 	fs.IntVar(&cfg.partitions, "partitions", 4, "partitions of the payments topic")
 	fs.IntVar(&cfg.clients, "clients", 16, "concurrent HTTP clients")
 	fs.DurationVar(&cfg.timeout, "timeout", 0, "give up after this long (default 2m, or 1ms per payment when that is longer)")
-	fs.DurationVar(&cfg.dedupTTL, "dedup-ttl", 30*time.Second, "how long a completed key's dedup mark is kept, in memory (memstore) or in Redis (not with --postgres: pgtable keeps its marks 24h); it must outlast every redelivery, and bounds the marks a long run holds to those of the last TTL")
+	fs.DurationVar(&cfg.dedupTTL, "dedup-ttl", 0, "how long a completed key's dedup mark is kept, in memory (memstore) or in Redis (not with --postgres: pgtable keeps its marks 24h); it must outlast every redelivery, and bounds the marks a long run holds to those of the last TTL (default 10s, or with --redis a killed consumer's longest redelivery delay when that is longer)")
 	fs.StringVar(&cfg.postgres, "postgres", envDefault("IDEM_POSTGRES_URL", ""), "PostgreSQL URL: dedup marks in pgtable, messages through a pgoutbox relay, charges in a table (drops and recreates the demo's demo_* tables in --schema; the default run takes about a minute)")
 	fs.StringVar(&cfg.schema, "schema", "", "schema of the demo's tables with --postgres, kept at the end (default: a fresh idem_demo_<run>, dropped at the end unless --keep)")
 	fs.BoolVar(&cfg.keep, "keep", false, "keep what the run made at the end: the fresh --postgres schema, the --redis marks (until --dedup-ttl expires them)")
@@ -119,7 +146,7 @@ func runDemo(ctx context.Context, args []string, stdout, stderr io.Writer) error
 		return usageError(fs, "--partitions must be between 1 and 1000")
 	case cfg.clients <= 0:
 		return usageError(fs, "--clients must be positive")
-	case cfg.dedupTTL < time.Second:
+	case cfg.dedupTTL != 0 && cfg.dedupTTL < time.Second:
 		return usageError(fs, "--dedup-ttl must be at least 1s")
 	case cfg.timeout < 0:
 		return usageError(fs, "--timeout must be positive")
@@ -267,6 +294,9 @@ func demo(ctx context.Context, cfg demoConfig, stdout io.Writer) (*demoResult, e
 	}
 	defer br.close()
 	res.backend = br.describe
+	if err := cfg.settleTTL(br); err != nil {
+		return nil, err
+	}
 
 	// The dedup store, shared by the idem API and the idem consumer group
 	// (each with its own scope).
@@ -453,12 +483,6 @@ func demo(ctx context.Context, cfg demoConfig, stdout io.Writer) (*demoResult, e
 			// Complete would charge again once the lease ran out (the
 			// limit of lease stores the README states), so the child is
 			// stopped between deliveries before it is killed.
-			// A killed child's deliveries come back once its
-			// session timed out and the group rejoined, or its 5s
-			// lease ran out: a mark must outlast that.
-			if least := 2*br.session + 5*time.Second; cfg.dedupTTL < least {
-				return nil, fmt.Errorf("--dedup-ttl %v is shorter than a killed consumer's deliveries may take to come back with --redis: use at least %v", cfg.dedupTTL, least)
-			}
 			cc.Redis, cc.Prefix, cc.TTLMS = cfg.redisURL, redisPrefix, cfg.dedupTTL.Milliseconds()
 			g.freeze = true
 		}

@@ -72,6 +72,9 @@ type childConfig struct {
 	TTLMS    int64  `json:"ttl_ms,omitempty"` // the marks' TTL in Redis (--dedup-ttl)
 }
 
+// childLease is the lease of a child's redisnx store.
+const childLease = 5 * time.Second
+
 func init() {
 	if os.Getenv(demoChildEnv) != "1" {
 		return
@@ -208,7 +211,7 @@ func (c *child) run(ctx context.Context) error {
 		// A short lease: a claim of this process outlives it only
 		// when it was killed without a freeze (a freeze that timed
 		// out), and then holds the redelivery back for this long.
-		store, err := redisnx.New(client, redisnx.Options{Prefix: cfg.Prefix, TTL: time.Duration(cfg.TTLMS) * time.Millisecond, Lease: 5 * time.Second})
+		store, err := redisnx.New(client, redisnx.Options{Prefix: cfg.Prefix, TTL: time.Duration(cfg.TTLMS) * time.Millisecond, Lease: childLease})
 		if err != nil {
 			return err
 		}
