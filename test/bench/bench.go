@@ -205,7 +205,9 @@ func printTable(w io.Writer, results []result, started time.Time, cfg Config) {
 	}
 	p("Machine: %s\n", machine())
 	p("Date: %s (%s, %d rounds per row, medians; %s)\n\n", started.UTC().Format("2006-01-02 15:04 MST"), kind, cfg.Rounds, runtime.Version())
-	p("| path | baseline | baseline rate | idem rate | ratio | target |\n|---|---|---:|---:|---:|---:|\n")
+	if len(results) > 0 { // none when ONLY kept only latency rows
+		p("| path | baseline | baseline rate | idem rate | ratio | target |\n|---|---|---:|---:|---:|---:|\n")
+	}
 	for _, r := range results {
 		if r.err != nil {
 			p("| %s | %s | not measured | not measured | – | ≥ %.2f |\n", r.path, r.baseline, r.target)
