@@ -51,13 +51,16 @@ func (c *Consumer) runGeneration(base, stop context.Context, gen *kafkago.Genera
 		resolved bool
 	)
 	for _, s := range starts {
-		p := c.newPartition(workCtx, g, s)
-		g.parts = append(g.parts, p)
+		g.parts = append(g.parts, c.newPartition(workCtx, g, s))
 		resolved = resolved || s.commitStart
-		wg.Go(func() { p.run(stop) })
 	}
 	if resolved {
-		g.commit(stop) // record the resolved start positions at once
+		// Record the resolved start positions at once, before a
+		// record is done: this commit moves nothing past them.
+		g.commit(stop)
+	}
+	for _, p := range g.parts {
+		wg.Go(func() { p.run(stop) })
 	}
 	g.commitLoop(stop)
 
