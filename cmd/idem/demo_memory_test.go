@@ -63,9 +63,9 @@ func peakLiveHeap(t *testing.T, payments int, ttl time.Duration) uint64 {
 // at 10,000 payments a second, (30,000 - 10,000) marks of 400 bytes over
 // 50,000 payments is 160 bytes, and faster than about 10,000 a second the
 // bound no longer holds (on a 2-core machine the demo runs at about 6,000
-// a second without the race detector). Marks kept for the whole run (about 500 bytes), the
-// broker's log of every record (about 400) or maps of every delivery
-// (about 700) exceed it. The demo's redeliveries (a retried request, a
+// a second without the race detector). Marks kept for the whole run
+// (about 500 bytes), the broker's log of every record (about 400) or maps
+// of every delivery (about 700) exceed it. The demo's redeliveries (a retried request, a
 // consumer restarted from its last commit, a batch published again)
 // follow the first delivery closely; one that came after the TTL would be
 // charged twice and fail the run, and the test with it.
