@@ -135,38 +135,39 @@ func latencyRun(ctx context.Context, e *env, c latencyCase, offered int) (latenc
 }
 
 // cpuSample is the machine's CPU time so far, from /proc/stat, in clock
-// ticks: busy (user, nice, system, irq, softirq, steal) and in all.
+// ticks: busy (user, nice, system, irq, softirq, steal) and in all. The
+// zero sample is one that could not be read.
 type cpuSample struct{ busy, total uint64 }
 
-func readCPU() (cpuSample, bool) {
+func readCPU() cpuSample {
 	b, err := os.ReadFile("/proc/stat")
 	if err != nil {
-		return cpuSample{}, false
+		return cpuSample{}
 	}
 	line, _, _ := strings.Cut(string(b), "\n")
 	f := strings.Fields(line)
 	if len(f) < 9 || f[0] != "cpu" {
-		return cpuSample{}, false
+		return cpuSample{}
 	}
 	var s cpuSample
 	for i, v := range f[1:9] { // user nice system idle iowait irq softirq steal
 		n, err := strconv.ParseUint(v, 10, 64)
 		if err != nil {
-			return cpuSample{}, false
+			return cpuSample{}
 		}
 		s.total += n
 		if i != 3 && i != 4 {
 			s.busy += n
 		}
 	}
-	return s, true
+	return s
 }
 
 // busySince is the share of the CPU time since the sample from that was
-// busy, or -1.
-func busySince(from cpuSample, ok bool) float64 {
-	to, ok2 := readCPU()
-	if !ok || !ok2 || to.total <= from.total || to.busy < from.busy {
+// busy, or -1 when either sample could not be read.
+func busySince(from cpuSample) float64 {
+	to := readCPU()
+	if from.total == 0 || to.total <= from.total || to.busy < from.busy {
 		return -1
 	}
 	return min(float64(to.busy-from.busy)/float64(to.total-from.total), 1)
@@ -180,7 +181,6 @@ type stamps struct {
 	want      int // confirmations to wait for; 0 until the producers are done
 	all       chan struct{}
 	cpu       cpuSample // the machine's CPU time when the producers started
-	cpuOK     bool
 }
 
 func newStamps() *stamps {
@@ -222,7 +222,7 @@ func (s *stamps) check() {
 
 // stats computes the run's figures.
 func (s *stamps) stats(rate int, began, ended time.Time) (latencyStats, error) {
-	cpu := busySince(s.cpu, s.cpuOK)
+	cpu := busySince(s.cpu)
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	st := latencyStats{offered: rate, achieved: float64(len(s.committed)) / ended.Sub(began).Seconds(), cpu: cpu}
@@ -256,7 +256,7 @@ func (s *stamps) stats(rate int, began, ended time.Time) (latencyStats, error) {
 // the machine's CPU time at the start.
 func produce(ctx context.Context, s *stamps, rate int, d time.Duration, tx func(ctx context.Context, i int) error) (began, ended time.Time, err error) {
 	per := time.Duration(latencyProducers) * time.Second / time.Duration(rate)
-	s.cpu, s.cpuOK = readCPU()
+	s.cpu = readCPU()
 	var (
 		wg   sync.WaitGroup
 		mu   sync.Mutex
