@@ -12,8 +12,8 @@
 #
 # Variables: GOTESTFLAGS (extra go test flags, e.g. GOTESTFLAGS='-run TestX -v'),
 # GOTEST_P (test binaries at a time, default 4), PKGS (default ./...),
-# QUICK=1, ROUNDS (default 3) and ONLY (a regexp of the rows' paths) for
-# make bench.
+# QUICK=1, ROUNDS (default 3), ONLY (a regexp of the rows' paths) and
+# CPUPROFILE (a file for the CPU profile of the bench process) for make bench.
 
 SHELL := bash
 .SHELLFLAGS := -eu -o pipefail -c
@@ -121,4 +121,4 @@ fmt:
 # its baseline in alternating rounds, the SQL floors with pgbench, and the
 # Redis rows' commands by hand. ONLY=REGEXP keeps the rows whose path matches.
 bench:
-	@scripts/bench.sh -rounds $(or $(ROUNDS),3) $(if $(QUICK),-quick) $(if $(ONLY),-only '$(ONLY)')
+	@scripts/bench.sh -rounds $(or $(ROUNDS),3) $(if $(QUICK),-quick) $(if $(ONLY),-only '$(ONLY)') $(if $(CPUPROFILE),-cpuprofile '$(CPUPROFILE)')
