@@ -44,6 +44,8 @@ var _ outbox.Publisher = (*Publisher)(nil)
 //
 // With w.Topic set, every message must have that topic or none; otherwise
 // every message needs its own.
+//
+// A Publisher is safe for concurrent use, as the Writer is.
 func NewPublisher(w *kafkago.Writer, opts PublisherOptions) (*Publisher, error) {
 	if w == nil {
 		return nil, errors.New("kafka: NewPublisher: writer is nil")

@@ -70,7 +70,7 @@ func runRelay(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 		brokers   = fs.String("kafka", envDefault("IDEM_KAFKA_BROKERS", ""), "comma-separated Kafka brokers (or IDEM_KAFKA_BROKERS)")
 		amqpURL   = fs.String("amqp", envDefault("IDEM_AMQP_URL", ""), "RabbitMQ URL (or IDEM_AMQP_URL)")
 		shards    = fs.Int("shards", 0, "shards of the key space; every relay of a table must use the same (default 16)")
-		sessions  = fs.Int("sessions", 0, "database sessions (claim loops) of this relay (default 1; above 1 only with --amqp)")
+		sessions  = fs.Int("sessions", 0, "database sessions (claim loops) of this relay (default 1)")
 		batch     = fs.Int("batch-size", 0, "most messages one claim takes (default 500)")
 		poll      = fs.Duration("poll", 0, "poll interval, the fallback for lost notifications (default 1s)")
 		maxTries  = fs.Int("max-attempts", 0, "failed publishes after which a message is parked dead (default 10)")
@@ -90,8 +90,6 @@ func runRelay(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 		return usageError(fs, "--postgres (or IDEM_POSTGRES_URL) is required")
 	case (*brokers == "") == (*amqpURL == ""):
 		return usageError(fs, "exactly one of --kafka and --amqp is required")
-	case *sessions > 1 && *brokers != "":
-		return usageError(fs, "--sessions above 1 needs a publisher safe for concurrent use: use it with --amqp")
 	case *source != "poll" && *source != "wal":
 		return usageError(fs, "--source must be poll or wal")
 	case *source == "wal" && (*shards != 0 || *sessions != 0 || *poll != 0):
@@ -180,10 +178,13 @@ func runRelay(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 			return fmt.Errorf("relay: %w", err)
 		}
 		ropts := walrelay.RelayOptions{
-			BatchSize:       *batch,
-			MaxAttempts:     *maxTries,
-			ShutdownTimeout: *shutdown,
-			Telemetry:       consumer.Telemetry{MeterProvider: ms.meterProvider(), Logger: logger},
+			// Both publishers are safe for concurrent use: the next
+			// batch goes out while the broker confirms one.
+			PublishesInFlight: 2,
+			BatchSize:         *batch,
+			MaxAttempts:       *maxTries,
+			ShutdownTimeout:   *shutdown,
+			Telemetry:         consumer.Telemetry{MeterProvider: ms.meterProvider(), Logger: logger},
 		}
 		if direct != nil {
 			ropts.ConnConfig = &direct.Config

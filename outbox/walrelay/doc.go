@@ -66,12 +66,15 @@
 //
 // # Order
 //
-// Transactions arrive in commit order. The relay calls the Publisher from
-// one goroutine, one batch at a time; a batch holds at most PerKeyBatch
-// (default 1) messages of a key, and a key's next message waits until the
-// previous one is confirmed (or parked), so the first publication of each
-// message of a key follows commit order, while other keys go on. A message
-// without a key has no order.
+// Transactions arrive in commit order. The relay has at most
+// PublishesInFlight (default 1) Publish calls waiting for the broker at
+// once; a batch holds at most PerKeyBatch (default 1) messages of a key,
+// and a key's next message waits until the previous one is confirmed (or
+// parked), also when it would go in another call, so the first publication
+// of each message of a key follows commit order, while other keys go on.
+// A message without a key has no order. With a Publisher safe for
+// concurrent use (the adapters/amqp and adapters/kafka ones are), a second
+// call in flight lets the next batch go out while the broker confirms one.
 //
 // # One relay per slot
 //

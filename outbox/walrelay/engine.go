@@ -28,9 +28,10 @@ type txn struct {
 
 // Entry states.
 const (
-	stateReady uint8 = iota // to publish, when due
-	statePark               // to park in the dead table, when due
-	stateDone               // published or parked
+	stateReady  uint8 = iota // to publish, when due
+	stateFlight              // in a Publish call not yet returned
+	statePark                // to park in the dead table, when due
+	stateDone                // published or parked
 )
 
 // entry is one message of the stream.
@@ -45,11 +46,13 @@ type entry struct {
 	corrupt  error // a logical message that could not be decoded
 }
 
-// engine publishes the stream's messages: at most one Publish call at a
-// time, each key's messages in commit order, and moves the confirmed
+// engine publishes the stream's messages: at most PublishesInFlight
+// Publish calls at a time, each key's messages in commit order (a key with
+// a message in flight waits for its outcome), and moves the confirmed
 // position past a transaction once every message of it and of the
 // transactions before it is published or parked. Only its goroutine
-// touches it.
+// touches it; a Publish call runs in a goroutine of its own and hands its
+// outcome back through landed.
 type engine struct {
 	r          *Relay
 	confirmed  *atomic.Uint64
@@ -60,23 +63,29 @@ type engine struct {
 	blocked    map[string]bool
 	perKey     map[string]int
 	pubBackoff backoff.Growing
+	flying     int         // Publish calls not yet landed
+	landed     chan flight // their outcomes; room for every call in flight
+	holdUntil  time.Time   // no new Publish call before this (a call failed as a whole)
+}
+
+// flight is the outcome of one Publish call.
+type flight struct {
+	batch []*entry
+	pe    *outbox.PublishError
+	err   error // the outcome of the whole batch is unknown
 }
 
 func newEngine(r *Relay, confirmed *atomic.Uint64) *engine {
 	return &engine{r: r, confirmed: confirmed, blocked: map[string]bool{}, perKey: map[string]int{},
-		pubBackoff: relaycore.Growing(r.opts.ReconnectBackoff)}
+		pubBackoff: relaycore.Growing(r.opts.ReconnectBackoff),
+		landed:     make(chan flight, r.opts.PublishesInFlight)}
 }
 
 func (e *engine) run(ctx context.Context, items <-chan item) error {
 	o := &e.r.opts
 	for {
 		if ctx.Err() != nil {
-			// Take the commits the reader passed before it stopped (it
-			// closes items), so that the final position covers the
-			// batch just confirmed. Nothing more is published.
-			for it := range items {
-				e.add(it)
-			}
+			e.drain(ctx, items)
 			return nil
 		}
 	intake:
@@ -84,9 +93,12 @@ func (e *engine) run(ctx context.Context, items <-chan item) error {
 			select {
 			case it, ok := <-items:
 				if !ok {
+					e.drain(ctx, items)
 					return nil
 				}
 				e.add(it)
+			case f := <-e.landed:
+				e.land(ctx, f)
 			default:
 				break intake
 			}
@@ -95,19 +107,18 @@ func (e *engine) run(ctx context.Context, items <-chan item) error {
 		if e.parking > 0 {
 			e.park(ctx, now)
 		}
-		batch, due := e.pick(now)
-		if len(batch) > 0 {
-			err := e.publish(ctx, batch)
-			var pf *relaycore.PublishFailure
-			if errors.As(err, &pf) {
-				if ctx.Err() != nil {
-					continue
-				}
-				d := e.pubBackoff.Next()
-				o.Logger.Warn("walrelay: publish failed; retrying the batch", "slot", e.r.ob.opts.Slot, "in", d, "err", pf.Err)
-				backoff.Sleep(ctx, d)
+		var due time.Time
+		switch {
+		case e.flying >= o.PublishesInFlight:
+			// Wait for a call to land.
+		case now.Before(e.holdUntil):
+			due = e.holdUntil
+		default:
+			var batch []*entry
+			if batch, due = e.pick(now); len(batch) > 0 {
+				e.launch(ctx, batch)
+				continue
 			}
-			continue
 		}
 		var in <-chan item
 		if e.undone < o.MaxInFlight {
@@ -124,14 +135,40 @@ func (e *engine) run(ctx context.Context, items <-chan item) error {
 		select {
 		case it, ok := <-in:
 			if !ok {
+				e.drain(ctx, items)
 				return nil
 			}
 			e.add(it)
+		case f := <-e.landed:
+			e.land(ctx, f)
 		case <-fire:
 		case <-ctx.Done():
 		}
 		if timer != nil {
 			timer.Stop()
+		}
+	}
+}
+
+// drain ends the engine's work once the reader stops: the Publish calls
+// in flight land (each within ShutdownTimeout of ctx's end) and the
+// commits the reader passed before it closed items are taken, so that the
+// final position covers every batch confirmed. Nothing more is published.
+func (e *engine) drain(ctx context.Context, items <-chan item) {
+	for items != nil || e.flying > 0 {
+		var landed <-chan flight
+		if e.flying > 0 {
+			landed = e.landed
+		}
+		select {
+		case it, ok := <-items:
+			if !ok {
+				items = nil
+				continue
+			}
+			e.add(it)
+		case f := <-landed:
+			e.land(ctx, f)
 		}
 	}
 }
@@ -224,6 +261,12 @@ func (e *engine) pick(now time.Time) ([]*entry, time.Time) {
 		if en.state == stateDone || (en.key != "" && e.blocked[en.key]) {
 			continue
 		}
+		if en.state == stateFlight {
+			if en.key != "" {
+				e.blocked[en.key] = true
+			}
+			continue
+		}
 		if en.state == statePark || en.due.After(now) {
 			if en.key != "" {
 				e.blocked[en.key] = true
@@ -251,34 +294,59 @@ func (e *engine) pick(now time.Time) ([]*entry, time.Time) {
 	return batch, due
 }
 
-// publish sends a batch and records the outcome of each message.
-func (e *engine) publish(ctx context.Context, batch []*entry) error {
-	o := &e.r.opts
-	tel := e.r.tel
+// launch starts a Publish call of batch in a goroutine of its own. The
+// call may finish after ctx ends, within ShutdownTimeout: its outcome is
+// then confirmed before the relay stops.
+func (e *engine) launch(ctx context.Context, batch []*entry) {
 	msgs := make([]*outbox.Message, len(batch))
 	for i, en := range batch {
 		en.msg.Attempt = en.attempts + 1
+		en.state = stateFlight
 		msgs[i] = en.msg
 	}
-	// The batch in flight may finish after ctx ends, within
-	// ShutdownTimeout: its outcome is then confirmed before the relay
-	// stops.
-	pctx, release := relaycore.Graceful(ctx, o.ShutdownTimeout)
-	defer release()
-	pe, _, err := relaycore.Publish(pctx, tel.Telemetry, e.r.pub, msgs, "walrelay: ", e.r.hooks.afterPublish)
-	if err != nil {
-		return err
+	e.flying++
+	r := e.r
+	go func() {
+		pctx, release := relaycore.Graceful(ctx, r.opts.ShutdownTimeout)
+		defer release()
+		pe, _, err := relaycore.Publish(pctx, r.tel.Telemetry, r.pub, msgs, "walrelay: ", r.hooks.afterPublish)
+		e.landed <- flight{batch: batch, pe: pe, err: err}
+	}()
+}
+
+// land records the outcome of a Publish call for each of its messages.
+func (e *engine) land(ctx context.Context, f flight) {
+	o := &e.r.opts
+	tel := e.r.tel
+	e.flying--
+	if f.err != nil {
+		// The outcome of the whole batch is unknown: it is sent again,
+		// after a pause that grows while calls keep failing.
+		for _, en := range f.batch {
+			en.state = stateReady
+		}
+		if ctx.Err() == nil {
+			d := e.pubBackoff.Next()
+			e.holdUntil = time.Now().Add(d)
+			var pf *relaycore.PublishFailure
+			if errors.As(f.err, &pf) {
+				f.err = pf.Err
+			}
+			o.Logger.Warn("walrelay: publish failed; retrying the batch", "slot", e.r.ob.opts.Slot, "in", d, "err", f.err)
+		}
+		return
 	}
 	e.pubBackoff.Reset()
+	mctx := context.WithoutCancel(ctx)
 	now := time.Now()
 	published, retried := map[string]int{}, map[string]int{}
-	for i, en := range batch {
-		failed, ferr := relaycore.Failed(pe, i)
+	for i, en := range f.batch {
+		failed, ferr := relaycore.Failed(f.pe, i)
 		if !failed {
 			e.done(en)
 			published[en.msg.Topic]++
 			if !en.tx.localCommit.IsZero() {
-				tel.RecordDelay(pctx, now.Sub(en.tx.localCommit))
+				tel.RecordDelay(mctx, now.Sub(en.tx.localCommit))
 			}
 			continue
 		}
@@ -290,13 +358,13 @@ func (e *engine) publish(ctx context.Context, batch []*entry) error {
 			e.parking++
 			continue
 		}
+		en.state = stateReady
 		en.due = now.Add(relaycore.RetryDelay(o.Backoff, en.attempts))
 		retried[en.msg.Topic]++
 	}
-	tel.Count(pctx, tel.Published, published)
-	tel.Count(pctx, tel.Retried, retried)
+	tel.Count(mctx, tel.Published, published)
+	tel.Count(mctx, tel.Retried, retried)
 	e.advance()
-	return nil
 }
 
 // park copies the messages due to be parked into the dead table and moves

@@ -28,6 +28,16 @@ type RelayOptions struct {
 	// later one of the same batch, the later one is out before the
 	// earlier one's retry.
 	PerKeyBatch int
+	// PublishesInFlight is the most Publish calls the relay has waiting
+	// for the broker at once. Defaults to 1. A second call lets the relay
+	// send the next batch while the broker confirms one (the confirm wait
+	// of RabbitMQ's publisher confirms, for instance), which raises the
+	// rate a relay keeps up with; a key's next message still waits for
+	// the outcome of the one in flight, so order per key is unchanged.
+	// More than 1 calls Publish from several goroutines at once: use it
+	// only with a Publisher that is safe for concurrent use (the
+	// adapters/amqp and adapters/kafka publishers are). At most 64.
+	PublishesInFlight int
 	// MaxInFlight is the most messages the relay holds received and not
 	// yet published (or parked); past it, it stops reading the stream
 	// until some are done. It bounds the relay's memory. Defaults to
@@ -118,6 +128,7 @@ func (o *RelayOptions) fill(ob *Outbox) error {
 		relaycore.Int{Name: "BatchSize", V: &o.BatchSize, Def: 500, Max: 10000},
 		relaycore.Int{Name: "PerKeyBatch", V: &o.PerKeyBatch, Def: 1, Max: 10000},
 		relaycore.Int{Name: "MaxInFlight", V: &o.MaxInFlight, Def: 10000, Max: 1 << 24},
+		relaycore.Int{Name: "PublishesInFlight", V: &o.PublishesInFlight, Def: 1, Max: 64},
 		relaycore.Int{Name: "MaxAttempts", V: &o.MaxAttempts, Def: 10, Max: 1 << 20})
 	if err != nil {
 		return err

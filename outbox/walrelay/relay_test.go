@@ -144,88 +144,188 @@ func TestCommitOrderNotEnqueueOrder(t *testing.T) {
 }
 
 // Per key, the first publication of each message follows commit order even
-// when the broker refuses messages now and then: a key's later message
-// waits until the earlier one's retry was confirmed, while other keys go
-// on. Producers commit concurrently; each owns its keys and commits one
-// transaction at a time, so a key's commit order is its producer's order.
+// when the broker refuses messages now and then, and fails whole batches
+// now and then: a key's later message waits until the earlier one's retry
+// was confirmed, while other keys go on, also with several Publish calls
+// in flight. Producers commit concurrently; each owns its keys and commits
+// one transaction at a time, so a key's commit order is its producer's
+// order.
 func TestOrderPerKeyWithRetries(t *testing.T) {
 	t.Parallel()
 	sources(t, func(t *testing.T, src walrelay.Source) {
-		pool := logicalPool(t)
-		ob := newWAL(t, pool, walrelay.Options{Source: src})
-		pub := newMemPublisher()
-		refused := map[string]bool{}
-		pub.setFail(func(m *outbox.Message) error {
-			// Every fifth message is refused on its first two attempts.
-			if m.Payload[len(m.Payload)-1] == '0' || m.Payload[len(m.Payload)-1] == '5' {
-				if m.Attempt <= 2 {
-					refused[m.ID] = true
-					return errBoom
-				}
-			}
-			return nil
-		})
-		start(t, newRelay(t, ob, pub, walrelay.RelayOptions{BatchSize: 50}))
-
-		// Each producer owns its keys and commits its messages one
-		// transaction at a time: per key, commit order is the producer's
-		// order.
-		const producers, perProducer, keysPer = 4, 60, 3
-		ctx := context.Background()
-		want := map[string][]string{} // key -> ids in commit order
-		errs := make(chan error, producers)
-		results := make([]map[string][]string, producers)
-		for p := range producers {
-			results[p] = map[string][]string{}
-			go func() {
-				for i := range perProducer {
-					key := fmt.Sprintf("p%dk%d", p, i%keysPer)
-					err := pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
-						ids, err := ob.Enqueue(ctx, tx, msg("t", key, fmt.Sprintf("%d/%d", p, i)))
-						if err == nil {
-							results[p][key] = append(results[p][key], ids[0])
-						}
-						return err
-					})
-					if err != nil {
-						errs <- err
-						return
-					}
-				}
-				errs <- nil
-			}()
-		}
-		var all []string
-		for range producers {
-			if err := <-errs; err != nil {
-				t.Fatal(err)
-			}
-		}
-		for _, r := range results {
-			for k, ids := range r {
-				want[k] = ids
-				all = append(all, ids...)
-			}
-		}
-		pub.waitIDs(t, all)
-
-		firstSeen := map[string][]string{}
-		seen := map[string]bool{}
-		for _, m := range pub.published() {
-			if !seen[m.ID] {
-				seen[m.ID] = true
-				firstSeen[string(m.Key)] = append(firstSeen[string(m.Key)], m.ID)
-			}
-		}
-		for k, ids := range want {
-			if !slices.Equal(firstSeen[k], ids) {
-				t.Fatalf("key %s: published in order %v, committed in order %v", k, firstSeen[k], ids)
-			}
-		}
-		if len(refused) == 0 {
-			t.Fatal("no message was refused: the test did not exercise retries")
+		for _, inFlight := range []int{1, 4} {
+			t.Run(fmt.Sprintf("PublishesInFlight=%d", inFlight), func(t *testing.T) {
+				orderPerKeyWithRetries(t, src, inFlight)
+			})
 		}
 	})
+}
+
+func orderPerKeyWithRetries(t *testing.T, src walrelay.Source, inFlight int) {
+	pool := logicalPool(t)
+	ob := newWAL(t, pool, walrelay.Options{Source: src})
+	pub := newMemPublisher()
+	refused := map[string]bool{}
+	pub.setFail(func(m *outbox.Message) error {
+		// Every fifth message is refused on its first two attempts.
+		if m.Payload[len(m.Payload)-1] == '0' || m.Payload[len(m.Payload)-1] == '5' {
+			if m.Attempt <= 2 {
+				refused[m.ID] = true
+				return errBoom
+			}
+		}
+		return nil
+	})
+	calls, downs := 0, 0
+	pub.setDown(func() error {
+		// Every seventh call fails as a whole.
+		if calls++; calls%7 == 3 {
+			downs++
+			return errors.New("broker unreachable")
+		}
+		return nil
+	})
+	start(t, newRelay(t, ob, pub, walrelay.RelayOptions{BatchSize: 50, PublishesInFlight: inFlight}))
+
+	// Each producer owns its keys and commits its messages one
+	// transaction at a time: per key, commit order is the producer's
+	// order.
+	const producers, perProducer, keysPer = 4, 60, 3
+	ctx := context.Background()
+	want := map[string][]string{} // key -> ids in commit order
+	errs := make(chan error, producers)
+	results := make([]map[string][]string, producers)
+	for p := range producers {
+		results[p] = map[string][]string{}
+		go func() {
+			for i := range perProducer {
+				key := fmt.Sprintf("p%dk%d", p, i%keysPer)
+				err := pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
+					ids, err := ob.Enqueue(ctx, tx, msg("t", key, fmt.Sprintf("%d/%d", p, i)))
+					if err == nil {
+						results[p][key] = append(results[p][key], ids[0])
+					}
+					return err
+				})
+				if err != nil {
+					errs <- err
+					return
+				}
+			}
+			errs <- nil
+		}()
+	}
+	var all []string
+	for range producers {
+		if err := <-errs; err != nil {
+			t.Fatal(err)
+		}
+	}
+	for _, r := range results {
+		for k, ids := range r {
+			want[k] = ids
+			all = append(all, ids...)
+		}
+	}
+	pub.waitIDs(t, all)
+
+	firstSeen := map[string][]string{}
+	seen := map[string]bool{}
+	for _, m := range pub.published() {
+		if !seen[m.ID] {
+			seen[m.ID] = true
+			firstSeen[string(m.Key)] = append(firstSeen[string(m.Key)], m.ID)
+		}
+	}
+	for k, ids := range want {
+		if !slices.Equal(firstSeen[k], ids) {
+			t.Fatalf("key %s: published in order %v, committed in order %v", k, firstSeen[k], ids)
+		}
+	}
+	pub.mu.Lock()
+	defer pub.mu.Unlock()
+	if len(refused) == 0 || downs == 0 {
+		t.Fatalf("%d messages refused, %d calls failed as a whole: the test did not exercise both kinds of retry", len(refused), downs)
+	}
+}
+
+// With PublishesInFlight 2 the relay sends the next batch while the broker
+// has not answered the one before, and a key with a message in that batch
+// waits for its outcome: while key k's first message is held at the
+// broker, the other call carries key j's message, not k's next one.
+func TestPublishesInFlight(t *testing.T) {
+	t.Parallel()
+	pool := logicalPool(t)
+	ob := newWAL(t, pool, walrelay.Options{})
+	pub := &gatePublisher{memPublisher: newMemPublisher(), held: make(chan struct{}),
+		others: make(chan []string, 8), release: make(chan struct{})}
+	r := newRelay(t, ob, pub, walrelay.RelayOptions{BatchSize: 1, PublishesInFlight: 2})
+	ids := enqueue(t, pool, ob, msg("t", "k", "k first"), msg("t", "k", "k second"), msg("t", "j", "j first"))
+	pub.hold = ids[0]
+	start(t, r)
+
+	timeout := time.After(60 * time.Second)
+	select {
+	case <-pub.held:
+	case <-timeout:
+		t.Fatal("key k's first message never reached the broker")
+	}
+	select {
+	case got := <-pub.others:
+		if !slices.Equal(got, ids[2:]) {
+			t.Fatalf("the other call carried %v, want only key j's message %v (key k's next message must wait for the first)", got, ids[2:])
+		}
+	case <-timeout:
+		t.Fatal("no other Publish call while key k's first message was held at the broker")
+	}
+	close(pub.release)
+	pub.waitIDs(t, ids)
+	var k []string
+	for _, m := range pub.published() {
+		if string(m.Key) == "k" {
+			k = append(k, m.ID)
+		}
+	}
+	if !slices.Equal(k, ids[:2]) {
+		t.Fatalf("key k published in order %v, committed in order %v", k, ids[:2])
+	}
+}
+
+// gatePublisher holds the call that carries the message hold until release
+// is closed (closing held when it arrives), and hands the ids of every
+// other call made before the release to others.
+type gatePublisher struct {
+	*memPublisher
+	hold     string
+	held     chan struct{}
+	heldOnce sync.Once
+	others   chan []string
+	release  chan struct{}
+}
+
+func (g *gatePublisher) Publish(ctx context.Context, msgs []*outbox.Message) error {
+	ids := make([]string, len(msgs))
+	for i, m := range msgs {
+		ids[i] = m.ID
+	}
+	select {
+	case <-g.release:
+	default:
+		if !slices.Contains(ids, g.hold) {
+			select {
+			case g.others <- ids:
+			default:
+			}
+			break
+		}
+		g.heldOnce.Do(func() { close(g.held) })
+		select {
+		case <-g.release:
+		case <-ctx.Done():
+			return ctx.Err()
+		}
+	}
+	return g.memPublisher.Publish(ctx, msgs)
 }
 
 // A message the broker keeps refusing is retried with backoff, then parked

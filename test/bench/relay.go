@@ -103,7 +103,11 @@ var walRelay = relayKind{name: "outbox WAL relay (walrelay.Relay)", open: func(c
 	}
 	return &relayOutbox{enqueue: ob.Enqueue, pool: pool, close: drop,
 		newRelay: func(pub outbox.Publisher) (interface{ Run(context.Context) error }, error) {
-			return walrelay.NewRelay(ob, pub, walrelay.RelayOptions{BatchSize: outboxBatch, CleanupInterval: -1, Telemetry: consumer.Telemetry{Logger: e.log}})
+			// Both brokers' publishers are safe for concurrent use, so
+			// the relay sends the next batch while the broker confirms
+			// one, as `idem relay --source wal` does.
+			return walrelay.NewRelay(ob, pub, walrelay.RelayOptions{BatchSize: outboxBatch, PublishesInFlight: 2, CleanupInterval: -1,
+				Telemetry: consumer.Telemetry{Logger: e.log}})
 		}}, nil
 }}
 

@@ -102,7 +102,7 @@ func walMigratedOutbox(ctx context.Context, pool *pgxpool.Pool, logger *slog.Log
 // before a crash is published again.
 func walRelayOptions(logger *slog.Logger) walrelay.RelayOptions {
 	return walrelay.RelayOptions{
-		BatchSize: 64, MaxAttempts: 1000, Backoff: consumer.Backoff{Initial: 50 * time.Millisecond, Max: time.Second},
+		BatchSize: 64, PublishesInFlight: 2, MaxAttempts: 1000, Backoff: consumer.Backoff{Initial: 50 * time.Millisecond, Max: time.Second},
 		ReconnectBackoff: consumer.Backoff{Initial: 50 * time.Millisecond, Max: 500 * time.Millisecond},
 		TakeoverInterval: 100 * time.Millisecond, StatusInterval: 200 * time.Millisecond, CleanupInterval: -1,
 		ShutdownTimeout: 5 * time.Second, QueryTimeout: 5 * time.Second, Telemetry: consumer.Telemetry{Logger: logger},
