@@ -38,6 +38,10 @@ const (
 // consPoisonMaxDeliveries is the "poison" child's MaxDeliveries.
 const consPoisonMaxDeliveries = 3
 
+// consSettledLine starts the line the poison child writes to stdout for
+// each delivery it settled.
+const consSettledLine = "settled:"
+
 // consPoisonChildCommand returns the command that runs the "poison" child:
 // a worker of the quorum queue queue (Prefetch 50, MaxDeliveries
 // consPoisonMaxDeliveries) whose handler panics, without Recover, on a
@@ -94,6 +98,11 @@ func consRunChild() int {
 			if opts.MaxDeliveries, err = strconv.Atoi(v); err != nil {
 				return fail(err)
 			}
+		}
+		// Each settled delivery is a line on stdout, for the test to
+		// count.
+		opts.OnOutcome = func(_ context.Context, r consumer.Report) {
+			fmt.Println(consSettledLine, r.Outcome)
 		}
 		before = func(_ context.Context, msg *consumer.Message) error {
 			if strings.HasPrefix(msg.ID, "poison") {
