@@ -28,7 +28,8 @@ type RelayOptions struct {
 	// More than one lets one process publish several batches at once, but
 	// the relay then calls Publish from several goroutines at once: use it
 	// only with a Publisher that is safe for concurrent use (the
-	// adapters/amqp publisher is). At most Shards. Defaults to 1.
+	// adapters/amqp and adapters/kafka publishers are). At most Shards.
+	// Defaults to 1.
 	Sessions int
 	// BatchSize is the most messages one claim takes. Defaults to 500.
 	BatchSize int

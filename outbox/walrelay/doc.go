@@ -61,7 +61,7 @@
 // connection or a hand-over, PostgreSQL streams again everything after the
 // confirmed position: the messages that were in flight are published again
 // with the same ids, and the consumers' idem claims drop the copies. A
-// clean stop (Run's context ends) lets the batch in flight finish and
+// clean stop (Run's context ends) lets the batches in flight finish and
 // reports the final position, so nothing is sent twice.
 //
 // # Order

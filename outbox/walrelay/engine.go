@@ -66,6 +66,7 @@ type engine struct {
 	flying     int         // Publish calls not yet landed
 	landed     chan flight // their outcomes; room for every call in flight
 	holdUntil  time.Time   // no new Publish call before this (a call failed as a whole)
+	draining   bool        // the reader stopped: calls land, none starts
 }
 
 // flight is the outcome of one Publish call.
@@ -155,6 +156,7 @@ func (e *engine) run(ctx context.Context, items <-chan item) error {
 // commits the reader passed before it closed items are taken, so that the
 // final position covers every batch confirmed. Nothing more is published.
 func (e *engine) drain(ctx context.Context, items <-chan item) {
+	e.draining = true
 	for items != nil || e.flying > 0 {
 		var landed <-chan flight
 		if e.flying > 0 {
@@ -321,13 +323,15 @@ func (e *engine) land(ctx context.Context, f flight) {
 	e.flying--
 	if f.err != nil {
 		// The outcome of the whole batch is unknown: it is sent again,
-		// after a pause that grows while calls keep failing.
+		// after a pause that grows while calls keep failing. Calls that
+		// fail during a pause failed in the same outage: they neither
+		// grow nor move it.
 		for _, en := range f.batch {
 			en.state = stateReady
 		}
-		if ctx.Err() == nil {
+		if now := time.Now(); !e.draining && ctx.Err() == nil && !now.Before(e.holdUntil) {
 			d := e.pubBackoff.Next()
-			e.holdUntil = time.Now().Add(d)
+			e.holdUntil = now.Add(d)
 			var pf *relaycore.PublishFailure
 			if errors.As(f.err, &pf) {
 				f.err = pf.Err

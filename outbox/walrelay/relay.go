@@ -104,9 +104,9 @@ type RelayOptions struct {
 	// MetricsInterval is how often the slot's lag is sampled from the
 	// database. Defaults to 15s.
 	MetricsInterval time.Duration
-	// ShutdownTimeout is how long the batch in flight when Run's context
-	// ends may take to finish before the relay reports its position and
-	// stops. Defaults to 10s.
+	// ShutdownTimeout is how long the batches in flight when Run's
+	// context ends may take to finish before the relay reports its
+	// position and stops. Defaults to 10s.
 	ShutdownTimeout time.Duration
 	// QueryTimeout bounds each database round trip other than the
 	// stream. Defaults to 30s.
@@ -216,8 +216,8 @@ func NewRelay(ob *Outbox, pub outbox.Publisher, opts RelayOptions) (*Relay, erro
 // Options returns the relay's options with defaults filled in.
 func (r *Relay) Options() RelayOptions { return r.opts }
 
-// Run streams and publishes until ctx ends, then lets the batch in flight
-// finish (RelayOptions.ShutdownTimeout), reports the confirmed position to
+// Run streams and publishes until ctx ends, then lets the batches in
+// flight finish (RelayOptions.ShutdownTimeout), reports the confirmed position to
 // the server, stops every goroutine it started and returns nil. It
 // returns an error without waiting for ctx when the relay cannot work at
 // all (the publication is missing: run Migrate; the slot was invalidated;
