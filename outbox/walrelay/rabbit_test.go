@@ -19,7 +19,7 @@ import (
 // confirms (adapters/amqp). Every delivery carries its outbox id as
 // message-id and the traceparent of Enqueue's ctx; a message to an
 // exchange that does not exist is refused by the broker on every attempt
-// and parked, while the others arrive.
+// and parked, while the others arrive, with two Publish calls in flight.
 func TestRelayToRabbitMQ(t *testing.T) {
 	t.Parallel()
 	sources(t, func(t *testing.T, src walrelay.Source) {
@@ -59,7 +59,9 @@ func TestRelayToRabbitMQ(t *testing.T) {
 			t.Fatal(err)
 		}
 		defer pub.Close()
-		start(t, newRelay(t, ob, pub, walrelay.RelayOptions{MaxAttempts: 2}))
+		// Batches of two with two calls in flight: the publisher's
+		// channels carry two batches at once, the poison's among them.
+		start(t, newRelay(t, ob, pub, walrelay.RelayOptions{MaxAttempts: 2, BatchSize: 2, PublishesInFlight: 2}))
 
 		const traceparent = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
 		ctx := traceCtx(traceparent)
