@@ -534,3 +534,54 @@ func TestCleanStopConfirmsFinishedBatch(t *testing.T) {
 		t.Fatalf("the next relay published %d messages, want only the one committed after the stop: the stop did not confirm the finished batch", len(got))
 	}
 }
+
+// A clean stop with two Publish calls in flight waits for both: once the
+// broker confirms them after the stop began, the final position covers
+// them and the next relay publishes nothing of them again.
+func TestCleanStopConfirmsCallsInFlight(t *testing.T) {
+	t.Parallel()
+	pool := logicalPool(t)
+	ob := newWAL(t, pool, walrelay.Options{})
+	pubA := &holdPublisher{memPublisher: newMemPublisher(), arrived: make(chan struct{}, 2), release: make(chan struct{})}
+	a := start(t, newRelay(t, ob, pubA, walrelay.RelayOptions{BatchSize: 1, PublishesInFlight: 2}))
+	first := enqueue(t, pool, ob, msg("t", "k", "1"), msg("t", "j", "2"))
+	timeout := time.After(60 * time.Second)
+	for range 2 {
+		select {
+		case <-pubA.arrived:
+		case <-timeout:
+			t.Fatal("the two messages never were in two calls at once")
+		}
+	}
+	a.Cancel()
+	close(pubA.release)
+	a.stop(t)
+	if got := pubA.publishedIDs(); len(got) != len(first) {
+		t.Fatalf("the first relay published %d messages, want %d", len(got), len(first))
+	}
+
+	pubB := newMemPublisher()
+	start(t, newRelay(t, ob, pubB, walrelay.RelayOptions{}))
+	second := enqueue(t, pool, ob, msg("t", "k", "3"))
+	pubB.waitIDs(t, second)
+	if got := pubB.publishedIDs(); len(got) != 1 {
+		t.Fatalf("the next relay published %d messages, want only the one committed after the stop: the stop did not wait for the calls in flight", len(got))
+	}
+}
+
+// holdPublisher holds every call until release is closed, telling arrived
+// of each.
+type holdPublisher struct {
+	*memPublisher
+	arrived chan struct{}
+	release chan struct{}
+}
+
+func (h *holdPublisher) Publish(ctx context.Context, msgs []*outbox.Message) error {
+	select {
+	case h.arrived <- struct{}{}:
+	default:
+	}
+	<-h.release
+	return h.memPublisher.Publish(ctx, msgs)
+}
