@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/idemkit/idem/outbox"
 	"github.com/idemkit/idem/outbox/walrelay"
@@ -526,12 +527,21 @@ func TestCleanStopConfirmsFinishedBatch(t *testing.T) {
 		t.Fatalf("the first relay published %d messages, want %d", len(got), len(first))
 	}
 
-	pubB := newMemPublisher()
-	start(t, newRelay(t, ob, pubB, walrelay.RelayOptions{}))
-	second := enqueue(t, pool, ob, msg("t", "k", "3"))
-	pubB.waitIDs(t, second)
-	if got := pubB.publishedIDs(); len(got) != 1 {
-		t.Fatalf("the next relay published %d messages, want only the one committed after the stop: the stop did not confirm the finished batch", len(got))
+	onlyNewAfterStop(t, pool, ob, "the stop did not confirm the finished batch")
+}
+
+// onlyNewAfterStop starts the next relay of ob after a clean stop and
+// checks that it publishes only a message committed after the stop, none
+// of those the stopped relay had published: why says what it means when
+// it does.
+func onlyNewAfterStop(t *testing.T, pool *pgxpool.Pool, ob *walrelay.Outbox, why string) {
+	t.Helper()
+	pub := newMemPublisher()
+	start(t, newRelay(t, ob, pub, walrelay.RelayOptions{}))
+	after := enqueue(t, pool, ob, msg("t", "k", "after the stop"))
+	pub.waitIDs(t, after)
+	if got := pub.publishedIDs(); len(got) != 1 {
+		t.Fatalf("the next relay published %d messages, want only the one committed after the stop: %s", len(got), why)
 	}
 }
 
@@ -560,13 +570,7 @@ func TestCleanStopConfirmsCallsInFlight(t *testing.T) {
 		t.Fatalf("the first relay published %d messages, want %d", len(got), len(first))
 	}
 
-	pubB := newMemPublisher()
-	start(t, newRelay(t, ob, pubB, walrelay.RelayOptions{}))
-	second := enqueue(t, pool, ob, msg("t", "k", "3"))
-	pubB.waitIDs(t, second)
-	if got := pubB.publishedIDs(); len(got) != 1 {
-		t.Fatalf("the next relay published %d messages, want only the one committed after the stop: the stop did not wait for the calls in flight", len(got))
-	}
+	onlyNewAfterStop(t, pool, ob, "the stop did not wait for the calls in flight")
 }
 
 // holdPublisher holds every call until release is closed, telling arrived
